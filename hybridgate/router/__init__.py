@@ -1,0 +1,1 @@
+"""The embeddable Router: tokenize, detokenize, stop strings, placement, registry, response cache."""

@@ -1,0 +1,1 @@
+"""Generated gRPC code for proto/hybridgate/v1."""

@@ -1,0 +1,1 @@
+"""The Numba runner on GGUF quant blocks."""

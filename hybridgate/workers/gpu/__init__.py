@@ -1,0 +1,1 @@
+"""The PyTorch runner: Llama forward over dequantized GGUF weights, the torch sampler."""

@@ -1,0 +1,74 @@
+"""Shared fixtures: the real model file, golden files, and the time factor for limits."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+GOLDEN = ROOT / "tests" / "golden"
+sys.path.insert(0, str(ROOT / "tests" / "reference"))
+
+# Every time limit in the tests is multiplied by this one factor (slow machines: raise it).
+TIME_FACTOR = float(os.environ.get("HYBRIDGATE_TEST_TIME_FACTOR", "1"))
+
+
+def missing(what: str) -> None:
+    """Skip on a developer machine; fail under CI, where nothing may be missing."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{what} is missing (CI=true: a missing model or service is a failure)")
+    pytest.skip(f"{what} is missing")
+
+
+@pytest.fixture(scope="session")
+def model_path() -> Path:
+    from hybridgate.models import ModelLoadError, default_model_path
+
+    try:
+        return default_model_path()
+    except ModelLoadError as exc:
+        missing(f"the default model ({exc})")
+
+
+@pytest.fixture(scope="session")
+def gguf_model(model_path):
+    from hybridgate.models import load_gguf
+
+    return load_gguf(model_path)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(gguf_model):
+    from hybridgate.models import Tokenizer
+
+    return Tokenizer.from_model(gguf_model)
+
+
+@pytest.fixture(scope="session")
+def chat_template(tokenizer):
+    from hybridgate.models import ChatTemplate
+
+    return ChatTemplate(tokenizer)
+
+
+@pytest.fixture(scope="session")
+def llama(gguf_model):
+    import torch
+
+    from hybridgate.workers.gpu.model import LlamaModel
+
+    return LlamaModel(gguf_model, device=torch.device("cpu"), dtype=torch.float32)
+
+
+def golden_json(name: str):
+    return json.loads((GOLDEN / name).read_text())
+
+
+def golden_npz(name: str) -> dict[str, np.ndarray]:
+    with np.load(GOLDEN / name) as data:
+        return {k: data[k] for k in data.files}

