@@ -6,6 +6,7 @@ hand-off messages join them here.
 
 from __future__ import annotations
 
+import enum
 import math
 
 import msgspec
@@ -13,6 +14,14 @@ import msgspec
 MAX_STOP_STRINGS = 16
 MAX_STOP_BYTES = 256
 MAX_SEED = 2**64 - 1
+
+
+class InvalidFieldError(ValueError):
+    """A request field is outside its limit; `field` names it (gRPC: INVALID_ARGUMENT)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -38,23 +47,158 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         """Return self if every field is within its limit.
 
         Raises:
-            ValueError: naming the field and its limit.
+            InvalidFieldError: naming the field and its limit.
         """
         if math.isnan(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise InvalidFieldError("temperature", f"must be >= 0, got {self.temperature}")
         if math.isnan(self.top_p) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidFieldError("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
-            raise ValueError(f"top_k must be >= -1 (-1 or 0 turn it off), got {self.top_k}")
+            raise InvalidFieldError("top_k", f"must be >= -1 (-1 or 0 turn it off), got {self.top_k}")
         if math.isnan(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+            raise InvalidFieldError("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
-            raise ValueError(f"seed must be in [0, 2**64 - 1], got {self.seed}")
+            raise InvalidFieldError("seed", f"must be in [0, 2**64 - 1], got {self.seed}")
         if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+            raise InvalidFieldError("max_tokens", f"must be >= 1, got {self.max_tokens}")
         if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+            raise InvalidFieldError("stop", f"at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         for s in self.stop:
             if not s or len(s.encode("utf-8")) > MAX_STOP_BYTES:
-                raise ValueError(f"stop: each string must be 1 to {MAX_STOP_BYTES} bytes, got {len(s.encode())}")
+                raise InvalidFieldError("stop", f"each string must be 1 to {MAX_STOP_BYTES} bytes, got {len(s.encode())}")
         return self
+
+
+class FinishReason(enum.IntEnum):
+    """Why a sequence ended; the values match the proto's FinishReason."""
+
+    STOP = 1
+    LENGTH = 2
+    EOS = 3
+    ABORT = 4
+
+
+class WorkerState(enum.IntEnum):
+    """A worker as a router sees it."""
+
+    CONNECTING = 0
+    READY = 1
+    DEAD = 2
+    REFUSED = 3
+
+
+class MsgType(bytes, enum.Enum):
+    """First frame of every message: one byte, dispatched before decoding."""
+
+    CONNECT = b"C"  # router → worker: a router (its DEALER identity) wants HELLO
+    HELLO = b"H"  # worker → router: kind, fingerprint, capacity
+    READY = b"R"  # worker → router: warm-up done
+    ADD = b"A"  # router → worker: a new request, in full
+    ABORT = b"X"  # router → worker: stop these requests (fast path)
+    OUTPUTS = b"O"  # worker → router: one step's new tokens for this router's sequences
+    LOAD = b"L"  # worker → router: heartbeat with load and engine counters
+    ERROR = b"E"  # worker → router: a request failed in the worker
+
+
+class Connect(msgspec.Struct, frozen=True):
+    router_id: str
+
+
+class Hello(msgspec.Struct, frozen=True):
+    kind: str  # "gpu" or "cpu"
+    fingerprint: str
+    max_num_seqs: int
+    max_model_len: int
+    pid: int
+    ready: bool
+
+
+class Ready(msgspec.Struct, frozen=True):
+    kind: str
+
+
+class AddRequest(msgspec.Struct, frozen=True):
+    """A request as the worker needs it: resolved seed and max_tokens, ids only."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    max_tokens: int
+    eos_token_id: int
+
+
+class Abort(msgspec.Struct, frozen=True):
+    request_ids: list[str]
+
+
+class EngineStats(msgspec.Struct):
+    """Engine counters since start (cumulative) and gauges (now)."""
+
+    steps: int = 0
+    batch_size_counts: dict[int, int] = msgspec.field(default_factory=dict)  # sequences per step → steps
+    tokens_after_abort: int = 0
+    kv_cache_bytes: int = 0
+    running: int = 0
+    waiting: int = 0
+
+
+class SeqOutput(msgspec.Struct, frozen=True, array_like=True):
+    request_id: str
+    token_index: int  # index of token_ids[0] among the generated tokens
+    token_ids: list[int]
+    finish: int = 0  # 0 or a FinishReason
+    queue_ms: float = 0.0  # set with the first token: arrival to first scheduled step
+    cached_tokens: int = 0
+
+
+class Outputs(msgspec.Struct, frozen=True):
+    outputs: list[SeqOutput]
+    stats: EngineStats
+
+
+class Load(msgspec.Struct, frozen=True):
+    stats: EngineStats
+
+
+class RequestError(msgspec.Struct, frozen=True):
+    request_id: str
+    message: str
+
+
+MESSAGE_TYPES: dict[MsgType, type] = {
+    MsgType.CONNECT: Connect,
+    MsgType.HELLO: Hello,
+    MsgType.READY: Ready,
+    MsgType.ADD: AddRequest,
+    MsgType.ABORT: Abort,
+    MsgType.OUTPUTS: Outputs,
+    MsgType.LOAD: Load,
+    MsgType.ERROR: RequestError,
+}
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODERS = {t: msgspec.msgpack.Decoder(cls) for t, cls in MESSAGE_TYPES.items()}
+_TYPE_OF = {cls: t for t, cls in MESSAGE_TYPES.items()}
+
+
+def encode(msg: msgspec.Struct) -> list[bytes]:
+    """Frames of a message: its one-byte type, then its msgpack body."""
+    return [_TYPE_OF[type(msg)].value, _ENCODER.encode(msg)]
+
+
+def decode(frames: list[bytes]) -> msgspec.Struct:
+    """The typed message of `frames` (type byte, body).
+
+    Raises:
+        ValueError: unknown type byte or a body that does not match its type.
+    """
+    if len(frames) < 2:
+        raise ValueError(f"a message needs a type frame and a body, got {len(frames)} frames")
+    try:
+        kind = MsgType(bytes(frames[0]))
+    except ValueError:
+        raise ValueError(f"unknown message type {bytes(frames[0])!r}") from None
+    try:
+        return _DECODERS[kind].decode(frames[1])
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"bad {kind.name} message: {exc}") from exc

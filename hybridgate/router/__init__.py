@@ -1,1 +1,21 @@
-"""The embeddable Router: tokenize, detokenize, stop strings, placement, registry, response cache."""
+"""The embeddable Router: tokenize, detokenize, stop strings, placement, registry, response cache.
+
+Never imports torch, numba or `hybridgate.workers`; worker clients are handed in.
+"""
+
+from hybridgate.router.client import WorkerClient, WorkerDead, ZmqWorkerClient
+from hybridgate.router.errors import (
+    FingerprintMismatchError,
+    InvalidRequestError,
+    RouterError,
+    UnavailableError,
+    WorkerRequestError,
+)
+from hybridgate.router.router import Router, RouterConfig
+from hybridgate.router.stream import Delta, GenerationStream, Timings, Usage
+
+__all__ = [
+    "Delta", "FingerprintMismatchError", "GenerationStream", "InvalidRequestError", "Router", "RouterConfig",
+    "RouterError", "Timings", "UnavailableError", "Usage", "WorkerClient", "WorkerDead", "WorkerRequestError",
+    "ZmqWorkerClient",
+]

@@ -1,0 +1,229 @@
+"""The embeddable Router: prompt → ids → a worker → streamed text deltas.
+
+    async with Router(model_path, [ZmqWorkerClient("ipc:///run/hg/w0")]) as router:
+        async with router.generate("Hello", SamplingParams(max_tokens=32)) as stream:
+            async for delta in stream:
+                print(delta.text, end="")
+
+Leaving the inner `async with` in any way (break, exception, cancellation)
+sends the abort to the worker before `__aexit__` returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+
+from hybridgate.models import ChatTemplate, GGUFModel, Tokenizer, load_gguf, model_fingerprint
+from hybridgate.models.chat import ROLES, ChatTemplateError
+from hybridgate.router.client import WorkerClient, WorkerDead
+from hybridgate.router.errors import FingerprintMismatchError, InvalidRequestError, UnavailableError
+from hybridgate.router.stream import GenerationStream
+from hybridgate.wire import Hello, Outputs, Ready, RequestError, SamplingParams, WorkerState
+
+log = logging.getLogger("hybridgate.router")
+
+MAX_PROMPT_BYTES = 1 << 20
+DEFAULT_MAX_TOKENS_CAP = 4096
+
+Prompt = str | Sequence[Mapping[str, str]]
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    max_model_len: int | None = None  # default: the model's context length
+    startup_timeout_s: float = 120.0
+    queue_size: int = 4096  # deltas buffered per request before it is aborted as too slow
+
+    def __post_init__(self) -> None:
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.startup_timeout_s <= 0:
+            raise ValueError(f"startup_timeout_s must be > 0, got {self.startup_timeout_s}")
+
+
+class Router:
+    """Tokenizes, places, and streams; an async context manager over worker clients.
+
+    Raises (on entry): `UnavailableError` when no worker is READY within
+    `startup_timeout_s` (the message names the setting), `FingerprintMismatchError`
+    when every worker serves another model (naming both fingerprints).
+    """
+
+    def __init__(
+        self,
+        model: str | Path | GGUFModel,
+        clients: Sequence[WorkerClient],
+        config: RouterConfig | None = None,
+        on_ready_change: Callable[[bool], None] | None = None,
+    ):
+        self.model = model if isinstance(model, GGUFModel) else load_gguf(model)
+        self.config = config or RouterConfig()
+        self.tokenizer = Tokenizer.from_model(self.model)
+        self.chat_template = ChatTemplate(self.tokenizer)
+        self.fingerprint = model_fingerprint(self.model)
+        self.max_model_len = min(self.config.max_model_len or 1 << 62, self.model.config.max_model_len)
+        self.clients = list(clients)
+        self.on_ready_change = on_ready_change or (lambda ready: None)
+        self._streams: dict[str, GenerationStream] = {}
+        self._inflight: dict[int, int] = {id(c): 0 for c in self.clients}
+        self._changed = asyncio.Event()
+        self._handlers = {Hello: self._on_hello, Ready: self._on_ready, Outputs: self._on_outputs,
+                          RequestError: self._on_request_error, WorkerDead: self._on_dead}
+        self._was_ready = False
+
+    async def __aenter__(self) -> Router:
+        for client in self.clients:
+            await client.start(self._on_message)
+        try:
+            await asyncio.wait_for(self._wait_usable(), self.config.startup_timeout_s)
+        except asyncio.TimeoutError:
+            await self.close()
+            raise UnavailableError(f"no worker became READY within startup_timeout_s="
+                                   f"{self.config.startup_timeout_s:g} s (raise it for slow starts)") from None
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        for stream in list(self._streams.values()):
+            stream.fail(UnavailableError("the router is shutting down"))
+        await asyncio.gather(*(c.close() for c in self.clients), return_exceptions=True)
+
+    @property
+    def ready(self) -> bool:
+        return any(c.state == WorkerState.READY for c in self.clients)
+
+    async def _wait_usable(self) -> None:
+        while not self.ready:
+            if all(c.state in (WorkerState.DEAD, WorkerState.REFUSED) for c in self.clients):
+                refused = [c for c in self.clients if c.state == WorkerState.REFUSED]
+                if refused:
+                    raise FingerprintMismatchError(self._mismatch(refused[0]))
+                raise UnavailableError("every worker died during start-up")
+            self._changed.clear()
+            await self._changed.wait()
+
+    # --- requests -----------------------------------------------------------
+
+    def generate(self, prompt: Prompt, params: SamplingParams | None = None, label: str = "") -> GenerationStream:
+        """A stream for one request; enter it with `async with` to send the request.
+
+        `prompt` is raw text or chat messages (mappings with `role` and
+        `content`). Validation happens here: `InvalidRequestError` names the
+        field and its limit.
+        """
+        params = (params or SamplingParams()).validate()
+        self._check_prompt(prompt)
+        return GenerationStream(self, prompt, params, label, request_id=uuid.uuid4().hex)
+
+    def _check_prompt(self, prompt: Prompt) -> None:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt", "must not be empty")
+            size = len(prompt.encode("utf-8"))
+            if size > MAX_PROMPT_BYTES:
+                raise InvalidRequestError("prompt", f"at most 1 MiB ({MAX_PROMPT_BYTES} bytes), got {size} bytes")
+            return
+        if not prompt:
+            raise InvalidRequestError("messages", "at least one message is required")
+        for i, m in enumerate(prompt):
+            if m.get("role") not in ROLES:
+                raise InvalidRequestError(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {m.get('role')!r}")
+            content = m.get("content")
+            if not isinstance(content, str):
+                raise InvalidRequestError(f"messages[{i}].content", "must be a string")
+            size = len(content.encode("utf-8"))
+            if size > MAX_PROMPT_BYTES:
+                raise InvalidRequestError(f"messages[{i}].content", f"at most 1 MiB ({MAX_PROMPT_BYTES} bytes), got {size} bytes")
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        try:
+            return self.chat_template.encode(prompt)
+        except ChatTemplateError as exc:
+            raise InvalidRequestError("messages", str(exc)) from exc
+
+    def resolve(self, prompt_ids: list[int], params: SamplingParams) -> tuple[int, int]:
+        """(max_tokens, seed) for this request, checked against the model length."""
+        n, limit = len(prompt_ids), self.max_model_len
+        if n >= limit:
+            raise InvalidRequestError("prompt", f"{n} tokens, but the max model length is {limit} tokens "
+                                      "(prompt and output together)")
+        max_tokens = params.max_tokens or min(limit - n, DEFAULT_MAX_TOKENS_CAP)
+        if n + max_tokens > limit:
+            raise InvalidRequestError("max_tokens", f"prompt ({n} tokens) + max_tokens ({max_tokens}) = "
+                                      f"{n + max_tokens} exceeds the max model length of {limit} tokens")
+        seed = params.seed if params.seed is not None else secrets.randbits(64)
+        return max_tokens, seed
+
+    def place(self, exclude: Sequence[WorkerClient] = ()) -> WorkerClient:
+        """The READY worker with the fewest sequences in flight; GPU first on ties."""
+        ready = [c for c in self.clients if c.state == WorkerState.READY and c not in exclude]
+        if not ready:
+            raise UnavailableError("no worker is ready")
+        return min(ready, key=lambda c: (self._inflight[id(c)], c.kind != "gpu"))
+
+    def register(self, stream: GenerationStream, client: WorkerClient) -> None:
+        self._streams[stream.request_id] = stream
+        self._inflight[id(client)] += 1
+
+    def unregister(self, stream: GenerationStream, client: WorkerClient | None) -> None:
+        if self._streams.pop(stream.request_id, None) is not None and client is not None:
+            self._inflight[id(client)] -= 1
+
+    # --- worker messages (the output pump) ---------------------------------
+
+    def _on_message(self, client: WorkerClient, msg: msgspec.Struct) -> None:
+        self._handlers[type(msg)](client, msg)
+        self._changed.set()
+        if self.ready != self._was_ready:
+            self._was_ready = self.ready
+            self.on_ready_change(self._was_ready)
+
+    def _mismatch(self, client: WorkerClient) -> str:
+        return (f"worker {client.endpoint} serves model fingerprint {client.hello.fingerprint}, "
+                f"but this router's model has fingerprint {self.fingerprint}")
+
+    def _on_hello(self, client: WorkerClient, msg: Hello) -> None:
+        if msg.fingerprint != self.fingerprint:
+            client.state = WorkerState.REFUSED
+            log.error("refusing %s", self._mismatch(client))
+
+    def _on_ready(self, client: WorkerClient, msg: Ready) -> None:
+        if client.state == WorkerState.CONNECTING:
+            client.state = WorkerState.READY
+            log.info("%s worker %s is READY", client.kind, client.endpoint)
+
+    def _on_outputs(self, client: WorkerClient, msg: Outputs) -> None:
+        for out in msg.outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None and stream.client is client:
+                stream.put(out)
+
+    def _on_request_error(self, client: WorkerClient, msg: RequestError) -> None:
+        stream = self._streams.get(msg.request_id)
+        if stream is not None and stream.client is client:
+            stream.put(msg)
+
+    def _on_dead(self, client: WorkerClient, msg: WorkerDead) -> None:
+        if client.state == WorkerState.DEAD:
+            return
+        client.state = WorkerState.DEAD
+        log.error("%s", msg.reason)
+        for stream in list(self._streams.values()):
+            if stream.client is client:
+                stream.put(msg)

@@ -1,0 +1,205 @@
+"""The engine core and its loop: drain inputs, schedule, run, sample, push outputs.
+
+The loop is plain synchronous code in the worker's main thread (or a thread
+of the in-process client); socket I/O happens elsewhere and reaches it through
+`Inbox`. vLLM's v1 engine core has the same shape.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Protocol
+
+from hybridgate.wire import Abort, AddRequest, EngineStats, Outputs, RequestError, SeqOutput
+from hybridgate.workers.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from hybridgate.workers.sequence import FINISH_OF_STATUS, Sequence, SequenceStatus
+
+log = logging.getLogger(__name__)
+
+
+class ModelRunner(Protocol):
+    """Turns a scheduled batch into sampled ids; knows batches, not requests."""
+
+    kind: str
+    max_model_len: int
+
+    def execute(self, batch: ScheduledBatch) -> dict[Sequence, int]:
+        """Run the batch; return the id sampled for each sequence whose prompt is now all computed."""
+
+    def free(self, seq: Sequence) -> None:
+        """Release the sequence's KV cache."""
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes of KV cache held by live sequences."""
+
+
+class EngineCore:
+    """Sequences, scheduler and runner; one `step()` is one forward pass."""
+
+    def __init__(self, runner: ModelRunner, scheduler_config: SchedulerConfig):
+        self.runner = runner
+        self.scheduler = Scheduler(scheduler_config)
+        self.stats = EngineStats()
+        self._by_id: dict[tuple[bytes, str], Sequence] = {}
+
+    def add(self, request: AddRequest, client: bytes = b"") -> RequestError | None:
+        total = len(request.prompt_ids) + request.max_tokens
+        if total > self.runner.max_model_len or not request.prompt_ids:
+            return RequestError(request.request_id, f"prompt + max_tokens = {total} tokens exceeds max model "
+                                f"length {self.runner.max_model_len} (or the prompt is empty)")
+        seq = Sequence(request, client)
+        self._by_id[(client, seq.request_id)] = seq
+        self.scheduler.add(seq)
+        return None
+
+    def abort(self, request_ids: list[str], client: bytes = b"") -> list[Sequence]:
+        """Finish these sequences now and free their KV; unknown ids are ignored (idempotent)."""
+        aborted = []
+        for rid in request_ids:
+            seq = self._by_id.pop((client, rid), None)
+            if seq is not None:
+                self._retire(seq, SequenceStatus.FINISHED_ABORTED)
+                aborted.append(seq)
+        return aborted
+
+    def abort_client(self, client: bytes) -> None:
+        self.abort([rid for c, rid in list(self._by_id) if c == client], client)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[Sequence]:
+        """One forward pass; returns the sequences that got a token (finished ones included)."""
+        batch = self.scheduler.schedule()
+        if not len(batch):
+            return []
+        now = time.monotonic()
+        for seq, _ in batch.prefills:
+            if seq.num_computed == 0:
+                seq.queue_ms = (now - seq.arrival) * 1e3
+        sampled = self.runner.execute(batch)
+        for seq, token in sampled.items():
+            seq.append(token)
+            if seq.status.finished:
+                self._by_id.pop((seq.client, seq.request_id), None)
+                self._retire(seq, seq.status)
+        self.stats.steps += 1
+        self.stats.batch_size_counts[len(batch)] = self.stats.batch_size_counts.get(len(batch), 0) + 1
+        return list(sampled)
+
+    def fail(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            self._by_id.pop((seq.client, seq.request_id), None)
+            self._retire(seq, SequenceStatus.FINISHED_ABORTED)
+
+    def refresh_stats(self) -> EngineStats:
+        self.stats.kv_cache_bytes = self.runner.kv_cache_bytes()
+        self.stats.running = len(self.scheduler.running)
+        self.stats.waiting = len(self.scheduler.waiting)
+        return self.stats
+
+    def _retire(self, seq: Sequence, status: SequenceStatus) -> None:
+        self.scheduler.finish(seq, status)
+        self.runner.free(seq)
+
+
+def output_of(seq: Sequence) -> SeqOutput:
+    """The ids not yet sent, with the finish reason once finished."""
+    first = seq.sent == 0
+    out = SeqOutput(
+        request_id=seq.request_id,
+        token_index=seq.sent,
+        token_ids=seq.output_ids[seq.sent :],
+        finish=int(FINISH_OF_STATUS[seq.status]) if seq.status.finished else 0,
+        queue_ms=seq.queue_ms if first else 0.0,
+    )
+    seq.sent = len(seq.output_ids)
+    return out
+
+
+class Inbox:
+    """What the I/O side hands the engine: new requests on a queue, aborts on a fast path."""
+
+    def __init__(self) -> None:
+        self.requests: queue.Queue = queue.Queue()
+        self._aborts: list[tuple[bytes, list[str]]] = []
+        self._lock = threading.Lock()
+
+    def put_abort(self, client: bytes, msg: Abort) -> None:
+        with self._lock:
+            self._aborts.append((client, msg.request_ids))
+        self.requests.put(None)  # wake an idle engine
+
+    def take_aborts(self) -> list[tuple[bytes, list[str]]]:
+        with self._lock:
+            aborts, self._aborts = self._aborts, []
+        return aborts
+
+
+class EngineLoop:
+    """The busy loop. `send(client, message)` delivers outputs and errors."""
+
+    def __init__(self, engine: EngineCore, inbox: Inbox, send: Callable[[bytes, object], None]):
+        self.engine = engine
+        self.inbox = inbox
+        self.send = send
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            self._drain(block=not self.engine.has_work())
+            self._apply_aborts(set())
+            if not self.engine.has_work():
+                self.engine.refresh_stats()
+                continue
+            try:
+                stepped = self.engine.step()
+            except Exception as exc:  # a failed step fails its sequences, never the worker
+                log.exception("engine step failed")
+                self._fail_batch(exc)
+                continue
+            self._apply_aborts({id(s) for s in stepped})
+            self._push([s for s in stepped if s.status != SequenceStatus.FINISHED_ABORTED])
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self.inbox.requests.get(timeout=0.05) if block else self.inbox.requests.get_nowait()
+            while True:
+                if item is not None:
+                    self._handle(*item)
+                item = self.inbox.requests.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _handle(self, client: bytes, msg: object) -> None:
+        if isinstance(msg, AddRequest):
+            error = self.engine.add(msg, client)
+            if error is not None:
+                self.send(client, error)
+        elif msg == "client-gone":
+            self.engine.abort_client(client)
+
+    def _apply_aborts(self, stepped: set[int]) -> None:
+        for client, ids in self.inbox.take_aborts():
+            for seq in self.engine.abort(ids, client):
+                if id(seq) in stepped:  # sampled in the step during which its abort arrived
+                    self.engine.stats.tokens_after_abort += len(seq.output_ids) - seq.sent
+
+    def _push(self, stepped: list[Sequence]) -> None:
+        by_client: dict[bytes, list[SeqOutput]] = defaultdict(list)
+        for seq in stepped:
+            by_client[seq.client].append(output_of(seq))
+        stats = self.engine.refresh_stats()
+        for client, outputs in by_client.items():
+            self.send(client, Outputs(outputs, stats))
+
+    def _fail_batch(self, exc: Exception) -> None:
+        seqs = list(self.engine.scheduler.running)
+        self.engine.fail(seqs)
+        for seq in seqs:
+            self.send(seq.client, RequestError(seq.request_id, f"worker step failed: {exc}"))

@@ -1,0 +1,61 @@
+"""The in-process worker client: an engine on a thread of this process (tests, embedding)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+
+from hybridgate.wire import Abort, AddRequest, EngineStats, Hello, Ready, WorkerState
+from hybridgate.workers.engine import EngineCore, EngineLoop, Inbox, ModelRunner
+from hybridgate.workers.scheduler import SchedulerConfig
+
+
+class InProcessClient:
+    """Same interface as the router's `ZmqWorkerClient`, over a thread instead of a socket.
+
+    `runner` is built by the caller (e.g. `TorchRunner(load_gguf(path))`);
+    `fingerprint` is the model's, for the router's check.
+    """
+
+    endpoint = "inproc"
+
+    def __init__(self, runner: ModelRunner, fingerprint: str, scheduler: SchedulerConfig | None = None):
+        self.state = WorkerState.CONNECTING
+        self.kind = runner.kind
+        scheduler = scheduler or SchedulerConfig()
+        self.hello = Hello(kind=runner.kind, fingerprint=fingerprint, max_num_seqs=scheduler.max_num_seqs,
+                           max_model_len=runner.max_model_len, pid=os.getpid(), ready=True)
+        self.engine = EngineCore(runner, scheduler)
+        self.inbox = Inbox()
+        self._loop_thread: threading.Thread | None = None
+        self._engine_loop: EngineLoop | None = None
+
+    @property
+    def stats(self) -> EngineStats:
+        return self.engine.stats
+
+    async def start(self, on_message) -> None:
+        loop = asyncio.get_running_loop()
+
+        def send(client: bytes, msg) -> None:
+            loop.call_soon_threadsafe(on_message, self, msg)
+
+        self._engine_loop = EngineLoop(self.engine, self.inbox, send)
+        self._loop_thread = threading.Thread(target=self._engine_loop.run, name="inprocess-engine", daemon=True)
+        self._loop_thread.start()
+        on_message(self, self.hello)
+        on_message(self, Ready(self.kind))
+
+    def add(self, request: AddRequest) -> None:
+        self.inbox.requests.put((b"", request))
+
+    def abort(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self.inbox.put_abort(b"", Abort(request_ids))
+
+    async def close(self) -> None:
+        if self._engine_loop is not None:
+            self._engine_loop.stopping.set()
+            self.inbox.requests.put(None)
+            await asyncio.to_thread(self._loop_thread.join, 5)

@@ -1,0 +1,225 @@
+"""The worker process: one ROUTER socket, an I/O thread, the engine loop on the main thread.
+
+Workers bind; routers connect a DEALER with their own identity, so several
+gateways can share a worker: outputs go back to the identity that sent the
+request. The I/O thread alone touches the socket: it answers CONNECT with
+HELLO (and READY once warm), queues requests for the engine, takes aborts on a
+fast path (dispatched on the type byte before decoding), forwards the engine's
+outputs and sends a LOAD heartbeat every `heartbeat_s`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+
+from hybridgate import wire
+from hybridgate.wire import Abort, Connect, EngineStats, Hello, Load, MsgType, Ready
+from hybridgate.workers.engine import EngineCore, EngineLoop, Inbox
+from hybridgate.workers.scheduler import SchedulerConfig
+
+log = logging.getLogger("hybridgate.worker")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything a worker process needs; plain values, so it crosses `spawn`."""
+
+    model_path: str
+    endpoint: str
+    kind: str = "gpu"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096
+    threads: int | None = None
+    device: str | None = None
+    heartbeat_s: float = 0.1
+    parent_pid: int | None = None  # exit when this process dies
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("gpu", "cpu"):
+            raise ValueError(f"kind must be 'gpu' or 'cpu', got {self.kind!r}")
+        if not self.endpoint.startswith(("ipc://", "tcp://", "inproc://")):
+            raise ValueError(f"endpoint must start with ipc://, tcp:// or inproc://, got {self.endpoint!r}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+
+
+def build_runner(config: WorkerConfig):
+    """The model runner of `config.kind` (torch imported only here)."""
+    from hybridgate.models import load_gguf
+
+    model = load_gguf(config.model_path)
+    if config.kind == "gpu":
+        import torch
+
+        from hybridgate.workers.gpu.runner import TorchRunner
+
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        device = torch.device(config.device) if config.device else None
+        return TorchRunner(model, device), model
+    raise ValueError("kind 'cpu': the Numba runner is not built yet; use kind 'gpu' (runs on a CPU torch device)")
+
+
+class WorkerIO:
+    """The I/O thread: owns the ROUTER socket."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, hello: Hello, inbox: Inbox, heartbeat_s: float):
+        self.socket = ctx.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.SNDHWM, 100_000)
+        self.socket.bind(endpoint)
+        self.from_engine = ctx.socket(zmq.PULL)
+        self._engine_addr = f"inproc://engine-out-{id(self)}"
+        self.from_engine.bind(self._engine_addr)
+        self.hello, self.inbox, self.heartbeat_s = hello, inbox, heartbeat_s
+        self.clients: set[bytes] = set()
+        self.stats = EngineStats()
+        self.stopping = threading.Event()
+        self._ready = threading.Event()
+        self._handlers = {MsgType.CONNECT: self._on_connect, MsgType.ADD: self._on_add}
+
+    def engine_sender(self, ctx: zmq.Context):
+        """A send(client, message) for the engine thread (its own PUSH socket)."""
+        push = self._engine_push = ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        push.connect(self._engine_addr)
+
+        def send(client: bytes, msg) -> None:
+            push.send_multipart([client, *wire.encode(msg)], copy=False)
+
+        return send
+
+    def set_ready(self) -> None:
+        """Called from the engine thread; the I/O thread sends READY on its next pass."""
+        self._ready.set()
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        poller.register(self.from_engine, zmq.POLLIN)
+        next_beat = time.monotonic()
+        while not self.stopping.is_set():
+            events = dict(poller.poll(timeout=max(0.0, next_beat - time.monotonic()) * 1e3))
+            if self.socket in events:
+                self._recv_from_router()
+            if self.from_engine in events:
+                self._forward_engine_output()
+            if self._ready.is_set() and not self.hello.ready:
+                self.hello = msgspec.structs.replace(self.hello, ready=True)
+                for client in list(self.clients):
+                    self._send(client, Ready(self.hello.kind))
+            if time.monotonic() >= next_beat:
+                for client in list(self.clients):
+                    self._send(client, Load(self.stats))
+                next_beat = time.monotonic() + self.heartbeat_s
+
+    def _recv_from_router(self) -> None:
+        while True:
+            try:
+                client, *frames = self.socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            kind = bytes(frames[0]) if frames else b""
+            if kind == MsgType.ABORT.value:  # fast path: straight to the engine's abort list
+                self.inbox.put_abort(client, wire.decode(frames))
+                continue
+            try:
+                msg = wire.decode(frames)
+                self._handlers[MsgType(kind)](client, msg)
+            except (ValueError, KeyError) as exc:
+                log.warning("dropping a bad message from %r: %s", client, exc)
+
+    def _on_connect(self, client: bytes, msg: Connect) -> None:
+        self.clients.add(client)
+        self._send(client, self.hello)
+        if self.hello.ready:
+            self._send(client, Ready(self.hello.kind))
+
+    def _on_add(self, client: bytes, msg) -> None:
+        self.clients.add(client)
+        self.inbox.requests.put((client, msg))
+
+    def _forward_engine_output(self) -> None:
+        while True:
+            try:
+                client, kind, body = self.from_engine.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._send(client, None, [kind, body])
+
+    def _send(self, client: bytes, msg, frames: list | None = None) -> None:
+        try:
+            self.socket.send_multipart([client, *(frames or wire.encode(msg))], zmq.NOBLOCK)
+        except (zmq.error.Again, zmq.error.ZMQError) as exc:
+            # ROUTER_MANDATORY: the router is gone (or stalled); free its sequences.
+            log.warning("router %r unreachable (%s); aborting its requests", client, exc)
+            self.clients.discard(client)
+            self.inbox.requests.put((client, "client-gone"))
+
+    def close(self) -> None:
+        if hasattr(self, "_engine_push"):
+            self._engine_push.close(0)
+        self.socket.close(0)
+        self.from_engine.close(0)
+
+
+def _die_with_parent(parent_pid: int | None) -> None:
+    """Exit when the parent dies: PR_SET_PDEATHSIG on Linux, and a poll everywhere."""
+    if parent_pid is None:
+        return
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(0)
+            time.sleep(0.2)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def run_worker(config: WorkerConfig) -> None:
+    """Process entry point: load, bind, warm up, READY, then serve until SIGTERM."""
+    _die_with_parent(config.parent_pid)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    # Under `serve`, Ctrl-C reaches the whole process group; the parent decides when we stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN if config.parent_pid else (lambda *_: stop.set()))
+
+    from hybridgate.models import model_fingerprint
+
+    runner, model = build_runner(config)
+    ctx = zmq.Context()
+    inbox = Inbox()
+    hello = Hello(kind=config.kind, fingerprint=model_fingerprint(model), max_num_seqs=config.max_num_seqs,
+                  max_model_len=runner.max_model_len, pid=os.getpid(), ready=False)
+    io = WorkerIO(ctx, config.endpoint, hello, inbox, config.heartbeat_s)
+    io_thread = threading.Thread(target=io.run, name="worker-io", daemon=True)
+    io_thread.start()
+    runner.warm_up()
+    engine = EngineCore(runner, SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens))
+    loop = EngineLoop(engine, inbox, io.engine_sender(ctx))
+    io.stats = engine.stats  # read by the heartbeat; the engine refreshes it every pass
+    io.set_ready()  # the I/O thread sends READY on its next pass
+    log.info("%s worker ready on %s (pid %d)", config.kind, config.endpoint, os.getpid())
+    threading.Thread(target=lambda: (stop.wait(), loop.stopping.set()), daemon=True).start()
+    loop.run()
+    io.stopping.set()
+    io_thread.join(timeout=2)
+    io.close()
+    ctx.term()

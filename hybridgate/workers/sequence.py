@@ -1,0 +1,68 @@
+"""A sequence in the engine: its ids, parameters and an ordered status."""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any
+
+from hybridgate.wire import AddRequest, FinishReason, SamplingParams
+
+
+class SequenceStatus(enum.IntEnum):
+    """Ordered, so `status >= FINISHED_STOPPED` is "finished"."""
+
+    WAITING = 0
+    RUNNING = 1
+    FINISHED_STOPPED = 2
+    FINISHED_LENGTH = 3
+    FINISHED_EOS = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def finished(self) -> bool:
+        return self >= SequenceStatus.FINISHED_STOPPED
+
+
+FINISH_OF_STATUS = {
+    SequenceStatus.FINISHED_STOPPED: FinishReason.STOP,
+    SequenceStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    SequenceStatus.FINISHED_EOS: FinishReason.EOS,
+    SequenceStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+
+
+class Sequence:
+    """One request inside a worker. `client` names the router to answer."""
+
+    def __init__(self, request: AddRequest, client: bytes = b""):
+        self.request_id = request.request_id
+        self.client = client
+        self.prompt_ids: list[int] = list(request.prompt_ids)
+        self.output_ids: list[int] = []
+        self.params: SamplingParams = request.params
+        self.seed = request.seed
+        self.max_tokens = request.max_tokens
+        self.eos_token_id = request.eos_token_id
+        self.status = SequenceStatus.WAITING
+        self.arrival = time.monotonic()
+        self.queue_ms = 0.0
+        self.num_computed = 0  # tokens whose KV is in the cache
+        self.cache: Any = None  # the runner's per-sequence KV handle
+        self.sent = 0  # output ids already sent to the router
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def append(self, token_id: int) -> None:
+        """Add a sampled id and finish on EOS or max_tokens."""
+        self.output_ids.append(token_id)
+        if token_id == self.eos_token_id and not self.params.ignore_eos:
+            self.status = SequenceStatus.FINISHED_EOS
+        elif len(self.output_ids) >= self.max_tokens:
+            self.status = SequenceStatus.FINISHED_LENGTH
