@@ -1,0 +1,48 @@
+"""A worker client that replays scripted token ids: for stop-string splits and worker death,
+faults and token sequences the real model cannot be made to produce on demand."""
+
+from __future__ import annotations
+
+import asyncio
+
+from hybridgate.router.client import WorkerDead
+from hybridgate.wire import EngineStats, FinishReason, Hello, Outputs, Ready, SeqOutput, WorkerState
+
+
+class ScriptedClient:
+    def __init__(self, fingerprint: str, script: list[int], *, finish=FinishReason.LENGTH, die_after: int | None = None,
+                 kind: str = "gpu", max_model_len: int = 8192):
+        self.endpoint = f"scripted-{id(self)}"
+        self.kind, self.state, self.stats = kind, WorkerState.CONNECTING, EngineStats()
+        self.hello = Hello(kind, fingerprint, 8, max_model_len, 0, True)
+        self.script, self.finish, self.die_after = script, finish, die_after
+        self.requests, self.aborted = [], []
+        self._tasks = []
+
+    async def start(self, on_message) -> None:
+        self._on_message = on_message
+        on_message(self, self.hello)
+        on_message(self, Ready(self.kind))
+
+    def add(self, request) -> None:
+        self.requests.append(request)
+        self._tasks.append(asyncio.get_running_loop().create_task(self._play(request)))
+
+    async def _play(self, request) -> None:
+        for i, tid in enumerate(self.script):
+            await asyncio.sleep(0)
+            if self.die_after is not None and i >= self.die_after:
+                self._on_message(self, WorkerDead(f"worker {self.endpoint} silent for 1.0 s"))
+                return
+            if request.request_id in self.aborted:
+                return
+            last = i == len(self.script) - 1
+            out = SeqOutput(request.request_id, i, [tid], finish=int(self.finish) if last else 0)
+            self._on_message(self, Outputs([out], self.stats))
+
+    def abort(self, request_ids) -> None:
+        self.aborted += request_ids
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()

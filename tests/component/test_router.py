@@ -1,0 +1,224 @@
+"""The Router over a real in-process engine (torch runner, fp32 CPU) and over scripted workers."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import pytest_asyncio
+import torch
+
+from conftest import TIME_FACTOR, golden_json
+from hybridgate.models import model_fingerprint
+from hybridgate.router import FingerprintMismatchError, InvalidRequestError, Router, UnavailableError
+from hybridgate.wire import FinishReason, SamplingParams
+from hybridgate.workers.gpu.runner import TorchRunner
+from hybridgate.workers.inprocess import InProcessClient
+from scripted import ScriptedClient
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+GREEDY = golden_json("greedy.json")
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def runner(gguf_model):
+    return TorchRunner(gguf_model, torch.device("cpu"), torch.float32)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def router(gguf_model, runner):
+    async with Router(gguf_model, [InProcessClient(runner, model_fingerprint(gguf_model))]) as r:
+        yield r
+
+
+async def collect(router, prompt, params):
+    async with router.generate(prompt, params) as stream:
+        return [d async for d in stream]
+
+
+async def idle(router, timeout=10.0):
+    client = router.clients[0]
+    for _ in range(int(timeout * TIME_FACTOR / 0.01)):
+        if not client.engine.has_work() and client.inbox.requests.empty():
+            return client.engine.refresh_stats()
+        await asyncio.sleep(0.01)
+    raise AssertionError("engine did not go idle")
+
+
+async def test_france_greedy_matches_reference(router):
+    deltas = await collect(router, FRANCE, SamplingParams(temperature=0, max_tokens=32))
+    ids = [t for d in deltas for t in d.token_ids]
+    assert ids == GREEDY["france"]["ids"]
+    assert "".join(d.text for d in deltas) == "The capital of France is Paris."
+    assert [d.finish_reason for d in deltas] == [None] * (len(deltas) - 1) + [FinishReason.EOS]
+    last = deltas[-1]
+    assert last.usage.completion_tokens == 8 and last.usage.prompt_tokens == len(GREEDY["france"]["prompt_ids"])
+    assert last.route == "gpu" and last.timings.ttft_ms <= last.timings.total_ms
+
+
+@pytest.mark.parametrize("question", ["Translate 'good morning' into Japanese.", "Say 'thank you' in Chinese, Russian and Greek."])
+async def test_streamed_text_equals_reference_decode(router, tokenizer, question):
+    deltas = await collect(router, [{"role": "user", "content": question}], SamplingParams(temperature=0, max_tokens=32))
+    ids = [t for d in deltas for t in d.token_ids]
+    assert deltas[-1].finish_reason == FinishReason.LENGTH and len(ids) == 32
+    text = "".join(d.text for d in deltas)
+    assert text == tokenizer.decode(ids)
+    assert any(ord(c) > 127 for c in text)
+    if question.startswith("Translate"):
+        assert text.endswith("\ufffd")  # the 32nd token ends inside a character: flushed as U+FFFD
+        assert all("\ufffd" not in d.text for d in deltas[:-1])
+
+
+@pytest.mark.parametrize("n", [1, 2, 17])
+async def test_max_tokens_counts_exactly(router, n):
+    deltas = await collect(router, "Hello", SamplingParams(max_tokens=n, ignore_eos=True, seed=n))
+    assert sum(len(d.token_ids) for d in deltas) == n == deltas[-1].usage.completion_tokens
+    assert [d.finish_reason is not None for d in deltas] == [False] * (len(deltas) - 1) + [True]
+    assert deltas[-1].finish_reason == FinishReason.LENGTH
+
+
+async def test_break_aborts_within_one_step_and_frees_kv(router):
+    before = (await idle(router)).tokens_after_abort
+    async with router.generate("Once upon a time", SamplingParams(max_tokens=500, ignore_eos=True)) as stream:
+        count = 0
+        async for _ in stream:
+            count += 1
+            if count == 3:
+                break
+    stats = await idle(router)
+    assert stats.tokens_after_abort - before <= 1
+    assert stats.kv_cache_bytes == 0 and stats.running == 0
+
+
+async def test_leaving_the_block_while_holding_the_stream(router):
+    async with router.generate("Once upon a time", SamplingParams(max_tokens=500, ignore_eos=True)) as stream:
+        await stream.__anext__()
+        held = stream
+    assert held.finished
+    stats = await idle(router)
+    assert stats.kv_cache_bytes == 0 and stats.running == 0
+    with pytest.raises(StopAsyncIteration):
+        await held.__anext__()
+
+
+async def test_batch_of_eight_equals_solo_and_seeded_sampling_is_batch_independent(router):
+    prompts = [f"Write a sentence about the number {i}." for i in range(8)]
+    greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    solo = [await collect(router, p, greedy) for p in prompts]
+    steps_before = dict(router.clients[0].stats.batch_size_counts)
+    together = await asyncio.gather(*(collect(router, p, greedy) for p in prompts))
+    ids = lambda ds: [t for d in ds for t in d.token_ids]  # noqa: E731
+    assert [ids(d) for d in together] == [ids(d) for d in solo]
+    steps = router.clients[0].stats.batch_size_counts
+    assert steps.get(8, 0) > steps_before.get(8, 0)
+
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=24, seed=1234, ignore_eos=True)
+    alone = ids(await collect(router, prompts[0], seeded))
+    others = [collect(router, p, SamplingParams(temperature=0.9, max_tokens=24, ignore_eos=True)) for p in prompts[1:]]
+    among = await asyncio.gather(collect(router, prompts[0], seeded), *others)
+    assert ids(among[0]) == alone
+
+
+async def test_new_request_gets_first_token_while_a_long_one_runs(router):
+    long_done, short_first = asyncio.Event(), []
+
+    async def long():
+        await collect(router, "Tell me a story.", SamplingParams(max_tokens=64, ignore_eos=True))
+        long_done.set()
+
+    task = asyncio.create_task(long())
+    await asyncio.sleep(0.3 * TIME_FACTOR)
+    async with router.generate("Hi", SamplingParams(max_tokens=4, ignore_eos=True)) as stream:
+        async for _ in stream:
+            short_first.append(long_done.is_set())
+    await task
+    assert short_first[0] is False
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "field"),
+    [
+        ("", SamplingParams(), "prompt"),
+        ([], SamplingParams(), "messages"),
+        ([{"role": "wizard", "content": "hi"}], SamplingParams(), "role"),
+        ("x" * ((1 << 20) + 1), SamplingParams(), "prompt"),
+        ("hi", SamplingParams(temperature=-1), "temperature"),
+        ("hi", SamplingParams(max_tokens=9000), "max_tokens"),
+    ],
+)
+async def test_invalid_requests_name_the_field(router, prompt, params, field):
+    with pytest.raises(InvalidRequestError, match=field):
+        async with router.generate(prompt, params) as stream:
+            [d async for d in stream]
+
+
+async def test_prompt_longer_than_the_model_names_both_counts(router):
+    with pytest.raises(InvalidRequestError, match=r"prompt: (\d+) tokens, but the max model length is 8192"):
+        async with router.generate("hello " * 9000) as stream:
+            [d async for d in stream]
+
+
+async def test_fingerprint_mismatch_names_both(gguf_model, runner):
+    with pytest.raises(FingerprintMismatchError) as info:
+        async with Router(gguf_model, [InProcessClient(runner, "0" * 64)]):
+            pass
+    assert "0" * 64 in str(info.value) and model_fingerprint(gguf_model) in str(info.value)
+
+
+# --- scripted workers: stop strings split every way, worker death --------------------------------
+
+
+def split_ids(tokenizer, text: str, cuts: tuple[int, ...]) -> list[int]:
+    bounds = [0, *cuts, len(text)]
+    return [t for a, b in zip(bounds, bounds[1:]) for t in tokenizer.encode(text[a:b])]
+
+
+async def test_stop_string_cut_every_way(gguf_model, tokenizer):
+    import itertools
+
+    fp = model_fingerprint(gguf_model)
+    before, stop, after = "The city is ", "Paris", " and more text"
+    for r in range(len(stop)):
+        for cuts in itertools.combinations(range(1, len(stop)), r):
+            script = tokenizer.encode(before) + split_ids(tokenizer, stop, cuts) + tokenizer.encode(after)
+            client = ScriptedClient(fp, script)
+            async with Router(gguf_model, [client]) as router:
+                deltas = await collect(router, "x", SamplingParams(stop=("Paris",), max_tokens=50))
+            text = "".join(d.text for d in deltas)
+            n_ids = sum(len(d.token_ids) for d in deltas)
+            assert text == before and deltas[-1].finish_reason == FinishReason.STOP, cuts
+            assert n_ids == len(tokenizer.encode(before)) + len(split_ids(tokenizer, stop, cuts))  # incl. the completing token
+            assert client.aborted == [client.requests[0].request_id]
+
+
+async def test_held_back_text_is_released_at_the_end(gguf_model, tokenizer):
+    fp = model_fingerprint(gguf_model)
+    for finish, tail in ((FinishReason.LENGTH, []), (FinishReason.EOS, [2])):
+        script = tokenizer.encode("We went to Par") + tail
+        async with Router(gguf_model, [ScriptedClient(fp, script, finish=finish)]) as router:
+            deltas = await collect(router, "x", SamplingParams(stop=("Paris",), max_tokens=50))
+        assert "".join(d.text for d in deltas) == "We went to Par"
+        assert deltas[-1].finish_reason == finish
+
+
+async def test_worker_death_before_first_token_retries_elsewhere(gguf_model, tokenizer):
+    fp = model_fingerprint(gguf_model)
+    dying, healthy = ScriptedClient(fp, [5, 6], die_after=0), ScriptedClient(fp, tokenizer.encode("fine"), kind="cpu")
+    async with Router(gguf_model, [dying, healthy]) as router:
+        deltas = await collect(router, "x", SamplingParams(max_tokens=5))
+        assert "".join(d.text for d in deltas) == "fine" and deltas[-1].route == "cpu"
+
+
+async def test_worker_death_mid_stream_is_unavailable(gguf_model):
+    fp = model_fingerprint(gguf_model)
+    async with Router(gguf_model, [ScriptedClient(fp, [5, 6, 7, 8], die_after=2)]) as router:
+        got = []
+        with pytest.raises(UnavailableError, match="silent"):
+            async with router.generate("x", SamplingParams(max_tokens=5)) as stream:
+                async for d in stream:
+                    got.append(d)
+        assert len(got) == 2
+        with pytest.raises(UnavailableError, match="no worker is ready"):
+            async with router.generate("x", SamplingParams(max_tokens=5)) as stream:
+                pass
