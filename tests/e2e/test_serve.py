@@ -1,0 +1,176 @@
+"""End to end: `hybridgate serve` in a subprocess, clients over real gRPC."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from conftest import TIME_FACTOR, golden_json
+from hybridgate.v1 import generation_pb2 as pb
+from procs import HYBRIDGATE, Proc, Serve, chat, metrics, stub, wait_metric
+
+GREEDY = golden_json("greedy.json")
+FRANCE = "What is the capital of France?"
+AFTER_ABORT = "hybridgate:engine_tokens_after_abort_total{}"
+KV_BYTES = "hybridgate:kv_cache_bytes{}"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, model_path):
+    proc = Serve(tmp_path_factory.mktemp("serve") / "serve.log")
+    yield proc
+    assert proc.stop() == 0, proc.text()
+
+
+def run_cli(server, *args, input=None) -> subprocess.CompletedProcess:
+    return subprocess.run([HYBRIDGATE, "generate", "--target", server.target, *args], capture_output=True,
+                          text=True, input=input, timeout=120 * TIME_FACTOR)
+
+
+def test_cli_streams_the_reference_answer(server):
+    out = run_cli(server, "--chat", "--max-tokens", "32", "--temperature", "0", "--json", FRANCE)
+    assert out.returncode == 0, out.stderr
+    messages = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [t for m in messages for t in m["token_ids"]] == GREEDY["france"]["ids"]
+    assert messages[-1]["finish_reason"] == "FINISH_REASON_EOS"
+    assert [("finish_reason" in m) for m in messages] == [False] * (len(messages) - 1) + [True]
+    plain = run_cli(server, "--chat", "--max-tokens", "32", "--temperature", "0", "-", input=FRANCE)
+    assert plain.stdout.strip() == "The capital of France is Paris." and "finish_reason=eos" in plain.stderr
+
+
+def test_tokens_stream_as_they_are_made(server):
+    start = time.monotonic()
+    arrivals = [time.monotonic() - start for _ in stub(server.target).Generate(
+        pb.GenerateRequest(prompt="Once upon a time", max_tokens=128, ignore_eos=True, temperature=0))]
+    assert len(arrivals) >= 64
+    assert arrivals[0] < arrivals[-1] / 4
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"prompt": ""}, "prompt"),
+        ({}, "prompt"),
+        ({"chat": pb.Chat()}, "messages"),
+        ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "hi", "temperature": -0.5}, "temperature"),
+        ({"prompt": "hi", "temperature": float("nan")}, "temperature"),
+        ({"prompt": "hi", "top_p": 0.0}, "top_p"),
+        ({"prompt": "hi", "top_p": 1.01}, "top_p"),
+        ({"prompt": "hi", "top_p": float("nan")}, "top_p"),
+        ({"prompt": "hi", "top_k": -2}, "top_k"),
+        ({"prompt": "hi", "repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"prompt": "hi", "stop": ["s"] * 17}, "stop"),
+        ({"prompt": "hi", "stop": ["s" * 257]}, "stop"),
+        ({"prompt": "hi", "max_tokens": 8192}, "max_tokens"),
+        ({"chat": pb.Chat(messages=[pb.ChatMessage(role="wizard", content="hi")])}, "role"),
+        ({"chat": pb.Chat(messages=[pb.ChatMessage(role="user", content="x" * ((1 << 20) + 1))])}, "content"),
+    ],
+)
+def test_bad_fields_are_invalid_argument(server, fields, field):
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub(server.target).Generate(pb.GenerateRequest(**fields)))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in info.value.details()
+    ok = list(stub(server.target).Generate(pb.GenerateRequest(prompt="hi", max_tokens=2, ignore_eos=True)))
+    assert ok[-1].finish_reason == pb.FINISH_REASON_LENGTH
+
+
+def test_size_limits(server, tokenizer):
+    client = stub(server.target)
+    with pytest.raises(grpc.RpcError) as info:
+        list(client.Generate(pb.GenerateRequest(prompt="x" * (2 << 20))))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "prompt" in info.value.details() and "1 MiB" in info.value.details()
+    with pytest.raises(grpc.RpcError) as info:
+        list(client.Generate(pb.GenerateRequest(prompt="x" * 5_000_000)))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    with pytest.raises(grpc.RpcError) as info:
+        list(client.Generate(pb.GenerateRequest(prompt="hello " * 9000)))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    n = len(tokenizer.encode("hello " * 9000))
+    assert f"prompt: {n} tokens" in info.value.details() and "8192" in info.value.details()
+
+
+def test_health_reflection_and_model_info(server):
+    channel = grpc.insecure_channel(server.target)
+    check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="hybridgate.v1.Generation"))
+    assert check.status == health_pb2.HealthCheckResponse.SERVING
+    info = stub(server.target).GetModelInfo(pb.GetModelInfoRequest())
+    assert info.max_model_len == 8192 and len(info.fingerprint) == 64
+    assert [(w.kind, w.ready) for w in info.workers] == [("gpu", True)]
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    reply = next(reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+    assert "hybridgate.v1.Generation" in [s.name for s in reply.list_services_response.service]
+
+
+def test_metrics_names(server):
+    list(stub(server.target).Generate(pb.GenerateRequest(prompt="hi", max_tokens=3, ignore_eos=True)))
+    names = set(metrics(server.metrics_url))
+    for name in ("hybridgate:time_to_first_token_seconds_count{}", "hybridgate:inter_token_latency_seconds_count{}",
+                 "hybridgate:e2e_request_latency_seconds_count{}", "hybridgate:request_success_total{finished_reason=length}",
+                 "hybridgate:engine_steps_total{}", AFTER_ABORT, KV_BYTES, "hybridgate:engine_batch_size_count{}"):
+        assert name in names, name
+
+
+def long_request() -> pb.GenerateRequest:
+    return pb.GenerateRequest(prompt="Once upon a time", max_tokens=2000, ignore_eos=True)
+
+
+def assert_aborted_cleanly(server, before: float) -> None:
+    wait_metric(server.metrics_url, KV_BYTES, lambda v: v == 0)
+    wait_metric(server.metrics_url, "hybridgate:num_requests_running{}", lambda v: v == 0)
+    assert metrics(server.metrics_url)[AFTER_ABORT] - before <= 1
+
+
+def test_client_cancel_after_three_messages(server):
+    before = metrics(server.metrics_url)[AFTER_ABORT]
+    call = stub(server.target).Generate(long_request())
+    for i, _ in enumerate(call):
+        if i == 2:
+            call.cancel()
+            break
+    assert_aborted_cleanly(server, before)
+
+
+def test_deadline_expiry(server):
+    before = metrics(server.metrics_url)[AFTER_ABORT]
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub(server.target).Generate(long_request(), timeout=1.0 * TIME_FACTOR))
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert_aborted_cleanly(server, before)
+
+
+def test_client_process_killed(server, tmp_path):
+    before = metrics(server.metrics_url)[AFTER_ABORT]
+    client = Proc(["generate", "--target", server.target, "--max-tokens", "2000", "--ignore-eos", "Once upon a time"],
+                  tmp_path / "client.log")
+    wait_metric(server.metrics_url, KV_BYTES, lambda v: v > 0)
+    time.sleep(0.3)
+    client.stop(signal.SIGKILL)
+    assert_aborted_cleanly(server, before)
+
+
+def test_eight_concurrent_requests_batch(server):
+    def run(i, out):
+        out[i] = list(stub(server.target).Generate(
+            pb.GenerateRequest(prompt=f"Write about the number {i}.", max_tokens=48, ignore_eos=True, temperature=0)))
+
+    before = metrics(server.metrics_url).get("hybridgate:engine_steps_by_batch_size_total{batch_size=8}", 0)
+    results = {}
+    threads = [threading.Thread(target=run, args=(i, results)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(sum(len(m.token_ids) for m in results[i]) == 48 for i in range(8))
+    assert metrics(server.metrics_url)["hybridgate:engine_steps_by_batch_size_total{batch_size=8}"] > before
