@@ -2,9 +2,33 @@
 
 from __future__ import annotations
 
-import codecs
-
 from hybridgate.models.tokenizer import Tokenizer
+
+# Unicode 15, Table 3-7 (well-formed UTF-8): for each lead byte, the sequence
+# length and the range allowed for the second byte (later bytes: 80..BF).
+_LEADS: dict[int, tuple[int, int, int]] = {}
+for _b in range(0xC2, 0xE0):
+    _LEADS[_b] = (2, 0x80, 0xBF)
+for _b in range(0xE0, 0xF0):
+    _LEADS[_b] = (3, 0xA0 if _b == 0xE0 else 0x80, 0x9F if _b == 0xED else 0xBF)
+for _b in range(0xF0, 0xF5):
+    _LEADS[_b] = (4, 0x90 if _b == 0xF0 else 0x80, 0x8F if _b == 0xF4 else 0xBF)
+
+
+def _incomplete_tail(buf: bytes) -> int:
+    """Length of the trailing bytes that are a proper prefix of a well-formed character (0-3)."""
+    for start in range(len(buf) - 1, max(len(buf) - 4, -1), -1):
+        if not 0x80 <= buf[start] <= 0xBF:  # the last byte that is not a continuation byte
+            lead = _LEADS.get(buf[start])
+            tail = buf[start:]
+            if lead is None or len(tail) >= lead[0]:
+                return 0
+            if len(tail) > 1 and not lead[1] <= tail[1] <= lead[2]:
+                return 0
+            if any(not 0x80 <= b <= 0xBF for b in tail[2:]):
+                return 0
+            return len(tail)
+    return 0
 
 
 class IncrementalDetokenizer:
@@ -14,24 +38,31 @@ class IncrementalDetokenizer:
     text of the generated ids never depends on the prompt: this starts at the
     first generated id and no prompt text can leak into the output (unlike the
     prefix/read-offset scheme that SentencePiece vocabularies need, see vLLM's
-    `detokenize_incrementally`). Bytes that may still become a valid character
-    are held back; `flush()` emits them as U+FFFD, so deltas + flush equal
-    `tokenizer.decode(ids)` (UTF-8 decoded with replacement, maximal subparts).
+    `detokenize_incrementally`). Only bytes that may still become a valid
+    character (a proper prefix of a well-formed sequence, Unicode Table 3-7)
+    are held back; everything else is decoded at once, invalid bytes as
+    U+FFFD per maximal subpart, as `tokenizer.decode` does. `flush()` emits the
+    held bytes as U+FFFD, so deltas + flush equal `tokenizer.decode(ids)`.
     """
 
     def __init__(self, tokenizer: Tokenizer):
         self._token_bytes = tokenizer.token_bytes
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._pending = b""
         self.text_offset = 0  # characters emitted so far; never moves back
 
     def step(self, token_id: int) -> str:
         """The new text that `token_id` completes ('' while a character is partial)."""
-        delta = self._decoder.decode(self._token_bytes[token_id])
-        self.text_offset += len(delta)
-        return delta
+        buf = self._pending + self._token_bytes[token_id]
+        keep = _incomplete_tail(buf)
+        self._pending = buf[len(buf) - keep :] if keep else b""
+        return self._emit(buf[: len(buf) - keep])
 
     def flush(self) -> str:
         """End of stream: held-back bytes as U+FFFD ('' if none)."""
-        delta = self._decoder.decode(b"", final=True)
-        self.text_offset += len(delta)
-        return delta
+        buf, self._pending = self._pending, b""
+        return self._emit(buf)
+
+    def _emit(self, data: bytes) -> str:
+        text = data.decode("utf-8", errors="replace")
+        self.text_offset += len(text)
+        return text

@@ -29,7 +29,7 @@ def run(tokenizer, ids):
     return deltas, offsets
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_deltas_equal_reference_decode(tokenizer, id_pool, data):
     ids = data.draw(st.lists(st.sampled_from(id_pool), max_size=24))
@@ -70,3 +70,11 @@ def test_prompt_ending_mid_character_emits_no_prompt_text(tokenizer):
     deltas, _ = run(tokenizer, new)
     assert "".join(deltas) == tokenizer.decode(new) == "\ufffd au lait"
     assert "caf" not in "".join(deltas)
+
+
+def test_invalid_continuation_is_replaced_at_once(tokenizer):
+    # ED A1 can never be completed (ED takes 80..9F, Table 3-7): two U+FFFD now, as the reference decode
+    # gives, not held back until the end (Python's incremental codec would hold them).
+    byte = {tokenizer.token_bytes[i]: i for i in range(tokenizer.vocab_size) if len(tokenizer.token_bytes[i]) == 1}
+    deltas, _ = run(tokenizer, [byte[b"\xed"], byte[b"\xa1"]])
+    assert deltas == ["", "\ufffd\ufffd", ""] and "".join(deltas) == tokenizer.decode([byte[b"\xed"], byte[b"\xa1"]])

@@ -1,0 +1,133 @@
+"""End to end with separate gateway and worker processes: death, refusal, sharing, shutdown."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from conftest import TIME_FACTOR
+from hybridgate.v1 import generation_pb2 as pb
+from procs import Proc, Serve, alive, children_of, stub
+from tiny_gguf import write_tiny_llama
+
+
+def start_worker(tmp_path, name: str, *extra: str) -> tuple[Proc, str]:
+    endpoint = f"ipc://{tmp_path}/{name}.sock"
+    proc = Proc(["worker", "--endpoint", endpoint, "--threads", "1", *extra], tmp_path / f"{name}.log")
+    return proc, endpoint
+
+
+def start_gateway(tmp_path, name: str, *endpoints: str, extra=()) -> tuple[Proc, str]:
+    args = ["gateway", "--port", "0"]
+    for ep in endpoints:
+        args += ["--worker", ep]
+    proc = Proc([*args, *extra], tmp_path / f"{name}.log")
+    port = proc.wait_for(r"gRPC on 127\.0\.0\.1:(\d+)").group(1)
+    return proc, f"127.0.0.1:{port}"
+
+
+def health(target: str) -> int:
+    return health_pb2_grpc.HealthStub(grpc.insecure_channel(target)).Check(
+        health_pb2.HealthCheckRequest(service="hybridgate.v1.Generation")).status
+
+
+def test_worker_killed_mid_stream(tmp_path, model_path):
+    worker, endpoint = start_worker(tmp_path, "w")
+    gateway, target = start_gateway(tmp_path, "g", endpoint)
+    try:
+        gateway.wait_for(r"hybridgate: READY")
+        call = stub(target).Generate(pb.GenerateRequest(prompt="Once upon a time", max_tokens=2000, ignore_eos=True))
+        next(call)
+        killed = time.monotonic()
+        worker.popen.send_signal(signal.SIGKILL)
+        with pytest.raises(grpc.RpcError) as info:
+            list(call)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert time.monotonic() - killed < 2.0 * TIME_FACTOR
+        assert health(target) == health_pb2.HealthCheckResponse.NOT_SERVING
+        start = time.monotonic()
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub(target).Generate(pb.GenerateRequest(prompt="hi", max_tokens=2)))
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - start < 0.5 * TIME_FACTOR
+        assert gateway.popen.poll() is None
+    finally:
+        assert gateway.stop() == 0, gateway.text()
+        worker.stop()
+
+
+def test_worker_with_another_model_is_refused(tmp_path, model_path):
+    tiny = write_tiny_llama(tmp_path / "tiny.gguf", heads=4, kv_heads=2)
+    worker, endpoint = start_worker(tmp_path, "w", "--model", str(tiny))
+    gateway, _ = start_gateway(tmp_path, "g", endpoint)
+    try:
+        match = gateway.wait_for(r"error: worker \S+ serves model fingerprint ([0-9a-f]{64}), "
+                                 r"but this router's model has fingerprint ([0-9a-f]{64})")
+        assert match.group(1) != match.group(2)
+        gateway.popen.wait(10 * TIME_FACTOR)
+        assert gateway.popen.returncode == 1
+    finally:
+        gateway.stop()
+        worker.stop()
+
+
+def test_two_gateways_share_a_worker(tmp_path, model_path):
+    worker, endpoint = start_worker(tmp_path, "w")
+    (g1, t1), (g2, t2) = start_gateway(tmp_path, "g1", endpoint), start_gateway(tmp_path, "g2", endpoint)
+    try:
+        g1.wait_for(r"hybridgate: READY"), g2.wait_for(r"hybridgate: READY")
+        prompts = {t1: "The first gateway says", t2: "The second gateway says"}
+        solo = {t: list(stub(t).Generate(pb.GenerateRequest(prompt=p, max_tokens=24, temperature=0, ignore_eos=True)))
+                for t, p in prompts.items()}
+        both = {}
+
+        def run(t):
+            both[t] = list(stub(t).Generate(pb.GenerateRequest(prompt=prompts[t], max_tokens=24, temperature=0,
+                                                              ignore_eos=True)))
+
+        threads = [threading.Thread(target=run, args=(t,)) for t in prompts]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        for t in prompts:
+            ids = [i for m in both[t] for i in m.token_ids]
+            assert ids == [i for m in solo[t] for i in m.token_ids] and len(ids) == 24
+            assert len({m.request_id for m in both[t]}) == 1
+    finally:
+        assert g1.stop() == 0 and g2.stop() == 0
+        worker.stop()
+
+
+def test_serve_sigint_finishes_streams_and_exits_zero_with_no_child_left(tmp_path, model_path):
+    server = Serve(tmp_path / "serve.log")
+    children = children_of(server.pid)
+    assert children, "serve has a worker child"
+    call = stub(server.target).Generate(pb.GenerateRequest(prompt="Once upon a time", max_tokens=48, ignore_eos=True))
+    first = next(call)
+    server.popen.send_signal(signal.SIGINT)
+    rest = list(call)  # the in-flight stream finishes within the grace period
+    assert len(first.token_ids) + sum(len(m.token_ids) for m in rest) == 48
+    assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert server.stop(signal.SIGINT) == 0, server.text()
+    deadline = time.monotonic() + 5 * TIME_FACTOR
+    while any(alive(c) for c in children) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(c) for c in children)
+
+
+def test_serve_killed_takes_its_worker_down(tmp_path, model_path):
+    server = Serve(tmp_path / "serve.log")
+    workers = children_of(server.pid)  # the worker (and multiprocessing's resource tracker)
+    assert workers
+    server.popen.send_signal(signal.SIGKILL)
+    server.popen.wait()
+    killed = time.monotonic()
+    while any(alive(c) for c in workers) and time.monotonic() - killed < 2.0 * TIME_FACTOR:
+        time.sleep(0.05)
+    assert not any(alive(c) for c in workers)
+    server.stop()
