@@ -24,7 +24,7 @@ import msgspec
 
 from hybridgate.models import ChatTemplate, GGUFModel, Tokenizer, load_gguf, model_fingerprint
 from hybridgate.models.chat import ROLES, ChatTemplateError
-from hybridgate.router.client import WorkerClient, WorkerDead
+from hybridgate.router.client import WorkerClient, WorkerDead, ZmqWorkerClient
 from hybridgate.router.errors import FingerprintMismatchError, InvalidRequestError, UnavailableError
 from hybridgate.router.stream import GenerationStream
 from hybridgate.wire import Hello, Outputs, Ready, RequestError, SamplingParams, WorkerState
@@ -53,6 +53,10 @@ class RouterConfig:
 class Router:
     """Tokenizes, places, and streams; an async context manager over worker clients.
 
+    `clients`: worker endpoints (`ipc://...`, `tcp://...`, each gets a
+    `ZmqWorkerClient`) or client objects such as
+    `hybridgate.workers.inprocess.InProcessClient`.
+
     Raises (on entry): `UnavailableError` when no worker is READY within
     `startup_timeout_s` (the message names the setting), `FingerprintMismatchError`
     when every worker serves another model (naming both fingerprints).
@@ -61,7 +65,7 @@ class Router:
     def __init__(
         self,
         model: str | Path | GGUFModel,
-        clients: Sequence[WorkerClient],
+        clients: Sequence[WorkerClient | str],
         config: RouterConfig | None = None,
         on_ready_change: Callable[[bool], None] | None = None,
     ):
@@ -71,7 +75,7 @@ class Router:
         self.chat_template = ChatTemplate(self.tokenizer)
         self.fingerprint = model_fingerprint(self.model)
         self.max_model_len = min(self.config.max_model_len or 1 << 62, self.model.config.max_model_len)
-        self.clients = list(clients)
+        self.clients = [ZmqWorkerClient(c) if isinstance(c, str) else c for c in clients]
         self.on_ready_change = on_ready_change or (lambda ready: None)
         self._streams: dict[str, GenerationStream] = {}
         self._inflight: dict[int, int] = {id(c): 0 for c in self.clients}
