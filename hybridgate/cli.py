@@ -26,9 +26,11 @@ def _serve_config(args: argparse.Namespace):
         router=RouterConfig(max_model_len=args.max_model_len, startup_timeout_s=args.worker_startup_timeout),
         worker_endpoints=tuple(getattr(args, "worker", None) or ()),
         max_num_seqs=getattr(args, "max_num_seqs", 64),
-        max_num_batched_tokens=getattr(args, "max_num_batched_tokens", 4096),
+        max_num_batched_tokens=getattr(args, "max_num_batched_tokens", 2048),
         threads=getattr(args, "threads", None),
         device=getattr(args, "device", None),
+        kv_cache_memory=getattr(args, "kv_cache_memory", None),
+        prefix_caching=not getattr(args, "no_prefix_caching", False),
         dead_after_s=args.worker_timeout,
     )
 
@@ -53,6 +55,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     run_worker(WorkerConfig(
         model_path=_model_path(args.model), endpoint=args.endpoint, kind=args.kind, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, threads=args.threads, device=args.device,
+        kv_cache_memory=args.kv_cache_memory, prefix_caching=not args.no_prefix_caching,
     ))
     return 0
 
@@ -82,8 +85,12 @@ def _add_model(p: argparse.ArgumentParser) -> None:
 
 def _add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences a worker runs at once (default 64)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=4096,
-                   help="token budget of one engine step (default 4096)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget of one engine step; longer prompts are prefilled in chunks (default 2048)")
+    p.add_argument("--kv-cache-memory", default=None,
+                   help="KV cache size: bytes (e.g. 2GiB) or a fraction of free device memory after weights (GPU) "
+                        "or of available memory (CPU); default 0.9 on a GPU, 0.2 on a CPU")
+    p.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off (on by default)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads per worker (default: all cores)")
     p.add_argument("--device", default=None, help="torch device of the GPU worker (default: cuda if present, else cpu)")
 

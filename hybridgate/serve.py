@@ -26,9 +26,11 @@ class ServeConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     worker_endpoints: tuple[str, ...] = ()  # `gateway`: connect to these; `serve`: spawn one worker
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 4096
+    max_num_batched_tokens: int = 2048
     threads: int | None = None
     device: str | None = None
+    kv_cache_memory: str | None = None
+    prefix_caching: bool = True
     dead_after_s: float = 1.0
 
 
@@ -89,7 +91,7 @@ def serve(config: ServeConfig) -> int:
     worker = spawn_worker(WorkerConfig(
         model_path=config.model_path, endpoint=endpoint, kind="gpu", max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens, threads=config.threads, device=config.device,
-        parent_pid=os.getpid(),
+        kv_cache_memory=config.kv_cache_memory, prefix_caching=config.prefix_caching, parent_pid=os.getpid(),
     ))
     try:
         return _run(run_gateway(config, [endpoint]))

@@ -141,6 +141,14 @@ class EngineStats(msgspec.Struct):
     kv_cache_bytes: int = 0
     running: int = 0
     waiting: int = 0
+    preemptions: int = 0
+    prefill_tokens: int = 0  # prompt tokens run (prefix-cache hits excluded, recomputation included)
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    blocks_used: int = 0
+    blocks_total: int = 0
+    pinned_bytes_in_use: int = 0
+    pinned_peak_bytes: int = 0
+    pinned_fallbacks: int = 0
 
 
 class SeqOutput(msgspec.Struct, frozen=True, array_like=True):

@@ -15,6 +15,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Protocol
 
+from hybridgate.mempool import BlockAllocator
 from hybridgate.wire import Abort, AddRequest, EngineStats, Outputs, RequestError, SeqOutput
 from hybridgate.workers.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from hybridgate.workers.sequence import FINISH_OF_STATUS, Sequence, SequenceStatus
@@ -23,47 +24,54 @@ log = logging.getLogger(__name__)
 
 
 class ModelRunner(Protocol):
-    """Turns a scheduled batch into sampled ids; knows batches, not requests."""
+    """Turns a scheduled batch into sampled ids; knows batches and blocks, not requests."""
 
     kind: str
     max_model_len: int
+    num_blocks: int
+    block_size: int
+    block_bytes: int  # one block across all layers, K and V
 
     def execute(self, batch: ScheduledBatch) -> dict[Sequence, int]:
-        """Run the batch; return the id sampled for each sequence whose prompt is now all computed."""
+        """Run the batch (it does not change the sequences); return the id sampled
+        for each sequence whose every token is computed after this step."""
 
-    def free(self, seq: Sequence) -> None:
-        """Release the sequence's KV cache."""
-
-    def kv_cache_bytes(self) -> int:
-        """Bytes of KV cache held by live sequences."""
+    def pool_stats(self):
+        """The PinnedPool's stats (bytes in use, peak, fallbacks)."""
 
 
 class EngineCore:
-    """Sequences, scheduler and runner; one `step()` is one forward pass."""
+    """Sequences, scheduler, block allocator and runner; one `step()` is one forward pass."""
 
-    def __init__(self, runner: ModelRunner, scheduler_config: SchedulerConfig):
+    def __init__(self, runner: ModelRunner, scheduler_config: SchedulerConfig, fingerprint: str = "",
+                 prefix_caching: bool = True):
         self.runner = runner
-        self.scheduler = Scheduler(scheduler_config)
-        self.stats = EngineStats()
+        self.allocator = BlockAllocator(runner.num_blocks, runner.block_size, prefix_caching)
+        self.scheduler = Scheduler(scheduler_config, self.allocator, fingerprint)
+        self.stats = EngineStats(blocks_total=runner.num_blocks)
         self._by_id: dict[tuple[bytes, str], Sequence] = {}
 
     def add(self, request: AddRequest, client: bytes = b"") -> RequestError | None:
         total = len(request.prompt_ids) + request.max_tokens
-        if total > self.runner.max_model_len or not request.prompt_ids:
+        if not request.prompt_ids or total > self.runner.max_model_len:
             return RequestError(request.request_id, f"prompt + max_tokens = {total} tokens exceeds max model "
                                 f"length {self.runner.max_model_len} (or the prompt is empty)")
+        if self.allocator.blocks_needed([], total) > self.allocator.num_blocks:
+            return RequestError(request.request_id, f"prompt + max_tokens = {total} tokens needs more KV blocks than "
+                                f"the cache holds ({self.allocator.num_blocks} of {self.allocator.block_size} tokens); "
+                                "raise --kv-cache-memory")
         seq = Sequence(request, client)
         self._by_id[(client, seq.request_id)] = seq
         self.scheduler.add(seq)
         return None
 
     def abort(self, request_ids: list[str], client: bytes = b"") -> list[Sequence]:
-        """Finish these sequences now and free their KV; unknown ids are ignored (idempotent)."""
+        """Finish these sequences now and free their blocks; unknown ids are ignored (idempotent)."""
         aborted = []
         for rid in request_ids:
             seq = self._by_id.pop((client, rid), None)
             if seq is not None:
-                self._retire(seq, SequenceStatus.FINISHED_ABORTED)
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
                 aborted.append(seq)
         return aborted
 
@@ -79,15 +87,18 @@ class EngineCore:
         if not len(batch):
             return []
         now = time.monotonic()
-        for seq, _ in batch.prefills:
-            if seq.num_computed == 0:
+        for seq, _ in batch.entries:
+            if not seq.output_ids and seq.queue_ms == 0.0:
                 seq.queue_ms = (now - seq.arrival) * 1e3
         sampled = self.runner.execute(batch)
+        for seq, n in batch.entries:
+            seq.num_computed += n
+        self.scheduler.after_step(batch)
         for seq, token in sampled.items():
             seq.append(token)
             if seq.status.finished:
                 self._by_id.pop((seq.client, seq.request_id), None)
-                self._retire(seq, seq.status)
+                self.scheduler.finish(seq, seq.status)
         self.stats.steps += 1
         self.stats.batch_size_counts[len(batch)] = self.stats.batch_size_counts.get(len(batch), 0) + 1
         return list(sampled)
@@ -95,17 +106,18 @@ class EngineCore:
     def fail(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
             self._by_id.pop((seq.client, seq.request_id), None)
-            self._retire(seq, SequenceStatus.FINISHED_ABORTED)
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
 
     def refresh_stats(self) -> EngineStats:
-        self.stats.kv_cache_bytes = self.runner.kv_cache_bytes()
-        self.stats.running = len(self.scheduler.running)
-        self.stats.waiting = len(self.scheduler.waiting)
-        return self.stats
-
-    def _retire(self, seq: Sequence, status: SequenceStatus) -> None:
-        self.scheduler.finish(seq, status)
-        self.runner.free(seq)
+        s, sched, pool = self.stats, self.scheduler, self.runner.pool_stats()
+        s.blocks_used = self.allocator.num_used
+        s.kv_cache_bytes = s.blocks_used * self.runner.block_bytes
+        s.running, s.waiting = len(sched.running), len(sched.waiting)
+        s.preemptions, s.prefill_tokens, s.cached_tokens = (
+            sched.stats.preemptions, sched.stats.prefill_tokens, sched.stats.cached_tokens)
+        s.pinned_bytes_in_use, s.pinned_peak_bytes, s.pinned_fallbacks = (
+            pool.bytes_in_use, pool.peak_bytes, pool.fallbacks)
+        return s
 
 
 def output_of(seq: Sequence) -> SeqOutput:
@@ -117,6 +129,7 @@ def output_of(seq: Sequence) -> SeqOutput:
         token_ids=seq.output_ids[seq.sent :],
         finish=int(FINISH_OF_STATUS[seq.status]) if seq.status.finished else 0,
         queue_ms=seq.queue_ms if first else 0.0,
+        cached_tokens=seq.cached_tokens if first else 0,
     )
     seq.sent = len(seq.output_ids)
     return out

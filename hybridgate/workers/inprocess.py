@@ -20,13 +20,14 @@ class InProcessClient:
 
     endpoint = "inproc"
 
-    def __init__(self, runner: ModelRunner, fingerprint: str, scheduler: SchedulerConfig | None = None):
+    def __init__(self, runner: ModelRunner, fingerprint: str, scheduler: SchedulerConfig | None = None,
+                 prefix_caching: bool = True):
         self.state = WorkerState.CONNECTING
         self.kind = runner.kind
         scheduler = scheduler or SchedulerConfig()
         self.hello = Hello(kind=runner.kind, fingerprint=fingerprint, max_num_seqs=scheduler.max_num_seqs,
                            max_model_len=runner.max_model_len, pid=os.getpid(), ready=True)
-        self.engine = EngineCore(runner, scheduler)
+        self.engine = EngineCore(runner, scheduler, fingerprint, prefix_caching)
         self.inbox = Inbox()
         self._loop_thread: threading.Thread | None = None
         self._engine_loop: EngineLoop | None = None

@@ -37,9 +37,11 @@ class WorkerConfig:
     endpoint: str
     kind: str = "gpu"
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 4096
+    max_num_batched_tokens: int = 2048
     threads: int | None = None
     device: str | None = None
+    kv_cache_memory: str | None = None  # bytes ("2GiB") or a fraction; see TorchRunner
+    prefix_caching: bool = True
     heartbeat_s: float = 0.1
     parent_pid: int | None = None  # exit when this process dies
 
@@ -65,7 +67,7 @@ def build_runner(config: WorkerConfig):
         if config.threads:
             torch.set_num_threads(config.threads)
         device = torch.device(config.device) if config.device else None
-        return TorchRunner(model, device), model
+        return TorchRunner(model, device, kv_cache_memory=config.kv_cache_memory), model
     raise ValueError("kind 'cpu': the Numba runner is not built yet; use kind 'gpu' (runs on a CPU torch device)")
 
 
@@ -212,7 +214,8 @@ def run_worker(config: WorkerConfig) -> None:
     io_thread = threading.Thread(target=io.run, name="worker-io", daemon=True)
     io_thread.start()
     runner.warm_up()
-    engine = EngineCore(runner, SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens))
+    engine = EngineCore(runner, SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
+                        hello.fingerprint, config.prefix_caching)
     loop = EngineLoop(engine, inbox, io.engine_sender(ctx))
     io.stats = engine.stats  # read by the heartbeat; the engine refreshes it every pass
     io.set_ready()  # the I/O thread sends READY on its next pass

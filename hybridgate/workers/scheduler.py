@@ -1,8 +1,13 @@
-"""Continuous batching: which sequences run in the next step. A pure state machine.
+"""Continuous batching over a paged KV cache: which tokens run in the next step.
 
-New prompts join between steps and finished sequences leave, as in Orca (Yu et
-al., OSDI 2022); a step may hold prefills and decodes together. The scheduler
-knows no sockets and no devices: tests drive it with fake model outputs.
+A pure state machine (no sockets, no devices; tests feed it fake model
+outputs). New prompts join between steps and finished sequences leave (Orca,
+Yu et al., OSDI 2022). Each step spends a token budget: first one token for
+every running decode, then chunks of prefills in progress, then new prompts
+(chunked prefill, as in Sarathi, Agrawal et al. 2023). When KV blocks run out,
+the most recently admitted sequence gives its blocks back and is recomputed
+later (preemption by recomputation, as vLLM does). Prompts look up their
+longest cached prefix first (prefix caching).
 """
 
 from __future__ import annotations
@@ -10,13 +15,14 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from hybridgate.mempool import BlockAllocator, block_hash, prefix_block_hashes
 from hybridgate.workers.sequence import Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 4096
+    max_num_batched_tokens: int = 2048
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -27,26 +33,41 @@ class SchedulerConfig:
 
 @dataclass
 class ScheduledBatch:
-    """One step: each entry is (sequence, number of new tokens to run)."""
+    """One step: (sequence, number of new tokens to run) in execution order."""
 
-    prefills: list[tuple[Sequence, int]] = field(default_factory=list)
-    decodes: list[Sequence] = field(default_factory=list)
+    entries: list[tuple[Sequence, int]] = field(default_factory=list)
 
     @property
     def sequences(self) -> list[Sequence]:
-        return [s for s, _ in self.prefills] + self.decodes
+        return [s for s, _ in self.entries]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.entries)
 
     def __len__(self) -> int:
-        return len(self.prefills) + len(self.decodes)
+        return len(self.entries)
+
+
+@dataclass
+class SchedulerStats:
+    preemptions: int = 0
+    prefill_tokens: int = 0  # prompt (and recomputed) tokens actually run
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+def _is_decode(seq: Sequence, n: int) -> bool:
+    return n == 1 and bool(seq.output_ids) and seq.num_computed == seq.num_tokens - 1
 
 
 class Scheduler:
-    """Waiting and running queues; `schedule()` picks a step, `finish()` retires sequences."""
+    """Waiting and running queues over a `BlockAllocator`."""
 
-    def __init__(self, config: SchedulerConfig):
-        self.config = config
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, fingerprint: str = ""):
+        self.config, self.allocator, self.fingerprint = config, allocator, fingerprint
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.stats = SchedulerStats()
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -55,38 +76,88 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
-        """Decodes of all running sequences, then whole prompts while the budget lasts.
-
-        A prompt longer than the token budget still runs when nothing else
-        would (chunked prefill is a later issue).
-        """
-        batch = ScheduledBatch(decodes=list(self.running))
-        budget = self.config.max_num_batched_tokens - len(batch.decodes)
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
+        batch, budget = ScheduledBatch(), self.config.max_num_batched_tokens
+        preempted = False
+        for seq in [s for s in self.running if s.num_tokens - s.num_computed == 1]:  # decodes
+            if budget == 0 or seq.status != SequenceStatus.RUNNING:
+                continue
+            if not self._reserve(seq, 1):
+                preempted = True
+                continue
+            batch.entries.append((seq, 1))
+            budget -= 1
+        for seq in [s for s in self.running if s.num_tokens - s.num_computed > 1]:  # prefills in progress
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if n and self.allocator.ensure(seq.block_table, seq.num_computed + n):
+                batch.entries.append((seq, n))
+                budget -= n
+        while self.waiting and budget and not preempted and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            n = seq.num_tokens - seq.num_computed
-            if n > budget and len(batch):
+            self._lookup_prefix(seq)
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if not self.allocator.ensure(seq.block_table, seq.num_computed + n):
+                self._reset(seq)
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            batch.prefills.append((seq, n))
+            batch.entries.append((seq, n))
             budget -= n
+        self.stats.prefill_tokens += sum(n for s, n in batch.entries if not _is_decode(s, n))
         return batch
 
+    def _reserve(self, seq: Sequence, n: int) -> bool:
+        """Blocks for n more tokens of a running sequence, preempting the newest until they fit."""
+        while not self.allocator.ensure(seq.block_table, seq.num_computed + n):
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        """Give the sequence's blocks back; it is recomputed (prompt and output) when readmitted."""
+        self.running.remove(seq)
+        self._reset(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.stats.preemptions += 1
+
+    def _reset(self, seq: Sequence) -> None:
+        self.allocator.release(seq.block_table)
+        seq.num_computed = 0
+
+    def _lookup_prefix(self, seq: Sequence) -> None:
+        if seq.block_table or seq.num_computed:
+            return
+        ids = seq.all_ids
+        usable = (len(ids) - 1) // self.allocator.block_size  # the last token is always computed
+        hashes = prefix_block_hashes(ids, self.fingerprint, self.allocator.block_size, usable)
+        seq.block_table = self.allocator.lookup(hashes)
+        seq.block_hashes = hashes[: len(seq.block_table)]
+        seq.num_computed = len(seq.block_table) * self.allocator.block_size
+        if not seq.scheduled_once:
+            seq.cached_tokens = seq.num_computed
+            self.stats.cached_tokens += seq.num_computed
+        seq.scheduled_once = True
+
+    def after_step(self, batch: ScheduledBatch) -> None:
+        """Register every block a step filled, so later prompts can reuse it."""
+        bs = self.allocator.block_size
+        for seq, _ in batch.entries:
+            ids = None
+            while (len(seq.block_hashes) + 1) * bs <= seq.num_computed:
+                ids = ids or seq.all_ids
+                k = len(seq.block_hashes)
+                h = block_hash(seq.block_hashes[-1] if k else None, ids[k * bs : (k + 1) * bs], self.fingerprint)
+                seq.block_hashes.append(h)
+                self.allocator.register(seq.block_table[k], h)
+
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
-        """Retire a sequence (any status >= FINISHED_STOPPED); it may be waiting or running."""
+        """Retire a sequence (waiting or running) and free its blocks."""
         seq.status = status
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-
-    def find(self, request_id: str) -> Sequence | None:
-        for seq in self.running:
-            if seq.request_id == request_id:
-                return seq
-        for seq in self.waiting:
-            if seq.request_id == request_id:
-                return seq
-        return None
+        self.allocator.release(seq.block_table)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Any
-
 from hybridgate.wire import AddRequest, FinishReason, SamplingParams
 
 
@@ -48,7 +46,10 @@ class Sequence:
         self.arrival = time.monotonic()
         self.queue_ms = 0.0
         self.num_computed = 0  # tokens whose KV is in the cache
-        self.cache: Any = None  # the runner's per-sequence KV handle
+        self.block_table: list[int] = []  # KV blocks, in order (the scheduler's allocator owns them)
+        self.block_hashes: list[bytes] = []  # chained hashes of the full blocks registered so far
+        self.cached_tokens = 0  # prompt tokens served from the prefix cache at first scheduling
+        self.scheduled_once = False
         self.sent = 0  # output ids already sent to the router
 
     @property

@@ -1,29 +1,34 @@
-"""The scheduler as a pure state machine, driven with fake model outputs."""
+"""The scheduler as a pure state machine over a block allocator, driven with fake model outputs."""
 
 from __future__ import annotations
 
 import pytest
 
+from hybridgate.mempool import BlockAllocator
 from hybridgate.wire import AddRequest, SamplingParams
 from hybridgate.workers.scheduler import Scheduler, SchedulerConfig
 from hybridgate.workers.sequence import Sequence, SequenceStatus
 
 
-def seq(rid: str, prompt_len: int, max_tokens: int = 4) -> Sequence:
-    return Sequence(AddRequest(rid, list(range(10, 10 + prompt_len)), SamplingParams(), 0, max_tokens, 2))
+def seq(rid: str, prompt_len: int, max_tokens: int = 4, first: int = 10) -> Sequence:
+    return Sequence(AddRequest(rid, list(range(first, first + prompt_len)), SamplingParams(), 0, max_tokens, 2))
 
 
-def run_step(scheduler: Scheduler, token: int = 7):
-    """Pretend the model ran the step: every scheduled sequence computes its tokens and samples `token`."""
-    batch = scheduler.schedule()
-    for s, n in batch.prefills:
+def make(num_blocks=64, max_num_seqs=8, budget=100, block_size=4) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_seqs, budget), BlockAllocator(num_blocks, block_size), "fp")
+
+
+def run_step(sched: Scheduler, token: int = 7):
+    """Pretend the model ran the step: tokens computed, a token sampled where the prompt is done."""
+    batch = sched.schedule()
+    for s, n in batch.entries:
         s.num_computed += n
-    for s in batch.decodes:
-        s.num_computed += 1
-    for s in batch.sequences:
-        s.append(token)
-        if s.status.finished:
-            scheduler.finish(s, s.status)
+    sched.after_step(batch)
+    for s, _ in batch.entries:
+        if s.num_computed == s.num_tokens:
+            s.append(token)
+            if s.status.finished:
+                sched.finish(s, s.status)
     return batch
 
 
@@ -33,52 +38,74 @@ def test_status_order():
 
 
 def test_new_prompts_join_between_steps_and_finished_leave():
-    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=100))
+    sched = make()
     a = seq("a", 5, max_tokens=2)
     sched.add(a)
-    assert run_step(sched).sequences == [a]  # prefill of a
-    b = seq("b", 5, max_tokens=3)
+    assert run_step(sched).sequences == [a]
+    b = seq("b", 5, max_tokens=3, first=60)
     sched.add(b)
     batch = run_step(sched)
-    assert batch.decodes == [a] and batch.prefills == [(b, 5)]  # one step mixes a decode and a prefill
+    assert batch.entries == [(a, 1), (b, 5)]  # one step mixes a decode and a prefill
     assert a.status == SequenceStatus.FINISHED_LENGTH and sched.running == [b]
+    while sched.has_work():
+        run_step(sched)
+    assert sched.allocator.num_used == 0
 
 
-def test_token_budget_and_max_num_seqs():
-    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=12))
+def test_chunked_prefill_keeps_decodes_going():
+    sched = make(budget=8)
+    a = seq("a", 3, max_tokens=50)
+    sched.add(a)
+    run_step(sched)
+    long = seq("long", 40, first=100)
+    sched.add(long)
+    steps = []
+    while long.num_computed < len(long.prompt_ids):
+        steps.append(run_step(sched))
+    assert all(b.num_tokens <= 8 for b in steps)
+    assert all((a, 1) in b.entries for b in steps)  # the decode runs in every step of the chunked prefill
+    assert [n for b in steps for s, n in b.entries if s is long] == [7, 7, 7, 7, 7, 5]
+
+
+def test_budget_and_max_num_seqs():
+    sched = make(max_num_seqs=2, budget=12)
     for rid in "abc":
         sched.add(seq(rid, 5))
     batch = sched.schedule()
-    assert [s.request_id for s, _ in batch.prefills] == ["a", "b"]  # 10 tokens; c waits (max_num_seqs)
+    assert [(s.request_id, n) for s, n in batch.entries] == [("a", 5), ("b", 5)]  # c waits: max_num_seqs
     assert [s.request_id for s in sched.waiting] == ["c"]
 
 
-def test_long_prompt_runs_alone_rather_than_never():
-    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8))
-    sched.add(seq("long", 50))
-    assert [n for _, n in sched.schedule().prefills] == [50]
-
-
-def test_eos_finishes_unless_ignored():
-    s = seq("a", 3, max_tokens=10)
-    s.append(2)
-    assert s.status == SequenceStatus.FINISHED_EOS
-    t = Sequence(AddRequest("b", [1], SamplingParams(ignore_eos=True), 0, 10, 2))
-    t.append(2)
-    assert not t.status.finished
-
-
-def test_finish_removes_waiting_or_running():
-    sched = Scheduler(SchedulerConfig())
-    a, b = seq("a", 3), seq("b", 3)
+def test_prefix_cache_serves_full_blocks_but_the_last_token():
+    sched = make(block_size=4)
+    a = seq("a", 13, max_tokens=1)
     sched.add(a)
     run_step(sched)
-    sched.add(b)
-    sched.finish(a, SequenceStatus.FINISHED_ABORTED)
-    sched.finish(b, SequenceStatus.FINISHED_ABORTED)
-    assert not sched.has_work()
+    assert a.status.finished and sched.allocator.stats().cached >= 3
+    for n, cached in ((13, 12), (12, 8), (14, 12)):  # 4 * floor((n - 1) / 4)
+        b = seq(f"b{n}", n, max_tokens=1)
+        sched.add(b)
+        batch = run_step(sched)
+        assert b.cached_tokens == cached and batch.entries == [(b, n - cached)]
+
+
+def test_preemption_when_blocks_run_out_then_recompute():
+    sched = make(num_blocks=6, block_size=4)
+    a, b = seq("a", 8, max_tokens=12), seq("b", 8, max_tokens=12, first=50)
+    sched.add(a), sched.add(b)
+    run_step(sched)  # 4 blocks used
+    for _ in range(30):
+        if not sched.has_work():
+            break
+        run_step(sched)
+        sched.allocator.check()
+    assert sched.stats.preemptions > 0
+    assert a.status.finished and b.status.finished and len(a.output_ids) == len(b.output_ids) == 12
+    assert sched.allocator.num_used == 0
 
 
 def test_config_validation():
     with pytest.raises(ValueError, match="max_num_seqs"):
         SchedulerConfig(max_num_seqs=0)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        SchedulerConfig(max_num_batched_tokens=0)

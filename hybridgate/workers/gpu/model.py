@@ -4,13 +4,18 @@ Architecture: Touvron et al. 2023 (RMSNorm, SwiGLU, RoPE, grouped-query
 attention, Ainslie et al. 2023). RoPE keeps GGUF's Q/K row order and rotates
 adjacent pairs (x[2i], x[2i+1]), as llama.cpp does: llama.cpp's converter
 permuted the rows so that this equals Hugging Face's rotate-half RoPE on the
-original weights. Keys in the KV cache are in that basis.
+original weights. Keys in every KV cache are in that basis.
+
+Attention is a strategy handed to `forward_tokens`: `ContiguousAttention`
+(one growing tensor per sequence, the reference) or the paged one in
+`hybridgate.workers.gpu.attention`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -30,14 +35,16 @@ def default_dtype(device: torch.device) -> torch.dtype:
 @dataclass
 class LayerWeights:
     attn_norm: torch.Tensor  # [hidden]
-    wq: torch.Tensor  # [heads * head_dim, hidden]
-    wk: torch.Tensor  # [kv_heads * head_dim, hidden]
-    wv: torch.Tensor  # [kv_heads * head_dim, hidden]
+    w_qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]: Q, K, V rows stacked, one GEMM
     wo: torch.Tensor  # [hidden, heads * head_dim]
     ffn_norm: torch.Tensor  # [hidden]
-    w_gate: torch.Tensor  # [ffn, hidden]
-    w_up: torch.Tensor  # [ffn, hidden]
+    w_gate_up: torch.Tensor  # [2 * ffn, hidden]: gate rows then up rows, one GEMM
     w_down: torch.Tensor  # [hidden, ffn]
+
+
+class Attention(Protocol):
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store k, v `[num_tokens, kv_heads, head_dim]` and attend q `[num_tokens, heads, head_dim]`."""
 
 
 class ContiguousKVCache:
@@ -63,8 +70,26 @@ class ContiguousKVCache:
         return self.k.numel() * self.k.element_size() * 2
 
 
+class ContiguousAttention:
+    """Reference attention over per-sequence contiguous caches (packed new tokens, no padding)."""
+
+    def __init__(self, seq_lens: Sequence[int], caches: Sequence[ContiguousKVCache]):
+        self.seq_lens, self.caches = seq_lens, caches
+
+    def __call__(self, layer: int, q, k, v) -> torch.Tensor:
+        out = torch.empty_like(q)  # [num_tokens, heads, head_dim]
+        start = 0
+        for n, cache in zip(self.seq_lens, self.caches):
+            past, end = cache.length, start + n
+            cache.k[layer, past : past + n] = k[start:end]
+            cache.v[layer, past : past + n] = v[start:end]
+            out[start:end] = causal_sdpa(q[start:end], cache.k[layer, : past + n], cache.v[layer, : past + n], past)
+            start = end
+        return out
+
+
 class LlamaModel:
-    """Batched forward over a packed batch; knows batches, not requests.
+    """Batched forward over packed tokens; knows batches, not requests.
 
     Weights: dequantized once from the GGUF blocks (gguf's reference
     dequantizer) to `dtype` on `device`.
@@ -74,17 +99,32 @@ class LlamaModel:
         self.config = config = model.config
         self.device = device or default_device()
         self.dtype = dtype or default_dtype(self.device)
-        load = lambda name: torch.from_numpy(model.tensors[name].dequantize()).to(self.device, self.dtype)  # noqa: E731
-        self.embed = load("token_embd.weight")  # [vocab, hidden]
-        self.lm_head = self.embed if config.tie_word_embeddings else load("output.weight")
-        self.out_norm = load("output_norm.weight")
-        self.layers = [
-            LayerWeights(*(load(f"blk.{i}.{n}.weight") for n in _LAYER_TENSORS)) for i in range(config.num_layers)
-        ]
+        load = lambda name: torch.from_numpy(model.tensors[name].dequantize())  # noqa: E731
+        put = lambda t: t.to(self.device, self.dtype).contiguous()  # noqa: E731
+        self.embed = put(load("token_embd.weight"))  # [vocab, hidden]
+        self.lm_head = self.embed if config.tie_word_embeddings else put(load("output.weight"))
+        self.out_norm = put(load("output_norm.weight"))
+        self.layers = []
+        for i in range(config.num_layers):
+            w = lambda n: load(f"blk.{i}.{n}.weight")  # noqa: E731
+            self.layers.append(LayerWeights(
+                attn_norm=put(w("attn_norm")),
+                w_qkv=put(torch.cat([w("attn_q"), w("attn_k"), w("attn_v")])),
+                wo=put(w("attn_output")),
+                ffn_norm=put(w("ffn_norm")),
+                w_gate_up=put(torch.cat([w("ffn_gate"), w("ffn_up")])),
+                w_down=put(w("ffn_down")),
+            ))
         self.inv_freq = 1.0 / (
             config.rope_theta
             ** (torch.arange(0, config.head_dim, 2, dtype=torch.int64, device=self.device).float() / config.head_dim)
         )  # [head_dim / 2], float32 as transformers computes it
+
+    @property
+    def weight_bytes(self) -> int:
+        tensors = [self.embed, self.out_norm] + ([] if self.lm_head is self.embed else [self.lm_head])
+        tensors += [t for layer in self.layers for t in vars(layer).values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def new_cache(self, capacity: int = 64) -> ContiguousKVCache:
         return ContiguousKVCache(self.config, self.device, self.dtype, capacity)
@@ -93,7 +133,7 @@ class LlamaModel:
     def forward(
         self, token_ids: torch.Tensor, seq_lens: Sequence[int], caches: Sequence[ContiguousKVCache]
     ) -> torch.Tensor:
-        """Run new tokens of several sequences, packed without padding.
+        """Run new tokens of several sequences over contiguous caches (the reference path).
 
         Args:
             token_ids: int64 `[num_tokens]`, each sequence's new tokens in turn.
@@ -112,44 +152,41 @@ class LlamaModel:
             if cache.length + n > self.config.max_model_len:
                 raise ValueError(f"sequence of {cache.length + n} tokens exceeds max_model_len {self.config.max_model_len}")
             cache.reserve(cache.length + n)
-        positions = torch.cat(
-            [torch.arange(c.length, c.length + n, device=self.device) for n, c in zip(seq_lens, caches)]
-        )
-        cos, sin = self._rope(positions)
-        x = self.embed[token_ids.to(self.device)]  # [num_tokens, hidden]
-        for i, layer in enumerate(self.layers):
-            x = x + self._attention(i, layer, _rms_norm(x, layer.attn_norm, self.config.rms_norm_eps), cos, sin, seq_lens, caches)
-            h = _rms_norm(x, layer.ffn_norm, self.config.rms_norm_eps)
-            x = x + F.linear(F.silu(F.linear(h, layer.w_gate)) * F.linear(h, layer.w_up), layer.w_down)
+        positions = torch.cat([torch.arange(c.length, c.length + n) for n, c in zip(seq_lens, caches)])
+        last = torch.tensor(seq_lens).cumsum(0) - 1
+        logits = self.forward_tokens(token_ids, positions, ContiguousAttention(seq_lens, caches), last)
         for n, cache in zip(seq_lens, caches):
             cache.length += n
-        last = torch.tensor(seq_lens, device=self.device).cumsum(0) - 1
-        h = _rms_norm(x[last], self.out_norm, self.config.rms_norm_eps)
+        return logits
+
+    @torch.inference_mode()
+    def forward_tokens(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, attention: Attention, last_rows: torch.Tensor
+    ) -> torch.Tensor:
+        """Logits float32 `[len(last_rows), vocab]` at rows `last_rows` of the packed tokens.
+
+        token_ids, positions: int64 `[num_tokens]`; attention stores K/V and attends.
+        """
+        c = self.config
+        cos, sin = self._rope(positions.to(self.device, non_blocking=True))
+        x = self.embed[token_ids.to(self.device, non_blocking=True)]  # [num_tokens, hidden]
+        q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        for i, layer in enumerate(self.layers):
+            h = _rms_norm(x, layer.attn_norm, c.rms_norm_eps)
+            qkv = F.linear(h, layer.w_qkv)  # [num_tokens, q_dim + 2 * kv_dim]
+            q = _rotate_pairs(qkv[:, :q_dim].view(-1, c.num_heads, c.head_dim), cos, sin)
+            k = _rotate_pairs(qkv[:, q_dim : q_dim + kv_dim].view(-1, c.num_kv_heads, c.head_dim), cos, sin)
+            v = qkv[:, q_dim + kv_dim :].reshape(-1, c.num_kv_heads, c.head_dim)
+            x = x + F.linear(attention(i, q, k, v).reshape(-1, q_dim), layer.wo)
+            h = _rms_norm(x, layer.ffn_norm, c.rms_norm_eps)
+            gate, up = F.linear(h, layer.w_gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.w_down)
+        h = _rms_norm(x[last_rows.to(self.device, non_blocking=True)], self.out_norm, c.rms_norm_eps)
         return F.linear(h, self.lm_head).float()  # [num_seqs, vocab]
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         angles = positions.float()[:, None] * self.inv_freq[None, :]  # [num_tokens, head_dim / 2]
         return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
-
-    def _attention(self, i, layer, h, cos, sin, seq_lens, caches) -> torch.Tensor:
-        c = self.config
-        q = _rotate_pairs(F.linear(h, layer.wq).view(-1, c.num_heads, c.head_dim), cos, sin)
-        k = _rotate_pairs(F.linear(h, layer.wk).view(-1, c.num_kv_heads, c.head_dim), cos, sin)
-        v = F.linear(h, layer.wv).view(-1, c.num_kv_heads, c.head_dim)  # [num_tokens, kv_heads, head_dim]
-        out = torch.empty_like(q)  # [num_tokens, heads, head_dim]
-        start = 0
-        for n, cache in zip(seq_lens, caches):
-            past, end = cache.length, start + n
-            cache.k[i, past : past + n] = k[start:end]
-            cache.v[i, past : past + n] = v[start:end]
-            out[start:end] = _sdpa(q[start:end], cache.k[i, : past + n], cache.v[i, : past + n], past)
-            start = end
-        return F.linear(out.view(-1, c.num_heads * c.head_dim), layer.wo)
-
-
-_LAYER_TENSORS = (
-    "attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down",
-)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -161,13 +198,13 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE on adjacent pairs: x `[num_tokens, heads, head_dim]`, cos/sin `[num_tokens, head_dim / 2]`."""
-    pairs = x.view(*x.shape[:-1], -1, 2)
+    pairs = x.reshape(*x.shape[:-1], -1, 2)
     x0, x1 = pairs[..., 0], pairs[..., 1]  # [num_tokens, heads, head_dim / 2]
     c, s = cos[:, None, :], sin[:, None, :]
     return torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:
+def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:
     """Causal GQA attention of n new queries over past + n keys.
 
     q `[n, heads, head_dim]`, k and v `[past + n, kv_heads, head_dim]` → `[n, heads, head_dim]`.
