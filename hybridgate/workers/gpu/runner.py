@@ -94,13 +94,17 @@ class TorchRunner:
         self.pool.drain()
         return self.pool.stats
 
-    def execute(self, batch: ScheduledBatch) -> dict[Sequence, int]:
+    def forward(self, batch: ScheduledBatch) -> torch.Tensor:
+        """float32 logits `[len(batch), vocab]` at each entry's last new token; K/V go to the cache."""
         buf = self.pool.acquire()
         try:
             ids, positions, step, last_rows = self._stage(batch, buf)
-            logits = self.model.forward_tokens(ids, positions, PagedAttention(self.cache, step), last_rows)
+            return self.model.forward_tokens(ids, positions, PagedAttention(self.cache, step), last_rows)
         finally:
             self.pool.release(buf, self._done_check())
+
+    def execute(self, batch: ScheduledBatch) -> dict[Sequence, int]:
+        logits = self.forward(batch)
         ready = [(row, seq) for row, (seq, n) in enumerate(batch.entries) if seq.num_computed + n == seq.num_tokens]
         if not ready:
             return {}

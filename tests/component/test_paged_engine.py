@@ -1,0 +1,175 @@
+"""The paged torch runner and the engine: paged vs contiguous, chunked prefill, prefix caching,
+preemption, cancel storm. fp32 on a CPU torch device."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import defaultdict
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import golden_npz
+from hybridgate.mempool import BlockAllocator
+from hybridgate.models import model_fingerprint
+from hybridgate.router import Router
+from hybridgate.wire import AddRequest, SamplingParams
+from hybridgate.workers.engine import EngineCore, output_of
+from hybridgate.workers.gpu.runner import TorchRunner
+from hybridgate.workers.inprocess import InProcessClient
+from hybridgate.workers.scheduler import ScheduledBatch, SchedulerConfig
+from hybridgate.workers.sequence import Sequence
+
+LONG_IDS = golden_npz("logits.npz")["long_ids"].tolist()
+
+
+@pytest.fixture(scope="module")
+def runner(gguf_model):
+    return TorchRunner(gguf_model, torch.device("cpu"), torch.float32, kv_cache_memory="256MiB")
+
+
+@pytest.fixture(scope="module")
+def fingerprint(gguf_model):
+    return model_fingerprint(gguf_model)
+
+
+def new_seq(rid: str, ids: list[int], max_tokens: int = 8, **params) -> Sequence:
+    return Sequence(AddRequest(rid, ids, SamplingParams(temperature=0, **params), 0, max_tokens, 2))
+
+
+def run_engine(engine: EngineCore, requests: list[AddRequest]) -> dict[str, list[int]]:
+    """Add the requests, step until idle; the ids each request got (also those added before)."""
+    for r in requests:
+        assert engine.add(r) is None
+    out: dict[str, list[int]] = defaultdict(list)
+    while engine.has_work():
+        for s in engine.step():
+            out[s.request_id] += output_of(s).token_ids
+    return out
+
+
+def request(rid: str, ids: list[int], max_tokens: int = 8, **params) -> AddRequest:
+    return AddRequest(rid, list(ids), SamplingParams(temperature=0, **params), 0, max_tokens, 2)
+
+
+@pytest.mark.parametrize("lengths", [(16, 32, 48), (15, 17, 33, 50)], ids=["on-boundary", "off-boundary"])
+def test_paged_equals_contiguous(runner, llama, lengths):
+    alloc = BlockAllocator(runner.num_blocks, runner.block_size)
+    seqs = [new_seq(str(i), LONG_IDS[i * 7 : i * 7 + n]) for i, n in enumerate(lengths)]
+    caches = [llama.new_cache() for _ in seqs]
+    for s in seqs:
+        assert alloc.ensure(s.block_table, s.num_tokens + 20)
+    paged = runner.forward(ScheduledBatch([(s, s.num_tokens) for s in seqs])).numpy()
+    ref = llama.forward(torch.tensor([t for s in seqs for t in s.prompt_ids]), list(lengths), caches).numpy()
+    np.testing.assert_allclose(paged, ref, atol=1e-4, rtol=0)
+    for s in seqs:
+        s.num_computed = s.num_tokens
+    for step in range(18):  # decodes cross block boundaries
+        next_ids = [int(LONG_IDS[1000 + step * 5 + i]) for i in range(len(seqs))]
+        for s, t in zip(seqs, next_ids):
+            s.output_ids.append(t)
+        paged = runner.forward(ScheduledBatch([(s, 1) for s in seqs])).numpy()
+        ref = llama.forward(torch.tensor(next_ids), [1] * len(seqs), caches).numpy()
+        np.testing.assert_allclose(paged, ref, atol=1e-4, rtol=0)
+        for s in seqs:
+            s.num_computed += 1
+
+
+def test_chunked_prefill(runner, fingerprint):
+    # Logits: a 600-token prompt in chunks of 256 against one shot.
+    chunked, whole = new_seq("c", LONG_IDS[:600]), new_seq("w", LONG_IDS[:600])
+    alloc = BlockAllocator(runner.num_blocks, runner.block_size, prefix_caching=False)
+    for s in (chunked, whole):
+        alloc.ensure(s.block_table, 600)
+    for a in range(0, 600, 256):
+        n = min(256, 600 - a)
+        logits = runner.forward(ScheduledBatch([(chunked, n)])).numpy()
+        chunked.num_computed += n
+    np.testing.assert_allclose(logits, runner.forward(ScheduledBatch([(whole, 600)])).numpy(), atol=1e-4, rtol=0)
+
+    # Engine: a decode keeps running while a 2048-token prompt is prefilled under a 256-token budget.
+    engine = EngineCore(runner, SchedulerConfig(max_num_batched_tokens=256), fingerprint, prefix_caching=False)
+    engine.add(request("decode", LONG_IDS[5:15], 80, ignore_eos=True))
+    first = engine.step()
+    assert engine.add(request("long", LONG_IDS[:2048], 4)) is None
+    steps = []
+    original = engine.scheduler.schedule
+
+    def spy():
+        batch = original()
+        steps.append([(s.request_id, n) for s, n in batch.entries])
+        return batch
+
+    engine.scheduler.schedule = spy
+    out = run_engine(engine, [])
+    long_steps = [i for i, st in enumerate(steps) if any(r == "long" and n > 1 for r, n in st)]
+    between = steps[long_steps[0] : long_steps[-1] + 1]
+    assert all(sum(n for _, n in st) <= 256 for st in steps)
+    assert all(("decode", 1) in st for st in between) and len(between) >= 7
+    solo = run_engine(EngineCore(runner, SchedulerConfig(max_num_batched_tokens=4096), fingerprint, False),
+                      [request("long", LONG_IDS[:2048], 4)])
+    assert out["long"] == solo["long"] and len(out["long"]) == 4
+    assert len(out["decode"]) == 80 and first[0].request_id == "decode"
+
+
+def test_prefix_caching_saves_whole_blocks(runner, fingerprint):
+    prompt = LONG_IDS[100:200]
+    cached = EngineCore(runner, SchedulerConfig(), fingerprint, prefix_caching=True)
+    plain = EngineCore(runner, SchedulerConfig(), fingerprint, prefix_caching=False)
+    first = run_engine(cached, [request("a", prompt)])["a"]
+    for n in (100, 101):
+        ids = LONG_IDS[100 : 100 + n]
+        before = cached.refresh_stats().prefill_tokens
+        cached.add(request("r", ids))
+        seqs = []
+        while cached.has_work():
+            seqs += [s for s in cached.step() if s.request_id == "r"]
+        got = [t for s in dict.fromkeys(seqs) for t in s.output_ids]
+        assert seqs[0].cached_tokens == 16 * ((n - 1) // 16)
+        assert cached.refresh_stats().prefill_tokens - before == n - 16 * ((n - 1) // 16)
+        assert got == run_engine(plain, [request("p", ids)])["p"]
+    assert first == run_engine(plain, [request("p", prompt)])["p"]
+
+
+def test_preemption_recomputes_and_matches_solo(gguf_model, fingerprint):
+    small = TorchRunner(gguf_model, torch.device("cpu"), torch.float32, kv_cache_memory="64MiB", max_num_blocks=24)
+    prompts = [LONG_IDS[i * 40 : i * 40 + 30] for i in range(6)]
+    reqs = [request(str(i), p, 48, ignore_eos=True) for i, p in enumerate(prompts)]  # 6 x 78 tokens > 24 x 16
+    engine = EngineCore(small, SchedulerConfig(), fingerprint)
+    together = run_engine(engine, reqs)
+    assert engine.refresh_stats().preemptions > 0
+    assert engine.allocator.num_used == 0
+    for r in reqs:
+        solo = run_engine(EngineCore(small, SchedulerConfig(), fingerprint), [r])
+        assert together[r.request_id] == solo[r.request_id]
+
+
+def test_cancel_storm_returns_every_block_and_buffer(gguf_model, runner, fingerprint):
+    async def storm():
+        client = InProcessClient(runner, fingerprint)
+        rng = random.Random(3)
+        async with Router(gguf_model, [client]) as router:
+
+            async def one(i):
+                stop_after = rng.randrange(0, 6)
+                async with router.generate(f"Request {i} says", SamplingParams(max_tokens=40, ignore_eos=True)) as s:
+                    if stop_after == 0:
+                        return
+                    k = 0
+                    async for _ in s:
+                        k += 1
+                        if k >= stop_after:
+                            break
+
+            await asyncio.gather(*(one(i) for i in range(200)))
+            for _ in range(500):
+                if not client.engine.has_work() and client.inbox.requests.empty():
+                    break
+                await asyncio.sleep(0.01)
+            return client.engine.refresh_stats()
+
+    stats = asyncio.run(storm())
+    assert stats.blocks_used == 0 and stats.running == 0 and stats.waiting == 0
+    assert runner.pool.stats.buffers_in_use == 0 and stats.pinned_bytes_in_use == 0 and stats.pinned_peak_bytes > 0
