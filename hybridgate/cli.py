@@ -147,6 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print each response message as one JSON object per line")
     gen.set_defaults(func=_cmd_generate)
 
+    bench = sub.add_parser("bench", help="benchmarks with side-by-side baselines (engine)")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    from hybridgate.bench import add_engine_parser  # argparse only; torch is imported when it runs
+
+    add_engine_parser(bench_sub)
+
     info = sub.add_parser("info", help="print a GGUF model's config and fingerprint")
     _add_model(info)
     info.set_defaults(func=_cmd_info)

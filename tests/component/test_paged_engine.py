@@ -173,3 +173,24 @@ def test_cancel_storm_returns_every_block_and_buffer(gguf_model, runner, fingerp
     stats = asyncio.run(storm())
     assert stats.blocks_used == 0 and stats.running == 0 and stats.waiting == 0
     assert runner.pool.stats.buffers_in_use == 0 and stats.pinned_bytes_in_use == 0 and stats.pinned_peak_bytes > 0
+
+
+def test_static_padded_decode_equals_the_dynamic_path(runner):
+    from hybridgate.workers.gpu.graphs import DecodeGraphs
+
+    graphs = DecodeGraphs(runner.model, runner.cache, runner.num_blocks * runner.block_size, 8, runner.max_model_len,
+                          capture=False)
+    alloc = BlockAllocator(runner.num_blocks, runner.block_size)
+    seqs = [new_seq(str(i), LONG_IDS[i * 9 : i * 9 + n]) for i, n in enumerate((5, 20, 33))]
+    for s in seqs:
+        alloc.ensure(s.block_table, s.num_tokens + 1)
+    runner.forward(ScheduledBatch([(s, s.num_tokens) for s in seqs]))
+    for s in seqs:
+        s.num_computed = s.num_tokens
+        s.output_ids.append(int(LONG_IDS[500 + len(s.prompt_ids)]))
+    batch = ScheduledBatch([(s, 1) for s in seqs])
+    dynamic = runner.forward(batch).numpy()
+    h = runner._host_inputs(batch, runner.pool.acquire())
+    static = graphs.run(h.ids, h.positions, h.slots, h.decode_context, np.asarray(h.contexts)).numpy()
+    assert graphs.key(3, h.width) == (4, 256)  # padded to batch 4 and the 256-token bucket
+    np.testing.assert_allclose(static, dynamic, atol=1e-4, rtol=0)

@@ -34,12 +34,15 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 @dataclass
 class LayerWeights:
+    """Linear weights stored transposed, `[in, out]` contiguous: `x @ w` with a row-major
+    right operand is 2-3x faster than `F.linear` on the CPU at decode batch sizes (MKL)."""
+
     attn_norm: torch.Tensor  # [hidden]
-    w_qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]: Q, K, V rows stacked, one GEMM
-    wo: torch.Tensor  # [hidden, heads * head_dim]
+    w_qkv: torch.Tensor  # [hidden, (heads + 2 * kv_heads) * head_dim]: Q, K, V columns, one GEMM
+    wo: torch.Tensor  # [heads * head_dim, hidden]
     ffn_norm: torch.Tensor  # [hidden]
-    w_gate_up: torch.Tensor  # [2 * ffn, hidden]: gate rows then up rows, one GEMM
-    w_down: torch.Tensor  # [hidden, ffn]
+    w_gate_up: torch.Tensor  # [hidden, 2 * ffn]: gate columns then up columns, one GEMM
+    w_down: torch.Tensor  # [ffn, hidden]
 
 
 class Attention(Protocol):
@@ -101,6 +104,7 @@ class LlamaModel:
         self.dtype = dtype or default_dtype(self.device)
         load = lambda name: torch.from_numpy(model.tensors[name].dequantize())  # noqa: E731
         put = lambda t: t.to(self.device, self.dtype).contiguous()  # noqa: E731
+        put_t = lambda t: put(t.t())  # noqa: E731  [out, in] -> [in, out]
         self.embed = put(load("token_embd.weight"))  # [vocab, hidden]
         self.lm_head = self.embed if config.tie_word_embeddings else put(load("output.weight"))
         self.out_norm = put(load("output_norm.weight"))
@@ -109,11 +113,11 @@ class LlamaModel:
             w = lambda n: load(f"blk.{i}.{n}.weight")  # noqa: E731
             self.layers.append(LayerWeights(
                 attn_norm=put(w("attn_norm")),
-                w_qkv=put(torch.cat([w("attn_q"), w("attn_k"), w("attn_v")])),
-                wo=put(w("attn_output")),
+                w_qkv=put_t(torch.cat([w("attn_q"), w("attn_k"), w("attn_v")])),
+                wo=put_t(w("attn_output")),
                 ffn_norm=put(w("ffn_norm")),
-                w_gate_up=put(torch.cat([w("ffn_gate"), w("ffn_up")])),
-                w_down=put(w("ffn_down")),
+                w_gate_up=put_t(torch.cat([w("ffn_gate"), w("ffn_up")])),
+                w_down=put_t(w("ffn_down")),
             ))
         self.inv_freq = 1.0 / (
             config.rope_theta
@@ -173,14 +177,14 @@ class LlamaModel:
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         for i, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.attn_norm, c.rms_norm_eps)
-            qkv = F.linear(h, layer.w_qkv)  # [num_tokens, q_dim + 2 * kv_dim]
-            q = _rotate_pairs(qkv[:, :q_dim].view(-1, c.num_heads, c.head_dim), cos, sin)
-            k = _rotate_pairs(qkv[:, q_dim : q_dim + kv_dim].view(-1, c.num_kv_heads, c.head_dim), cos, sin)
+            qkv = h @ layer.w_qkv  # [num_tokens, q_dim + 2 * kv_dim]
+            qk = _rotate_pairs(qkv[:, : q_dim + kv_dim].reshape(-1, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
+            q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]  # [num_tokens, heads | kv_heads, head_dim]
             v = qkv[:, q_dim + kv_dim :].reshape(-1, c.num_kv_heads, c.head_dim)
-            x = x + F.linear(attention(i, q, k, v).reshape(-1, q_dim), layer.wo)
+            x = x + attention(i, q, k, v).reshape(-1, q_dim) @ layer.wo
             h = _rms_norm(x, layer.ffn_norm, c.rms_norm_eps)
-            gate, up = F.linear(h, layer.w_gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.w_down)
+            gate, up = (h @ layer.w_gate_up).chunk(2, dim=-1)
+            x = x + (F.silu(gate) * up) @ layer.w_down
         h = _rms_norm(x[last_rows.to(self.device, non_blocking=True)], self.out_norm, c.rms_norm_eps)
         return F.linear(h, self.lm_head).float()  # [num_seqs, vocab]
 
@@ -191,6 +195,8 @@ class LlamaModel:
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm (Zhang & Sennrich 2019), computed in float32 as transformers does."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)  # one fused op, same math in fp32
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)

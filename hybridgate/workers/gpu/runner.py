@@ -11,7 +11,7 @@ used and the check is immediate.
 from __future__ import annotations
 
 import logging
-import os
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -20,6 +20,7 @@ from hybridgate.mempool import DEFAULT_BLOCK_SIZE, PinnedPool, PoolStats, aligne
 from hybridgate.models import GGUFModel
 from hybridgate.workers.gpu import sampling
 from hybridgate.workers.gpu.attention import PagedAttention, PagedKVCache, PagedStep
+from hybridgate.workers.gpu.graphs import DecodeGraphs
 from hybridgate.workers.gpu.model import LlamaModel
 from hybridgate.workers.scheduler import ScheduledBatch
 from hybridgate.workers.sequence import Sequence
@@ -73,7 +74,7 @@ class TorchRunner:
 
     def __init__(self, model: GGUFModel, device: torch.device | None = None, dtype: torch.dtype | None = None,
                  kv_cache_memory: str | float | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
-                 max_num_blocks: int | None = None):
+                 max_num_blocks: int | None = None, enforce_eager: bool = False, max_num_seqs: int = 64):
         self.model = LlamaModel(model, device, dtype)
         dev = self.model.device
         self.max_model_len = model.config.max_model_len
@@ -84,7 +85,12 @@ class TorchRunner:
         self.num_blocks = max(1, int(nbytes // self.block_bytes))
         if max_num_blocks is not None:
             self.num_blocks = min(self.num_blocks, max_num_blocks)
-        self.cache = PagedKVCache(model.config, self.num_blocks, block_size, dev, self.model.dtype)
+        # One extra block beyond the allocator's: padding rows of captured decode graphs write there.
+        self.cache = PagedKVCache(model.config, self.num_blocks + 1, block_size, dev, self.model.dtype)
+        self.graphs = None
+        if dev.type == "cuda" and not enforce_eager:
+            self.graphs = DecodeGraphs(self.model, self.cache, self.num_blocks * block_size, max_num_seqs,
+                                       self.max_model_len)
         log.info("KV cache: %d blocks of %d tokens, %.1f MiB on %s (weights %.1f MiB)", self.num_blocks, block_size,
                  self.num_blocks * self.block_bytes / 2**20, dev, self.model.weight_bytes / 2**20)
         self.pool = PinnedPool(STAGING_BUFFER_BYTES, 2, _pinned_slab if dev.type == "cuda" else aligned_slab)
@@ -98,7 +104,11 @@ class TorchRunner:
         """float32 logits `[len(batch), vocab]` at each entry's last new token; K/V go to the cache."""
         buf = self.pool.acquire()
         try:
-            ids, positions, step, last_rows = self._stage(batch, buf)
+            host = self._host_inputs(batch, buf)
+            if self.graphs is not None and len(host.decodes) == len(batch) and self.graphs.key(len(batch), host.width):
+                lengths = np.asarray(host.contexts, dtype=np.int64)
+                return self.graphs.run(host.ids, host.positions, host.slots, host.decode_context, lengths)
+            ids, positions, step, last_rows = self._to_device(host)
             return self.model.forward_tokens(ids, positions, PagedAttention(self.cache, step), last_rows)
         finally:
             self.pool.release(buf, self._done_check())
@@ -112,7 +122,7 @@ class TorchRunner:
         seqs = [s for _, s in ready]
         sampled = sampling.sample(
             logits[rows], [s.params for s in seqs], [s.seed for s in seqs], [len(s.output_ids) for s in seqs],
-            [s.all_ids if s.params.repetition_penalty != 1.0 else () for s in seqs],
+            [s.all_ids if s.params.repetition_penalty != 1.0 else () for s in seqs], self._vocab_hash,
         )
         return dict(zip(seqs, sampled.tolist()))
 
@@ -123,8 +133,8 @@ class TorchRunner:
         event.record()
         return event.query
 
-    def _stage(self, batch: ScheduledBatch, buf):
-        """Fill one pool buffer with the step's int64 inputs and move them to the device."""
+    def _host_inputs(self, batch: ScheduledBatch, buf) -> _HostInputs:
+        """The step's int64 inputs, written into one pool buffer (a plain array if it is too small)."""
         bs, entries = self.block_size, batch.entries
         tables = [np.asarray(s.block_table, dtype=np.int64) for s, _ in entries]
         decodes = [i for i, (_, n) in enumerate(entries) if n == 1]
@@ -152,21 +162,24 @@ class TorchRunner:
             pctx[offset : offset + contexts[i]] = _context_slots(tables[i], bs, contexts[i])
             prefill_ctx.append((int(last[i]) - entries[i][1] + 1, entries[i][1], offset, contexts[i]))
             offset += contexts[i]
+        return _HostInputs(ids, pos, slots, dctx, pctx, last, decodes, prefill_ctx, contexts, width)
+
+    def _to_device(self, h: _HostInputs):
         dev = self.model.device
         to = lambda a: torch.from_numpy(a).to(dev, non_blocking=True)  # noqa: E731
         mask = None
-        if decodes and any(contexts[i] != width for i in decodes):
-            lengths = torch.tensor([contexts[i] for i in decodes], device=dev)
-            mask = (torch.arange(width, device=dev)[None, :] < lengths[:, None])[:, None, None, :]
-        pctx_dev = to(pctx)
+        lengths = [h.contexts[i] for i in h.decodes]
+        if h.decodes and any(n != h.width for n in lengths):
+            mask = (torch.arange(h.width, device=dev)[None, :] < torch.tensor(lengths, device=dev)[:, None])[:, None, None, :]
+        pctx = to(h.prefill_context)
         step = PagedStep(
-            slots=to(slots),
-            decode_rows=to(last[decodes]) if decodes else None,
-            decode_context=to(dctx) if decodes else None,
+            slots=to(h.slots),
+            decode_rows=to(h.last[h.decodes]) if h.decodes else None,
+            decode_context=to(h.decode_context) if h.decodes else None,
             decode_mask=mask,
-            prefills=[(start, n, pctx_dev[o : o + c]) for start, n, o, c in prefill_ctx],
+            prefills=[(start, n, pctx[o : o + c]) for start, n, o, c in h.prefills],
         )
-        return to(ids), to(pos), step, to(last)
+        return to(h.ids), to(h.positions), step, to(h.last)
 
     def warm_up(self) -> None:
         """One prefill and one decode step through the paged path, on scratch blocks."""
@@ -178,6 +191,22 @@ class TorchRunner:
         seq.num_computed = 4
         seq.append(5)
         self.execute(ScheduledBatch([(seq, 1)]))
+        if self.graphs is not None:
+            self.graphs.capture_all()
+
+
+@dataclass
+class _HostInputs:
+    ids: np.ndarray  # int64 [num_tokens]
+    positions: np.ndarray  # int64 [num_tokens]
+    slots: np.ndarray  # int64 [num_tokens]
+    decode_context: np.ndarray  # int64 [num_decodes, width]
+    prefill_context: np.ndarray  # int64 [sum of prefill contexts]
+    last: np.ndarray  # int64 [num_entries]: row of each entry's last token
+    decodes: list[int]  # entries with one new token
+    prefills: list[tuple[int, int, int, int]]  # (first row, new tokens, context offset, context length)
+    contexts: list[int]  # context length of each entry after this step
+    width: int  # the longest decode context
 
 
 def _context_slots(table: np.ndarray, block_size: int, length: int) -> np.ndarray:

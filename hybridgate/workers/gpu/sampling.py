@@ -32,14 +32,17 @@ def gumbel_noise(keys: torch.Tensor, vocab_ids_hash: torch.Tensor) -> torch.Tens
     return -torch.log(-torch.log(u))
 
 
-def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def _top_k(x: torch.Tensor, top_k: torch.Tensor, k_max: int) -> torch.Tensor:
+    """Drop logits below each row's k-th largest (k_max >= every row's k; rows with k off keep all)."""
     vocab = x.shape[-1]
     k_on = (top_k > 0) & (top_k < vocab)
+    kth = torch.topk(x, k_max, dim=-1, sorted=True).values.gather(1, (top_k.clamp(1, k_max) - 1)[:, None])
+    return torch.where(k_on[:, None] & (x < kth), float("-inf"), x)
+
+
+def _top_p(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Nucleus: sort descending (stable), keep while the mass before a token is < p of the total."""
     ranked, order = torch.sort(x, dim=-1, descending=True, stable=True)
-    k = torch.where(k_on, top_k, vocab)
-    threshold = ranked.gather(1, (k - 1)[:, None])  # [batch, 1]
-    x = torch.where(x < threshold, float("-inf"), x)
-    ranked = torch.where(ranked < threshold, float("-inf"), ranked)
     e = torch.exp(ranked - ranked[:, :1])
     cum = torch.cumsum(e, dim=-1)
     keep_ranked = ((cum - e) < top_p[:, None] * cum[:, -1:]) | (top_p >= 1.0)[:, None]
@@ -56,20 +59,31 @@ def sample_tensors(
     keys: torch.Tensor,
     seen_mask: torch.Tensor | None,
     vocab_ids_hash: torch.Tensor,
+    *,
+    any_sampled: bool = True,
+    k_max: int = 0,
+    any_top_p: bool = True,
 ) -> torch.Tensor:
     """Next ids, int64 `[batch]`, from logits `[batch, vocab]`.
 
     Per-row tensors `[batch]`: temperature, top_p, repetition_penalty (float64),
     top_k and keys (int64; keys from `sampler_key`). seen_mask: bool
     `[batch, vocab]`, True where an id was seen (None: no penalty anywhere).
+    The keyword flags, known on the host, skip work no row needs (all greedy:
+    no noise; k_max 0: no top-k; no top-p: no sort); they never change ids.
     """
     x = logits.to(torch.float64)
     if seen_mask is not None:
         pen = repetition_penalty[:, None]
         x = torch.where(seen_mask & (pen != 1.0), torch.where(x > 0, x / pen, x * pen), x)
     greedy = x.argmax(dim=-1)
+    if not any_sampled:
+        return greedy
     x = x / torch.where(temperature == 0, 1.0, temperature)[:, None]
-    x = _top_k_top_p(x, top_k, top_p)
+    if k_max > 0:
+        x = _top_k(x, top_k, min(k_max, x.shape[-1]))
+    if any_top_p:
+        x = _top_p(x, top_p)
     sampled = (x + gumbel_noise(keys, vocab_ids_hash)).argmax(dim=-1)
     return torch.where(temperature == 0, greedy, sampled)
 
@@ -80,8 +94,12 @@ def sample(
     seeds: Sequence[int],
     token_indices: Sequence[int],
     seen: Sequence[Sequence[int]],
+    vocab_ids_hash: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Same contract as `hybridgate.workers.sampling.sample`, on `logits.device`."""
+    """Same contract as `hybridgate.workers.sampling.sample`, on `logits.device`.
+
+    `vocab_ids_hash`: `vocab_hash(vocab)` already on the device (saves a copy per step).
+    """
     dev, batch, vocab = logits.device, logits.shape[0], logits.shape[1]
     f64 = lambda vals: torch.tensor(vals, dtype=torch.float64, device=dev)  # noqa: E731
     seen_mask = None
@@ -99,5 +117,8 @@ def sample(
         repetition_penalty=f64([p.repetition_penalty for p in params]),
         keys=torch.tensor(keys, dtype=torch.int64, device=dev),
         seen_mask=seen_mask,
-        vocab_ids_hash=torch.from_numpy(vocab_hash(vocab)).to(dev),
+        vocab_ids_hash=vocab_ids_hash if vocab_ids_hash is not None else torch.from_numpy(vocab_hash(vocab)).to(dev),
+        any_sampled=any(p.temperature > 0 for p in params),
+        k_max=max((p.top_k for p in params if p.temperature > 0 and 0 < p.top_k < vocab), default=0),
+        any_top_p=any(p.top_p < 1.0 and p.temperature > 0 for p in params),
     )
