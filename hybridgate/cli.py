@@ -31,6 +31,7 @@ def _serve_config(args: argparse.Namespace):
         device=getattr(args, "device", None),
         kv_cache_memory=getattr(args, "kv_cache_memory", None),
         prefix_caching=not getattr(args, "no_prefix_caching", False),
+        enforce_eager=getattr(args, "enforce_eager", False),
         dead_after_s=args.worker_timeout,
     )
 
@@ -56,6 +57,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         model_path=_model_path(args.model), endpoint=args.endpoint, kind=args.kind, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, threads=args.threads, device=args.device,
         kv_cache_memory=args.kv_cache_memory, prefix_caching=not args.no_prefix_caching,
+        enforce_eager=args.enforce_eager,
     ))
     return 0
 
@@ -91,6 +93,8 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
                    help="KV cache size: bytes (e.g. 2GiB) or a fraction of free device memory after weights (GPU) "
                         "or of available memory (CPU); default 0.9 on a GPU, 0.2 on a CPU")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off (on by default)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="on CUDA, run decode steps eagerly instead of replaying captured CUDA graphs")
     p.add_argument("--threads", type=int, default=None, help="CPU threads per worker (default: all cores)")
     p.add_argument("--device", default=None, help="torch device of the GPU worker (default: cuda if present, else cpu)")
 

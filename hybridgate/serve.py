@@ -31,6 +31,7 @@ class ServeConfig:
     device: str | None = None
     kv_cache_memory: str | None = None
     prefix_caching: bool = True
+    enforce_eager: bool = False
     dead_after_s: float = 1.0
 
 
@@ -91,7 +92,8 @@ def serve(config: ServeConfig) -> int:
     worker = spawn_worker(WorkerConfig(
         model_path=config.model_path, endpoint=endpoint, kind="gpu", max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens, threads=config.threads, device=config.device,
-        kv_cache_memory=config.kv_cache_memory, prefix_caching=config.prefix_caching, parent_pid=os.getpid(),
+        kv_cache_memory=config.kv_cache_memory, prefix_caching=config.prefix_caching,
+        enforce_eager=config.enforce_eager, parent_pid=os.getpid(),
     ))
     try:
         return _run(run_gateway(config, [endpoint]))

@@ -24,6 +24,8 @@ def add_engine_parser(sub) -> None:
     p.add_argument("--ttft-len", type=int, default=1024, help="prompt tokens of the TTFT case (default 1024)")
     p.add_argument("--repeats", type=int, default=3, help="runs per case; medians are reported (default 3)")
     p.add_argument("--no-baseline", action="store_true", help="skip transformers")
+    p.add_argument("--compare-eager", action="store_true",
+                   help="on CUDA, also time the decode step without CUDA graphs (--enforce-eager)")
     p.add_argument("--json", default=None, metavar="OUT", help="write the figures to this JSON file")
     p.set_defaults(func=_run_engine)
 

@@ -40,10 +40,11 @@ def prompts(tokenizer: Tokenizer, count: int, length: int) -> list[list[int]]:
 
 
 class EngineBench:
-    def __init__(self, model, device: torch.device, dtype: torch.dtype, kv_cache_memory: str | None, threads: int | None):
+    def __init__(self, model, device: torch.device, dtype: torch.dtype, kv_cache_memory: str | None,
+                 enforce_eager: bool = False):
         from hybridgate.workers.gpu.runner import TorchRunner
 
-        self.runner = TorchRunner(model, device, dtype, kv_cache_memory=kv_cache_memory)
+        self.runner = TorchRunner(model, device, dtype, kv_cache_memory=kv_cache_memory, enforce_eager=enforce_eager)
         self.runner.warm_up()
         self.fingerprint = model_fingerprint(model)
 
@@ -66,6 +67,18 @@ class EngineBench:
 
     def prefill(self, batch) -> float:
         return sum(len(p) for p in batch) / self._run(self.engine(), batch, 1)
+
+    def decode_step_ms(self, prompt: list[int], steps: int = 64) -> float:
+        """Median wall time of one decode step at batch 1 (host to sampled id)."""
+        engine = self.engine()
+        engine.add(AddRequest("s", prompt, SamplingParams(temperature=0, ignore_eos=True), 0, steps + 1, -1))
+        engine.step()  # prefill
+        times = []
+        while engine.has_work():
+            start = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times) * 1e3
 
     def ttft(self, prompt: list[int]) -> tuple[float, float]:
         engine = self.engine(prefix_caching=True)
@@ -118,7 +131,7 @@ def run(args: argparse.Namespace) -> dict:
     path = Path(args.model) if args.model else default_model_path()
     model = load_gguf(path)
     tokenizer = Tokenizer.from_model(model)
-    ours = EngineBench(model, device, dtype, args.kv_cache_memory, args.threads)
+    ours = EngineBench(model, device, dtype, args.kv_cache_memory)
     base = None if args.no_baseline else TransformersBaseline(path, device, dtype)
     out: dict = {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
                  "repeats": args.repeats, "decode": {}, "prefill": {}}
@@ -136,8 +149,17 @@ def run(args: argparse.Namespace) -> dict:
         if base is not None:
             row["transformers_tokens_per_s"] = _median(lambda: base.prefill(batch), args.repeats)
             row["ratio"] = row["hybridgate_tokens_per_s"] / row["transformers_tokens_per_s"]
+        row["hybridgate_tflops"] = 2 * ours.runner.model.weight_bytes / ours.runner.model.embed.element_size() \
+            * row["hybridgate_tokens_per_s"] / 1e12  # 2 x weights x tokens / s (attention excluded)
         out["prefill"][f"{args.prefill_prompts}x{length}"] = row
         _print("prefill", f"{args.prefill_prompts}x{length}", row)
+    step_prompt = prompts(tokenizer, 1, args.prompt_len)[0]
+    out["decode_step_ms_c1"] = _median(lambda: ours.decode_step_ms(step_prompt), args.repeats)
+    print(f"decode step at batch 1: {out['decode_step_ms_c1']:.3f} ms", flush=True)
+    if args.compare_eager and device.type == "cuda":
+        eager = EngineBench(model, device, dtype, "2GiB", enforce_eager=True)
+        out["decode_step_ms_c1_eager"] = _median(lambda: eager.decode_step_ms(step_prompt), args.repeats)
+        print(f"decode step at batch 1, eager: {out['decode_step_ms_c1_eager']:.3f} ms", flush=True)
     ttfts = [ours.ttft(prompts(tokenizer, 1, args.ttft_len)[0]) for _ in range(args.repeats)]
     cold, cached = statistics.median(t[0] for t in ttfts), statistics.median(t[1] for t in ttfts)
     out["ttft"] = {"prompt_tokens": args.ttft_len, "cold_ms": cold * 1e3, "cached_ms": cached * 1e3,

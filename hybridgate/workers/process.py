@@ -42,6 +42,7 @@ class WorkerConfig:
     device: str | None = None
     kv_cache_memory: str | None = None  # bytes ("2GiB") or a fraction; see TorchRunner
     prefix_caching: bool = True
+    enforce_eager: bool = False
     heartbeat_s: float = 0.1
     parent_pid: int | None = None  # exit when this process dies
 
@@ -67,7 +68,8 @@ def build_runner(config: WorkerConfig):
         if config.threads:
             torch.set_num_threads(config.threads)
         device = torch.device(config.device) if config.device else None
-        return TorchRunner(model, device, kv_cache_memory=config.kv_cache_memory), model
+        return TorchRunner(model, device, kv_cache_memory=config.kv_cache_memory, enforce_eager=config.enforce_eager,
+                           max_num_seqs=config.max_num_seqs), model
     raise ValueError("kind 'cpu': the Numba runner is not built yet; use kind 'gpu' (runs on a CPU torch device)")
 
 

@@ -97,3 +97,47 @@ def write_tiny_llama(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def write_default_shaped(path: Path, seed: int = 0) -> Path:
+    """A random-weight GGUF with SmolLM2-135M's shapes (30 layers, 576 hidden, 9/3 heads, 1536 FFN,
+    49152 vocab), F16 linear weights (about 270 MB): for GPU machines that lack the packaged model."""
+    rng = np.random.default_rng(seed)
+    heads, kv_heads, head_dim, hidden, ffn, layers, vocab = 9, 3, 64, 576, 1536, 30, 49152
+    alphabet = byte_level_alphabet()
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + alphabet + ["Ġt"]
+    tokens += [f"<filler_{i}>" for i in range(vocab - len(tokens))]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for add, value in [(writer.add_block_count, layers), (writer.add_context_length, 8192),
+                       (writer.add_embedding_length, hidden), (writer.add_feed_forward_length, ffn),
+                       (writer.add_head_count, heads), (writer.add_head_count_kv, kv_heads),
+                       (writer.add_rope_freq_base, 100000.0), (writer.add_rope_dimension_count, head_dim),
+                       (writer.add_layer_norm_rms_eps, 1e-5), (writer.add_vocab_size, vocab)]:
+        add(value)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3, 3, 3] + [1] * (vocab - 3))
+    writer.add_token_merges(["Ġ t"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(False)
+
+    def mat(rows: int, cols: int) -> np.ndarray:
+        return (rng.standard_normal((rows, cols), dtype=np.float32) * (0.5 / np.sqrt(cols))).astype(np.float16)
+
+    writer.add_tensor("token_embd.weight", mat(vocab, hidden) * np.float16(8))
+    for i in range(layers):
+        p = f"blk.{i}."
+        writer.add_tensor(p + "attn_norm.weight", np.ones(hidden, np.float32))
+        for name, rows, cols in [("attn_q", hidden, hidden), ("attn_k", kv_heads * head_dim, hidden),
+                                 ("attn_v", kv_heads * head_dim, hidden), ("attn_output", hidden, hidden),
+                                 ("ffn_gate", ffn, hidden), ("ffn_up", ffn, hidden), ("ffn_down", hidden, ffn)]:
+            writer.add_tensor(p + name + ".weight", mat(rows, cols))
+        writer.add_tensor(p + "ffn_norm.weight", np.ones(hidden, np.float32))
+    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -87,9 +87,12 @@ class TorchRunner:
             self.num_blocks = min(self.num_blocks, max_num_blocks)
         # One extra block beyond the allocator's: padding rows of captured decode graphs write there.
         self.cache = PagedKVCache(model.config, self.num_blocks + 1, block_size, dev, self.model.dtype)
+        self.scratch_slot = self.num_blocks * block_size
+        for t in self.cache.k + self.cache.v:
+            t[self.scratch_slot :].zero_()  # padding reads it: uninitialized memory could hold NaN
         self.graphs = None
         if dev.type == "cuda" and not enforce_eager:
-            self.graphs = DecodeGraphs(self.model, self.cache, self.num_blocks * block_size, max_num_seqs,
+            self.graphs = DecodeGraphs(self.model, self.cache, self.scratch_slot, max_num_seqs,
                                        self.max_model_len)
         log.info("KV cache: %d blocks of %d tokens, %.1f MiB on %s (weights %.1f MiB)", self.num_blocks, block_size,
                  self.num_blocks * self.block_bytes / 2**20, dev, self.model.weight_bytes / 2**20)
@@ -156,7 +159,7 @@ class TorchRunner:
         dctx = dctx.reshape(len(decodes), width)
         for j, i in enumerate(decodes):
             dctx[j, : contexts[i]] = _context_slots(tables[i], bs, contexts[i])
-            dctx[j, contexts[i] :] = 0  # padding: any valid slot, masked out
+            dctx[j, contexts[i] :] = self.scratch_slot  # padding, masked out; finite values there
         offset, prefill_ctx = 0, []
         for i in prefills:
             pctx[offset : offset + contexts[i]] = _context_slots(tables[i], bs, contexts[i])
