@@ -70,7 +70,9 @@ def build_runner(config: WorkerConfig):
         device = torch.device(config.device) if config.device else None
         return TorchRunner(model, device, kv_cache_memory=config.kv_cache_memory, enforce_eager=config.enforce_eager,
                            max_num_seqs=config.max_num_seqs), model
-    raise ValueError("kind 'cpu': the Numba runner is not built yet; use kind 'gpu' (runs on a CPU torch device)")
+    from hybridgate.workers.cpu.runner import NumbaRunner
+
+    return NumbaRunner(model, kv_cache_memory=config.kv_cache_memory, threads=config.threads), model
 
 
 class WorkerIO:

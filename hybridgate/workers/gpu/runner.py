@@ -11,7 +11,6 @@ used and the check is immediate.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -21,46 +20,22 @@ from hybridgate.models import GGUFModel
 from hybridgate.workers.gpu import sampling
 from hybridgate.workers.gpu.attention import PagedAttention, PagedKVCache, PagedStep
 from hybridgate.workers.gpu.graphs import DecodeGraphs
+from hybridgate.workers.memory import host_available_bytes, num_blocks_for
 from hybridgate.workers.gpu.model import LlamaModel
 from hybridgate.workers.scheduler import ScheduledBatch
 from hybridgate.workers.sequence import Sequence
+from hybridgate.workers.step_inputs import StepInputs, build_step_inputs
 
 log = logging.getLogger("hybridgate.worker")
 
 STAGING_BUFFER_BYTES = 4 << 20
 
 
-def parse_memory(value: str | float | int | None, device: torch.device) -> float:
-    """`--kv-cache-memory`: bytes ("2GiB", "512MiB", "1e9") or a fraction in (0, 1] of free
-    device memory after weights (GPU) or of available memory (CPU). Default 0.9 on a GPU, 0.2 on a CPU.
-
-    Raises:
-        ValueError: naming `--kv-cache-memory` and what it accepts.
-    """
-    if value is None:
-        return 0.9 if device.type == "cuda" else 0.2
-    if isinstance(value, (int, float)):
-        number = float(value)
-    else:
-        text = value.strip()
-        units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "KB": 1e3, "MB": 1e6, "GB": 1e9}
-        scale = next((u for u in units if text.endswith(u)), None)
-        try:
-            number = float(text[: -len(scale)] if scale else text) * (units[scale] if scale else 1)
-        except ValueError:
-            raise ValueError(f"--kv-cache-memory: expected bytes (e.g. 2GiB) or a fraction in (0, 1], got {value!r}") from None
-    if number <= 0 or (1 < number < 1 << 20):
-        raise ValueError(f"--kv-cache-memory: expected bytes (at least 1 MiB) or a fraction in (0, 1], got {value!r}")
-    return number
-
-
 def _available_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free
-    with open("/proc/meminfo") as f:
-        info = dict(line.split(":", 1) for line in f)
-    return int(info["MemAvailable"].split()[0]) * 1024
+    return host_available_bytes()
 
 
 def _pinned_slab(nbytes: int) -> np.ndarray:
@@ -80,9 +55,7 @@ class TorchRunner:
         self.max_model_len = model.config.max_model_len
         self.block_size = block_size
         self.block_bytes = PagedKVCache.block_bytes(model.config, block_size, self.model.dtype)
-        budget = parse_memory(kv_cache_memory, dev)
-        nbytes = budget * _available_bytes(dev) if budget <= 1 else budget
-        self.num_blocks = max(1, int(nbytes // self.block_bytes))
+        self.num_blocks = num_blocks_for(kv_cache_memory, self.block_bytes, _available_bytes(dev), dev.type == "cuda")
         if max_num_blocks is not None:
             self.num_blocks = min(self.num_blocks, max_num_blocks)
         # One extra block beyond the allocator's: padding rows of captured decode graphs write there.
@@ -136,38 +109,10 @@ class TorchRunner:
         event.record()
         return event.query
 
-    def _host_inputs(self, batch: ScheduledBatch, buf) -> _HostInputs:
-        """The step's int64 inputs, written into one pool buffer (a plain array if it is too small)."""
-        bs, entries = self.block_size, batch.entries
-        tables = [np.asarray(s.block_table, dtype=np.int64) for s, _ in entries]
-        decodes = [i for i, (_, n) in enumerate(entries) if n == 1]
-        prefills = [i for i, (_, n) in enumerate(entries) if n > 1]
-        contexts = [s.num_computed + n for s, n in entries]
-        width = max((contexts[i] for i in decodes), default=0)
-        t = batch.num_tokens
-        sizes = [t, t, t, len(decodes) * width, sum(contexts[i] for i in prefills), len(entries)]
-        flat = buf.array(np.int64, sum(sizes)) if sum(sizes) * 8 <= buf.memory.nbytes else np.empty(sum(sizes), np.int64)
-        ids, pos, slots, dctx, pctx, last = np.split(flat, np.cumsum(sizes)[:-1])
-        row = 0
-        for (seq, n), table in zip(entries, tables):
-            p = np.arange(seq.num_computed, seq.num_computed + n)
-            ids[row : row + n] = seq.all_ids[seq.num_computed : seq.num_computed + n]
-            pos[row : row + n] = p
-            slots[row : row + n] = table[p // bs] * bs + p % bs
-            row += n
-        last[:] = np.cumsum([n for _, n in entries]) - 1
-        dctx = dctx.reshape(len(decodes), width)
-        for j, i in enumerate(decodes):
-            dctx[j, : contexts[i]] = _context_slots(tables[i], bs, contexts[i])
-            dctx[j, contexts[i] :] = self.scratch_slot  # padding, masked out; finite values there
-        offset, prefill_ctx = 0, []
-        for i in prefills:
-            pctx[offset : offset + contexts[i]] = _context_slots(tables[i], bs, contexts[i])
-            prefill_ctx.append((int(last[i]) - entries[i][1] + 1, entries[i][1], offset, contexts[i]))
-            offset += contexts[i]
-        return _HostInputs(ids, pos, slots, dctx, pctx, last, decodes, prefill_ctx, contexts, width)
+    def _host_inputs(self, batch: ScheduledBatch, buf) -> StepInputs:
+        return build_step_inputs(batch, self.block_size, buf, self.scratch_slot)
 
-    def _to_device(self, h: _HostInputs):
+    def _to_device(self, h: StepInputs):
         dev = self.model.device
         to = lambda a: torch.from_numpy(a).to(dev, non_blocking=True)  # noqa: E731
         mask = None
@@ -196,22 +141,3 @@ class TorchRunner:
         self.execute(ScheduledBatch([(seq, 1)]))
         if self.graphs is not None:
             self.graphs.capture_all()
-
-
-@dataclass
-class _HostInputs:
-    ids: np.ndarray  # int64 [num_tokens]
-    positions: np.ndarray  # int64 [num_tokens]
-    slots: np.ndarray  # int64 [num_tokens]
-    decode_context: np.ndarray  # int64 [num_decodes, width]
-    prefill_context: np.ndarray  # int64 [sum of prefill contexts]
-    last: np.ndarray  # int64 [num_entries]: row of each entry's last token
-    decodes: list[int]  # entries with one new token
-    prefills: list[tuple[int, int, int, int]]  # (first row, new tokens, context offset, context length)
-    contexts: list[int]  # context length of each entry after this step
-    width: int  # the longest decode context
-
-
-def _context_slots(table: np.ndarray, block_size: int, length: int) -> np.ndarray:
-    """Slots of positions 0..length-1 for a block table (int64 `[length]`)."""
-    return (table[:, None] * block_size + np.arange(block_size)).ravel()[:length]

@@ -1,0 +1,190 @@
+"""The Llama forward pass on the CPU: Numba kernels over GGUF blocks, a paged host KV cache.
+
+Same math as `hybridgate.workers.gpu.model` (RMSNorm, RoPE on adjacent pairs in
+GGUF's row order, grouped-query attention, SwiGLU, tied LM head), in float32.
+Each step reads every weight matrix once for all its tokens (Q, K, V fused into
+one matrix, gate and up into another), so kernel calls per step do not grow
+with the batch: `kernel_calls` counts them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba as nb
+import numpy as np
+from numba import prange
+
+from hybridgate.models import GGUFModel
+from hybridgate.workers.cpu.quant import QuantMatrix, concat_rows, quant_matrix
+from hybridgate.workers.step_inputs import StepInputs
+
+_JIT = dict(nogil=True, fastmath=True, cache=True)
+
+
+@nb.njit(parallel=True, **_JIT)
+def rms_norm(x, weight, eps, out):
+    """out = x / rms(x) * weight over the last axis; x float32 `[tokens, hidden]`."""
+    for t in prange(x.shape[0]):
+        s = np.float32(0.0)
+        for i in range(x.shape[1]):
+            s += x[t, i] * x[t, i]
+        inv = np.float32(1.0 / math.sqrt(s / x.shape[1] + eps))
+        for i in range(x.shape[1]):
+            out[t, i] = weight[i] * (x[t, i] * inv)
+
+
+@nb.njit(parallel=True, **_JIT)
+def rope_pairs(x, positions, cos, sin, heads):
+    """In place on the first `heads` heads of x `[tokens, heads_total, head_dim]`: rotate (x[2i], x[2i+1])."""
+    half = x.shape[2] // 2
+    for t in prange(x.shape[0]):
+        p = positions[t]
+        for h in range(heads):
+            for i in range(half):
+                a, b = x[t, h, 2 * i], x[t, h, 2 * i + 1]
+                c, s = cos[p, i], sin[p, i]
+                x[t, h, 2 * i] = a * c - b * s
+                x[t, h, 2 * i + 1] = a * s + b * c
+
+
+@nb.njit(parallel=True, **_JIT)
+def paged_attention(q, k_cache, v_cache, ctx_offset, ctx_len, ctx_slots, out):
+    """Causal GQA over the paged cache: for token t, head h: softmax(q·k / sqrt(d)) v over its context.
+
+    q `[tokens, heads, dim]`; k_cache, v_cache `[slots, kv_heads, dim]`; token t reads
+    ctx_slots[ctx_offset[t] : ctx_offset[t] + ctx_len[t]]; out `[tokens, heads, dim]`.
+    """
+    tokens, heads, dim = q.shape
+    group = heads // k_cache.shape[1]
+    scale = np.float32(1.0 / math.sqrt(dim))
+    for job in prange(tokens * heads):
+        t, h = job // heads, job % heads
+        g = h // group
+        n, off = ctx_len[t], ctx_offset[t]
+        scores = np.empty(n, dtype=np.float32)
+        top = np.float32(-np.inf)
+        for j in range(n):
+            slot = ctx_slots[off + j]
+            s = np.float32(0.0)
+            for i in range(dim):
+                s += q[t, h, i] * k_cache[slot, g, i]
+            s *= scale
+            scores[j] = s
+            top = max(top, s)
+        acc = np.zeros(dim, dtype=np.float32)
+        total = np.float32(0.0)
+        for j in range(n):
+            p = np.float32(math.exp(scores[j] - top))
+            total += p
+            slot = ctx_slots[off + j]
+            for i in range(dim):
+                acc[i] += p * v_cache[slot, g, i]
+        for i in range(dim):
+            out[t, h, i] = acc[i] / total
+
+
+@nb.njit(parallel=True, **_JIT)
+def silu_mul(gate_up, out):
+    """out = silu(gate) * up for gate_up `[tokens, 2 * ffn]` (gate columns first)."""
+    ffn = out.shape[1]
+    for t in prange(out.shape[0]):
+        for i in range(ffn):
+            g = gate_up[t, i]
+            out[t, i] = g / (np.float32(1.0) + np.float32(math.exp(-g))) * gate_up[t, ffn + i]
+
+
+def _matrix(model: GGUFModel, names: list[str]) -> QuantMatrix:
+    parts = [(int(model.tensors[n].ggml_type), model.tensors[n].data, model.tensors[n].shape) for n in names]
+    fused = concat_rows("+".join(names), parts) if len(parts) > 1 else None
+    if fused is not None:
+        return fused
+    if len(parts) > 1:
+        raise ValueError(f"tensors {names} differ in type or columns and cannot be fused")
+    return quant_matrix(names[0], *parts[0])
+
+
+class CpuLlama:
+    """Weights in GGUF blocks (Q4_1 and Q8_0 repacked), float32 norms and RoPE tables."""
+
+    def __init__(self, model: GGUFModel, max_model_len: int | None = None):
+        c = self.config = model.config
+        self.max_model_len = max_model_len or c.max_model_len
+        self.layers = []
+        for i in range(c.num_layers):
+            p = f"blk.{i}."
+            self.layers.append({
+                "attn_norm": model.tensors[p + "attn_norm.weight"].dequantize(),
+                "qkv": _matrix(model, [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]),
+                "wo": _matrix(model, [p + "attn_output.weight"]),
+                "ffn_norm": model.tensors[p + "ffn_norm.weight"].dequantize(),
+                "gate_up": _matrix(model, [p + "ffn_gate.weight", p + "ffn_up.weight"]),
+                "down": _matrix(model, [p + "ffn_down.weight"]),
+            })
+        self.embed = _matrix(model, ["token_embd.weight"])
+        self.lm_head = self.embed if c.tie_word_embeddings else _matrix(model, ["output.weight"])
+        self.out_norm = model.tensors["output_norm.weight"].dequantize()
+        inv_freq = 1.0 / (c.rope_theta ** (np.arange(0, c.head_dim, 2, dtype=np.int64).astype(np.float32) / c.head_dim))
+        angles = np.arange(self.max_model_len, dtype=np.float32)[:, None] * inv_freq.astype(np.float32)[None, :]
+        self.cos, self.sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+        self.kernel_calls = 0
+
+    @property
+    def weight_bytes(self) -> int:
+        mats = [m for layer in self.layers for m in layer.values()] + [self.embed, self.out_norm, self.cos, self.sin]
+        if self.lm_head is not self.embed:
+            mats.append(self.lm_head)
+        return sum(m.nbytes for m in mats)
+
+    def embed_rows(self, ids: np.ndarray) -> np.ndarray:
+        if hasattr(self.embed, "rows"):
+            return self.embed.rows(ids)
+        return np.stack([self.embed.row(int(i)) for i in ids])
+
+    def forward(self, h: StepInputs, k_cache: list[np.ndarray], v_cache: list[np.ndarray]) -> np.ndarray:
+        """Logits float32 `[entries, vocab]` at each entry's last new token; K/V written to their slots."""
+        c = self.config
+        heads, kv_heads, dim = c.num_heads, c.num_kv_heads, c.head_dim
+        ctx_offset, ctx_len, ctx_slots = _token_contexts(h)
+        x = self.embed_rows(h.ids)  # [tokens, hidden]
+        tokens = x.shape[0]
+        normed = np.empty_like(x)
+        attn = np.empty((tokens, heads, dim), dtype=np.float32)
+        self.kernel_calls = 0
+        for i, layer in enumerate(self.layers):
+            rms_norm(x, layer["attn_norm"], c.rms_norm_eps, normed)
+            qkv = layer["qkv"].matmul(normed).reshape(tokens, heads + 2 * kv_heads, dim)
+            rope_pairs(qkv, h.positions, self.cos, self.sin, heads + kv_heads)
+            k_cache[i][h.slots] = qkv[:, heads : heads + kv_heads]
+            v_cache[i][h.slots] = qkv[:, heads + kv_heads :]
+            paged_attention(np.ascontiguousarray(qkv[:, :heads]), k_cache[i], v_cache[i], ctx_offset, ctx_len,
+                            ctx_slots, attn)
+            x += layer["wo"].matmul(attn.reshape(tokens, heads * dim))
+            rms_norm(x, layer["ffn_norm"], c.rms_norm_eps, normed)
+            gate_up = layer["gate_up"].matmul(normed)
+            act = np.empty((tokens, gate_up.shape[1] // 2), dtype=np.float32)
+            silu_mul(gate_up, act)
+            x += layer["down"].matmul(act)
+            self.kernel_calls += 8
+        last = np.ascontiguousarray(x[h.last])
+        out = np.empty_like(last)
+        rms_norm(last, self.out_norm, c.rms_norm_eps, out)
+        self.kernel_calls += 2
+        return self.lm_head.matmul(out)
+
+
+def _token_contexts(h: StepInputs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per new token: where its context slots start in one flat array, and how many it reads (causal)."""
+    tokens = h.ids.shape[0]
+    offset = np.empty(tokens, dtype=np.int64)
+    length = np.empty(tokens, dtype=np.int64)
+    width = h.decode_context.shape[1] if h.decode_context.size else 0
+    for j, i in enumerate(h.decodes):
+        row = int(h.last[i])
+        offset[row], length[row] = j * width, h.contexts[i]
+    base = h.decode_context.size
+    for start, n, ctx_off, ctx_len in h.prefills:
+        past = ctx_len - n
+        offset[start : start + n] = base + ctx_off
+        length[start : start + n] = past + 1 + np.arange(n)
+    return offset, length, np.concatenate([h.decode_context.reshape(-1), h.prefill_context])

@@ -1,0 +1,108 @@
+"""The Numba model runner: the same engine contract as the torch runner, on GGUF blocks."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+import numba
+import numpy as np
+
+from hybridgate.mempool import DEFAULT_BLOCK_SIZE, PinnedPool, PoolStats
+from hybridgate.models import GGUFModel
+from hybridgate.workers.cpu import model as cpu_model
+from hybridgate.workers.cpu import quant
+from hybridgate.workers.cpu.model import CpuLlama
+from hybridgate.workers.memory import host_available_bytes, num_blocks_for
+from hybridgate.workers.sampling import sample
+from hybridgate.workers.scheduler import ScheduledBatch
+from hybridgate.workers.sequence import Sequence
+from hybridgate.workers.step_inputs import build_step_inputs
+
+log = logging.getLogger("hybridgate.worker")
+
+KERNELS = [
+    ("matmul_q4_1", quant.matmul_q4_1), ("matmul_q8_0", quant.matmul_q8_0),
+    ("matmul_rows", quant.matmul_rows), ("rms_norm", cpu_model.rms_norm), ("rope_pairs", cpu_model.rope_pairs),
+    ("paged_attention", cpu_model.paged_attention), ("silu_mul", cpu_model.silu_mul),
+]
+
+
+def kernel_cache_stats() -> tuple[int, int]:
+    """(cache hits, cache misses) of the compiled kernels in this process (Numba's dispatcher stats)."""
+    hits = sum(sum(k.stats.cache_hits.values()) for _, k in KERNELS)
+    misses = sum(sum(k.stats.cache_misses.values()) for _, k in KERNELS)
+    return hits, misses
+
+
+class NumbaRunner:
+    """Runs `CpuLlama` over a float32 paged host KV cache and samples with the numpy sampler."""
+
+    kind = "cpu"
+
+    def __init__(self, model: GGUFModel, kv_cache_memory: str | float | None = None,
+                 block_size: int = DEFAULT_BLOCK_SIZE, max_num_blocks: int | None = None, threads: int | None = None):
+        if threads:
+            numba.set_num_threads(threads)
+        self.model = CpuLlama(model)
+        c = model.config
+        self.max_model_len = c.max_model_len
+        self.block_size = block_size
+        self.block_bytes = 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * 4
+        self.num_blocks = num_blocks_for(kv_cache_memory, self.block_bytes, host_available_bytes(), gpu=False)
+        if max_num_blocks is not None:
+            self.num_blocks = min(self.num_blocks, max_num_blocks)
+        slots = (self.num_blocks + 1) * block_size  # the last block is scratch for padding reads
+        self.k_cache = [np.empty((slots, c.num_kv_heads, c.head_dim), np.float32) for _ in range(c.num_layers)]
+        self.v_cache = [np.empty((slots, c.num_kv_heads, c.head_dim), np.float32) for _ in range(c.num_layers)]
+        self.scratch_slot = self.num_blocks * block_size
+        for t in self.k_cache + self.v_cache:
+            t[self.scratch_slot :] = 0.0
+        self.pool = PinnedPool(4 << 20, 2)
+        log.info("CPU runner: weights %.1f MiB in GGUF blocks, KV cache %d blocks of %d tokens (%.1f MiB), %d threads",
+                 self.model.weight_bytes / 2**20, self.num_blocks, block_size,
+                 self.num_blocks * self.block_bytes / 2**20, numba.get_num_threads())
+
+    def pool_stats(self) -> PoolStats:
+        self.pool.drain()
+        return self.pool.stats
+
+    def forward(self, batch: ScheduledBatch) -> np.ndarray:
+        """float32 logits `[len(batch), vocab]` at each entry's last new token."""
+        buf = self.pool.acquire()
+        try:
+            inputs = build_step_inputs(batch, self.block_size, buf, self.scratch_slot)
+            return self.model.forward(inputs, self.k_cache, self.v_cache)
+        finally:
+            self.pool.release(buf)
+
+    def execute(self, batch: ScheduledBatch) -> dict[Sequence, int]:
+        logits = self.forward(batch)
+        ready = [(row, s) for row, (s, n) in enumerate(batch.entries) if s.num_computed + n == s.num_tokens]
+        if not ready:
+            return {}
+        seqs = [s for _, s in ready]
+        ids = sample(logits[[r for r, _ in ready]], [s.params for s in seqs], [s.seed for s in seqs],
+                     [len(s.output_ids) for s in seqs],
+                     [s.all_ids if s.params.repetition_penalty != 1.0 else () for s in seqs])
+        return dict(zip(seqs, ids.tolist()))
+
+    def warm_up(self, progress: bool = True) -> None:
+        """Compile (or load from the cache) every kernel, with a progress line, then one real step."""
+        from hybridgate.wire import AddRequest, SamplingParams
+
+        start = time.monotonic()
+        seq = Sequence(AddRequest("warm-up", [1, 2, 3, 4], SamplingParams(temperature=0), 0, 2, -1))
+        seq.block_table = [0]
+        if progress:
+            print("hybridgate: preparing CPU kernels (the first start compiles them; later starts load them "
+                  "from the cache)...", file=sys.stderr, flush=True)
+        self.execute(ScheduledBatch([(seq, 4)]))
+        seq.num_computed = 4
+        seq.append(5)
+        self.execute(ScheduledBatch([(seq, 1)]))
+        hits, misses = kernel_cache_stats()
+        if progress:
+            print(f"hybridgate: CPU kernels ready in {time.monotonic() - start:.1f} s "
+                  f"({misses} compiled, {hits} loaded from the cache)", file=sys.stderr, flush=True)

@@ -1,0 +1,65 @@
+"""A scheduled batch as flat int64 arrays: what both runners feed their kernels.
+
+Written into one `PinnedPool` buffer per step (a plain array when the step is
+larger than a buffer), so staging allocates nothing on the hot path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from hybridgate.workers.scheduler import ScheduledBatch
+
+
+@dataclass
+class StepInputs:
+    ids: np.ndarray  # int64 [num_tokens]
+    positions: np.ndarray  # int64 [num_tokens]
+    slots: np.ndarray  # int64 [num_tokens]: KV slot of each new token
+    decode_context: np.ndarray  # int64 [num_decodes, width]: context slots of single-token entries, padded
+    prefill_context: np.ndarray  # int64 [sum of prefill contexts]
+    last: np.ndarray  # int64 [num_entries]: row of each entry's last token
+    decodes: list[int]  # entries with one new token
+    prefills: list[tuple[int, int, int, int]]  # (first row, new tokens, context offset, context length)
+    contexts: list[int]  # context length of each entry after this step
+    width: int  # the longest decode context
+
+
+def context_slots(table: np.ndarray, block_size: int, length: int) -> np.ndarray:
+    """Slots of positions 0..length-1 for a block table (int64 `[length]`)."""
+    return (table[:, None] * block_size + np.arange(block_size)).ravel()[:length]
+
+
+def build_step_inputs(batch: ScheduledBatch, block_size: int, buf, pad_slot: int) -> StepInputs:
+    """The step's inputs; decode contexts are padded with `pad_slot` (which must hold finite values)."""
+    entries = batch.entries
+    tables = [np.asarray(s.block_table, dtype=np.int64) for s, _ in entries]
+    decodes = [i for i, (_, n) in enumerate(entries) if n == 1]
+    prefills = [i for i, (_, n) in enumerate(entries) if n > 1]
+    contexts = [s.num_computed + n for s, n in entries]
+    width = max((contexts[i] for i in decodes), default=0)
+    t = batch.num_tokens
+    sizes = [t, t, t, len(decodes) * width, sum(contexts[i] for i in prefills), len(entries)]
+    total = sum(sizes)
+    flat = buf.array(np.int64, total) if buf is not None and total * 8 <= buf.memory.nbytes else np.empty(total, np.int64)
+    ids, pos, slots, dctx, pctx, last = np.split(flat, np.cumsum(sizes)[:-1])
+    row = 0
+    for (seq, n), table in zip(entries, tables):
+        p = np.arange(seq.num_computed, seq.num_computed + n)
+        ids[row : row + n] = seq.all_ids[seq.num_computed : seq.num_computed + n]
+        pos[row : row + n] = p
+        slots[row : row + n] = table[p // block_size] * block_size + p % block_size
+        row += n
+    last[:] = np.cumsum([n for _, n in entries]) - 1
+    dctx = dctx.reshape(len(decodes), width)
+    for j, i in enumerate(decodes):
+        dctx[j, : contexts[i]] = context_slots(tables[i], block_size, contexts[i])
+        dctx[j, contexts[i] :] = pad_slot
+    offset, prefill_ctx = 0, []
+    for i in prefills:
+        pctx[offset : offset + contexts[i]] = context_slots(tables[i], block_size, contexts[i])
+        prefill_ctx.append((int(last[i]) - entries[i][1] + 1, entries[i][1], offset, contexts[i]))
+        offset += contexts[i]
+    return StepInputs(ids, pos, slots, dctx, pctx, last, decodes, prefill_ctx, contexts, width)

@@ -1,0 +1,70 @@
+"""CPU kernels on GGUF blocks against gguf's own dequantizer and a float64 matmul."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+
+from hybridgate.workers.cpu import quant
+
+T = gguf.GGMLQuantizationType
+QUANTIZABLE = ["F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
+
+
+def random_blocks(kind: str, rows: int, cols: int, rng) -> np.ndarray:
+    """uint8 `[rows, row_bytes]` of valid blocks (finite scales)."""
+    if kind in QUANTIZABLE:
+        data = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), T[kind])
+        return np.ascontiguousarray(data).view(np.uint8).reshape(rows, -1)
+    block_weights, block_bytes = quant.BLOCK[int(T[kind])]
+    raw = rng.integers(0, 256, (rows, cols // block_weights, block_bytes), dtype=np.uint8)
+    scale = rng.uniform(0.001, 0.05, (rows, cols // block_weights)).astype(np.float16).view(np.uint8)
+    scale = scale.reshape(rows, -1, 2)
+    if kind == "Q4_K":  # d, dmin at the front
+        raw[:, :, 0:2], raw[:, :, 2:4] = scale, scale
+    else:  # Q6_K: d at the end
+        raw[:, :, 208:210] = scale
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", QUANTIZABLE + ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize(("rows", "cols", "batch"), [(8, 256, 1), (40, 512, 3), (17, 768, 16)])
+def test_matmul_matches_reference(kind, rows, cols, batch):
+    rng = np.random.default_rng(rows * cols + batch)
+    data = random_blocks(kind, rows, cols, rng)
+    dense = np.asarray(gguf.quants.dequantize(data, T[kind]), dtype=np.float64).reshape(rows, cols)
+    x = rng.standard_normal((batch, cols)).astype(np.float32)
+    ref = x.astype(np.float64) @ dense.T
+    for matrix in (quant.quant_matrix("w", int(T[kind]), data, (rows, cols)),
+                   quant.QuantMatrix("w", int(T[kind]), data, (rows, cols))):
+        y = matrix.matmul(x)
+        assert np.linalg.norm(y - ref) / np.linalg.norm(ref) <= 1e-5, type(matrix).__name__
+        np.testing.assert_allclose(matrix.row(rows // 2), dense[rows // 2], rtol=1e-6, atol=1e-7)
+
+
+def test_hand_built_q4_1_block():
+    # d = 0.5, m = -1.0, nibbles 0..15 low and 15..0 high: weight j = 0.5 * q_j - 1.
+    block = np.zeros(20, dtype=np.uint8)
+    block[0:2] = np.array([0.5], dtype=np.float16).view(np.uint8)
+    block[2:4] = np.array([-1.0], dtype=np.float16).view(np.uint8)
+    block[4:20] = np.arange(16, dtype=np.uint8) | ((15 - np.arange(16, dtype=np.uint8)) << 4)
+    m = quant.quant_matrix("w", int(T.Q4_1), block[None, :], (1, 32))
+    expected = np.concatenate([0.5 * np.arange(16) - 1, 0.5 * (15 - np.arange(16)) - 1])
+    np.testing.assert_array_equal(m.row(0), expected)
+    x = np.ones((1, 32), dtype=np.float32)
+    assert m.matmul(x)[0, 0] == pytest.approx(expected.sum())
+
+
+def test_f16_bits_cover_subnormals_and_specials():
+    values = np.array([0.0, -0.0, 1.0, -2.5, 6.1e-5, 5.96e-8, 65504.0, np.inf, -np.inf], dtype=np.float16)
+    raw = values.view(np.uint8)
+    got = [quant.f16_to_f32(raw[2 * i], raw[2 * i + 1]) for i in range(len(values))]
+    np.testing.assert_array_equal(np.array(got, dtype=np.float32), values.astype(np.float32))
+
+
+def test_q4_1_repack_is_six_bits_per_weight():
+    rng = np.random.default_rng(0)
+    data = random_blocks("Q4_1", 64, 512, rng)
+    m = quant.quant_matrix("w", int(T.Q4_1), data, (64, 512))
+    assert m.nbytes * 8 / (64 * 512) <= 6.0
