@@ -29,6 +29,7 @@ transformers tokenizer differs are listed in tokenizer.json under
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import platform
 import sys
@@ -192,7 +193,7 @@ def versions(path: Path) -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "tokenizers": tokenizers.__version__,
-        "gguf": getattr(gguf, "__version__", "unknown"),
+        "gguf": importlib.metadata.version("gguf"),
         "numpy": np.__version__,
         "model_file": path.name,
         "model_sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
