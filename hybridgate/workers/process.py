@@ -22,7 +22,7 @@ import msgspec
 import zmq
 
 from hybridgate import wire
-from hybridgate.wire import Abort, Connect, EngineStats, Hello, Load, MsgType, Ready
+from hybridgate.wire import Connect, EngineStats, Hello, Load, MsgType, Ready
 from hybridgate.workers.engine import EngineCore, EngineLoop, Inbox
 from hybridgate.workers.scheduler import SchedulerConfig
 

@@ -96,12 +96,6 @@ def stub(target: str) -> pb_grpc.GenerationStub:
     return pb_grpc.GenerationStub(grpc.insecure_channel(target, options=[("grpc.max_send_message_length", 64 << 20)]))
 
 
-def chat(text: str, **fields) -> pb.GenerateRequest:
-    req = pb.GenerateRequest(**fields)
-    req.chat.messages.add(role="user", content=text)
-    return req
-
-
 def metrics(url: str) -> dict[str, float]:
     """Samples as {"name{label=value,...}": value} (labels sorted)."""
     out = {}

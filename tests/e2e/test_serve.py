@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import TIME_FACTOR, golden_json
 from hybridgate.v1 import generation_pb2 as pb
-from procs import HYBRIDGATE, Proc, Serve, chat, metrics, stub, wait_metric
+from procs import HYBRIDGATE, Proc, Serve, metrics, stub, wait_metric
 
 GREEDY = golden_json("greedy.json")
 FRANCE = "What is the capital of France?"

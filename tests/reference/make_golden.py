@@ -184,7 +184,6 @@ def tiny_golden() -> dict[str, np.ndarray]:
 
 
 def versions(path: Path) -> dict:
-    import gguf
     import tokenizers
     import transformers
 
