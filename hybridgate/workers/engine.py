@@ -22,6 +22,8 @@ from hybridgate.workers.sequence import FINISH_OF_STATUS, Sequence, SequenceStat
 
 log = logging.getLogger(__name__)
 
+_MAX_EARLY_ABORTS = 4096
+
 
 class ModelRunner(Protocol):
     """Turns a scheduled batch into sampled ids; knows batches and blocks, not requests."""
@@ -50,8 +52,14 @@ class EngineCore:
         self.scheduler = Scheduler(scheduler_config, self.allocator, fingerprint)
         self.stats = EngineStats(blocks_total=runner.num_blocks)
         self._by_id: dict[tuple[bytes, str], Sequence] = {}
+        # Aborts that overtook their request (the request queue and the abort fast path race):
+        # the request is dropped when it arrives. Bounded, oldest forgotten first.
+        self._early_aborts: dict[tuple[bytes, str], None] = {}
 
     def add(self, request: AddRequest, client: bytes = b"") -> RequestError | None:
+        if (client, request.request_id) in self._early_aborts:
+            del self._early_aborts[(client, request.request_id)]
+            return None  # aborted before it arrived
         total = len(request.prompt_ids) + request.max_tokens
         if not request.prompt_ids or total > self.runner.max_model_len:
             return RequestError(request.request_id, f"prompt + max_tokens = {total} tokens exceeds max model "
@@ -73,6 +81,10 @@ class EngineCore:
             if seq is not None:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
                 aborted.append(seq)
+            else:
+                self._early_aborts[(client, rid)] = None
+                if len(self._early_aborts) > _MAX_EARLY_ABORTS:
+                    del self._early_aborts[next(iter(self._early_aborts))]
         return aborted
 
     def abort_client(self, client: bytes) -> None:

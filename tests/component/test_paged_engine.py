@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import golden_npz
+from conftest import TIME_FACTOR, golden_npz
 from hybridgate.mempool import BlockAllocator
 from hybridgate.models import model_fingerprint
 from hybridgate.router import Router
@@ -164,7 +164,7 @@ def test_cancel_storm_returns_every_block_and_buffer(gguf_model, runner, fingerp
                             break
 
             await asyncio.gather(*(one(i) for i in range(200)))
-            for _ in range(500):
+            for _ in range(int(3000 * TIME_FACTOR)):
                 if not client.engine.has_work() and client.inbox.requests.empty():
                     break
                 await asyncio.sleep(0.01)
@@ -194,3 +194,10 @@ def test_static_padded_decode_equals_the_dynamic_path(runner):
     static = graphs.run(h.ids, h.positions, h.slots, h.decode_context, np.asarray(h.contexts)).numpy()
     assert graphs.key(3, h.width) == (4, 256)  # padded to batch 4 and the 256-token bucket
     np.testing.assert_allclose(static, dynamic, atol=1e-4, rtol=0)
+
+
+def test_an_abort_that_overtakes_its_request_drops_it(runner, fingerprint):
+    engine = EngineCore(runner, SchedulerConfig(), fingerprint)
+    assert engine.abort(["late"]) == []
+    assert engine.add(request("late", LONG_IDS[:20], 30)) is None
+    assert not engine.has_work() and engine.refresh_stats().blocks_used == 0
