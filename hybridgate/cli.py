@@ -91,7 +91,7 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
                    help="token budget of one engine step; longer prompts are prefilled in chunks (default 2048)")
     p.add_argument("--kv-cache-memory", default=None,
                    help="KV cache size: bytes (e.g. 2GiB) or a fraction of free device memory after weights (GPU) "
-                        "or of available memory (CPU); default 0.9 on a GPU, 0.2 on a CPU")
+                        "or of available memory (CPU); default 0.9 on a GPU, 1GiB on a CPU")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off (on by default)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="on CUDA, run decode steps eagerly instead of replaying captured CUDA graphs")
@@ -132,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(worker), _add_engine(worker)
     worker.add_argument("--endpoint", required=True, help="where to bind: ipc://PATH or tcp://127.0.0.1:PORT")
     worker.add_argument("--kind", choices=("gpu", "cpu"), default="gpu",
-                        help="gpu: the PyTorch runner (on a CPU torch device without CUDA); cpu: the Numba runner")
+                        help="gpu: the PyTorch runner (on a CPU torch device without CUDA); "
+                             "cpu: the Numba runner on GGUF blocks (work in progress, slower for now)")
     worker.set_defaults(func=_cmd_worker)
 
     gen = sub.add_parser("generate", help="stream one answer from a running gateway")

@@ -14,6 +14,11 @@ from hybridgate.v1 import generation_pb2_grpc as pb_grpc
 
 
 def build_request(args: argparse.Namespace, prompt: str) -> pb.GenerateRequest:
+    """The request of the command line. Raises ValueError naming a flag whose value the proto cannot hold."""
+    for flag, value, limit in (("--max-tokens", args.max_tokens, 2**32 - 1), ("--seed", args.seed, 2**64 - 1),
+                               ("--top-k", args.top_k, 2**31 - 1)):
+        if value is not None and not (0 if flag != "--top-k" else -(2**31)) <= value <= limit:
+            raise ValueError(f"{flag} must be in [{0 if flag != '--top-k' else -1}, {limit}], got {value}")
     req = pb.GenerateRequest(stop=args.stop, ignore_eos=args.ignore_eos)
     if args.chat:
         req.chat.messages.add(role="user", content=prompt)
@@ -30,23 +35,31 @@ def generate(args: argparse.Namespace, prompt: str) -> int:
     """Stream one request; text to stdout, a summary line (or errors) to stderr. 0 on success."""
     channel = grpc.insecure_channel(args.target)
     stub = pb_grpc.GenerationStub(channel)
+    request = build_request(args, prompt)
+    wrote = False
     try:
-        for msg in stub.Generate(build_request(args, prompt), timeout=args.timeout):
+        for msg in stub.Generate(request, timeout=args.timeout):
             if args.json:
-                print(json.dumps(json_format.MessageToDict(msg, preserving_proto_field_name=True)), flush=True)
+                fields = json_format.MessageToDict(msg, preserving_proto_field_name=True)
+                fields.setdefault("token_index", msg.token_index)  # proto3 leaves out a 0
+                print(json.dumps(fields), flush=True)
             else:
                 sys.stdout.write(msg.text)
                 sys.stdout.flush()
+                wrote = wrote or bool(msg.text)
             if msg.finish_reason:
                 last = msg
     except grpc.RpcError as exc:
-        print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        if wrote:
+            print()
+        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
     finally:
         channel.close()
     if not args.json:
+        print()
         reason = pb.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower()
-        print(f"\n[finish_reason={reason} prompt_tokens={last.usage.prompt_tokens} "
+        print(f"[finish_reason={reason} prompt_tokens={last.usage.prompt_tokens} "
               f"completion_tokens={last.usage.completion_tokens} ttft_ms={last.timings.ttft_ms:.1f} "
               f"total_ms={last.timings.total_ms:.1f} route={last.route}]", file=sys.stderr)
     return 0

@@ -49,7 +49,7 @@ async def run_gateway(config: ServeConfig, endpoints: list[str]) -> int:
     gateway = Gateway(router, config.gateway)
     router.on_ready_change = gateway.on_ready_change
     await gateway.start()
-    print(f"hybridgate: gRPC on {config.gateway.host}:{gateway.port} (health NOT_SERVING until a worker is READY)",
+    print(f"hybridgate: gRPC on {config.gateway.host}:{gateway.port} (health NOT_SERVING until a worker is up)",
           flush=True)
     if gateway.metrics_port is not None:
         print(f"hybridgate: metrics on http://{config.gateway.host}:{gateway.metrics_port}/metrics", flush=True)

@@ -28,6 +28,8 @@ def request_to_native(req: pb.GenerateRequest) -> tuple[Prompt, SamplingParams]:
         prompt = [{"role": m.role, "content": m.content} for m in req.chat.messages]
         if not prompt:
             raise InvalidFieldError("chat.messages", "at least one message is required")
+        if not any(m["content"].strip() for m in prompt):
+            raise InvalidFieldError("chat.messages", "every message content is empty")
     if req.HasField("max_tokens") and req.max_tokens == 0:
         raise InvalidFieldError("max_tokens", "must be >= 1, got 0")
     params = SamplingParams(

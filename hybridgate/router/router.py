@@ -142,6 +142,8 @@ class Router:
             return
         if not prompt:
             raise InvalidRequestError("messages", "at least one message is required")
+        if not any(isinstance(m.get("content"), str) and m["content"].strip() for m in prompt):
+            raise InvalidRequestError("messages", "every message content is empty")
         for i, m in enumerate(prompt):
             if m.get("role") not in ROLES:
                 raise InvalidRequestError(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {m.get('role')!r}")

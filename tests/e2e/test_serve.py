@@ -45,6 +45,11 @@ def test_cli_streams_the_reference_answer(server):
     assert plain.stdout.strip() == "The capital of France is Paris." and "finish_reason=eos" in plain.stderr
 
 
+def test_cli_names_a_flag_the_proto_cannot_hold(server):
+    out = run_cli(server, "--max-tokens", "-3", "hi")
+    assert out.returncode != 0 and "--max-tokens" in out.stderr and "Traceback" not in out.stderr
+
+
 def test_tokens_stream_as_they_are_made(server):
     start = time.monotonic()
     arrivals = [time.monotonic() - start for _ in stub(server.target).Generate(
@@ -71,6 +76,7 @@ def test_tokens_stream_as_they_are_made(server):
         ({"prompt": "hi", "stop": ["s" * 257]}, "stop"),
         ({"prompt": "hi", "max_tokens": 8192}, "max_tokens"),
         ({"chat": pb.Chat(messages=[pb.ChatMessage(role="wizard", content="hi")])}, "role"),
+        ({"chat": pb.Chat(messages=[pb.ChatMessage(role="user", content="  ")])}, "messages"),
         ({"chat": pb.Chat(messages=[pb.ChatMessage(role="user", content="x" * ((1 << 20) + 1))])}, "content"),
     ],
 )
