@@ -152,11 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print each response message as one JSON object per line")
     gen.set_defaults(func=_cmd_generate)
 
-    bench = sub.add_parser("bench", help="benchmarks with side-by-side baselines (engine)")
+    bench = sub.add_parser("bench", help="benchmarks with side-by-side baselines (engine, accuracy)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from hybridgate.bench import add_engine_parser  # argparse only; torch is imported when it runs
+    from hybridgate.bench import add_accuracy_parser, add_engine_parser  # argparse only; torch loads on run
 
     add_engine_parser(bench_sub)
+    add_accuracy_parser(bench_sub)
 
     info = sub.add_parser("info", help="print a GGUF model's config and fingerprint")
     _add_model(info)

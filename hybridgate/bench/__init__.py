@@ -35,3 +35,20 @@ def _run_engine(args) -> int:
 
     engine.run(args)
     return 0
+
+
+def add_accuracy_parser(sub) -> None:
+    p = sub.add_parser("accuracy", help="teacher-forced next-token distributions against the fp32 reference")
+    p.add_argument("--kind", choices=("cpu", "gpu"), default="cpu", help="runner to measure (default cpu)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="torch device for --kind gpu")
+    p.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("--threads", type=int, default=None, help="threads of the CPU runner (default: all cores)")
+    p.add_argument("--json", default=None, metavar="OUT", help="write the figures to this JSON file")
+    p.set_defaults(func=_run_accuracy)
+
+
+def _run_accuracy(args) -> int:
+    from hybridgate.bench import accuracy
+
+    accuracy.run(args)
+    return 0
