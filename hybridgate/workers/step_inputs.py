@@ -25,6 +25,7 @@ class StepInputs:
     prefills: list[tuple[int, int, int, int]]  # (first row, new tokens, context offset, context length)
     contexts: list[int]  # context length of each entry after this step
     width: int  # the longest decode context
+    decode_tables: np.ndarray  # int64 [num_decodes, max_blocks]: block tables of decodes, padded
 
 
 def context_slots(table: np.ndarray, block_size: int, length: int) -> np.ndarray:
@@ -33,7 +34,8 @@ def context_slots(table: np.ndarray, block_size: int, length: int) -> np.ndarray
 
 
 def build_step_inputs(batch: ScheduledBatch, block_size: int, buf, pad_slot: int) -> StepInputs:
-    """The step's inputs; decode contexts are padded with `pad_slot` (which must hold finite values)."""
+    """The step's inputs; decode contexts are padded with `pad_slot` (which must hold finite values),
+    decode block tables with the block of `pad_slot`."""
     entries = batch.entries
     tables = [np.asarray(s.block_table, dtype=np.int64) for s, _ in entries]
     decodes = [i for i, (_, n) in enumerate(entries) if n == 1]
@@ -62,4 +64,9 @@ def build_step_inputs(batch: ScheduledBatch, block_size: int, buf, pad_slot: int
         pctx[offset : offset + contexts[i]] = context_slots(tables[i], block_size, contexts[i])
         prefill_ctx.append((int(last[i]) - entries[i][1] + 1, entries[i][1], offset, contexts[i]))
         offset += contexts[i]
-    return StepInputs(ids, pos, slots, dctx, pctx, last, decodes, prefill_ctx, contexts, width)
+    max_blocks = -(-width // block_size)
+    tables_out = np.full((len(decodes), max_blocks), pad_slot // block_size, dtype=np.int64)
+    for j, i in enumerate(decodes):
+        used = -(-contexts[i] // block_size)
+        tables_out[j, :used] = tables[i][:used]
+    return StepInputs(ids, pos, slots, dctx, pctx, last, decodes, prefill_ctx, contexts, width, tables_out)

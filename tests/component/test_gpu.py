@@ -75,16 +75,23 @@ def test_graph_replay_is_bitwise_equal_to_eager_at_the_same_padded_size(cuda_run
 
 
 def test_cuda_decode_matches_the_gather_reference(cuda_runner):
+    import dataclasses
+
     from hybridgate.workers.gpu.attention import PagedAttention
     from hybridgate.workers.scheduler import ScheduledBatch
 
     seqs, _ = _prefilled(cuda_runner, (17, 64, 100, 250))
     batch = ScheduledBatch([(s, 1) for s in seqs])
-    fast = cuda_runner.forward(batch).float()  # graphs
     h = cuda_runner._host_inputs(batch, cuda_runner.pool.acquire())
     ids, pos, step, last = cuda_runner._to_device(h)
-    ref = cuda_runner.model.forward_tokens(ids, pos, PagedAttention(cuda_runner.cache, step), last).float()
+    assert step.decode_blocks is not None  # the CUDA path gathers whole blocks
+    model = cuda_runner.model
+    fast = model.forward_tokens(ids, pos, PagedAttention(cuda_runner.cache, step), last).float()
+    slot_step = dataclasses.replace(step, decode_blocks=None, decode_block_mask=None)
+    ref = model.forward_tokens(ids, pos, PagedAttention(cuda_runner.cache, slot_step), last).float()
+    graphs = cuda_runner.forward(batch).float()
     assert (fast - ref).abs().max().item() < 5e-2  # bf16
+    assert (graphs - ref).abs().max().item() < 5e-2
 
 
 def test_freed_blocks_reused_at_once_keep_kv_intact(cuda_runner):

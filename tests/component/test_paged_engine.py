@@ -201,3 +201,20 @@ def test_an_abort_that_overtakes_its_request_drops_it(runner, fingerprint):
     assert engine.abort(["late"]) == []
     assert engine.add(request("late", LONG_IDS[:20], 30)) is None
     assert not engine.has_work() and engine.refresh_stats().blocks_used == 0
+
+
+def test_block_gather_decode_path_equals_the_slot_gather_reference(gguf_model, runner):
+    """The CUDA decode path (whole-block gathers) against the per-slot reference, run on the CPU."""
+    blocks = TorchRunner(gguf_model, torch.device("cpu"), torch.float32, kv_cache_memory="64MiB", block_gather=True)
+    results = []
+    for r in (runner, blocks):
+        alloc = BlockAllocator(r.num_blocks, r.block_size)
+        seqs = [new_seq(str(i), LONG_IDS[i * 11 : i * 11 + n]) for i, n in enumerate((3, 16, 17, 40))]
+        for s in seqs:
+            alloc.ensure(s.block_table, s.num_tokens + 1)
+        r.forward(ScheduledBatch([(s, s.num_tokens) for s in seqs]))
+        for s in seqs:
+            s.num_computed = s.num_tokens
+            s.output_ids.append(int(LONG_IDS[700 + len(s.prompt_ids)]))
+        results.append(r.forward(ScheduledBatch([(s, 1) for s in seqs])).numpy())
+    np.testing.assert_allclose(results[1], results[0], atol=1e-4, rtol=0)

@@ -50,6 +50,10 @@ class PagedStep:
     decode_context: torch.Tensor | None
     decode_mask: torch.Tensor | None
     prefills: list[tuple[int, int, torch.Tensor]]
+    # Block-gather variant (the CUDA path): decode block tables `[num_decodes, max_blocks]` and a
+    # mask over `max_blocks * block_size` positions; whole blocks are copied instead of single slots.
+    decode_blocks: torch.Tensor | None = None
+    decode_block_mask: torch.Tensor | None = None
 
 
 class PagedAttention:
@@ -75,10 +79,27 @@ class PagedAttention:
 
         `index_select` gathers the context 2.5x faster than advanced indexing on the CPU.
         """
+        if self.step.decode_blocks is not None:
+            return self._decode_blocks(q, kc, vc)
         ctx = self.step.decode_context  # [batch, width]
         batch, width = ctx.shape
         flat = ctx.reshape(-1)
         k = kc.index_select(0, flat).view(batch, width, *kc.shape[1:]).transpose(1, 2)  # [batch, kv_heads, width, dim]
         v = vc.index_select(0, flat).view(batch, width, *vc.shape[1:]).transpose(1, 2)
         out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=self.step.decode_mask, enable_gqa=True)
+        return out[:, :, 0, :]
+
+    def _decode_blocks(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+        """Decode attention gathering whole blocks: one contiguous `block_size x kv_heads x head_dim`
+        copy per block instead of one per token; positions past each context are masked."""
+        tables = self.step.decode_blocks  # [batch, max_blocks]
+        batch, blocks = tables.shape
+        bs = self.cache.block_size
+        flat = tables.reshape(-1)
+        kb = kc.view(-1, bs, *kc.shape[1:]).index_select(0, flat)  # [batch * blocks, bs, kv_heads, dim]
+        vb = vc.view(-1, bs, *vc.shape[1:]).index_select(0, flat)
+        k = kb.view(batch, blocks * bs, *kc.shape[1:]).transpose(1, 2)  # [batch, kv_heads, blocks * bs, dim]
+        v = vb.view(batch, blocks * bs, *vc.shape[1:]).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=self.step.decode_block_mask,
+                                             enable_gqa=True)
         return out[:, :, 0, :]

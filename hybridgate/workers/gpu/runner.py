@@ -49,10 +49,14 @@ class TorchRunner:
 
     def __init__(self, model: GGUFModel, device: torch.device | None = None, dtype: torch.dtype | None = None,
                  kv_cache_memory: str | float | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
-                 max_num_blocks: int | None = None, enforce_eager: bool = False, max_num_seqs: int = 64):
+                 max_num_blocks: int | None = None, enforce_eager: bool = False, max_num_seqs: int = 64,
+                 block_gather: bool | None = None):
         self.model = LlamaModel(model, device, dtype)
         dev = self.model.device
         self.max_model_len = model.config.max_model_len
+        # Decode attention gathers whole blocks on CUDA (fewer, larger copies); per-slot
+        # index_select on the CPU, where it measured as fast and needs no padding to a block.
+        self.block_gather = dev.type == "cuda" if block_gather is None else block_gather
         self.block_size = block_size
         self.block_bytes = PagedKVCache.block_bytes(model.config, block_size, self.model.dtype)
         self.num_blocks = num_blocks_for(kv_cache_memory, self.block_bytes, _available_bytes(dev), dev.type == "cuda")
@@ -62,7 +66,9 @@ class TorchRunner:
         self.cache = PagedKVCache(model.config, self.num_blocks + 1, block_size, dev, self.model.dtype)
         self.scratch_slot = self.num_blocks * block_size
         for t in self.cache.k + self.cache.v:
-            t[self.scratch_slot :].zero_()  # padding reads it: uninitialized memory could hold NaN
+            # Padding reads these (masked): uninitialized memory could hold NaN, and 0 * NaN is NaN.
+            # Block gathers also read the unused tail of each last block, so zero everything then.
+            (t if self.block_gather else t[self.scratch_slot :]).zero_()
         self.graphs = None
         if dev.type == "cuda" and not enforce_eager:
             self.graphs = DecodeGraphs(self.model, self.cache, self.scratch_slot, max_num_seqs,
@@ -120,12 +126,19 @@ class TorchRunner:
         if h.decodes and any(n != h.width for n in lengths):
             mask = (torch.arange(h.width, device=dev)[None, :] < torch.tensor(lengths, device=dev)[:, None])[:, None, None, :]
         pctx = to(h.prefill_context)
+        blocks = block_mask = None
+        if self.block_gather and h.decodes:
+            blocks = to(h.decode_tables)
+            span = h.decode_tables.shape[1] * self.block_size
+            block_mask = (torch.arange(span, device=dev)[None, :] < torch.tensor(lengths, device=dev)[:, None])[:, None, None, :]
         step = PagedStep(
             slots=to(h.slots),
             decode_rows=to(h.last[h.decodes]) if h.decodes else None,
             decode_context=to(h.decode_context) if h.decodes else None,
             decode_mask=mask,
             prefills=[(start, n, pctx[o : o + c]) for start, n, o, c in h.prefills],
+            decode_blocks=blocks,
+            decode_block_mask=block_mask,
         )
         return to(h.ids), to(h.positions), step, to(h.last)
 
