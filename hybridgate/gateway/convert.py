@@ -3,35 +3,28 @@
 from __future__ import annotations
 
 from hybridgate.router import Delta
-from hybridgate.router.router import MAX_PROMPT_BYTES, Prompt
+from hybridgate.router.router import Prompt
 from hybridgate.v1 import generation_pb2 as pb
 from hybridgate.wire import InvalidFieldError, SamplingParams
 
 
 def request_to_native(req: pb.GenerateRequest) -> tuple[Prompt, SamplingParams]:
-    """(prompt or messages, sampling params) of a request.
+    """(prompt or messages, sampling params) of a request, as plain Python values.
+
+    Only what protobuf alone knows is checked here (which input is set); the
+    limits of every field are checked once, by `Router.generate`, for the
+    gateway and for services that embed the router alike.
 
     Raises:
-        InvalidFieldError: naming the field and its limit.
+        InvalidFieldError: neither prompt nor chat is set.
     """
     which = req.WhichOneof("input")
     if which is None:
         raise InvalidFieldError("prompt", "must not be empty (set prompt or chat)")
     if which == "prompt":
         prompt: Prompt = req.prompt
-        if not prompt:
-            raise InvalidFieldError("prompt", "must not be empty")
-        if len(prompt.encode("utf-8")) > MAX_PROMPT_BYTES:
-            raise InvalidFieldError("prompt", f"at most 1 MiB ({MAX_PROMPT_BYTES} bytes), got "
-                                    f"{len(prompt.encode('utf-8'))} bytes")
     else:
         prompt = [{"role": m.role, "content": m.content} for m in req.chat.messages]
-        if not prompt:
-            raise InvalidFieldError("chat.messages", "at least one message is required")
-        if not any(m["content"].strip() for m in prompt):
-            raise InvalidFieldError("chat.messages", "every message content is empty")
-    if req.HasField("max_tokens") and req.max_tokens == 0:
-        raise InvalidFieldError("max_tokens", "must be >= 1, got 0")
     params = SamplingParams(
         temperature=req.temperature if req.HasField("temperature") else 1.0,
         top_p=req.top_p if req.HasField("top_p") else 1.0,
@@ -42,7 +35,7 @@ def request_to_native(req: pb.GenerateRequest) -> tuple[Prompt, SamplingParams]:
         stop=tuple(req.stop),
         ignore_eos=req.ignore_eos,
     )
-    return prompt, params.validate()
+    return prompt, params
 
 
 def delta_to_proto(delta: Delta) -> pb.GenerateResponse:

@@ -175,20 +175,25 @@ def test_cancel_storm_returns_every_block_and_buffer(gguf_model, runner, fingerp
     assert runner.pool.stats.buffers_in_use == 0 and stats.pinned_bytes_in_use == 0 and stats.pinned_peak_bytes > 0
 
 
-def test_static_padded_decode_equals_the_dynamic_path(runner):
-    from hybridgate.workers.gpu.graphs import DecodeGraphs
-
-    graphs = DecodeGraphs(runner.model, runner.cache, runner.num_blocks * runner.block_size, 8, runner.max_model_len,
-                          capture=False)
+def prefilled_decode_batch(runner, lengths, stride: int, next_from: int) -> ScheduledBatch:
+    """Prompts of `lengths` prefilled on fresh blocks, each with one more id: the next decode step."""
     alloc = BlockAllocator(runner.num_blocks, runner.block_size)
-    seqs = [new_seq(str(i), LONG_IDS[i * 9 : i * 9 + n]) for i, n in enumerate((5, 20, 33))]
+    seqs = [new_seq(str(i), LONG_IDS[i * stride : i * stride + n]) for i, n in enumerate(lengths)]
     for s in seqs:
         alloc.ensure(s.block_table, s.num_tokens + 1)
     runner.forward(ScheduledBatch([(s, s.num_tokens) for s in seqs]))
     for s in seqs:
         s.num_computed = s.num_tokens
-        s.output_ids.append(int(LONG_IDS[500 + len(s.prompt_ids)]))
-    batch = ScheduledBatch([(s, 1) for s in seqs])
+        s.output_ids.append(int(LONG_IDS[next_from + len(s.prompt_ids)]))
+    return ScheduledBatch([(s, 1) for s in seqs])
+
+
+def test_static_padded_decode_equals_the_dynamic_path(runner):
+    from hybridgate.workers.gpu.graphs import DecodeGraphs
+
+    graphs = DecodeGraphs(runner.model, runner.cache, runner.num_blocks * runner.block_size, 8, runner.max_model_len,
+                          capture=False)
+    batch = prefilled_decode_batch(runner, (5, 20, 33), stride=9, next_from=500)
     dynamic = runner.forward(batch).numpy()
     h = runner._host_inputs(batch, runner.pool.acquire())
     static = graphs.run(h.ids, h.positions, h.slots, h.decode_context, np.asarray(h.contexts)).numpy()
@@ -206,15 +211,6 @@ def test_an_abort_that_overtakes_its_request_drops_it(runner, fingerprint):
 def test_block_gather_decode_path_equals_the_slot_gather_reference(gguf_model, runner):
     """The CUDA decode path (whole-block gathers) against the per-slot reference, run on the CPU."""
     blocks = TorchRunner(gguf_model, torch.device("cpu"), torch.float32, kv_cache_memory="64MiB", block_gather=True)
-    results = []
-    for r in (runner, blocks):
-        alloc = BlockAllocator(r.num_blocks, r.block_size)
-        seqs = [new_seq(str(i), LONG_IDS[i * 11 : i * 11 + n]) for i, n in enumerate((3, 16, 17, 40))]
-        for s in seqs:
-            alloc.ensure(s.block_table, s.num_tokens + 1)
-        r.forward(ScheduledBatch([(s, s.num_tokens) for s in seqs]))
-        for s in seqs:
-            s.num_computed = s.num_tokens
-            s.output_ids.append(int(LONG_IDS[700 + len(s.prompt_ids)]))
-        results.append(r.forward(ScheduledBatch([(s, 1) for s in seqs])).numpy())
+    results = [r.forward(prefilled_decode_batch(r, (3, 16, 17, 40), stride=11, next_from=700)).numpy()
+               for r in (runner, blocks)]
     np.testing.assert_allclose(results[1], results[0], atol=1e-4, rtol=0)

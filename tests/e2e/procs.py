@@ -15,7 +15,6 @@ import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import TIME_FACTOR
-from hybridgate.v1 import generation_pb2 as pb
 from hybridgate.v1 import generation_pb2_grpc as pb_grpc
 
 HYBRIDGATE = str(Path(sys.executable).parent / "hybridgate")
