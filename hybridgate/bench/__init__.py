@@ -8,22 +8,29 @@ from __future__ import annotations
 
 
 def add_engine_parser(sub) -> None:
-    p = sub.add_parser("engine", help="drive the engine in-process; decode, prefill and TTFT against transformers")
-    p.add_argument("--kind", choices=("gpu", "cpu"), default="gpu", help="which runner (gpu: the torch runner)")
+    p = sub.add_parser("engine", help="drive the engine in-process; decode, prefill and TTFT against a baseline")
+    p.add_argument("--kind", choices=("gpu", "cpu"), default="gpu",
+                   help="which runner: gpu (the torch runner; baseline transformers) or cpu (the Numba runner; "
+                        "baseline llama.cpp with --baseline llama-cpp)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="torch device (default: cuda if present)")
     p.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct Q4_1)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="threads of the runner and its baseline (default: all cores)")
     p.add_argument("--kv-cache-memory", default=None, help="KV cache size (bytes or fraction, as for serve)")
-    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 64],
-                   help="decode concurrencies, comma-separated (default 1,4,16,64)")
+    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                   help="decode concurrencies, comma-separated (default 1,4,16,64 for gpu, 1,4,16 for cpu)")
     p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens of each decode request (default 32)")
     p.add_argument("--new-tokens", type=int, default=64, help="new tokens per decode request (default 64)")
-    p.add_argument("--prefill-lens", type=lambda s: [int(x) for x in s.split(",")], default=[128, 512, 2048],
-                   help="prefill prompt lengths, comma-separated (default 128,512,2048)")
-    p.add_argument("--prefill-prompts", type=int, default=16, help="prompts per prefill case (default 16)")
+    p.add_argument("--prefill-lens", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                   help="prefill prompt lengths, comma-separated (default 128,512,2048 for gpu, 128,512 for cpu)")
+    p.add_argument("--prefill-prompts", type=int, default=None,
+                   help="prompts per prefill case (default 16 for gpu, 4 for cpu)")
     p.add_argument("--ttft-len", type=int, default=1024, help="prompt tokens of the TTFT case (default 1024)")
     p.add_argument("--repeats", type=int, default=3, help="runs per case; medians are reported (default 3)")
-    p.add_argument("--no-baseline", action="store_true", help="skip transformers")
+    p.add_argument("--baseline", choices=("transformers", "llama-cpp", "none"), default=None,
+                   help="baseline run side by side (default: transformers for gpu; none for cpu, where llama-cpp "
+                        "needs the bench extra: pip install -e '.[bench]')")
+    p.add_argument("--no-baseline", action="store_true", help="same as --baseline none")
     p.add_argument("--compare-eager", action="store_true",
                    help="on CUDA, also time the decode step without CUDA graphs (--enforce-eager)")
     p.add_argument("--json", default=None, metavar="OUT", help="write the figures to this JSON file")

@@ -1,4 +1,4 @@
-"""`hybridgate bench engine --kind gpu`: the engine in-process against transformers, side by side.
+"""`hybridgate bench engine --kind gpu|cpu`: the engine in-process against a baseline, side by side.
 
 Reports medians over `--repeats` of:
 - decode tokens/s at each concurrency c: c prompts of `--prompt-len` tokens,
@@ -6,9 +6,14 @@ Reports medians over `--repeats` of:
   whole run (prefill included, the same for the baseline);
 - prefill tokens/s: `--prefill-prompts` prompts of each length, one token out;
 - TTFT of a `--ttft-len`-token prompt, cold and then prefix-cached.
-Baseline: transformers `generate(use_cache=True)` on the same GGUF, device and
-dtype, batched with left padding and exactly `--new-tokens` new tokens;
-prefill: one forward of the batch.
+Baselines: for `--kind gpu`, transformers `generate(use_cache=True)` on the
+same GGUF, device and dtype, batched with left padding and exactly
+`--new-tokens` new tokens; prefill: one forward of the batch. For `--kind cpu`
+(`--baseline llama-cpp`), llama.cpp on the same file, threads and prompts, its
+parallel sequences decoded in one batch per step (`llama_baseline`).
+The CPU runner also reports the bytes of weights it reads per decode step, the
+read rate that makes at batch 1, and this process's peak RSS before any
+baseline loads.
 """
 
 from __future__ import annotations
@@ -40,13 +45,18 @@ def prompts(tokenizer: Tokenizer, count: int, length: int) -> list[list[int]]:
 
 
 class EngineBench:
-    def __init__(self, model, device: torch.device, dtype: torch.dtype, kv_cache_memory: str | None,
-                 enforce_eager: bool = False):
-        from hybridgate.workers.gpu.runner import TorchRunner
-
-        self.runner = TorchRunner(model, device, dtype, kv_cache_memory=kv_cache_memory, enforce_eager=enforce_eager)
+    def __init__(self, model, runner):
+        self.runner = runner
         self.runner.warm_up()
         self.fingerprint = model_fingerprint(model)
+
+    @classmethod
+    def torch(cls, model, device: torch.device, dtype: torch.dtype, kv_cache_memory: str | None,
+              enforce_eager: bool = False) -> EngineBench:
+        from hybridgate.workers.gpu.runner import TorchRunner
+
+        return cls(model, TorchRunner(model, device, dtype, kv_cache_memory=kv_cache_memory,
+                                      enforce_eager=enforce_eager))
 
     def engine(self, prefix_caching: bool = False) -> EngineCore:
         return EngineCore(self.runner, SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192),
@@ -58,7 +68,7 @@ class EngineBench:
         start = time.perf_counter()
         while engine.has_work():
             engine.step()
-        if self.runner.model.device.type == "cuda":
+        if self.runner.kind == "gpu" and self.runner.model.device.type == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - start
 
@@ -122,42 +132,77 @@ def _median(fn, repeats: int) -> float:
 
 
 def run(args: argparse.Namespace) -> dict:
-    if args.kind != "gpu":
-        raise ValueError("--kind: only 'gpu' (the torch runner) is built so far")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    cpu = args.kind == "cpu"
+    args.concurrency = args.concurrency or ([1, 4, 16] if cpu else [1, 4, 16, 64])
+    args.prefill_lens = args.prefill_lens or ([128, 512] if cpu else [128, 512, 2048])
+    args.prefill_prompts = args.prefill_prompts or (4 if cpu else 16)
+    baseline = "none" if args.no_baseline else (args.baseline or ("none" if cpu else "transformers"))
+    if baseline == "transformers" and cpu:
+        raise ValueError("--baseline transformers: only with --kind gpu (use llama-cpp for the CPU runner)")
+    if baseline == "llama-cpp" and not cpu:
+        raise ValueError("--baseline llama-cpp: only with --kind cpu")
     path = Path(args.model) if args.model else default_model_path()
     model = load_gguf(path)
     tokenizer = Tokenizer.from_model(model)
-    ours = EngineBench(model, device, dtype, args.kv_cache_memory)
-    base = None if args.no_baseline else TransformersBaseline(path, device, dtype)
-    out: dict = {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
-                 "repeats": args.repeats, "decode": {}, "prefill": {}}
+    if cpu:
+        from hybridgate.workers.cpu.runner import NumbaRunner
+
+        ours = EngineBench(model, NumbaRunner(model, args.kv_cache_memory or "1GiB", threads=args.threads))
+        import numba
+
+        out: dict = {"kind": "cpu", "threads": numba.get_num_threads(), "baseline": baseline}
+        base_name = "llama_cpp"
+    else:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        ours = EngineBench.torch(model, device, dtype, args.kv_cache_memory)
+        out = {"kind": "gpu", "device": str(device), "dtype": str(dtype).removeprefix("torch."),
+               "threads": torch.get_num_threads(), "baseline": baseline}
+        base_name = "transformers"
+    out.update({"repeats": args.repeats, "decode": {}, "prefill": {}})
+    base = None
+    if baseline == "transformers":
+        base = TransformersBaseline(path, device, dtype)
+    elif baseline == "llama-cpp":
+        from hybridgate.bench.llama_baseline import LlamaCppBaseline
+
+        out["peak_rss_mib_before_baseline"] = _peak_rss_mib()  # measured below too, with the baseline loaded
+        base = LlamaCppBaseline(path, out["threads"], max_seqs=max(args.concurrency))
     for c in args.concurrency:
         batch = prompts(tokenizer, c, args.prompt_len)
         row = {"hybridgate_tokens_per_s": _median(lambda: ours.decode(batch, args.new_tokens), args.repeats)}
         if base is not None:
-            row["transformers_tokens_per_s"] = _median(lambda: base.decode(batch, args.new_tokens), args.repeats)
-            row["ratio"] = row["hybridgate_tokens_per_s"] / row["transformers_tokens_per_s"]
+            row[f"{base_name}_tokens_per_s"] = _median(lambda: base.decode(batch, args.new_tokens), args.repeats)
+            row["ratio"] = row["hybridgate_tokens_per_s"] / row[f"{base_name}_tokens_per_s"]
         out["decode"][c] = row
         _print("decode", f"c={c}", row)
     for length in args.prefill_lens:
         batch = prompts(tokenizer, args.prefill_prompts, length)
         row = {"hybridgate_tokens_per_s": _median(lambda: ours.prefill(batch), args.repeats)}
         if base is not None:
-            row["transformers_tokens_per_s"] = _median(lambda: base.prefill(batch), args.repeats)
-            row["ratio"] = row["hybridgate_tokens_per_s"] / row["transformers_tokens_per_s"]
-        row["hybridgate_tflops"] = 2 * ours.runner.model.weight_bytes / ours.runner.model.embed.element_size() \
-            * row["hybridgate_tokens_per_s"] / 1e12  # 2 x weights x tokens / s (attention excluded)
+            row[f"{base_name}_tokens_per_s"] = _median(lambda: base.prefill(batch), args.repeats)
+            row["ratio"] = row["hybridgate_tokens_per_s"] / row[f"{base_name}_tokens_per_s"]
+        if not cpu:
+            row["hybridgate_tflops"] = 2 * ours.runner.model.weight_bytes / ours.runner.model.embed.element_size() \
+                * row["hybridgate_tokens_per_s"] / 1e12  # 2 x weights x tokens / s (attention excluded)
         out["prefill"][f"{args.prefill_prompts}x{length}"] = row
         _print("prefill", f"{args.prefill_prompts}x{length}", row)
     step_prompt = prompts(tokenizer, 1, args.prompt_len)[0]
     out["decode_step_ms_c1"] = _median(lambda: ours.decode_step_ms(step_prompt), args.repeats)
     print(f"decode step at batch 1: {out['decode_step_ms_c1']:.3f} ms", flush=True)
-    if args.compare_eager and device.type == "cuda":
-        eager = EngineBench(model, device, dtype, "2GiB", enforce_eager=True)
+    if cpu:
+        weights = ours.runner.model.weight_bytes
+        out["weight_bytes_read_per_step"] = weights
+        out["weight_read_gb_per_s_c1"] = weights / out["decode_step_ms_c1"] / 1e6
+        print(f"weights read per step: {weights / 2**20:.1f} MiB ({out['weight_read_gb_per_s_c1']:.1f} GB/s at "
+              "batch 1)", flush=True)
+        if base is not None:
+            out["llama_cpp_decode_step_ms_c1"] = _median(lambda: base.decode_step_ms(step_prompt), args.repeats)
+            print(f"llama.cpp decode step at batch 1: {out['llama_cpp_decode_step_ms_c1']:.3f} ms", flush=True)
+    if args.compare_eager and not cpu and device.type == "cuda":
+        eager = EngineBench.torch(model, device, dtype, "2GiB", enforce_eager=True)
         out["decode_step_ms_c1_eager"] = _median(lambda: eager.decode_step_ms(step_prompt), args.repeats)
         print(f"decode step at batch 1, eager: {out['decode_step_ms_c1_eager']:.3f} ms", flush=True)
     ttfts = [ours.ttft(prompts(tokenizer, 1, args.ttft_len)[0]) for _ in range(args.repeats)]
@@ -169,9 +214,23 @@ def run(args: argparse.Namespace) -> dict:
         out["decode_scaling_16_over_1"] = (out["decode"][16]["hybridgate_tokens_per_s"]
                                            / out["decode"][1]["hybridgate_tokens_per_s"])
         print(f"decode scaling c=16 / c=1: {out['decode_scaling_16_over_1']:.2f}x")
+        if base is not None and cpu:
+            single = out["decode"][1][f"{base_name}_tokens_per_s"]
+            out["c16_over_llama_cpp_c1"] = out["decode"][16]["hybridgate_tokens_per_s"] / single
+            print(f"c=16 over llama.cpp's single stream: {out['c16_over_llama_cpp_c1']:.2f}x")
+    out["peak_rss_mib"] = _peak_rss_mib()
+    print(f"peak RSS: {out['peak_rss_mib']:.0f} MiB" + (
+        f" ({out['peak_rss_mib_before_baseline']:.0f} MiB before the baseline loaded)"
+        if "peak_rss_mib_before_baseline" in out else ""), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     return out
+
+
+def _peak_rss_mib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _print(kind: str, case: str, row: dict) -> None:

@@ -88,7 +88,7 @@ class TensorView:
     def dequantize(self) -> np.ndarray:
         """float32 array of `shape`, by gguf's reference dequantizer (a copy)."""
         if self.ggml_type == gguf.GGMLQuantizationType.F32:
-            return self.data.view(np.float32).reshape(self.shape).copy()
+            return np.array(self.data.view(np.float32).reshape(self.shape))  # a plain ndarray, not a memmap
         values = gguf.quants.dequantize(self.data, self.ggml_type)
         return np.asarray(values, dtype=np.float32).reshape(self.shape)
 

@@ -210,9 +210,11 @@ def run_worker(config: WorkerConfig) -> None:
     from hybridgate.models import model_fingerprint
 
     runner, model = build_runner(config)
+    fingerprint = model_fingerprint(model)
+    del model  # the runners copy what they keep: the GGUF file can be unmapped
     ctx = zmq.Context()
     inbox = Inbox()
-    hello = Hello(kind=config.kind, fingerprint=model_fingerprint(model), max_num_seqs=config.max_num_seqs,
+    hello = Hello(kind=config.kind, fingerprint=fingerprint, max_num_seqs=config.max_num_seqs,
                   max_model_len=runner.max_model_len, pid=os.getpid(), ready=False)
     io = WorkerIO(ctx, config.endpoint, hello, inbox, config.heartbeat_s)
     io_thread = threading.Thread(target=io.run, name="worker-io", daemon=True)

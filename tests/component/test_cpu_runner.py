@@ -69,3 +69,59 @@ def test_kernels_compile_once_then_load_from_the_cache(tmp_path, model_path):
                                       check=True).stdout.strip().splitlines()[-1]) for _ in range(2)]
     (cold_hits, cold_misses), (warm_hits, warm_misses) = runs
     assert cold_misses > 0 and warm_misses == 0 and warm_hits == cold_hits + cold_misses
+
+
+def test_logits_are_bitwise_equal_alone_and_in_a_batch_of_8(runner):
+    prompts = [LOGITS[f"short{i % 3}_ids"].tolist()[: 5 + i] for i in range(8)]
+    seqs = []
+    for i, ids in enumerate(prompts):
+        s = Sequence(AddRequest(str(i), ids, SamplingParams(temperature=0), 0, 4, 2))
+        s.block_table = [2 * i, 2 * i + 1]
+        seqs.append(s)
+    # Prefill: the first request alone, then all eight in one step (its KV written again, identically).
+    alone = runner.forward(ScheduledBatch([(seqs[0], seqs[0].num_tokens)]))
+    batch = runner.forward(ScheduledBatch([(s, s.num_tokens) for s in seqs]))
+    np.testing.assert_array_equal(alone[0], batch[0])
+    for s in seqs:
+        s.num_computed = s.num_tokens
+        s.append(int(batch[0].argmax()))
+    # Decode: the same step alone and among eight.
+    alone = runner.forward(ScheduledBatch([(seqs[0], 1)]))
+    batch = runner.forward(ScheduledBatch([(s, 1) for s in seqs]))
+    np.testing.assert_array_equal(alone[0], batch[0])
+    assert not np.array_equal(batch[0], batch[1])  # the rows are different requests
+
+
+def test_weight_bytes_held_are_at_most_1_25x_the_gguf_tensors(gguf_model):
+    import mmap
+
+    tensor_bytes = sum(t.data.nbytes for t in gguf_model.tensors.values())
+    runner = NumbaRunner(gguf_model, kv_cache_memory="16MiB", threads=1)
+    seen: set[int] = set()
+
+    def arrays(obj):  # every numpy array reachable from the model object, counted once
+        if isinstance(obj, np.ndarray):
+            if id(obj) not in seen:
+                seen.add(id(obj))
+                yield obj
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                yield from arrays(v)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                yield from arrays(v)
+        elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+            yield from arrays(vars(obj))
+
+    def maps_the_file(a) -> bool:
+        while a is not None:
+            if isinstance(a, (np.memmap, mmap.mmap)):
+                return True
+            a = getattr(a, "base", None)
+        return False
+
+    held = list(arrays(runner.model))
+    assert not any(maps_the_file(a) for a in held)  # copies: the GGUF can be unmapped once loaded
+    held_bytes = sum(a.nbytes for a in held)
+    assert held_bytes == runner.model.weight_bytes
+    assert held_bytes <= 1.25 * tensor_bytes, (held_bytes, tensor_bytes)

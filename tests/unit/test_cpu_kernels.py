@@ -68,3 +68,16 @@ def test_q4_1_repack_is_six_bits_per_weight():
     data = random_blocks("Q4_1", 64, 512, rng)
     m = quant.quant_matrix("w", int(T.Q4_1), data, (64, 512))
     assert m.nbytes * 8 / (64 * 512) <= 6.0
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_every_tile_shape_gives_the_bits_of_batch_one(kind):
+    # 37 rows: 4-row tiles plus a 1-row tail; 70 activation rows: 4x4 and 4x1 tiles, two X_TILE passes.
+    rng = np.random.default_rng(7)
+    rows, cols = 37, 96
+    m = quant.quant_matrix("w", int(T[kind]), random_blocks(kind, rows, cols, rng), (rows, cols))
+    x = rng.standard_normal((70, cols)).astype(np.float32)
+    batched = m.matmul(x)
+    for b in (0, 3, 4, 63, 64, 69):
+        np.testing.assert_array_equal(m.matmul(x[b : b + 1])[0], batched[b])
+    np.testing.assert_array_equal(m.matmul(x[5:13]), batched[5:13])

@@ -8,9 +8,9 @@ scales are decoded from their bits (`f16_to_f32`) or widened once at load.
 computes x @ w.T for activations x float32 `[batch, cols]`, reading each weight
 row once for the whole batch (one pass over the weights per step): the row is
 dequantized into a per-thread scratch of `cols` floats (L1-resident) and dotted
-with every activation row. Q4_1, the default model's type, has a repacked
-fast path (`Q41Matrix`): nibbles regrouped for stride-1 unpacking, scales and
-mins widened to float32 in separate arrays (6 bits per weight).
+with every activation row. Q4_1 (the default model's linear layers) and Q8_0
+(its embedding and LM head) have a fast path in `simd`, with the fp16 scales
+split out and widened to float32 at load (Q4_1: 6 bits per weight).
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 from numba import prange
+
+from hybridgate.workers.cpu.simd import matmul_blocks
 
 _JIT = dict(nogil=True, fastmath=True, cache=True)
 
@@ -156,39 +158,6 @@ def matmul_rows(kind, x, w, out):
                 out[b, r] = s
 
 
-@nb.njit(parallel=True, **_JIT)
-def matmul_q4_1(x, qs, scale, minimum, out):
-    """Q4_1 fast path: out `[batch, rows]` = x @ W.T with W = scale * code + min per 32-column block.
-
-    qs uint8 `[rows, cols / 2]`, repacked so byte i holds the codes of columns i (low nibble) and
-    i + cols / 2 (high nibble): both unpack loops are then stride-1 and compile to vector
-    zero-extend + convert (`vpmovzx`, `vcvtdq2ps`); GGUF's in-block order (byte j: columns j and
-    j + 16) compiled to scalar conversions and ran 1.9x slower at batch 1.
-    scale, minimum float32 `[rows, cols / 32]`. Each row is expanded once into a float32 scratch
-    and dotted with every activation row.
-    """
-    rows, batch, cols = qs.shape[0], x.shape[0], x.shape[1]
-    half, nblocks = cols // 2, cols // 32
-    per = (rows + _CHUNKS - 1) // _CHUNKS
-    for c in prange(_CHUNKS):
-        w = np.empty(cols, dtype=np.float32)
-        for r in range(c * per, min(rows, (c + 1) * per)):
-            q = qs[r]
-            for i in range(half):
-                w[i] = np.float32(np.int32(q[i]) & np.int32(15))
-            for i in range(half):
-                w[half + i] = np.float32(np.int32(q[i]) >> np.int32(4))
-            for blk in range(nblocks):
-                s, m = scale[r, blk], minimum[r, blk]
-                for j in range(32):
-                    w[blk * 32 + j] = s * w[blk * 32 + j] + m
-            for b in range(batch):
-                acc = np.float32(0.0)
-                for i in range(cols):
-                    acc += w[i] * x[b, i]
-                out[b, r] = acc
-
-
 class QuantMatrix:
     """A weight `[rows, cols]` in its GGUF blocks; `matmul(x)` → x @ W.T (float32)."""
 
@@ -213,8 +182,9 @@ class QuantMatrix:
 
 
 class Q41Matrix(QuantMatrix):
-    """Q4_1 repacked: codes `[rows, cols / 2]` (byte i: columns i and i + cols / 2) plus float32
-    scales and mins `[rows, cols / 32]`: 6 bits per weight; the GGUF bytes are not kept."""
+    """Q4_1 split: ggml's nibbles `[rows, cols / 2]` (16 bytes per block, byte j: columns j and
+    j + 16) plus float32 scales and mins `[rows, cols / 32]`: 6 bits per weight; the GGUF bytes
+    are not kept. Multiplied by `simd.matmul_blocks`."""
 
     def __init__(self, name: str, kind: int, data: np.ndarray, shape: tuple[int, int]):
         super().__init__(name, kind, data, shape)
@@ -222,9 +192,7 @@ class Q41Matrix(QuantMatrix):
         blocks = np.ascontiguousarray(data).reshape(rows, cols // 32, 20)
         self.scale = blocks[:, :, 0:2].copy().view(np.float16)[:, :, 0].astype(np.float32)
         self.minimum = blocks[:, :, 2:4].copy().view(np.float16)[:, :, 0].astype(np.float32)
-        nibbles = blocks[:, :, 4:]  # byte j of a block: column j (low), column j + 16 (high)
-        codes = np.concatenate([nibbles & 15, nibbles >> 4], axis=2).reshape(rows, cols)
-        self.qs = (codes[:, : cols // 2] | (codes[:, cols // 2 :] << 4)).astype(np.uint8)
+        self.qs = np.ascontiguousarray(blocks[:, :, 4:]).reshape(rows, cols // 2)
         self.data = None
 
     @property
@@ -233,39 +201,18 @@ class Q41Matrix(QuantMatrix):
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
         out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
-        matmul_q4_1(x, self.qs, self.scale, self.minimum, out)
+        matmul_blocks(x, self.qs, self.scale, self.minimum, out)
         return out
 
     def row(self, index: int) -> np.ndarray:
-        q = self.qs[index]
-        codes = np.concatenate([q & 15, q >> 4]).astype(np.float32).reshape(-1, 32)
+        q = self.qs[index].reshape(-1, 16)
+        codes = np.concatenate([q & 15, q >> 4], axis=1).astype(np.float32)
         return (codes * self.scale[index][:, None] + self.minimum[index][:, None]).ravel()
 
 
-@nb.njit(parallel=True, **_JIT)
-def matmul_q8_0(x, qs, scale, out):
-    """Q8_0 fast path: out `[batch, rows]` = x @ W.T, qs int8 `[rows, cols]`, scale float32 `[rows, cols / 32]`."""
-    rows, batch, cols = qs.shape[0], x.shape[0], x.shape[1]
-    per = (rows + _CHUNKS - 1) // _CHUNKS
-    for c in prange(_CHUNKS):
-        w = np.empty(cols, dtype=np.float32)
-        for r in range(c * per, min(rows, (c + 1) * per)):
-            q = qs[r]
-            for i in range(cols):  # one stride-1 loop: vector sign-extend + convert
-                w[i] = np.float32(np.int32(q[i]))
-            for blk in range(cols // 32):
-                s = scale[r, blk]
-                for j in range(32):
-                    w[blk * 32 + j] *= s
-            for b in range(batch):
-                acc = np.float32(0.0)
-                for i in range(cols):
-                    acc += w[i] * x[b, i]
-                out[b, r] = acc
-
-
 class Q80Matrix(QuantMatrix):
-    """Q8_0 split: int8 codes `[rows, cols]` and float32 scales `[rows, cols / 32]` (9 bits per weight)."""
+    """Q8_0 split: int8 codes `[rows, cols]` and float32 scales `[rows, cols / 32]` (9 bits per weight).
+    Multiplied by `simd.matmul_blocks`."""
 
     def __init__(self, name: str, kind: int, data: np.ndarray, shape: tuple[int, int]):
         super().__init__(name, kind, data, shape)
@@ -280,7 +227,7 @@ class Q80Matrix(QuantMatrix):
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
         out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
-        matmul_q8_0(x, self.qs, self.scale, out)
+        matmul_blocks(x, self.qs, self.scale, self.scale, out)
         return out
 
     def row(self, index: int) -> np.ndarray:

@@ -12,7 +12,7 @@ import numpy as np
 from hybridgate.mempool import DEFAULT_BLOCK_SIZE, PinnedPool, PoolStats
 from hybridgate.models import GGUFModel
 from hybridgate.workers.cpu import model as cpu_model
-from hybridgate.workers.cpu import quant
+from hybridgate.workers.cpu import quant, simd
 from hybridgate.workers.cpu.model import CpuLlama
 from hybridgate.workers.memory import host_available_bytes, num_blocks_for
 from hybridgate.workers.sampling import sample
@@ -23,7 +23,7 @@ from hybridgate.workers.step_inputs import build_step_inputs
 log = logging.getLogger("hybridgate.worker")
 
 KERNELS = [
-    ("matmul_q4_1", quant.matmul_q4_1), ("matmul_q8_0", quant.matmul_q8_0),
+    ("matmul_blocks", simd.matmul_blocks),
     ("matmul_rows", quant.matmul_rows), ("rms_norm", cpu_model.rms_norm), ("rope_pairs", cpu_model.rope_pairs),
     ("paged_attention", cpu_model.paged_attention), ("silu_mul", cpu_model.silu_mul),
 ]
