@@ -25,6 +25,8 @@ def _serve_config(args: argparse.Namespace):
         gateway=GatewayConfig(host=args.host, port=args.port, metrics_port=args.metrics_port, grace_s=args.grace_period),
         router=RouterConfig(max_model_len=args.max_model_len, startup_timeout_s=args.worker_startup_timeout),
         worker_endpoints=tuple(getattr(args, "worker", None) or ()),
+        gpu_workers=getattr(args, "gpu_workers", None),
+        cpu_workers=getattr(args, "cpu_workers", None),
         max_num_seqs=getattr(args, "max_num_seqs", 64),
         max_num_batched_tokens=getattr(args, "max_num_batched_tokens", 2048),
         threads=getattr(args, "threads", None),
@@ -118,8 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="logging level (default WARNING, or $HYBRIDGATE_LOG_LEVEL)")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="run the gRPC gateway with one worker (the default model unless --model)")
+    serve = sub.add_parser("serve", help="run the gRPC gateway with its workers (the default model unless --model)")
     _add_model(serve), _add_gateway(serve), _add_engine(serve)
+    serve.add_argument("--gpu-workers", type=int, default=None, metavar="N",
+                       help="GPU workers (the PyTorch runner; on a CPU torch device where there is no CUDA); "
+                            "default: 1 where CUDA is present, else 0")
+    serve.add_argument("--cpu-workers", type=int, default=None, metavar="N",
+                       help="CPU workers (Numba kernels on the GGUF blocks); default 1. Several share the "
+                            "cores unless --threads is given")
     serve.set_defaults(func=_cmd_serve)
 
     gateway = sub.add_parser("gateway", help="run the gRPC gateway alone, connected to running workers")

@@ -24,7 +24,9 @@ class ServeConfig:
     model_path: str
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
-    worker_endpoints: tuple[str, ...] = ()  # `gateway`: connect to these; `serve`: spawn one worker
+    worker_endpoints: tuple[str, ...] = ()  # `gateway`: connect to these; `serve`: spawns its own
+    gpu_workers: int | None = None  # `serve`: None → the default layout (`default_layout`)
+    cpu_workers: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     threads: int | None = None
@@ -33,6 +35,36 @@ class ServeConfig:
     prefix_caching: bool = True
     enforce_eager: bool = False
     dead_after_s: float = 1.0
+
+
+def cuda_present() -> bool:
+    """Whether a CUDA device is usable; torch is imported only where an NVIDIA device node exists."""
+    if not any(name.startswith("nvidia") and name[6:].isdigit() for name in os.listdir("/dev")):
+        return False
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def worker_layout(config: ServeConfig) -> list[str]:
+    """The kinds of the workers `serve` starts: by default one CPU worker without CUDA, one GPU
+    worker and one CPU worker with it; --gpu-workers / --cpu-workers override either count.
+
+    Raises ValueError naming the flag when a count is negative or both are zero.
+    """
+    cuda = None
+    if config.gpu_workers is None or config.cpu_workers is None:
+        cuda = cuda_present()
+    gpu = config.gpu_workers if config.gpu_workers is not None else int(cuda)
+    cpu = config.cpu_workers if config.cpu_workers is not None else 1
+    for flag, n in (("--gpu-workers", gpu), ("--cpu-workers", cpu)):
+        if n < 0:
+            raise ValueError(f"{flag}: must be >= 0, got {n}")
+    if gpu + cpu == 0:
+        raise ValueError("--gpu-workers, --cpu-workers: at least one worker is needed (both are 0)")
+    return ["gpu"] * gpu + ["cpu"] * cpu
 
 
 def spawn_worker(config: WorkerConfig) -> multiprocessing.Process:
@@ -65,7 +97,8 @@ async def run_gateway(config: ServeConfig, endpoints: list[str]) -> int:
         print(f"hybridgate: error: {entered.exception()}", file=sys.stderr, flush=True)
         code = 1
     elif entered.done():
-        print(f"hybridgate: READY ({', '.join(c.kind or '?' for c in clients)} worker) — model "
+        kinds = [c.kind or "?" for c in clients]
+        print(f"hybridgate: READY ({', '.join(kinds)} worker{'s' if len(kinds) > 1 else ''}) — model "
               f"{config.model_path}", flush=True)
         await stop.wait()
     print("hybridgate: shutting down (health NOT_SERVING, in-flight streams get "
@@ -86,23 +119,31 @@ def _run(coro) -> int:
 
 
 def serve(config: ServeConfig) -> int:
-    """Gateway in this process, one worker in a spawned child; exit 0 on SIGINT/SIGTERM, no child left."""
-    private = tempfile.mkdtemp(prefix="hybridgate-")  # mode 0700: only this user reaches the ipc socket
-    endpoint = f"ipc://{private}/worker-0.sock"
-    worker = spawn_worker(WorkerConfig(
-        model_path=config.model_path, endpoint=endpoint, kind="gpu", max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens, threads=config.threads, device=config.device,
+    """Gateway in this process, the workers of `worker_layout` in spawned children; exit 0 on
+    SIGINT/SIGTERM, no child left."""
+    kinds = worker_layout(config)
+    threads = config.threads
+    cpu_count = kinds.count("cpu")
+    if threads is None and cpu_count > 1:  # CPU workers share the cores instead of each taking all
+        threads = max(1, (os.cpu_count() or 1) // cpu_count)
+    private = tempfile.mkdtemp(prefix="hybridgate-")  # mode 0700: only this user reaches the ipc sockets
+    endpoints = [f"ipc://{private}/worker-{i}.sock" for i in range(len(kinds))]
+    workers = [spawn_worker(WorkerConfig(
+        model_path=config.model_path, endpoint=endpoint, kind=kind, max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens, threads=threads, device=config.device,
         kv_cache_memory=config.kv_cache_memory, prefix_caching=config.prefix_caching,
         enforce_eager=config.enforce_eager, parent_pid=os.getpid(),
-    ))
+    )) for kind, endpoint in zip(kinds, endpoints)]
     try:
-        return _run(run_gateway(config, [endpoint]))
+        return _run(run_gateway(config, endpoints))
     finally:
-        worker.terminate()
-        worker.join(5)
-        if worker.is_alive():
-            worker.kill()
-            worker.join()
+        for worker in workers:
+            worker.terminate()
+        for worker in workers:
+            worker.join(5)
+            if worker.is_alive():
+                worker.kill()
+                worker.join()
         shutil.rmtree(private, ignore_errors=True)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import threading
 import time
@@ -10,10 +11,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import TIME_FACTOR
+from conftest import TIME_FACTOR, golden_json
 from hybridgate.v1 import generation_pb2 as pb
 from procs import Proc, Serve, alive, children_of, stub
 from tiny_gguf import write_tiny_llama
+
+GREEDY = golden_json("greedy.json")
+FRANCE = "What is the capital of France?"
 
 
 def start_worker(tmp_path, name: str, *extra: str) -> tuple[Proc, str]:
@@ -103,10 +107,38 @@ def test_two_gateways_share_a_worker(tmp_path, model_path):
         worker.stop()
 
 
-def test_serve_sigint_finishes_streams_and_exits_zero_with_no_child_left(tmp_path, model_path):
+def test_default_layout_streams_the_cpu_runners_ids(tmp_path, gguf_model):
+    from hybridgate.models import model_fingerprint
+    from hybridgate.serve import cuda_present
+    from hybridgate.wire import AddRequest, SamplingParams
+    from hybridgate.workers.cpu.runner import NumbaRunner
+    from hybridgate.workers.engine import EngineCore, output_of
+    from hybridgate.workers.scheduler import SchedulerConfig
+
     server = Serve(tmp_path / "serve.log")
+    try:
+        ready = re.search(r"READY \(([^)]*)\)", server.text()).group(1)
+        assert ready == ("gpu, cpu workers" if cuda_present() else "cpu worker")
+        call = stub(server.target).Generate(pb.GenerateRequest(
+            chat=pb.Chat(messages=[pb.ChatMessage(role="user", content=FRANCE)]), max_tokens=16, temperature=0))
+        streamed = [i for m in call for i in m.token_ids]
+        if cuda_present():
+            return  # the GPU worker takes it first; its ids are checked by the GPU tests
+        engine = EngineCore(NumbaRunner(gguf_model, kv_cache_memory="64MiB", threads=1), SchedulerConfig(),
+                            model_fingerprint(gguf_model))
+        engine.add(AddRequest("fr", GREEDY["france"]["prompt_ids"], SamplingParams(temperature=0), 0, 16, 2))
+        in_process = []
+        while engine.has_work():
+            in_process += [i for s in engine.step() for i in output_of(s).token_ids]
+        assert streamed == in_process and len(streamed) > 1
+    finally:
+        assert server.stop() == 0, server.text()
+
+
+def test_serve_sigint_finishes_streams_and_exits_zero_with_no_child_left(tmp_path, model_path):
+    server = Serve(tmp_path / "serve.log", "--gpu-workers", "1", "--cpu-workers", "1")
     children = children_of(server.pid)
-    assert children, "serve has a worker child"
+    assert len(children) >= 2, "serve has a child per worker"
     call = stub(server.target).Generate(pb.GenerateRequest(prompt="Once upon a time", max_tokens=48, ignore_eos=True))
     first = next(call)
     server.popen.send_signal(signal.SIGINT)

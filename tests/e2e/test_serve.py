@@ -24,7 +24,8 @@ KV_BYTES = "hybridgate:kv_cache_bytes{}"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, model_path):
-    proc = Serve(tmp_path_factory.mktemp("serve") / "serve.log")
+    # The torch runner alone (fp32 on a CPU device here): its greedy ids are the fp32 reference's.
+    proc = Serve(tmp_path_factory.mktemp("serve") / "serve.log", "--cpu-workers", "0", "--gpu-workers", "1")
     yield proc
     assert proc.stop() == 0, proc.text()
 
