@@ -149,6 +149,8 @@ class EngineStats(msgspec.Struct):
     pinned_bytes_in_use: int = 0
     pinned_peak_bytes: int = 0
     pinned_fallbacks: int = 0
+    kernel_cache_hits: int = 0  # CPU runner: compiled kernels loaded from NUMBA_CACHE_DIR
+    kernel_cache_misses: int = 0  # CPU runner: kernels compiled because the cache lacked them
 
 
 class SeqOutput(msgspec.Struct, frozen=True, array_like=True):

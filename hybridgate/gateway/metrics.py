@@ -43,15 +43,21 @@ class _EngineCollector:
         by_size = CounterMetricFamily("hybridgate:engine_steps_by_batch_size", "Engine steps by sequences per step.",
                                       labels=["worker", "batch_size"])
         batch = HistogramMetricFamily("hybridgate:engine_batch_size", "Sequences per engine step.", labels=["worker"])
+        hits = CounterMetricFamily("hybridgate:kernel_cache_hits", "CPU kernels loaded from the on-disk cache at start.",
+                                   labels=["worker"])
+        misses = CounterMetricFamily("hybridgate:kernel_cache_misses",
+                                     "CPU kernels compiled because the on-disk cache lacked them.", labels=["worker"])
         for client in self._clients():
             s, name = client.stats, client.endpoint
             steps.add_metric([name], s.steps)
             after.add_metric([name], s.tokens_after_abort)
             kv.add_metric([name], s.kv_cache_bytes)
             running.add_metric([name], s.running)
+            hits.add_metric([name], s.kernel_cache_hits)
+            misses.add_metric([name], s.kernel_cache_misses)
             for n, c in sorted(s.batch_size_counts.items()):
                 by_size.add_metric([name, str(n)], c)
             buckets = [(str(b), sum(c for n, c in s.batch_size_counts.items() if n <= b)) for b in _BATCH_BUCKETS]
             buckets.append(("+Inf", sum(s.batch_size_counts.values())))
             batch.add_metric([name], buckets, sum(n * c for n, c in s.batch_size_counts.items()))
-        yield from (steps, after, kv, running, by_size, batch)
+        yield from (steps, after, kv, running, by_size, batch, hits, misses)

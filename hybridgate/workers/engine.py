@@ -41,6 +41,9 @@ class ModelRunner(Protocol):
     def pool_stats(self):
         """The PinnedPool's stats (bytes in use, peak, fallbacks)."""
 
+    def kernel_cache_stats(self) -> tuple[int, int]:
+        """(kernels loaded from the on-disk cache, kernels compiled); (0, 0) where nothing is compiled."""
+
 
 class EngineCore:
     """Sequences, scheduler, block allocator and runner; one `step()` is one forward pass."""
@@ -55,6 +58,7 @@ class EngineCore:
         # Aborts that overtook their request (the request queue and the abort fast path race):
         # the request is dropped when it arrives. Bounded, oldest forgotten first.
         self._early_aborts: dict[tuple[bytes, str], None] = {}
+        self.refresh_stats()  # start-up figures (kernel cache) are known before the first step
 
     def add(self, request: AddRequest, client: bytes = b"") -> RequestError | None:
         if (client, request.request_id) in self._early_aborts:
@@ -129,6 +133,7 @@ class EngineCore:
             sched.stats.preemptions, sched.stats.prefill_tokens, sched.stats.cached_tokens)
         s.pinned_bytes_in_use, s.pinned_peak_bytes, s.pinned_fallbacks = (
             pool.bytes_in_use, pool.peak_bytes, pool.fallbacks)
+        s.kernel_cache_hits, s.kernel_cache_misses = self.runner.kernel_cache_stats()
         return s
 
 

@@ -54,23 +54,6 @@ def test_greedy_france_and_kernel_calls_per_step(runner, gguf_model, chat_templa
     assert len(calls) == 1  # one pass over the weights per step, whatever the batch
 
 
-def test_kernels_compile_once_then_load_from_the_cache(tmp_path, model_path):
-    import json
-    import os
-    import subprocess
-    import sys
-
-    code = ("import json; from hybridgate.models import load_gguf; "
-            "from hybridgate.workers.cpu.runner import NumbaRunner, kernel_cache_stats; "
-            f"r = NumbaRunner(load_gguf({str(model_path)!r}), kv_cache_memory='64MiB', threads=1); "
-            "r.warm_up(progress=False); print(json.dumps(kernel_cache_stats()))")
-    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"))
-    runs = [json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                                      check=True).stdout.strip().splitlines()[-1]) for _ in range(2)]
-    (cold_hits, cold_misses), (warm_hits, warm_misses) = runs
-    assert cold_misses > 0 and warm_misses == 0 and warm_hits == cold_hits + cold_misses
-
-
 def test_logits_are_bitwise_equal_alone_and_in_a_batch_of_8(runner):
     prompts = [LOGITS[f"short{i % 3}_ids"].tolist()[: 5 + i] for i in range(8)]
     seqs = []

@@ -23,10 +23,10 @@ HYBRIDGATE = str(Path(sys.executable).parent / "hybridgate")
 class Proc:
     """A child process whose combined output goes to a log file we can wait on."""
 
-    def __init__(self, args: list[str], log: Path):
+    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None):
         self.log = log
         self._out = open(log, "wb")
-        env = dict(os.environ, PYTHONUNBUFFERED="1", HYBRIDGATE_LOG_LEVEL="INFO")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", HYBRIDGATE_LOG_LEVEL="INFO", **(env or {}))
         self.popen = subprocess.Popen([HYBRIDGATE, *args], stdout=self._out, stderr=subprocess.STDOUT, env=env,
                                       start_new_session=True)
 
@@ -63,8 +63,8 @@ class Proc:
 class Serve(Proc):
     """`hybridgate serve` on free ports; `target` and `metrics_url` once READY."""
 
-    def __init__(self, log: Path, *extra: str):
-        super().__init__(["serve", "--port", "0", "--metrics-port", "0", "--threads", "1", *extra], log)
+    def __init__(self, log: Path, *extra: str, env: dict[str, str] | None = None):
+        super().__init__(["serve", "--port", "0", "--metrics-port", "0", "--threads", "1", *extra], log, env)
         self.port = int(self.wait_for(r"gRPC on 127\.0\.0\.1:(\d+)").group(1))
         self.metrics_url = self.wait_for(r"metrics on (http://\S+)").group(1)
         self.wait_for(r"hybridgate: READY")

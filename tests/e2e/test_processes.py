@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import TIME_FACTOR, golden_json
 from hybridgate.v1 import generation_pb2 as pb
-from procs import Proc, Serve, alive, children_of, stub
+from procs import Proc, Serve, alive, children_of, metrics, stub, wait_metric
 from tiny_gguf import write_tiny_llama
 
 GREEDY = golden_json("greedy.json")
@@ -133,6 +133,27 @@ def test_default_layout_streams_the_cpu_runners_ids(tmp_path, gguf_model):
         assert streamed == in_process and len(streamed) > 1
     finally:
         assert server.stop() == 0, server.text()
+
+
+def test_cpu_worker_compiles_once_then_starts_from_the_caches(tmp_path, model_path):
+    # Fresh kernel and GGUF-header caches: the first start compiles (misses), the second loads
+    # everything (no misses) and reaches READY in under 0.3x the first's time.
+    env = {"NUMBA_CACHE_DIR": str(tmp_path / "numba"), "HYBRIDGATE_CACHE_DIR": str(tmp_path / "cache")}
+    times, counts = [], []
+    for run in range(2):
+        start = time.monotonic()
+        server = Serve(tmp_path / f"serve{run}.log", "--cpu-workers", "1", "--gpu-workers", "0", env=env)
+        times.append(time.monotonic() - start)
+        try:  # the worker reports its counts with its first heartbeat
+            first = "hybridgate:kernel_cache_hits_total{}" if run else "hybridgate:kernel_cache_misses_total{}"
+            wait_metric(server.metrics_url, first, lambda v: v > 0)
+            m = metrics(server.metrics_url)
+            counts.append((m["hybridgate:kernel_cache_hits_total{}"], m["hybridgate:kernel_cache_misses_total{}"]))
+        finally:
+            assert server.stop() == 0, server.text()
+    (cold_hits, cold_misses), (warm_hits, warm_misses) = counts
+    assert cold_misses > 0 and warm_misses == 0 and warm_hits == cold_hits + cold_misses
+    assert times[1] < 0.3 * times[0], times
 
 
 def test_serve_sigint_finishes_streams_and_exits_zero_with_no_child_left(tmp_path, model_path):

@@ -29,7 +29,7 @@ def test_tensor_table_is_views_without_copy(gguf_model):
     assert q.shape == (576, 576) and q.data.dtype == np.uint8 and q.data.shape == (576, 18 * 20)
     assert gguf_model.tensors["blk.0.attn_k.weight"].shape == (192, 576)
     assert gguf_model.tensors["token_embd.weight"].shape == (49152, 576)
-    assert all(np.shares_memory(t.data, gguf_model.reader.data) for t in gguf_model.tensors.values())
+    assert all(np.shares_memory(t.data, gguf_model.mapping) for t in gguf_model.tensors.values())
 
 
 def test_q4_1_dequantize_follows_the_block_layout(gguf_model):
@@ -105,3 +105,22 @@ def test_fingerprint_follows_weights_not_location(tmp_path):
 
 def test_default_model_path_finds_the_packaged_file():
     assert default_model_path().name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def test_header_cache_gives_the_same_model_and_follows_the_file(tmp_path, monkeypatch):
+    import os
+
+    monkeypatch.setenv("HYBRIDGATE_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_tiny_llama(tmp_path / "t.gguf", heads=4, kv_heads=2)
+    cold = load_gguf(path)
+    assert len(list((tmp_path / "cache" / "gguf").glob("*.json"))) == 1
+    warm = load_gguf(path)
+    assert warm.metadata == cold.metadata and warm.config == cold.config
+    assert model_fingerprint(warm) == model_fingerprint(cold)
+    for name, t in cold.tensors.items():
+        assert (warm.tensors[name].ggml_type, warm.tensors[name].shape) == (t.ggml_type, t.shape)
+        np.testing.assert_array_equal(warm.tensors[name].data, t.data)
+    before = path.stat().st_mtime_ns
+    write_tiny_llama(path, heads=4, kv_heads=2, pre="qwen9")  # a new file at the same path
+    os.utime(path, ns=(before + 10**9, before + 10**9))
+    assert load_gguf(path).metadata["tokenizer.ggml.pre"] == "qwen9"

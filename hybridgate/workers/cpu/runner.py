@@ -68,6 +68,9 @@ class NumbaRunner:
         self.pool.drain()
         return self.pool.stats
 
+    def kernel_cache_stats(self) -> tuple[int, int]:
+        return kernel_cache_stats()
+
     def forward(self, batch: ScheduledBatch) -> np.ndarray:
         """float32 logits `[len(batch), vocab]` at each entry's last new token."""
         buf = self.pool.acquire()

@@ -78,6 +78,9 @@ class TorchRunner:
         self.pool = PinnedPool(STAGING_BUFFER_BYTES, 2, _pinned_slab if dev.type == "cuda" else aligned_slab)
         self._vocab_hash = torch.from_numpy(sampling.vocab_hash(model.config.vocab_size)).to(dev)
 
+    def kernel_cache_stats(self) -> tuple[int, int]:
+        return 0, 0  # nothing compiled ahead of time (CUDA graphs are captured, not cached)
+
     def pool_stats(self) -> PoolStats:
         self.pool.drain()
         return self.pool.stats
