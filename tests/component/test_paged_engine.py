@@ -1,5 +1,6 @@
-"""The paged torch runner and the engine: paged vs contiguous, chunked prefill, prefix caching,
-preemption, cancel storm. fp32 on a CPU torch device."""
+"""The paged runners and the engine: paged vs contiguous, chunked prefill, prefix caching,
+preemption, cancel storm. The torch runner (fp32 on a CPU torch device) and the Numba CPU runner
+share the engine; tests that hold for any runner run on both."""
 
 from __future__ import annotations
 
@@ -26,8 +27,32 @@ LONG_IDS = golden_npz("logits.npz")["long_ids"].tolist()
 
 
 @pytest.fixture(scope="module")
-def runner(gguf_model):
+def torch_runner(gguf_model):
     return TorchRunner(gguf_model, torch.device("cpu"), torch.float32, kv_cache_memory="256MiB")
+
+
+@pytest.fixture(scope="module")
+def cpu_runner(gguf_model):
+    from hybridgate.workers.cpu.runner import NumbaRunner
+
+    r = NumbaRunner(gguf_model, kv_cache_memory="256MiB", threads=1)
+    r.warm_up(progress=False)
+    return r
+
+
+@pytest.fixture(scope="module", params=["torch", "cpu"])
+def runner(request):
+    return request.getfixturevalue(f"{request.param}_runner")
+
+
+def logits_of(runner, batch: ScheduledBatch) -> np.ndarray:
+    out = runner.forward(batch)
+    return out.numpy() if isinstance(out, torch.Tensor) else out
+
+
+def atol(runner) -> float:
+    """Against fp32 torch: the CPU runner sums the same float32 products in another order."""
+    return 1e-4 if runner.kind == "gpu" else 2e-3
 
 
 @pytest.fixture(scope="module")
@@ -61,35 +86,39 @@ def test_paged_equals_contiguous(runner, llama, lengths):
     caches = [llama.new_cache() for _ in seqs]
     for s in seqs:
         assert alloc.ensure(s.block_table, s.num_tokens + 20)
-    paged = runner.forward(ScheduledBatch([(s, s.num_tokens) for s in seqs])).numpy()
+    paged = logits_of(runner, ScheduledBatch([(s, s.num_tokens) for s in seqs]))
     ref = llama.forward(torch.tensor([t for s in seqs for t in s.prompt_ids]), list(lengths), caches).numpy()
-    np.testing.assert_allclose(paged, ref, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(paged, ref, atol=atol(runner), rtol=0)
     for s in seqs:
         s.num_computed = s.num_tokens
     for step in range(18):  # decodes cross block boundaries
         next_ids = [int(LONG_IDS[1000 + step * 5 + i]) for i in range(len(seqs))]
         for s, t in zip(seqs, next_ids):
             s.output_ids.append(t)
-        paged = runner.forward(ScheduledBatch([(s, 1) for s in seqs])).numpy()
+        paged = logits_of(runner, ScheduledBatch([(s, 1) for s in seqs]))
         ref = llama.forward(torch.tensor(next_ids), [1] * len(seqs), caches).numpy()
-        np.testing.assert_allclose(paged, ref, atol=1e-4, rtol=0)
+        np.testing.assert_allclose(paged, ref, atol=atol(runner), rtol=0)
         for s in seqs:
             s.num_computed += 1
 
 
-def test_chunked_prefill(runner, fingerprint):
-    # Logits: a 600-token prompt in chunks of 256 against one shot.
+def test_chunked_prefill_logits(runner):
+    # A 600-token prompt in chunks of 256 against one shot.
     chunked, whole = new_seq("c", LONG_IDS[:600]), new_seq("w", LONG_IDS[:600])
     alloc = BlockAllocator(runner.num_blocks, runner.block_size, prefix_caching=False)
     for s in (chunked, whole):
         alloc.ensure(s.block_table, 600)
     for a in range(0, 600, 256):
         n = min(256, 600 - a)
-        logits = runner.forward(ScheduledBatch([(chunked, n)])).numpy()
+        logits = logits_of(runner, ScheduledBatch([(chunked, n)]))
         chunked.num_computed += n
-    np.testing.assert_allclose(logits, runner.forward(ScheduledBatch([(whole, 600)])).numpy(), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(logits, logits_of(runner, ScheduledBatch([(whole, 600)])), atol=1e-4, rtol=0)
 
-    # Engine: a decode keeps running while a 2048-token prompt is prefilled under a 256-token budget.
+
+def test_decodes_keep_running_through_a_chunked_prefill(torch_runner, fingerprint):
+    # The scheduler's part (the same for every runner): a decode keeps getting a token every step
+    # while a 2048-token prompt is prefilled under a 256-token budget.
+    runner = torch_runner
     engine = EngineCore(runner, SchedulerConfig(max_num_batched_tokens=256), fingerprint, prefix_caching=False)
     engine.add(request("decode", LONG_IDS[5:15], 80, ignore_eos=True))
     first = engine.step()
@@ -133,8 +162,14 @@ def test_prefix_caching_saves_whole_blocks(runner, fingerprint):
     assert first == run_engine(plain, [request("p", prompt)])["p"]
 
 
-def test_preemption_recomputes_and_matches_solo(gguf_model, fingerprint):
-    small = TorchRunner(gguf_model, torch.device("cpu"), torch.float32, kv_cache_memory="64MiB", max_num_blocks=24)
+@pytest.mark.parametrize("kind", ["torch", "cpu"])
+def test_preemption_recomputes_and_matches_solo(gguf_model, fingerprint, kind):
+    if kind == "torch":
+        small = TorchRunner(gguf_model, torch.device("cpu"), torch.float32, kv_cache_memory="64MiB", max_num_blocks=24)
+    else:
+        from hybridgate.workers.cpu.runner import NumbaRunner
+
+        small = NumbaRunner(gguf_model, kv_cache_memory="64MiB", max_num_blocks=24, threads=1)
     prompts = [LONG_IDS[i * 40 : i * 40 + 30] for i in range(6)]
     reqs = [request(str(i), p, 48, ignore_eos=True) for i, p in enumerate(prompts)]  # 6 x 78 tokens > 24 x 16
     engine = EngineCore(small, SchedulerConfig(), fingerprint)
@@ -188,7 +223,8 @@ def prefilled_decode_batch(runner, lengths, stride: int, next_from: int) -> Sche
     return ScheduledBatch([(s, 1) for s in seqs])
 
 
-def test_static_padded_decode_equals_the_dynamic_path(runner):
+def test_static_padded_decode_equals_the_dynamic_path(torch_runner):
+    runner = torch_runner
     from hybridgate.workers.gpu.graphs import DecodeGraphs
 
     graphs = DecodeGraphs(runner.model, runner.cache, runner.num_blocks * runner.block_size, 8, runner.max_model_len,
@@ -208,8 +244,9 @@ def test_an_abort_that_overtakes_its_request_drops_it(runner, fingerprint):
     assert not engine.has_work() and engine.refresh_stats().blocks_used == 0
 
 
-def test_block_gather_decode_path_equals_the_slot_gather_reference(gguf_model, runner):
+def test_block_gather_decode_path_equals_the_slot_gather_reference(gguf_model, torch_runner):
     """The CUDA decode path (whole-block gathers) against the per-slot reference, run on the CPU."""
+    runner = torch_runner
     blocks = TorchRunner(gguf_model, torch.device("cpu"), torch.float32, kv_cache_memory="64MiB", block_gather=True)
     results = [r.forward(prefilled_decode_batch(r, (3, 16, 17, 40), stride=11, next_from=700)).numpy()
                for r in (runner, blocks)]

@@ -48,40 +48,73 @@ def rope_pairs(x, positions, cos, sin, heads):
                 x[t, h, 2 * i + 1] = a * s + b * c
 
 
+QUERY_TILE = 16  # query tokens of one sequence that share each K/V row load
+
+
 @nb.njit(parallel=True, **_JIT)
-def paged_attention(q, k_cache, v_cache, ctx_offset, ctx_len, ctx_slots, out):
+def paged_attention(q, k_cache, v_cache, ctx_offset, ctx_len, ctx_slots, tiles, out):
     """Causal GQA over the paged cache: for token t, head h: softmax(q·k / sqrt(d)) v over its context.
 
     q `[tokens, heads, dim]`; k_cache, v_cache `[slots, kv_heads, dim]`; token t reads
     ctx_slots[ctx_offset[t] : ctx_offset[t] + ctx_len[t]]; out `[tokens, heads, dim]`.
+    tiles int64 `[n + 1]`: token boundaries of runs that share ctx_offset (one sequence's chunk,
+    at most QUERY_TILE tokens): one job per (run, KV head) loads each K and V row once for every
+    query head of the group and every token of the run (a prefill of n tokens reads the cache
+    n · heads / (QUERY_TILE · kv_heads) times less than one job per token and head would). A
+    token's arithmetic is the same whatever run it is in: scores, then max, exp and the weighted
+    sum of V in context order.
     """
-    tokens, heads, dim = q.shape
-    group = heads // k_cache.shape[1]
+    heads, dim = q.shape[1], q.shape[2]
+    kv_heads = k_cache.shape[1]
+    group = heads // kv_heads
     scale = np.float32(1.0 / math.sqrt(dim))
-    for job in prange(tokens * heads):
-        t, h = job // heads, job % heads
-        g = h // group
-        n, off = ctx_len[t], ctx_offset[t]
-        scores = np.empty(n, dtype=np.float32)
-        top = np.float32(-np.inf)
-        for j in range(n):
+    runs = tiles.shape[0] - 1
+    for job in prange(runs * kv_heads):
+        run, g = job // kv_heads, job % kv_heads
+        t0, t1 = tiles[run], tiles[run + 1]
+        off = ctx_offset[t0]
+        longest = 0
+        for t in range(t0, t1):
+            longest = max(longest, ctx_len[t])
+        rows = (t1 - t0) * group
+        scores = np.empty((rows, longest), dtype=np.float32)
+        for j in range(longest):
             slot = ctx_slots[off + j]
-            s = np.float32(0.0)
-            for i in range(dim):
-                s += q[t, h, i] * k_cache[slot, g, i]
-            s *= scale
-            scores[j] = s
-            top = max(top, s)
-        acc = np.zeros(dim, dtype=np.float32)
-        total = np.float32(0.0)
-        for j in range(n):
-            p = np.float32(math.exp(scores[j] - top))
-            total += p
+            for t in range(t0, t1):
+                if j < ctx_len[t]:
+                    for k in range(group):
+                        h = g * group + k
+                        s = np.float32(0.0)
+                        for i in range(dim):
+                            s += q[t, h, i] * k_cache[slot, g, i]
+                        scores[(t - t0) * group + k, j] = s * scale
+        total = np.zeros(rows, dtype=np.float32)
+        for t in range(t0, t1):
+            n = ctx_len[t]
+            for k in range(group):
+                row = (t - t0) * group + k
+                top = np.float32(-np.inf)
+                for j in range(n):
+                    top = max(top, scores[row, j])
+                for j in range(n):
+                    p = np.float32(math.exp(scores[row, j] - top))
+                    scores[row, j] = p
+                    total[row] += p
+        acc = np.zeros((rows, dim), dtype=np.float32)
+        for j in range(longest):
             slot = ctx_slots[off + j]
-            for i in range(dim):
-                acc[i] += p * v_cache[slot, g, i]
-        for i in range(dim):
-            out[t, h, i] = acc[i] / total
+            for t in range(t0, t1):
+                if j < ctx_len[t]:
+                    for k in range(group):
+                        row = (t - t0) * group + k
+                        p = scores[row, j]
+                        for i in range(dim):
+                            acc[row, i] += p * v_cache[slot, g, i]
+        for t in range(t0, t1):
+            for k in range(group):
+                row = (t - t0) * group + k
+                for i in range(dim):
+                    out[t, g * group + k, i] = acc[row, i] / total[row]
 
 
 @nb.njit(parallel=True, **_JIT)
@@ -145,7 +178,7 @@ class CpuLlama:
         """Logits float32 `[entries, vocab]` at each entry's last new token; K/V written to their slots."""
         c = self.config
         heads, kv_heads, dim = c.num_heads, c.num_kv_heads, c.head_dim
-        ctx_offset, ctx_len, ctx_slots = _token_contexts(h)
+        ctx_offset, ctx_len, ctx_slots, tiles = _token_contexts(h)
         x = self.embed_rows(h.ids)  # [tokens, hidden]
         tokens = x.shape[0]
         normed = np.empty_like(x)
@@ -158,7 +191,7 @@ class CpuLlama:
             k_cache[i][h.slots] = qkv[:, heads : heads + kv_heads]
             v_cache[i][h.slots] = qkv[:, heads + kv_heads :]
             paged_attention(np.ascontiguousarray(qkv[:, :heads]), k_cache[i], v_cache[i], ctx_offset, ctx_len,
-                            ctx_slots, attn)
+                            ctx_slots, tiles, attn)
             x += layer["wo"].matmul(attn.reshape(tokens, heads * dim))
             rms_norm(x, layer["ffn_norm"], c.rms_norm_eps, normed)
             gate_up = layer["gate_up"].matmul(normed)
@@ -173,8 +206,9 @@ class CpuLlama:
         return self.lm_head.matmul(out)
 
 
-def _token_contexts(h: StepInputs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per new token: where its context slots start in one flat array, and how many it reads (causal)."""
+def _token_contexts(h: StepInputs) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per new token: where its context slots start in one flat array and how many it reads
+    (causal); and the boundaries of runs of at most QUERY_TILE tokens sharing a context."""
     tokens = h.ids.shape[0]
     offset = np.empty(tokens, dtype=np.int64)
     length = np.empty(tokens, dtype=np.int64)
@@ -187,4 +221,9 @@ def _token_contexts(h: StepInputs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         past = ctx_len - n
         offset[start : start + n] = base + ctx_off
         length[start : start + n] = past + 1 + np.arange(n)
-    return offset, length, np.concatenate([h.decode_context.reshape(-1), h.prefill_context])
+    cuts = [0]
+    for t in range(1, tokens):
+        if offset[t] != offset[t - 1] or t - cuts[-1] == QUERY_TILE:
+            cuts.append(t)
+    cuts.append(tokens)
+    return offset, length, np.concatenate([h.decode_context.reshape(-1), h.prefill_context]), np.array(cuts)
