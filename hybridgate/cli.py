@@ -97,7 +97,7 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off (on by default)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="on CUDA, run decode steps eagerly instead of replaying captured CUDA graphs")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads per worker (default: all cores)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads per worker (default: all cores; under serve, several CPU workers split them)")
     p.add_argument("--device", default=None, help="torch device of the GPU worker (default: cuda if present, else cpu)")
 
 
