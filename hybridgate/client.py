@@ -57,7 +57,7 @@ def generate(args: argparse.Namespace, prompt: str) -> int:
     finally:
         channel.close()
     if not args.json:
-        print()
+        print(flush=True)  # the answer before the stats line, also when both go to one pipe
         reason = pb.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower()
         print(f"[finish_reason={reason} prompt_tokens={last.usage.prompt_tokens} "
               f"completion_tokens={last.usage.completion_tokens} ttft_ms={last.timings.ttft_ms:.1f} "

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from hybridgate.gateway.server import Gateway, GatewayConfig
 from hybridgate.router import Router, RouterConfig, ZmqWorkerClient
+from hybridgate.wire import WorkerState
 from hybridgate.workers.process import WorkerConfig, run_worker
 
 log = logging.getLogger("hybridgate")
@@ -75,12 +76,16 @@ def spawn_worker(config: WorkerConfig) -> multiprocessing.Process:
     return proc
 
 
-async def run_gateway(config: ServeConfig, endpoints: list[str]) -> int:
+async def run_gateway(config: ServeConfig, endpoints: list[str], on_listening=None) -> int:
+    """Serve until SIGINT/SIGTERM; `on_listening()` runs once the port is bound (serve spawns its
+    workers then, so a port in use fails at once)."""
     clients = [ZmqWorkerClient(ep, dead_after_s=config.dead_after_s) for ep in endpoints]
     router = Router(config.model_path, clients, config.router)
     gateway = Gateway(router, config.gateway)
     router.on_ready_change = gateway.on_ready_change
     await gateway.start()
+    if on_listening is not None:
+        on_listening()
     print(f"hybridgate: gRPC on {config.gateway.host}:{gateway.port} (health NOT_SERVING until a worker is up)",
           flush=True)
     if gateway.metrics_port is not None:
@@ -97,8 +102,16 @@ async def run_gateway(config: ServeConfig, endpoints: list[str]) -> int:
         print(f"hybridgate: error: {entered.exception()}", file=sys.stderr, flush=True)
         code = 1
     elif entered.done():
-        kinds = [c.kind or "?" for c in clients]
-        print(f"hybridgate: READY ({', '.join(kinds)} worker{'s' if len(kinds) > 1 else ''}) — model "
+        # Serving already (health is SERVING with one READY worker); the line waits for the rest.
+        settled = asyncio.create_task(router.wait_settled(config.router.startup_timeout_s))
+        await asyncio.wait({settled, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        settled.cancel()
+        ready = [c.kind for c in clients if c.state == WorkerState.READY]
+        for c in clients:
+            if c.state != WorkerState.READY:
+                print(f"hybridgate: warning: worker {c.endpoint} is {c.state.name} (see its log above)",
+                      file=sys.stderr, flush=True)
+        print(f"hybridgate: READY ({', '.join(ready)} worker{'s' if len(ready) > 1 else ''}) — model "
               f"{config.model_path}", flush=True)
         await stop.wait()
     print("hybridgate: shutting down (health NOT_SERVING, in-flight streams get "
@@ -128,14 +141,15 @@ def serve(config: ServeConfig) -> int:
         threads = max(1, (os.cpu_count() or 1) // cpu_count)
     private = tempfile.mkdtemp(prefix="hybridgate-")  # mode 0700: only this user reaches the ipc sockets
     endpoints = [f"ipc://{private}/worker-{i}.sock" for i in range(len(kinds))]
-    workers = [spawn_worker(WorkerConfig(
+    configs = [WorkerConfig(
         model_path=config.model_path, endpoint=endpoint, kind=kind, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens, threads=threads, device=config.device,
         kv_cache_memory=config.kv_cache_memory, prefix_caching=config.prefix_caching,
         enforce_eager=config.enforce_eager, parent_pid=os.getpid(),
-    )) for kind, endpoint in zip(kinds, endpoints)]
+    ) for kind, endpoint in zip(kinds, endpoints)]
+    workers: list[multiprocessing.Process] = []
     try:
-        return _run(run_gateway(config, endpoints))
+        return _run(run_gateway(config, endpoints, lambda: workers.extend(map(spawn_worker, configs))))
     finally:
         for worker in workers:
             worker.terminate()

@@ -49,14 +49,19 @@ class Gateway:
         self.server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.so_reuseport", 0),  # a second server on a taken port fails instead of sharing it
         ])
         pb_grpc.add_GenerationServicer_to_server(GenerationService(router, self.metrics), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
-        self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        try:
+            self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        except RuntimeError:  # grpc's "Failed to bind"
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"cannot listen on {config.host}:{config.port}")
+            raise OSError(f"cannot listen on {config.host}:{config.port}: the address is in use or not this "
+                          "machine's (--host, --port)")
         self.metrics_port: int | None = None
 
     async def start(self) -> None:

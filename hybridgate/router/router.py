@@ -119,6 +119,19 @@ class Router:
             self._changed.clear()
             await self._changed.wait()
 
+    async def wait_settled(self, timeout_s: float) -> None:
+        """Wait until no worker is still CONNECTING (each READY, DEAD or REFUSED), at most timeout_s."""
+
+        async def settled():
+            while any(c.state == WorkerState.CONNECTING for c in self.clients):
+                self._changed.clear()
+                await self._changed.wait()
+
+        try:
+            await asyncio.wait_for(settled(), timeout_s)
+        except asyncio.TimeoutError:
+            pass
+
     # --- requests -----------------------------------------------------------
 
     def generate(self, prompt: Prompt, params: SamplingParams | None = None, label: str = "") -> GenerationStream:

@@ -169,7 +169,7 @@ class WorkerIO:
             self.socket.send_multipart([client, *(frames or wire.encode(msg))], zmq.NOBLOCK)
         except (zmq.error.Again, zmq.error.ZMQError) as exc:
             # ROUTER_MANDATORY: the router is gone (or stalled); free its sequences.
-            log.warning("router %r unreachable (%s); aborting its requests", client, exc)
+            log.info("router %r unreachable (%s); aborting its requests", client, exc)
             self.clients.discard(client)
             self.inbox.requests.put((client, "client-gone"))
 

@@ -181,3 +181,18 @@ def test_eight_concurrent_requests_batch(server):
         t.join()
     assert all(sum(len(m.token_ids) for m in results[i]) == 48 for i in range(8))
     assert metrics(server.metrics_url)["hybridgate:engine_steps_by_batch_size_total{batch_size=8}"] > before
+
+
+def test_a_second_serve_on_a_taken_port_fails_at_once(server):
+    # gRPC's default SO_REUSEPORT would let both listen and split the requests between them.
+    out = subprocess.run([HYBRIDGATE, "serve", "--port", str(server.port), "--cpu-workers", "0", "--gpu-workers", "1"],
+                         capture_output=True, text=True, timeout=60 * TIME_FACTOR)
+    assert out.returncode == 1 and f"cannot listen on 127.0.0.1:{server.port}" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--kv-cache-memory", "abc"), ("--threads", "0"),
+                                             ("--max-num-seqs", "0"), ("--cpu-workers", "-1")])
+def test_serve_flags_are_checked_before_anything_starts(flag, value):
+    out = subprocess.run([HYBRIDGATE, "serve", flag, value], capture_output=True, text=True, timeout=30 * TIME_FACTOR)
+    assert out.returncode == 2 and f"argument {flag}:" in out.stderr and "Traceback" not in out.stderr
