@@ -112,7 +112,8 @@ def _add_model(p: argparse.ArgumentParser) -> None:
 
 
 def _add_engine(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-num-seqs", type=_bounded(int, 1), default=64, help="most sequences a worker runs at once (default 64)")
+    p.add_argument("--max-num-seqs", type=_bounded(int, 1), default=64,
+                   help="most sequences a worker runs at once (default 64)")
     p.add_argument("--max-num-batched-tokens", type=_bounded(int, 1), default=2048,
                    help="token budget of one engine step; longer prompts are prefilled in chunks (default 2048)")
     p.add_argument("--kv-cache-memory", type=_memory, default=None,
@@ -121,15 +122,19 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off (on by default)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="on CUDA, run decode steps eagerly instead of replaying captured CUDA graphs")
-    p.add_argument("--threads", type=_bounded(int, 1), default=None, help="CPU threads per worker (default: all cores; under serve, several CPU workers split them)")
+    p.add_argument("--threads", type=_bounded(int, 1), default=None,
+                   help="CPU threads per worker (default: all cores; under serve, several CPU workers split them)")
     p.add_argument("--device", default=None, help="torch device of the GPU worker (default: cuda if present, else cpu)")
 
 
 def _add_gateway(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, loopback only)")
-    p.add_argument("--port", type=_bounded(int, 0, 65535), default=50051, help="gRPC port (default 50051; 0 picks a free one)")
-    p.add_argument("--metrics-port", type=_bounded(int, 0, 65535), default=None, help="serve Prometheus metrics on this port (default: off)")
-    p.add_argument("--max-model-len", type=_bounded(int, 2), default=None, help="most tokens per sequence (default: the model's context)")
+    p.add_argument("--port", type=_bounded(int, 0, 65535), default=50051,
+                   help="gRPC port (default 50051; 0 picks a free one)")
+    p.add_argument("--metrics-port", type=_bounded(int, 0, 65535), default=None,
+                   help="serve Prometheus metrics on this port (default: off)")
+    p.add_argument("--max-model-len", type=_bounded(int, 2), default=None,
+                   help="most tokens per sequence (default: the model's context)")
     p.add_argument("--grace-period", type=_bounded(float, 0), default=10.0,
                    help="seconds in-flight streams get to finish on SIGINT/SIGTERM (default 10)")
     p.add_argument("--worker-startup-timeout", type=_bounded(float, 0, strict=True), default=120.0,

@@ -185,8 +185,8 @@ def test_eight_concurrent_requests_batch(server):
 
 def test_a_second_serve_on_a_taken_port_fails_at_once(server):
     # gRPC's default SO_REUSEPORT would let both listen and split the requests between them.
-    out = subprocess.run([HYBRIDGATE, "serve", "--port", str(server.port), "--cpu-workers", "0", "--gpu-workers", "1"],
-                         capture_output=True, text=True, timeout=60 * TIME_FACTOR)
+    args = ["serve", "--port", str(server.port), "--cpu-workers", "0", "--gpu-workers", "1"]
+    out = subprocess.run([HYBRIDGATE, *args], capture_output=True, text=True, timeout=60 * TIME_FACTOR)
     assert out.returncode == 1 and f"cannot listen on 127.0.0.1:{server.port}" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
 

@@ -81,3 +81,49 @@ def test_every_tile_shape_gives_the_bits_of_batch_one(kind):
     for b in (0, 3, 4, 63, 64, 69):
         np.testing.assert_array_equal(m.matmul(x[b : b + 1])[0], batched[b])
     np.testing.assert_array_equal(m.matmul(x[5:13]), batched[5:13])
+
+
+def test_attention_vector_pieces_against_numpy():
+    import numba as nb
+
+    from hybridgate.workers.cpu import simd
+
+    @nb.njit
+    def run(q, kt, scores, n, v, acc):
+        simd.qk_scores16(q, 3, kt, 5, 20, 64, scores, 16, np.float32(0.125))
+        total = simd.softmax_weights(scores, 16, n)
+        simd.axpy16(np.float32(0.5), v, 7, acc, 16, 48)
+        return total
+
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal(80).astype(np.float32)
+    kt = rng.standard_normal(5 + 64 * 20).astype(np.float32)  # 64 rows of 20, 16 used from column 5
+    v, acc = rng.standard_normal(60).astype(np.float32), rng.standard_normal(70).astype(np.float32)
+    scores = np.full(48, np.nan, dtype=np.float32)  # lanes past n hold garbage; they must not count
+    acc0 = acc.copy()
+    n = 13
+    total = run(q, kt, scores, n, v, acc)
+    keys = kt[5:].reshape(64, 20)[:, :16].astype(np.float64)  # [dim, 16]
+    raw = 0.125 * (q[3:67].astype(np.float64) @ keys)
+    weights = np.exp(raw[:n] - raw[:n].max())
+    np.testing.assert_allclose(scores[16 : 16 + n], weights, rtol=2e-6)
+    assert total == pytest.approx(weights.sum(), rel=2e-6)
+    np.testing.assert_allclose(acc[16:64], acc0[16:64] + 0.5 * v[7:55], rtol=1e-6)
+    np.testing.assert_array_equal(acc[:16], acc0[:16])
+    np.testing.assert_array_equal(acc[64:], acc0[64:])
+
+
+def test_vector_exp_over_the_softmax_range():
+    import numba as nb
+
+    from hybridgate.workers.cpu import simd
+
+    @nb.njit
+    def weights(row):
+        return simd.softmax_weights(row, 0, row.shape[0])
+
+    x = np.concatenate([np.linspace(-87, 0, 4000), [0.0, -1e-3, -20.5]]).astype(np.float32)
+    x = np.concatenate([x, np.zeros(16 - len(x) % 16, np.float32)])  # the padding is real lanes here: zeros
+    row = x.copy()
+    weights(row)  # max is 0, so row becomes exp(x)
+    np.testing.assert_allclose(row, np.exp(x.astype(np.float64)), rtol=3e-7, atol=1e-38)

@@ -17,6 +17,7 @@ from numba import prange
 
 from hybridgate.models import GGUFModel
 from hybridgate.workers.cpu.quant import QuantMatrix, concat_rows, quant_matrix
+from hybridgate.workers.cpu.simd import axpy16, qk_scores16, softmax_weights
 from hybridgate.workers.step_inputs import StepInputs
 
 _JIT = dict(nogil=True, fastmath=True, cache=True)
@@ -48,24 +49,24 @@ def rope_pairs(x, positions, cos, sin, heads):
                 x[t, h, 2 * i + 1] = a * s + b * c
 
 
-QUERY_TILE = 16  # query tokens of one sequence that share each K/V row load
+QUERY_TILE = 16  # query tokens of one sequence that share each K/V load
 
 
 @nb.njit(parallel=True, **_JIT)
-def paged_attention(q, k_cache, v_cache, ctx_offset, ctx_len, ctx_slots, tiles, out):
+def paged_attention(q, k_blocks, v_cache, ctx_offset, ctx_len, ctx_slots, tiles, out):
     """Causal GQA over the paged cache: for token t, head h: softmax(q·k / sqrt(d)) v over its context.
 
-    q `[tokens, heads, dim]`; k_cache, v_cache `[slots, kv_heads, dim]`; token t reads
-    ctx_slots[ctx_offset[t] : ctx_offset[t] + ctx_len[t]]; out `[tokens, heads, dim]`.
+    q `[tokens, heads, dim]`; k_blocks `[blocks, kv_heads, dim, block]` (keys transposed within
+    each block); v_cache `[slots, kv_heads, dim]`; token t reads context slots
+    ctx_slots[ctx_offset[t] : ctx_offset[t] + ctx_len[t]] (slot = block · block_size + offset).
     tiles int64 `[n + 1]`: token boundaries of runs that share ctx_offset (one sequence's chunk,
-    at most QUERY_TILE tokens): one job per (run, KV head) loads each K and V row once for every
-    query head of the group and every token of the run (a prefill of n tokens reads the cache
-    n · heads / (QUERY_TILE · kv_heads) times less than one job per token and head would). A
-    token's arithmetic is the same whatever run it is in: scores, then max, exp and the weighted
-    sum of V in context order.
+    at most QUERY_TILE tokens); one job per (run, KV head) reads each key chunk and value row once
+    for every query head of the group and every token of the run. Scores come 16 keys at a time
+    (`simd.qk_scores16`), softmax weights 16 at a time (`simd.softmax_weights`). A token's
+    arithmetic is the same whatever run it is in.
     """
     heads, dim = q.shape[1], q.shape[2]
-    kv_heads = k_cache.shape[1]
+    kv_heads, bs = k_blocks.shape[1], k_blocks.shape[3]
     group = heads // kv_heads
     scale = np.float32(1.0 / math.sqrt(dim))
     runs = tiles.shape[0] - 1
@@ -76,45 +77,36 @@ def paged_attention(q, k_cache, v_cache, ctx_offset, ctx_len, ctx_slots, tiles, 
         longest = 0
         for t in range(t0, t1):
             longest = max(longest, ctx_len[t])
+        width = (longest + 15) // 16 * 16
         rows = (t1 - t0) * group
-        scores = np.empty((rows, longest), dtype=np.float32)
-        for j in range(longest):
-            slot = ctx_slots[off + j]
+        scores = np.empty(rows * width, dtype=np.float32)
+        for j0 in range(0, longest, 16):
+            slot = ctx_slots[off + j0]
+            kt_off = ((slot // bs) * kv_heads + g) * dim * bs + slot % bs
             for t in range(t0, t1):
-                if j < ctx_len[t]:
+                if j0 < ctx_len[t]:
                     for k in range(group):
-                        h = g * group + k
-                        s = np.float32(0.0)
-                        for i in range(dim):
-                            s += q[t, h, i] * k_cache[slot, g, i]
-                        scores[(t - t0) * group + k, j] = s * scale
-        total = np.zeros(rows, dtype=np.float32)
+                        row = (t - t0) * group + k
+                        qk_scores16(q, (t * heads + g * group + k) * dim, k_blocks, kt_off, bs, dim,
+                                    scores, row * width + j0, scale)
+        total = np.empty(rows, dtype=np.float32)
         for t in range(t0, t1):
-            n = ctx_len[t]
             for k in range(group):
                 row = (t - t0) * group + k
-                top = np.float32(-np.inf)
-                for j in range(n):
-                    top = max(top, scores[row, j])
-                for j in range(n):
-                    p = np.float32(math.exp(scores[row, j] - top))
-                    scores[row, j] = p
-                    total[row] += p
-        acc = np.zeros((rows, dim), dtype=np.float32)
+                total[row] = softmax_weights(scores, row * width, ctx_len[t])
+        acc = np.zeros(rows * dim, dtype=np.float32)
         for j in range(longest):
-            slot = ctx_slots[off + j]
+            v_off = (ctx_slots[off + j] * kv_heads + g) * dim
             for t in range(t0, t1):
                 if j < ctx_len[t]:
                     for k in range(group):
                         row = (t - t0) * group + k
-                        p = scores[row, j]
-                        for i in range(dim):
-                            acc[row, i] += p * v_cache[slot, g, i]
+                        axpy16(scores[row * width + j], v_cache, v_off, acc, row * dim, dim)
         for t in range(t0, t1):
             for k in range(group):
                 row = (t - t0) * group + k
                 for i in range(dim):
-                    out[t, g * group + k, i] = acc[row, i] / total[row]
+                    out[t, g * group + k, i] = acc[row * dim + i] / total[row]
 
 
 @nb.njit(parallel=True, **_JIT)
@@ -175,7 +167,10 @@ class CpuLlama:
         return np.stack([self.embed.row(int(i)) for i in ids])
 
     def forward(self, h: StepInputs, k_cache: list[np.ndarray], v_cache: list[np.ndarray]) -> np.ndarray:
-        """Logits float32 `[entries, vocab]` at each entry's last new token; K/V written to their slots."""
+        """Logits float32 `[entries, vocab]` at each entry's last new token; K/V written to their slots.
+
+        k_cache: per layer `[blocks, kv_heads, head_dim, block_size]`; v_cache: per layer
+        `[slots, kv_heads, head_dim]` (see `paged_attention`)."""
         c = self.config
         heads, kv_heads, dim = c.num_heads, c.num_kv_heads, c.head_dim
         ctx_offset, ctx_len, ctx_slots, tiles = _token_contexts(h)
@@ -188,7 +183,8 @@ class CpuLlama:
             rms_norm(x, layer["attn_norm"], c.rms_norm_eps, normed)
             qkv = layer["qkv"].matmul(normed).reshape(tokens, heads + 2 * kv_heads, dim)
             rope_pairs(qkv, h.positions, self.cos, self.sin, heads + kv_heads)
-            k_cache[i][h.slots] = qkv[:, heads : heads + kv_heads]
+            block_size = k_cache[i].shape[3]
+            k_cache[i][h.slots // block_size, :, :, h.slots % block_size] = qkv[:, heads : heads + kv_heads]
             v_cache[i][h.slots] = qkv[:, heads + kv_heads :]
             paged_attention(np.ascontiguousarray(qkv[:, :heads]), k_cache[i], v_cache[i], ctx_offset, ctx_len,
                             ctx_slots, tiles, attn)

@@ -53,12 +53,20 @@ class NumbaRunner:
         self.num_blocks = num_blocks_for(kv_cache_memory, self.block_bytes, host_available_bytes(), gpu=False)
         if max_num_blocks is not None:
             self.num_blocks = min(self.num_blocks, max_num_blocks)
-        slots = (self.num_blocks + 1) * block_size  # the last block is scratch for padding reads
-        self.k_cache = [np.empty((slots, c.num_kv_heads, c.head_dim), np.float32) for _ in range(c.num_layers)]
-        self.v_cache = [np.empty((slots, c.num_kv_heads, c.head_dim), np.float32) for _ in range(c.num_layers)]
+        if block_size % 16:
+            raise ValueError(f"block_size: the CPU runner needs a multiple of 16, got {block_size}")
+        if c.head_dim % 16:
+            raise ValueError(f"model head_dim {c.head_dim}: the CPU runner needs a multiple of 16 (its vector width)")
+        blocks = self.num_blocks + 1  # the last block is scratch for padding reads
+        # Keys transposed within each block (16 keys per vector in the score kernel), values by slot.
+        self.k_cache = [np.empty((blocks, c.num_kv_heads, c.head_dim, block_size), np.float32)
+                        for _ in range(c.num_layers)]
+        self.v_cache = [np.empty((blocks * block_size, c.num_kv_heads, c.head_dim), np.float32)
+                        for _ in range(c.num_layers)]
         self.scratch_slot = self.num_blocks * block_size
-        for t in self.k_cache + self.v_cache:
-            t[self.scratch_slot :] = 0.0
+        for k, v in zip(self.k_cache, self.v_cache):
+            k[self.num_blocks] = 0.0
+            v[self.scratch_slot :] = 0.0
         self.pool = PinnedPool(4 << 20, 2)
         log.info("CPU runner: weights %.1f MiB in GGUF blocks, KV cache %d blocks of %d tokens (%.1f MiB), %d threads",
                  self.model.weight_bytes / 2**20, self.num_blocks, block_size,

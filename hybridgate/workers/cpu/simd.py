@@ -181,3 +181,133 @@ def matmul_blocks(x, qs, scale, minimum, out):
                 _rows(x, qs, scale, minimum, out, 4 * g, 4, b0, b1)
         for r in range(4 * groups, qs.shape[0]):
             _rows(x, qs, scale, minimum, out, r, 1, b0, b1)
+
+
+@intrinsic
+def qk_scores16(typingctx, q, q_off, kt, kt_off, kt_stride, dim, out, o_off, scale):
+    """16 attention scores at once: out[o_off + l] = scale · Σ_i q[q_off + i] · kt[kt_off + i·kt_stride + l].
+
+    kt holds keys transposed within a cache block (`[dim, block]` per block and KV head), so the
+    16 keys of a chunk are one vector per dimension: `dim` broadcast FMAs, no horizontal sums.
+    q, kt, out float32; every score's sum runs over i in order.
+    """
+    ip = types.intp
+    sig = types.void(q, ip, kt, ip, ip, ip, out, ip, types.float32)
+
+    def codegen(context, builder, signature, args):
+        qa, qo, ka, ko, kstr, n, oa, oo, sc = args
+        ty = signature.args
+        acc = cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * LANES))
+        with cgutils.for_range(builder, n) as loop:
+            i = loop.index
+            qi = _splat(builder, builder.load(_ptr(context, builder, ty[0], qa, builder.add(qo, i))))
+            kp = _ptr(context, builder, ty[2], ka, builder.add(ko, builder.mul(i, kstr)))
+            builder.store(_fma(builder, qi, _load_vec(builder, kp, _V16F, 4), builder.load(acc)), acc)
+        result = builder.fmul(builder.load(acc), _splat(builder, sc))
+        builder.store(result, builder.bitcast(_ptr(context, builder, ty[6], oa, oo), _V16F.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _vexp(builder, x):
+    """e^x on `<16 x float>` (Cephes expf: range reduction by ln 2, degree-6 polynomial, 2^n by
+    exponent bits; relative error about 1e-7 on [-87.3, 88.7], inputs clamped to that range)."""
+    def k(v):
+        return ir.Constant(_V16F, [v] * LANES)
+
+    def fmax(a, b):
+        return builder.select(builder.fcmp_ordered(">", a, b), a, b)
+
+    x = fmax(builder.select(builder.fcmp_ordered("<", x, k(88.3762626647949)), x, k(88.3762626647949)),
+             k(-87.3365478515625))
+    floor = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F]), "llvm.floor.v16f32")
+    fx = builder.call(floor, [_fma(builder, x, k(1.44269504088896341), k(0.5))])
+    x = _fma(builder, fx, k(-0.693359375), x)
+    x = _fma(builder, fx, k(2.12194440e-4), x)
+    y = k(1.9875691500e-4)
+    for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+        y = _fma(builder, y, x, k(c))
+    y = builder.fadd(_fma(builder, y, builder.fmul(x, x), x), k(1.0))
+    v16i32 = ir.VectorType(_I32, LANES)
+    n = builder.fptosi(fx, v16i32)
+    two_n = builder.bitcast(builder.shl(builder.add(n, ir.Constant(v16i32, [127] * LANES)),
+                                        ir.Constant(v16i32, [23] * LANES)), _V16F)
+    return builder.fmul(y, two_n)
+
+
+@intrinsic
+def softmax_weights(typingctx, scores, base, n):
+    """In place over scores[base : base + n] (float32): e^(s - max), and return their sum.
+
+    Reads and writes whole 16-lane chunks up to base + n rounded up to 16 (the caller pads the
+    row); lanes past n are masked out of the max and the sum. The sum is per lane over the chunks
+    in order, then a fixed tree: the same for a row whatever batch it is in.
+    """
+    sig = types.float32(scores, types.intp, types.intp)
+
+    def codegen(context, builder, signature, args):
+        sa, bo, nn = args
+        ty = signature.args[0]
+        c = lambda v: ir.Constant(nn.type, v)  # noqa: E731
+        v16i = ir.VectorType(nn.type, LANES)
+        lanes = ir.Constant(v16i, list(range(LANES)))
+        chunks = builder.sdiv(builder.add(nn, c(LANES - 1)), c(LANES))
+
+        def chunk(index):
+            ptr = _ptr(context, builder, ty, sa, builder.add(bo, builder.mul(index, c(LANES))))
+            start = builder.mul(index, c(LANES))
+            left = builder.sub(nn, start)
+            splat_left = builder.shuffle_vector(
+                builder.insert_element(ir.Constant(v16i, ir.Undefined), left, ir.Constant(_I32, 0)),
+                ir.Constant(v16i, ir.Undefined), ir.Constant(ir.VectorType(_I32, LANES), [0] * LANES))
+            mask = builder.icmp_signed("<", lanes, splat_left)
+            return ptr, mask
+
+        neg_inf = ir.Constant(_V16F, [float("-inf")] * LANES)
+        top = cgutils.alloca_once_value(builder, neg_inf)
+        with cgutils.for_range(builder, chunks) as loop:
+            ptr, mask = chunk(loop.index)
+            v = builder.select(mask, _load_vec(builder, ptr, _V16F, 4), neg_inf)
+            old = builder.load(top)
+            builder.store(builder.select(builder.fcmp_ordered(">", v, old), v, old), top)
+        vec = builder.load(top)
+        width = LANES
+        while width > 1:  # max is exact: any order gives the same value
+            width //= 2
+            lo = builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_I32, width), list(range(width))))
+            hi = builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_I32, width),
+                                                              list(range(width, 2 * width))))
+            vec = builder.select(builder.fcmp_ordered(">", lo, hi), lo, hi)
+        peak = _splat(builder, builder.extract_element(vec, ir.Constant(_I32, 0)))
+        total = cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * LANES))
+        with cgutils.for_range(builder, chunks) as loop:
+            ptr, mask = chunk(loop.index)
+            e = _vexp(builder, builder.fsub(_load_vec(builder, ptr, _V16F, 4), peak))
+            e = builder.select(mask, e, ir.Constant(_V16F, [0.0] * LANES))
+            builder.store(e, builder.bitcast(ptr, _V16F.as_pointer()), align=4)
+            builder.store(builder.fadd(builder.load(total), e), total)
+        return _tree_sum(builder, builder.load(total))
+
+    return sig, codegen
+
+
+@intrinsic
+def axpy16(typingctx, a, x, x_off, y, y_off, n):
+    """y[y_off : y_off + n] += a · x[x_off : x_off + n] (float32, n a multiple of 16), one FMA per element."""
+    sig = types.void(types.float32, x, types.intp, y, types.intp, types.intp)
+
+    def codegen(context, builder, signature, args):
+        av, xa, xo, ya, yo, nn = args
+        ty = signature.args
+        c = lambda v: ir.Constant(nn.type, v)  # noqa: E731
+        splat = _splat(builder, av)
+        with cgutils.for_range(builder, builder.sdiv(nn, c(LANES))) as loop:
+            off = builder.mul(loop.index, c(LANES))
+            xp = _ptr(context, builder, ty[1], xa, builder.add(xo, off))
+            yp = builder.bitcast(_ptr(context, builder, ty[3], ya, builder.add(yo, off)), _V16F.as_pointer())
+            builder.store(_fma(builder, splat, _load_vec(builder, xp, _V16F, 4), builder.load(yp, align=4)), yp,
+                          align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
