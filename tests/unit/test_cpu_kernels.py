@@ -127,3 +127,14 @@ def test_vector_exp_over_the_softmax_range():
     row = x.copy()
     weights(row)  # max is 0, so row becomes exp(x)
     np.testing.assert_allclose(row, np.exp(x.astype(np.float64)), rtol=3e-7, atol=1e-38)
+
+
+def test_silu_mul_against_numpy():
+    from hybridgate.workers.cpu.model import silu_mul
+
+    rng = np.random.default_rng(5)
+    gate_up = (rng.standard_normal((3, 2 * 40)) * 6).astype(np.float32)  # 40: two vectors and a tail of 8
+    out = np.empty((3, 40), dtype=np.float32)
+    silu_mul(gate_up, out)
+    g, u = gate_up[:, :40].astype(np.float64), gate_up[:, 40:].astype(np.float64)
+    np.testing.assert_allclose(out, g / (1 + np.exp(-g)) * u, rtol=1e-6, atol=1e-7)

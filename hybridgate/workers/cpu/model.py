@@ -17,7 +17,7 @@ from numba import prange
 
 from hybridgate.models import GGUFModel
 from hybridgate.workers.cpu.quant import QuantMatrix, concat_rows, quant_matrix
-from hybridgate.workers.cpu.simd import axpy16, qk_scores16, softmax_weights
+from hybridgate.workers.cpu.simd import axpy16, qk_scores16, silu_mul16, softmax_weights
 from hybridgate.workers.step_inputs import StepInputs
 
 _JIT = dict(nogil=True, fastmath=True, cache=True)
@@ -36,17 +36,32 @@ def rms_norm(x, weight, eps, out):
 
 
 @nb.njit(parallel=True, **_JIT)
-def rope_pairs(x, positions, cos, sin, heads):
-    """In place on the first `heads` heads of x `[tokens, heads_total, head_dim]`: rotate (x[2i], x[2i+1])."""
-    half = x.shape[2] // 2
-    for t in prange(x.shape[0]):
-        p = positions[t]
-        for h in range(heads):
+def rope_and_store(qkv, positions, cos, sin, slots, k_blocks, v_cache, q_out):
+    """RoPE on adjacent pairs (x[2i], x[2i+1]) of Q and K, then Q into q_out and K, V into the cache.
+
+    qkv float32 `[tokens, heads + 2 kv_heads, dim]` (Q heads, K heads, V heads); positions,
+    slots int64 `[tokens]`; cos, sin `[max_len, dim / 2]`; k_blocks `[blocks, kv_heads, dim,
+    block]` (keys transposed within a block), v_cache `[slots, kv_heads, dim]`; q_out
+    `[tokens, heads, dim]`. One pass per token replaces a RoPE kernel, two scattered numpy
+    writes and a copy.
+    """
+    heads, kv_heads, half = q_out.shape[1], k_blocks.shape[1], qkv.shape[2] // 2
+    bs = k_blocks.shape[3]
+    for t in prange(qkv.shape[0]):
+        p, slot = positions[t], slots[t]
+        blk, o = slot // bs, slot % bs
+        for h in range(heads + kv_heads):
             for i in range(half):
-                a, b = x[t, h, 2 * i], x[t, h, 2 * i + 1]
+                a, b = qkv[t, h, 2 * i], qkv[t, h, 2 * i + 1]
                 c, s = cos[p, i], sin[p, i]
-                x[t, h, 2 * i] = a * c - b * s
-                x[t, h, 2 * i + 1] = a * s + b * c
+                ra, rb = a * c - b * s, a * s + b * c
+                if h < heads:
+                    q_out[t, h, 2 * i], q_out[t, h, 2 * i + 1] = ra, rb
+                else:
+                    k_blocks[blk, h - heads, 2 * i, o], k_blocks[blk, h - heads, 2 * i + 1, o] = ra, rb
+        for g in range(kv_heads):
+            for i in range(2 * half):
+                v_cache[slot, g, i] = qkv[t, heads + kv_heads + g, i]
 
 
 QUERY_TILE = 16  # query tokens of one sequence that share each K/V load
@@ -111,10 +126,13 @@ def paged_attention(q, k_blocks, v_cache, ctx_offset, ctx_len, ctx_slots, tiles,
 
 @nb.njit(parallel=True, **_JIT)
 def silu_mul(gate_up, out):
-    """out = silu(gate) * up for gate_up `[tokens, 2 * ffn]` (gate columns first)."""
+    """out = silu(gate) * up for gate_up `[tokens, 2 * ffn]` (gate columns first); 16 at a time
+    (`simd.silu_mul16`), the last ffn % 16 one by one."""
     ffn = out.shape[1]
+    vec = ffn // 16 * 16
     for t in prange(out.shape[0]):
-        for i in range(ffn):
+        silu_mul16(gate_up, t * 2 * ffn, t * 2 * ffn + ffn, out, t * ffn, vec)
+        for i in range(vec, ffn):
             g = gate_up[t, i]
             out[t, i] = g / (np.float32(1.0) + np.float32(math.exp(-g))) * gate_up[t, ffn + i]
 
@@ -178,16 +196,13 @@ class CpuLlama:
         tokens = x.shape[0]
         normed = np.empty_like(x)
         attn = np.empty((tokens, heads, dim), dtype=np.float32)
+        q = np.empty((tokens, heads, dim), dtype=np.float32)
         self.kernel_calls = 0
         for i, layer in enumerate(self.layers):
             rms_norm(x, layer["attn_norm"], c.rms_norm_eps, normed)
             qkv = layer["qkv"].matmul(normed).reshape(tokens, heads + 2 * kv_heads, dim)
-            rope_pairs(qkv, h.positions, self.cos, self.sin, heads + kv_heads)
-            block_size = k_cache[i].shape[3]
-            k_cache[i][h.slots // block_size, :, :, h.slots % block_size] = qkv[:, heads : heads + kv_heads]
-            v_cache[i][h.slots] = qkv[:, heads + kv_heads :]
-            paged_attention(np.ascontiguousarray(qkv[:, :heads]), k_cache[i], v_cache[i], ctx_offset, ctx_len,
-                            ctx_slots, tiles, attn)
+            rope_and_store(qkv, h.positions, self.cos, self.sin, h.slots, k_cache[i], v_cache[i], q)
+            paged_attention(q, k_cache[i], v_cache[i], ctx_offset, ctx_len, ctx_slots, tiles, attn)
             x += layer["wo"].matmul(attn.reshape(tokens, heads * dim))
             rms_norm(x, layer["ffn_norm"], c.rms_norm_eps, normed)
             gate_up = layer["gate_up"].matmul(normed)

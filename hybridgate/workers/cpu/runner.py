@@ -24,7 +24,7 @@ log = logging.getLogger("hybridgate.worker")
 
 KERNELS = [
     ("matmul_blocks", simd.matmul_blocks),
-    ("matmul_rows", quant.matmul_rows), ("rms_norm", cpu_model.rms_norm), ("rope_pairs", cpu_model.rope_pairs),
+    ("matmul_rows", quant.matmul_rows), ("rms_norm", cpu_model.rms_norm), ("rope_and_store", cpu_model.rope_and_store),
     ("paged_attention", cpu_model.paged_attention), ("silu_mul", cpu_model.silu_mul),
 ]
 

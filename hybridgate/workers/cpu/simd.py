@@ -311,3 +311,27 @@ def axpy16(typingctx, a, x, x_off, y, y_off, n):
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+@intrinsic
+def silu_mul16(typingctx, gate_up, g_off, u_off, out, o_off, n):
+    """out[o_off + i] = silu(gate_up[g_off + i]) · gate_up[u_off + i] for i < n (a multiple of 16),
+    silu(g) = g / (1 + e^-g) with the vector exp of `softmax_weights`."""
+    sig = types.void(gate_up, types.intp, types.intp, out, types.intp, types.intp)
+
+    def codegen(context, builder, signature, args):
+        ga, go, uo, oa, oo, nn = args
+        ty = signature.args
+        c = lambda v: ir.Constant(nn.type, v)  # noqa: E731
+        one = ir.Constant(_V16F, [1.0] * LANES)
+        with cgutils.for_range(builder, builder.sdiv(nn, c(LANES))) as loop:
+            off = builder.mul(loop.index, c(LANES))
+            g = _load_vec(builder, _ptr(context, builder, ty[0], ga, builder.add(go, off)), _V16F, 4)
+            u = _load_vec(builder, _ptr(context, builder, ty[0], ga, builder.add(uo, off)), _V16F, 4)
+            e = _vexp(builder, builder.fsub(ir.Constant(_V16F, [0.0] * LANES), g))
+            value = builder.fmul(builder.fdiv(g, builder.fadd(one, e)), u)
+            op = builder.bitcast(_ptr(context, builder, ty[3], oa, builder.add(oo, off)), _V16F.as_pointer())
+            builder.store(value, op, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
