@@ -11,6 +11,7 @@ import signal
 import sys
 import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from hybridgate.gateway.server import Gateway, GatewayConfig
 from hybridgate.router import Router, RouterConfig, ZmqWorkerClient
@@ -131,6 +132,27 @@ def _run(coro) -> int:
     return uvloop.run(coro)
 
 
+def remove_stale_socket_dirs() -> list[str]:
+    """Remove this user's hybridgate-* socket folders left by a `serve` that was killed (its
+    serve.pid names a process that no longer runs); returns the removed paths."""
+    removed = []
+    for folder in Path(tempfile.gettempdir()).glob("hybridgate-*"):
+        try:
+            if folder.stat().st_uid != os.getuid():
+                continue
+            pid = int((folder / "serve.pid").read_text())
+        except (OSError, ValueError):
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(str(folder))
+        except PermissionError:  # alive, another user's
+            pass
+    return removed
+
+
 def serve(config: ServeConfig) -> int:
     """Gateway in this process, the workers of `worker_layout` in spawned children; exit 0 on
     SIGINT/SIGTERM, no child left."""
@@ -139,7 +161,9 @@ def serve(config: ServeConfig) -> int:
     cpu_count = kinds.count("cpu")
     if threads is None and cpu_count > 1:  # CPU workers share the cores instead of each taking all
         threads = max(1, (os.cpu_count() or 1) // cpu_count)
+    remove_stale_socket_dirs()
     private = tempfile.mkdtemp(prefix="hybridgate-")  # mode 0700: only this user reaches the ipc sockets
+    Path(private, "serve.pid").write_text(str(os.getpid()))
     endpoints = [f"ipc://{private}/worker-{i}.sock" for i in range(len(kinds))]
     configs = [WorkerConfig(
         model_path=config.model_path, endpoint=endpoint, kind=kind, max_num_seqs=config.max_num_seqs,

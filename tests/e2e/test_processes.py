@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import threading
@@ -184,3 +185,8 @@ def test_serve_killed_takes_its_worker_down(tmp_path, model_path):
         time.sleep(0.05)
     assert not any(alive(c) for c in workers)
     server.stop()
+    # Nothing ran to remove its socket folder; the next serve does (its serve.pid is dead).
+    from hybridgate.serve import remove_stale_socket_dirs
+
+    folder = re.search(r"ipc://(/\S+)/worker-0\.sock", server.text()).group(1)
+    assert os.path.isdir(folder) and folder in remove_stale_socket_dirs() and not os.path.exists(folder)
