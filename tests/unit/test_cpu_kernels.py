@@ -89,28 +89,44 @@ def test_attention_vector_pieces_against_numpy():
     from hybridgate.workers.cpu import simd
 
     @nb.njit
-    def run(q, kt, scores, n, v, acc):
-        simd.qk_scores16(q, 3, kt, 5, 20, 64, scores, 16, np.float32(0.125))
+    def run(q, kt, scores, n, v, acc, four):
+        # 4 query rows 20 floats apart; keys: 64 rows of 20 floats, 16 used from column 5.
+        if four:
+            simd.qk_rows4(q, 3, 20, kt, 5, 20, 64, scores, 16, 48, np.float32(0.125))
+        else:
+            for r in range(4):
+                simd.qk_rows1(q, 3 + 20 * r, 20, kt, 5, 20, 64, scores, 16 + 48 * r, 48, np.float32(0.125))
         total = simd.softmax_weights(scores, 16, n)
-        simd.axpy16(np.float32(0.5), v, 7, acc, 16, 48)
+        if four:  # 13 value rows of 32 floats, 10 apart, into 4 accumulator rows
+            simd.pv_rows4(scores, 16, 48, v, 7, 10, n, acc, 0, 40, 32)
+        else:
+            for r in range(4):
+                simd.pv_rows1(scores, 16 + 48 * r, 48, v, 7, 10, n, acc, 40 * r, 40, 32)
         return total
 
     rng = np.random.default_rng(3)
-    q = rng.standard_normal(80).astype(np.float32)
-    kt = rng.standard_normal(5 + 64 * 20).astype(np.float32)  # 64 rows of 20, 16 used from column 5
-    v, acc = rng.standard_normal(60).astype(np.float32), rng.standard_normal(70).astype(np.float32)
-    scores = np.full(48, np.nan, dtype=np.float32)  # lanes past n hold garbage; they must not count
-    acc0 = acc.copy()
+    q = rng.standard_normal(3 + 20 * 4).astype(np.float32)
+    kt = rng.standard_normal(5 + 64 * 20).astype(np.float32)
+    v = rng.standard_normal(7 + 10 * 13 + 32).astype(np.float32)
+    acc0 = rng.standard_normal(160).astype(np.float32)
     n = 13
-    total = run(q, kt, scores, n, v, acc)
+    results = []
+    for four in (False, True):
+        scores = np.zeros(4 * 48, dtype=np.float32)
+        acc = acc0.copy()
+        total = run(q, kt, scores, n, v, acc, four)
+        results.append((scores, acc))
+    np.testing.assert_array_equal(results[0][0], results[1][0])  # 4 rows at once: the bits of one at a time
+    np.testing.assert_array_equal(results[0][1], results[1][1])
+    scores, acc = results[1]
     keys = kt[5:].reshape(64, 20)[:, :16].astype(np.float64)  # [dim, 16]
     raw = 0.125 * (q[3:67].astype(np.float64) @ keys)
     weights = np.exp(raw[:n] - raw[:n].max())
     np.testing.assert_allclose(scores[16 : 16 + n], weights, rtol=2e-6)
     assert total == pytest.approx(weights.sum(), rel=2e-6)
-    np.testing.assert_allclose(acc[16:64], acc0[16:64] + 0.5 * v[7:55], rtol=1e-6)
-    np.testing.assert_array_equal(acc[:16], acc0[:16])
-    np.testing.assert_array_equal(acc[64:], acc0[64:])
+    values = np.stack([v[7 + 10 * j : 7 + 10 * j + 32] for j in range(n)]).astype(np.float64)
+    np.testing.assert_allclose(acc[:32], acc0[:32] + scores[16 : 16 + n] @ values, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(acc[32:40], acc0[32:40])  # columns past dim untouched
 
 
 def test_vector_exp_over_the_softmax_range():

@@ -17,7 +17,7 @@ from numba import prange
 
 from hybridgate.models import GGUFModel
 from hybridgate.workers.cpu.quant import QuantMatrix, concat_rows, quant_matrix
-from hybridgate.workers.cpu.simd import axpy16, qk_scores16, silu_mul16, softmax_weights
+from hybridgate.workers.cpu.simd import pv_rows1, pv_rows4, qk_rows1, qk_rows4, silu_mul16, softmax_weights
 from hybridgate.workers.step_inputs import StepInputs
 
 _JIT = dict(nogil=True, fastmath=True, cache=True)
@@ -76,9 +76,10 @@ def paged_attention(q, k_blocks, v_cache, ctx_offset, ctx_len, ctx_slots, tiles,
     ctx_slots[ctx_offset[t] : ctx_offset[t] + ctx_len[t]] (slot = block · block_size + offset).
     tiles int64 `[n + 1]`: token boundaries of runs that share ctx_offset (one sequence's chunk,
     at most QUERY_TILE tokens); one job per (run, KV head) reads each key chunk and value row once
-    for every query head of the group and every token of the run. Scores come 16 keys at a time
-    (`simd.qk_scores16`), softmax weights 16 at a time (`simd.softmax_weights`). A token's
-    arithmetic is the same whatever run it is in.
+    for every query head of the group and every token of the run. Scores come 16 keys × 4 query
+    rows at a time (`simd.qk_rows4`), softmax weights 16 at a time (`simd.softmax_weights`), the
+    weighted values 16 slots × 4 rows at a time (`simd.pv_rows4`). A token's arithmetic is the
+    same whatever run it is in (weights past its context are exact zeros).
     """
     heads, dim = q.shape[1], q.shape[2]
     kv_heads, bs = k_blocks.shape[1], k_blocks.shape[3]
@@ -93,33 +94,45 @@ def paged_attention(q, k_blocks, v_cache, ctx_offset, ctx_len, ctx_slots, tiles,
         for t in range(t0, t1):
             longest = max(longest, ctx_len[t])
         width = (longest + 15) // 16 * 16
-        rows = (t1 - t0) * group
-        scores = np.empty(rows * width, dtype=np.float32)
+        ntok = t1 - t0
+        rows = ntok * group  # row k · ntok + (t - t0): query head g · group + k of token t
+        scores = np.zeros(rows * width, dtype=np.float32)  # weights past a row's context stay 0
         for j0 in range(0, longest, 16):
             slot = ctx_slots[off + j0]
             kt_off = ((slot // bs) * kv_heads + g) * dim * bs + slot % bs
-            for t in range(t0, t1):
-                if j0 < ctx_len[t]:
-                    for k in range(group):
-                        row = (t - t0) * group + k
-                        qk_scores16(q, (t * heads + g * group + k) * dim, k_blocks, kt_off, bs, dim,
-                                    scores, row * width + j0, scale)
-        total = np.empty(rows, dtype=np.float32)
-        for t in range(t0, t1):
             for k in range(group):
-                row = (t - t0) * group + k
+                t = t0
+                while t < t1:  # contexts grow with t in a run: if token t reaches the chunk, t + 1.. do
+                    row = k * ntok + t - t0
+                    if j0 >= ctx_len[t]:
+                        t += 1
+                    elif t + 4 <= t1:
+                        qk_rows4(q, (t * heads + g * group + k) * dim, heads * dim, k_blocks, kt_off, bs, dim,
+                                 scores, row * width + j0, width, scale)
+                        t += 4
+                    else:
+                        qk_rows1(q, (t * heads + g * group + k) * dim, heads * dim, k_blocks, kt_off, bs, dim,
+                                 scores, row * width + j0, width, scale)
+                        t += 1
+        total = np.empty(rows, dtype=np.float32)
+        for k in range(group):
+            for t in range(t0, t1):
+                row = k * ntok + t - t0
                 total[row] = softmax_weights(scores, row * width, ctx_len[t])
         acc = np.zeros(rows * dim, dtype=np.float32)
-        for j in range(longest):
-            v_off = (ctx_slots[off + j] * kv_heads + g) * dim
+        for j0 in range(0, longest, 16):  # 16 context slots of one cache block: consecutive V rows
+            v_off = (ctx_slots[off + j0] * kv_heads + g) * dim
+            count = min(16, longest - j0)
+            r = 0
+            while r + 4 <= rows:
+                pv_rows4(scores, r * width + j0, width, v_cache, v_off, kv_heads * dim, count, acc, r * dim, dim, dim)
+                r += 4
+            while r < rows:
+                pv_rows1(scores, r * width + j0, width, v_cache, v_off, kv_heads * dim, count, acc, r * dim, dim, dim)
+                r += 1
+        for k in range(group):
             for t in range(t0, t1):
-                if j < ctx_len[t]:
-                    for k in range(group):
-                        row = (t - t0) * group + k
-                        axpy16(scores[row * width + j], v_cache, v_off, acc, row * dim, dim)
-        for t in range(t0, t1):
-            for k in range(group):
-                row = (t - t0) * group + k
+                row = k * ntok + t - t0
                 for i in range(dim):
                     out[t, g * group + k, i] = acc[row * dim + i] / total[row]
 

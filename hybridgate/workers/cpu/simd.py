@@ -183,33 +183,6 @@ def matmul_blocks(x, qs, scale, minimum, out):
             _rows(x, qs, scale, minimum, out, r, 1, b0, b1)
 
 
-@intrinsic
-def qk_scores16(typingctx, q, q_off, kt, kt_off, kt_stride, dim, out, o_off, scale):
-    """16 attention scores at once: out[o_off + l] = scale · Σ_i q[q_off + i] · kt[kt_off + i·kt_stride + l].
-
-    kt holds keys transposed within a cache block (`[dim, block]` per block and KV head), so the
-    16 keys of a chunk are one vector per dimension: `dim` broadcast FMAs, no horizontal sums.
-    q, kt, out float32; every score's sum runs over i in order.
-    """
-    ip = types.intp
-    sig = types.void(q, ip, kt, ip, ip, ip, out, ip, types.float32)
-
-    def codegen(context, builder, signature, args):
-        qa, qo, ka, ko, kstr, n, oa, oo, sc = args
-        ty = signature.args
-        acc = cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * LANES))
-        with cgutils.for_range(builder, n) as loop:
-            i = loop.index
-            qi = _splat(builder, builder.load(_ptr(context, builder, ty[0], qa, builder.add(qo, i))))
-            kp = _ptr(context, builder, ty[2], ka, builder.add(ko, builder.mul(i, kstr)))
-            builder.store(_fma(builder, qi, _load_vec(builder, kp, _V16F, 4), builder.load(acc)), acc)
-        result = builder.fmul(builder.load(acc), _splat(builder, sc))
-        builder.store(result, builder.bitcast(_ptr(context, builder, ty[6], oa, oo), _V16F.as_pointer()), align=4)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
 def _vexp(builder, x):
     """e^x on `<16 x float>` (Cephes expf: range reduction by ln 2, degree-6 polynomial, 2^n by
     exponent bits; relative error about 1e-7 on [-87.3, 88.7], inputs clamped to that range)."""
@@ -293,27 +266,6 @@ def softmax_weights(typingctx, scores, base, n):
 
 
 @intrinsic
-def axpy16(typingctx, a, x, x_off, y, y_off, n):
-    """y[y_off : y_off + n] += a · x[x_off : x_off + n] (float32, n a multiple of 16), one FMA per element."""
-    sig = types.void(types.float32, x, types.intp, y, types.intp, types.intp)
-
-    def codegen(context, builder, signature, args):
-        av, xa, xo, ya, yo, nn = args
-        ty = signature.args
-        c = lambda v: ir.Constant(nn.type, v)  # noqa: E731
-        splat = _splat(builder, av)
-        with cgutils.for_range(builder, builder.sdiv(nn, c(LANES))) as loop:
-            off = builder.mul(loop.index, c(LANES))
-            xp = _ptr(context, builder, ty[1], xa, builder.add(xo, off))
-            yp = builder.bitcast(_ptr(context, builder, ty[3], ya, builder.add(yo, off)), _V16F.as_pointer())
-            builder.store(_fma(builder, splat, _load_vec(builder, xp, _V16F, 4), builder.load(yp, align=4)), yp,
-                          align=4)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
 def silu_mul16(typingctx, gate_up, g_off, u_off, out, o_off, n):
     """out[o_off + i] = silu(gate_up[g_off + i]) · gate_up[u_off + i] for i < n (a multiple of 16),
     silu(g) = g / (1 + e^-g) with the vector exp of `softmax_weights`."""
@@ -335,3 +287,75 @@ def silu_mul16(typingctx, gate_up, g_off, u_off, out, o_off, n):
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+def _make_attention_rows(rows: int):
+    """(qk, pv) intrinsics for `rows` query rows at once; each row's arithmetic equals rows=1's.
+
+    qk(q, q_off, q_stride, kt, kt_off, kt_stride, dim, out, o_off, o_stride, scale): for row r,
+      out[o_off + r·o_stride + l] = scale · Σ_i q[q_off + r·q_stride + i] · kt[kt_off + i·kt_stride + l], l < 16
+      (one key vector load serves every row).
+    pv(p, p_off, p_stride, v, v_off, v_stride, count, acc, a_off, a_stride, dim): for row r,
+      acc[a_off + r·a_stride + i] += Σ_{j < count} p[p_off + r·p_stride + j] · v[v_off + j·v_stride + i],
+      one fma per term in j order (one value vector load serves every row); dim a multiple of 16.
+    """
+    ip = types.intp
+
+    def qk(typingctx, q, q_off, q_stride, kt, kt_off, kt_stride, dim, out, o_off, o_stride, scale):
+        sig = types.void(q, ip, ip, kt, ip, ip, ip, out, ip, ip, types.float32)
+
+        def codegen(context, builder, signature, args):
+            qa, qo, qs, ka, ko, kstr, n, oa, oo, ostr, sc = args
+            ty = signature.args
+            c = lambda v: ir.Constant(n.type, v)  # noqa: E731
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * LANES)) for _ in range(rows)]
+            with cgutils.for_range(builder, n) as loop:
+                i = loop.index
+                kv = _load_vec(builder, _ptr(context, builder, ty[3], ka, builder.add(ko, builder.mul(i, kstr))),
+                               _V16F, 4)
+                for r in range(rows):
+                    qp = _ptr(context, builder, ty[0], qa, builder.add(builder.add(qo, builder.mul(qs, c(r))), i))
+                    builder.store(_fma(builder, _splat(builder, builder.load(qp)), kv, builder.load(accs[r])), accs[r])
+            for r in range(rows):
+                op = _ptr(context, builder, ty[7], oa, builder.add(oo, builder.mul(ostr, c(r))))
+                builder.store(builder.fmul(builder.load(accs[r]), _splat(builder, sc)),
+                              builder.bitcast(op, _V16F.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    def pv(typingctx, p, p_off, p_stride, v, v_off, v_stride, count, acc, a_off, a_stride, dim):
+        sig = types.void(p, ip, ip, v, ip, ip, ip, acc, ip, ip, ip)
+
+        def codegen(context, builder, signature, args):
+            pa, po, ps, va, vo, vs, cnt, aa, ao, astr, n = args
+            ty = signature.args
+            c = lambda x: ir.Constant(n.type, x)  # noqa: E731
+            with cgutils.for_range(builder, builder.sdiv(n, c(LANES))) as chunk:
+                d = builder.mul(chunk.index, c(LANES))
+                ptrs = [builder.bitcast(_ptr(context, builder, ty[7], aa,
+                                             builder.add(builder.add(ao, builder.mul(astr, c(r))), d)),
+                                        _V16F.as_pointer()) for r in range(rows)]
+                accs = [cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * LANES)) for _ in range(rows)]
+                for r in range(rows):
+                    builder.store(builder.load(ptrs[r], align=4), accs[r])
+                with cgutils.for_range(builder, cnt) as loop:
+                    j = loop.index
+                    vp = _ptr(context, builder, ty[3], va, builder.add(builder.add(vo, builder.mul(j, vs)), d))
+                    vv = _load_vec(builder, vp, _V16F, 4)
+                    for r in range(rows):
+                        pp = _ptr(context, builder, ty[0], pa, builder.add(builder.add(po, builder.mul(ps, c(r))), j))
+                        builder.store(_fma(builder, _splat(builder, builder.load(pp)), vv, builder.load(accs[r])),
+                                      accs[r])
+                for r in range(rows):
+                    builder.store(builder.load(accs[r]), ptrs[r], align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    qk.__name__, pv.__name__ = f"qk_rows{rows}", f"pv_rows{rows}"
+    return intrinsic(qk), intrinsic(pv)
+
+
+qk_rows4, pv_rows4 = _make_attention_rows(4)
+qk_rows1, pv_rows1 = _make_attention_rows(1)
