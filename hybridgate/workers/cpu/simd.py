@@ -1,4 +1,4 @@
-"""Row-times-activation dot products of GGUF blocks, written as LLVM vector IR.
+"""The CPU worker's hot loops written as LLVM vector IR: GGUF block products and attention.
 
 Numba's autovectorizer turns the nibble unpacking of Q4_1 and Q8_0 blocks into
 scalar conversions (`vcvtsi2ss`, one per weight), whatever the loop shape; these
@@ -12,6 +12,12 @@ AArch64) machine runs the same arithmetic in the same order. The reduction
 order is fixed (per lane across blocks, then a pairwise tree over the 16
 lanes) and the same in every tile shape, so an output does not depend on the
 batch it is computed in (batch invariance).
+
+The same holds for the attention pieces: `qk_rows*` (16 scores per broadcast
+FMA from keys stored transposed within a cache block), `softmax_weights` (a
+vector exp after Cephes' expf), `pv_rows*` (the weighted sum of values), and
+`silu_mul16` for the MLP gate. Each has a 4-row form that loads a key or value
+vector once for four query rows and gives each row the bits of the 1-row form.
 
 Block formats: ggml's ggml-common.h (`block_q4_1`, `block_q8_0`).
 """
