@@ -27,7 +27,7 @@ class ServeConfig:
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     worker_endpoints: tuple[str, ...] = ()  # `gateway`: connect to these; `serve`: spawns its own
-    gpu_workers: int | None = None  # `serve`: None → the default layout (`default_layout`)
+    gpu_workers: int | None = None  # `serve`: None → the default layout (`worker_layout`)
     cpu_workers: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -56,10 +56,7 @@ def worker_layout(config: ServeConfig) -> list[str]:
 
     Raises ValueError naming the flag when a count is negative or both are zero.
     """
-    cuda = None
-    if config.gpu_workers is None or config.cpu_workers is None:
-        cuda = cuda_present()
-    gpu = config.gpu_workers if config.gpu_workers is not None else int(cuda)
+    gpu = config.gpu_workers if config.gpu_workers is not None else int(cuda_present())
     cpu = config.cpu_workers if config.cpu_workers is not None else 1
     for flag, n in (("--gpu-workers", gpu), ("--cpu-workers", cpu)):
         if n < 0:

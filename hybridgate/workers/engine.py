@@ -58,7 +58,8 @@ class EngineCore:
         # Aborts that overtook their request (the request queue and the abort fast path race):
         # the request is dropped when it arrives. Bounded, oldest forgotten first.
         self._early_aborts: dict[tuple[bytes, str], None] = {}
-        self.refresh_stats()  # start-up figures (kernel cache) are known before the first step
+        # Start-up figures: the kernels were compiled or loaded by the runner's warm-up.
+        self.stats.kernel_cache_hits, self.stats.kernel_cache_misses = runner.kernel_cache_stats()
 
     def add(self, request: AddRequest, client: bytes = b"") -> RequestError | None:
         if (client, request.request_id) in self._early_aborts:
@@ -133,7 +134,6 @@ class EngineCore:
             sched.stats.preemptions, sched.stats.prefill_tokens, sched.stats.cached_tokens)
         s.pinned_bytes_in_use, s.pinned_peak_bytes, s.pinned_fallbacks = (
             pool.bytes_in_use, pool.peak_bytes, pool.fallbacks)
-        s.kernel_cache_hits, s.kernel_cache_misses = self.runner.kernel_cache_stats()
         return s
 
 
