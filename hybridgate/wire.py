@@ -98,6 +98,7 @@ class MsgType(bytes, enum.Enum):
     OUTPUTS = b"O"  # worker → router: one step's new tokens for this router's sequences
     LOAD = b"L"  # worker → router: heartbeat with load and engine counters
     ERROR = b"E"  # worker → router: a request failed in the worker
+    OVERLOAD = b"V"  # worker → router: it could not send to this router; these requests were dropped
 
 
 class Connect(msgspec.Struct, frozen=True):
@@ -111,6 +112,9 @@ class Hello(msgspec.Struct, frozen=True):
     max_model_len: int
     pid: int
     ready: bool
+    boot_id: str = ""  # new on every worker start: a new boot id is a new worker, its old sequences gone
+    name: str = ""  # stable label (`kind-index` under serve, or --worker-name); metrics use it
+    handoff_endpoint: str = ""  # CPU workers: where GPU workers send KV hand-offs ("" = none)
 
 
 class Ready(msgspec.Struct, frozen=True):
@@ -126,6 +130,9 @@ class AddRequest(msgspec.Struct, frozen=True):
     seed: int
     max_tokens: int
     eos_token_id: int
+    # A resumed stream: prompt_ids end with the ids already streamed, and sampling
+    # and outputs continue at this token index (DESIGN.md, Worker lifecycle).
+    first_token_index: int = 0
 
 
 class Abort(msgspec.Struct, frozen=True):
@@ -176,6 +183,13 @@ class RequestError(msgspec.Struct, frozen=True):
     message: str
 
 
+class Overload(msgspec.Struct, frozen=True):
+    """The worker could not send to this router (its queue was full); it dropped these requests."""
+
+    request_ids: list[str]
+    reason: str
+
+
 MESSAGE_TYPES: dict[MsgType, type] = {
     MsgType.CONNECT: Connect,
     MsgType.HELLO: Hello,
@@ -185,6 +199,7 @@ MESSAGE_TYPES: dict[MsgType, type] = {
     MsgType.OUTPUTS: Outputs,
     MsgType.LOAD: Load,
     MsgType.ERROR: RequestError,
+    MsgType.OVERLOAD: Overload,
 }
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODERS = {t: msgspec.msgpack.Decoder(cls) for t, cls in MESSAGE_TYPES.items()}
