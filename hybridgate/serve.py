@@ -10,33 +10,36 @@ import shutil
 import signal
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from hybridgate.gateway.server import Gateway, GatewayConfig
-from hybridgate.router import Router, RouterConfig, ZmqWorkerClient
+from hybridgate.config import check_settings, setting
+from hybridgate.gateway.server import Gateway
+from hybridgate.router import Router, ZmqWorkerClient
 from hybridgate.wire import WorkerState
 from hybridgate.workers.process import WorkerConfig, run_worker
+
+if TYPE_CHECKING:
+    from hybridgate.settings import Settings
 
 log = logging.getLogger("hybridgate")
 
 
 @dataclass(frozen=True)
-class ServeConfig:
-    model_path: str
-    gateway: GatewayConfig = field(default_factory=GatewayConfig)
-    router: RouterConfig = field(default_factory=RouterConfig)
-    worker_endpoints: tuple[str, ...] = ()  # `gateway`: connect to these; `serve`: spawns its own
-    gpu_workers: int | None = None  # `serve`: None → the default layout (`worker_layout`)
-    cpu_workers: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    threads: int | None = None
-    device: str | None = None
-    kv_cache_memory: str | None = None
-    prefix_caching: bool = True
-    enforce_eager: bool = False
-    dead_after_s: float = 1.0
+class LayoutConfig:
+    """Which workers the gateway talks to: those `serve` starts, or running ones (`gateway`)."""
+
+    gpu_workers: int | None = setting(
+        None, "GPU workers (the PyTorch runner; on a CPU torch device where there is no CUDA); "
+              "default: 1 where CUDA is present, else 0", low=0)
+    cpu_workers: int = setting(1, "CPU workers (Numba kernels on the GGUF blocks); several share the cores "
+                                  "unless --threads is given", low=0)
+    worker_endpoints: tuple[str, ...] = setting(
+        (), "a running worker's endpoint (ipc://PATH or tcp://HOST:PORT); repeat for several", flag="--worker")
+
+    def __post_init__(self) -> None:
+        check_settings(self)
 
 
 def cuda_present() -> bool:
@@ -50,17 +53,14 @@ def cuda_present() -> bool:
     return torch.cuda.is_available()
 
 
-def worker_layout(config: ServeConfig) -> list[str]:
+def worker_layout(layout: LayoutConfig) -> list[str]:
     """The kinds of the workers `serve` starts: by default one CPU worker without CUDA, one GPU
     worker and one CPU worker with it; --gpu-workers / --cpu-workers override either count.
 
-    Raises ValueError naming the flag when a count is negative or both are zero.
+    Raises ValueError naming the flags when both counts are zero (LayoutConfig refuses negatives).
     """
-    gpu = config.gpu_workers if config.gpu_workers is not None else int(cuda_present())
-    cpu = config.cpu_workers if config.cpu_workers is not None else 1
-    for flag, n in (("--gpu-workers", gpu), ("--cpu-workers", cpu)):
-        if n < 0:
-            raise ValueError(f"{flag}: must be >= 0, got {n}")
+    gpu = layout.gpu_workers if layout.gpu_workers is not None else int(cuda_present())
+    cpu = layout.cpu_workers
     if gpu + cpu == 0:
         raise ValueError("--gpu-workers, --cpu-workers: at least one worker is needed (both are 0)")
     return ["gpu"] * gpu + ["cpu"] * cpu
@@ -74,10 +74,10 @@ def spawn_worker(config: WorkerConfig) -> multiprocessing.Process:
     return proc
 
 
-async def run_gateway(config: ServeConfig, endpoints: list[str], on_listening=None) -> int:
+async def run_gateway(config: Settings, endpoints: list[str], on_listening=None) -> int:
     """Serve until SIGINT/SIGTERM; `on_listening()` runs once the port is bound (serve spawns its
     workers then, so a port in use fails at once)."""
-    clients = [ZmqWorkerClient(ep, dead_after_s=config.dead_after_s) for ep in endpoints]
+    clients = [ZmqWorkerClient(ep, dead_after_s=config.router.dead_after_s) for ep in endpoints]
     router = Router(config.model_path, clients, config.router)
     gateway = Gateway(router, config.gateway)
     router.on_ready_change = gateway.on_ready_change
@@ -150,11 +150,11 @@ def remove_stale_socket_dirs() -> list[str]:
     return removed
 
 
-def serve(config: ServeConfig) -> int:
+def serve(config: Settings) -> int:
     """Gateway in this process, the workers of `worker_layout` in spawned children; exit 0 on
     SIGINT/SIGTERM, no child left."""
-    kinds = worker_layout(config)
-    threads = config.threads
+    kinds = worker_layout(config.layout)
+    threads = config.worker.engine.threads
     cpu_count = kinds.count("cpu")
     if threads is None and cpu_count > 1:  # CPU workers share the cores instead of each taking all
         threads = max(1, (os.cpu_count() or 1) // cpu_count)
@@ -162,12 +162,9 @@ def serve(config: ServeConfig) -> int:
     private = tempfile.mkdtemp(prefix="hybridgate-")  # mode 0700: only this user reaches the ipc sockets
     Path(private, "serve.pid").write_text(str(os.getpid()))
     endpoints = [f"ipc://{private}/worker-{i}.sock" for i in range(len(kinds))]
-    configs = [WorkerConfig(
-        model_path=config.model_path, endpoint=endpoint, kind=kind, max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens, threads=threads, device=config.device,
-        kv_cache_memory=config.kv_cache_memory, prefix_caching=config.prefix_caching,
-        enforce_eager=config.enforce_eager, parent_pid=os.getpid(),
-    ) for kind, endpoint in zip(kinds, endpoints)]
+    engine = replace(config.worker.engine, threads=threads)
+    configs = [replace(config.worker, model_path=config.model_path, endpoint=endpoint, kind=kind, engine=engine,
+                       parent_pid=os.getpid()) for kind, endpoint in zip(kinds, endpoints)]
     workers: list[multiprocessing.Process] = []
     try:
         return _run(run_gateway(config, endpoints, lambda: workers.extend(map(spawn_worker, configs))))
@@ -182,5 +179,7 @@ def serve(config: ServeConfig) -> int:
         shutil.rmtree(private, ignore_errors=True)
 
 
-def gateway_only(config: ServeConfig) -> int:
-    return _run(run_gateway(config, list(config.worker_endpoints)))
+def gateway_only(config: Settings) -> int:
+    if not config.layout.worker_endpoints:
+        raise ValueError("--worker: give at least one worker endpoint (ipc://... or tcp://...)")
+    return _run(run_gateway(config, list(config.layout.worker_endpoints)))

@@ -1,22 +1,21 @@
 """Benchmarks: `hybridgate bench ...`. Medians, and ratios against a baseline run in the same process.
 
 Only argument parsing lives here; each benchmark imports torch (and its
-baseline) when it runs.
+baseline) when it runs. The settings it shares with `serve` (--model, --threads,
+--device, --kv-cache-memory) come from the configuration root, with their bounds.
 """
 
 from __future__ import annotations
 
 
 def add_engine_parser(sub) -> None:
+    from hybridgate.config import add_command_settings
+
     p = sub.add_parser("engine", help="drive the engine in-process; decode, prefill and TTFT against a baseline")
     p.add_argument("--kind", choices=("gpu", "cpu"), default="gpu",
                    help="which runner: gpu (the torch runner; baseline transformers) or cpu (the Numba runner; "
                         "baseline llama.cpp with --baseline llama-cpp)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="torch device (default: cuda if present)")
-    p.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct Q4_1)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="threads of the runner and its baseline (default: all cores)")
-    p.add_argument("--kv-cache-memory", default=None, help="KV cache size (bytes or fraction, as for serve)")
+    add_command_settings(p, "bench engine")
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=None,
                    help="decode concurrencies, comma-separated (default 1,4,16,64 for gpu, 1,4,16 for cpu)")
     p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens of each decode request (default 32)")
@@ -45,11 +44,11 @@ def _run_engine(args) -> int:
 
 
 def add_accuracy_parser(sub) -> None:
+    from hybridgate.config import add_command_settings
+
     p = sub.add_parser("accuracy", help="teacher-forced next-token distributions against the fp32 reference")
     p.add_argument("--kind", choices=("cpu", "gpu"), default="cpu", help="runner to measure (default cpu)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="torch device for --kind gpu")
-    p.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct Q4_1)")
-    p.add_argument("--threads", type=int, default=None, help="threads of the CPU runner (default: all cores)")
+    add_command_settings(p, "bench accuracy")
     p.add_argument("--json", default=None, metavar="OUT", help="write the figures to this JSON file")
     p.set_defaults(func=_run_accuracy)
 

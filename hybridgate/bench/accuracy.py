@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from hybridgate.config import resolve
 from hybridgate.models import load_gguf
-from hybridgate.models.paths import default_model_path
 from hybridgate.wire import AddRequest, SamplingParams
 from hybridgate.workers.scheduler import ScheduledBatch
 from hybridgate.workers.sequence import Sequence
@@ -68,7 +68,8 @@ def run(args: argparse.Namespace) -> dict:
 
     from hybridgate.workers.gpu.runner import TorchRunner
 
-    model = load_gguf(args.model or default_model_path())
+    settings = resolve(args).settings
+    model = load_gguf(settings.model_path)
     cases = load_cases()
     memory = "512MiB"
     reference = teacher_forced_logits(TorchRunner(model, torch.device("cpu"), torch.float32, kv_cache_memory=memory),
@@ -76,9 +77,9 @@ def run(args: argparse.Namespace) -> dict:
     if args.kind == "cpu":
         from hybridgate.workers.cpu.runner import NumbaRunner
 
-        runner = NumbaRunner(model, kv_cache_memory=memory, threads=args.threads)
+        runner = NumbaRunner(model, kv_cache_memory=memory, threads=settings.worker.engine.threads)
     else:
-        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        device = torch.device(settings.worker.engine.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         runner = TorchRunner(model, device, kv_cache_memory=memory)
     out = {"kind": args.kind, **compare(reference, teacher_forced_logits(runner, cases))}
     print(json.dumps(out, indent=1))

@@ -27,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-from hybridgate.models import Tokenizer, default_model_path, load_gguf, model_fingerprint
+from hybridgate.config import resolve
+from hybridgate.models import Tokenizer, load_gguf, model_fingerprint
 from hybridgate.wire import AddRequest, SamplingParams
 from hybridgate.workers.engine import EngineCore
 from hybridgate.workers.scheduler import SchedulerConfig
@@ -132,6 +133,8 @@ def _median(fn, repeats: int) -> float:
 
 
 def run(args: argparse.Namespace) -> dict:
+    settings = resolve(args).settings
+    engine = settings.worker.engine
     cpu = args.kind == "cpu"
     args.concurrency = args.concurrency or ([1, 4, 16] if cpu else [1, 4, 16, 64])
     args.prefill_lens = args.prefill_lens or ([128, 512] if cpu else [128, 512, 2048])
@@ -141,23 +144,23 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError("--baseline transformers: only with --kind gpu (use llama-cpp for the CPU runner)")
     if baseline == "llama-cpp" and not cpu:
         raise ValueError("--baseline llama-cpp: only with --kind cpu")
-    path = Path(args.model) if args.model else default_model_path()
+    path = Path(settings.model_path)
     model = load_gguf(path)
     tokenizer = Tokenizer.from_model(model)
     if cpu:
         from hybridgate.workers.cpu.runner import NumbaRunner
 
-        ours = EngineBench(model, NumbaRunner(model, args.kv_cache_memory or "1GiB", threads=args.threads))
+        ours = EngineBench(model, NumbaRunner(model, engine.kv_cache_memory or "1GiB", threads=engine.threads))
         import numba
 
         out: dict = {"kind": "cpu", "threads": numba.get_num_threads(), "baseline": baseline}
         base_name = "llama_cpp"
     else:
-        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        device = torch.device(engine.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        ours = EngineBench.torch(model, device, dtype, args.kv_cache_memory)
+        if engine.threads:
+            torch.set_num_threads(engine.threads)
+        ours = EngineBench.torch(model, device, dtype, engine.kv_cache_memory)
         out = {"kind": "gpu", "device": str(device), "dtype": str(dtype).removeprefix("torch."),
                "threads": torch.get_num_threads(), "baseline": baseline}
         base_name = "transformers"

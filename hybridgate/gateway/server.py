@@ -11,6 +11,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
+from hybridgate.config import check_settings, setting
 from hybridgate.gateway.metrics import GatewayMetrics
 from hybridgate.gateway.service import GenerationService
 from hybridgate.router import Router
@@ -25,18 +26,15 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    host: str = "127.0.0.1"
-    port: int = 50051
-    metrics_port: int | None = None
-    grace_s: float = 10.0
+    host: str = setting("127.0.0.1", "address to listen on (loopback only by default)")
+    port: int = setting(50051, "gRPC port (0 picks a free one)", low=0, high=65535)
+    metrics_port: int | None = setting(None, "serve Prometheus metrics on this port (default: off)",
+                                       low=0, high=65535)
+    grace_s: float = setting(10.0, "seconds in-flight streams get to finish on SIGINT/SIGTERM",
+                             flag="--grace-period", low=0)
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
-            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
-        if self.grace_s < 0:
-            raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+        check_settings(self)
 
 
 class Gateway:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import msgspec
 
+from hybridgate.config import check_settings, setting
 from hybridgate.models import ChatTemplate, GGUFModel, Tokenizer, load_gguf, model_fingerprint
 from hybridgate.models.chat import ROLES, ChatTemplateError
 from hybridgate.router.client import WorkerClient, WorkerDead, ZmqWorkerClient
@@ -38,15 +39,16 @@ Prompt = str | Sequence[Mapping[str, str]]
 
 @dataclass(frozen=True)
 class RouterConfig:
-    max_model_len: int | None = None  # default: the model's context length
-    startup_timeout_s: float = 120.0
-    queue_size: int = 4096  # deltas buffered per request before it is aborted as too slow
+    max_model_len: int | None = setting(None, "most tokens per sequence (default: the model's context)", low=2)
+    startup_timeout_s: float = setting(120.0, "seconds to wait for a READY worker before giving up",
+                                       flag="--worker-startup-timeout", low=0, low_open=True)
+    dead_after_s: float = setting(1.0, "seconds of worker silence after which it counts as dead",
+                                  flag="--worker-timeout", low=0, low_open=True)
+    queue_size: int = setting(4096, "deltas buffered per request before it is aborted as too slow",
+                              flag="--stream-queue-size", low=1)
 
     def __post_init__(self) -> None:
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.startup_timeout_s <= 0:
-            raise ValueError(f"startup_timeout_s must be > 0, got {self.startup_timeout_s}")
+        check_settings(self)
 
 
 class Router:
@@ -74,7 +76,8 @@ class Router:
         self.chat_template = ChatTemplate(self.tokenizer)
         self.fingerprint = model_fingerprint(self.model)
         self.max_model_len = min(self.config.max_model_len or 1 << 62, self.model.config.max_model_len)
-        self.clients = [ZmqWorkerClient(c) if isinstance(c, str) else c for c in clients]
+        self.clients = [ZmqWorkerClient(c, dead_after_s=self.config.dead_after_s) if isinstance(c, str) else c
+                        for c in clients]
         self.on_ready_change = on_ready_change or (lambda ready: None)
         self._streams: dict[str, GenerationStream] = {}
         self._inflight: dict[int, int] = {id(c): 0 for c in self.clients}

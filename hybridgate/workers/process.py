@@ -16,43 +16,68 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import zmq
 
 from hybridgate import wire
+from hybridgate.config import check_settings, setting
 from hybridgate.wire import Connect, EngineStats, Hello, Load, MsgType, Ready
 from hybridgate.workers.engine import EngineCore, EngineLoop, Inbox
+from hybridgate.workers.memory import parse_memory
 from hybridgate.workers.scheduler import SchedulerConfig
 
 log = logging.getLogger("hybridgate.worker")
+
+
+def _check_memory(value: str) -> None:
+    parse_memory(value, gpu=False)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How a worker's runner uses its device: the settings `build_runner` passes on."""
+
+    threads: int | None = setting(
+        None, "CPU threads per worker (default: all cores; under serve, several CPU workers split them)", low=1)
+    device: str | None = setting(None, "torch device of the GPU worker (default: cuda if present, else cpu)")
+    kv_cache_memory: str | None = setting(
+        None, "KV cache size: bytes (e.g. 2GiB) or a fraction of free device memory after weights (GPU) "
+              "or of available memory (CPU); default 0.9 on a GPU, 1GiB on a CPU", check=_check_memory)
+    prefix_caching: bool = setting(True, "reuse the KV blocks of cached prompt prefixes")
+    enforce_eager: bool = setting(False, "on CUDA, run decode steps eagerly instead of replaying captured CUDA graphs")
+
+    def __post_init__(self) -> None:
+        check_settings(self)
 
 
 @dataclass(frozen=True)
 class WorkerConfig:
     """Everything a worker process needs; plain values, so it crosses `spawn`."""
 
-    model_path: str
-    endpoint: str
-    kind: str = "gpu"
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    threads: int | None = None
-    device: str | None = None
-    kv_cache_memory: str | None = None  # bytes ("2GiB") or a fraction; see TorchRunner
-    prefix_caching: bool = True
-    enforce_eager: bool = False
-    heartbeat_s: float = 0.1
-    parent_pid: int | None = None  # exit when this process dies
+    model_path: str = setting("", "GGUF file (set from --model)", cli=False)
+    endpoint: str | None = setting(None, "where to bind: ipc://PATH or tcp://127.0.0.1:PORT")
+    kind: str = setting("cpu", "cpu: the Numba runner on the GGUF blocks; gpu: the PyTorch runner "
+                               "(on a CPU torch device without CUDA)", choices=("cpu", "gpu"))
+    heartbeat_s: float = setting(0.1, "seconds between LOAD heartbeats", low=0, low_open=True, cli=False)
+    parent_pid: int | None = setting(None, "exit when this process dies (set by serve)", cli=False)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
-        if self.kind not in ("gpu", "cpu"):
-            raise ValueError(f"kind must be 'gpu' or 'cpu', got {self.kind!r}")
-        if not self.endpoint.startswith(("ipc://", "tcp://", "inproc://")):
-            raise ValueError(f"endpoint must start with ipc://, tcp:// or inproc://, got {self.endpoint!r}")
-        if self.threads is not None and self.threads < 1:
-            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        check_settings(self)
+        if self.endpoint is not None and not self.endpoint.startswith(("ipc://", "tcp://", "inproc://")):
+            raise ValueError(f"endpoint: must start with ipc://, tcp:// or inproc://, got {self.endpoint!r}")
+
+    # The flat names of before the split into sections, for readers.
+    max_num_seqs = property(lambda self: self.scheduler.max_num_seqs)
+    max_num_batched_tokens = property(lambda self: self.scheduler.max_num_batched_tokens)
+    threads = property(lambda self: self.engine.threads)
+    device = property(lambda self: self.engine.device)
+    kv_cache_memory = property(lambda self: self.engine.kv_cache_memory)
+    prefix_caching = property(lambda self: self.engine.prefix_caching)
+    enforce_eager = property(lambda self: self.engine.enforce_eager)
 
 
 def build_runner(config: WorkerConfig):
@@ -220,8 +245,7 @@ def run_worker(config: WorkerConfig) -> None:
     io_thread = threading.Thread(target=io.run, name="worker-io", daemon=True)
     io_thread.start()
     runner.warm_up()
-    engine = EngineCore(runner, SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
-                        hello.fingerprint, config.prefix_caching)
+    engine = EngineCore(runner, config.scheduler, hello.fingerprint, config.engine.prefix_caching)
     loop = EngineLoop(engine, inbox, io.engine_sender(ctx))
     io.stats = engine.stats  # read by the heartbeat; the engine refreshes it every pass
     io.set_ready()  # the I/O thread sends READY on its next pass

@@ -15,20 +15,19 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from hybridgate.config import check_settings, setting
 from hybridgate.mempool import BlockAllocator, block_hash, prefix_block_hashes
 from hybridgate.workers.sequence import Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = setting(64, "most sequences a worker runs at once", low=1)
+    max_num_batched_tokens: int = setting(
+        2048, "token budget of one engine step; longer prompts are prefilled in chunks", low=1)
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        check_settings(self)
 
 
 @dataclass

@@ -4,20 +4,25 @@ from __future__ import annotations
 
 import pytest
 
-from hybridgate.serve import ServeConfig, cuda_present, worker_layout
+from hybridgate.serve import LayoutConfig, cuda_present, worker_layout
 
 
 def test_default_layout_follows_cuda():
-    assert worker_layout(ServeConfig(model_path="m.gguf")) == (["gpu", "cpu"] if cuda_present() else ["cpu"])
+    assert worker_layout(LayoutConfig()) == (["gpu", "cpu"] if cuda_present() else ["cpu"])
 
 
 @pytest.mark.parametrize(("gpu", "cpu", "kinds"), [(1, 0, ["gpu"]), (0, 2, ["cpu", "cpu"]), (2, 1, ["gpu", "gpu", "cpu"])])
 def test_counts_override_the_default(gpu, cpu, kinds):
-    assert worker_layout(ServeConfig(model_path="m.gguf", gpu_workers=gpu, cpu_workers=cpu)) == kinds
+    assert worker_layout(LayoutConfig(gpu_workers=gpu, cpu_workers=cpu)) == kinds
 
 
-@pytest.mark.parametrize(("gpu", "cpu", "flag"), [(0, 0, "at least one worker"), (-1, 1, "--gpu-workers"),
-                                                  (1, -2, "--cpu-workers")])
-def test_bad_counts_name_the_flag(gpu, cpu, flag):
-    with pytest.raises(ValueError, match=flag):
-        worker_layout(ServeConfig(model_path="m.gguf", gpu_workers=gpu, cpu_workers=cpu))
+def test_no_worker_at_all_names_both_flags():
+    with pytest.raises(ValueError, match="--gpu-workers, --cpu-workers: at least one worker"):
+        worker_layout(LayoutConfig(gpu_workers=0, cpu_workers=0))
+
+
+@pytest.mark.parametrize(("gpu", "cpu", "field"), [(-1, 1, "gpu_workers: must be >= 0, got -1"),
+                                                   (1, -2, "cpu_workers: must be >= 0, got -2")])
+def test_negative_counts_name_the_field_and_limit(gpu, cpu, field):
+    with pytest.raises(ValueError, match=field):
+        LayoutConfig(gpu_workers=gpu, cpu_workers=cpu)

