@@ -65,6 +65,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from hybridgate.config import add_command_settings
+    from hybridgate.gateway.server import GatewayConfig
 
     parser = argparse.ArgumentParser(prog="hybridgate", description=__doc__)
     parser.add_argument("--log-level", default=os.environ.get("HYBRIDGATE_LOG_LEVEL", "WARNING"),
@@ -91,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="stream one answer from a running gateway")
     gen.add_argument("prompt", metavar="PROMPT", help="the prompt text, or - to read it from stdin")
-    gen.add_argument("--target", default="127.0.0.1:50051", help="gateway address HOST:PORT (default 127.0.0.1:50051)")
+    target = f"{GatewayConfig.host}:{GatewayConfig.port}"  # serve's defaults, declared once there
+    gen.add_argument("--target", default=target, help=f"gateway address HOST:PORT (default {target})")
     gen.add_argument("--chat", action="store_true", help="send PROMPT as one user message through the chat template")
     gen.add_argument("--max-tokens", type=int, default=None, help="most tokens to generate (default: server's)")
     gen.add_argument("--temperature", type=float, default=None, help="sampling temperature; 0 is greedy (default 1)")

@@ -240,6 +240,21 @@ def _flag_type(spec: Spec) -> Callable[[str], Any]:
     return parse
 
 
+def bounded(kind: type, low: float | None = None, high: float | None = None, low_open: bool = False,
+            many: bool = False) -> Callable[[str], Any]:
+    """An argparse type for a flag that is not a setting (a benchmark's knob), with the same
+    bound checks and messages; `many` takes a comma-separated list ("1,4,16")."""
+    one = _flag_type(Spec("value", setting(None, "", low=low, high=high, low_open=low_open), kind, False))
+    if not many:
+        return one
+
+    def parse(text: str) -> list:
+        return [one(x) for x in text.split(",")]
+
+    parse.__name__ = f"comma-separated {kind.__name__}"
+    return parse
+
+
 def _help(spec: Spec) -> str:
     text = spec.meta["help"]
     default = spec.default

@@ -60,7 +60,7 @@ COMMANDS: dict[str, Selection] = {
     "worker": Selection(("model", "worker"), required=("worker.endpoint",)),
     "config": Selection(("",)),
     "info": Selection(("model",)),
-    "bench engine": Selection(("model", "worker.engine.threads", "worker.engine.device",
+    "bench engine": Selection(("model", "worker.kind", "worker.engine.threads", "worker.engine.device",
                                "worker.engine.kv_cache_memory")),
-    "bench accuracy": Selection(("model", "worker.engine.threads", "worker.engine.device")),
+    "bench accuracy": Selection(("model", "worker.kind", "worker.engine.threads", "worker.engine.device")),
 }

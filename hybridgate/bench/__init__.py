@@ -2,30 +2,29 @@
 
 Only argument parsing lives here; each benchmark imports torch (and its
 baseline) when it runs. The settings it shares with `serve` (--model, --threads,
---device, --kv-cache-memory) come from the configuration root, with their bounds.
+--device, --kv-cache-memory, and --kind: cpu measures the Numba runner, against llama.cpp
+with --baseline llama-cpp; gpu the torch runner, against transformers) come from the
+configuration root, with their bounds and defaults.
 """
 
 from __future__ import annotations
 
 
 def add_engine_parser(sub) -> None:
-    from hybridgate.config import add_command_settings
+    from hybridgate.config import add_command_settings, bounded
 
     p = sub.add_parser("engine", help="drive the engine in-process; decode, prefill and TTFT against a baseline")
-    p.add_argument("--kind", choices=("gpu", "cpu"), default="gpu",
-                   help="which runner: gpu (the torch runner; baseline transformers) or cpu (the Numba runner; "
-                        "baseline llama.cpp with --baseline llama-cpp)")
     add_command_settings(p, "bench engine")
-    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=None,
+    p.add_argument("--concurrency", type=bounded(int, 1, many=True), default=None,
                    help="decode concurrencies, comma-separated (default 1,4,16,64 for gpu, 1,4,16 for cpu)")
-    p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens of each decode request (default 32)")
-    p.add_argument("--new-tokens", type=int, default=64, help="new tokens per decode request (default 64)")
-    p.add_argument("--prefill-lens", type=lambda s: [int(x) for x in s.split(",")], default=None,
+    p.add_argument("--prompt-len", type=bounded(int, 1), default=32, help="prompt tokens of each decode request (default 32)")
+    p.add_argument("--new-tokens", type=bounded(int, 1), default=64, help="new tokens per decode request (default 64)")
+    p.add_argument("--prefill-lens", type=bounded(int, 1, many=True), default=None,
                    help="prefill prompt lengths, comma-separated (default 128,512,2048 for gpu, 128,512 for cpu)")
-    p.add_argument("--prefill-prompts", type=int, default=None,
+    p.add_argument("--prefill-prompts", type=bounded(int, 1), default=None,
                    help="prompts per prefill case (default 16 for gpu, 4 for cpu)")
-    p.add_argument("--ttft-len", type=int, default=1024, help="prompt tokens of the TTFT case (default 1024)")
-    p.add_argument("--repeats", type=int, default=3, help="runs per case; medians are reported (default 3)")
+    p.add_argument("--ttft-len", type=bounded(int, 1), default=1024, help="prompt tokens of the TTFT case (default 1024)")
+    p.add_argument("--repeats", type=bounded(int, 1), default=3, help="runs per case; medians are reported (default 3)")
     p.add_argument("--baseline", choices=("transformers", "llama-cpp", "none"), default=None,
                    help="baseline run side by side (default: transformers for gpu; none for cpu, where llama-cpp "
                         "needs the bench extra: pip install -e '.[bench]')")
@@ -47,7 +46,6 @@ def add_accuracy_parser(sub) -> None:
     from hybridgate.config import add_command_settings
 
     p = sub.add_parser("accuracy", help="teacher-forced next-token distributions against the fp32 reference")
-    p.add_argument("--kind", choices=("cpu", "gpu"), default="cpu", help="runner to measure (default cpu)")
     add_command_settings(p, "bench accuracy")
     p.add_argument("--json", default=None, metavar="OUT", help="write the figures to this JSON file")
     p.set_defaults(func=_run_accuracy)

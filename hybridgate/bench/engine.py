@@ -135,7 +135,7 @@ def _median(fn, repeats: int) -> float:
 def run(args: argparse.Namespace) -> dict:
     settings = resolve(args).settings
     engine = settings.worker.engine
-    cpu = args.kind == "cpu"
+    cpu = settings.worker.kind == "cpu"
     args.concurrency = args.concurrency or ([1, 4, 16] if cpu else [1, 4, 16, 64])
     args.prefill_lens = args.prefill_lens or ([128, 512] if cpu else [128, 512, 2048])
     args.prefill_prompts = args.prefill_prompts or (4 if cpu else 16)
