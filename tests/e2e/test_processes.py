@@ -67,7 +67,8 @@ def test_worker_killed_mid_stream(tmp_path, model_path):
 
 def test_worker_with_another_model_is_refused(tmp_path, model_path):
     tiny = write_tiny_llama(tmp_path / "tiny.gguf", heads=4, kv_heads=2)
-    worker, endpoint = start_worker(tmp_path, "w", "--model", str(tiny))
+    # The torch runner: the tiny model's head_dim 8 is below the CPU runner's vector width.
+    worker, endpoint = start_worker(tmp_path, "w", "--model", str(tiny), "--kind", "gpu")
     gateway, _ = start_gateway(tmp_path, "g", endpoint)
     try:
         match = gateway.wait_for(r"error: worker \S+ serves model fingerprint ([0-9a-f]{64}), "
