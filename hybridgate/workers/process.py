@@ -35,6 +35,11 @@ def _check_memory(value: str) -> None:
     parse_memory(value, gpu=False)
 
 
+def _check_endpoint(value: str) -> None:
+    if not value.startswith(("ipc://", "tcp://", "inproc://")):
+        raise ValueError(f"must start with ipc://, tcp:// or inproc://, got {value!r}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How a worker's runner uses its device: the settings `build_runner` passes on."""
@@ -57,7 +62,7 @@ class WorkerConfig:
     """Everything a worker process needs; plain values, so it crosses `spawn`."""
 
     model_path: str = setting("", "GGUF file (set from --model)", cli=False)
-    endpoint: str | None = setting(None, "where to bind: ipc://PATH or tcp://127.0.0.1:PORT")
+    endpoint: str | None = setting(None, "where to bind: ipc://PATH or tcp://127.0.0.1:PORT", check=_check_endpoint)
     kind: str = setting("cpu", "cpu: the Numba runner on the GGUF blocks; gpu: the PyTorch runner "
                                "(on a CPU torch device without CUDA)", choices=("cpu", "gpu"))
     heartbeat_s: float = setting(0.1, "seconds between LOAD heartbeats", low=0, low_open=True, cli=False)
@@ -67,8 +72,6 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         check_settings(self)
-        if self.endpoint is not None and not self.endpoint.startswith(("ipc://", "tcp://", "inproc://")):
-            raise ValueError(f"endpoint: must start with ipc://, tcp:// or inproc://, got {self.endpoint!r}")
 
     # The flat names of before the split into sections, for readers.
     max_num_seqs = property(lambda self: self.scheduler.max_num_seqs)

@@ -98,6 +98,7 @@ def test_worker_defaults_to_the_cpu_runner_like_serve():
     (["serve", "--kv-cache-memory", "abc"], ["--kv-cache-memory", "fraction in (0, 1]"]),
     (["serve", "--max-num-seqs", "many"], ["--max-num-seqs", "an integer", "many"]),
     (["worker", "--endpoint", "ipc:///x", "--kind", "tpu"], ["--kind", "tpu"]),
+    (["worker", "--endpoint", "/tmp/w.sock"], ["--endpoint", "ipc://", "/tmp/w.sock"]),
     (["bench", "engine", "--threads", "0"], ["--threads", ">= 1"]),  # bench shares serve's bounds now
     (["bench", "accuracy", "--threads", "-2"], ["--threads", ">= 1"]),
 ])
