@@ -29,6 +29,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import numbers
 import os
 import types
 import typing
@@ -147,8 +148,8 @@ def problem(spec: Spec, value: Any) -> str | None:
     """What is wrong with `value` for `spec` ("must be >= 1, got 0"), or None when it is fine."""
     if value is None:
         return None if spec.optional else f"must be {_describe(spec.kind)}, got None"
-    ok_type = {int: lambda v: isinstance(v, int) and not isinstance(v, bool),
-               float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    ok_type = {int: lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool),  # numpy ints too
+               float: lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool),
                str: lambda v: isinstance(v, str), bool: lambda v: isinstance(v, bool),
                tuple: lambda v: isinstance(v, tuple) and all(isinstance(x, str) for x in v)}[spec.kind]
     if not ok_type(value):

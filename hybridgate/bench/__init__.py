@@ -17,13 +17,15 @@ def add_engine_parser(sub) -> None:
     add_command_settings(p, "bench engine")
     p.add_argument("--concurrency", type=bounded(int, 1, many=True), default=None,
                    help="decode concurrencies, comma-separated (default 1,4,16,64 for gpu, 1,4,16 for cpu)")
-    p.add_argument("--prompt-len", type=bounded(int, 1), default=32, help="prompt tokens of each decode request (default 32)")
+    p.add_argument("--prompt-len", type=bounded(int, 1), default=32,
+                   help="prompt tokens of each decode request (default 32)")
     p.add_argument("--new-tokens", type=bounded(int, 1), default=64, help="new tokens per decode request (default 64)")
     p.add_argument("--prefill-lens", type=bounded(int, 1, many=True), default=None,
                    help="prefill prompt lengths, comma-separated (default 128,512,2048 for gpu, 128,512 for cpu)")
     p.add_argument("--prefill-prompts", type=bounded(int, 1), default=None,
                    help="prompts per prefill case (default 16 for gpu, 4 for cpu)")
-    p.add_argument("--ttft-len", type=bounded(int, 1), default=1024, help="prompt tokens of the TTFT case (default 1024)")
+    p.add_argument("--ttft-len", type=bounded(int, 1), default=1024,
+                   help="prompt tokens of the TTFT case (default 1024)")
     p.add_argument("--repeats", type=bounded(int, 1), default=3, help="runs per case; medians are reported (default 3)")
     p.add_argument("--baseline", choices=("transformers", "llama-cpp", "none"), default=None,
                    help="baseline run side by side (default: transformers for gpu; none for cpu, where llama-cpp "

@@ -76,7 +76,8 @@ def test_existing_flag_spellings_still_work():
         ("m.gguf", "0.0.0.0", 0, 9100, 3.0)
     assert (s.router.dead_after_s, s.router.startup_timeout_s, s.router.max_model_len) == (2.0, 5.0, 100)
     e = s.worker.engine
-    assert (e.kv_cache_memory, e.threads, e.device, e.prefix_caching, e.enforce_eager) == ("64MiB", 2, "cpu", False, True)
+    assert (e.kv_cache_memory, e.threads, e.device, e.prefix_caching, e.enforce_eager) == \
+        ("64MiB", 2, "cpu", False, True)
     assert (s.layout.gpu_workers, s.layout.cpu_workers) == (0, 2)
     assert (s.worker.scheduler.max_num_seqs, s.worker.scheduler.max_num_batched_tokens) == (8, 128)
     w = resolve(parse("worker", "--endpoint", "ipc:///tmp/w.sock", "--kind", "gpu"), environ={}).settings.worker
