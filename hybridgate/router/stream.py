@@ -58,7 +58,7 @@ class GenerationStream:
         self.ids: list[int] = []
         self.finished = False
         self._queue: asyncio.Queue = asyncio.Queue(maxsize=router.config.queue_size)
-        self._detok = IncrementalDetokenizer(router.tokenizer)
+        self._detok = IncrementalDetokenizer(router.tokenizer, params.skip_special_tokens)
         self._stop = StopMatcher(params.stop)
         self._eos = router.tokenizer.eos_token_id
         self._arrival = time.monotonic()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 import pytest_asyncio
 import torch
@@ -68,6 +69,19 @@ async def test_streamed_text_equals_reference_decode(router, tokenizer, question
     if question.startswith("Translate"):
         assert text.endswith("\ufffd")  # the 32nd token ends inside a character: flushed as U+FFFD
         assert all("\ufffd" not in d.text for d in deltas[:-1])
+
+
+async def test_special_tokens_are_skipped_in_text_unless_asked(router, tokenizer):
+    # Greedy past EOS: the answer's 8 ids end with <|im_end|> (id 2), and generation goes on.
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    ids_of = lambda deltas: [t for d in deltas for t in d.token_ids]  # noqa: E731
+    skipped = await collect(router, FRANCE, params)
+    kept = await collect(router, FRANCE, msgspec.structs.replace(params, skip_special_tokens=False))
+    assert ids_of(skipped) == ids_of(kept) and ids_of(kept)[:8] == GREEDY["france"]["ids"]
+    assert tokenizer.eos_token_id == 2 and 2 in ids_of(skipped)
+    text, raw = "".join(d.text for d in skipped), "".join(d.text for d in kept)
+    assert "<|im_end|>" not in text and text == tokenizer.decode(ids_of(skipped), skip_special_tokens=True)
+    assert "<|im_end|>" in raw and raw == tokenizer.decode(ids_of(kept))
 
 
 @pytest.mark.parametrize("n", [1, 2, 17])
