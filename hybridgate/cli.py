@@ -22,7 +22,8 @@ def _serve_config(args: argparse.Namespace):
 
     return ServeConfig(
         model_path=_model_path(args.model),
-        gateway=GatewayConfig(host=args.host, port=args.port, metrics_port=args.metrics_port, grace_s=args.grace_period),
+        gateway=GatewayConfig(host=args.host, port=args.port, metrics_port=args.metrics_port, grace_s=args.grace_period,
+                              log_requests=args.log_requests, log_request_text=args.log_request_text),
         router=RouterConfig(max_model_len=args.max_model_len, startup_timeout_s=args.worker_startup_timeout),
         worker_endpoints=tuple(getattr(args, "worker", None) or ()),
         gpu_workers=getattr(args, "gpu_workers", None),
@@ -141,6 +142,11 @@ def _add_gateway(p: argparse.ArgumentParser) -> None:
                    help="seconds to wait for a READY worker before giving up (default 120)")
     p.add_argument("--worker-timeout", type=_bounded(float, 0, strict=True), default=1.0,
                    help="seconds of worker silence after which it counts as dead (default 1)")
+    p.add_argument("--log-requests", action="store_true",
+                   help="log one line per finished request: id, label, route, prompt and completion tokens, "
+                        "TTFT, total time, finish reason (never the prompt text)")
+    p.add_argument("--log-request-text", action="store_true",
+                   help="with --log-requests, add each request's prompt text to its line")
 
 
 def build_parser() -> argparse.ArgumentParser:
