@@ -55,7 +55,10 @@ def test_earliest_start_wins_however_the_text_is_cut():
         assert feed(StopMatcher(["a", "\naaa"]), pieces) == ("\n", True)
 
 
-@given(st.text(alphabet="ab\n", max_size=30), st.lists(st.text(alphabet="ab\n", min_size=1, max_size=4), min_size=1, max_size=3), st.data())
+PIECES = st.text(alphabet="ab\n", min_size=1, max_size=4)
+
+
+@given(st.text(alphabet="ab\n", max_size=30), st.lists(PIECES, min_size=1, max_size=3), st.data())
 def test_any_cut_matches_the_one_piece_reference(text, stops, data):
     cuts = sorted(data.draw(st.sets(st.integers(0, len(text)))))
     pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
