@@ -21,11 +21,12 @@ class StopMatcher:
     on is a proper prefix of some stop). Text from the earliest open start on
     is held back; everything before it can start no match, whatever follows.
     So nothing before the cut is lost and no part of a stop is emitted.
-    `flush()` releases the held text when the stream ends another way (open
-    starts can then never complete).
+    `flush()` ends the stream another way (EOS, length): open starts can then
+    never complete, so a complete match held behind one still cuts the text.
 
     Example: stops ["a", "\\naa"] over "\\naa" give "" however it is cut: after
-    "\\na" the match "a" at 1 waits, since "\\naa" may still start at 0.
+    "\\na" the match "a" at 1 waits, since "\\naa" may still start at 0; if
+    the stream ends after "\\na", flush() gives "\\n" and a match.
     """
 
     def __init__(self, stops: Sequence[str]):
@@ -46,9 +47,11 @@ class StopMatcher:
         self._pending = pending[cut:]
         return pending[:cut], False
 
-    def flush(self) -> str:
+    def flush(self) -> tuple[str, bool]:
+        """End of stream: (the held text up to its earliest complete match, True), or (all of it, False)."""
         text, self._pending = self._pending, ""
-        return text
+        done = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=None)
+        return (text, False) if done is None else (text[:done], True)
 
     def _earliest_open(self, text: str) -> int | None:
         """The smallest i where text[i:] is a proper prefix of some stop (it may still complete)."""

@@ -154,7 +154,10 @@ class GenerationStream:
         self.ids += taken
         if finish is not None and finish != FinishReason.STOP:
             text, matched = self._stop.push(self._detok.flush())
-            parts.append(text if matched else text + self._stop.flush())
+            if not matched:  # a stop held back behind one that can no longer complete still counts
+                rest, matched = self._stop.flush()
+                text += rest
+            parts.append(text)
             finish = FinishReason.STOP if matched else finish
         return self._delta(first_index, "".join(parts), taken, finish)
 

@@ -216,6 +216,19 @@ async def test_held_back_text_is_released_at_the_end(gguf_model, tokenizer):
         assert deltas[-1].finish_reason == finish
 
 
+async def test_a_stop_held_behind_an_earlier_open_one_cuts_at_the_end(gguf_model, tokenizer):
+    # "went" matches at 3 but waits while "We went to Paris", from 0, may still complete; the
+    # stream ends first, so "went" cuts the text.
+    fp = model_fingerprint(gguf_model)
+    stops = ("went", "We went to Paris")
+    for finish, tail in ((FinishReason.LENGTH, []), (FinishReason.EOS, [2])):
+        script = tokenizer.encode("We went to Par") + tail
+        async with Router(gguf_model, [ScriptedClient(fp, script, finish=finish)]) as router:
+            deltas = await collect(router, "x", SamplingParams(stop=stops, max_tokens=50))
+        assert "".join(d.text for d in deltas) == "We " and deltas[-1].finish_reason == FinishReason.STOP
+        assert sum(len(d.token_ids) for d in deltas) == len(script)
+
+
 async def test_worker_death_before_first_token_retries_elsewhere(gguf_model, tokenizer):
     fp = model_fingerprint(gguf_model)
     dying, healthy = ScriptedClient(fp, [5, 6], die_after=0), ScriptedClient(fp, tokenizer.encode("fine"), kind="cpu")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridgate.router.stop import StopMatcher
@@ -28,7 +28,8 @@ def feed(matcher: StopMatcher, pieces) -> tuple[str, bool]:
         out += emitted
         if matched:
             return out, True
-    return out + matcher.flush(), False
+    rest, matched = matcher.flush()
+    return out + rest, matched
 
 
 def test_every_split_of_a_stop_string():
@@ -53,16 +54,19 @@ def test_earliest_start_wins_however_the_text_is_cut():
         assert feed(StopMatcher(["a", "\naa"]), pieces) == ("", True)
     for pieces in splits("\naab"):
         assert feed(StopMatcher(["a", "\naaa"]), pieces) == ("\n", True)
+    for pieces in splits("\na"):  # the stream ends while "\naa" could still complete: "a" cuts it
+        assert feed(StopMatcher(["a", "\naa"]), pieces) == ("\n", True)
 
 
 PIECES = st.text(alphabet="ab\n", min_size=1, max_size=4)
 
 
+@settings(max_examples=500)  # cheap examples (a few seconds in all): search harder than the default 100
 @given(st.text(alphabet="ab\n", max_size=30), st.lists(PIECES, min_size=1, max_size=3), st.data())
 def test_any_cut_matches_the_one_piece_reference(text, stops, data):
     cuts = sorted(data.draw(st.sets(st.integers(0, len(text)))))
     pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
-    # Held-back text is released by flush() at the end when nothing matched.
+    # feed() ends with flush(), as a stream that ends by EOS or length does.
     assert feed(StopMatcher(stops), pieces) == reference(text, stops)
 
 
