@@ -80,7 +80,8 @@ class GenerationService(pb_grpc.GenerationServicer):
             outcome.status = grpc.StatusCode.CANCELLED
             raise
         finally:
-            if outcome.status == grpc.StatusCode.CANCELLED:  # the client cancelled, or its deadline passed
+            # The client cancelled, or its deadline passed, before the last response.
+            if outcome.status == grpc.StatusCode.CANCELLED and outcome.finish is None:
                 outcome.finish = "abort"
                 self.metrics.success.labels("abort").inc()
             if self.log_requests:
