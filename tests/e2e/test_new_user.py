@@ -47,12 +47,13 @@ def test_worker_prints_a_ready_line_at_the_default_log_level(tmp_path, model_pat
         assert worker.stop() == 0, worker.text()
 
 
-@pytest.mark.parametrize(("endpoint", "problem"), [
-    ("ipc:///nonexistent-folder/w.sock", "the folder /nonexistent-folder does not exist"),
-    ("tcp://127.0.0.1:port", "Invalid argument"),
+@pytest.mark.parametrize(("endpoint", "problem", "flag"), [
+    ("ipc:///nonexistent-folder/w.sock", "the folder /nonexistent-folder does not exist", "--endpoint"),
+    ("tcp://127.0.0.1:port", "Invalid argument", "--endpoint"),
+    ("/tmp/w.sock", "must start with ipc://", "endpoint"),
 ])
-def test_a_bad_worker_endpoint_is_one_line(endpoint, problem, model_path):
-    assert_one_clear_line(run("worker", "--endpoint", endpoint), problem, "--endpoint", endpoint)
+def test_a_bad_worker_endpoint_is_one_line(endpoint, problem, flag, model_path):
+    assert_one_clear_line(run("worker", "--endpoint", endpoint), problem, flag, endpoint)
 
 
 def test_a_worker_port_in_use_is_one_line(taken_port, model_path):
