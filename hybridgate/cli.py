@@ -103,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None, help="seed of the sampling noise (default: random)")
     gen.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string; repeat for several")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating after the end-of-sequence token")
+    gen.add_argument("--no-skip-special-tokens", dest="skip_special_tokens", action="store_false",
+                     help="keep special tokens such as <|im_end|> in the text (skipped by default; ids always stream)")
     gen.add_argument("--timeout", type=float, default=None, help="deadline of the call in seconds (default: none)")
     gen.add_argument("--json", action="store_true", help="print each response message as one JSON object per line")
     gen.set_defaults(func=_cmd_generate)

@@ -20,6 +20,8 @@ def build_request(args: argparse.Namespace, prompt: str) -> pb.GenerateRequest:
         if value is not None and not (0 if flag != "--top-k" else -(2**31)) <= value <= limit:
             raise ValueError(f"{flag} must be in [{0 if flag != '--top-k' else -1}, {limit}], got {value}")
     req = pb.GenerateRequest(stop=args.stop, ignore_eos=args.ignore_eos)
+    if not getattr(args, "skip_special_tokens", True):
+        req.skip_special_tokens = False
     if args.chat:
         req.chat.messages.add(role="user", content=prompt)
     else:

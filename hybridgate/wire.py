@@ -31,7 +31,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     top_k: 0 or -1 means off. top_p: in (0, 1]. repetition_penalty: > 0, 1 is
     off; seen tokens are the prompt's and the generated ones (as transformers
     and vLLM). seed: None lets the router pick one. max_tokens: None means the
-    rest of the context (capped by the router).
+    rest of the context (capped by the router). skip_special_tokens: leave
+    special tokens such as `<|im_end|>` out of the streamed text (the router's
+    detokenizer; their ids are streamed all the same).
     """
 
     temperature: float = 1.0
@@ -42,6 +44,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     max_tokens: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
 
     def validate(self) -> SamplingParams:
         """Return self if every field is within its limit.

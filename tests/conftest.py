@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import settings
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "golden"
@@ -16,6 +17,13 @@ sys.path.insert(0, str(ROOT / "tests" / "reference"))
 
 # Every time limit in the tests is multiplied by this one factor (slow machines: raise it).
 TIME_FACTOR = float(os.environ.get("HYBRIDGATE_TEST_TIME_FACTOR", "1"))
+
+# Hypothesis: under CI a fixed seed (derandomize) and no per-example deadline (shared runners
+# stall), so a green CI means the same thing every time; locally the default random search
+# (`--hypothesis-seed=N` replays one run, `--hypothesis-profile=ci` the CI one).
+settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
+settings.register_profile("dev", settings.get_profile("default"))
+settings.load_profile("ci" if os.environ.get("CI") == "true" else "dev")
 
 
 def missing(what: str) -> None:

@@ -34,6 +34,7 @@ def request_to_native(req: pb.GenerateRequest) -> tuple[Prompt, SamplingParams]:
         max_tokens=req.max_tokens if req.HasField("max_tokens") else None,
         stop=tuple(req.stop),
         ignore_eos=req.ignore_eos,
+        skip_special_tokens=req.skip_special_tokens if req.HasField("skip_special_tokens") else True,
     )
     return prompt, params
 

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
+import sys
+import tempfile
 from dataclasses import dataclass
 
 import grpc
@@ -32,13 +36,20 @@ class GatewayConfig:
                                        low=0, high=65535)
     grace_s: float = setting(10.0, "seconds in-flight streams get to finish on SIGINT/SIGTERM",
                              flag="--grace-period", low=0)
+    log_requests: bool = setting(False, "log one line per finished request: id, label, route, prompt and "
+                                 "completion tokens, TTFT, total time, finish reason (never the prompt text)")
+    log_request_text: bool = setting(False, "with log_requests, add each request's prompt text to its line")
 
     def __post_init__(self) -> None:
         check_settings(self)
 
 
 class Gateway:
-    """A started gRPC server around a router; `port` is the bound port (0 picks a free one)."""
+    """A started gRPC server around a router; `port` is the bound port (0 picks a free one).
+
+    Raises (here): OSError naming --host and --port when the port cannot be bound; the C
+    core's own log line about it is kept off stderr, so the user reads one line.
+    """
 
     def __init__(self, router: Router, config: GatewayConfig):
         self.router, self.config = router, config
@@ -49,26 +60,43 @@ class Gateway:
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.so_reuseport", 0),  # a second server on a taken port fails instead of sharing it
         ])
-        pb_grpc.add_GenerationServicer_to_server(GenerationService(router, self.metrics), self.server)
+        service = GenerationService(router, self.metrics, log_requests=config.log_requests,
+                                    log_request_text=config.log_request_text)
+        pb_grpc.add_GenerationServicer_to_server(service, self.server)
+        if config.log_requests:  # the request log shows at any --log-level
+            logging.getLogger("hybridgate.requests").setLevel(logging.INFO)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
-        try:
-            self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
-        except RuntimeError:  # grpc's "Failed to bind"
-            self.port = 0
+        with _fd2_captured() as core_log:
+            try:
+                self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+            except RuntimeError:  # grpc's "Failed to bind"
+                self.port = 0
         if self.port == 0:
+            # The C core's own line about it ("E... add_port.cc ... Failed to add port") would
+            # precede ours and say less: it goes to the debug log.
+            log.debug("gRPC: %s", core_log[0].strip())
             raise OSError(f"cannot listen on {config.host}:{config.port}: the address is in use or not this "
                           "machine's (--host, --port)")
+        sys.stderr.write(core_log[0])
         self.metrics_port: int | None = None
+        self._httpd = None
 
     async def start(self) -> None:
+        """Serve metrics, then gRPC. Raises OSError naming the flag when the metrics port is taken
+        (before the gRPC server starts, so nothing is left running on the way out)."""
         await self.set_serving(self.router.ready)
-        await self.server.start()
         if self.config.metrics_port is not None:
-            httpd, _ = start_http_server(self.config.metrics_port, self.config.host, registry=self.metrics.registry)
+            host, port = self.config.host, self.config.metrics_port
+            try:
+                httpd, _ = start_http_server(port, host, registry=self.metrics.registry)
+            except OSError as exc:
+                reason = exc.strerror or exc
+                raise OSError(f"cannot serve metrics on {host}:{port}: {reason} (--metrics-port)") from None
             self.metrics_port = httpd.server_port
             self._httpd = httpd
+        await self.server.start()
 
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -83,5 +111,23 @@ class Gateway:
         """Health NOT_SERVING, then in-flight streams get `grace_s` to finish."""
         await self.set_serving(False)
         await self.server.stop(self.config.grace_s)
-        if getattr(self, "_httpd", None) is not None:
+        if self._httpd is not None:
             self._httpd.shutdown()
+
+
+@contextlib.contextmanager
+def _fd2_captured():
+    """Capture what is written to file descriptor 2 meanwhile (gRPC's C core logs there, not
+    through Python); yields a list that holds the text once the block is left."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    captured: list[str] = []
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield captured
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            captured.append(tmp.read().decode("utf-8", errors="replace"))

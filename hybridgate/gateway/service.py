@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 import grpc
 
@@ -16,6 +18,7 @@ from hybridgate.v1 import generation_pb2_grpc as pb_grpc
 from hybridgate.wire import InvalidFieldError, WorkerState
 
 log = logging.getLogger("hybridgate.gateway")
+request_log = logging.getLogger("hybridgate.requests")
 
 _STATUS_OF = {
     InvalidFieldError: grpc.StatusCode.INVALID_ARGUMENT,
@@ -25,12 +28,28 @@ _STATUS_OF = {
 }
 
 
+@dataclass
+class _Outcome:
+    """How one request went, as the gateway saw it (for the metrics and the request log)."""
+
+    start: float
+    first: float | None = None  # monotonic time of the first response
+    finish: str | None = None  # "stop", "length", "eos", "abort" (None: cut short by an error)
+    route: str = ""
+    status: grpc.StatusCode = grpc.StatusCode.OK
+
+
 class GenerationService(pb_grpc.GenerationServicer):
-    def __init__(self, router: Router, metrics: GatewayMetrics, model_id: str = DEFAULT_MODEL_ID):
+    """`log_requests`: one line per finished request on the `hybridgate.requests` logger;
+    `log_request_text` adds the prompt (off: prompts stay out of logs unless asked)."""
+
+    def __init__(self, router: Router, metrics: GatewayMetrics, model_id: str = DEFAULT_MODEL_ID,
+                 log_requests: bool = False, log_request_text: bool = False):
         self.router, self.metrics, self.model_id = router, metrics, model_id
+        self.log_requests, self.log_request_text = log_requests, log_request_text
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        start = time.monotonic()
+        outcome = _Outcome(time.monotonic())
         try:
             prompt, params = request_to_native(request)
             stream = self.router.generate(prompt, params, label=request.label)
@@ -44,17 +63,41 @@ class GenerationService(pb_grpc.GenerationServicer):
                 async for delta in stream:
                     now = time.monotonic()
                     if last is None:
-                        self.metrics.ttft.observe(now - start)
+                        outcome.first = now
+                        self.metrics.ttft.observe(now - outcome.start)
                     elif delta.token_ids:
                         self.metrics.itl.observe((now - last) / len(delta.token_ids))
                     last = now
                     if delta.finish_reason is not None:
-                        self.metrics.e2e.observe(now - start)
-                        self.metrics.success.labels(delta.finish_reason.name.lower()).inc()
+                        outcome.finish, outcome.route = delta.finish_reason.name.lower(), delta.route
+                        self.metrics.e2e.observe(now - outcome.start)
+                        self.metrics.success.labels(outcome.finish).inc()
                     yield delta_to_proto(delta)
         except tuple(_STATUS_OF) as exc:
-            code = next(c for t, c in _STATUS_OF.items() if isinstance(exc, t))
-            await context.abort(code, str(exc))
+            outcome.status = next(c for t, c in _STATUS_OF.items() if isinstance(exc, t))
+            await context.abort(outcome.status, str(exc))
+        except asyncio.CancelledError:
+            outcome.status = grpc.StatusCode.CANCELLED
+            raise
+        finally:
+            # The client cancelled, or its deadline passed, before the last response.
+            if outcome.status == grpc.StatusCode.CANCELLED and outcome.finish is None:
+                outcome.finish = "abort"
+                self.metrics.success.labels("abort").inc()
+            if self.log_requests:
+                self._log(stream, request, prompt, outcome)
+
+    def _log(self, stream, request: pb.GenerateRequest, prompt, outcome: _Outcome) -> None:
+        now = time.monotonic()
+        ttft = f"{(outcome.first - outcome.start) * 1e3:.1f}" if outcome.first is not None else "-"
+        route = outcome.route or (stream.client.kind or "" if stream.client is not None else "")
+        line = (f"request id={stream.request_id} label={request.label!r} route={route or '-'} "
+                f"prompt_tokens={len(stream.prompt_ids)} completion_tokens={len(stream.ids)} ttft_ms={ttft} "
+                f"total_ms={(now - outcome.start) * 1e3:.1f} finish_reason={outcome.finish or 'error'} "
+                f"status={outcome.status.name}")
+        if self.log_request_text:
+            line += f" prompt={prompt!r}"
+        request_log.info("%s", line)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         workers = [

@@ -43,16 +43,21 @@ class IncrementalDetokenizer:
     are held back; everything else is decoded at once, invalid bytes as
     U+FFFD per maximal subpart, as `tokenizer.decode` does. `flush()` emits the
     held bytes as U+FFFD, so deltas + flush equal `tokenizer.decode(ids)`.
+
+    With `skip_special_tokens`, special (control) tokens such as `<|im_end|>`
+    add no bytes, as if absent from the ids, so deltas + flush equal
+    `tokenizer.decode(ids, skip_special_tokens=True)`.
     """
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
         self._token_bytes = tokenizer.token_bytes
+        self._skipped = frozenset(tokenizer.special_tokens.values()) if skip_special_tokens else frozenset()
         self._pending = b""
         self.text_offset = 0  # characters emitted so far; never moves back
 
     def step(self, token_id: int) -> str:
         """The new text that `token_id` completes ('' while a character is partial)."""
-        buf = self._pending + self._token_bytes[token_id]
+        buf = self._pending + (b"" if token_id in self._skipped else self._token_bytes[token_id])
         keep = _incomplete_tail(buf)
         self._pending = buf[len(buf) - keep :] if keep else b""
         return self._emit(buf[: len(buf) - keep])

@@ -58,7 +58,7 @@ class GenerationStream:
         self.ids: list[int] = []
         self.finished = False
         self._queue: asyncio.Queue = asyncio.Queue(maxsize=router.config.queue_size)
-        self._detok = IncrementalDetokenizer(router.tokenizer)
+        self._detok = IncrementalDetokenizer(router.tokenizer, params.skip_special_tokens)
         self._stop = StopMatcher(params.stop)
         self._eos = router.tokenizer.eos_token_id
         self._arrival = time.monotonic()
@@ -154,7 +154,10 @@ class GenerationStream:
         self.ids += taken
         if finish is not None and finish != FinishReason.STOP:
             text, matched = self._stop.push(self._detok.flush())
-            parts.append(text if matched else text + self._stop.flush())
+            if not matched:  # a stop held back behind one that can no longer complete still counts
+                rest, matched = self._stop.flush()
+                text += rest
+            parts.append(text)
             finish = FinishReason.STOP if matched else finish
         return self._delta(first_index, "".join(parts), taken, finish)
 

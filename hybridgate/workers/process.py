@@ -17,6 +17,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import msgspec
 import zmq
@@ -226,6 +227,33 @@ def _die_with_parent(parent_pid: int | None) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
+def check_bindable(endpoint: str) -> None:
+    """Bind `endpoint` once and let it go, so a bad one fails before the model loads.
+
+    Raises:
+        OSError: one line naming --endpoint and why (an ipc folder that does not
+            exist, a malformed address, a port in use).
+    """
+    if endpoint.startswith("ipc://"):
+        folder = Path(endpoint.removeprefix("ipc://")).parent
+        if not folder.is_dir():
+            raise OSError(f"--endpoint {endpoint}: cannot bind: the folder {folder} does not exist")
+    ctx = zmq.Context()
+    try:
+        probe = ctx.socket(zmq.ROUTER)
+        probe.setsockopt(zmq.LINGER, 0)
+        probe.bind(endpoint)
+        probe.close(0)
+    except zmq.ZMQError as exc:
+        raise OSError(_bind_error(endpoint, exc)) from None
+    finally:
+        ctx.destroy(0)
+
+
+def _bind_error(endpoint: str, exc: zmq.ZMQError) -> str:
+    return f"--endpoint {endpoint}: cannot bind: {zmq.strerror(exc.errno)} (give ipc://PATH or tcp://HOST:PORT)"
+
+
 def run_worker(config: WorkerConfig) -> None:
     """Process entry point: load, bind, warm up, READY, then serve until SIGTERM."""
     _die_with_parent(config.parent_pid)
@@ -237,6 +265,7 @@ def run_worker(config: WorkerConfig) -> None:
 
     from hybridgate.models import model_fingerprint
 
+    check_bindable(config.endpoint)  # before the model loads: a bad endpoint fails at once
     runner, model = build_runner(config)
     fingerprint = model_fingerprint(model)
     del model  # the runners copy what they keep: the GGUF file can be unmapped
@@ -244,7 +273,11 @@ def run_worker(config: WorkerConfig) -> None:
     inbox = Inbox()
     hello = Hello(kind=config.kind, fingerprint=fingerprint, max_num_seqs=config.max_num_seqs,
                   max_model_len=runner.max_model_len, pid=os.getpid(), ready=False)
-    io = WorkerIO(ctx, config.endpoint, hello, inbox, config.heartbeat_s)
+    try:
+        io = WorkerIO(ctx, config.endpoint, hello, inbox, config.heartbeat_s)
+    except zmq.ZMQError as exc:
+        ctx.destroy(0)
+        raise OSError(_bind_error(config.endpoint, exc)) from None
     io_thread = threading.Thread(target=io.run, name="worker-io", daemon=True)
     io_thread.start()
     runner.warm_up()
@@ -252,7 +285,10 @@ def run_worker(config: WorkerConfig) -> None:
     loop = EngineLoop(engine, inbox, io.engine_sender(ctx))
     io.stats = engine.stats  # read by the heartbeat; the engine refreshes it every pass
     io.set_ready()  # the I/O thread sends READY on its next pass
-    log.info("%s worker ready on %s (pid %d)", config.kind, config.endpoint, os.getpid())
+    if config.parent_pid is None:  # standalone: the user's only sign of life at the default log level
+        print(f"hybridgate worker: READY ({config.kind}, pid {os.getpid()}) on {config.endpoint}", flush=True)
+    else:  # under serve, which prints its own READY line
+        log.info("%s worker ready on %s (pid %d)", config.kind, config.endpoint, os.getpid())
     threading.Thread(target=lambda: (stop.wait(), loop.stopping.set()), daemon=True).start()
     loop.run()
     io.stopping.set()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 import pytest_asyncio
 import torch
@@ -68,6 +69,19 @@ async def test_streamed_text_equals_reference_decode(router, tokenizer, question
     if question.startswith("Translate"):
         assert text.endswith("\ufffd")  # the 32nd token ends inside a character: flushed as U+FFFD
         assert all("\ufffd" not in d.text for d in deltas[:-1])
+
+
+async def test_special_tokens_are_skipped_in_text_unless_asked(router, tokenizer):
+    # Greedy past EOS: the answer's 8 ids end with <|im_end|> (id 2), and generation goes on.
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    ids_of = lambda deltas: [t for d in deltas for t in d.token_ids]  # noqa: E731
+    skipped = await collect(router, FRANCE, params)
+    kept = await collect(router, FRANCE, msgspec.structs.replace(params, skip_special_tokens=False))
+    assert ids_of(skipped) == ids_of(kept) and ids_of(kept)[:8] == GREEDY["france"]["ids"]
+    assert tokenizer.eos_token_id == 2 and 2 in ids_of(skipped)
+    text, raw = "".join(d.text for d in skipped), "".join(d.text for d in kept)
+    assert "<|im_end|>" not in text and text == tokenizer.decode(ids_of(skipped), skip_special_tokens=True)
+    assert "<|im_end|>" in raw and raw == tokenizer.decode(ids_of(kept))
 
 
 @pytest.mark.parametrize("n", [1, 2, 17])
@@ -200,6 +214,19 @@ async def test_held_back_text_is_released_at_the_end(gguf_model, tokenizer):
             deltas = await collect(router, "x", SamplingParams(stop=("Paris",), max_tokens=50))
         assert "".join(d.text for d in deltas) == "We went to Par"
         assert deltas[-1].finish_reason == finish
+
+
+async def test_a_stop_held_behind_an_earlier_open_one_cuts_at_the_end(gguf_model, tokenizer):
+    # "went" matches at 3 but waits while "We went to Paris", from 0, may still complete; the
+    # stream ends first, so "went" cuts the text.
+    fp = model_fingerprint(gguf_model)
+    stops = ("went", "We went to Paris")
+    for finish, tail in ((FinishReason.LENGTH, []), (FinishReason.EOS, [2])):
+        script = tokenizer.encode("We went to Par") + tail
+        async with Router(gguf_model, [ScriptedClient(fp, script, finish=finish)]) as router:
+            deltas = await collect(router, "x", SamplingParams(stop=stops, max_tokens=50))
+        assert "".join(d.text for d in deltas) == "We " and deltas[-1].finish_reason == FinishReason.STOP
+        assert sum(len(d.token_ids) for d in deltas) == len(script)
 
 
 async def test_worker_death_before_first_token_retries_elsewhere(gguf_model, tokenizer):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import threading
@@ -19,13 +20,15 @@ from procs import HYBRIDGATE, Proc, Serve, metrics, stub, wait_metric
 GREEDY = golden_json("greedy.json")
 FRANCE = "What is the capital of France?"
 AFTER_ABORT = "hybridgate:engine_tokens_after_abort_total{}"
+ABORTED = "hybridgate:request_success_total{finished_reason=abort}"
 KV_BYTES = "hybridgate:kv_cache_bytes{}"
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, model_path):
     # The torch runner alone (fp32 on a CPU device here): its greedy ids are the fp32 reference's.
-    proc = Serve(tmp_path_factory.mktemp("serve") / "serve.log", "--cpu-workers", "0", "--gpu-workers", "1")
+    proc = Serve(tmp_path_factory.mktemp("serve") / "serve.log", "--cpu-workers", "0", "--gpu-workers", "1",
+                 "--log-requests")
     yield proc
     assert proc.stop() == 0, proc.text()
 
@@ -44,6 +47,34 @@ def test_cli_streams_the_reference_answer(server):
     assert [("finish_reason" in m) for m in messages] == [False] * (len(messages) - 1) + [True]
     plain = run_cli(server, "--chat", "--max-tokens", "32", "--temperature", "0", "-", input=FRANCE)
     assert plain.stdout.strip() == "The capital of France is Paris." and "finish_reason=eos" in plain.stderr
+
+
+def test_special_tokens_stay_out_of_the_text_unless_asked(server, tokenizer):
+    # Greedy past EOS: the answer ends with <|im_end|> (id 2) and generation goes on to 16 tokens.
+    args = ("--chat", "--max-tokens", "16", "--temperature", "0", "--ignore-eos", "--json", FRANCE)
+    for extra, kept in (((), False), (("--no-skip-special-tokens",), True)):
+        out = run_cli(server, *extra, *args)
+        assert out.returncode == 0, out.stderr
+        messages = [json.loads(line) for line in out.stdout.splitlines()]
+        ids, text = [t for m in messages for t in m["token_ids"]], "".join(m.get("text", "") for m in messages)
+        assert len(ids) == 16 and ids[:8] == GREEDY["france"]["ids"]
+        assert tokenizer.eos_token_id == 2 and 2 in ids
+        assert ("<|im_end|>" in text) == kept and text == tokenizer.decode(ids, skip_special_tokens=not kept)
+
+
+def test_request_log_line(server):
+    label = "log-line-check"
+    messages = list(stub(server.target).Generate(pb.GenerateRequest(
+        chat=pb.Chat(messages=[pb.ChatMessage(role="user", content=FRANCE)]), max_tokens=32, temperature=0,
+        label=label)))
+    line = server.wait_for(rf"request id=\S+ label='{label}'.*\n").group(0)
+    assert f"id={messages[0].request_id} " in line
+    expected = (f"route=gpu prompt_tokens={len(GREEDY['france']['prompt_ids'])} completion_tokens=8 ttft_ms=",
+                "finish_reason=eos status=OK")
+    assert all(e in line for e in expected), line
+    ttft, total = (float(re.search(rf"{k}=([\d.]+)", line).group(1)) for k in ("ttft_ms", "total_ms"))
+    assert 0 < ttft <= total
+    assert "France" not in line  # no prompt text unless --log-request-text
 
 
 def test_cli_names_a_flag_the_proto_cannot_hold(server):
@@ -140,13 +171,15 @@ def assert_aborted_cleanly(server, before: float) -> None:
 
 
 def test_client_cancel_after_three_messages(server):
-    before = metrics(server.metrics_url)[AFTER_ABORT]
+    before = metrics(server.metrics_url)
     call = stub(server.target).Generate(long_request())
-    for i, _ in enumerate(call):
+    for i, message in enumerate(call):
         if i == 2:
             call.cancel()
             break
-    assert_aborted_cleanly(server, before)
+    assert_aborted_cleanly(server, before[AFTER_ABORT])
+    wait_metric(server.metrics_url, ABORTED, lambda v: v == before.get(ABORTED, 0) + 1)
+    server.wait_for(rf"request id={message.request_id} .* finish_reason=abort status=CANCELLED", timeout=10)
 
 
 def test_deadline_expiry(server):

@@ -78,3 +78,13 @@ def test_invalid_continuation_is_replaced_at_once(tokenizer):
     byte = {tokenizer.token_bytes[i]: i for i in range(tokenizer.vocab_size) if len(tokenizer.token_bytes[i]) == 1}
     deltas, _ = run(tokenizer, [byte[b"\xed"], byte[b"\xa1"]])
     assert deltas == ["", "\ufffd\ufffd", ""] and "".join(deltas) == tokenizer.decode([byte[b"\xed"], byte[b"\xa1"]])
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_skipping_special_tokens_equals_reference_decode(tokenizer, id_pool, data):
+    specials = sorted(tokenizer.special_tokens.values())
+    ids = data.draw(st.lists(st.sampled_from(id_pool + specials), max_size=24))
+    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
+    text = "".join(detok.step(i) for i in ids) + detok.flush()
+    assert text == tokenizer.decode(ids, skip_special_tokens=True)
