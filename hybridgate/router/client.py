@@ -2,15 +2,49 @@
 
 The in-process implementation lives in `hybridgate.workers.inprocess` (it owns
 an engine); the router only sees this interface, so it never imports workers.
+
+Each `ZmqWorkerClient` runs its worker's lifecycle as the explicit state
+machine `Lifecycle` (states in `wire.WorkerState`). Events come from the
+socket (HELLO, READY, any other message), from a ticker (silence, probe due),
+from sends (a send that fails) and from the router (refused):
+
+    state        event                              next         actions
+    -----------  ---------------------------------  -----------  ------------------------------------
+    CONNECTING   probe due (no HELLO yet)           CONNECTING   send CONNECT; backoff doubles, capped
+    CONNECTING   HELLO, ready                       READY
+    CONNECTING   HELLO, not ready (warming up)      CONNECTING   probes stop; READY follows
+    CONNECTING   READY (after HELLO)                READY
+    CONNECTING   silent > dead_after_s after HELLO  DEAD         report WorkerDead
+    READY        any message                        READY        (liveness)
+    READY        silent > suspect_after_s           SUSPECT
+    READY        a send failed                      SUSPECT
+    READY        silent > dead_after_s              DEAD         report WorkerDead; keep in-flight ids
+    SUSPECT      any message                        READY
+    SUSPECT      silent > dead_after_s              DEAD         report WorkerDead; keep in-flight ids
+    DEAD         probe due                          PROBING      send CONNECT
+    PROBING      probe due                          PROBING      send CONNECT; backoff doubles, capped
+    DEAD/PROBING HELLO, same boot id (false death)  READY        send one ABORT of the kept ids
+                                                    (CONNECTING if it is not ready)
+    any          HELLO, new boot id (a new worker)  CONNECTING   report WorkerDead if it had sequences;
+                                                                 new socket; send CONNECT
+    any          refused (other model)              REFUSED      (terminal: every event is ignored)
+
+"Report WorkerDead" is the one signal the router acts on for the streams on
+this worker (fail them or resume them elsewhere). The DEALER sets
+`ZMQ_IMMEDIATE`, so nothing queues for a worker that is not connected; a send
+then fails (`add` returns False) instead of reaching a successor on the same
+ipc path, and the socket is recreated on a new boot id for the same reason.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import msgspec
@@ -18,22 +52,50 @@ import zmq
 import zmq.asyncio
 
 from hybridgate import wire
-from hybridgate.wire import Abort, AddRequest, Connect, EngineStats, Hello, Load, WorkerState
+from hybridgate.wire import (
+    Abort,
+    AddRequest,
+    Connect,
+    EngineStats,
+    Hello,
+    Load,
+    Outputs,
+    Overload,
+    Ready,
+    RequestError,
+    WorkerState,
+)
 
 log = logging.getLogger("hybridgate.router")
 
+PROBE_FIRST_S = 0.05  # first CONNECT resend; doubles up to PROBE_MAX_S
+PROBE_MAX_S = 1.0
+MAX_ABANDONED = 4096  # request ids kept per worker to abort if it comes back after a false death
+
 
 class WorkerDead(msgspec.Struct, frozen=True):
-    """Synthetic event: the worker went silent past the liveness timeout."""
+    """Synthetic event: the worker's sequences are gone (silent past the liveness timeout, or it
+    came back with a new boot id). The one signal the router acts on for the streams on it."""
 
     reason: str
+    boot_id: str = ""  # the boot whose sequences are gone ("" when unknown)
 
 
-# on_message(client, message): message is a wire Struct or WorkerDead.
+class StateChange(msgspec.Struct, frozen=True):
+    """Synthetic event: the client's lifecycle state changed (the router logs it, health follows)."""
+
+    old: WorkerState
+    new: WorkerState
+
+
+# on_message(client, message): message is a wire Struct, WorkerDead or StateChange.
 MessageHandler = Callable[["WorkerClient", msgspec.Struct], None]
 
 
 class WorkerClient(Protocol):
+    """What the router needs of a worker. A client with a `lifecycle` attribute runs its own
+    states; for one without, the router moves CONNECTING → READY on READY and → DEAD on WorkerDead."""
+
     endpoint: str
     kind: str | None
     state: WorkerState
@@ -42,86 +104,454 @@ class WorkerClient(Protocol):
 
     async def start(self, on_message: MessageHandler) -> None: ...
 
-    def add(self, request: AddRequest) -> None: ...
+    def add(self, request: AddRequest) -> bool | None: ...  # False: not sent (place it elsewhere)
 
     def abort(self, request_ids: list[str]) -> None: ...
 
     async def close(self) -> None: ...
 
 
-class ZmqWorkerClient:
-    """A DEALER with its own identity, connected to one worker's ROUTER.
+# --- the lifecycle state machine --------------------------------------------------------------
 
-    Liveness: every message from the worker counts; one silent for
-    `dead_after_s` (its heartbeat is 0.1 s) is reported dead with `WorkerDead`.
+@dataclass(frozen=True)
+class HelloSeen:
+    boot_id: str
+    ready: bool
+
+
+@dataclass(frozen=True)
+class ReadySeen:
+    pass
+
+
+@dataclass(frozen=True)
+class MessageSeen:
+    pass
+
+
+@dataclass(frozen=True)
+class Silence:
+    seconds: float  # since the last valid message
+
+
+@dataclass(frozen=True)
+class ProbeDue:
+    pass
+
+
+@dataclass(frozen=True)
+class SendFailed:
+    reason: str
+
+
+@dataclass(frozen=True)
+class Refused:
+    pass
+
+
+LifecycleEvent = HelloSeen | ReadySeen | MessageSeen | Silence | ProbeDue | SendFailed | Refused
+
+
+@dataclass(frozen=True)
+class SendConnect:
+    pass
+
+
+@dataclass(frozen=True)
+class SendAbort:
+    request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class NewSocket:
+    pass
+
+
+@dataclass(frozen=True)
+class ReportDead:
+    reason: str
+    boot_id: str
+
+
+Action = SendConnect | SendAbort | NewSocket | ReportDead
+
+
+class Lifecycle:
+    """One worker's states as a router sees it (the table in this module's docstring).
+
+    Pure: no sockets and no clock of its own; `on(event, now)` returns the
+    actions for the client to carry out. `now` is `time.monotonic()` seconds.
+    Also keeps the ids of the requests in flight on the worker (`started`,
+    `finished`) so that, after a false death, the ones given up on are aborted.
     """
 
-    def __init__(self, endpoint: str, *, dead_after_s: float = 1.0, ctx: zmq.asyncio.Context | None = None):
+    def __init__(self, label: str, *, dead_after_s: float, suspect_after_s: float | None = None):
+        if dead_after_s <= 0:
+            raise ValueError(f"dead_after_s must be > 0, got {dead_after_s}")
+        self.label = label
+        self.dead_after_s = dead_after_s
+        self.suspect_after_s = suspect_after_s if suspect_after_s is not None else dead_after_s / 2
+        self.state = WorkerState.CONNECTING
+        self.boot_id = ""  # of the worker this client talks to ("" before the first HELLO)
+        self.hello_seen = False  # a HELLO from the current boot arrived
+        self.next_probe_at = 0.0
+        self._probe_interval = PROBE_FIRST_S
+        self.inflight: dict[str, None] = {}  # ordered sets: request ids
+        self.abandoned: dict[str, None] = {}
+        self._handlers = {HelloSeen: self._on_hello, ReadySeen: self._on_ready, MessageSeen: self._on_message,
+                          Silence: self._on_silence, ProbeDue: self._on_probe_due, SendFailed: self._on_send_failed,
+                          Refused: self._on_refused}
+
+    @property
+    def probing(self) -> bool:
+        """Whether CONNECT is being resent (ask `on(ProbeDue())` once `now >= next_probe_at`)."""
+        return (self.state == WorkerState.CONNECTING and not self.hello_seen) or \
+            self.state in (WorkerState.DEAD, WorkerState.PROBING)
+
+    def on(self, event: LifecycleEvent, now: float) -> list[Action]:
+        if self.state == WorkerState.REFUSED:
+            return []
+        return self._handlers[type(event)](event, now)
+
+    # --- request bookkeeping (what to abort after a false death) ---
+
+    def started(self, request_id: str) -> None:
+        self.inflight[request_id] = None
+
+    def finished(self, request_id: str) -> None:
+        self.inflight.pop(request_id, None)
+
+    # --- transitions ---
+
+    def _on_hello(self, ev: HelloSeen, now: float) -> list[Action]:
+        if self.boot_id and ev.boot_id != self.boot_id:
+            return self._new_boot(ev, now)
+        self.boot_id, self.hello_seen = ev.boot_id, True
+        if self.state in (WorkerState.DEAD, WorkerState.PROBING):
+            abandoned = tuple(self.abandoned)
+            self.abandoned.clear()
+            self.state = WorkerState.READY if ev.ready else WorkerState.CONNECTING
+            return [SendAbort(abandoned)] if abandoned else []
+        if ev.ready:
+            self.state = WorkerState.READY
+        return []
+
+    def _new_boot(self, ev: HelloSeen, now: float) -> list[Action]:
+        old = self.boot_id
+        had = bool(self.inflight) and self.state in (WorkerState.CONNECTING, WorkerState.READY, WorkerState.SUSPECT)
+        self.inflight.clear()
+        self.abandoned.clear()
+        self.boot_id, self.hello_seen = ev.boot_id, False
+        self._enter_probing(WorkerState.CONNECTING, now)
+        actions: list[Action] = []
+        if had:
+            actions.append(ReportDead(f"worker {self.label} restarted (boot {old[:8]} → {ev.boot_id[:8]}); "
+                                      "its sequences are gone", old))
+        return actions + [NewSocket()]
+
+    def _on_ready(self, ev: ReadySeen, now: float) -> list[Action]:
+        if self.state in (WorkerState.CONNECTING, WorkerState.SUSPECT) and self.hello_seen:
+            self.state = WorkerState.READY
+        return []
+
+    def _on_message(self, ev: MessageSeen, now: float) -> list[Action]:
+        if self.state == WorkerState.SUSPECT:
+            self.state = WorkerState.READY
+        return []
+
+    def _on_silence(self, ev: Silence, now: float) -> list[Action]:
+        live = self.state in (WorkerState.READY, WorkerState.SUSPECT) or \
+            (self.state == WorkerState.CONNECTING and self.hello_seen)
+        if live and ev.seconds > self.dead_after_s:
+            return self._die(f"worker {self.label} silent for {ev.seconds:.1f} s", now)
+        if self.state == WorkerState.READY and ev.seconds > self.suspect_after_s:
+            self.state = WorkerState.SUSPECT
+        return []
+
+    def _on_send_failed(self, ev: SendFailed, now: float) -> list[Action]:
+        if self.state == WorkerState.READY:
+            self.state = WorkerState.SUSPECT
+        return []
+
+    def _on_probe_due(self, ev: ProbeDue, now: float) -> list[Action]:
+        if not self.probing:
+            return []
+        if self.state == WorkerState.DEAD:
+            self.state = WorkerState.PROBING
+        self.next_probe_at = now + self._probe_interval
+        self._probe_interval = min(self._probe_interval * 2, PROBE_MAX_S)
+        return [SendConnect()]
+
+    def _on_refused(self, ev: Refused, now: float) -> list[Action]:
+        self.state = WorkerState.REFUSED
+        return []
+
+    def _die(self, reason: str, now: float) -> list[Action]:
+        self.abandoned.update(self.inflight)
+        self.inflight.clear()
+        while len(self.abandoned) > MAX_ABANDONED:
+            del self.abandoned[next(iter(self.abandoned))]
+        self._enter_probing(WorkerState.DEAD, now)
+        return [ReportDead(reason, self.boot_id)]
+
+    def _enter_probing(self, state: WorkerState, now: float) -> None:
+        self.state = state
+        self.next_probe_at = now
+        self._probe_interval = PROBE_FIRST_S
+
+
+# --- helpers ------------------------------------------------------------------------------------
+
+class RateLimitedLog:
+    """A warning at most every `interval_s`, saying how many were suppressed in between."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 5.0):
+        self.logger, self.interval_s = logger, interval_s
+        self._last = -float("inf")
+        self._suppressed = 0
+
+    def warning(self, fmt: str, *args) -> None:
+        now = time.monotonic()
+        if now - self._last < self.interval_s:
+            self._suppressed += 1
+            return
+        if self._suppressed:
+            fmt += f" ({self._suppressed} more suppressed in the last {self.interval_s:g} s)"
+        self._last, self._suppressed = now, 0
+        self.logger.warning(fmt, *args)
+
+
+def missing_ipc_socket(endpoint: str) -> str | None:
+    """The socket path of an `ipc://` endpoint when no file is there (nothing can be listening)."""
+    if not endpoint.startswith("ipc://"):
+        return None
+    path = endpoint.removeprefix("ipc://")
+    return None if os.path.exists(path) else path
+
+
+# --- the ZeroMQ client --------------------------------------------------------------------------
+
+class ZmqWorkerClient:
+    """A DEALER with its own identity, connected to one worker's ROUTER; its states are `lifecycle`.
+
+    Liveness: every valid message from the worker counts (its heartbeat is
+    0.1 s); silence moves it to SUSPECT after `suspect_after_s` (default half
+    of `dead_after_s`) and to DEAD after `dead_after_s`. Every received frame
+    goes through `_dispatch`: what does not decode, is not meant for a router,
+    or makes a handler raise is dropped, counted in `wire_errors` and logged
+    (rate-limited); the receive task never dies of what a worker sends.
+
+    `name`: the label of this worker in metrics until its HELLO names it.
+    """
+
+    def __init__(self, endpoint: str, *, dead_after_s: float = 1.0, suspect_after_s: float | None = None,
+                 name: str = "", ctx: zmq.asyncio.Context | None = None):
         self.endpoint = endpoint
         self.kind: str | None = None
-        self.state = WorkerState.CONNECTING
         self.stats = EngineStats()
         self.hello: Hello | None = None
         self.dead_after_s = dead_after_s
+        self.lifecycle = Lifecycle(endpoint, dead_after_s=dead_after_s, suspect_after_s=suspect_after_s)
+        self.wire_errors = 0  # frames dropped by _dispatch
+        self._name = name
         self._ctx = ctx or zmq.asyncio.Context.instance()
         self._socket: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task] = []
+        self._closing = False
         self._last_seen = 0.0
         self._on_message: MessageHandler | None = None
+        self._drop_log = RateLimitedLog(log)
+        self._receivers = {Hello: self._on_hello, Ready: self._on_ready, Load: self._on_load, Outputs: self._on_outputs,
+                           RequestError: self._on_request_error, Overload: self._on_overload}
+        self._actions = {SendConnect: self._do_connect, SendAbort: self._do_abort, NewSocket: self._do_new_socket,
+                         ReportDead: self._do_report_dead}
+
+    @property
+    def state(self) -> WorkerState:
+        return self.lifecycle.state
+
+    @state.setter
+    def state(self, state: WorkerState) -> None:
+        # The router decides one thing itself: a worker serving another model is refused.
+        if state != WorkerState.REFUSED:
+            raise ValueError(f"only REFUSED is set from outside the lifecycle, got {state.name}")
+        self._event(Refused())
+
+    @property
+    def name(self) -> str:
+        """Stable label: the worker's own name (HELLO), else the one given here, else the endpoint."""
+        return (self.hello.name if self.hello is not None and self.hello.name else "") or self._name or self.endpoint
 
     async def start(self, on_message: MessageHandler) -> None:
         self._on_message = on_message
-        sock = self._socket = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, f"router-{uuid.uuid4().hex[:12]}".encode())
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, 100_000)
-        sock.setsockopt(zmq.SNDHWM, 100_000)
-        sock.connect(self.endpoint)
-        self._send(Connect(router_id=sock.getsockopt(zmq.IDENTITY).decode()))
+        self._open_socket()
         self._last_seen = time.monotonic()
-        self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._watchdog())]
+        self._tasks = [self._spawn_recv(), asyncio.create_task(self._ticker())]
 
-    def add(self, request: AddRequest) -> None:
-        self._send(request)
+    def add(self, request: AddRequest) -> bool:
+        """Send a request; False when it could not be sent now (place it elsewhere or fail it)."""
+        if self.state not in (WorkerState.READY, WorkerState.SUSPECT) or not self._send(request):
+            return False
+        self.lifecycle.started(request.request_id)
+        return True
 
     def abort(self, request_ids: list[str]) -> None:
-        if request_ids and self.state != WorkerState.DEAD:
-            self._send(Abort(request_ids))
-
-    def _send(self, msg: msgspec.Struct) -> None:
-        if self._socket is not None:
-            self._socket.send_multipart(wire.encode(msg), flags=zmq.NOBLOCK)
-
-    async def _recv_loop(self) -> None:
-        while True:
-            frames = await self._socket.recv_multipart()
-            self._last_seen = time.monotonic()
-            try:
-                msg = wire.decode(frames)
-            except ValueError as exc:
-                log.warning("worker %s sent a bad message: %s", self.endpoint, exc)
-                continue
-            if isinstance(msg, (Load, wire.Outputs)):
-                self.stats = msg.stats
-            if isinstance(msg, Hello):
-                self.hello, self.kind = msg, msg.kind
-            if not isinstance(msg, Load):
-                self._on_message(self, msg)
-
-    async def _watchdog(self) -> None:
-        # Before HELLO the worker may still be loading its model: wait for it
-        # without a liveness limit (the router's startup timeout covers it).
-        while self.state in (WorkerState.CONNECTING, WorkerState.READY):
-            await asyncio.sleep(self.dead_after_s / 10)
-            silent = time.monotonic() - self._last_seen
-            if self.hello is not None and silent > self.dead_after_s:
-                self._on_message(self, WorkerDead(f"worker {self.endpoint} silent for {silent:.1f} s"))
-                return
+        """Best effort, whatever the state: a worker thought dead may still be running them."""
+        for rid in request_ids:
+            self.lifecycle.finished(rid)
+        if request_ids and self.state != WorkerState.REFUSED:
+            self._send(Abort(list(request_ids)))
 
     async def close(self) -> None:
+        self._closing = True
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._socket is not None:
             self._socket.close(0)
             self._socket = None
+
+    # --- sockets ---
+
+    def _open_socket(self) -> None:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, f"router-{uuid.uuid4().hex[:12]}".encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing for a peer that is not connected
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        sock.setsockopt(zmq.SNDHWM, 100_000)
+        sock.connect(self.endpoint)
+        self._socket = sock
+
+    def _send(self, msg: msgspec.Struct) -> bool:
+        """Never raises: a full or unconnected pipe (EAGAIN) is a failed send, reported to the lifecycle."""
+        if self._socket is None:
+            return False
+        try:
+            self._socket.send_multipart(wire.encode(msg), flags=zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            if not isinstance(msg, Connect):  # probes fail routinely while nothing listens
+                self._event(SendFailed(f"{type(msg).__name__} not sent: no connected worker, or its queue is full"))
+            return False
+        except zmq.ZMQError as exc:
+            log.warning("worker %s: sending %s failed: %s", self.name, type(msg).__name__, exc)
+            return False
+
+    # --- receiving ---
+
+    def _spawn_recv(self) -> asyncio.Task:
+        task = asyncio.create_task(self._recv_loop())
+        task.add_done_callback(self._recv_ended)
+        return task
+
+    def _recv_ended(self, task: asyncio.Task) -> None:
+        # _dispatch catches everything a worker can cause; this is for what it cannot (a bug here):
+        # said loudly and restarted, never a silent end of all traffic from this worker.
+        if task.cancelled() or self._closing:
+            return
+        log.error("worker %s: receive task ended (%r); restarting it", self.name, task.exception(),
+                  exc_info=task.exception())
+        self.wire_errors += 1
+        self._tasks = [t for t in self._tasks if t is not task]
+        asyncio.get_running_loop().call_later(0.1, lambda: self._closing or self._tasks.append(self._spawn_recv()))
+
+    async def _recv_loop(self) -> None:
+        while True:
+            sock = self._socket
+            try:
+                frames = await sock.recv_multipart()
+            except zmq.ZMQError:
+                if self._socket is not sock:  # replaced under us (new boot id): read the new one
+                    continue
+                raise
+            self._dispatch(frames)
+
+    def _dispatch(self, frames: list[bytes]) -> None:
+        """The one entry of every frame from the worker: decode, type → handler, guard."""
+        try:
+            msg = wire.decode(frames)
+        except Exception as exc:  # ValueError from wire.decode; anything else would be a decoder bug
+            return self._drop(f"undecodable message: {exc}")
+        receiver = self._receivers.get(type(msg))
+        if receiver is None:
+            return self._drop(f"{type(msg).__name__} is not a message a worker sends")
+        self._last_seen = time.monotonic()
+        try:
+            receiver(msg)
+        except Exception as exc:
+            log.exception("worker %s: handling %s failed", self.name, type(msg).__name__)
+            self._drop(f"handling {type(msg).__name__} failed: {exc!r}")
+
+    def _drop(self, why: str) -> None:
+        self.wire_errors += 1
+        self._drop_log.warning("worker %s: dropped a frame: %s", self.name, why)
+
+    def _on_hello(self, msg: Hello) -> None:
+        self.hello, self.kind = msg, msg.kind
+        self._on_message(self, msg)  # first: the router refuses a worker with another model
+        self._event(HelloSeen(msg.boot_id, msg.ready))
+
+    def _on_ready(self, msg: Ready) -> None:
+        self._event(ReadySeen())
+        self._on_message(self, msg)
+
+    def _on_load(self, msg: Load) -> None:
+        self.stats = msg.stats
+        self._event(MessageSeen())
+
+    def _on_outputs(self, msg: Outputs) -> None:
+        self.stats = msg.stats
+        for out in msg.outputs:
+            if out.finish:
+                self.lifecycle.finished(out.request_id)
+        self._event(MessageSeen())
+        self._on_message(self, msg)
+
+    def _on_request_error(self, msg: RequestError) -> None:
+        self.lifecycle.finished(msg.request_id)
+        self._event(MessageSeen())
+        self._on_message(self, msg)
+
+    def _on_overload(self, msg: Overload) -> None:
+        for rid in msg.request_ids:
+            self.lifecycle.finished(rid)
+        self._event(MessageSeen())
+        self._on_message(self, msg)
+
+    # --- the lifecycle's events and actions ---
+
+    async def _ticker(self) -> None:
+        period = min(self.dead_after_s / 10, PROBE_FIRST_S)
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            self._event(Silence(now - self._last_seen), now)
+            if self.lifecycle.probing and now >= self.lifecycle.next_probe_at:
+                self._event(ProbeDue(), now)
+
+    def _event(self, event: LifecycleEvent, now: float | None = None) -> None:
+        old = self.state
+        for action in self.lifecycle.on(event, time.monotonic() if now is None else now):
+            self._actions[type(action)](action)
+        if self.state != old and self._on_message is not None:
+            self._on_message(self, StateChange(old, self.state))
+
+    def _do_connect(self, action: SendConnect) -> None:
+        if self._socket is not None:
+            self._send(Connect(router_id=self._socket.getsockopt(zmq.IDENTITY).decode()))
+
+    def _do_abort(self, action: SendAbort) -> None:
+        log.info("worker %s is back (same boot): aborting the %d sequences given up on", self.name,
+                 len(action.request_ids))
+        self._send(Abort(list(action.request_ids)))
+
+    def _do_new_socket(self, action: NewSocket) -> None:
+        # Anything queued for the old worker dies with the old socket; the new one starts empty.
+        if self._socket is not None:
+            self._socket.close(0)
+        self._open_socket()
+        self._last_seen = time.monotonic()
+
+    def _do_report_dead(self, action: ReportDead) -> None:
+        self._on_message(self, WorkerDead(action.reason, action.boot_id))
