@@ -16,12 +16,14 @@ import os
 import signal
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 
 import msgspec
 import zmq
 
 from hybridgate import wire
+from hybridgate.config import setting
 from hybridgate.wire import Connect, EngineStats, Hello, Load, MsgType, Ready
 from hybridgate.workers.engine import EngineCore, EngineLoop, Inbox
 from hybridgate.workers.scheduler import SchedulerConfig
@@ -45,6 +47,8 @@ class WorkerConfig:
     enforce_eager: bool = False
     heartbeat_s: float = 0.1
     parent_pid: int | None = None  # exit when this process dies
+    name: str = setting("", "this worker's stable name in the gateway's metrics (default: its endpoint; "
+                            "serve names its workers kind-index, e.g. gpu-0)", flag="--worker-name")
 
     def __post_init__(self) -> None:
         if self.kind not in ("gpu", "cpu"):
@@ -215,7 +219,8 @@ def run_worker(config: WorkerConfig) -> None:
     ctx = zmq.Context()
     inbox = Inbox()
     hello = Hello(kind=config.kind, fingerprint=fingerprint, max_num_seqs=config.max_num_seqs,
-                  max_model_len=runner.max_model_len, pid=os.getpid(), ready=False)
+                  max_model_len=runner.max_model_len, pid=os.getpid(), ready=False,
+                  boot_id=uuid.uuid4().hex, name=config.name)  # a new boot id on every start
     io = WorkerIO(ctx, config.endpoint, hello, inbox, config.heartbeat_s)
     io_thread = threading.Thread(target=io.run, name="worker-io", daemon=True)
     io_thread.start()
