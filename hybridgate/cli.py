@@ -19,11 +19,13 @@ def _serve_config(args: argparse.Namespace):
     from hybridgate.gateway.server import GatewayConfig
     from hybridgate.router import RouterConfig
     from hybridgate.serve import ServeConfig
+    from hybridgate.supervise import SupervisorConfig
 
     return ServeConfig(
         model_path=_model_path(args.model),
         gateway=GatewayConfig(host=args.host, port=args.port, metrics_port=args.metrics_port, grace_s=args.grace_period),
-        router=RouterConfig(max_model_len=args.max_model_len, startup_timeout_s=args.worker_startup_timeout),
+        router=RouterConfig(max_model_len=args.max_model_len, startup_timeout_s=args.worker_startup_timeout,
+                            wait_for_workers=getattr(args, "wait_for_workers", False)),
         worker_endpoints=tuple(getattr(args, "worker", None) or ()),
         gpu_workers=getattr(args, "gpu_workers", None),
         cpu_workers=getattr(args, "cpu_workers", None),
@@ -35,6 +37,7 @@ def _serve_config(args: argparse.Namespace):
         prefix_caching=not getattr(args, "no_prefix_caching", False),
         enforce_eager=getattr(args, "enforce_eager", False),
         dead_after_s=args.worker_timeout,
+        supervisor=SupervisorConfig(restart_backoff_s=getattr(args, "worker_restart_backoff", 0.5)),
     )
 
 
@@ -59,7 +62,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         model_path=_model_path(args.model), endpoint=args.endpoint, kind=args.kind, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, threads=args.threads, device=args.device,
         kv_cache_memory=args.kv_cache_memory, prefix_caching=not args.no_prefix_caching,
-        enforce_eager=args.enforce_eager,
+        enforce_eager=args.enforce_eager, name=args.worker_name,
     ))
     return 0
 
@@ -157,12 +160,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--cpu-workers", type=_bounded(int, 0), default=None, metavar="N",
                        help="CPU workers (Numba kernels on the GGUF blocks); default 1. Several share the "
                             "cores unless --threads is given")
+    serve.add_argument("--worker-restart-backoff", type=_bounded(float, 0), default=0.5,
+                       help="seconds before restarting a worker that exited; doubles with each restart within "
+                            "60 s (default 0.5)")
     serve.set_defaults(func=_cmd_serve)
 
     gateway = sub.add_parser("gateway", help="run the gRPC gateway alone, connected to running workers")
     _add_model(gateway), _add_gateway(gateway)
     gateway.add_argument("--worker", action="append", metavar="ENDPOINT",
                          help="a worker's endpoint (ipc://PATH or tcp://HOST:PORT); repeat for several")
+    gateway.add_argument("--wait-for-workers", action="store_true",
+                         help="keep waiting for a worker whose ipc socket file does not exist yet, instead of "
+                              "exiting after saying so")
     gateway.set_defaults(func=_cmd_gateway)
 
     worker = sub.add_parser("worker", help="run one worker alone; it binds ENDPOINT and waits for gateways")
@@ -171,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--kind", choices=("gpu", "cpu"), default="gpu",
                         help="gpu: the PyTorch runner (on a CPU torch device without CUDA); "
                              "cpu: the Numba runner on GGUF blocks (work in progress, slower for now)")
+    worker.add_argument("--worker-name", default="",
+                        help="this worker's stable name in the gateway's metrics (default: its endpoint)")
     worker.set_defaults(func=_cmd_worker)
 
     gen = sub.add_parser("generate", help="stream one answer from a running gateway")
