@@ -526,6 +526,8 @@ class ZmqWorkerClient:
         while True:
             await asyncio.sleep(period)
             now = time.monotonic()
+            if self._socket is not None and self._socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                self._last_seen = now  # messages wait to be read: this loop was busy, not the worker silent
             self._event(Silence(now - self._last_seen), now)
             if self.lifecycle.probing and now >= self.lifecycle.next_probe_at:
                 self._event(ProbeDue(), now)
@@ -552,6 +554,7 @@ class ZmqWorkerClient:
             self._socket.close(0)
         self._open_socket()
         self._last_seen = time.monotonic()
+        self.stats = EngineStats()  # a new worker's counters start at zero
 
     def _do_report_dead(self, action: ReportDead) -> None:
         self._on_message(self, WorkerDead(action.reason, action.boot_id))
