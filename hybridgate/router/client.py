@@ -428,7 +428,8 @@ class ZmqWorkerClient:
         if self._socket is None:
             return False
         try:
-            self._socket.send_multipart(wire.encode(msg), flags=zmq.NOBLOCK)
+            # zmq.asyncio: a NOBLOCK send is tried at once; its failure comes back in the future.
+            self._socket.send_multipart(wire.encode(msg), flags=zmq.NOBLOCK).result()
             return True
         except zmq.Again:
             if not isinstance(msg, Connect):  # probes fail routinely while nothing listens
@@ -523,11 +524,15 @@ class ZmqWorkerClient:
 
     async def _ticker(self) -> None:
         period = min(self.dead_after_s / 10, PROBE_FIRST_S)
+        tick = time.monotonic()
         while True:
             await asyncio.sleep(period)
             now = time.monotonic()
-            if self._socket is not None and self._socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                self._last_seen = now  # messages wait to be read: this loop was busy, not the worker silent
+            # Time this event loop was busy elsewhere is not the worker's silence: its messages may
+            # be waiting unread. (Never peek at the socket here: reading ZMQ_EVENTS outside the
+            # asyncio wrapper eats the edge its pending recv waits for.)
+            self._last_seen += max(0.0, now - tick - 2 * period)
+            tick = now
             self._event(Silence(now - self._last_seen), now)
             if self.lifecycle.probing and now >= self.lifecycle.next_probe_at:
                 self._event(ProbeDue(), now)
