@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import shutil
@@ -194,9 +193,7 @@ def serve(config: ServeConfig) -> int:
         kv_cache_memory=config.kv_cache_memory, prefix_caching=config.prefix_caching,
         enforce_eager=config.enforce_eager, parent_pid=os.getpid(), name=name,
     ) for name, kind, endpoint in zip(names, kinds, endpoints)}
-    supervisor = Supervisor(configs, config.supervisor, private)
-    # Its own workers bind their sockets once loaded: the router waits for them.
-    config = dataclasses.replace(config, router=dataclasses.replace(config.router, wait_for_workers=True))
+    supervisor = Supervisor(configs, config.supervisor, private)  # its workers bind once loaded: no socket check
     try:
         return _run(run_gateway(config, endpoints, supervisor))
     finally:
