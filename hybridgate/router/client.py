@@ -386,7 +386,7 @@ class ZmqWorkerClient:
         self._on_message = on_message
         self._open_socket()
         self._last_seen = time.monotonic()
-        self._tasks = [self._spawn_recv(), asyncio.create_task(self._ticker())]
+        self._tasks = [self._spawn(self._recv_loop), self._spawn(self._ticker)]
 
     def add(self, request: AddRequest) -> bool:
         """Send a request; False when it could not be sent now (place it elsewhere or fail it)."""
@@ -441,21 +441,22 @@ class ZmqWorkerClient:
 
     # --- receiving ---
 
-    def _spawn_recv(self) -> asyncio.Task:
-        task = asyncio.create_task(self._recv_loop())
-        task.add_done_callback(self._recv_ended)
-        return task
+    def _spawn(self, run) -> asyncio.Task:
+        """A task that, should it ever end by itself, is said loudly and restarted."""
+        task = asyncio.create_task(run())
 
-    def _recv_ended(self, task: asyncio.Task) -> None:
-        # _dispatch catches everything a worker can cause; this is for what it cannot (a bug here):
-        # said loudly and restarted, never a silent end of all traffic from this worker.
-        if task.cancelled() or self._closing:
-            return
-        log.error("worker %s: receive task ended (%r); restarting it", self.name, task.exception(),
-                  exc_info=task.exception())
-        self.wire_errors += 1
-        self._tasks = [t for t in self._tasks if t is not task]
-        asyncio.get_running_loop().call_later(0.1, lambda: self._closing or self._tasks.append(self._spawn_recv()))
+        def ended(task: asyncio.Task) -> None:
+            # _dispatch catches everything a worker can cause; this is for what it cannot (a bug
+            # here): never a silent end of all traffic from, or all probes to, this worker.
+            if task.cancelled() or self._closing:
+                return
+            log.error("worker %s: task %s ended (%r); restarting it", self.name, run.__name__, task.exception(),
+                      exc_info=task.exception())
+            self._tasks = [t for t in self._tasks if t is not task]
+            asyncio.get_running_loop().call_later(0.1, lambda: self._closing or self._tasks.append(self._spawn(run)))
+
+        task.add_done_callback(ended)
+        return task
 
     async def _recv_loop(self) -> None:
         while True:

@@ -141,3 +141,22 @@ def test_after_the_fuzz_a_new_worker_is_admitted(fake):
 def test_decoding_is_typed_not_pickled():
     with pytest.raises(ValueError, match="bad HELLO"):
         wire.decode([b"H", msgspec.msgpack.encode({"kind": 1})])
+
+
+def test_a_receive_task_that_dies_anyway_is_restarted_loudly(tmp_path, caplog):
+    worker = FakeWorker(f"ipc://{tmp_path}/w.sock")
+    try:
+        worker.loop.run_until_complete(worker.client.start(worker.on_message))
+        worker.answer_connect(BOOT)
+        dispatch = worker.client._dispatch
+
+        def broken_once(frames):  # a bug past the guard, once
+            worker.client._dispatch = dispatch
+            raise RuntimeError("a bug in the dispatch itself")
+
+        worker.client._dispatch = broken_once
+        worker.send(wire.encode(Load(EngineStats(steps=99))))
+        worker.sync()  # handled by the restarted task
+        assert "task _recv_loop ended (RuntimeError('a bug in the dispatch itself')); restarting it" in caplog.text
+    finally:
+        worker.close()
