@@ -79,7 +79,7 @@ class FinishReason(enum.IntEnum):
 
 
 class WorkerState(enum.IntEnum):
-    """A worker as a router sees it (transitions: `hybridgate.router.client.Lifecycle`)."""
+    """A worker as a router sees it (transitions: `hybridgate.router.lifecycle.Lifecycle`)."""
 
     CONNECTING = 0  # CONNECT sent (resent on a backoff) until HELLO, then READY after warm-up
     READY = 1  # placed on
