@@ -95,6 +95,8 @@ async def run_gateway(config: ServeConfig, endpoints: list[str], supervisor: Sup
     await gateway.start()
     background = []
     if supervisor is not None:
+        by_name = dict(zip(names, clients))
+        supervisor.on_exit = lambda name, reason: by_name[name].worker_exited(reason)
         supervisor.start_all()
         gateway.metrics.registry.register(supervisor)
         background.append(asyncio.create_task(supervisor.run()))

@@ -19,6 +19,7 @@ import signal
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -104,6 +105,7 @@ class Supervisor:
         self.config = config
         self.slots = [WorkerSlot(name, c, Path(error_dir, f"{name}.error")) for name, c in configs.items()]
         self.stopping = False
+        self.on_exit: Callable[[str, str], None] = lambda name, reason: None  # e.g. tell the router's client
 
     def start_all(self) -> None:
         for slot in self.slots:
@@ -130,6 +132,7 @@ class Supervisor:
         slot.proc = None
         error = slot.error_path.read_text().strip() if slot.error_path.exists() else ""
         slot.reason = exit_reason(code) + (f"; last error: {error}" if error else "")
+        self.on_exit(slot.name, slot.reason)
         window = self.config.restart_window_s
         while slot.restarts and now - slot.restarts[0] > window:
             slot.restarts.popleft()

@@ -29,6 +29,7 @@ import zmq.asyncio
 from hybridgate import wire
 from hybridgate.router.lifecycle import (
     PROBE_FIRST_S,
+    Exited,
     HelloSeen,
     Lifecycle,
     LifecycleEvent,
@@ -149,7 +150,7 @@ class ZmqWorkerClient:
         self.stats = EngineStats()
         self.hello: Hello | None = None
         self.dead_after_s = dead_after_s
-        self.lifecycle = Lifecycle(endpoint, dead_after_s=dead_after_s, suspect_after_s=suspect_after_s)
+        self.lifecycle = Lifecycle(name or endpoint, dead_after_s=dead_after_s, suspect_after_s=suspect_after_s)
         self.wire_errors = 0  # frames dropped by _dispatch
         self._name = name
         self._ctx = ctx or zmq.asyncio.Context.instance()
@@ -199,6 +200,10 @@ class ZmqWorkerClient:
             self.lifecycle.finished(rid)
         if request_ids and self.state != WorkerState.REFUSED:
             self._send(Abort(list(request_ids)))
+
+    def worker_exited(self, reason: str) -> None:
+        """Its process is known to have ended (serve's supervisor saw it): dead now, not after the timeout."""
+        self._event(Exited(reason))
 
     async def close(self) -> None:
         self._closing = True

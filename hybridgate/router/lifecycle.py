@@ -18,6 +18,8 @@ ticker (silence, probe due), its sends (a send that fails) and the router
     READY        silent > dead_after_s              DEAD         report WorkerDead; keep in-flight ids
     SUSPECT      any message                        READY
     SUSPECT      silent > dead_after_s              DEAD         report WorkerDead; keep in-flight ids
+    READY/SUSPECT/CONNECTING after HELLO:
+                 exited (its supervisor saw it)     DEAD         report WorkerDead at once
     DEAD         probe due                          PROBING      send CONNECT
     PROBING      probe due                          PROBING      send CONNECT; backoff doubles, capped
     DEAD/PROBING HELLO, same boot id (false death)  READY        send one ABORT of the kept ids
@@ -38,7 +40,7 @@ from dataclasses import dataclass
 from hybridgate.wire import WorkerState
 
 PROBE_FIRST_S = 0.05  # first CONNECT resend; doubles up to PROBE_MAX_S
-PROBE_MAX_S = 1.0
+PROBE_MAX_S = 0.5  # a restarted worker is found at most this long after it binds
 MAX_ABANDONED = 4096  # request ids kept per worker to abort if it comes back after a false death
 
 
@@ -78,7 +80,12 @@ class Refused:
     pass
 
 
-LifecycleEvent = HelloSeen | ReadySeen | MessageSeen | Silence | ProbeDue | SendFailed | Refused
+@dataclass(frozen=True)
+class Exited:
+    reason: str  # the worker's process is known to have ended (serve's supervisor saw it)
+
+
+LifecycleEvent = HelloSeen | ReadySeen | MessageSeen | Silence | ProbeDue | SendFailed | Refused | Exited
 
 
 @dataclass(frozen=True)
@@ -129,7 +136,7 @@ class Lifecycle:
         self.abandoned: dict[str, None] = {}
         self._handlers = {HelloSeen: self._on_hello, ReadySeen: self._on_ready, MessageSeen: self._on_message,
                           Silence: self._on_silence, ProbeDue: self._on_probe_due, SendFailed: self._on_send_failed,
-                          Refused: self._on_refused}
+                          Refused: self._on_refused, Exited: self._on_exited}
 
     @property
     def probing(self) -> bool:
@@ -210,6 +217,11 @@ class Lifecycle:
         self.next_probe_at = now + self._probe_interval
         self._probe_interval = min(self._probe_interval * 2, PROBE_MAX_S)
         return [SendConnect()]
+
+    def _on_exited(self, ev: Exited, now: float) -> list[Action]:
+        live = self.state in (WorkerState.READY, WorkerState.SUSPECT) or \
+            (self.state == WorkerState.CONNECTING and self.hello_seen)
+        return self._die(f"worker {self.label} exited ({ev.reason})", now) if live else []
 
     def _on_refused(self, ev: Refused, now: float) -> list[Action]:
         self.state = WorkerState.REFUSED

@@ -9,6 +9,7 @@ from hybridgate.router.lifecycle import (
     MAX_ABANDONED,
     PROBE_FIRST_S,
     PROBE_MAX_S,
+    Exited,
     HelloSeen,
     Lifecycle,
     MessageSeen,
@@ -55,8 +56,8 @@ def test_connecting_probe_due_sends_connect_with_doubling_capped_backoff():
         assert lc.on(ProbeDue(), now) == [SendConnect()] and lc.state == S.CONNECTING
         waits.append(round(lc.next_probe_at - now, 6))
         now = lc.next_probe_at
-    assert waits == [0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 1.0, 1.0]
-    assert (PROBE_FIRST_S, PROBE_MAX_S) == (0.05, 1.0)
+    assert waits == [0.05, 0.1, 0.2, 0.4, 0.5, 0.5, 0.5, 0.5]
+    assert (PROBE_FIRST_S, PROBE_MAX_S) == (0.05, 0.5)
 
 
 def test_connecting_hello_ready_is_ready():
@@ -135,7 +136,7 @@ def test_probing_probe_due_resends_with_capped_backoff():
         assert lc.on(ProbeDue(), now) == [SendConnect()] and lc.state == S.PROBING
         waits.append(round(lc.next_probe_at - now, 6))
         now = lc.next_probe_at
-    assert waits == [0.1, 0.2, 0.4, 0.8, 1.0, 1.0, 1.0]  # the first (0.05 s) went out on DEAD → PROBING
+    assert waits == [0.1, 0.2, 0.4, 0.5, 0.5, 0.5, 0.5]  # the first (0.05 s) went out on DEAD → PROBING
     assert lc.on(MessageSeen(), now) == [] and lc.state == S.PROBING  # only a HELLO re-admits
 
 
@@ -201,3 +202,16 @@ def test_abandoned_ids_are_bounded_oldest_dropped():
 def test_dead_after_must_be_positive():
     with pytest.raises(ValueError, match="dead_after_s"):
         Lifecycle("x", dead_after_s=0)
+
+
+@pytest.mark.parametrize("state", [S.READY, S.SUSPECT])
+def test_exited_is_dead_at_once(state):
+    lc = machine(state, inflight=["r1"])
+    actions = lc.on(Exited("killed by signal SIGKILL"), 2.0)
+    assert lc.state == S.DEAD and actions == [ReportDead("worker ipc:///w exited (killed by signal SIGKILL)", BOOT)]
+
+
+@pytest.mark.parametrize("state", [S.CONNECTING, S.DEAD, S.PROBING])
+def test_exited_before_hello_or_after_death_changes_nothing(state):
+    lc = machine(state)
+    assert lc.on(Exited("exit code 1"), 0.0) == [] and lc.state == state
