@@ -231,8 +231,13 @@ class ZmqWorkerClient:
         if self._socket is None:
             return False
         try:
-            # zmq.asyncio: a NOBLOCK send is tried at once; its failure comes back in the future.
-            self._socket.send_multipart(wire.encode(msg), flags=zmq.NOBLOCK).result()
+            # zmq.asyncio: a NOBLOCK send is tried at once; its failure comes back in the future
+            # (only behind an earlier blocking send, which this client never makes, would it wait).
+            sent = self._socket.send_multipart(wire.encode(msg), flags=zmq.NOBLOCK)
+            if not sent.done():
+                sent.add_done_callback(lambda f: f.cancelled() or f.exception())
+                return True
+            sent.result()
             return True
         except zmq.Again:
             if not isinstance(msg, Connect):  # probes fail routinely while nothing listens
