@@ -1,10 +1,9 @@
-"""`hybridgate serve` and `hybridgate gateway`: the gateway process, and under serve its worker."""
+"""`hybridgate serve` and `hybridgate gateway`: the gateway process, and under serve its supervised workers."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing
 import os
 import shutil
 import signal
@@ -17,8 +16,10 @@ from typing import TYPE_CHECKING
 from hybridgate.config import check_settings, setting
 from hybridgate.gateway.server import Gateway
 from hybridgate.router import Router, ZmqWorkerClient
+from hybridgate.router.client import missing_ipc_socket
+from hybridgate.supervise import Supervisor
 from hybridgate.wire import WorkerState
-from hybridgate.workers.process import WorkerConfig, run_worker
+from hybridgate.workers.process import WorkerConfig
 
 if TYPE_CHECKING:
     from hybridgate.settings import Settings
@@ -66,24 +67,38 @@ def worker_layout(layout: LayoutConfig) -> list[str]:
     return ["gpu"] * gpu + ["cpu"] * cpu
 
 
-def spawn_worker(config: WorkerConfig) -> multiprocessing.Process:
-    """A worker process started with `spawn` (Numba's OpenMP and gRPC do not survive fork)."""
-    proc = multiprocessing.get_context("spawn").Process(target=run_worker, args=(config,), name="hybridgate-worker")
-    proc.daemon = True
-    proc.start()
-    return proc
+SOCKET_CHECK_S = 3.0  # `gateway`: when to say that nothing listens on an ipc endpoint
 
 
-async def run_gateway(config: Settings, endpoints: list[str], on_listening=None) -> int:
-    """Serve until SIGINT/SIGTERM; `on_listening()` runs once the port is bound (serve spawns its
-    workers then, so a port in use fails at once)."""
-    clients = [ZmqWorkerClient(ep, dead_after_s=config.router.dead_after_s) for ep in endpoints]
+async def check_sockets(clients: list[ZmqWorkerClient], wait: bool, fail) -> None:
+    """After SOCKET_CHECK_S, name each ipc endpoint with no socket file (and no READY worker);
+    `fail()` unless `wait` (--wait-for-workers)."""
+    await asyncio.sleep(SOCKET_CHECK_S)
+    missing = [c.endpoint for c in clients if c.state != WorkerState.READY and missing_ipc_socket(c.endpoint)]
+    for endpoint in missing:
+        then = "waiting for a worker to bind it (--wait-for-workers)" if wait else \
+            "start the worker first, or pass --wait-for-workers to wait for it"
+        print(f"hybridgate: nothing is listening on {endpoint} (no socket file); {then}", file=sys.stderr, flush=True)
+    if missing and not wait:
+        fail()
+
+
+async def run_gateway(config: Settings, endpoints: list[str], supervisor: Supervisor | None = None) -> int:
+    """Serve until SIGINT/SIGTERM. Under `serve`, `supervisor` starts its workers once the port is
+    bound (so a port in use fails at once) and keeps them running; its slots name the clients."""
+    names = [slot.name for slot in supervisor.slots] if supervisor is not None else [""] * len(endpoints)
+    clients = [ZmqWorkerClient(ep, dead_after_s=config.router.dead_after_s, name=name) for ep, name in zip(endpoints, names)]
     router = Router(config.model_path, clients, config.router)
     gateway = Gateway(router, config.gateway)
     router.on_ready_change = gateway.on_ready_change
     await gateway.start()
-    if on_listening is not None:
-        on_listening()
+    background = []
+    if supervisor is not None:
+        by_name = dict(zip(names, clients))
+        supervisor.on_exit = lambda name, reason: by_name[name].worker_exited(reason)
+        supervisor.start_all()
+        gateway.metrics.registry.register(supervisor)
+        background.append(asyncio.create_task(supervisor.run()))
     print(f"hybridgate: gRPC on {config.gateway.host}:{gateway.port} (health NOT_SERVING until a worker is up)",
           flush=True)
     if gateway.metrics_port is not None:
@@ -92,10 +107,18 @@ async def run_gateway(config: Settings, endpoints: list[str], on_listening=None)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    code = 0
+
+    def fail() -> None:
+        nonlocal code
+        code = 1
+        stop.set()
+
+    if supervisor is None:
+        background.append(asyncio.create_task(check_sockets(clients, config.router.wait_for_workers, fail)))
     entered = asyncio.create_task(router.__aenter__())
     waiter = asyncio.create_task(stop.wait())
     await asyncio.wait({entered, waiter}, return_when=asyncio.FIRST_COMPLETED)
-    code = 0
     if entered.done() and entered.exception() is not None:
         print(f"hybridgate: error: {entered.exception()}", file=sys.stderr, flush=True)
         code = 1
@@ -107,16 +130,18 @@ async def run_gateway(config: Settings, endpoints: list[str], on_listening=None)
         ready = [c.kind for c in clients if c.state == WorkerState.READY]
         for c in clients:
             if c.state != WorkerState.READY:
-                print(f"hybridgate: warning: worker {c.endpoint} is {c.state.name} (see its log above)",
+                print(f"hybridgate: warning: worker {c.name} ({c.endpoint}) is {c.state.name} (see its log above)",
                       file=sys.stderr, flush=True)
         print(f"hybridgate: READY ({', '.join(ready)} worker{'s' if len(ready) > 1 else ''}) — model "
               f"{config.model_path}", flush=True)
         await stop.wait()
     print("hybridgate: shutting down (health NOT_SERVING, in-flight streams get "
           f"{config.gateway.grace_s:g} s)", flush=True)
+    if supervisor is not None:
+        supervisor.stopping = True  # workers run on through the grace period, but are not restarted
     await gateway.stop()
-    entered.cancel()
-    waiter.cancel()
+    for task in (entered, waiter, *background):
+        task.cancel()
     await router.close()
     return code
 
@@ -162,20 +187,16 @@ def serve(config: Settings) -> int:
     private = tempfile.mkdtemp(prefix="hybridgate-")  # mode 0700: only this user reaches the ipc sockets
     Path(private, "serve.pid").write_text(str(os.getpid()))
     endpoints = [f"ipc://{private}/worker-{i}.sock" for i in range(len(kinds))]
+    names = [f"{kind}-{kinds[:i].count(kind)}" for i, kind in enumerate(kinds)]  # gpu-0, cpu-0, cpu-1, ...
     engine = replace(config.worker.engine, threads=threads)
-    configs = [replace(config.worker, model_path=config.model_path, endpoint=endpoint, kind=kind, engine=engine,
-                       parent_pid=os.getpid()) for kind, endpoint in zip(kinds, endpoints)]
-    workers: list[multiprocessing.Process] = []
+    configs = {name: replace(config.worker, model_path=config.model_path, endpoint=endpoint, kind=kind, engine=engine,
+                             parent_pid=os.getpid(), name=name)
+               for name, kind, endpoint in zip(names, kinds, endpoints)}
+    supervisor = Supervisor(configs, config.supervisor, private)  # its workers bind once loaded: no socket check
     try:
-        return _run(run_gateway(config, endpoints, lambda: workers.extend(map(spawn_worker, configs))))
+        return _run(run_gateway(config, endpoints, supervisor))
     finally:
-        for worker in workers:
-            worker.terminate()
-        for worker in workers:
-            worker.join(5)
-            if worker.is_alive():
-                worker.kill()
-                worker.join()
+        supervisor.stop_all()
         shutil.rmtree(private, ignore_errors=True)
 
 

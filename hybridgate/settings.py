@@ -17,6 +17,7 @@ from hybridgate.config import check_settings, setting
 from hybridgate.gateway.server import GatewayConfig
 from hybridgate.router.router import RouterConfig
 from hybridgate.serve import LayoutConfig
+from hybridgate.supervise import SupervisorConfig
 from hybridgate.workers.process import WorkerConfig
 
 
@@ -31,6 +32,7 @@ class Settings:
     router: RouterConfig = field(default_factory=RouterConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     layout: LayoutConfig = field(default_factory=LayoutConfig)
+    supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -54,8 +56,9 @@ class Selection:
 
 # `serve` sets each worker's kind and endpoint itself; `gateway` connects to running workers.
 COMMANDS: dict[str, Selection] = {
-    "serve": Selection(("model", "gateway", "router", "worker", "layout"),
-                       exclude=("worker.kind", "worker.endpoint", "layout.worker_endpoints")),
+    "serve": Selection(("model", "gateway", "router", "worker", "layout", "supervisor"),
+                       exclude=("worker.kind", "worker.endpoint", "worker.name", "layout.worker_endpoints",
+                                "router.wait_for_workers")),
     "gateway": Selection(("model", "gateway", "router", "layout.worker_endpoints")),
     "worker": Selection(("model", "worker"), required=("worker.endpoint",)),
     "config": Selection(("",)),

@@ -82,12 +82,14 @@ class FinishReason(enum.IntEnum):
 
 
 class WorkerState(enum.IntEnum):
-    """A worker as a router sees it."""
+    """A worker as a router sees it (transitions: `hybridgate.router.lifecycle.Lifecycle`)."""
 
-    CONNECTING = 0
-    READY = 1
-    DEAD = 2
-    REFUSED = 3
+    CONNECTING = 0  # CONNECT sent (resent on a backoff) until HELLO, then READY after warm-up
+    READY = 1  # placed on
+    DEAD = 2  # silent past the liveness timeout: its streams were failed or moved
+    REFUSED = 3  # serves another model (terminal)
+    SUSPECT = 4  # silent for a while, or a send failed: not placed on, aborts still sent
+    PROBING = 5  # after DEAD: CONNECT resent on a capped backoff until the worker answers
 
 
 class MsgType(bytes, enum.Enum):

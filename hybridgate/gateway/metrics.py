@@ -14,7 +14,7 @@ _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 class GatewayMetrics:
     """Per-request histograms and counters, plus engine counters read from worker clients."""
 
-    def __init__(self, clients: Callable[[], Iterable] | None = None):
+    def __init__(self, clients: Callable[[], Iterable] | None = None, wire_errors: Callable[[], int] | None = None):
         self.registry = CollectorRegistry()
         self.ttft = Histogram("hybridgate:time_to_first_token_seconds", "Time to first token (TTFT), seconds.",
                               buckets=_LATENCY_BUCKETS, registry=self.registry)
@@ -26,6 +26,21 @@ class GatewayMetrics:
                                ["finished_reason"], registry=self.registry)
         if clients is not None:
             self.registry.register(_EngineCollector(clients))
+        if wire_errors is not None:
+            self.registry.register(_RouterWireCollector(wire_errors))
+
+
+class _RouterWireCollector:
+    """Frames from workers the router dropped (undecodable, unexpected, unknown request ids)."""
+
+    def __init__(self, wire_errors: Callable[[], int]):
+        self._wire_errors = wire_errors
+
+    def collect(self):
+        errors = CounterMetricFamily("hybridgate:wire_decode_errors", "Frames dropped by the receiving side's "
+                                     "guarded dispatch (malformed, unknown or inconsistent).", labels=["side"])
+        errors.add_metric(["router"], self._wire_errors())
+        yield errors
 
 
 class _EngineCollector:
@@ -48,7 +63,8 @@ class _EngineCollector:
         misses = CounterMetricFamily("hybridgate:kernel_cache_misses",
                                      "CPU kernels compiled because the on-disk cache lacked them.", labels=["worker"])
         for client in self._clients():
-            s, name = client.stats, client.endpoint
+            # The worker's stable name (HELLO, or kind-index under serve); the endpoint may be a temporary path.
+            s, name = client.stats, getattr(client, "name", None) or client.endpoint
             steps.add_metric([name], s.steps)
             after.add_metric([name], s.tokens_after_abort)
             kv.add_metric([name], s.kv_cache_bytes)

@@ -53,7 +53,7 @@ class Gateway:
 
     def __init__(self, router: Router, config: GatewayConfig):
         self.router, self.config = router, config
-        self.metrics = GatewayMetrics(lambda: router.clients)
+        self.metrics = GatewayMetrics(lambda: router.clients, wire_errors=lambda: router.wire_errors)
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

@@ -24,14 +24,16 @@ import msgspec
 from hybridgate.config import check_settings, setting
 from hybridgate.models import ChatTemplate, GGUFModel, Tokenizer, load_gguf, model_fingerprint
 from hybridgate.models.chat import ROLES, ChatTemplateError
-from hybridgate.router.client import WorkerClient, WorkerDead, ZmqWorkerClient
+from hybridgate.router.client import RateLimitedLog, StateChange, WorkerClient, WorkerDead, ZmqWorkerClient
 from hybridgate.router.errors import FingerprintMismatchError, InvalidRequestError, UnavailableError
 from hybridgate.router.stream import GenerationStream
-from hybridgate.wire import Hello, Outputs, Ready, RequestError, SamplingParams, WorkerState
+from hybridgate.config import setting
+from hybridgate.wire import Hello, Outputs, Overload, Ready, RequestError, SamplingParams, WorkerState
 
 log = logging.getLogger("hybridgate.router")
 
 MAX_PROMPT_BYTES = 1 << 20
+RECENT_IDS = 4096  # ended request ids remembered, so late outputs for them are not counted as errors
 DEFAULT_MAX_TOKENS_CAP = 4096
 
 Prompt = str | Sequence[Mapping[str, str]]
@@ -46,6 +48,9 @@ class RouterConfig:
                                   flag="--worker-timeout", low=0, low_open=True)
     queue_size: int = setting(4096, "deltas buffered per request before it is aborted as too slow",
                               flag="--stream-queue-size", low=1)
+    wait_for_workers: bool = setting(
+        False, "keep waiting (up to the worker start-up timeout) for a worker whose ipc socket file does not "
+               "exist yet, instead of exiting after saying so", flag="--wait-for-workers")
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -83,8 +88,12 @@ class Router:
         self._inflight: dict[int, int] = {id(c): 0 for c in self.clients}
         self._changed = asyncio.Event()
         self._handlers = {Hello: self._on_hello, Ready: self._on_ready, Outputs: self._on_outputs,
-                          RequestError: self._on_request_error, WorkerDead: self._on_dead}
+                          RequestError: self._on_request_error, Overload: self._on_overload,
+                          WorkerDead: self._on_dead, StateChange: self._on_state_change}
         self._was_ready = False
+        self._recent: dict[str, None] = {}  # ended request ids, oldest first
+        self._unknown_ids = 0
+        self._unknown_log = RateLimitedLog(log)
 
     async def __aenter__(self) -> Router:
         for client in self.clients:
@@ -112,9 +121,19 @@ class Router:
     def ready(self) -> bool:
         return any(c.state == WorkerState.READY for c in self.clients)
 
+    @property
+    def wire_errors(self) -> int:
+        """Frames from workers dropped: undecodable, unexpected, or for request ids this router never sent."""
+        return self._unknown_ids + sum(getattr(c, "wire_errors", 0) for c in self.clients)
+
     async def _wait_usable(self) -> None:
+        # A client with a lifecycle keeps probing a dead worker (it may be restarted); only a
+        # refused one, or a dead one without a lifecycle, is given up on here.
+        def lost(c: WorkerClient) -> bool:
+            return c.state == WorkerState.REFUSED or (c.state == WorkerState.DEAD and not hasattr(c, "lifecycle"))
+
         while not self.ready:
-            if all(c.state in (WorkerState.DEAD, WorkerState.REFUSED) for c in self.clients):
+            if all(lost(c) for c in self.clients):
                 refused = [c for c in self.clients if c.state == WorkerState.REFUSED]
                 if refused:
                     raise FingerprintMismatchError(self._mismatch(refused[0]))
@@ -205,10 +224,14 @@ class Router:
     def unregister(self, stream: GenerationStream, client: WorkerClient | None) -> None:
         if self._streams.pop(stream.request_id, None) is not None and client is not None:
             self._inflight[id(client)] -= 1
+        self._recent[stream.request_id] = None
+        if len(self._recent) > RECENT_IDS:
+            del self._recent[next(iter(self._recent))]
 
     # --- worker messages (the output pump) ---------------------------------
 
     def _on_message(self, client: WorkerClient, msg: msgspec.Struct) -> None:
+        """Every message and lifecycle event of every client; health follows readiness both ways."""
         self._handlers[type(msg)](client, msg)
         self._changed.set()
         if self.ready != self._was_ready:
@@ -225,25 +248,49 @@ class Router:
             log.error("refusing %s", self._mismatch(client))
 
     def _on_ready(self, client: WorkerClient, msg: Ready) -> None:
-        if client.state == WorkerState.CONNECTING:
-            client.state = WorkerState.READY
+        if not hasattr(client, "lifecycle") and client.state == WorkerState.CONNECTING:
+            client.state = WorkerState.READY  # a client without a lifecycle (in-process, tests)
             log.info("%s worker %s is READY", client.kind, client.endpoint)
+
+    def _on_state_change(self, client: WorkerClient, msg: StateChange) -> None:
+        level = logging.INFO if msg.new in (WorkerState.READY, WorkerState.CONNECTING) else logging.WARNING
+        log.log(level, "%s worker %s: %s → %s", client.kind or "", getattr(client, "name", client.endpoint),
+                msg.old.name, msg.new.name)
+
+    def _stream_of(self, client: WorkerClient, request_id: str) -> GenerationStream | None:
+        stream = self._streams.get(request_id)
+        if stream is not None and stream.client is client:
+            return stream
+        if request_id not in self._recent:  # late outputs of an ended request are normal; others are not
+            self._unknown_ids += 1
+            self._unknown_log.warning("worker %s sent a message for request %r, which this router did not send it",
+                                      getattr(client, "name", client.endpoint), request_id[:64])
+        return None
 
     def _on_outputs(self, client: WorkerClient, msg: Outputs) -> None:
         for out in msg.outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is not None and stream.client is client:
+            stream = self._stream_of(client, out.request_id)
+            if stream is not None:
                 stream.put(out)
 
     def _on_request_error(self, client: WorkerClient, msg: RequestError) -> None:
-        stream = self._streams.get(msg.request_id)
-        if stream is not None and stream.client is client:
+        stream = self._stream_of(client, msg.request_id)
+        if stream is not None:
             stream.put(msg)
 
+    def _on_overload(self, client: WorkerClient, msg: Overload) -> None:
+        # The worker dropped these requests: to their streams it is as if the worker died for them.
+        for rid in msg.request_ids:
+            stream = self._stream_of(client, rid)
+            if stream is not None:
+                stream.put(WorkerDead(f"worker {client.endpoint} dropped the request: {msg.reason}"))
+
     def _on_dead(self, client: WorkerClient, msg: WorkerDead) -> None:
-        if client.state == WorkerState.DEAD:
-            return
-        client.state = WorkerState.DEAD
+        """The worker's sequences are gone: the single signal its streams act on (fail or move)."""
+        if not hasattr(client, "lifecycle"):
+            if client.state == WorkerState.DEAD:
+                return
+            client.state = WorkerState.DEAD
         log.error("%s", msg.reason)
         for stream in list(self._streams.values()):
             if stream.client is client:

@@ -82,10 +82,16 @@ class GenerationStream:
         self.router.unregister(self, self.client)
 
     def _submit(self, exclude) -> None:
-        client = self.router.place(exclude)
-        self.client = client
-        self.router.register(self, client)
-        client.add(AddRequest(self.request_id, self.prompt_ids, self.params, self.seed, self.max_tokens, self._eos))
+        exclude = list(exclude)
+        while True:  # place() raises UnavailableError once no READY worker is left
+            client = self.router.place(exclude)
+            self.client = client
+            self.router.register(self, client)
+            request = AddRequest(self.request_id, self.prompt_ids, self.params, self.seed, self.max_tokens, self._eos)
+            if client.add(request) is not False:
+                return
+            self.router.unregister(self, client)  # not sent (its worker is not connected): try another
+            exclude.append(client)
 
     # --- fed by the router's output pump ------------------------------------
 

@@ -16,6 +16,7 @@ import os
 import signal
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,6 +71,8 @@ class WorkerConfig:
     parent_pid: int | None = setting(None, "exit when this process dies (set by serve)", cli=False)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    name: str = setting("", "this worker's stable name in the gateway's metrics (default: its endpoint; "
+                            "serve names its workers kind-index, e.g. gpu-0)", flag="--worker-name")
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -272,7 +275,8 @@ def run_worker(config: WorkerConfig) -> None:
     ctx = zmq.Context()
     inbox = Inbox()
     hello = Hello(kind=config.kind, fingerprint=fingerprint, max_num_seqs=config.max_num_seqs,
-                  max_model_len=runner.max_model_len, pid=os.getpid(), ready=False)
+                  max_model_len=runner.max_model_len, pid=os.getpid(), ready=False,
+                  boot_id=uuid.uuid4().hex, name=config.name)  # a new boot id on every start
     try:
         io = WorkerIO(ctx, config.endpoint, hello, inbox, config.heartbeat_s)
     except zmq.ZMQError as exc:

@@ -28,7 +28,7 @@ def start_worker(tmp_path, name: str, *extra: str) -> tuple[Proc, str]:
 
 
 def start_gateway(tmp_path, name: str, *endpoints: str, extra=()) -> tuple[Proc, str]:
-    args = ["gateway", "--port", "0"]
+    args = ["gateway", "--port", "0", "--wait-for-workers"]  # its worker is still loading
     for ep in endpoints:
         args += ["--worker", ep]
     proc = Proc([*args, *extra], tmp_path / f"{name}.log")
