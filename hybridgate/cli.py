@@ -23,7 +23,9 @@ def _serve_config(args: argparse.Namespace):
     return ServeConfig(
         model_path=_model_path(args.model),
         gateway=GatewayConfig(host=args.host, port=args.port, metrics_port=args.metrics_port, grace_s=args.grace_period),
-        router=RouterConfig(max_model_len=args.max_model_len, startup_timeout_s=args.worker_startup_timeout),
+        router=RouterConfig(max_model_len=args.max_model_len, startup_timeout_s=args.worker_startup_timeout,
+                            resume_on_worker_loss=args.resume_on_worker_loss,
+                            request_stall_timeout_s=args.request_stall_timeout),
         worker_endpoints=tuple(getattr(args, "worker", None) or ()),
         gpu_workers=getattr(args, "gpu_workers", None),
         cpu_workers=getattr(args, "cpu_workers", None),
@@ -141,6 +143,10 @@ def _add_gateway(p: argparse.ArgumentParser) -> None:
                    help="seconds to wait for a READY worker before giving up (default 120)")
     p.add_argument("--worker-timeout", type=_bounded(float, 0, strict=True), default=1.0,
                    help="seconds of worker silence after which it counts as dead (default 1)")
+    p.add_argument("--resume-on-worker-loss", action=argparse.BooleanOptionalAction, default=True,
+                   help="resume a stream whose worker dies on another READY worker (default on; off: UNAVAILABLE)")
+    p.add_argument("--request-stall-timeout", type=_bounded(float, 0, strict=True), default=60.0,
+                   help="seconds without progress after which a request is moved or failed (default 60)")
 
 
 def build_parser() -> argparse.ArgumentParser:
