@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -25,8 +26,9 @@ from hybridgate.models import ChatTemplate, GGUFModel, Tokenizer, load_gguf, mod
 from hybridgate.models.chat import ROLES, ChatTemplateError
 from hybridgate.router.client import WorkerClient, WorkerDead, ZmqWorkerClient
 from hybridgate.router.errors import FingerprintMismatchError, InvalidRequestError, UnavailableError
-from hybridgate.router.stream import GenerationStream
-from hybridgate.wire import Hello, Outputs, Ready, RequestError, SamplingParams, WorkerState
+from hybridgate.config import setting
+from hybridgate.router.stream import GenerationStream, Stalled, WorkerAvailable
+from hybridgate.wire import Hello, Outputs, Overload, Ready, RequestError, SamplingParams, WorkerState
 
 log = logging.getLogger("hybridgate.router")
 
@@ -41,12 +43,22 @@ class RouterConfig:
     max_model_len: int | None = None  # default: the model's context length
     startup_timeout_s: float = 120.0
     queue_size: int = 4096  # deltas buffered per request before it is aborted as too slow
+    resume_on_worker_loss: bool = setting(
+        True, "resume a stream whose worker dies (or restarts) on another READY worker, or on the same one "
+        "when it is back within the stall timeout, by prefilling the prompt plus the ids already streamed "
+        "with the same seed; off: such a stream ends with UNAVAILABLE", flag="--resume-on-worker-loss")
+    request_stall_timeout_s: float = setting(
+        60.0, "seconds without progress (no token, no prefill chunk) after which a request is aborted on "
+        "its worker and resumed elsewhere, or failed with UNAVAILABLE", low=0, low_open=True,
+        flag="--request-stall-timeout")
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.startup_timeout_s <= 0:
             raise ValueError(f"startup_timeout_s must be > 0, got {self.startup_timeout_s}")
+        if not self.request_stall_timeout_s > 0:
+            raise ValueError(f"request_stall_timeout_s must be > 0, got {self.request_stall_timeout_s}")
 
 
 class Router:
@@ -76,16 +88,20 @@ class Router:
         self.max_model_len = min(self.config.max_model_len or 1 << 62, self.model.config.max_model_len)
         self.clients = [ZmqWorkerClient(c) if isinstance(c, str) else c for c in clients]
         self.on_ready_change = on_ready_change or (lambda ready: None)
-        self._streams: dict[str, GenerationStream] = {}
+        self._streams: dict[str, GenerationStream] = {}  # by the request id on its worker
+        self._waiting: dict[str, GenerationStream] = {}  # moved streams waiting for a READY worker
+        self._stall_task: asyncio.Task | None = None
         self._inflight: dict[int, int] = {id(c): 0 for c in self.clients}
         self._changed = asyncio.Event()
         self._handlers = {Hello: self._on_hello, Ready: self._on_ready, Outputs: self._on_outputs,
-                          RequestError: self._on_request_error, WorkerDead: self._on_dead}
+                          RequestError: self._on_request_error, WorkerDead: self._on_dead,
+                          Overload: self._on_overload}
         self._was_ready = False
 
     async def __aenter__(self) -> Router:
         for client in self.clients:
             await client.start(self._on_message)
+        self._stall_task = asyncio.create_task(self._watch_stalls())
         try:
             await asyncio.wait_for(self._wait_usable(), self.config.startup_timeout_s)
         except asyncio.TimeoutError:
@@ -103,6 +119,9 @@ class Router:
     async def close(self) -> None:
         for stream in list(self._streams.values()):
             stream.fail(UnavailableError("the router is shutting down"))
+        if self._stall_task is not None:
+            self._stall_task.cancel()
+            await asyncio.gather(self._stall_task, return_exceptions=True)
         await asyncio.gather(*(c.close() for c in self.clients), return_exceptions=True)
 
     @property
@@ -195,19 +214,40 @@ class Router:
             raise UnavailableError("no worker is ready")
         return min(ready, key=lambda c: (self._inflight[id(c)], c.kind != "gpu"))
 
-    def register(self, stream: GenerationStream, client: WorkerClient) -> None:
-        self._streams[stream.request_id] = stream
-        self._inflight[id(client)] += 1
+    def register(self, stream: GenerationStream, client: WorkerClient | None) -> None:
+        """Route outputs for `stream.worker_request_id` to `stream`; None: it waits for a READY worker."""
+        self._streams[stream.worker_request_id] = stream
+        if client is None:
+            self._waiting[stream.worker_request_id] = stream
+        else:
+            self._inflight[id(client)] += 1
 
     def unregister(self, stream: GenerationStream, client: WorkerClient | None) -> None:
-        if self._streams.pop(stream.request_id, None) is not None and client is not None:
+        self._waiting.pop(stream.worker_request_id, None)
+        if self._streams.pop(stream.worker_request_id, None) is not None and client is not None:
             self._inflight[id(client)] -= 1
+
+    async def _watch_stalls(self) -> None:
+        """One timer for every stream: one without progress for the stall timeout gets `Stalled`."""
+        timeout = self.config.request_stall_timeout_s
+        while True:
+            await asyncio.sleep(min(1.0, timeout / 4))
+            now = time.monotonic()
+            for stream in list(self._streams.values()):
+                silent = now - stream.last_progress
+                if not stream.done and silent > timeout:
+                    where = f"on worker {stream.client.endpoint}" if stream.client is not None else "waiting for a worker"
+                    stream.put(Stalled(f"request {stream.request_id}: no progress for {silent:.1f} s {where} "
+                                       f"(request_stall_timeout_s={timeout:g})"))
 
     # --- worker messages (the output pump) ---------------------------------
 
     def _on_message(self, client: WorkerClient, msg: msgspec.Struct) -> None:
         self._handlers[type(msg)](client, msg)
         self._changed.set()
+        if self._waiting and self.ready:
+            for stream in list(self._waiting.values()):
+                stream.put(WorkerAvailable())
         if self.ready != self._was_ready:
             self._was_ready = self.ready
             self.on_ready_change(self._was_ready)
@@ -236,6 +276,13 @@ class Router:
         stream = self._streams.get(msg.request_id)
         if stream is not None and stream.client is client:
             stream.put(msg)
+
+    def _on_overload(self, client: WorkerClient, msg: Overload) -> None:
+        log.warning("worker %s dropped %d requests: %s", client.endpoint, len(msg.request_ids), msg.reason)
+        for rid in msg.request_ids:
+            stream = self._streams.get(rid)
+            if stream is not None and stream.client is client:
+                stream.put(msg)
 
     def _on_dead(self, client: WorkerClient, msg: WorkerDead) -> None:
         if client.state == WorkerState.DEAD:
