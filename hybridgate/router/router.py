@@ -236,7 +236,8 @@ class Router:
             for stream in list(self._streams.values()):
                 silent = now - stream.last_progress
                 if not stream.done and silent > timeout:
-                    where = f"on worker {stream.client.endpoint}" if stream.client is not None else "waiting for a worker"
+                    client = stream.client
+                    where = f"on worker {client.endpoint}" if client is not None else "waiting for a worker"
                     stream.put(Stalled(f"request {stream.request_id}: no progress for {silent:.1f} s {where} "
                                        f"(request_stall_timeout_s={timeout:g})"))
 

@@ -107,7 +107,7 @@ class GenerationStream:
         self.finished = False
         self.done = False  # the pump has queued the last item; nothing more moves this stream
         self.last_progress = time.monotonic()
-        self._hops: list[tuple[str, WorkerClient]] = []  # (how, worker) of each placement
+        self._hops: list[tuple[str, int, WorkerClient]] = []  # (how, first token index, worker) of each placement
         self._refused: list[WorkerClient] = []
         self._queue: asyncio.Queue = asyncio.Queue(maxsize=router.config.queue_size)
         self._detok = IncrementalDetokenizer(router.tokenizer)
@@ -140,7 +140,7 @@ class GenerationStream:
         """Send this request to `client`: in full, or resumed after the ids already received."""
         k = len(self.received)
         self.client, self.last_progress = client, time.monotonic()
-        self._hops.append((how, client))
+        self._hops.append((how, k, client))
         self.router.register(self, client)
         client.add(AddRequest(self.worker_request_id, self.prompt_ids + self.received, self.params, self.seed,
                               self.max_tokens - k, self._eos, first_token_index=k))
@@ -313,11 +313,12 @@ class GenerationStream:
 
     @property
     def route(self) -> str:
-        """The worker kind; after a move, each placement: "gpu (gpu-0), resumed on cpu (cpu-1)"."""
+        """The worker kind; after a move, each placement: "gpu (gpu-0), resumed at token 12 on cpu (cpu-1)"
+        ("retried" when no token had been streamed)."""
         if len(self._hops) == 1:
-            return self._hops[0][1].kind or ""
-        return ", ".join(f"{how + ' on ' if i else ''}{c.kind} ({self._name(c)})"
-                         for i, (how, c) in enumerate(self._hops))
+            return self._hops[0][2].kind or ""
+        return ", ".join((f"{how} at token {k} on " if i else "") + f"{c.kind} ({self._name(c)})"
+                         for i, (how, k, c) in enumerate(self._hops))
 
     @staticmethod
     def _name(client: WorkerClient | None) -> str:

@@ -75,7 +75,7 @@ class EngineCore:
         if self.allocator.blocks_needed([], total) > self.allocator.num_blocks:
             return RequestError(request.request_id, f"prompt + max_tokens = {total} tokens needs more KV blocks than "
                                 f"the cache holds ({self.allocator.num_blocks} of {self.allocator.block_size} tokens); "
-                                "raise --kv-cache-memory")
+                                "raise --kv-cache-memory", code="no_kv_blocks")
         seq = Sequence(request, client)
         self._by_id[(client, seq.request_id)] = seq
         self.scheduler.add(seq)

@@ -78,7 +78,7 @@ async def test_death_mid_stream_resumes_on_another_worker(gguf_model, fp):
     async with Router(gguf_model, [a, b]) as router:
         deltas = await collect(router)
         assert_one_contiguous_stream(deltas)
-        assert deltas[-1].route == "gpu (a), resumed on cpu (b)"
+        assert deltas[-1].route == "gpu (a), resumed at token 3 on cpu (b)"
         resumed = b.requests[0]
         first = a.requests[0]
         assert resumed.prompt_ids == first.prompt_ids + SCRIPT[:3] and resumed.first_token_index == 3
@@ -109,7 +109,7 @@ async def test_the_same_worker_back_within_the_stall_timeout_takes_it(gguf_model
         router._on_message(a, Ready("gpu"))
         deltas = await asyncio.wait_for(task, 5 * TIME_FACTOR)
         assert_one_contiguous_stream(deltas)
-        assert deltas[-1].route == "gpu (a), resumed on gpu (a)" and a.requests[1].first_token_index == 4
+        assert deltas[-1].route == "gpu (a), resumed at token 4 on gpu (a)" and a.requests[1].first_token_index == 4
 
 
 async def test_waiting_past_the_stall_timeout_is_unavailable(gguf_model, fp):
@@ -127,7 +127,7 @@ async def test_a_stalled_request_is_aborted_and_resumed_elsewhere(gguf_model, fp
         deltas = await collect(router)
         assert_one_contiguous_stream(deltas)
         assert a.aborted == [a.requests[0].request_id]
-        assert b.requests[0].first_token_index == 5 and deltas[-1].route == "gpu (a), resumed on gpu (b)"
+        assert b.requests[0].first_token_index == 5 and deltas[-1].route == "gpu (a), resumed at token 5 on gpu (b)"
 
 
 async def test_overload_resumes_a_started_stream_and_re_places_a_new_one(gguf_model, fp):
@@ -136,7 +136,8 @@ async def test_overload_resumes_a_started_stream_and_re_places_a_new_one(gguf_mo
         async with Router(gguf_model, [a, b]) as router:
             deltas = await collect(router)
             assert_one_contiguous_stream(deltas)
-            assert b.requests[0].first_token_index == after and deltas[-1].route == f"gpu (a), {how} on gpu (b)"
+            assert b.requests[0].first_token_index == after
+            assert deltas[-1].route == f"gpu (a), {how} at token {after} on gpu (b)"
 
 
 async def test_no_kv_blocks_is_re_placed_until_every_worker_refused(gguf_model, fp):
@@ -144,7 +145,7 @@ async def test_no_kv_blocks_is_re_placed_until_every_worker_refused(gguf_model, 
     async with Router(gguf_model, [a, b]) as router:
         deltas = await collect(router)
         assert_one_contiguous_stream(deltas)
-        assert deltas[-1].route == "gpu (a), retried on cpu (b)"
+        assert deltas[-1].route == "gpu (a), retried at token 0 on cpu (b)"
     a, b = Worker(fp, "a", refuse="no_kv_blocks"), Worker(fp, "b", refuse="resource_exhausted")
     async with Router(gguf_model, [a, b]) as router:
         with pytest.raises(WorkerRequestError, match="KV blocks"):

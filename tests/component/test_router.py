@@ -208,7 +208,7 @@ async def test_worker_death_before_first_token_retries_elsewhere(gguf_model, tok
     async with Router(gguf_model, [dying, healthy]) as router:
         deltas = await collect(router, "x", SamplingParams(max_tokens=5))
         assert "".join(d.text for d in deltas) == "fine"
-        assert deltas[-1].route == f"gpu ({dying.endpoint}), retried on cpu ({healthy.endpoint})"
+        assert deltas[-1].route == f"gpu ({dying.endpoint}), retried at token 0 on cpu ({healthy.endpoint})"
 
 
 async def test_worker_death_mid_stream_is_unavailable_when_resume_is_off(gguf_model):
