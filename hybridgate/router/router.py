@@ -68,6 +68,11 @@ class Router:
     `ZmqWorkerClient`) or client objects such as
     `hybridgate.workers.inprocess.InProcessClient`.
 
+    A stream whose worker dies, restarts, stalls (no progress for
+    `request_stall_timeout_s`), drops it or refuses it for lack of KV blocks is
+    moved to another worker, resumed after the ids already streamed when
+    `resume_on_worker_loss` (the table is in `GenerationStream`'s docstring).
+
     Raises (on entry): `UnavailableError` when no worker is READY within
     `startup_timeout_s` (the message names the setting), `FingerprintMismatchError`
     when every worker serves another model (naming both fingerprints).
@@ -238,8 +243,13 @@ class Router:
                 if not stream.done and silent > timeout:
                     client = stream.client
                     where = f"on worker {client.endpoint}" if client is not None else "waiting for a worker"
-                    stream.put(Stalled(f"request {stream.request_id}: no progress for {silent:.1f} s {where} "
-                                       f"(request_stall_timeout_s={timeout:g})"))
+                    try:
+                        stream.put(Stalled(f"request {stream.request_id}: no progress for {silent:.1f} s {where} "
+                                           f"(request_stall_timeout_s={timeout:g})"))
+                    except Exception as exc:  # one stream's failure must not stop the timer for the rest
+                        log.exception("moving stalled request %s failed", stream.request_id)
+                        stream.fail(UnavailableError(f"request {stream.request_id} stalled and could not be moved: "
+                                                     f"{exc}"))
 
     # --- worker messages (the output pump) ---------------------------------
 
