@@ -156,3 +156,25 @@ async def test_no_kv_blocks_is_re_placed_until_every_worker_refused(gguf_model, 
         with pytest.raises(WorkerRequestError):
             await collect(router)
         assert b.requests == []  # any other error is the answer
+
+
+class SlowPrefill(Worker):
+    """Reports prefill progress (empty outputs) for `chunks` x 0.1 s before its first token."""
+
+    def __init__(self, fp, name, chunks, **kw):
+        super().__init__(fp, name, **kw)
+        self.chunks = chunks
+
+    async def _play(self, request) -> None:
+        for _ in range(self.chunks):
+            await asyncio.sleep(0.1)
+            self._on_message(self, Outputs([SeqOutput(request.request_id, 0, [])], self.stats))
+        await super()._play(request)
+
+
+async def test_prefill_progress_is_not_a_stall(gguf_model, fp):
+    a, b = SlowPrefill(fp, "a", chunks=int(10 * TIME_FACTOR)), Worker(fp, "b")
+    async with Router(gguf_model, [a, b], RouterConfig(request_stall_timeout_s=0.5 * TIME_FACTOR)) as router:
+        deltas = await collect(router)  # prefill twice the timeout, each chunk well within it
+        assert_one_contiguous_stream(deltas)
+        assert deltas[-1].route == "gpu" and b.requests == [] and a.aborted == []
