@@ -22,11 +22,11 @@ from pathlib import Path
 
 import msgspec
 
+from hybridgate.config import setting
 from hybridgate.models import ChatTemplate, GGUFModel, Tokenizer, load_gguf, model_fingerprint
 from hybridgate.models.chat import ROLES, ChatTemplateError
 from hybridgate.router.client import WorkerClient, WorkerDead, ZmqWorkerClient
 from hybridgate.router.errors import FingerprintMismatchError, InvalidRequestError, UnavailableError
-from hybridgate.config import setting
 from hybridgate.router.stream import GenerationStream, Stalled, WorkerAvailable
 from hybridgate.wire import Hello, Outputs, Overload, Ready, RequestError, SamplingParams, WorkerState
 
