@@ -186,6 +186,9 @@ class Load(msgspec.Struct, frozen=True):
 class RequestError(msgspec.Struct, frozen=True):
     request_id: str
     message: str
+    # "internal", or "no_kv_blocks" / "resource_exhausted": a refusal another worker may not give,
+    # so the router places the request elsewhere before it fails.
+    code: str = "internal"
 
 
 class Overload(msgspec.Struct, frozen=True):

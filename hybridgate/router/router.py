@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -26,8 +27,7 @@ from hybridgate.models import ChatTemplate, GGUFModel, Tokenizer, load_gguf, mod
 from hybridgate.models.chat import ROLES, ChatTemplateError
 from hybridgate.router.client import RateLimitedLog, StateChange, WorkerClient, WorkerDead, ZmqWorkerClient
 from hybridgate.router.errors import FingerprintMismatchError, InvalidRequestError, UnavailableError
-from hybridgate.router.stream import GenerationStream
-from hybridgate.config import setting
+from hybridgate.router.stream import GenerationStream, Stalled, WorkerAvailable
 from hybridgate.wire import Hello, Outputs, Overload, Ready, RequestError, SamplingParams, WorkerState
 
 log = logging.getLogger("hybridgate.router")
@@ -51,6 +51,14 @@ class RouterConfig:
     wait_for_workers: bool = setting(
         False, "keep waiting (up to the worker start-up timeout) for a worker whose ipc socket file does not "
                "exist yet, instead of exiting after saying so", flag="--wait-for-workers")
+    resume_on_worker_loss: bool = setting(
+        True, "resume a stream whose worker dies (or restarts) on another READY worker, or on the same one "
+        "when it is back within the stall timeout, by prefilling the prompt plus the ids already streamed "
+        "with the same seed; off: such a stream ends with UNAVAILABLE", flag="--resume-on-worker-loss")
+    request_stall_timeout_s: float = setting(
+        60.0, "seconds without progress (no token, no prefill chunk) after which a request is aborted on "
+        "its worker and resumed elsewhere, or failed with UNAVAILABLE", low=0, low_open=True,
+        flag="--request-stall-timeout")
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -62,6 +70,11 @@ class Router:
     `clients`: worker endpoints (`ipc://...`, `tcp://...`, each gets a
     `ZmqWorkerClient`) or client objects such as
     `hybridgate.workers.inprocess.InProcessClient`.
+
+    A stream whose worker dies, restarts, stalls (no progress for
+    `request_stall_timeout_s`), drops it or refuses it for lack of KV blocks is
+    moved to another worker, resumed after the ids already streamed when
+    `resume_on_worker_loss` (the table is in `GenerationStream`'s docstring).
 
     Raises (on entry): `UnavailableError` when no worker is READY within
     `startup_timeout_s` (the message names the setting), `FingerprintMismatchError`
@@ -84,7 +97,9 @@ class Router:
         self.clients = [ZmqWorkerClient(c, dead_after_s=self.config.dead_after_s) if isinstance(c, str) else c
                         for c in clients]
         self.on_ready_change = on_ready_change or (lambda ready: None)
-        self._streams: dict[str, GenerationStream] = {}
+        self._streams: dict[str, GenerationStream] = {}  # by the request id on its worker
+        self._waiting: dict[str, GenerationStream] = {}  # moved streams waiting for a READY worker
+        self._stall_task: asyncio.Task | None = None
         self._inflight: dict[int, int] = {id(c): 0 for c in self.clients}
         self._changed = asyncio.Event()
         self._handlers = {Hello: self._on_hello, Ready: self._on_ready, Outputs: self._on_outputs,
@@ -98,6 +113,7 @@ class Router:
     async def __aenter__(self) -> Router:
         for client in self.clients:
             await client.start(self._on_message)
+        self._stall_task = asyncio.create_task(self._watch_stalls())
         try:
             await asyncio.wait_for(self._wait_usable(), self.config.startup_timeout_s)
         except asyncio.TimeoutError:
@@ -115,6 +131,9 @@ class Router:
     async def close(self) -> None:
         for stream in list(self._streams.values()):
             stream.fail(UnavailableError("the router is shutting down"))
+        if self._stall_task is not None:
+            self._stall_task.cancel()
+            await asyncio.gather(self._stall_task, return_exceptions=True)
         await asyncio.gather(*(c.close() for c in self.clients), return_exceptions=True)
 
     @property
@@ -217,16 +236,40 @@ class Router:
             raise UnavailableError("no worker is ready")
         return min(ready, key=lambda c: (self._inflight[id(c)], c.kind != "gpu"))
 
-    def register(self, stream: GenerationStream, client: WorkerClient) -> None:
-        self._streams[stream.request_id] = stream
-        self._inflight[id(client)] += 1
+    def register(self, stream: GenerationStream, client: WorkerClient | None) -> None:
+        """Route outputs for `stream.worker_request_id` to `stream`; None: it waits for a READY worker."""
+        self._streams[stream.worker_request_id] = stream
+        if client is None:
+            self._waiting[stream.worker_request_id] = stream
+        else:
+            self._inflight[id(client)] += 1
 
     def unregister(self, stream: GenerationStream, client: WorkerClient | None) -> None:
-        if self._streams.pop(stream.request_id, None) is not None and client is not None:
+        self._waiting.pop(stream.worker_request_id, None)
+        if self._streams.pop(stream.worker_request_id, None) is not None and client is not None:
             self._inflight[id(client)] -= 1
-        self._recent[stream.request_id] = None
+        self._recent[stream.worker_request_id] = None
         if len(self._recent) > RECENT_IDS:
             del self._recent[next(iter(self._recent))]
+
+    async def _watch_stalls(self) -> None:
+        """One timer for every stream: one without progress for the stall timeout gets `Stalled`."""
+        timeout = self.config.request_stall_timeout_s
+        while True:
+            await asyncio.sleep(min(1.0, timeout / 4))
+            now = time.monotonic()
+            for stream in list(self._streams.values()):
+                silent = now - stream.last_progress
+                if not stream.done and silent > timeout:
+                    client = stream.client
+                    where = f"on worker {client.endpoint}" if client is not None else "waiting for a worker"
+                    try:
+                        stream.put(Stalled(f"request {stream.request_id}: no progress for {silent:.1f} s {where} "
+                                           f"(request_stall_timeout_s={timeout:g})"))
+                    except Exception as exc:  # one stream's failure must not stop the timer for the rest
+                        log.exception("moving stalled request %s failed", stream.request_id)
+                        stream.fail(UnavailableError(f"request {stream.request_id} stalled and could not be moved: "
+                                                     f"{exc}"))
 
     # --- worker messages (the output pump) ---------------------------------
 
@@ -234,6 +277,9 @@ class Router:
         """Every message and lifecycle event of every client; health follows readiness both ways."""
         self._handlers[type(msg)](client, msg)
         self._changed.set()
+        if self._waiting and self.ready:
+            for stream in list(self._waiting.values()):
+                stream.put(WorkerAvailable())
         if self.ready != self._was_ready:
             self._was_ready = self.ready
             self.on_ready_change(self._was_ready)
@@ -279,11 +325,11 @@ class Router:
             stream.put(msg)
 
     def _on_overload(self, client: WorkerClient, msg: Overload) -> None:
-        # The worker dropped these requests: to their streams it is as if the worker died for them.
+        log.warning("worker %s dropped %d requests: %s", client.endpoint, len(msg.request_ids), msg.reason)
         for rid in msg.request_ids:
             stream = self._stream_of(client, rid)
             if stream is not None:
-                stream.put(WorkerDead(f"worker {client.endpoint} dropped the request: {msg.reason}"))
+                stream.put(msg)
 
     def _on_dead(self, client: WorkerClient, msg: WorkerDead) -> None:
         """The worker's sequences are gone: the single signal its streams act on (fail or move)."""

@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from hybridgate.models import IncrementalDetokenizer
-from hybridgate.router.client import WorkerDead
+from hybridgate.router.client import WorkerClient, WorkerDead
 from hybridgate.router.errors import UnavailableError, WorkerRequestError
 from hybridgate.router.stop import StopMatcher
-from hybridgate.wire import AddRequest, FinishReason, RequestError, SamplingParams, SeqOutput
+from hybridgate.wire import AddRequest, FinishReason, Overload, RequestError, SamplingParams, SeqOutput, WorkerState
 
 if TYPE_CHECKING:
     from hybridgate.router.router import Prompt, Router
+
+log = logging.getLogger("hybridgate.router")
 
 _LARGE_PROMPT_CHARS = 1 << 16  # tokenize off the event loop above this
 
@@ -47,16 +52,63 @@ class Delta:
     route: str = ""
 
 
+class Stalled(msgspec.Struct, frozen=True):
+    """Synthetic event from the router's stall timer: no progress for `request_stall_timeout_s`."""
+
+    reason: str
+
+
+class WorkerAvailable(msgspec.Struct, frozen=True):
+    """Synthetic event: a worker is READY and this stream is waiting for one."""
+
+
+# Refusals that another worker may not give: its cache may be larger or emptier.
+REPLACEABLE_CODES = frozenset({"no_kv_blocks", "resource_exhausted"})
+
+
 class GenerationStream:
-    """Async context manager and async iterator of `Delta`s for one request."""
+    """Async context manager and async iterator of `Delta`s for one request.
+
+    Two halves: the router's output pump calls `put()` with every event for this
+    request (synchronously, on the event loop), and the caller iterates the
+    deltas that `put()` queued. Where the request runs is decided in `put()`, so a
+    stream is moved at once even while its caller is slow to read.
+
+    Placement, as a state machine (the pump's events on the left):
+
+        state    event                                  next      action
+        RUNNING  SeqOutput from its worker              RUNNING   ids past `received` queued (duplicates dropped)
+        RUNNING  SeqOutput with finish                  DONE      queued
+        RUNNING  WorkerDead, nothing streamed           RUNNING*  re-placed on a READY worker
+        RUNNING  WorkerDead, ids streamed, resume on    RUNNING*  resumed: prompt + received ids, next index
+        RUNNING  WorkerDead, ids streamed, resume off   DONE      UNAVAILABLE
+        RUNNING  RequestError code in REPLACEABLE_CODES RUNNING*  moved to a worker that has not refused it
+        RUNNING  RequestError (other)                   DONE      the error
+        RUNNING  Overload (the worker dropped it)       RUNNING*  moved (another worker first)
+        RUNNING  Stalled                                RUNNING*  aborted there, moved (another worker first)
+        WAITING  WorkerAvailable                        RUNNING   placed
+        WAITING  Stalled                                DONE      UNAVAILABLE
+        any      the caller reads too slowly            DONE      aborted, UNAVAILABLE
+
+    RUNNING* is WAITING when no worker is READY and resume is on (the stall timer
+    bounds the wait), DONE (UNAVAILABLE) when it is off. Each placement uses its
+    own worker-side request id (`request_id.hop`), so a late output of an earlier
+    placement is dropped as unknown and an ADD to the same worker is never a duplicate.
+    """
 
     def __init__(self, router: Router, prompt: Prompt, params: SamplingParams, label: str, request_id: str):
         self.router, self.prompt, self.params, self.label = router, prompt, params, label
         self.request_id = request_id
+        self.worker_request_id = request_id  # this placement's id on its worker
         self.client = None
         self.prompt_ids: list[int] = []
-        self.ids: list[int] = []
+        self.ids: list[int] = []  # ids handed to the caller
+        self.received: list[int] = []  # ids accepted from workers (the caller may not have read them yet)
         self.finished = False
+        self.done = False  # the pump has queued the last item; nothing more moves this stream
+        self.last_progress = time.monotonic()
+        self._hops: list[tuple[str, int, WorkerClient]] = []  # (how, first token index, worker) of each placement
+        self._refused: list[WorkerClient] = []
         self._queue: asyncio.Queue = asyncio.Queue(maxsize=router.config.queue_size)
         self._detok = IncrementalDetokenizer(router.tokenizer, params.skip_special_tokens)
         self._stop = StopMatcher(params.stop)
@@ -65,47 +117,150 @@ class GenerationStream:
         self._first_token_at: float | None = None
         self._queue_ms = 0.0
         self._cached = 0
+        self._events = {SeqOutput: self._on_output_event, WorkerDead: self._on_worker_dead,
+                        RequestError: self._on_request_error, Overload: self._on_overload,
+                        Stalled: self._on_stalled, WorkerAvailable: self._on_worker_available}
 
     async def __aenter__(self) -> GenerationStream:
         self._arrival = time.monotonic()
         big = isinstance(self.prompt, str) and len(self.prompt) > _LARGE_PROMPT_CHARS
         self.prompt_ids = await asyncio.to_thread(self.router.tokenize, self.prompt) if big else self.router.tokenize(self.prompt)
         self.max_tokens, self.seed = self.router.resolve(self.prompt_ids, self.params)
-        self._submit(exclude=())
+        self._submit(self.router.place(()), "placed")
         return self
 
     async def __aexit__(self, *exc) -> None:
         if not self.finished:
-            self.finished = True
+            self.finished = self.done = True
             if self.client is not None:
-                self.client.abort([self.request_id])
+                self.client.abort([self.worker_request_id])
         self.router.unregister(self, self.client)
 
-    def _submit(self, exclude) -> None:
-        exclude = list(exclude)
-        while True:  # place() raises UnavailableError once no READY worker is left
-            client = self.router.place(exclude)
-            self.client = client
+    def _submit(self, client: WorkerClient, how: str, exclude=()) -> None:
+        """Send this request to `client`: in full, or resumed after the ids already received. A send
+        that fails (the worker is not connected) goes to the next READY worker not in `exclude`.
+
+        Raises UnavailableError when no READY worker is left.
+        """
+        tried = list(exclude)
+        while True:
+            k = len(self.received)
+            self.client, self.last_progress = client, time.monotonic()
             self.router.register(self, client)
-            request = AddRequest(self.request_id, self.prompt_ids, self.params, self.seed, self.max_tokens, self._eos)
-            if client.add(request) is not False:
+            sent = client.add(AddRequest(self.worker_request_id, self.prompt_ids + self.received, self.params,
+                                         self.seed, self.max_tokens - k, self._eos, first_token_index=k))
+            if sent is not False:
+                self._hops.append((how, k, client))
                 return
-            self.router.unregister(self, client)  # not sent (its worker is not connected): try another
-            exclude.append(client)
+            self.router.unregister(self, client)
+            self.client = None
+            tried.append(client)
+            client = self.router.place(tried)
 
     # --- fed by the router's output pump ------------------------------------
 
     def put(self, item) -> None:
+        """One event for this request (a wire message from its worker or a synthetic event)."""
+        if not self.done:
+            self._events[type(item)](item)
+
+    def _queue_item(self, item) -> None:
         try:
             self._queue.put_nowait(item)
         except asyncio.QueueFull:
-            self.client.abort([self.request_id])
+            if self.client is not None:
+                self.client.abort([self.worker_request_id])
             self.fail(UnavailableError(f"the client read too slowly: over {self._queue.maxsize} steps buffered"))
 
     def fail(self, exc: BaseException) -> None:
+        self.done = True
         while not self._queue.empty():
             self._queue.get_nowait()
         self._queue.put_nowait(exc)
+
+    def _on_output_event(self, out: SeqOutput) -> None:
+        self.last_progress = time.monotonic()
+        skip = len(self.received) - out.token_index  # duplicates from a resend
+        if skip < 0:
+            log.warning("request %s: output at token %d after %d ids; dropped", self.request_id, out.token_index,
+                        len(self.received))
+            return
+        new_ids = out.token_ids[skip:]
+        if not new_ids and not out.finish:
+            return  # progress only (a prefill chunk) or a duplicate
+        first = SeqOutput(self.request_id, len(self.received), new_ids, out.finish, out.queue_ms, out.cached_tokens)
+        self.received += new_ids
+        self.done = bool(out.finish)
+        self._queue_item(first)
+
+    def _on_worker_dead(self, event: WorkerDead) -> None:
+        self._move(event.reason, avoid=None)
+
+    def _on_request_error(self, error: RequestError) -> None:
+        if getattr(error, "code", "internal") not in REPLACEABLE_CODES:
+            self.done = True
+            self._queue_item(error)
+            return
+        self._refused.append(self.client)
+        self._move(error.message, avoid=None, refusal=error)
+
+    def _on_overload(self, event: Overload) -> None:
+        self._move(f"worker {self._name(self.client)} dropped the request: {event.reason}", avoid=self.client)
+
+    def _on_stalled(self, event: Stalled) -> None:
+        if self.client is None:
+            self.fail(UnavailableError(event.reason))
+            return
+        self.client.abort([self.worker_request_id])
+        self._move(event.reason, avoid=self.client)
+
+    def _on_worker_available(self, event: WorkerAvailable) -> None:
+        if self.client is None:
+            self._place_or_wait("no worker is ready")
+
+    def _move(self, reason: str, avoid: WorkerClient | None, refusal: RequestError | None = None) -> None:
+        """The request left its worker (`reason`): place it again, resumed after the ids received.
+
+        `avoid` is tried last (a stalled or overloaded worker is still READY);
+        workers that refused it for lack of memory are never tried again.
+        """
+        resume = self.router.config.resume_on_worker_loss
+        if self.received and not resume:
+            self.fail(UnavailableError(reason))
+            return
+        log.info("request %s: %s; %s", self.request_id, reason,
+                 "resuming after %d ids" % len(self.received) if self.received else "placing it again")
+        self.router.unregister(self, self.client)
+        self.client = None
+        self.worker_request_id = f"{self.request_id}.{len(self._hops)}"
+        order = [self._refused + [avoid], self._refused] if avoid is not None else [self._refused]
+        for exclude in order:
+            try:
+                self._submit(self.router.place(exclude), "resumed" if self.received else "retried", exclude)
+                return
+            except UnavailableError:
+                pass
+        if refusal is not None:  # every READY worker refused it: the refusal is the answer
+            self.done = True
+            self._queue_item(refusal)
+            return
+        if not resume:
+            self.fail(UnavailableError(f"{reason}; no other worker is ready"))
+            return
+        self._wait(reason)
+
+    def _wait(self, reason: str) -> None:
+        """No worker to go to now: wait for one (the router wakes us; its stall timer bounds the wait)."""
+        self.last_progress = time.monotonic()
+        self.router.register(self, None)
+        log.info("request %s waits for a READY worker (%s)", self.request_id, reason)
+
+    def _place_or_wait(self, reason: str) -> None:
+        self.router.unregister(self, None)
+        try:
+            self._submit(self.router.place(self._refused), "resumed" if self.received else "retried", self._refused)
+        except UnavailableError:
+            self.router.register(self, None)
 
     # --- consumed by the caller ---------------------------------------------
 
@@ -119,23 +274,11 @@ class GenerationStream:
                 delta = self._on_output(item)
                 if delta is not None:
                     return delta
-            elif isinstance(item, WorkerDead) and not self.ids and self._retry():
-                continue
             else:
                 self.finished = True
                 self.router.unregister(self, self.client)
                 raise _error_of(item)
         raise StopAsyncIteration
-
-    def _retry(self) -> bool:
-        """A request whose worker died before its first token goes to another worker."""
-        dead = self.client
-        self.router.unregister(self, dead)
-        try:
-            self._submit(exclude=[dead])
-        except UnavailableError:
-            return False
-        return True
 
     def _on_output(self, out: SeqOutput) -> Delta | None:
         skip = len(self.ids) - out.token_index  # duplicates from a resend
@@ -155,7 +298,9 @@ class GenerationStream:
             parts.append(text)
             if matched:
                 finish = FinishReason.STOP
-                self.client.abort([self.request_id])
+                self.done = True
+                if self.client is not None:
+                    self.client.abort([self.worker_request_id])
                 break
         self.ids += taken
         if finish is not None and finish != FinishReason.STOP:
@@ -178,8 +323,24 @@ class GenerationStream:
             self.request_id, index, text, ids, finish,
             usage=Usage(len(self.prompt_ids), len(self.ids), self._cached),
             timings=Timings(self._queue_ms, ttft, (now - self._arrival) * 1e3),
-            route=self.client.kind or "",
+            route=self.route,
         )
+
+    @property
+    def route(self) -> str:
+        """The worker kind; after a move, each placement: "gpu (gpu-0), resumed at token 12 on cpu (cpu-1)"
+        ("retried" when no token had been streamed)."""
+        if len(self._hops) == 1:
+            return self._hops[0][2].kind or ""
+        return ", ".join((f"{how} at token {k} on " if i else "") + f"{c.kind} ({self._name(c)})"
+                         for i, (how, k, c) in enumerate(self._hops))
+
+    @staticmethod
+    def _name(client: WorkerClient | None) -> str:
+        if client is None:
+            return "none"
+        hello = client.hello
+        return (hello.name if hello is not None and getattr(hello, "name", "") else "") or client.endpoint
 
 
 def _error_of(item) -> BaseException:

@@ -54,6 +54,9 @@ class EngineCore:
         self.allocator = BlockAllocator(runner.num_blocks, runner.block_size, prefix_caching)
         self.scheduler = Scheduler(scheduler_config, self.allocator, fingerprint)
         self.stats = EngineStats(blocks_total=runner.num_blocks)
+        # Sequences whose prompt chunk ran in the last step without sampling a token yet: the loop
+        # reports them as progress (an empty output), so a router can tell a long prefill from a stall.
+        self.last_prefilled: list[Sequence] = []
         self._by_id: dict[tuple[bytes, str], Sequence] = {}
         # Aborts that overtook their request (the request queue and the abort fast path race):
         # the request is dropped when it arrives. Bounded, oldest forgotten first.
@@ -72,7 +75,7 @@ class EngineCore:
         if self.allocator.blocks_needed([], total) > self.allocator.num_blocks:
             return RequestError(request.request_id, f"prompt + max_tokens = {total} tokens needs more KV blocks than "
                                 f"the cache holds ({self.allocator.num_blocks} of {self.allocator.block_size} tokens); "
-                                "raise --kv-cache-memory")
+                                "raise --kv-cache-memory", code="no_kv_blocks")
         seq = Sequence(request, client)
         self._by_id[(client, seq.request_id)] = seq
         self.scheduler.add(seq)
@@ -108,6 +111,7 @@ class EngineCore:
             if not seq.output_ids and seq.queue_ms == 0.0:
                 seq.queue_ms = (now - seq.arrival) * 1e3
         sampled = self.runner.execute(batch)
+        self.last_prefilled = [seq for seq, _ in batch.entries if seq not in sampled]
         for seq, n in batch.entries:
             seq.num_computed += n
         self.scheduler.after_step(batch)
@@ -142,7 +146,7 @@ def output_of(seq: Sequence) -> SeqOutput:
     first = seq.sent == 0
     out = SeqOutput(
         request_id=seq.request_id,
-        token_index=seq.sent,
+        token_index=seq.first_token_index + seq.sent,
         token_ids=seq.output_ids[seq.sent :],
         finish=int(FINISH_OF_STATUS[seq.status]) if seq.status.finished else 0,
         queue_ms=seq.queue_ms if first else 0.0,
@@ -194,7 +198,8 @@ class EngineLoop:
                 self._fail_batch(exc)
                 continue
             self._apply_aborts({id(s) for s in stepped})
-            self._push([s for s in stepped if s.status != SequenceStatus.FINISHED_ABORTED])
+            self._push([s for s in stepped if s.status != SequenceStatus.FINISHED_ABORTED],
+                       [s for s in self.engine.last_prefilled if not s.status.finished])
 
     def _drain(self, block: bool) -> None:
         try:
@@ -220,10 +225,12 @@ class EngineLoop:
                 if id(seq) in stepped:  # sampled in the step during which its abort arrived
                     self.engine.stats.tokens_after_abort += len(seq.output_ids) - seq.sent
 
-    def _push(self, stepped: list[Sequence]) -> None:
+    def _push(self, stepped: list[Sequence], prefilled: list[Sequence] = ()) -> None:
         by_client: dict[bytes, list[SeqOutput]] = defaultdict(list)
         for seq in stepped:
             by_client[seq.client].append(output_of(seq))
+        for seq in prefilled:  # progress only: no ids (the router's stall timer counts it)
+            by_client[seq.client].append(SeqOutput(seq.request_id, seq.first_token_index + seq.sent, []))
         stats = self.engine.refresh_stats()
         for client, outputs in by_client.items():
             self.send(client, Outputs(outputs, stats))

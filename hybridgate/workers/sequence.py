@@ -51,10 +51,19 @@ class Sequence:
         self.cached_tokens = 0  # prompt tokens served from the prefix cache at first scheduling
         self.scheduled_once = False
         self.sent = 0  # output ids already sent to the router
+        # A resumed stream (DESIGN.md, Worker lifecycle): prompt_ids end with the ids the
+        # client already has, and this sequence's outputs continue at this token index.
+        self.first_token_index = request.first_token_index
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def next_token_index(self) -> int:
+        """Index, among the request's generated tokens, of the token sampled next: it keys the
+        sampling noise, so a resumed sequence draws the noise the undisturbed one would."""
+        return self.first_token_index + len(self.output_ids)
 
     @property
     def all_ids(self) -> list[int]:

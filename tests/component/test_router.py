@@ -11,7 +11,7 @@ import torch
 
 from conftest import TIME_FACTOR, golden_json
 from hybridgate.models import model_fingerprint
-from hybridgate.router import FingerprintMismatchError, InvalidRequestError, Router, UnavailableError
+from hybridgate.router import FingerprintMismatchError, InvalidRequestError, Router, RouterConfig, UnavailableError
 from hybridgate.wire import FinishReason, SamplingParams
 from hybridgate.workers.gpu.runner import TorchRunner
 from hybridgate.workers.inprocess import InProcessClient
@@ -234,12 +234,14 @@ async def test_worker_death_before_first_token_retries_elsewhere(gguf_model, tok
     dying, healthy = ScriptedClient(fp, [5, 6], die_after=0), ScriptedClient(fp, tokenizer.encode("fine"), kind="cpu")
     async with Router(gguf_model, [dying, healthy]) as router:
         deltas = await collect(router, "x", SamplingParams(max_tokens=5))
-        assert "".join(d.text for d in deltas) == "fine" and deltas[-1].route == "cpu"
+        assert "".join(d.text for d in deltas) == "fine"
+        assert deltas[-1].route == f"gpu ({dying.endpoint}), retried at token 0 on cpu ({healthy.endpoint})"
 
 
-async def test_worker_death_mid_stream_is_unavailable(gguf_model):
+async def test_worker_death_mid_stream_is_unavailable_when_resume_is_off(gguf_model):
     fp = model_fingerprint(gguf_model)
-    async with Router(gguf_model, [ScriptedClient(fp, [5, 6, 7, 8], die_after=2)]) as router:
+    config = RouterConfig(resume_on_worker_loss=False)
+    async with Router(gguf_model, [ScriptedClient(fp, [5, 6, 7, 8], die_after=2)], config) as router:
         got = []
         with pytest.raises(UnavailableError, match="silent"):
             async with router.generate("x", SamplingParams(max_tokens=5)) as stream:

@@ -42,8 +42,10 @@ def health(target: str) -> int:
 
 
 def test_worker_killed_mid_stream(tmp_path, model_path):
+    # Resume off: with it on, the stream would wait for a READY worker up to the stall timeout
+    # (tests/e2e/test_resume.py covers that).
     worker, endpoint = start_worker(tmp_path, "w")
-    gateway, target = start_gateway(tmp_path, "g", endpoint)
+    gateway, target = start_gateway(tmp_path, "g", endpoint, extra=("--no-resume-on-worker-loss",))
     try:
         gateway.wait_for(r"hybridgate: READY")
         call = stub(target).Generate(pb.GenerateRequest(prompt="Once upon a time", max_tokens=2000, ignore_eos=True))

@@ -95,7 +95,7 @@ class NumbaRunner:
             return {}
         seqs = [s for _, s in ready]
         ids = sample(logits[[r for r, _ in ready]], [s.params for s in seqs], [s.seed for s in seqs],
-                     [len(s.output_ids) for s in seqs],
+                     [s.next_token_index for s in seqs],
                      [s.all_ids if s.params.repetition_penalty != 1.0 else () for s in seqs])
         return dict(zip(seqs, ids.tolist()))
 

@@ -107,7 +107,7 @@ class TorchRunner:
         rows = torch.tensor([r for r, _ in ready], device=logits.device)
         seqs = [s for _, s in ready]
         sampled = sampling.sample(
-            logits[rows], [s.params for s in seqs], [s.seed for s in seqs], [len(s.output_ids) for s in seqs],
+            logits[rows], [s.params for s in seqs], [s.seed for s in seqs], [s.next_token_index for s in seqs],
             [s.all_ids if s.params.repetition_penalty != 1.0 else () for s in seqs], self._vocab_hash,
         )
         return dict(zip(seqs, sampled.tolist()))
