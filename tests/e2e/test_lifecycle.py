@@ -65,7 +65,10 @@ def answer(target: str, prompt: str, n: int = 8) -> list[int]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, model_path):
-    proc = Serve(tmp_path_factory.mktemp("lifecycle") / "serve.log", *ONE_WORKER, "--worker-timeout", "0.5")
+    # Resume off: these tests watch what happens to the requests the router gives up on (with resume
+    # on they would be placed again on the successor; tests/e2e/test_resume.py covers that).
+    proc = Serve(tmp_path_factory.mktemp("lifecycle") / "serve.log", *ONE_WORKER, "--worker-timeout", "0.5",
+                 "--no-resume-on-worker-loss")
     yield proc
     assert proc.stop() == 0, proc.text()
 
