@@ -26,7 +26,7 @@ from hybridgate.models.chat import ROLES, ChatTemplateError
 from hybridgate.router.client import WorkerClient, WorkerDead, ZmqWorkerClient
 from hybridgate.router.errors import FingerprintMismatchError, InvalidRequestError, UnavailableError
 from hybridgate.router.stream import GenerationStream
-from hybridgate.wire import Hello, Outputs, Ready, RequestError, SamplingParams, WorkerState
+from hybridgate.wire import Hello, Outputs, Overload, Ready, RequestError, SamplingParams, WorkerState
 
 log = logging.getLogger("hybridgate.router")
 
@@ -80,7 +80,8 @@ class Router:
         self._inflight: dict[int, int] = {id(c): 0 for c in self.clients}
         self._changed = asyncio.Event()
         self._handlers = {Hello: self._on_hello, Ready: self._on_ready, Outputs: self._on_outputs,
-                          RequestError: self._on_request_error, WorkerDead: self._on_dead}
+                          RequestError: self._on_request_error, WorkerDead: self._on_dead,
+                          Overload: self._on_overload}
         self._was_ready = False
 
     async def __aenter__(self) -> Router:
@@ -236,6 +237,13 @@ class Router:
         stream = self._streams.get(msg.request_id)
         if stream is not None and stream.client is client:
             stream.put(msg)
+
+    def _on_overload(self, client: WorkerClient, msg: Overload) -> None:
+        # The worker dropped these requests because this router did not read its messages.
+        for rid in msg.request_ids:
+            stream = self._streams.get(rid)
+            if stream is not None and stream.client is client:
+                stream.put(UnavailableError(f"worker {client.endpoint} dropped the request: {msg.reason}"))
 
     def _on_dead(self, client: WorkerClient, msg: WorkerDead) -> None:
         if client.state == WorkerState.DEAD:

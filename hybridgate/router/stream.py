@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING
 
 from hybridgate.models import IncrementalDetokenizer
 from hybridgate.router.client import WorkerDead
-from hybridgate.router.errors import UnavailableError, WorkerRequestError
+from hybridgate.router.errors import ResourceExhaustedError, UnavailableError, WorkerRequestError
 from hybridgate.router.stop import StopMatcher
-from hybridgate.wire import AddRequest, FinishReason, RequestError, SamplingParams, SeqOutput
+from hybridgate.wire import ERROR_RESOURCE_EXHAUSTED, AddRequest, FinishReason, RequestError, SamplingParams, SeqOutput
 
 if TYPE_CHECKING:
     from hybridgate.router.router import Prompt, Router
@@ -177,5 +177,7 @@ def _error_of(item) -> BaseException:
     if isinstance(item, WorkerDead):
         return UnavailableError(item.reason)
     if isinstance(item, RequestError):
+        if item.code == ERROR_RESOURCE_EXHAUSTED:
+            return ResourceExhaustedError(item.message)
         return WorkerRequestError(item.message)
     return item if isinstance(item, BaseException) else RuntimeError(f"unexpected stream item {item!r}")
