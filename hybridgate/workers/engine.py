@@ -91,7 +91,7 @@ class EngineCore:
         """Queue a request; the error to answer when it is refused, else None.
 
         Refused: an ADD that fails `check_add` (code invalid_request, counted as a
-        wire error), one that needs more KV blocks than the cache holds (code
+        wire error; answered only when it has a request id), one that needs more KV blocks than the cache holds (code
         no_kv_blocks: another worker may hold it). Dropped without an answer: a
         duplicate of a live (client, request_id), counted (an error would end
         the live request at the router), and a request whose abort overtook it.
@@ -104,6 +104,8 @@ class EngineCore:
             check_add(request, self.runner.vocab_size, self.runner.max_model_len)
         except InvalidFieldError as exc:
             self.wire_errors.record("invalid ADD", f"request {rid[:64]!r} from {client[:32]!r}: {exc}")
+            if not rid:
+                return None  # no request to answer for
             return RequestError(rid, f"the worker refused the request: {exc}", ERROR_INVALID_REQUEST)
         if (client, rid) in self._by_id:
             self.wire_errors.record("duplicate ADD", f"request {rid[:64]!r} from {client[:32]!r} is already running")

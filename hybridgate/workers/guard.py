@@ -84,5 +84,5 @@ class WireErrors:
                 return
             self._last_logged[kind] = now
             suppressed = self._suppressed.pop(kind, 0)
-        more = f" ({suppressed} more {kind} suppressed in the last {self.interval_s:g} s)" if suppressed else ""
+        more = f" ({suppressed} more {kind} since the last such line)" if suppressed else ""
         log.warning("refused a message (%s): %s%s", kind, detail[:300], more)
