@@ -118,13 +118,13 @@ class WorkerIO:
     """
 
     def __init__(self, ctx: zmq.Context, endpoint: str, hello: Hello, inbox: Inbox, heartbeat_s: float,
-                 wire_errors: WireErrors | None = None):
+                 wire_errors: WireErrors | None = None, send_hwm: int = 100_000):
         self.max_frame_bytes = max_frame_bytes(hello.max_model_len)
         self.socket = ctx.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.SNDHWM, 100_000)
+        self.socket.setsockopt(zmq.SNDHWM, send_hwm)  # messages queued per router before it counts as congested
         # Memory guard only: libzmq drops the connection of a peer sending a frame this large
         # (unseen, so uncounted); frames up to it are read and refused, counted, by `_on_frames`.
         self.socket.setsockopt(zmq.MAXMSGSIZE, 16 * self.max_frame_bytes)
