@@ -17,6 +17,6 @@ from hybridgate.router.stream import Delta, GenerationStream, Timings, Usage
 
 __all__ = [
     "Delta", "FingerprintMismatchError", "GenerationStream", "InvalidRequestError", "ResourceExhaustedError", "Router",
-    "RouterConfig", "RouterError", "Timings", "UnavailableError", "Usage", "WorkerClient", "WorkerDead", "WorkerRequestError",
-    "ZmqWorkerClient",
+    "RouterConfig", "RouterError", "Timings", "UnavailableError", "Usage", "WorkerClient", "WorkerDead",
+    "WorkerRequestError", "ZmqWorkerClient",
 ]

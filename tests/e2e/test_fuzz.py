@@ -18,7 +18,6 @@ import time
 import uuid
 
 import msgspec
-import pytest
 import zmq
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st

@@ -15,7 +15,17 @@ import zmq
 
 from hybridgate import wire
 from hybridgate.mempool import PoolStats
-from hybridgate.wire import Abort, AddRequest, Connect, Hello, InvalidFieldError, Load, Overload, RequestError, SamplingParams
+from hybridgate.wire import (
+    Abort,
+    AddRequest,
+    Connect,
+    Hello,
+    InvalidFieldError,
+    Load,
+    Overload,
+    RequestError,
+    SamplingParams,
+)
 from hybridgate.workers.engine import ClientCongested, ClientGone, EngineCore, EngineLoop, Inbox
 from hybridgate.workers.faults import FAULT_ENV, FaultHook, InjectedFault
 from hybridgate.workers.guard import WireErrors, check_add
