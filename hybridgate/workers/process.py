@@ -326,18 +326,22 @@ def _die_with_parent(parent_pid: int | None) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def _exit_if_raises(target, what: str):
+def _exit_if_raises(target, what: str, stopping: threading.Event | None = None):
     """`target` wrapped so that an exception escaping it ends the process (supervision restarts it).
 
     A worker whose I/O thread or engine loop has died is useless while alive:
     no heartbeat or no progress. Exiting lets `serve` (or any supervisor) start
-    a fresh one; os._exit because the other threads cannot be joined.
+    a fresh one; os._exit because the other threads cannot be joined. Once
+    `stopping` is set the worker is shutting down and an exception (a socket
+    closed under the thread) ends only the thread.
     """
 
     def run() -> None:
         try:
             target()
         except BaseException:
+            if stopping is not None and stopping.is_set():
+                return
             log.critical("the worker's %s died; exiting so that it can be restarted", what, exc_info=True)
             logging.shutdown()
             os._exit(EXIT_THREAD_DIED)
@@ -368,7 +372,8 @@ def run_worker(config: WorkerConfig) -> None:
     hello = Hello(kind=config.kind, fingerprint=fingerprint, max_num_seqs=config.max_num_seqs,
                   max_model_len=runner.max_model_len, pid=os.getpid(), ready=False)
     io = WorkerIO(ctx, config.endpoint, hello, inbox, config.heartbeat_s, wire_errors)
-    io_thread = threading.Thread(target=_exit_if_raises(io.run, "I/O thread"), name="worker-io", daemon=True)
+    io_run = _exit_if_raises(io.run, "I/O thread", io.stopping)
+    io_thread = threading.Thread(target=io_run, name="worker-io", daemon=True)
     io_thread.start()
     runner.warm_up()
     engine = EngineCore(runner, SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
