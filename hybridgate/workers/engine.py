@@ -90,11 +90,12 @@ class EngineCore:
     def add(self, request: AddRequest, client: bytes = b"") -> RequestError | None:
         """Queue a request; the error to answer when it is refused, else None.
 
-        Refused: an ADD that fails `check_add` (code invalid_request, counted as a
-        wire error; answered only when it has a request id), one that needs more KV blocks than the cache holds (code
-        no_kv_blocks: another worker may hold it). Dropped without an answer: a
-        duplicate of a live (client, request_id), counted (an error would end
-        the live request at the router), and a request whose abort overtook it.
+        Refused: an ADD that fails `check_add` (code invalid_request, counted as
+        a wire error; answered only when it has a request id), and one that needs
+        more KV blocks than the cache holds (code no_kv_blocks: another worker
+        may hold it). Dropped without an answer: a duplicate of a live (client,
+        request_id), counted (an error would end the live request at the
+        router), and a request whose abort overtook it.
         """
         rid = request.request_id
         if (client, rid) in self._early_aborts:

@@ -3,9 +3,11 @@
 Workers bind; routers connect a DEALER with their own identity, so several
 gateways can share a worker: outputs go back to the identity that sent the
 request. The I/O thread alone touches the socket: it answers CONNECT with
-HELLO (and READY once warm), queues requests for the engine, takes aborts on a
-fast path (dispatched on the type byte before decoding), forwards the engine's
-outputs and sends a LOAD heartbeat every `heartbeat_s`.
+HELLO (and READY once warm), queues requests for the engine, hands aborts to
+it on a fast path (a locked list it reads before every step, not the request
+queue), forwards the engine's outputs and sends a LOAD heartbeat every
+`heartbeat_s`. No frame can end the I/O thread (`WorkerIO`); if it or the
+engine loop dies anyway, the process exits so that it can be restarted.
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ def max_frame_bytes(max_model_len: int) -> int:
 
     An ADD of a full-context prompt packs each id in at most 5 msgpack bytes
     (9 for any int), and its stop strings take at most 16 x 256 bytes; an ABORT
-    lists ids of at most 256 bytes. Anything larger is refused unread.
+    of thousands of request ids fits. Anything larger is refused unread.
     """
     return 16 * max_model_len + (64 << 10)
 
