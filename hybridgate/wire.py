@@ -163,6 +163,9 @@ class EngineStats(msgspec.Struct):
     pinned_fallbacks: int = 0
     kernel_cache_hits: int = 0  # CPU runner: compiled kernels loaded from NUMBA_CACHE_DIR
     kernel_cache_misses: int = 0  # CPU runner: kernels compiled because the cache lacked them
+    # Messages the worker dropped or refused as malformed or inconsistent (bad frames, unknown
+    # types, oversized bodies, ADDs that fail validation, duplicate ADDs); cumulative.
+    wire_decode_errors: int = 0
 
 
 class SeqOutput(msgspec.Struct, frozen=True, array_like=True):
@@ -183,12 +186,19 @@ class Load(msgspec.Struct, frozen=True):
     stats: EngineStats
 
 
+# RequestError codes: what the router does with a failed request.
+ERROR_INTERNAL = "internal"  # the worker failed it (gRPC INTERNAL)
+ERROR_RESOURCE_EXHAUSTED = "resource_exhausted"  # device or host memory ran out for it (RESOURCE_EXHAUSTED)
+ERROR_NO_KV_BLOCKS = "no_kv_blocks"  # it needs more KV blocks than this worker's cache holds: place it elsewhere
+ERROR_INVALID_REQUEST = "invalid_request"  # the ADD failed the worker's checks (a router bug: INTERNAL)
+
+
 class RequestError(msgspec.Struct, frozen=True):
     request_id: str
     message: str
-    # "internal", or "no_kv_blocks" / "resource_exhausted": a refusal another worker may not give,
-    # so the router places the request elsewhere before it fails.
-    code: str = "internal"
+    # ERROR_INTERNAL, or ERROR_NO_KV_BLOCKS / ERROR_RESOURCE_EXHAUSTED: a refusal another worker may not
+    # give, so the router places the request elsewhere before it fails. Unknown codes read as internal.
+    code: str = ERROR_INTERNAL
 
 
 class Overload(msgspec.Struct, frozen=True):

@@ -62,6 +62,11 @@ class _EngineCollector:
                                    labels=["worker"])
         misses = CounterMetricFamily("hybridgate:kernel_cache_misses",
                                      "CPU kernels compiled because the on-disk cache lacked them.", labels=["worker"])
+        # side="worker": messages each worker refused (its LOAD stats); the router's own refusals
+        # of worker messages join this family with side="router" (one family, two sides).
+        wire_errors = CounterMetricFamily("hybridgate:wire_decode_errors",
+                                          "Messages refused as malformed or inconsistent, by the side that refused them.",
+                                          labels=["worker", "side"])
         for client in self._clients():
             # The worker's stable name (HELLO, or kind-index under serve); the endpoint may be a temporary path.
             s, name = client.stats, getattr(client, "name", None) or client.endpoint
@@ -71,9 +76,10 @@ class _EngineCollector:
             running.add_metric([name], s.running)
             hits.add_metric([name], s.kernel_cache_hits)
             misses.add_metric([name], s.kernel_cache_misses)
+            wire_errors.add_metric([name, "worker"], s.wire_decode_errors)
             for n, c in sorted(s.batch_size_counts.items()):
                 by_size.add_metric([name, str(n)], c)
             buckets = [(str(b), sum(c for n, c in s.batch_size_counts.items() if n <= b)) for b in _BATCH_BUCKETS]
             buckets.append(("+Inf", sum(s.batch_size_counts.values())))
             batch.add_metric([name], buckets, sum(n * c for n, c in s.batch_size_counts.items()))
-        yield from (steps, after, kv, running, by_size, batch, hits, misses)
+        yield from (steps, after, kv, running, by_size, batch, hits, misses, wire_errors)

@@ -12,7 +12,13 @@ import grpc
 from hybridgate.gateway.convert import delta_to_proto, request_to_native
 from hybridgate.gateway.metrics import GatewayMetrics
 from hybridgate.models import DEFAULT_MODEL_ID
-from hybridgate.router import FingerprintMismatchError, Router, UnavailableError, WorkerRequestError
+from hybridgate.router import (
+    FingerprintMismatchError,
+    ResourceExhaustedError,
+    Router,
+    UnavailableError,
+    WorkerRequestError,
+)
 from hybridgate.v1 import generation_pb2 as pb
 from hybridgate.v1 import generation_pb2_grpc as pb_grpc
 from hybridgate.wire import InvalidFieldError, WorkerState
@@ -25,6 +31,7 @@ _STATUS_OF = {
     UnavailableError: grpc.StatusCode.UNAVAILABLE,
     FingerprintMismatchError: grpc.StatusCode.UNAVAILABLE,
     WorkerRequestError: grpc.StatusCode.INTERNAL,
+    ResourceExhaustedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 

@@ -7,6 +7,7 @@ from hybridgate.router.client import WorkerClient, WorkerDead, ZmqWorkerClient
 from hybridgate.router.errors import (
     FingerprintMismatchError,
     InvalidRequestError,
+    ResourceExhaustedError,
     RouterError,
     UnavailableError,
     WorkerRequestError,
@@ -15,7 +16,7 @@ from hybridgate.router.router import Router, RouterConfig
 from hybridgate.router.stream import Delta, GenerationStream, Timings, Usage
 
 __all__ = [
-    "Delta", "FingerprintMismatchError", "GenerationStream", "InvalidRequestError", "Router", "RouterConfig",
-    "RouterError", "Timings", "UnavailableError", "Usage", "WorkerClient", "WorkerDead", "WorkerRequestError",
-    "ZmqWorkerClient",
+    "Delta", "FingerprintMismatchError", "GenerationStream", "InvalidRequestError", "ResourceExhaustedError", "Router",
+    "RouterConfig", "RouterError", "Timings", "UnavailableError", "Usage", "WorkerClient", "WorkerDead",
+    "WorkerRequestError", "ZmqWorkerClient",
 ]

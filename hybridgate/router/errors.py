@@ -19,5 +19,9 @@ class WorkerRequestError(RouterError):
     """The worker failed the request (INTERNAL)."""
 
 
+class ResourceExhaustedError(RouterError):
+    """The worker ran out of (device) memory for the request (RESOURCE_EXHAUSTED)."""
+
+
 class FingerprintMismatchError(RouterError):
     """A worker serves a different model than the router's."""

@@ -12,9 +12,19 @@ import msgspec
 
 from hybridgate.models import IncrementalDetokenizer
 from hybridgate.router.client import WorkerClient, WorkerDead
-from hybridgate.router.errors import UnavailableError, WorkerRequestError
+from hybridgate.router.errors import ResourceExhaustedError, UnavailableError, WorkerRequestError
 from hybridgate.router.stop import StopMatcher
-from hybridgate.wire import AddRequest, FinishReason, Overload, RequestError, SamplingParams, SeqOutput, WorkerState
+from hybridgate.wire import (
+    ERROR_NO_KV_BLOCKS,
+    ERROR_RESOURCE_EXHAUSTED,
+    AddRequest,
+    FinishReason,
+    Overload,
+    RequestError,
+    SamplingParams,
+    SeqOutput,
+    WorkerState,
+)
 
 if TYPE_CHECKING:
     from hybridgate.router.router import Prompt, Router
@@ -63,7 +73,8 @@ class WorkerAvailable(msgspec.Struct, frozen=True):
 
 
 # Refusals that another worker may not give: its cache may be larger or emptier.
-REPLACEABLE_CODES = frozenset({"no_kv_blocks", "resource_exhausted"})
+MAX_MOVES = 8  # placements of one request (retries and resumes together) before it fails
+REPLACEABLE_CODES = frozenset({ERROR_NO_KV_BLOCKS, ERROR_RESOURCE_EXHAUSTED})
 
 
 class GenerationStream:
@@ -197,7 +208,7 @@ class GenerationStream:
         self._move(event.reason, avoid=None)
 
     def _on_request_error(self, error: RequestError) -> None:
-        if getattr(error, "code", "internal") not in REPLACEABLE_CODES:
+        if error.code not in REPLACEABLE_CODES:
             self.done = True
             self._queue_item(error)
             return
@@ -205,7 +216,9 @@ class GenerationStream:
         self._move(error.message, avoid=None, refusal=error)
 
     def _on_overload(self, event: Overload) -> None:
-        self._move(f"worker {self._name(self.client)} dropped the request: {event.reason}", avoid=self.client)
+        # The worker could not send to this router: placing it there again would only repeat that.
+        self._move(f"worker {self._name(self.client)} dropped the request: {event.reason}", avoid=self.client,
+                   retry_avoided=False)
 
     def _on_stalled(self, event: Stalled) -> None:
         if self.client is None:
@@ -218,15 +231,19 @@ class GenerationStream:
         if self.client is None:
             self._place_or_wait("no worker is ready")
 
-    def _move(self, reason: str, avoid: WorkerClient | None, refusal: RequestError | None = None) -> None:
+    def _move(self, reason: str, avoid: WorkerClient | None, refusal: RequestError | None = None,
+              retry_avoided: bool = True) -> None:
         """The request left its worker (`reason`): place it again, resumed after the ids received.
 
-        `avoid` is tried last (a stalled or overloaded worker is still READY);
-        workers that refused it for lack of memory are never tried again.
+        `avoid` is tried last (a stalled worker is still READY), or never when
+        not `retry_avoided` (then with no other worker the request fails);
+        workers that refused it for lack of memory are never tried again. A
+        request moved MAX_MOVES times fails, so no fault can bounce it forever.
         """
         resume = self.router.config.resume_on_worker_loss
-        if self.received and not resume:
-            self.fail(UnavailableError(reason))
+        if (self.received and not resume) or len(self._hops) >= MAX_MOVES:
+            moved = f" (moved {len(self._hops) - 1} times already)" if len(self._hops) >= MAX_MOVES else ""
+            self.fail(UnavailableError(reason + moved))
             return
         log.info("request %s: %s; %s", self.request_id, reason,
                  "resuming after %d ids" % len(self.received) if self.received else "placing it again")
@@ -234,6 +251,8 @@ class GenerationStream:
         self.client = None
         self.worker_request_id = f"{self.request_id}.{len(self._hops)}"
         order = [self._refused + [avoid], self._refused] if avoid is not None else [self._refused]
+        if not retry_avoided:
+            order = order[:1]
         for exclude in order:
             try:
                 self._submit(self.router.place(exclude), "resumed" if self.received else "retried", exclude)
@@ -244,7 +263,7 @@ class GenerationStream:
             self.done = True
             self._queue_item(refusal)
             return
-        if not resume:
+        if not resume or not retry_avoided:
             self.fail(UnavailableError(f"{reason}; no other worker is ready"))
             return
         self._wait(reason)
@@ -347,5 +366,7 @@ def _error_of(item) -> BaseException:
     if isinstance(item, WorkerDead):
         return UnavailableError(item.reason)
     if isinstance(item, RequestError):
+        if item.code in REPLACEABLE_CODES:  # memory ran out, or the request needs more KV than any worker holds
+            return ResourceExhaustedError(item.message)
         return WorkerRequestError(item.message)
     return item if isinstance(item, BaseException) else RuntimeError(f"unexpected stream item {item!r}")

@@ -3,6 +3,13 @@
 The loop is plain synchronous code in the worker's main thread (or a thread
 of the in-process client); socket I/O happens elsewhere and reaches it through
 `Inbox`. vLLM's v1 engine core has the same shape.
+
+Failure isolation: when a step raises, the engine finds the sequence to blame
+by running parts of the batch again (halves, down to one sequence; after an
+out-of-memory, first without the largest prefill), so a failure that belongs to
+one request ends that request alone. A step that raised changed no sequence
+(num_computed and output ids move only after it returns) and the KV it may
+have written is rewritten identically by the rerun, so rerunning is safe.
 """
 
 from __future__ import annotations
@@ -13,10 +20,26 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 from hybridgate.mempool import BlockAllocator
-from hybridgate.wire import Abort, AddRequest, EngineStats, Outputs, RequestError, SeqOutput
+from hybridgate.wire import (
+    ERROR_INTERNAL,
+    ERROR_INVALID_REQUEST,
+    ERROR_NO_KV_BLOCKS,
+    ERROR_RESOURCE_EXHAUSTED,
+    Abort,
+    AddRequest,
+    EngineStats,
+    InvalidFieldError,
+    Outputs,
+    Overload,
+    RequestError,
+    SeqOutput,
+)
+from hybridgate.workers.faults import InjectedFault
+from hybridgate.workers.guard import WireErrors, check_add
 from hybridgate.workers.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from hybridgate.workers.sequence import FINISH_OF_STATUS, Sequence, SequenceStatus
 
@@ -30,6 +53,7 @@ class ModelRunner(Protocol):
 
     kind: str
     max_model_len: int
+    vocab_size: int
     num_blocks: int
     block_size: int
     block_bytes: int  # one block across all layers, K and V
@@ -49,8 +73,9 @@ class EngineCore:
     """Sequences, scheduler, block allocator and runner; one `step()` is one forward pass."""
 
     def __init__(self, runner: ModelRunner, scheduler_config: SchedulerConfig, fingerprint: str = "",
-                 prefix_caching: bool = True):
+                 prefix_caching: bool = True, wire_errors: WireErrors | None = None):
         self.runner = runner
+        self.wire_errors = wire_errors or WireErrors()  # shared with the worker's I/O thread
         self.allocator = BlockAllocator(runner.num_blocks, runner.block_size, prefix_caching)
         self.scheduler = Scheduler(scheduler_config, self.allocator, fingerprint)
         self.stats = EngineStats(blocks_total=runner.num_blocks)
@@ -63,19 +88,37 @@ class EngineCore:
         self._early_aborts: dict[tuple[bytes, str], None] = {}
         # Start-up figures: the kernels were compiled or loaded by the runner's warm-up.
         self.stats.kernel_cache_hits, self.stats.kernel_cache_misses = runner.kernel_cache_stats()
+        self._failures: list[tuple[Sequence, RequestError]] = []
 
     def add(self, request: AddRequest, client: bytes = b"") -> RequestError | None:
-        if (client, request.request_id) in self._early_aborts:
-            del self._early_aborts[(client, request.request_id)]
+        """Queue a request; the error to answer when it is refused, else None.
+
+        Refused: an ADD that fails `check_add` (code invalid_request, counted as
+        a wire error; answered only when it has a request id), and one that needs
+        more KV blocks than the cache holds (code no_kv_blocks: another worker
+        may hold it). Dropped without an answer: a duplicate of a live (client,
+        request_id), counted (an error would end the live request at the
+        router), and a request whose abort overtook it.
+        """
+        rid = request.request_id
+        if (client, rid) in self._early_aborts:
+            del self._early_aborts[(client, rid)]
             return None  # aborted before it arrived
+        try:
+            check_add(request, self.runner.vocab_size, self.runner.max_model_len)
+        except InvalidFieldError as exc:
+            self.wire_errors.record("invalid ADD", f"request {rid[:64]!r} from {client[:32]!r}: {exc}")
+            if not rid:
+                return None  # no request to answer for
+            return RequestError(rid, f"the worker refused the request: {exc}", ERROR_INVALID_REQUEST)
+        if (client, rid) in self._by_id:
+            self.wire_errors.record("duplicate ADD", f"request {rid[:64]!r} from {client[:32]!r} is already running")
+            return None
         total = len(request.prompt_ids) + request.max_tokens
-        if not request.prompt_ids or total > self.runner.max_model_len:
-            return RequestError(request.request_id, f"prompt + max_tokens = {total} tokens exceeds max model "
-                                f"length {self.runner.max_model_len} (or the prompt is empty)")
         if self.allocator.blocks_needed([], total) > self.allocator.num_blocks:
-            return RequestError(request.request_id, f"prompt + max_tokens = {total} tokens needs more KV blocks than "
+            return RequestError(rid, f"prompt + max_tokens = {total} tokens needs more KV blocks than "
                                 f"the cache holds ({self.allocator.num_blocks} of {self.allocator.block_size} tokens); "
-                                "raise --kv-cache-memory", code="no_kv_blocks")
+                                "raise --kv-cache-memory", ERROR_NO_KV_BLOCKS)
         seq = Sequence(request, client)
         self._by_id[(client, seq.request_id)] = seq
         self.scheduler.add(seq)
@@ -95,14 +138,21 @@ class EngineCore:
                     del self._early_aborts[next(iter(self._early_aborts))]
         return aborted
 
-    def abort_client(self, client: bytes) -> None:
-        self.abort([rid for c, rid in list(self._by_id) if c == client], client)
+    def abort_client(self, client: bytes) -> list[str]:
+        """Abort every sequence of this router; their request ids."""
+        ids = [rid for c, rid in list(self._by_id) if c == client]
+        self.abort(ids, client)
+        return ids
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
     def step(self) -> list[Sequence]:
-        """One forward pass; returns the sequences that got a token (finished ones included)."""
+        """One forward pass; returns the sequences that got a token (finished ones included).
+
+        Sequences blamed for a failure of the step are finished (aborted) and
+        their errors wait in `take_failures()`; the rest of the batch goes on.
+        """
         batch = self.scheduler.schedule()
         if not len(batch):
             return []
@@ -110,7 +160,11 @@ class EngineCore:
         for seq, _ in batch.entries:
             if not seq.output_ids and seq.queue_ms == 0.0:
                 seq.queue_ms = (now - seq.arrival) * 1e3
-        sampled = self.runner.execute(batch)
+        sampled, failed = self._execute_isolating(batch.entries)
+        if failed:
+            batch = ScheduledBatch([(s, n) for s, n in batch.entries if s not in failed])
+            for seq, exc in failed.items():
+                self._fail_one(seq, exc)
         self.last_prefilled = [seq for seq, _ in batch.entries if seq not in sampled]
         for seq, n in batch.entries:
             seq.num_computed += n
@@ -123,6 +177,51 @@ class EngineCore:
         self.stats.steps += 1
         self.stats.batch_size_counts[len(batch)] = self.stats.batch_size_counts.get(len(batch), 0) + 1
         return list(sampled)
+
+    def _execute_isolating(self, entries: list) -> tuple[dict[Sequence, int], dict[Sequence, BaseException]]:
+        """Run the entries; on a failure, rerun parts of them to find the sequences to blame.
+
+        Returns the sampled ids of the entries that ran and the exception of each
+        blamed sequence. An out-of-memory in a step with a prefill first reruns
+        the step without its largest prefill, then that prefill alone (so memory,
+        not the request, is blamed only when the prefill fails by itself); any
+        other failure splits the entries in halves, down to single sequences. A
+        failure that does not come back on the rerun blames no one.
+        """
+        try:
+            return self.runner.execute(ScheduledBatch(entries)), {}
+        except Exception as exc:
+            if len(entries) == 1:
+                return {}, {entries[0][0]: exc}
+            log.warning("a step of %d sequences failed (%s: %s); rerunning parts of it to find the cause",
+                        len(entries), type(exc).__name__, exc)
+            prefills = [e for e in entries if e[1] > 1]
+            if _is_out_of_memory(exc) and prefills:
+                largest = max(prefills, key=lambda e: e[1])
+                parts = [[e for e in entries if e is not largest], [largest]]
+            else:
+                parts = [entries[: len(entries) // 2], entries[len(entries) // 2 :]]
+        sampled, failed = {}, {}
+        for part in parts:
+            s, f = self._execute_isolating(part)
+            sampled.update(s)
+            failed.update(f)
+        return sampled, failed
+
+    def _fail_one(self, seq: Sequence, exc: BaseException) -> None:
+        oom = _is_out_of_memory(exc)
+        log.error("request %r failed in a step (%s: %s); the rest of its batch goes on", seq.request_id,
+                  type(exc).__name__, exc, exc_info=not oom and not isinstance(exc, _QUIET_FAILURES))
+        code = ERROR_RESOURCE_EXHAUSTED if oom else ERROR_INTERNAL
+        what = "ran out of memory" if oom else "failed"
+        self._failures.append((seq, RequestError(seq.request_id, f"the worker {what} running this request: "
+                                                 f"{type(exc).__name__}: {exc}", code)))
+        self.fail([seq])
+
+    def take_failures(self) -> list[tuple[Sequence, RequestError]]:
+        """Sequences failed by steps since the last call, each with the error to answer."""
+        failures, self._failures = self._failures, []
+        return failures
 
     def fail(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
@@ -138,7 +237,17 @@ class EngineCore:
             sched.stats.preemptions, sched.stats.prefill_tokens, sched.stats.cached_tokens)
         s.pinned_bytes_in_use, s.pinned_peak_bytes, s.pinned_fallbacks = (
             pool.bytes_in_use, pool.peak_bytes, pool.fallbacks)
+        s.wire_decode_errors = self.wire_errors.total
         return s
+
+
+def _is_out_of_memory(exc: BaseException) -> bool:
+    """Host MemoryError or torch's (CUDA) OutOfMemoryError, without importing torch here."""
+    return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
+
+
+# Failures whose traceback says nothing more than their message (the test hook's).
+_QUIET_FAILURES: tuple[type[BaseException], ...] = (InjectedFault,)
 
 
 def output_of(seq: Sequence) -> SeqOutput:
@@ -156,8 +265,24 @@ def output_of(seq: Sequence) -> SeqOutput:
     return out
 
 
+@dataclass(frozen=True)
+class ClientGone:
+    """From the I/O thread: this router disconnected; its sequences end."""
+
+
+@dataclass(frozen=True)
+class ClientCongested:
+    """From the I/O thread: this router's queue is full; its sequences end and it is told with OVERLOAD."""
+
+    reason: str
+
+
 class Inbox:
-    """What the I/O side hands the engine: new requests on a queue, aborts on a fast path."""
+    """What the I/O side hands the engine: new requests on a queue, aborts on a fast path.
+
+    The queue holds (client, AddRequest | ClientGone | ClientCongested), or None
+    to wake an idle engine.
+    """
 
     def __init__(self) -> None:
         self.requests: queue.Queue = queue.Queue()
@@ -176,13 +301,20 @@ class Inbox:
 
 
 class EngineLoop:
-    """The busy loop. `send(client, message)` delivers outputs and errors."""
+    """The busy loop. `send(client, message)` delivers outputs and errors.
+
+    Nothing one message or one sequence does ends the loop: a message whose
+    handling raises is answered with a `RequestError` (when it names a request)
+    and a failed step fails the sequences it is blamed on (`EngineCore.step`).
+    """
 
     def __init__(self, engine: EngineCore, inbox: Inbox, send: Callable[[bytes, object], None]):
         self.engine = engine
         self.inbox = inbox
         self.send = send
         self.stopping = threading.Event()
+        self._handlers = {AddRequest: self._on_add, ClientGone: self._on_client_gone,
+                          ClientCongested: self._on_client_congested}
 
     def run(self) -> None:
         while not self.stopping.is_set():
@@ -193,10 +325,12 @@ class EngineLoop:
                 continue
             try:
                 stepped = self.engine.step()
-            except Exception as exc:  # a failed step fails its sequences, never the worker
+            except Exception as exc:  # outside the runner (scheduling, bookkeeping): no one to blame
                 log.exception("engine step failed")
                 self._fail_batch(exc)
                 continue
+            for seq, error in self.engine.take_failures():
+                self.send(seq.client, error)
             self._apply_aborts({id(s) for s in stepped})
             self._push([s for s in stepped if s.status != SequenceStatus.FINISHED_ABORTED],
                        [s for s in self.engine.last_prefilled if not s.status.finished])
@@ -212,12 +346,31 @@ class EngineLoop:
             pass
 
     def _handle(self, client: bytes, msg: object) -> None:
-        if isinstance(msg, AddRequest):
-            error = self.engine.add(msg, client)
-            if error is not None:
-                self.send(client, error)
-        elif msg == "client-gone":
-            self.engine.abort_client(client)
+        try:
+            self._handlers[type(msg)](client, msg)
+        except Exception as exc:  # a bug met by one message must not end the loop
+            log.exception("handling %s failed", type(msg).__name__)
+            if isinstance(msg, AddRequest):
+                self.engine.abort([msg.request_id], client)
+                self.send(client, RequestError(msg.request_id, f"the worker failed to add the request: {exc}"))
+
+    def _on_add(self, client: bytes, msg: AddRequest) -> None:
+        # Aborts that arrived before this ADD apply first: a router that aborts a request and
+        # sends it again under the same id (a resumed stream) must not meet its old sequence.
+        self._apply_aborts(set())
+        error = self.engine.add(msg, client)
+        if error is not None:
+            self.send(client, error)
+
+    def _on_client_gone(self, client: bytes, msg: ClientGone) -> None:
+        self.engine.abort_client(client)
+
+    def _on_client_congested(self, client: bytes, msg: ClientCongested) -> None:
+        ids = self.engine.abort_client(client)
+        if ids:
+            log.warning("router %r is not reading (%s); ending its %d requests and telling it", client, msg.reason,
+                        len(ids))
+            self.send(client, Overload(ids, msg.reason))
 
     def _apply_aborts(self, stepped: set[int]) -> None:
         for client, ids in self.inbox.take_aborts():

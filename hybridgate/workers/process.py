@@ -3,14 +3,17 @@
 Workers bind; routers connect a DEALER with their own identity, so several
 gateways can share a worker: outputs go back to the identity that sent the
 request. The I/O thread alone touches the socket: it answers CONNECT with
-HELLO (and READY once warm), queues requests for the engine, takes aborts on a
-fast path (dispatched on the type byte before decoding), forwards the engine's
-outputs and sends a LOAD heartbeat every `heartbeat_s`.
+HELLO (and READY once warm), queues requests for the engine, hands aborts to
+it on a fast path (a locked list it reads before every step, not the request
+queue), forwards the engine's outputs and sends a LOAD heartbeat every
+`heartbeat_s`. No frame can end the I/O thread (`WorkerIO`); if it or the
+engine loop dies anyway, the process exits so that it can be restarted.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import os
 import signal
@@ -25,8 +28,21 @@ import zmq
 
 from hybridgate import wire
 from hybridgate.config import check_settings, setting
-from hybridgate.wire import Connect, EngineStats, Hello, Load, MsgType, Ready
-from hybridgate.workers.engine import EngineCore, EngineLoop, Inbox
+from hybridgate.wire import (
+    ERROR_INVALID_REQUEST,
+    Abort,
+    AddRequest,
+    Connect,
+    EngineStats,
+    Hello,
+    Load,
+    MsgType,
+    Overload,
+    Ready,
+    RequestError,
+)
+from hybridgate.workers.engine import ClientCongested, ClientGone, EngineCore, EngineLoop, Inbox
+from hybridgate.workers.guard import WireErrors
 from hybridgate.workers.memory import parse_memory
 from hybridgate.workers.scheduler import SchedulerConfig
 
@@ -107,25 +123,62 @@ def build_runner(config: WorkerConfig):
     return NumbaRunner(model, kv_cache_memory=config.kv_cache_memory, threads=config.threads), model
 
 
-class WorkerIO:
-    """The I/O thread: owns the ROUTER socket."""
+def max_frame_bytes(max_model_len: int) -> int:
+    """The largest message body a worker accepts: 16 bytes per token of context plus 64 KiB.
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, hello: Hello, inbox: Inbox, heartbeat_s: float):
+    An ADD of a full-context prompt packs each id in at most 5 msgpack bytes
+    (9 for any int), and its stop strings take at most 16 x 256 bytes; an ABORT
+    of thousands of request ids fits. Anything larger is refused unread.
+    """
+    return 16 * max_model_len + (64 << 10)
+
+
+class WorkerIO:
+    """The I/O thread: owns the ROUTER socket.
+
+    Every frame received goes through `_on_frames`: one guarded table from the
+    type byte to a (decoder, handler) pair. A message that is not exactly a
+    type frame and a body, whose type a worker does not take, whose body is
+    over `max_frame_bytes` or does not decode, is refused: counted in
+    `wire_errors`, logged (rate-limited) and answered with a `RequestError`
+    when it is an ADD whose request id can be read. Checks of an ADD's content
+    happen in `EngineCore.add`, which knows the model.
+
+    Sending to a router (`_send`), ROUTER_MANDATORY tells two failures apart:
+    EHOSTUNREACH, the router is gone (a normal router shutdown, logged at INFO),
+    and EAGAIN, its queue is full (it is not reading). Either way its sequences
+    end; a congested router is told which with an OVERLOAD message, retried on
+    every pass until it goes through or the router is gone.
+    """
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, hello: Hello, inbox: Inbox, heartbeat_s: float,
+                 wire_errors: WireErrors | None = None, send_hwm: int = 100_000):
+        self.max_frame_bytes = max_frame_bytes(hello.max_model_len)
         self.socket = ctx.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.SNDHWM, 100_000)
+        self.socket.setsockopt(zmq.SNDHWM, send_hwm)  # messages queued per router before it counts as congested
+        # Memory guard only: libzmq drops the connection of a peer sending a frame this large
+        # (unseen, so uncounted); frames up to it are read and refused, counted, by `_on_frames`.
+        self.socket.setsockopt(zmq.MAXMSGSIZE, 16 * self.max_frame_bytes)
         self.socket.bind(endpoint)
         self.from_engine = ctx.socket(zmq.PULL)
         self._engine_addr = f"inproc://engine-out-{id(self)}"
         self.from_engine.bind(self._engine_addr)
         self.hello, self.inbox, self.heartbeat_s = hello, inbox, heartbeat_s
+        self.wire_errors = wire_errors or WireErrors()
         self.clients: set[bytes] = set()
+        self.congested: set[bytes] = set()  # routers told (or to be told) to the engine as congested
+        self._pending_overload: dict[bytes, Overload] = {}  # OVERLOAD messages not yet sent
         self.stats = EngineStats()
         self.stopping = threading.Event()
         self._ready = threading.Event()
-        self._handlers = {MsgType.CONNECT: self._on_connect, MsgType.ADD: self._on_add}
+        self._inbound = {
+            MsgType.CONNECT.value: (msgspec.msgpack.Decoder(Connect), self._on_connect),
+            MsgType.ADD.value: (msgspec.msgpack.Decoder(AddRequest), self._on_add),
+            MsgType.ABORT.value: (msgspec.msgpack.Decoder(Abort), self._on_abort),
+        }
 
     def engine_sender(self, ctx: zmq.Context):
         """A send(client, message) for the engine thread (its own PUSH socket)."""
@@ -149,6 +202,8 @@ class WorkerIO:
         next_beat = time.monotonic()
         while not self.stopping.is_set():
             events = dict(poller.poll(timeout=max(0.0, next_beat - time.monotonic()) * 1e3))
+            if self._pending_overload:
+                self._retry_overloads()
             if self.socket in events:
                 self._recv_from_router()
             if self.from_engine in events:
@@ -158,6 +213,7 @@ class WorkerIO:
                 for client in list(self.clients):
                     self._send(client, Ready(self.hello.kind))
             if time.monotonic() >= next_beat:
+                self.stats.wire_decode_errors = self.wire_errors.total
                 for client in list(self.clients):
                     self._send(client, Load(self.stats))
                 next_beat = time.monotonic() + self.heartbeat_s
@@ -165,28 +221,60 @@ class WorkerIO:
     def _recv_from_router(self) -> None:
         while True:
             try:
-                client, *frames = self.socket.recv_multipart(zmq.NOBLOCK)
+                client, *frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            kind = bytes(frames[0]) if frames else b""
-            if kind == MsgType.ABORT.value:  # fast path: straight to the engine's abort list
-                self.inbox.put_abort(client, wire.decode(frames))
-                continue
+            self._on_frames(client.bytes, frames)
+
+    def _on_frames(self, client: bytes, frames: list) -> None:
+        """Decode and dispatch one message; refuse (count, log, maybe answer) anything else."""
+        kind = frames[0].bytes if frames else b""
+        entry = self._inbound.get(kind)
+        try:
+            if entry is None:
+                raise _Refused("unknown type", f"type byte {kind[:8]!r} is not one a worker takes")
+            if len(frames) != 2:
+                raise _Refused("bad frames", f"{MsgType(kind).name} in {len(frames)} frames, expected 2")
+            body = frames[1].buffer
+            if len(body) > self.max_frame_bytes:
+                raise _Refused("oversized", f"{MsgType(kind).name} body of {len(body)} bytes > "
+                                            f"{self.max_frame_bytes} (16 bytes per token of context + 64 KiB)")
+            decoder, handler = entry
             try:
-                msg = wire.decode(frames)
-                self._handlers[MsgType(kind)](client, msg)
-            except (ValueError, KeyError) as exc:
-                log.warning("dropping a bad message from %r: %s", client, exc)
+                msg = decoder.decode(body)
+            except (msgspec.DecodeError, ValueError) as exc:
+                self._answer_bad_add(client, kind, body, exc)
+                raise _Refused("undecodable", f"bad {MsgType(kind).name} body: {exc}") from None
+            handler(client, msg)
+        except _Refused as exc:
+            self.wire_errors.record(exc.kind, f"from {client[:32]!r}: {exc.detail}")
+        except Exception as exc:  # a handler's bug must not end the thread; count it as refused
+            log.exception("handling a message from %r failed", client[:32])
+            self.wire_errors.record("handler failed", f"from {client[:32]!r}: {type(exc).__name__}: {exc}")
+
+    def _answer_bad_add(self, client: bytes, kind: bytes, body, exc: Exception) -> None:
+        if kind != MsgType.ADD.value:
+            return
+        try:
+            rid = _ADD_ID_DECODER.decode(body).request_id
+        except (msgspec.DecodeError, ValueError):
+            return
+        self._send(client, RequestError(rid, f"the worker could not decode the request: {exc}",
+                                        ERROR_INVALID_REQUEST))
 
     def _on_connect(self, client: bytes, msg: Connect) -> None:
         self.clients.add(client)
+        self.congested.discard(client)
         self._send(client, self.hello)
         if self.hello.ready:
             self._send(client, Ready(self.hello.kind))
 
-    def _on_add(self, client: bytes, msg) -> None:
+    def _on_add(self, client: bytes, msg: AddRequest) -> None:
         self.clients.add(client)
         self.inbox.requests.put((client, msg))
+
+    def _on_abort(self, client: bytes, msg: Abort) -> None:
+        self.inbox.put_abort(client, msg)  # the fast path: the engine applies it before its next step
 
     def _forward_engine_output(self) -> None:
         while True:
@@ -194,22 +282,64 @@ class WorkerIO:
                 client, kind, body = self.from_engine.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._send(client, None, [kind, body])
+            if kind == MsgType.OVERLOAD.value:
+                self._queue_overload(client, wire.decode([kind, body]))
+            else:
+                self._send(client, None, [kind, body])
 
-    def _send(self, client: bytes, msg, frames: list | None = None) -> None:
+    def _queue_overload(self, client: bytes, msg: Overload) -> None:
+        old = self._pending_overload.get(client)
+        if old is not None:
+            msg = Overload(old.request_ids + msg.request_ids, msg.reason)
+        self._pending_overload[client] = msg
+        self._retry_overloads()
+
+    def _retry_overloads(self) -> None:
+        for client, msg in list(self._pending_overload.items()):
+            if self._send(client, msg, overload=True) != "again":
+                del self._pending_overload[client]
+
+    def _send(self, client: bytes, msg, frames: list | None = None, overload: bool = False) -> str:
+        """Send to a router; "sent", "gone" (it disconnected) or "again" (its queue is full)."""
         try:
             self.socket.send_multipart([client, *(frames or wire.encode(msg))], zmq.NOBLOCK)
-        except (zmq.error.Again, zmq.error.ZMQError) as exc:
-            # ROUTER_MANDATORY: the router is gone (or stalled); free its sequences.
-            log.info("router %r unreachable (%s); aborting its requests", client, exc)
+        except zmq.Again:
+            if not overload and client not in self.congested:
+                self.congested.add(client)
+                self.inbox.requests.put((client, ClientCongested("its queue to this worker is full")))
+            return "again"
+        except zmq.ZMQError as exc:
+            if client in self.clients and exc.errno == errno.EHOSTUNREACH:
+                # The router closed its socket: a normal shutdown, or a crash its supervisor reports.
+                log.info("router %r disconnected; ending its requests", client[:32])
+            elif client in self.clients:
+                log.warning("cannot send to router %r (%s); ending its requests", client[:32], exc)
             self.clients.discard(client)
-            self.inbox.requests.put((client, "client-gone"))
+            self.congested.discard(client)
+            self._pending_overload.pop(client, None)
+            self.inbox.requests.put((client, ClientGone()))
+            return "gone"
+        self.congested.discard(client)
+        return "sent"
 
     def close(self) -> None:
         if hasattr(self, "_engine_push"):
             self._engine_push.close(0)
         self.socket.close(0)
         self.from_engine.close(0)
+
+
+class _Refused(Exception):
+    def __init__(self, kind: str, detail: str):
+        super().__init__(detail)
+        self.kind, self.detail = kind, detail
+
+
+class _RequestId(msgspec.Struct):
+    request_id: str
+
+
+_ADD_ID_DECODER = msgspec.msgpack.Decoder(_RequestId)  # reads the id of an ADD whose body does not decode
 
 
 def _die_with_parent(parent_pid: int | None) -> None:
@@ -257,6 +387,32 @@ def _bind_error(endpoint: str, exc: zmq.ZMQError) -> str:
     return f"--endpoint {endpoint}: cannot bind: {zmq.strerror(exc.errno)} (give ipc://PATH or tcp://HOST:PORT)"
 
 
+def _exit_if_raises(target, what: str, stopping: threading.Event | None = None):
+    """`target` wrapped so that an exception escaping it ends the process (supervision restarts it).
+
+    A worker whose I/O thread or engine loop has died is useless while alive:
+    no heartbeat or no progress. Exiting lets `serve` (or any supervisor) start
+    a fresh one; os._exit because the other threads cannot be joined. Once
+    `stopping` is set the worker is shutting down and an exception (a socket
+    closed under the thread) ends only the thread.
+    """
+
+    def run() -> None:
+        try:
+            target()
+        except BaseException:
+            if stopping is not None and stopping.is_set():
+                return
+            log.critical("the worker's %s died; exiting so that it can be restarted", what, exc_info=True)
+            logging.shutdown()
+            os._exit(EXIT_THREAD_DIED)
+
+    return run
+
+
+EXIT_THREAD_DIED = 70  # EX_SOFTWARE: an internal error ended a worker thread
+
+
 def run_worker(config: WorkerConfig) -> None:
     """Process entry point: load, bind, warm up, READY, then serve until SIGTERM."""
     _die_with_parent(config.parent_pid)
@@ -274,18 +430,20 @@ def run_worker(config: WorkerConfig) -> None:
     del model  # the runners copy what they keep: the GGUF file can be unmapped
     ctx = zmq.Context()
     inbox = Inbox()
+    wire_errors = WireErrors()  # counted by both threads, reported in every LOAD and OUTPUTS
     hello = Hello(kind=config.kind, fingerprint=fingerprint, max_num_seqs=config.max_num_seqs,
                   max_model_len=runner.max_model_len, pid=os.getpid(), ready=False,
                   boot_id=uuid.uuid4().hex, name=config.name)  # a new boot id on every start
     try:
-        io = WorkerIO(ctx, config.endpoint, hello, inbox, config.heartbeat_s)
+        io = WorkerIO(ctx, config.endpoint, hello, inbox, config.heartbeat_s, wire_errors)
     except zmq.ZMQError as exc:
         ctx.destroy(0)
         raise OSError(_bind_error(config.endpoint, exc)) from None
-    io_thread = threading.Thread(target=io.run, name="worker-io", daemon=True)
+    io_run = _exit_if_raises(io.run, "I/O thread", io.stopping)
+    io_thread = threading.Thread(target=io_run, name="worker-io", daemon=True)
     io_thread.start()
     runner.warm_up()
-    engine = EngineCore(runner, config.scheduler, hello.fingerprint, config.engine.prefix_caching)
+    engine = EngineCore(runner, config.scheduler, hello.fingerprint, config.engine.prefix_caching, wire_errors)
     loop = EngineLoop(engine, inbox, io.engine_sender(ctx))
     io.stats = engine.stats  # read by the heartbeat; the engine refreshes it every pass
     io.set_ready()  # the I/O thread sends READY on its next pass
@@ -294,7 +452,7 @@ def run_worker(config: WorkerConfig) -> None:
     else:  # under serve, which prints its own READY line
         log.info("%s worker ready on %s (pid %d)", config.kind, config.endpoint, os.getpid())
     threading.Thread(target=lambda: (stop.wait(), loop.stopping.set()), daemon=True).start()
-    loop.run()
+    _exit_if_raises(loop.run, "engine loop")()
     io.stopping.set()
     io_thread.join(timeout=2)
     io.close()

@@ -251,3 +251,81 @@ def test_block_gather_decode_path_equals_the_slot_gather_reference(gguf_model, t
     results = [r.forward(prefilled_decode_batch(r, (3, 16, 17, 40), stride=11, next_from=700)).numpy()
                for r in (runner, blocks)]
     np.testing.assert_allclose(results[1], results[0], atol=1e-4, rtol=0)
+
+
+def run_loop(engine: EngineCore, requests: list[AddRequest], timeout: float = 60.0) -> tuple[dict, dict]:
+    """Requests queued before the loop starts (so they share its first step), run on an EngineLoop thread
+    until each has finished or failed: (ids per request, RequestError per failed request)."""
+    import threading
+    import time
+
+    from hybridgate.wire import Outputs, RequestError
+    from hybridgate.workers.engine import EngineLoop, Inbox
+
+    inbox, ids, errors, done = Inbox(), defaultdict(list), {}, set()
+
+    def send(client, msg):
+        if isinstance(msg, RequestError):
+            errors[msg.request_id] = msg
+            done.add(msg.request_id)
+        elif isinstance(msg, Outputs):
+            for out in msg.outputs:
+                assert out.token_index == len(ids[out.request_id])
+                ids[out.request_id] += out.token_ids
+                if out.finish:
+                    done.add(out.request_id)
+
+    for r in requests:
+        inbox.requests.put((b"", r))
+    loop = EngineLoop(engine, inbox, send)
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout * TIME_FACTOR
+    while len(done) < len(requests) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    loop.stopping.set()
+    thread.join(10)
+    assert len(done) == len(requests), f"unfinished: {[r.request_id for r in requests if r.request_id not in done]}"
+    return dict(ids), errors
+
+
+@pytest.fixture
+def fault(torch_runner, monkeypatch):
+    """Arm the runner's test fault hook from HYBRIDGATE_TEST_FAULT, as a runner reads it when built."""
+    from hybridgate.workers.faults import FAULT_ENV, FaultHook
+
+    def arm(spec: str) -> None:
+        monkeypatch.setenv(FAULT_ENV, spec)
+        torch_runner.fault = FaultHook.from_env()
+        assert torch_runner.fault is not None
+
+    yield arm
+    torch_runner.fault = None
+
+
+def test_a_sequence_failing_in_a_step_ends_alone(torch_runner, fingerprint, fault):
+    reqs = [request(f"r{i}", LONG_IDS[i * 50 : i * 50 + 6 + 3 * i], 8, ignore_eos=True) for i in range(8)]
+    solo = {r.request_id: run_engine(EngineCore(torch_runner, SchedulerConfig(), fingerprint), [r])[r.request_id]
+            for r in reqs if r.request_id != "r3"}
+    fault("fail_request:r3")
+    engine = EngineCore(torch_runner, SchedulerConfig(), fingerprint)
+    ids, errors = run_loop(engine, reqs)
+    assert list(errors) == ["r3"] and errors["r3"].code == "internal" and "injected fault" in errors["r3"].message
+    assert "r3" not in ids
+    assert ids == solo and all(len(v) == 8 for v in solo.values())
+    assert engine.refresh_stats().batch_size_counts.get(7, 0) >= 8  # the batch mates kept running together
+    assert engine.allocator.num_used == 0
+
+
+def test_out_of_memory_reruns_without_the_largest_prefill_then_blames_it_alone(torch_runner, fingerprint, fault):
+    # A device that holds 400 tokens of activations: 300 + 200 + 450 prompt tokens in one step fail;
+    # 300 and 200 each fit alone and finish as they do alone; 450 cannot run at all: RESOURCE_EXHAUSTED.
+    reqs = [request("a", LONG_IDS[:300], 3), request("b", LONG_IDS[300:500], 3), request("c", LONG_IDS[500:950], 3)]
+    solo = {r.request_id: run_engine(EngineCore(torch_runner, SchedulerConfig(), fingerprint), [r])[r.request_id]
+            for r in reqs[:2]}
+    fault("oom_over_tokens:400")
+    engine = EngineCore(torch_runner, SchedulerConfig(), fingerprint, prefix_caching=False)
+    ids, errors = run_loop(engine, reqs)
+    assert list(errors) == ["c"] and errors["c"].code == "resource_exhausted"
+    assert ids == solo and all(len(v) >= 1 for v in solo.values())
+    assert engine.allocator.num_used == 0

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import TIME_FACTOR
 from hybridgate.models import model_fingerprint
-from hybridgate.router import Router, RouterConfig, UnavailableError, WorkerDead, WorkerRequestError
+from hybridgate.router import ResourceExhaustedError, Router, RouterConfig, UnavailableError, WorkerDead, WorkerRequestError
 from hybridgate.wire import FinishReason, Outputs, Overload, Ready, RequestError, SamplingParams, SeqOutput, WorkerState
 from scripted import ScriptedClient
 
@@ -148,7 +148,7 @@ async def test_no_kv_blocks_is_re_placed_until_every_worker_refused(gguf_model, 
         assert deltas[-1].route == "gpu (a), retried at token 0 on cpu (b)"
     a, b = Worker(fp, "a", refuse="no_kv_blocks"), Worker(fp, "b", refuse="resource_exhausted")
     async with Router(gguf_model, [a, b]) as router:
-        with pytest.raises(WorkerRequestError, match="KV blocks"):
+        with pytest.raises(ResourceExhaustedError, match="KV blocks"):
             await collect(router)
         assert len(a.requests) == len(b.requests) == 1  # each asked once
     a, b = Worker(fp, "a", refuse="internal"), Worker(fp, "b")

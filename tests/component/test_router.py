@@ -11,8 +11,16 @@ import torch
 
 from conftest import TIME_FACTOR, golden_json
 from hybridgate.models import model_fingerprint
-from hybridgate.router import FingerprintMismatchError, InvalidRequestError, Router, RouterConfig, UnavailableError
-from hybridgate.wire import FinishReason, SamplingParams
+from hybridgate.router import (
+    FingerprintMismatchError,
+    InvalidRequestError,
+    ResourceExhaustedError,
+    Router,
+    RouterConfig,
+    UnavailableError,
+    WorkerRequestError,
+)
+from hybridgate.wire import FinishReason, Overload, RequestError, SamplingParams
 from hybridgate.workers.gpu.runner import TorchRunner
 from hybridgate.workers.inprocess import InProcessClient
 from scripted import ScriptedClient
@@ -251,3 +259,34 @@ async def test_worker_death_mid_stream_is_unavailable_when_resume_is_off(gguf_mo
         with pytest.raises(UnavailableError, match="no worker is ready"):
             async with router.generate("x", SamplingParams(max_tokens=5)) as stream:
                 pass
+
+
+class FailingClient(ScriptedClient):
+    """Streams one token, then sends `message(request_id)` (an OVERLOAD or a RequestError)."""
+
+    def __init__(self, fingerprint, message):
+        super().__init__(fingerprint, [5, 6, 7])
+        self.message = message
+
+    async def _play(self, request) -> None:
+        from hybridgate.wire import Outputs, SeqOutput
+
+        await asyncio.sleep(0)
+        self._on_message(self, Outputs([SeqOutput(request.request_id, 0, [5])], self.stats))
+        await asyncio.sleep(0)
+        self._on_message(self, self.message(request.request_id))
+
+
+@pytest.mark.parametrize("message, error, status", [
+    (lambda rid: Overload([rid, "another"], "its queue to this worker is full"), UnavailableError, "queue"),
+    (lambda rid: RequestError(rid, "out of memory", "resource_exhausted"), ResourceExhaustedError, "memory"),
+    (lambda rid: RequestError(rid, "boom"), WorkerRequestError, "boom"),
+], ids=["overload", "resource-exhausted", "internal"])
+async def test_worker_failures_reach_the_caller_as_their_error(gguf_model, message, error, status):
+    async with Router(gguf_model, [FailingClient(model_fingerprint(gguf_model), message)]) as router:
+        got = []
+        with pytest.raises(error, match=status):
+            async with router.generate("x", SamplingParams(max_tokens=5)) as stream:
+                async for d in stream:
+                    got.append(d)
+        assert len(got) == 1

@@ -14,6 +14,7 @@ from hybridgate.models import GGUFModel
 from hybridgate.workers.cpu import model as cpu_model
 from hybridgate.workers.cpu import quant, simd
 from hybridgate.workers.cpu.model import CpuLlama
+from hybridgate.workers.faults import FaultHook
 from hybridgate.workers.memory import host_available_bytes, num_blocks_for
 from hybridgate.workers.sampling import sample
 from hybridgate.workers.scheduler import ScheduledBatch
@@ -48,6 +49,8 @@ class NumbaRunner:
         self.model = CpuLlama(model)
         c = model.config
         self.max_model_len = c.max_model_len
+        self.vocab_size = c.vocab_size
+        self.fault = FaultHook.from_env()  # tests only: None unless HYBRIDGATE_TEST_FAULT is set
         self.block_size = block_size
         self.block_bytes = 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * 4
         self.num_blocks = num_blocks_for(kv_cache_memory, self.block_bytes, host_available_bytes(), gpu=False)
@@ -89,6 +92,8 @@ class NumbaRunner:
             self.pool.release(buf)
 
     def execute(self, batch: ScheduledBatch) -> dict[Sequence, int]:
+        if self.fault is not None:
+            self.fault.check(batch)
         logits = self.forward(batch)
         ready = [(row, s) for row, (s, n) in enumerate(batch.entries) if s.num_computed + n == s.num_tokens]
         if not ready:

@@ -22,6 +22,7 @@ from hybridgate.workers.gpu.attention import PagedAttention, PagedKVCache, Paged
 from hybridgate.workers.gpu.graphs import DecodeGraphs
 from hybridgate.workers.memory import host_available_bytes, num_blocks_for
 from hybridgate.workers.gpu.model import LlamaModel
+from hybridgate.workers.faults import FaultHook
 from hybridgate.workers.scheduler import ScheduledBatch, SchedulerConfig
 from hybridgate.workers.sequence import Sequence
 from hybridgate.workers.step_inputs import StepInputs, build_step_inputs
@@ -55,6 +56,8 @@ class TorchRunner:
         self.model = LlamaModel(model, device, dtype)
         dev = self.model.device
         self.max_model_len = model.config.max_model_len
+        self.vocab_size = model.config.vocab_size
+        self.fault = FaultHook.from_env()  # tests only: None unless HYBRIDGATE_TEST_FAULT is set
         # Decode attention gathers whole blocks on CUDA (fewer, larger copies); per-slot
         # index_select on the CPU, where it measured as fast and needs no padding to a block.
         self.block_gather = dev.type == "cuda" if block_gather is None else block_gather
@@ -100,6 +103,8 @@ class TorchRunner:
             self.pool.release(buf, self._done_check())
 
     def execute(self, batch: ScheduledBatch) -> dict[Sequence, int]:
+        if self.fault is not None:
+            self.fault.check(batch)
         logits = self.forward(batch)
         ready = [(row, seq) for row, (seq, n) in enumerate(batch.entries) if seq.num_computed + n == seq.num_tokens]
         if not ready:
