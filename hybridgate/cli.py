@@ -186,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string; repeat for several")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating after the end-of-sequence token")
     gen.add_argument("--timeout", type=float, default=None, help="deadline of the call in seconds (default: none)")
+    gen.add_argument("--route", default=None, metavar="R",
+                     help="where the request runs: auto, gpu, cpu or gpu->cpu (GPU prefill, KV hand-off, CPU decode); "
+                          "the gateway honours it only with --allow-client-routes (default: auto)")
     gen.add_argument("--json", action="store_true", help="print each response message as one JSON object per line")
     gen.set_defaults(func=_cmd_generate)
 

@@ -11,6 +11,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
+from hybridgate.config import setting
 from hybridgate.gateway.metrics import GatewayMetrics
 from hybridgate.gateway.service import GenerationService
 from hybridgate.router import Router
@@ -29,6 +30,9 @@ class GatewayConfig:
     port: int = 50051
     metrics_port: int | None = None
     grace_s: float = 10.0
+    allow_client_routes: bool = setting(
+        False, "honour a request's `route` field (gpu, cpu, gpu->cpu): an operator's tool and the tests' handle; "
+               "without it a route other than auto is INVALID_ARGUMENT")
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -44,14 +48,14 @@ class Gateway:
 
     def __init__(self, router: Router, config: GatewayConfig):
         self.router, self.config = router, config
-        self.metrics = GatewayMetrics(lambda: router.clients)
+        self.metrics = GatewayMetrics(lambda: router.clients, handoff=lambda: router.handoff_metrics)
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.so_reuseport", 0),  # a second server on a taken port fails instead of sharing it
         ])
-        pb_grpc.add_GenerationServicer_to_server(GenerationService(router, self.metrics), self.server)
+        pb_grpc.add_GenerationServicer_to_server(GenerationService(router, self.metrics, allow_client_routes=config.allow_client_routes), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)

@@ -26,14 +26,16 @@ _STATUS_OF = {
 
 
 class GenerationService(pb_grpc.GenerationServicer):
-    def __init__(self, router: Router, metrics: GatewayMetrics, model_id: str = DEFAULT_MODEL_ID):
+    def __init__(self, router: Router, metrics: GatewayMetrics, model_id: str = DEFAULT_MODEL_ID,
+                 allow_client_routes: bool = False):
         self.router, self.metrics, self.model_id = router, metrics, model_id
+        self.allow_client_routes = allow_client_routes
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         start = time.monotonic()
         try:
             prompt, params = request_to_native(request)
-            stream = self.router.generate(prompt, params, label=request.label)
+            stream = self.router.generate(prompt, params, label=request.label, route=self._route(request))
         except InvalidFieldError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         last = None
@@ -55,6 +57,14 @@ class GenerationService(pb_grpc.GenerationServicer):
         except tuple(_STATUS_OF) as exc:
             code = next(c for t, c in _STATUS_OF.items() if isinstance(exc, t))
             await context.abort(code, str(exc))
+
+    def _route(self, request: pb.GenerateRequest) -> str:
+        """The request's route; one other than auto only from a gateway run with --allow-client-routes."""
+        route = request.route if request.HasField("route") else "auto"
+        if route != "auto" and not self.allow_client_routes:
+            raise InvalidFieldError("route", f"{route!r} is honoured only when the gateway runs with "
+                                    "--allow-client-routes (an operator's setting); leave it unset or auto")
+        return route
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         workers = [

@@ -46,6 +46,8 @@ class WorkerClient(Protocol):
 
     def abort(self, request_ids: list[str]) -> None: ...
 
+    def send(self, msg: msgspec.Struct) -> None: ...  # KV hand-off messages (HandoffReserve, Release, Resume)
+
     async def close(self) -> None: ...
 
 
@@ -87,6 +89,10 @@ class ZmqWorkerClient:
     def abort(self, request_ids: list[str]) -> None:
         if request_ids and self.state != WorkerState.DEAD:
             self._send(Abort(request_ids))
+
+    def send(self, msg: msgspec.Struct) -> None:
+        """Any router → worker message; the KV hand-off's (HandoffReserve, HandoffRelease, HandoffResume)."""
+        self._send(msg)
 
     def _send(self, msg: msgspec.Struct) -> None:
         if self._socket is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -23,10 +24,24 @@ import msgspec
 
 from hybridgate.models import ChatTemplate, GGUFModel, Tokenizer, load_gguf, model_fingerprint
 from hybridgate.models.chat import ROLES, ChatTemplateError
+from hybridgate.config import setting
 from hybridgate.router.client import WorkerClient, WorkerDead, ZmqWorkerClient
 from hybridgate.router.errors import FingerprintMismatchError, InvalidRequestError, UnavailableError
+from hybridgate.router.handoff import HandoffMetrics, PauseHook
 from hybridgate.router.stream import GenerationStream
-from hybridgate.wire import Hello, Outputs, Ready, RequestError, SamplingParams, WorkerState
+from hybridgate.wire import (
+    HandoffExported,
+    HandoffExportFailed,
+    HandoffImported,
+    HandoffRefused,
+    HandoffReservation,
+    Hello,
+    Outputs,
+    Ready,
+    RequestError,
+    SamplingParams,
+    WorkerState,
+)
 
 log = logging.getLogger("hybridgate.router")
 
@@ -34,6 +49,9 @@ MAX_PROMPT_BYTES = 1 << 20
 DEFAULT_MAX_TOKENS_CAP = 4096
 
 Prompt = str | Sequence[Mapping[str, str]]
+# Where a request runs: "auto" is the placement policy's choice; "gpu->cpu" prefills on a
+# GPU worker and hands the KV to a CPU worker that decodes (DESIGN.md, "KV hand-off").
+ROUTES = ("auto", "gpu", "cpu", "gpu->cpu")
 
 
 @dataclass(frozen=True)
@@ -41,12 +59,17 @@ class RouterConfig:
     max_model_len: int | None = None  # default: the model's context length
     startup_timeout_s: float = 120.0
     queue_size: int = 4096  # deltas buffered per request before it is aborted as too slow
+    handoff_stall_s: float = setting(
+        2.0, "seconds a gap in a hand-off's token indexes may stay open before its worker counts as lost",
+        low=0, low_open=True)
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.startup_timeout_s <= 0:
             raise ValueError(f"startup_timeout_s must be > 0, got {self.startup_timeout_s}")
+        if not self.handoff_stall_s > 0:
+            raise ValueError(f"handoff_stall_s must be > 0, got {self.handoff_stall_s}")
 
 
 class Router:
@@ -80,7 +103,12 @@ class Router:
         self._inflight: dict[int, int] = {id(c): 0 for c in self.clients}
         self._changed = asyncio.Event()
         self._handlers = {Hello: self._on_hello, Ready: self._on_ready, Outputs: self._on_outputs,
-                          RequestError: self._on_request_error, WorkerDead: self._on_dead}
+                          RequestError: self._on_request_error, WorkerDead: self._on_dead,
+                          HandoffReservation: self._on_handoff, HandoffExported: self._on_handoff,
+                          HandoffExportFailed: self._on_handoff, HandoffImported: self._on_handoff,
+                          HandoffRefused: self._on_handoff}
+        self.handoff_metrics = HandoffMetrics()
+        self.handoff_pause = PauseHook.from_env(os.environ)
         self._was_ready = False
 
     async def __aenter__(self) -> Router:
@@ -134,16 +162,22 @@ class Router:
 
     # --- requests -----------------------------------------------------------
 
-    def generate(self, prompt: Prompt, params: SamplingParams | None = None, label: str = "") -> GenerationStream:
+    def generate(self, prompt: Prompt, params: SamplingParams | None = None, label: str = "",
+                 route: str = "auto") -> GenerationStream:
         """A stream for one request; enter it with `async with` to send the request.
 
         `prompt` is raw text or chat messages (mappings with `role` and
-        `content`). Validation happens here: `InvalidRequestError` names the
-        field and its limit.
+        `content`). `route` is one of `ROUTES`: "auto" (placement decides),
+        "gpu", "cpu", or "gpu->cpu" (GPU prefill, KV hand-off, CPU decode).
+        Validation happens here: `InvalidRequestError` names the field and its
+        limit. Entering the stream raises `UnavailableError` when no READY
+        worker of the route's kind is there.
         """
         params = (params or SamplingParams()).validate()
         self._check_prompt(prompt)
-        return GenerationStream(self, prompt, params, label, request_id=uuid.uuid4().hex)
+        if route not in ROUTES:
+            raise InvalidRequestError("route", f"must be one of {', '.join(ROUTES)}, got {route!r}")
+        return GenerationStream(self, prompt, params, label, request_id=uuid.uuid4().hex, route=route)
 
     def _check_prompt(self, prompt: Prompt) -> None:
         if isinstance(prompt, str):
@@ -188,11 +222,12 @@ class Router:
         seed = params.seed if params.seed is not None else secrets.randbits(64)
         return max_tokens, seed
 
-    def place(self, exclude: Sequence[WorkerClient] = ()) -> WorkerClient:
-        """The READY worker with the fewest sequences in flight; GPU first on ties."""
-        ready = [c for c in self.clients if c.state == WorkerState.READY and c not in exclude]
+    def place(self, exclude: Sequence[WorkerClient] = (), kind: str | None = None) -> WorkerClient:
+        """The READY worker (of `kind`, when given) with the fewest sequences in flight; GPU first on ties."""
+        ready = [c for c in self.clients if c.state == WorkerState.READY and c not in exclude
+                 and (kind is None or c.kind == kind)]
         if not ready:
-            raise UnavailableError("no worker is ready")
+            raise UnavailableError(f"no {kind} worker is ready" if kind else "no worker is ready")
         return min(ready, key=lambda c: (self._inflight[id(c)], c.kind != "gpu"))
 
     def register(self, stream: GenerationStream, client: WorkerClient) -> None:
@@ -202,6 +237,12 @@ class Router:
     def unregister(self, stream: GenerationStream, client: WorkerClient | None) -> None:
         if self._streams.pop(stream.request_id, None) is not None and client is not None:
             self._inflight[id(client)] -= 1
+
+    def reassign(self, stream: GenerationStream, old: WorkerClient, new: WorkerClient) -> None:
+        """The stream's sequence moved from `old` to `new` (a hand-off's import)."""
+        if stream.request_id in self._streams:
+            self._inflight[id(old)] -= 1
+            self._inflight[id(new)] += 1
 
     # --- worker messages (the output pump) ---------------------------------
 
@@ -229,13 +270,22 @@ class Router:
     def _on_outputs(self, client: WorkerClient, msg: Outputs) -> None:
         for out in msg.outputs:
             stream = self._streams.get(out.request_id)
-            if stream is not None and stream.client is client:
+            if stream is not None and stream.handoff is not None and stream.handoff.active:
+                stream.handoff.on_message(client, out)  # both workers' outputs, reordered
+            elif stream is not None and stream.client is client:
                 stream.put(out)
 
     def _on_request_error(self, client: WorkerClient, msg: RequestError) -> None:
         stream = self._streams.get(msg.request_id)
-        if stream is not None and stream.client is client:
+        if stream is not None and stream.handoff is not None and stream.handoff.active:
+            stream.handoff.on_message(client, msg)
+        elif stream is not None and stream.client is client:
             stream.put(msg)
+
+    def _on_handoff(self, client: WorkerClient, msg) -> None:
+        stream = self._streams.get(msg.request_id)
+        if stream is not None and stream.handoff is not None:
+            stream.handoff.on_message(client, msg)
 
     def _on_dead(self, client: WorkerClient, msg: WorkerDead) -> None:
         if client.state == WorkerState.DEAD:
@@ -243,5 +293,7 @@ class Router:
         client.state = WorkerState.DEAD
         log.error("%s", msg.reason)
         for stream in list(self._streams.values()):
-            if stream.client is client:
+            if stream.handoff is not None and stream.handoff.active and stream.handoff.involves(client):
+                stream.handoff.on_message(client, msg)
+            elif stream.client is client:
                 stream.put(msg)

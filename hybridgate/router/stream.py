@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from hybridgate.models import IncrementalDetokenizer
 from hybridgate.router.client import WorkerDead
 from hybridgate.router.errors import UnavailableError, WorkerRequestError
+from hybridgate.router.handoff import Handoff, worker_name
 from hybridgate.router.stop import StopMatcher
 from hybridgate.wire import AddRequest, FinishReason, RequestError, SamplingParams, SeqOutput
 
@@ -50,10 +51,12 @@ class Delta:
 class GenerationStream:
     """Async context manager and async iterator of `Delta`s for one request."""
 
-    def __init__(self, router: Router, prompt: Prompt, params: SamplingParams, label: str, request_id: str):
+    def __init__(self, router: Router, prompt: Prompt, params: SamplingParams, label: str, request_id: str,
+                 route: str = "auto"):
         self.router, self.prompt, self.params, self.label = router, prompt, params, label
-        self.request_id = request_id
+        self.request_id, self.route = request_id, route
         self.client = None
+        self.handoff: Handoff | None = None  # a gpu->cpu request's hand-off (hybridgate/router/handoff.py)
         self.prompt_ids: list[int] = []
         self.ids: list[int] = []
         self.finished = False
@@ -77,15 +80,36 @@ class GenerationStream:
     async def __aexit__(self, *exc) -> None:
         if not self.finished:
             self.finished = True
-            if self.client is not None:
-                self.client.abort([self.request_id])
+            self._abort()
         self.router.unregister(self, self.client)
 
     def _submit(self, exclude) -> None:
-        client = self.router.place(exclude)
+        self.handoff = None
+        request = AddRequest(self.request_id, self.prompt_ids, self.params, self.seed, self.max_tokens, self._eos)
+        # A retry after a lost worker keeps a one-kind route; a failed hand-off's goes where placement says.
+        retry = bool(exclude)
+        kind = {"auto": None, "gpu->cpu": None if retry else "gpu"}.get(self.route, self.route)
+        client = self.router.place(exclude, kind)
+        cpu = self.router.place(exclude, "cpu") if self.route == "gpu->cpu" and not retry else None
         self.client = client
         self.router.register(self, client)
-        client.add(AddRequest(self.request_id, self.prompt_ids, self.params, self.seed, self.max_tokens, self._eos))
+        if cpu is None:
+            client.add(request)
+            return
+        self.handoff = Handoff(self, request, client, cpu, self.router.handoff_metrics, self.router.handoff_pause,
+                               self.router.config.handoff_stall_s)
+        self.handoff.start()
+
+    def _abort(self) -> None:
+        if self.handoff is not None and self.handoff.active:
+            self.handoff.abort()
+        elif self.client is not None:
+            self.client.abort([self.request_id])
+
+    def moved(self, old, new) -> None:
+        """The hand-off's import moved the sequence to the CPU worker (called by `Handoff`)."""
+        self.router.reassign(self, old, new)
+        self.client = new
 
     # --- fed by the router's output pump ------------------------------------
 
@@ -93,7 +117,7 @@ class GenerationStream:
         try:
             self._queue.put_nowait(item)
         except asyncio.QueueFull:
-            self.client.abort([self.request_id])
+            self._abort()
             self.fail(UnavailableError(f"the client read too slowly: over {self._queue.maxsize} steps buffered"))
 
     def fail(self, exc: BaseException) -> None:
@@ -117,6 +141,7 @@ class GenerationStream:
                 continue
             else:
                 self.finished = True
+                self._abort()
                 self.router.unregister(self, self.client)
                 raise _error_of(item)
         raise StopAsyncIteration
@@ -149,7 +174,7 @@ class GenerationStream:
             parts.append(text)
             if matched:
                 finish = FinishReason.STOP
-                self.client.abort([self.request_id])
+                self._abort()
                 break
         self.ids += taken
         if finish is not None and finish != FinishReason.STOP:
@@ -163,13 +188,15 @@ class GenerationStream:
             return Delta(self.request_id, index, text, ids)
         self.finished = True
         self.router.unregister(self, self.client)
+        if self.handoff is not None:
+            self.handoff.finished()
         now = time.monotonic()
         ttft = ((self._first_token_at or now) - self._arrival) * 1e3
         return Delta(
             self.request_id, index, text, ids, finish,
             usage=Usage(len(self.prompt_ids), len(self.ids), self._cached),
             timings=Timings(self._queue_ms, ttft, (now - self._arrival) * 1e3),
-            route=self.client.kind or "",
+            route=self.handoff.route() if self.handoff is not None else f"{self.client.kind} ({worker_name(self.client)})",
         )
 
 
