@@ -22,7 +22,8 @@ def _serve_config(args: argparse.Namespace):
 
     return ServeConfig(
         model_path=_model_path(args.model),
-        gateway=GatewayConfig(host=args.host, port=args.port, metrics_port=args.metrics_port, grace_s=args.grace_period),
+        gateway=GatewayConfig(host=args.host, port=args.port, metrics_port=args.metrics_port, grace_s=args.grace_period,
+                              allow_client_routes=args.allow_client_routes),
         router=RouterConfig(max_model_len=args.max_model_len, startup_timeout_s=args.worker_startup_timeout),
         worker_endpoints=tuple(getattr(args, "worker", None) or ()),
         gpu_workers=getattr(args, "gpu_workers", None),
@@ -139,6 +140,8 @@ def _add_gateway(p: argparse.ArgumentParser) -> None:
                    help="seconds in-flight streams get to finish on SIGINT/SIGTERM (default 10)")
     p.add_argument("--worker-startup-timeout", type=_bounded(float, 0, strict=True), default=120.0,
                    help="seconds to wait for a READY worker before giving up (default 120)")
+    p.add_argument("--allow-client-routes", action="store_true",
+                   help="honour a request's route field (gpu, cpu, gpu->cpu); without it only auto is accepted")
     p.add_argument("--worker-timeout", type=_bounded(float, 0, strict=True), default=1.0,
                    help="seconds of worker silence after which it counts as dead (default 1)")
 
