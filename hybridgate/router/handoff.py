@@ -111,10 +111,14 @@ class Reorder:
     def __init__(self, next_index: int = 0):
         self.next_index = next_index
         self.duplicates = 0
+        self.finished = False  # a finishing output was passed on: nothing more is
         self._held: dict[int, SeqOutput] = {}
         self.gap_since: float | None = None
 
     def push(self, out: SeqOutput) -> list[SeqOutput]:
+        if self.finished:
+            self.duplicates += 1
+            return []
         if out.token_index > self.next_index:
             held = self._held.get(out.token_index)
             if held is None or len(out.token_ids) > len(held.token_ids) or out.finish:
@@ -126,7 +130,7 @@ class Reorder:
         trimmed = self._trim(out)
         if trimmed is not None:
             ready.append(trimmed)
-        while self._held:
+        while self._held and not self.finished:
             waiting = [i for i in self._held if i <= self.next_index]
             if not waiting:
                 break
@@ -134,6 +138,8 @@ class Reorder:
                 trimmed = self._trim(self._held.pop(i))
                 if trimmed is not None:
                     ready.append(trimmed)
+        if self.finished:
+            self._held.clear()
         self.gap_since = (self.gap_since or time.monotonic()) if self._held else None
         return ready
 
@@ -146,6 +152,7 @@ class Reorder:
         if skip:
             out = msgspec.structs.replace(out, token_index=self.next_index, token_ids=ids)
         self.next_index += len(ids)
+        self.finished = bool(out.finish)
         return out
 
 

@@ -54,7 +54,7 @@ async def test_france_greedy_matches_reference(router):
     assert [d.finish_reason for d in deltas] == [None] * (len(deltas) - 1) + [FinishReason.EOS]
     last = deltas[-1]
     assert last.usage.completion_tokens == 8 and last.usage.prompt_tokens == len(GREEDY["france"]["prompt_ids"])
-    assert last.route == "gpu" and last.timings.ttft_ms <= last.timings.total_ms
+    assert last.route == "gpu (inproc)" and last.timings.ttft_ms <= last.timings.total_ms
 
 
 @pytest.mark.parametrize("question", ["Translate 'good morning' into Japanese.", "Say 'thank you' in Chinese, Russian and Greek."])
@@ -207,7 +207,7 @@ async def test_worker_death_before_first_token_retries_elsewhere(gguf_model, tok
     dying, healthy = ScriptedClient(fp, [5, 6], die_after=0), ScriptedClient(fp, tokenizer.encode("fine"), kind="cpu")
     async with Router(gguf_model, [dying, healthy]) as router:
         deltas = await collect(router, "x", SamplingParams(max_tokens=5))
-        assert "".join(d.text for d in deltas) == "fine" and deltas[-1].route == "cpu"
+        assert "".join(d.text for d in deltas) == "fine" and deltas[-1].route == f"cpu ({healthy.endpoint})"
 
 
 async def test_worker_death_mid_stream_is_unavailable(gguf_model):
