@@ -38,7 +38,10 @@ it is retried or resumed elsewhere by re-prefill, as any lost worker's stream.
 
 Outputs of the request are accepted from both workers in every state: each
 carries its token index, the `Reorder` buffer passes them on in order, drops
-duplicates and reports a gap that does not fill within `stall_s`.
+duplicates and reports a gap that does not fill within `stall_s`. C's outputs
+count only once the router has confirmed its import (they wait until then, and
+are dropped if the hand-off is resumed on G instead), so a stream never mixes
+ids C sampled with ids a resumed G samples for the same indexes.
 Control events that arrive while a state's pause hook holds it wait for the
 pause to end; losses and aborts never wait.
 """
@@ -256,6 +259,7 @@ class Handoff:
         self._cpu_failed: str | None = None  # C refused or was lost while G prefilled
         self._gpu_lost = False
         self._exported_at: float | None = None
+        self._early: list[SeqOutput] = []  # C's outputs before its import was confirmed here
         self._held: list[tuple[WorkerClient, msgspec.Struct]] | None = None  # control events during a pause
         self._gap_timer: asyncio.TimerHandle | None = None
         self._handlers: dict[type, Callable] = {
@@ -308,7 +312,9 @@ class Handoff:
     def on_message(self, client: WorkerClient, msg: msgspec.Struct) -> None:
         if not self.involves(client):
             return
-        if isinstance(msg, SeqOutput):
+        if isinstance(msg, SeqOutput) and client is self.cpu and not self.imported:
+            self._early.append(msg)
+        elif isinstance(msg, SeqOutput):
             self._on_output(msg)
         elif isinstance(msg, WorkerDead):
             self._on_lost(client, msg)
@@ -376,6 +382,9 @@ class Handoff:
             self.metrics.observe(time.monotonic() - self._exported_at)
         self._count("done")
         self.imported = True
+        early, self._early = self._early, []
+        for out in early:
+            self._on_output(out)
         self._enter(HandoffState.IMPORTED, then=self._release)
 
     def _on_refused(self, client: WorkerClient, msg: HandoffRefused) -> None:
@@ -409,6 +418,7 @@ class Handoff:
                 self._resume(why)
 
     def _resume(self, why: str) -> None:
+        self._early = []  # whatever C sampled is not this stream's: G samples those indexes again
         self.gpu.send(HandoffResume(self.request.request_id))
         self._count("resumed")
         self.note = why

@@ -220,6 +220,29 @@ async def test_outputs_of_both_workers_are_reordered_and_deduplicated():
     assert [(o.token_index, o.token_ids) for o in sink.items] == [(0, [10]), (1, [11]), (2, [12, 13])]
 
 
+async def test_cpu_outputs_wait_for_the_confirmed_import_and_are_dropped_on_resume():
+    h, gpu, cpu, sink, _ = make(PauseHook.from_env({"HYBRIDGATE_TEST_HANDOFF_PAUSE": "EXPORTED:5"}))
+    walk(h, gpu, cpu, S.EXPORTED)
+    h.on_message(gpu, SeqOutput(RID, 0, [10]))
+    h.on_message(cpu, HandoffImported(RID, 1))  # held by the pause
+    h.on_message(cpu, SeqOutput(RID, 1, [11]))  # C decodes already: not the stream's yet
+    assert [o.token_ids for o in sink.items] == [[10]]
+    h.on_message(cpu, WorkerDead("cpu killed"))
+    assert gpu.sent[-1] == ("send", HandoffResume(RID)) and h.state == S.ON_GPU
+    h.on_message(gpu, SeqOutput(RID, 1, [21]))
+    assert [o.token_ids for o in sink.items] == [[10], [21]]
+
+
+async def test_cpu_outputs_before_the_import_message_are_passed_on_once_it_arrives():
+    h, gpu, cpu, sink, _ = make()
+    walk(h, gpu, cpu, S.EXPORTED)
+    h.on_message(gpu, SeqOutput(RID, 0, [10]))
+    h.on_message(cpu, SeqOutput(RID, 1, [11]))
+    assert len(sink.items) == 1
+    h.on_message(cpu, HandoffImported(RID, 1))
+    assert [o.token_ids for o in sink.items] == [[10], [11]]
+
+
 async def test_a_gap_that_does_not_fill_within_the_stall_timeout_is_a_lost_worker():
     h, gpu, cpu, sink, _ = make(stall_s=0.05)
     walk(h, gpu, cpu, S.DECODING_ON_CPU)
