@@ -110,7 +110,8 @@ class MsgType(bytes, enum.Enum):
     HANDOFF_REFUSED = b"n"  # CPU worker → router: a hand-off for this router's reservation was refused
     HANDOFF_RELEASE = b"l"  # router → GPU worker: the import is confirmed; free the parked sequence
     HANDOFF_RESUME = b"u"  # router → GPU worker: the CPU side failed; decode the parked sequence here
-    HANDOFF_KV = b"K"  # GPU worker → CPU worker's hand-off socket: header, then K and V frames
+    HANDOFF_KV = b"K"  # GPU worker → CPU worker's hand-off socket: the header
+    HANDOFF_KV_PART = b"P"  # GPU worker → CPU worker's hand-off socket: whole layers' K and V frames
 
 
 class Connect(msgspec.Struct, frozen=True):
@@ -254,9 +255,13 @@ class Overload(msgspec.Struct, frozen=True):
 #     or HandoffExportFailed when there was nothing to export (the stream
 #     finished with token 0) or the export could not start; then it decodes on
 #     itself, as an ordinary request.
-#  3. GPU worker → CPU worker (hand-off socket): frames
-#     [HANDOFF_KV, HandoffHeader, K layer 0, V layer 0, K layer 1, ...], each K
-#     or V frame `[num_tokens, kv_heads, head_dim]` of `dtype`, C order.
+#  3. GPU worker → CPU worker (hand-off socket): [HANDOFF_KV, HandoffHeader], then
+#     parts in layer order [HANDOFF_KV_PART, HandoffPart, K layer i, V layer i,
+#     K layer i + 1, ...], each K or V frame `[num_tokens, kv_heads, head_dim]`
+#     of `dtype`, C order (parts are sized by the sender's pinned buffers, so a
+#     hand-off larger than its slab streams through it). A refusal also goes
+#     back to the sender on that socket (the GPU worker forwards it to its
+#     router, which resumes the parked sequence).
 #     The CPU worker checks the header against its own model and its live
 #     reservation; on success it imports the KV into the reserved blocks and
 #     answers the router that made the reservation HandoffImported (its outputs
@@ -337,6 +342,16 @@ class HandoffHeader(msgspec.Struct, frozen=True, kw_only=True):
     next_token_index: int
 
 
+class HandoffPart(msgspec.Struct, frozen=True):
+    """GPU worker → CPU worker: layers first_layer .. first_layer + num_layers - 1 of a
+    hand-off (2 * num_layers frames follow: K then V per layer)."""
+
+    request_id: str
+    token: str
+    first_layer: int
+    num_layers: int
+
+
 class HandoffExported(msgspec.Struct, frozen=True):
     """GPU worker → router: the KV of `request_id` was sent; the sequence is parked until
     HandoffRelease, HandoffResume or Abort. nbytes: K and V bytes; export_ms: export start
@@ -410,6 +425,7 @@ MESSAGE_TYPES: dict[MsgType, type] = {
     MsgType.HANDOFF_RELEASE: HandoffRelease,
     MsgType.HANDOFF_RESUME: HandoffResume,
     MsgType.HANDOFF_KV: HandoffHeader,
+    MsgType.HANDOFF_KV_PART: HandoffPart,
 }
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODERS = {t: msgspec.msgpack.Decoder(cls) for t, cls in MESSAGE_TYPES.items()}
