@@ -14,15 +14,18 @@ it is retried or resumed elsewhere by re-prefill, as any lost worker's stream.
     RESERVING        C: reservation refused;        Add → G (plain); outcome refused      ON_GPU
                      C lost
     RESERVING        G lost                         Abort → C; lost → stream             CLOSED
+    RESERVING        no answer within answer_s      Add → G (plain); outcome refused      ON_GPU
     PREFILLING       G: exported                    clock starts                         EXPORTED
-                     (C refused or lost before it:  Resume → G; outcome resumed          ON_GPU)
+                     (C refused or lost before it:  Resume → G, Abort → C;               ON_GPU)
+                                                    outcome resumed
     PREFILLING       G: export failed               Abort → C (frees the reservation);   ON_GPU
                                                     outcome refused (not when finished)
     PREFILLING       C: refused; C lost             wait for G's exported/export failed  PREFILLING
     PREFILLING,      C: imported                    clock stops; outcome done            IMPORTED
       EXPORTED
     PREFILLING       G lost                         Abort → C; lost → stream             CLOSED
-    EXPORTED         C: refused; C lost             Resume → G; outcome resumed          ON_GPU
+    EXPORTED         C: refused; C lost; no answer  Resume → G, Abort → C;               ON_GPU
+                     within answer_s                outcome resumed
                      (G lost before it:             lost → stream                        CLOSED)
     EXPORTED         G lost                         remember it (C may still import)     EXPORTED
     IMPORTED         (at once, or after a pause)    Release → G; the stream's worker      DECODING_ON_CPU
@@ -41,7 +44,9 @@ carries its token index, the `Reorder` buffer passes them on in order, drops
 duplicates and reports a gap that does not fill within `stall_s`. C's outputs
 count only once the router has confirmed its import (they wait until then, and
 are dropped if the hand-off is resumed on G instead), so a stream never mixes
-ids C sampled with ids a resumed G samples for the same indexes.
+ids C sampled with ids a resumed G samples for the same indexes. A CPU worker
+that is alive but does not answer (a reservation or an import) within
+`answer_s` counts as refusing; the timer starts once a state's pause ended.
 Control events that arrive while a state's pause hook holds it wait for the
 pause to end; losses and aborts never wait.
 """
@@ -149,7 +154,7 @@ class Reorder:
     def _trim(self, out: SeqOutput) -> SeqOutput | None:
         skip = self.next_index - out.token_index
         ids = out.token_ids[skip:]
-        if not ids and not (out.finish and skip == len(out.token_ids)):
+        if self.finished or (not ids and not (out.finish and skip == len(out.token_ids))):
             self.duplicates += 1
             return None
         if skip:
@@ -249,9 +254,9 @@ class Handoff:
     """
 
     def __init__(self, sink: HandoffSink, request: AddRequest, gpu: WorkerClient, cpu: WorkerClient,
-                 metrics: HandoffMetrics, pause: PauseHook, stall_s: float):
+                 metrics: HandoffMetrics, pause: PauseHook, stall_s: float, answer_s: float = 10.0):
         self.sink, self.request, self.gpu, self.cpu = sink, request, gpu, cpu
-        self.metrics, self.pause, self.stall_s = metrics, pause, stall_s
+        self.metrics, self.pause, self.stall_s, self.answer_s = metrics, pause, stall_s, answer_s
         self.state = HandoffState.RESERVING
         self.reorder = Reorder(request.first_token_index)
         self.note = ""  # why it ran on the GPU, for the route
@@ -259,9 +264,11 @@ class Handoff:
         self._cpu_failed: str | None = None  # C refused or was lost while G prefilled
         self._gpu_lost = False
         self._exported_at: float | None = None
+        self._export_s = 0.0
         self._early: list[SeqOutput] = []  # C's outputs before its import was confirmed here
         self._held: list[tuple[WorkerClient, msgspec.Struct]] | None = None  # control events during a pause
         self._gap_timer: asyncio.TimerHandle | None = None
+        self._answer_timer: asyncio.TimerHandle | None = None
         self._handlers: dict[type, Callable] = {
             HandoffReservation: self._on_reservation, HandoffExported: self._on_exported,
             HandoffExportFailed: self._on_export_failed, HandoffImported: self._on_imported,
@@ -313,7 +320,8 @@ class Handoff:
         if not self.involves(client):
             return
         if isinstance(msg, SeqOutput) and client is self.cpu and not self.imported:
-            self._early.append(msg)
+            if self.state in (HandoffState.PREFILLING, HandoffState.EXPORTED):
+                self._early.append(msg)  # C decodes already; the router has not confirmed its import yet
         elif isinstance(msg, SeqOutput):
             self._on_output(msg)
         elif isinstance(msg, WorkerDead):
@@ -359,7 +367,7 @@ class Handoff:
     def _on_exported(self, client: WorkerClient, msg: HandoffExported) -> None:
         if client is not self.gpu or self.state != HandoffState.PREFILLING:
             return
-        self._exported_at = time.monotonic()
+        self._exported_at, self._export_s = time.monotonic(), msg.export_ms / 1e3  # export started this long before
         if self._cpu_failed is not None:
             self._resume(self._cpu_failed)
             return
@@ -379,7 +387,7 @@ class Handoff:
         if client is not self.cpu or self.state not in (HandoffState.PREFILLING, HandoffState.EXPORTED):
             return
         if self._exported_at is not None:
-            self.metrics.observe(time.monotonic() - self._exported_at)
+            self.metrics.observe(time.monotonic() - self._exported_at + self._export_s)
         self._count("done")
         self.imported = True
         early, self._early = self._early, []
@@ -420,6 +428,7 @@ class Handoff:
     def _resume(self, why: str) -> None:
         self._early = []  # whatever C sampled is not this stream's: G samples those indexes again
         self.gpu.send(HandoffResume(self.request.request_id))
+        self.cpu.abort([self.request.request_id])  # whatever C still holds of it (a late import, a reservation)
         self._count("resumed")
         self.note = why
         self._enter(HandoffState.ON_GPU)
@@ -460,9 +469,30 @@ class Handoff:
     def _close(self) -> None:
         self.state = HandoffState.CLOSED
         self._held = None
-        if self._gap_timer is not None:
-            self._gap_timer.cancel()
-            self._gap_timer = None
+        self._early = []
+        for timer in (self._gap_timer, self._answer_timer):
+            if timer is not None:
+                timer.cancel()
+        self._gap_timer = self._answer_timer = None
+
+    def _arm_answer_timer(self) -> None:
+        """RESERVING and EXPORTED wait on the CPU worker; one that stays silent counts as refusing."""
+        if self._answer_timer is not None:
+            self._answer_timer.cancel()
+            self._answer_timer = None
+        if self.state in (HandoffState.RESERVING, HandoffState.EXPORTED):
+            self._answer_timer = asyncio.get_running_loop().call_later(self.answer_s, self._on_no_answer, self.state)
+
+    def _on_no_answer(self, state: HandoffState) -> None:
+        self._answer_timer = None
+        if self.state != state or self._held is not None:
+            return
+        why = f"CPU worker {worker_name(self.cpu)} did not answer within {self.answer_s:g} s"
+        if state == HandoffState.RESERVING:
+            self.cpu.abort([self.request.request_id])
+            self._run_on_gpu(f"hand-off refused: {why}", "refused", add=True)
+        else:
+            self._cpu_side_failed(f"hand-off resumed: {why}")
 
     def _enter(self, state: HandoffState, then: Callable[[], None] | None = None) -> None:
         """Set the state; run `then` now, or after the state's pause (control events wait with it)."""
@@ -470,6 +500,7 @@ class Handoff:
         self.state = state
         hold = self.pause.seconds(state)
         if hold <= 0:
+            self._arm_answer_timer()
             if then is not None:
                 then()
             return
@@ -480,6 +511,7 @@ class Handoff:
         if self.state != state or self._held is None:
             return  # aborted or lost during the pause
         held, self._held = self._held, None
+        self._arm_answer_timer()
         if then is not None:
             then()
         for client, msg in held:

@@ -62,14 +62,18 @@ class RouterConfig:
     handoff_stall_s: float = setting(
         2.0, "seconds a gap in a hand-off's token indexes may stay open before its worker counts as lost",
         low=0, low_open=True)
+    handoff_answer_s: float = setting(
+        10.0, "seconds a hand-off waits for the CPU worker's answer to a reservation or an import before it runs "
+              "on the GPU worker instead", low=0, low_open=True)
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.startup_timeout_s <= 0:
             raise ValueError(f"startup_timeout_s must be > 0, got {self.startup_timeout_s}")
-        if not self.handoff_stall_s > 0:
-            raise ValueError(f"handoff_stall_s must be > 0, got {self.handoff_stall_s}")
+        for name in ("handoff_stall_s", "handoff_answer_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
 class Router:

@@ -97,7 +97,7 @@ class GenerationStream:
             client.add(request)
             return
         self.handoff = Handoff(self, request, client, cpu, self.router.handoff_metrics, self.router.handoff_pause,
-                               self.router.config.handoff_stall_s)
+                               self.router.config.handoff_stall_s, self.router.config.handoff_answer_s)
         self.handoff.start()
 
     def _abort(self) -> None:

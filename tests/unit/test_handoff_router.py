@@ -64,10 +64,10 @@ class FakeSink:
         self.moves.append((old, new))
 
 
-def make(pause: PauseHook | None = None, stall_s: float = 5.0):
+def make(pause: PauseHook | None = None, stall_s: float = 5.0, answer_s: float = 10.0):
     gpu, cpu, sink, metrics = FakeClient("gpu", "gpu-0"), FakeClient("cpu", "cpu-1"), FakeSink(), HandoffMetrics()
     request = AddRequest(RID, [5, 6, 7], SamplingParams(temperature=0), seed=1, max_tokens=8, eos_token_id=2)
-    h = Handoff(sink, request, gpu, cpu, metrics, pause or PauseHook(), stall_s)
+    h = Handoff(sink, request, gpu, cpu, metrics, pause or PauseHook(), stall_s, answer_s)
     h.start()
     return h, gpu, cpu, sink, metrics
 
@@ -259,6 +259,29 @@ async def test_a_gap_that_fills_in_time_is_not_a_loss():
     h.on_message(gpu, SeqOutput(RID, 0, [10]))
     await asyncio.sleep(0.4)
     assert [o.token_ids for o in sink.items] == [[10], [11]] and h.state == S.DECODING_ON_CPU
+
+
+async def test_a_silent_cpu_worker_counts_as_refusing_the_reservation():
+    h, gpu, cpu, sink, metrics = make(answer_s=0.05)
+    await asyncio.sleep(0.3 * TIME_FACTOR)
+    assert h.state == S.ON_GPU and [k for k, _ in gpu.sent] == ["add"] and cpu.sent[-1] == ("abort", Abort([RID]))
+    assert "did not answer within 0.05 s" in h.route() and metrics.outcomes["refused"] == 1
+
+
+async def test_a_silent_cpu_worker_after_export_resumes_on_the_gpu():
+    h, gpu, cpu, sink, metrics = make(answer_s=0.05)
+    walk(h, gpu, cpu, S.EXPORTED)
+    await asyncio.sleep(0.3 * TIME_FACTOR)
+    assert h.state == S.ON_GPU and gpu.sent[-1] == ("send", HandoffResume(RID)) and metrics.outcomes["resumed"] == 1
+    assert cpu.sent[-1] == ("abort", Abort([RID]))
+
+
+async def test_the_answer_timer_starts_after_a_pause():
+    h, gpu, cpu, sink, _ = make(PauseHook.from_env({"HYBRIDGATE_TEST_HANDOFF_PAUSE": "EXPORTED:0.2"}), answer_s=0.15)
+    walk(h, gpu, cpu, S.EXPORTED)
+    await asyncio.sleep(0.22)  # the pause (0.1-0.2 s) ended, the answer timer has not fired
+    h.on_message(cpu, HandoffImported(RID, 1))
+    assert h.state == S.DECODING_ON_CPU
 
 
 async def test_messages_from_another_worker_are_ignored():
