@@ -16,7 +16,8 @@ _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 class GatewayMetrics:
     """Per-request histograms and counters, plus engine counters read from worker clients."""
 
-    def __init__(self, clients: Callable[[], Iterable] | None = None, handoff: Callable[[], object] | None = None):
+    def __init__(self, clients: Callable[[], Iterable] | None = None,
+                 handoff: Callable[[], object] | None = None):
         self.registry = CollectorRegistry()
         self.ttft = Histogram("hybridgate:time_to_first_token_seconds", "Time to first token (TTFT), seconds.",
                               buckets=_LATENCY_BUCKETS, registry=self.registry)

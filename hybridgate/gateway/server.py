@@ -55,7 +55,8 @@ class Gateway:
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.so_reuseport", 0),  # a second server on a taken port fails instead of sharing it
         ])
-        pb_grpc.add_GenerationServicer_to_server(GenerationService(router, self.metrics, allow_client_routes=config.allow_client_routes), self.server)
+        service = GenerationService(router, self.metrics, allow_client_routes=config.allow_client_routes)
+        pb_grpc.add_GenerationServicer_to_server(service, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)

@@ -11,11 +11,11 @@ from hybridgate.router.errors import (
     UnavailableError,
     WorkerRequestError,
 )
-from hybridgate.router.router import Router, RouterConfig
+from hybridgate.router.router import ROUTES, Router, RouterConfig
 from hybridgate.router.stream import Delta, GenerationStream, Timings, Usage
 
 __all__ = [
-    "Delta", "FingerprintMismatchError", "GenerationStream", "InvalidRequestError", "Router", "RouterConfig",
+    "ROUTES", "Delta", "FingerprintMismatchError", "GenerationStream", "InvalidRequestError", "Router", "RouterConfig",
     "RouterError", "Timings", "UnavailableError", "Usage", "WorkerClient", "WorkerDead", "WorkerRequestError",
     "ZmqWorkerClient",
 ]

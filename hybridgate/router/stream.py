@@ -196,8 +196,14 @@ class GenerationStream:
             self.request_id, index, text, ids, finish,
             usage=Usage(len(self.prompt_ids), len(self.ids), self._cached),
             timings=Timings(self._queue_ms, ttft, (now - self._arrival) * 1e3),
-            route=self.handoff.route() if self.handoff is not None else f"{self.client.kind} ({worker_name(self.client)})",
+            route=self._route(),
         )
+
+    def _route(self) -> str:
+        """The plan and the workers that served it: "gpu (gpu-0)", "gpu->cpu (gpu-0 -> cpu-1)"."""
+        if self.handoff is not None:
+            return self.handoff.route()
+        return f"{self.client.kind} ({worker_name(self.client)})"
 
 
 def _error_of(item) -> BaseException:

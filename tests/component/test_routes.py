@@ -35,7 +35,8 @@ class Scripted:
     """A worker that plays SCRIPT; the GPU one exports after token 0 when asked, the CPU one imports."""
 
     def __init__(self, fp: str, kind: str, name: str, *, refuse_reserve: str = "", refuse_import: str = ""):
-        self.kind, self.endpoint, self.state, self.stats = kind, f"scripted://{name}", WorkerState.CONNECTING, EngineStats()
+        self.kind, self.endpoint = kind, f"scripted://{name}"
+        self.state, self.stats = WorkerState.CONNECTING, EngineStats()
         self.hello = Hello(kind, fp, 8, 8192, 0, True, name=name,
                            handoff_endpoint=f"ipc:///tmp/{name}-h" if kind == "cpu" else "")
         self.refuse_reserve, self.refuse_import = refuse_reserve, refuse_import
