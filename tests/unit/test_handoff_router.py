@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from conftest import TIME_FACTOR
 from hybridgate.router.client import WorkerDead
-from hybridgate.router.handoff import Handoff, HandoffMetrics, HandoffState, PauseHook, Reorder
+from hybridgate.router.handoff import Handoff, HandoffMetrics, HandoffState, PauseHook
+from hybridgate.router.reorder import Reorder
 from hybridgate.wire import (
     Abort,
     AddRequest,
@@ -231,6 +232,16 @@ async def test_cpu_outputs_wait_for_the_confirmed_import_and_are_dropped_on_resu
     assert gpu.sent[-1] == ("send", HandoffResume(RID)) and h.state == S.ON_GPU
     h.on_message(gpu, SeqOutput(RID, 1, [21]))
     assert [o.token_ids for o in sink.items] == [[10], [21]]
+
+
+async def test_a_loss_during_a_pause_ends_it_and_the_new_state_is_not_paused():
+    h, gpu, cpu, sink, _ = make(PauseHook.from_env({"HYBRIDGATE_TEST_HANDOFF_PAUSE": "EXPORTED:5"}), answer_s=0.05)
+    walk(h, gpu, cpu, S.EXPORTED)
+    h.on_message(cpu, HandoffImported(RID, 1))  # held by the pause
+    h.on_message(cpu, WorkerDead("cpu killed"))
+    assert h.state == S.ON_GPU and gpu.sent[-1] == ("send", HandoffResume(RID))
+    await asyncio.sleep(0.1)  # the stale import is offered to ON_GPU, which ignores it
+    assert h.state == S.ON_GPU and sink.moves == [] and not h.imported
 
 
 async def test_cpu_outputs_before_the_import_message_are_passed_on_once_it_arrives():
