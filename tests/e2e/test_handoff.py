@@ -42,7 +42,7 @@ HANDOFF_STATES = ("RESERVING", "PREFILLING", "EXPORTED", "IMPORTED", "DECODING_O
 
 class Gateway(Proc):
     def __init__(self, tmp, name: str, endpoints: list[str], env: dict[str, str]):
-        args = ["gateway", "--port", "0", "--metrics-port", "0", "--allow-client-routes", "--worker-timeout", "0.5"]
+        args = ["gateway", "--port", "0", "--metrics-port", "0", "--allow-client-routes"]
         for ep in endpoints:
             args += ["--worker", ep]
         super().__init__(args, tmp / f"{name}.log", env)
