@@ -144,6 +144,7 @@ class Reservation:
     next_layer: int = 0  # layers imported so far
     started: float = 0.0  # monotonic time the header arrived
     nbytes: int = 0
+    write_s: float = 0.0  # converting and writing the KV into the cache
 
 
 @dataclass
@@ -498,9 +499,11 @@ class HandoffState:
         if len(frames) != 2 * part.num_layers:
             raise HandoffRefusal("frames", f"{len(frames)} frames for {part.num_layers} layers, expected "
                                  f"{2 * part.num_layers} (K and V per layer)")
+        start = time.monotonic()
         arrays = frames_to_float32(frames, h, self.spec)
         for j in range(part.num_layers):
             self.engine.runner.import_kv(r.block_table, part.first_layer + j, arrays[2 * j], arrays[2 * j + 1])
+        r.write_s += time.monotonic() - start
         r.next_layer += part.num_layers
         r.nbytes += sum(memoryview(f.buffer if hasattr(f, "buffer") else f).nbytes for f in frames)
         if r.next_layer == h.num_layers:
@@ -527,4 +530,5 @@ class HandoffState:
         self.import_s += elapsed
         self._count(HandoffOutcome.DONE)
         self.pauses.pause("imported")
-        self.notices.append((r.client, HandoffImported(seq.request_id, h.next_token_index, elapsed * 1e3)))
+        self.notices.append((r.client, HandoffImported(seq.request_id, h.next_token_index, elapsed * 1e3,
+                                                                     r.write_s * 1e3)))
