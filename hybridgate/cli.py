@@ -60,7 +60,8 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         model_path=_model_path(args.model), endpoint=args.endpoint, kind=args.kind, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, threads=args.threads, device=args.device,
         kv_cache_memory=args.kv_cache_memory, prefix_caching=not args.no_prefix_caching,
-        enforce_eager=args.enforce_eager,
+        enforce_eager=args.enforce_eager, handoff_endpoint=args.handoff_endpoint,
+        handoff_buffer_memory=args.handoff_buffer_memory, cache_imported_kv=args.cache_imported_kv,
     ))
     return 0
 
@@ -174,6 +175,13 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--kind", choices=("gpu", "cpu"), default="gpu",
                         help="gpu: the PyTorch runner (on a CPU torch device without CUDA); "
                              "cpu: the Numba runner on GGUF blocks (work in progress, slower for now)")
+    worker.add_argument("--handoff-endpoint", default="",
+                        help="CPU workers: where to bind the socket for incoming KV hand-offs (default: "
+                             "ENDPOINT.handoff for ipc://, none for tcp://)")
+    worker.add_argument("--handoff-buffer-memory", default="256MiB",
+                        help="GPU workers: the pinned slab KV hand-offs stream through (default 256MiB)")
+    worker.add_argument("--cache-imported-kv", action="store_true",
+                        help="CPU workers: register KV imported by hand-offs in the prefix cache")
     worker.set_defaults(func=_cmd_worker)
 
     gen = sub.add_parser("generate", help="stream one answer from a running gateway")

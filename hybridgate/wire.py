@@ -378,7 +378,8 @@ class HandoffImported(msgspec.Struct, frozen=True):
 
     request_id: str
     next_token_index: int
-    import_ms: float = 0.0
+    import_ms: float = 0.0  # header received to imported (includes waiting for the parts)
+    write_ms: float = 0.0  # of which converting and writing the KV into the cache
 
 
 class HandoffRefused(msgspec.Struct, frozen=True):

@@ -17,6 +17,7 @@ from typing import Protocol
 
 from hybridgate.mempool import BlockAllocator
 from hybridgate.wire import Abort, AddRequest, EngineStats, Outputs, RequestError, SeqOutput
+from hybridgate.workers.handoff import HandoffConfig, HandoffState, KVSpec
 from hybridgate.workers.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from hybridgate.workers.sequence import FINISH_OF_STATUS, Sequence, SequenceStatus
 
@@ -49,7 +50,7 @@ class EngineCore:
     """Sequences, scheduler, block allocator and runner; one `step()` is one forward pass."""
 
     def __init__(self, runner: ModelRunner, scheduler_config: SchedulerConfig, fingerprint: str = "",
-                 prefix_caching: bool = True):
+                 prefix_caching: bool = True, handoff: HandoffConfig | None = None):
         self.runner = runner
         self.allocator = BlockAllocator(runner.num_blocks, runner.block_size, prefix_caching)
         self.scheduler = Scheduler(scheduler_config, self.allocator, fingerprint)
@@ -60,6 +61,9 @@ class EngineCore:
         self._early_aborts: dict[tuple[bytes, str], None] = {}
         # Start-up figures: the kernels were compiled or loaded by the runner's warm-up.
         self.stats.kernel_cache_hits, self.stats.kernel_cache_misses = runner.kernel_cache_stats()
+        layout = getattr(runner, "kv_layout", None)
+        spec = KVSpec(fingerprint, runner.block_size, *layout()) if layout is not None else None
+        self.handoffs = HandoffState(self, handoff or HandoffConfig(), spec)
 
     def add(self, request: AddRequest, client: bytes = b"") -> RequestError | None:
         if (client, request.request_id) in self._early_aborts:
@@ -84,8 +88,12 @@ class EngineCore:
         for rid in request_ids:
             seq = self._by_id.pop((client, rid), None)
             if seq is not None:
-                self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+                # A parked sequence (hand-off export) frees its blocks once no copy reads them.
+                if not self.handoffs.abort_parked((client, rid)):
+                    self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
                 aborted.append(seq)
+            elif self.handoffs.abort_reservation(client, rid):
+                pass
             else:
                 self._early_aborts[(client, rid)] = None
                 if len(self._early_aborts) > _MAX_EARLY_ABORTS:
@@ -116,6 +124,7 @@ class EngineCore:
             if seq.status.finished:
                 self._by_id.pop((seq.client, seq.request_id), None)
                 self.scheduler.finish(seq, seq.status)
+        self.handoffs.after_step(sampled)  # gpu->cpu: park and export after the first token
         self.stats.steps += 1
         self.stats.batch_size_counts[len(batch)] = self.stats.batch_size_counts.get(len(batch), 0) + 1
         return list(sampled)
@@ -134,6 +143,7 @@ class EngineCore:
             sched.stats.preemptions, sched.stats.prefill_tokens, sched.stats.cached_tokens)
         s.pinned_bytes_in_use, s.pinned_peak_bytes, s.pinned_fallbacks = (
             pool.bytes_in_use, pool.peak_bytes, pool.fallbacks)
+        self.handoffs.fill_stats(s)
         return s
 
 
@@ -174,16 +184,20 @@ class Inbox:
 class EngineLoop:
     """The busy loop. `send(client, message)` delivers outputs and errors."""
 
-    def __init__(self, engine: EngineCore, inbox: Inbox, send: Callable[[bytes, object], None]):
+    def __init__(self, engine: EngineCore, inbox: Inbox, send: Callable[[bytes, object], None],
+                 send_handoff: Callable[[bytes, object], None] | None = None):
         self.engine = engine
         self.inbox = inbox
         self.send = send
+        self.send_handoff = send_handoff  # replies on the hand-off socket (CPU worker)
         self.stopping = threading.Event()
 
     def run(self) -> None:
         while not self.stopping.is_set():
             self._drain(block=not self.engine.has_work())
             self._apply_aborts(set())
+            self.engine.handoffs.expire()
+            self._flush_handoff_notices()
             if not self.engine.has_work():
                 self.engine.refresh_stats()
                 continue
@@ -195,6 +209,15 @@ class EngineLoop:
                 continue
             self._apply_aborts({id(s) for s in stepped})
             self._push([s for s in stepped if s.status != SequenceStatus.FINISHED_ABORTED])
+            self._flush_handoff_notices()
+
+    def _flush_handoff_notices(self) -> None:
+        notices, replies = self.engine.handoffs.take_notices()
+        for client, msg in notices:
+            self.send(client, msg)
+        for peer, msg in replies:
+            if self.send_handoff is not None:
+                self.send_handoff(peer, msg)
 
     def _drain(self, block: bool) -> None:
         try:
@@ -213,6 +236,8 @@ class EngineLoop:
                 self.send(client, error)
         elif msg == "client-gone":
             self.engine.abort_client(client)
+        elif self.engine.handoffs.handles(msg):
+            self.engine.handoffs.handle(client, msg)
 
     def _apply_aborts(self, stepped: set[int]) -> None:
         for client, ids in self.inbox.take_aborts():

@@ -22,8 +22,10 @@ import msgspec
 import zmq
 
 from hybridgate import wire
+from hybridgate.config import setting
 from hybridgate.wire import Connect, EngineStats, Hello, Load, MsgType, Ready
 from hybridgate.workers.engine import EngineCore, EngineLoop, Inbox
+from hybridgate.workers.handoff import DEFAULT_RESERVATION_TIMEOUT_S, HandoffConfig, HandoffIncoming
 from hybridgate.workers.scheduler import SchedulerConfig
 
 log = logging.getLogger("hybridgate.worker")
@@ -45,6 +47,18 @@ class WorkerConfig:
     enforce_eager: bool = False
     heartbeat_s: float = 0.1
     parent_pid: int | None = None  # exit when this process dies
+    handoff_endpoint: str = setting(
+        "", "CPU workers: where to bind the socket for incoming KV hand-offs (ipc://PATH or tcp://HOST:PORT); "
+        "default: ENDPOINT.handoff for an ipc:// endpoint, none for tcp://", flag="--handoff-endpoint")
+    handoff_buffer_memory: str = setting(
+        "256MiB", "GPU workers: the pinned host slab KV hand-offs stream through (bytes, e.g. 256MiB); "
+        "hand-offs larger than it stream layer by layer", flag="--handoff-buffer-memory")
+    cache_imported_kv: bool = setting(
+        False, "CPU workers: register KV imported by hand-offs in the prefix cache (off: a worker's outputs "
+        "never depend on which hand-offs came before)", flag="--cache-imported-kv")
+    handoff_reservation_timeout_s: float = setting(
+        DEFAULT_RESERVATION_TIMEOUT_S, "CPU workers: seconds a KV hand-off reservation waits for its KV",
+        low=0, low_open=True)
 
     def __post_init__(self) -> None:
         if self.kind not in ("gpu", "cpu"):
@@ -53,6 +67,30 @@ class WorkerConfig:
             raise ValueError(f"endpoint must start with ipc://, tcp:// or inproc://, got {self.endpoint!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.handoff_endpoint and not self.handoff_endpoint.startswith(("ipc://", "tcp://", "inproc://")):
+            raise ValueError(f"handoff_endpoint must start with ipc://, tcp:// or inproc://, got "
+                             f"{self.handoff_endpoint!r}")
+        if self.handoff_reservation_timeout_s <= 0:
+            raise ValueError(f"handoff_reservation_timeout_s must be > 0, got {self.handoff_reservation_timeout_s}")
+        self.handoff_buffer_bytes  # raises on a bad size
+
+    @property
+    def handoff_buffer_bytes(self) -> int:
+        from hybridgate.workers.memory import parse_memory
+
+        value = parse_memory(self.handoff_buffer_memory, gpu=False)
+        if value <= 1:
+            raise ValueError(f"handoff_buffer_memory: expected bytes (e.g. 256MiB), got {self.handoff_buffer_memory!r}")
+        return int(value)
+
+    @property
+    def resolved_handoff_endpoint(self) -> str:
+        """CPU workers: the hand-off socket's endpoint ("" = none): the setting, else derived from `endpoint`."""
+        if self.kind != "cpu":
+            return ""
+        if self.handoff_endpoint:
+            return self.handoff_endpoint
+        return "" if self.endpoint.startswith("tcp://") else self.endpoint + ".handoff"
 
 
 def build_runner(config: WorkerConfig):
@@ -79,6 +117,11 @@ class WorkerIO:
     """The I/O thread: owns the ROUTER socket."""
 
     def __init__(self, ctx: zmq.Context, endpoint: str, hello: Hello, inbox: Inbox, heartbeat_s: float):
+        self.handoff_socket = None
+        if hello.handoff_endpoint:  # CPU workers: KV hand-offs from GPU workers (header, then parts)
+            self.handoff_socket = ctx.socket(zmq.ROUTER)
+            self.handoff_socket.setsockopt(zmq.LINGER, 0)
+            self.handoff_socket.bind(hello.handoff_endpoint)
         self.socket = ctx.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
@@ -93,7 +136,9 @@ class WorkerIO:
         self.stats = EngineStats()
         self.stopping = threading.Event()
         self._ready = threading.Event()
-        self._handlers = {MsgType.CONNECT: self._on_connect, MsgType.ADD: self._on_add}
+        self._handlers = {MsgType.CONNECT: self._on_connect, MsgType.ADD: self._on_add,
+                          MsgType.HANDOFF_RESERVE: self._on_add, MsgType.HANDOFF_RELEASE: self._on_add,
+                          MsgType.HANDOFF_RESUME: self._on_add}
 
     def engine_sender(self, ctx: zmq.Context):
         """A send(client, message) for the engine thread (its own PUSH socket)."""
@@ -106,6 +151,15 @@ class WorkerIO:
 
         return send
 
+    def engine_handoff_sender(self):
+        """A send(peer, message) for the engine thread's replies on the hand-off socket
+        (after engine_sender: it shares that PUSH socket; an empty first frame marks them)."""
+
+        def send(peer: bytes, msg) -> None:
+            self._engine_push.send_multipart([b"", peer, *wire.encode(msg)], copy=False)
+
+        return send
+
     def set_ready(self) -> None:
         """Called from the engine thread; the I/O thread sends READY on its next pass."""
         self._ready.set()
@@ -114,6 +168,8 @@ class WorkerIO:
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
         poller.register(self.from_engine, zmq.POLLIN)
+        if self.handoff_socket is not None:
+            poller.register(self.handoff_socket, zmq.POLLIN)
         next_beat = time.monotonic()
         while not self.stopping.is_set():
             events = dict(poller.poll(timeout=max(0.0, next_beat - time.monotonic()) * 1e3))
@@ -121,6 +177,8 @@ class WorkerIO:
                 self._recv_from_router()
             if self.from_engine in events:
                 self._forward_engine_output()
+            if self.handoff_socket is not None and self.handoff_socket in events:
+                self._recv_handoff()
             if self._ready.is_set() and not self.hello.ready:
                 self.hello = msgspec.structs.replace(self.hello, ready=True)
                 for client in list(self.clients):
@@ -146,6 +204,19 @@ class WorkerIO:
             except (ValueError, KeyError) as exc:
                 log.warning("dropping a bad message from %r: %s", client, exc)
 
+    def _recv_handoff(self) -> None:
+        """KV hand-off messages, frames not copied, to the engine (which checks and imports them)."""
+        while True:
+            try:
+                peer, *frames = self.handoff_socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            kind = frames[0].bytes if frames else b""
+            if kind not in (MsgType.HANDOFF_KV.value, MsgType.HANDOFF_KV_PART.value) or len(frames) < 2:
+                log.warning("dropping a message of type %r on the hand-off socket", kind)
+                continue
+            self.inbox.requests.put((peer.bytes, HandoffIncoming(kind, frames[1].buffer, frames[2:])))
+
     def _on_connect(self, client: bytes, msg: Connect) -> None:
         self.clients.add(client)
         self._send(client, self.hello)
@@ -159,10 +230,16 @@ class WorkerIO:
     def _forward_engine_output(self) -> None:
         while True:
             try:
-                client, kind, body = self.from_engine.recv_multipart(zmq.NOBLOCK)
+                client, *frames = self.from_engine.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._send(client, None, [kind, body])
+            if not client:  # a reply on the hand-off socket: [b"", peer, kind, body]
+                try:
+                    self.handoff_socket.send_multipart(frames, zmq.NOBLOCK)
+                except (zmq.error.Again, zmq.error.ZMQError, AttributeError) as exc:
+                    log.info("hand-off peer unreachable (%s)", exc)
+                continue
+            self._send(client, None, frames)
 
     def _send(self, client: bytes, msg, frames: list | None = None) -> None:
         try:
@@ -178,6 +255,8 @@ class WorkerIO:
             self._engine_push.close(0)
         self.socket.close(0)
         self.from_engine.close(0)
+        if self.handoff_socket is not None:
+            self.handoff_socket.close(0)
 
 
 def _die_with_parent(parent_pid: int | None) -> None:
@@ -215,19 +294,29 @@ def run_worker(config: WorkerConfig) -> None:
     ctx = zmq.Context()
     inbox = Inbox()
     hello = Hello(kind=config.kind, fingerprint=fingerprint, max_num_seqs=config.max_num_seqs,
-                  max_model_len=runner.max_model_len, pid=os.getpid(), ready=False)
+                  max_model_len=runner.max_model_len, pid=os.getpid(), ready=False,
+                  handoff_endpoint=config.resolved_handoff_endpoint)
     io = WorkerIO(ctx, config.endpoint, hello, inbox, config.heartbeat_s)
     io_thread = threading.Thread(target=io.run, name="worker-io", daemon=True)
     io_thread.start()
     runner.warm_up()
     engine = EngineCore(runner, SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
-                        hello.fingerprint, config.prefix_caching)
-    loop = EngineLoop(engine, inbox, io.engine_sender(ctx))
+                        hello.fingerprint, config.prefix_caching,
+                        HandoffConfig(config.cache_imported_kv, config.handoff_reservation_timeout_s))
+    exporter = None
+    if config.kind == "gpu":
+        from hybridgate.workers.gpu.export import KVExporter
+
+        exporter = engine.handoffs.exporter = KVExporter(
+            runner, ctx, lambda ev: inbox.requests.put((b"", ev)), buffer_memory=config.handoff_buffer_bytes)
+    loop = EngineLoop(engine, inbox, io.engine_sender(ctx), io.engine_handoff_sender())
     io.stats = engine.stats  # read by the heartbeat; the engine refreshes it every pass
     io.set_ready()  # the I/O thread sends READY on its next pass
     log.info("%s worker ready on %s (pid %d)", config.kind, config.endpoint, os.getpid())
     threading.Thread(target=lambda: (stop.wait(), loop.stopping.set()), daemon=True).start()
     loop.run()
+    if exporter is not None:
+        exporter.close()
     io.stopping.set()
     io_thread.join(timeout=2)
     io.close()

@@ -51,6 +51,10 @@ class Sequence:
         self.cached_tokens = 0  # prompt tokens served from the prefix cache at first scheduling
         self.scheduled_once = False
         self.sent = 0  # output ids already sent to the router
+        self.first_token_index = request.first_token_index  # token index of output_ids[0]
+        self.handoff = request.handoff  # gpu->cpu: export after the first token (GPU worker)
+        self.imported = False  # its KV came from a hand-off (CPU worker): preempted last
+        self.cacheable = True  # its blocks may enter the prefix cache (not for imported KV unless configured)
 
     @property
     def num_tokens(self) -> int:

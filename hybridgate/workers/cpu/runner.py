@@ -79,6 +79,44 @@ class NumbaRunner:
     def kernel_cache_stats(self) -> tuple[int, int]:
         return kernel_cache_stats()
 
+    def kv_layout(self) -> tuple[int, int, int, str]:
+        """(layers, KV heads, head dim, dtype) of this cache: what a KV hand-off must match."""
+        c = self.model.config
+        return c.num_layers, c.num_kv_heads, c.head_dim, "float32"
+
+    def import_kv(self, block_table: list[int], layer: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Write one layer's K and V of a hand-off into `block_table`'s blocks, in this cache's layout.
+
+        k, v: float32 `[num_tokens, kv_heads, head_dim]` (slot t of the sequence is row t);
+        keys are stored transposed within each block. Raises ValueError on shapes that do
+        not fit the table.
+        """
+        bs = self.block_size
+        n = k.shape[0]
+        if k.shape != v.shape or k.shape[1:] != self.v_cache[layer].shape[1:] or -(-n // bs) > len(block_table):
+            raise ValueError(f"KV of shape {k.shape} and {v.shape} does not fit {len(block_table)} blocks of "
+                             f"{bs} x {self.v_cache[layer].shape[1:]}")
+        full, rest = divmod(n, bs)
+        kc, vc = self.k_cache[layer], self.v_cache[layer]
+        vb = vc.reshape(-1, bs, *vc.shape[1:])  # [blocks, block, kv_heads, dim] (a view)
+        if full:
+            table = np.asarray(block_table[:full], dtype=np.int64)
+            kc[table] = k[: full * bs].reshape(full, bs, *k.shape[1:]).transpose(0, 2, 3, 1)
+            vb[table] = v[: full * bs].reshape(full, bs, *v.shape[1:])
+        if rest:
+            b = block_table[full]
+            kc[b, :, :, :rest] = k[full * bs :].transpose(1, 2, 0)
+            vb[b, :rest] = v[full * bs :]
+
+    def read_kv(self, block_table: list[int], layer: int, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        """float32 K and V `[num_tokens, kv_heads, head_dim]` of a sequence's blocks (copies; for tests)."""
+        bs = self.block_size
+        table = np.asarray(block_table[: -(-num_tokens // bs)], dtype=np.int64)
+        k = self.k_cache[layer][table].transpose(0, 3, 1, 2).reshape(-1, *self.v_cache[layer].shape[1:])
+        vc = self.v_cache[layer]
+        v = vc.reshape(-1, bs, *vc.shape[1:])[table].reshape(-1, *vc.shape[1:])
+        return k[:num_tokens].copy(), v[:num_tokens].copy()
+
     def forward(self, batch: ScheduledBatch) -> np.ndarray:
         """float32 logits `[len(batch), vocab]` at each entry's last new token."""
         buf = self.pool.acquire()
