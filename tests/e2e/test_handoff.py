@@ -121,19 +121,33 @@ def cpu_runner(gguf_model):
     return runner
 
 
+_PREFILLED: dict[str, list[int]] = {"prompt": []}  # the prompt whose full blocks hold KV in blocks 0, 1, ...
+
+
 def teacher_forced(runner, prompt_ids: list[int], ids: list[int], params: SamplingParams, seed: int):
     """The CPU worker's own choice at every index i >= 1 given prompt + ids[:i], and its top-2 gap.
 
     Returns (reference ids for indexes 1.., their top-2 gaps): the gap is between the two largest
     scores the sampler compares (logits at temperature 0; logits / T + Gumbel noise otherwise).
+    The KV of the prompt's full blocks is computed once per prompt (both temperatures share it):
+    the runner's own KV, never a worker's prefix cache.
     """
     from hybridgate.workers.sampling import apply_repetition_penalty, gumbel_noise, sample_row
     from hybridgate.workers.scheduler import ScheduledBatch
     from hybridgate.workers.sequence import Sequence
 
+    full = len(prompt_ids) // runner.block_size * runner.block_size
+    if _PREFILLED["prompt"] != prompt_ids[:full]:
+        _PREFILLED["prompt"] = []
+        if full:
+            prefix = Sequence(AddRequest("prefix", prompt_ids[:full], params, seed, 1, -1))
+            prefix.block_table = list(range(full // runner.block_size))
+            runner.forward(ScheduledBatch([(prefix, full)]))
+        _PREFILLED["prompt"] = prompt_ids[:full]
     seq = Sequence(AddRequest("ref", prompt_ids + ids[:1], params, seed, len(ids) + 1, -1))
     seq.block_table = list(range((len(prompt_ids) + len(ids)) // runner.block_size + 1))
-    logits = runner.forward(ScheduledBatch([(seq, seq.num_tokens)]))[0]
+    seq.num_computed = full
+    logits = runner.forward(ScheduledBatch([(seq, seq.num_tokens - full)]))[0]
     refs, gaps = [], []
     for i in range(1, len(ids)):
         seen = prompt_ids + ids[:i]
