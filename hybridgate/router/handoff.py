@@ -21,8 +21,9 @@ it is retried or resumed elsewhere by re-prefill, as any lost worker's stream.
     PREFILLING       G: export failed               Abort → C (frees the reservation);   ON_GPU
                                                     outcome refused (not when finished)
     PREFILLING       C: refused; C lost             wait for G's exported/export failed  PREFILLING
-    PREFILLING,      C: imported                    clock stops; outcome done            IMPORTED
-      EXPORTED
+    PREFILLING       C: imported (its message can   as if G had said exported, then      EXPORTED →
+                     overtake G's exported)         the import (below)                    IMPORTED
+    EXPORTED         C: imported                    clock stops; outcome done            IMPORTED
     PREFILLING       G lost                         Abort → C; lost → stream             CLOSED
     EXPORTED         C: refused; C lost; no answer  Resume → G, Abort → C;               ON_GPU
                      within answer_s                outcome resumed
@@ -204,8 +205,8 @@ class Handoff:
         self.imported = False  # C confirmed the import: it decodes from token 1 on
         self._cpu_failed: str | None = None  # C refused or was lost while G prefilled
         self._gpu_lost = False
-        self._exported_at: float | None = None
-        self._export_s = 0.0
+        self._export_started: float | None = None  # monotonic, from G's HandoffExported
+        self._imported_at: float | None = None  # set when C's confirmation came before G's HandoffExported
         self._early: list[SeqOutput] = []  # C's outputs before its import was confirmed here
         self._held: list[tuple[WorkerClient, msgspec.Struct]] | None = None  # control events during a pause
         self._gap_timer: asyncio.TimerHandle | None = None
@@ -306,9 +307,14 @@ class Handoff:
         self._enter(HandoffState.PREFILLING)
 
     def _on_exported(self, client: WorkerClient, msg: HandoffExported) -> None:
-        if client is not self.gpu or self.state != HandoffState.PREFILLING:
+        if client is not self.gpu:
             return
-        self._exported_at, self._export_s = time.monotonic(), msg.export_ms / 1e3  # export started this long before
+        # G sends this once the KV send is queued, so the export started export_ms before.
+        self._export_started = time.monotonic() - msg.export_ms / 1e3
+        if self._imported_at is not None:  # C's confirmation overtook this message
+            self.metrics.observe(max(0.0, self._imported_at - self._export_started))
+        if self.state != HandoffState.PREFILLING:
+            return
         if self._cpu_failed is not None:
             self._resume(self._cpu_failed)
             return
@@ -327,8 +333,15 @@ class Handoff:
     def _on_imported(self, client: WorkerClient, msg: HandoffImported) -> None:
         if client is not self.cpu or self.state not in (HandoffState.PREFILLING, HandoffState.EXPORTED):
             return
-        if self._exported_at is not None:
-            self.metrics.observe(time.monotonic() - self._exported_at + self._export_s)
+        if self.state == HandoffState.PREFILLING:  # the KV was evidently exported: that state first
+            self._enter(HandoffState.EXPORTED)
+            if self._held is not None:  # EXPORTED's pause holds the import, as it would have
+                self._held.append((client, msg))
+                return
+        if self._export_started is not None:
+            self.metrics.observe(time.monotonic() - self._export_started)
+        else:
+            self._imported_at = time.monotonic()
         self._count("done")
         self.imported = True
         early, self._early = self._early, []

@@ -125,13 +125,23 @@ async def test_export_then_import_releases_the_gpu_and_moves_the_stream():
     assert metrics.outcomes["done"] == 1 and metrics.seconds_count == 1 and 0 <= metrics.seconds_sum < 5
 
 
-async def test_import_reported_before_export_counts_as_import():
+async def test_import_reported_before_export_counts_as_export_then_import():
     h, gpu, cpu, sink, metrics = make()
     walk(h, gpu, cpu, S.PREFILLING)
-    h.on_message(cpu, HandoffImported(RID, 1))
+    h.on_message(cpu, HandoffImported(RID, 1))  # C's message overtook G's HandoffExported
     assert h.state == S.DECODING_ON_CPU and gpu.sent[-1] == ("send", HandoffRelease(RID))
-    h.on_message(gpu, HandoffExported(RID, 100, 1.0))  # late: ignored
-    assert h.state == S.DECODING_ON_CPU
+    assert metrics.outcomes["done"] == 1 and metrics.seconds_count == 0
+    h.on_message(gpu, HandoffExported(RID, 100, export_ms=30.0))  # late: only the clock
+    assert h.state == S.DECODING_ON_CPU and metrics.seconds_count == 1 and 0 <= metrics.seconds_sum <= 0.03
+
+
+async def test_an_overtaking_import_still_meets_the_exported_pause():
+    h, gpu, cpu, sink, _ = make(PauseHook.from_env({"HYBRIDGATE_TEST_HANDOFF_PAUSE": "EXPORTED:5"}))
+    walk(h, gpu, cpu, S.PREFILLING)
+    h.on_message(cpu, HandoffImported(RID, 1))
+    assert h.state == S.EXPORTED and ("send", HandoffRelease(RID)) not in gpu.sent
+    h.on_message(cpu, WorkerDead("cpu killed"))  # the window the kill test uses
+    assert h.state == S.ON_GPU and gpu.sent[-1] == ("send", HandoffResume(RID))
 
 
 @pytest.mark.parametrize("failure", ["refused", "lost"])
