@@ -47,8 +47,10 @@ class _EngineCollector:
                                    labels=["worker"])
         misses = CounterMetricFamily("hybridgate:kernel_cache_misses",
                                      "CPU kernels compiled because the on-disk cache lacked them.", labels=["worker"])
+        handoff = _HandoffFamilies()
         for client in self._clients():
             s, name = client.stats, client.endpoint
+            handoff.add(name, getattr(client, "kind", None), s)
             steps.add_metric([name], s.steps)
             after.add_metric([name], s.tokens_after_abort)
             kv.add_metric([name], s.kv_cache_bytes)
@@ -61,3 +63,56 @@ class _EngineCollector:
             buckets.append(("+Inf", sum(s.batch_size_counts.values())))
             batch.add_metric([name], buckets, sum(n * c for n, c in s.batch_size_counts.items()))
         yield from (steps, after, kv, running, by_size, batch, hits, misses)
+        yield from handoff.families()
+
+
+class _HandoffFamilies:
+    """The workers' KV hand-off counters (EngineStats.handoff_*), labelled gpu_to_cpu. `side` is
+    "export" on GPU workers and "import" on CPU workers (each hand-off's bytes count on both)."""
+
+    def __init__(self):
+        d = ["worker", "direction", "side"]
+        self.bytes = CounterMetricFamily("hybridgate:kv_handoff_bytes", "KV hand-off bytes exported or imported.",
+                                         labels=d)
+        self.copy = CounterMetricFamily("hybridgate:kv_handoff_copy_seconds",
+                                        "Time of the export's gathers into pinned buffers.", labels=d)
+        self.hidden = CounterMetricFamily("hybridgate:kv_handoff_copy_hidden_seconds",
+                                          "Export copy time that ran while a compute step was in flight.", labels=d)
+        self.export = CounterMetricFamily("hybridgate:kv_handoff_export_seconds",
+                                          "Export start to the last part queued, summed.", labels=d)
+        self.imports = CounterMetricFamily("hybridgate:kv_handoff_import_seconds",
+                                           "Header received to imported, summed.", labels=d)
+        self.outcomes = CounterMetricFamily("hybridgate:kv_handoff", "KV hand-offs by outcome, as each worker saw "
+                                            "them.", labels=[*d, "outcome"])
+        self.pool_bytes = GaugeMetricFamily("hybridgate:kv_handoff_pinned_bytes_in_use",
+                                            "Pinned hand-off buffer bytes held now.", labels=["worker"])
+        self.pool_peak = GaugeMetricFamily("hybridgate:kv_handoff_pinned_peak_bytes",
+                                           "Most pinned hand-off buffer bytes held at once.", labels=["worker"])
+        self.pool_waits = CounterMetricFamily("hybridgate:kv_handoff_pinned_waits",
+                                              "Exports that waited for a free pinned buffer.", labels=["worker"])
+        self.parked = GaugeMetricFamily("hybridgate:kv_handoff_parked_sequences",
+                                        "Exported sequences parked on a GPU worker.", labels=["worker"])
+        self.reservations = GaugeMetricFamily("hybridgate:kv_handoff_reservations",
+                                              "Live hand-off reservations on a CPU worker.", labels=["worker"])
+        self.recomputed = CounterMetricFamily("hybridgate:kv_handoff_recomputed",
+                                              "Imported sequences preempted and recomputed.", labels=["worker"])
+
+    def add(self, worker: str, kind: str | None, s) -> None:
+        labels = [worker, "gpu_to_cpu", {"gpu": "export", "cpu": "import"}.get(kind or "", "")]
+        self.bytes.add_metric(labels, s.handoff_bytes_total)
+        self.copy.add_metric(labels, s.handoff_copy_seconds_total)
+        self.hidden.add_metric(labels, s.handoff_copy_hidden_seconds_total)
+        self.export.add_metric(labels, s.handoff_export_seconds_total)
+        self.imports.add_metric(labels, s.handoff_import_seconds_total)
+        for outcome, n in sorted(s.handoff_outcomes.items()):
+            self.outcomes.add_metric([*labels, outcome], n)
+        self.pool_bytes.add_metric([worker], s.handoff_pool_bytes_in_use)
+        self.pool_peak.add_metric([worker], s.handoff_pool_peak_bytes)
+        self.pool_waits.add_metric([worker], s.handoff_pool_waits)
+        self.parked.add_metric([worker], s.handoff_parked)
+        self.reservations.add_metric([worker], s.handoff_reservations)
+        self.recomputed.add_metric([worker], s.handoff_recomputed)
+
+    def families(self):
+        return (self.bytes, self.copy, self.hidden, self.export, self.imports, self.outcomes, self.pool_bytes,
+                self.pool_peak, self.pool_waits, self.parked, self.reservations, self.recomputed)

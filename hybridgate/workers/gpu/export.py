@@ -161,6 +161,7 @@ class KVExporter:
                              f"{2 * self.layer_bytes}")
         slab = (lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True).numpy()) if self.cuda else aligned_slab
         self.pool = PinnedPool(buffer_bytes, num_buffers, slab)
+        self.pool.slab.fill(0)  # touch every page now, not during the first hand-offs
         self.copy_stream = torch.cuda.Stream(dev) if self.cuda else None
         self.jobs: queue.Queue = queue.Queue()
         self.sockets: dict[str, zmq.Socket] = {}
