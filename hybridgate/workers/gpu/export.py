@@ -186,6 +186,8 @@ class KVExporter:
     # --- sender thread -------------------------------------------------------
 
     def _run(self) -> None:
+        if self.cuda:
+            torch.cuda.set_device(self.runner.model.device)
         while not self.stopping.is_set():
             try:
                 job = self.jobs.get(timeout=0.05)
@@ -249,7 +251,11 @@ class KVExporter:
                              f"exceed a pinned buffer ({self.pool.buffer_bytes} bytes)")
         per_part = self.pool.buffer_bytes // (2 * frame_alloc)
         dev = cache.k[0].device
-        table = torch.tensor(job.block_table[:nblk], dtype=torch.int64, device=dev)
+        if self.copy_stream is None:
+            table = torch.tensor(job.block_table[:nblk], dtype=torch.int64)
+        else:
+            with torch.cuda.stream(self.copy_stream):  # allocated, and so reused, on the copy stream only
+                table = torch.tensor(job.block_table[:nblk], dtype=torch.int64).to(dev)
         pending: deque = deque()  # parts copied (or copying), not yet sent
         nbytes, copy_s, hidden_s = 0, 0.0, 0.0
         for first in range(0, h.num_layers, per_part):
