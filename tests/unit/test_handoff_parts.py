@@ -128,3 +128,30 @@ def test_metric_names():
         'hybridgate:kv_handoff_recomputed_total{worker="c"} 1.0',
     ]:
         assert line in text
+
+
+def test_imported_sequences_are_preempted_last_and_counted_when_recomputed():
+    from hybridgate.mempool import BlockAllocator
+    from hybridgate.wire import AddRequest
+    from hybridgate.workers.scheduler import Scheduler, SchedulerConfig
+    from hybridgate.workers.sequence import Sequence, SequenceStatus
+
+    sched = Scheduler(SchedulerConfig(8, 100), BlockAllocator(5, 4), "fp")
+
+    def running(rid: str, n: int, imported: bool) -> Sequence:
+        s = Sequence(AddRequest(rid, list(range(10, 10 + n)), SamplingParams(), 0, 50, 2))
+        sched.allocator.ensure(s.block_table, n)
+        s.num_computed, s.imported, s.cacheable = n, imported, not imported
+        s.output_ids.append(7)
+        sched.unpark(s)
+        return s
+
+    other = running("other", 8, False)  # 2 full blocks: its next token needs a third
+    plain = running("plain", 4, False)  # 1 block, room for its next token
+    imp = running("imp", 6, True)  # 2 blocks, room for its next token; now 0 blocks are free
+    batch = sched.schedule()  # other needs a block: plain goes, though imp is the newest
+    assert [s.request_id for s in batch.sequences] == ["other", "imp"]
+    assert plain.status == SequenceStatus.WAITING and imp.status == SequenceStatus.RUNNING
+    assert sched.stats.recomputed_imports == 0 and sched.allocator.by_hash == {}  # imported KV never cached
+    sched.preempt(imp)
+    assert sched.stats.recomputed_imports == 1
