@@ -66,8 +66,10 @@ class NumbaRunner:
                         for _ in range(c.num_layers)]
         self.scratch_slot = self.num_blocks * block_size
         for k, v in zip(self.k_cache, self.v_cache):
-            k[self.num_blocks] = 0.0
-            v[self.scratch_slot :] = 0.0
+            # Zeroed (so resident) now: a first write to a fresh page costs a fault, which would
+            # otherwise land on the steps, and KV hand-off imports, that first use each block.
+            k.fill(0.0)
+            v.fill(0.0)
         self.pool = PinnedPool(4 << 20, 2)
         log.info("CPU runner: weights %.1f MiB in GGUF blocks, KV cache %d blocks of %d tokens (%.1f MiB), %d threads",
                  self.model.weight_bytes / 2**20, self.num_blocks, block_size,

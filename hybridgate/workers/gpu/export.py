@@ -42,6 +42,7 @@ log = logging.getLogger("hybridgate.worker")
 DEFAULT_BUFFER_MEMORY = 256 << 20
 MAX_BUFFERS = 16  # the slab is cut into at most this many buffers (larger buffers: fewer, larger parts)
 BUFFER_WAIT_S = 10.0
+PARTS_PER_HANDOFF = 10
 _DTYPE_NAME = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -249,7 +250,9 @@ class KVExporter:
         if 2 * frame_alloc > self.pool.buffer_bytes:
             raise ValueError(f"a hand-off of {h.num_tokens} tokens: one layer's K and V ({2 * frame_alloc} bytes) "
                              f"exceed a pinned buffer ({self.pool.buffer_bytes} bytes)")
-        per_part = self.pool.buffer_bytes // (2 * frame_alloc)
+        # About PARTS_PER_HANDOFF parts (fewer when a buffer holds less): the first part's copy and
+        # the last part's import are what the pipeline cannot overlap.
+        per_part = min(self.pool.buffer_bytes // (2 * frame_alloc), max(1, -(-h.num_layers // PARTS_PER_HANDOFF)))
         dev = cache.k[0].device
         if self.copy_stream is None:
             table = torch.tensor(job.block_table[:nblk], dtype=torch.int64)
