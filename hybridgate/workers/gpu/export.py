@@ -288,6 +288,7 @@ class KVExporter:
                 self.copy_stream.synchronize()
             self.notify(ExportEvent(job.key, "cancelled"))
             return
+        self.pauses.pause("exported")
         self.notify(ExportEvent(job.key, "sent", nbytes=nbytes, export_s=time.monotonic() - job.started,
                                 copy_s=copy_s, hidden_s=hidden_s))
 
