@@ -205,10 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks with side-by-side baselines (engine, accuracy)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from hybridgate.bench import add_accuracy_parser, add_engine_parser  # argparse only; torch loads on run
+    from hybridgate.bench import add_accuracy_parser, add_engine_parser, add_handoff_parser  # argparse only
 
     add_engine_parser(bench_sub)
     add_accuracy_parser(bench_sub)
+    add_handoff_parser(bench_sub)
 
     info = sub.add_parser("info", help="print a GGUF model's config and fingerprint")
     _add_model(info)

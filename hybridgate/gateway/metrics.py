@@ -29,7 +29,6 @@ class GatewayMetrics:
                                ["finished_reason"], registry=self.registry)
         if clients is not None:
             self.registry.register(_EngineCollector(clients))
-            self.registry.register(_HandoffWorkerCollector(clients))
         if handoff is not None:
             self.registry.register(_HandoffRouterCollector(handoff))
 
@@ -53,8 +52,10 @@ class _EngineCollector:
                                    labels=["worker"])
         misses = CounterMetricFamily("hybridgate:kernel_cache_misses",
                                      "CPU kernels compiled because the on-disk cache lacked them.", labels=["worker"])
+        handoff = _HandoffFamilies()
         for client in self._clients():
             s, name = client.stats, client.endpoint
+            handoff.add(name, getattr(client, "kind", None), s)
             steps.add_metric([name], s.steps)
             after.add_metric([name], s.tokens_after_abort)
             kv.add_metric([name], s.kv_cache_bytes)
@@ -67,80 +68,81 @@ class _EngineCollector:
             buckets.append(("+Inf", sum(s.batch_size_counts.values())))
             batch.add_metric([name], buckets, sum(n * c for n, c in s.batch_size_counts.items()))
         yield from (steps, after, kv, running, by_size, batch, hits, misses)
+        yield from handoff.families()
 
 
-_DIRECTION = "gpu_to_cpu"
+class _HandoffFamilies:
+    """The workers' KV hand-off counters (EngineStats.handoff_*), labelled gpu_to_cpu. `side` is
+    "export" on GPU workers and "import" on CPU workers (each hand-off's bytes count on both)."""
+
+    def __init__(self):
+        d = ["worker", "direction", "side"]
+        self.bytes = CounterMetricFamily("hybridgate:kv_handoff_bytes", "KV hand-off bytes exported or imported.",
+                                         labels=d)
+        self.copy = CounterMetricFamily("hybridgate:kv_handoff_copy_seconds",
+                                        "Time of the export's gathers into pinned buffers.", labels=d)
+        self.hidden = CounterMetricFamily("hybridgate:kv_handoff_copy_hidden_seconds",
+                                          "Export copy time that ran while a compute step was in flight.", labels=d)
+        self.export = CounterMetricFamily("hybridgate:kv_handoff_export_seconds",
+                                          "Export start to the last part queued, summed.", labels=d)
+        self.imports = CounterMetricFamily("hybridgate:kv_handoff_import_seconds",
+                                           "Header received to imported, summed.", labels=d)
+        self.outcomes = CounterMetricFamily("hybridgate:kv_handoff_worker", "KV hand-offs by outcome, as each "
+                                            "worker saw them (the router's count is hybridgate:kv_handoff_total).",
+                                            labels=[*d, "outcome"])
+        self.pool_bytes = GaugeMetricFamily("hybridgate:kv_handoff_pinned_bytes_in_use",
+                                            "Pinned hand-off buffer bytes held now.", labels=["worker"])
+        self.pool_peak = GaugeMetricFamily("hybridgate:kv_handoff_pinned_peak_bytes",
+                                           "Most pinned hand-off buffer bytes held at once.", labels=["worker"])
+        self.pool_waits = CounterMetricFamily("hybridgate:kv_handoff_pinned_waits",
+                                              "Exports that waited for a free pinned buffer.", labels=["worker"])
+        self.parked = GaugeMetricFamily("hybridgate:kv_handoff_parked_sequences",
+                                        "Exported sequences parked on a GPU worker.", labels=["worker"])
+        self.reservations = GaugeMetricFamily("hybridgate:kv_handoff_reservations",
+                                              "Live hand-off reservations on a CPU worker.", labels=["worker"])
+        self.recomputed = CounterMetricFamily("hybridgate:kv_handoff_recomputed",
+                                              "Imported sequences preempted and recomputed.", labels=["worker"])
+
+    def add(self, worker: str, kind: str | None, s) -> None:
+        labels = [worker, "gpu_to_cpu", {"gpu": "export", "cpu": "import"}.get(kind or "", "")]
+        self.bytes.add_metric(labels, s.handoff_bytes_total)
+        self.copy.add_metric(labels, s.handoff_copy_seconds_total)
+        self.hidden.add_metric(labels, s.handoff_copy_hidden_seconds_total)
+        self.export.add_metric(labels, s.handoff_export_seconds_total)
+        self.imports.add_metric(labels, s.handoff_import_seconds_total)
+        for outcome, n in sorted(s.handoff_outcomes.items()):
+            self.outcomes.add_metric([*labels, outcome], n)
+        self.pool_bytes.add_metric([worker], s.handoff_pool_bytes_in_use)
+        self.pool_peak.add_metric([worker], s.handoff_pool_peak_bytes)
+        self.pool_waits.add_metric([worker], s.handoff_pool_waits)
+        self.parked.add_metric([worker], s.handoff_parked)
+        self.reservations.add_metric([worker], s.handoff_reservations)
+        self.recomputed.add_metric([worker], s.handoff_recomputed)
+
+    def families(self):
+        return (self.bytes, self.copy, self.hidden, self.export, self.imports, self.outcomes, self.pool_bytes,
+                self.pool_peak, self.pool_waits, self.parked, self.reservations, self.recomputed)
 
 
 class _HandoffRouterCollector:
-    """The router's view of its hand-offs (`hybridgate.router.handoff.HandoffMetrics`)."""
+    """The router's view of its hand-offs (`hybridgate.router.handoff.HandoffMetrics`), gpu_to_cpu."""
 
     def __init__(self, metrics: Callable[[], object]):
         self._metrics = metrics
 
     def collect(self):
         m = self._metrics()
-        total = CounterMetricFamily("hybridgate:kv_handoff", "KV hand-offs by outcome (router: done = import "
-                                    "confirmed; refused = ran on the GPU; resumed = resumed on the GPU after "
-                                    "export; aborted = cancelled or lost before import).",
+        total = CounterMetricFamily("hybridgate:kv_handoff", "KV hand-offs by outcome, as the router owns them: "
+                                    "done = import confirmed; refused = ran on the GPU worker; resumed = resumed "
+                                    "on the GPU worker after export; aborted = cancelled or lost before import.",
                                     labels=["direction", "outcome"])
         for outcome, n in m.outcomes.items():
-            total.add_metric([_DIRECTION, outcome], n)
+            total.add_metric(["gpu_to_cpu", outcome], n)
         seconds = HistogramMetricFamily("hybridgate:kv_handoff_seconds",
                                         "KV hand-off time, export start (HandoffExported) to import confirmed "
                                         "(HandoffImported), as the router sees its messages, seconds.",
                                         labels=["direction"])
         buckets = [(str(b), c) for b, c in zip(SECONDS_BUCKETS, m.bucket_counts)]
         buckets.append(("+Inf", m.seconds_count))
-        seconds.add_metric([_DIRECTION], buckets, m.seconds_sum)
+        seconds.add_metric(["gpu_to_cpu"], buckets, m.seconds_sum)
         yield from (total, seconds)
-
-
-class _HandoffWorkerCollector:
-    """Hand-off counters and gauges as each worker last reported them in its EngineStats."""
-
-    def __init__(self, clients: Callable[[], Iterable]):
-        self._clients = clients
-
-    def collect(self):
-        labels = ["worker", "direction"]
-        fam = {
-            "bytes": CounterMetricFamily("hybridgate:kv_handoff_bytes", "K and V bytes exported (GPU worker) or "
-                                         "imported (CPU worker).", labels=labels),
-            "copy": CounterMetricFamily("hybridgate:kv_handoff_copy_seconds", "Gather copies of the KV cache "
-                                        "into pinned buffers, seconds.", labels=labels),
-            "hidden": CounterMetricFamily("hybridgate:kv_handoff_copy_hidden_seconds", "The part of the gather "
-                                          "copies that ran while a compute step was in flight, seconds.",
-                                          labels=labels),
-            "export": CounterMetricFamily("hybridgate:kv_handoff_export_seconds", "GPU worker: export start to "
-                                          "the send queued, seconds.", labels=labels),
-            "import": CounterMetricFamily("hybridgate:kv_handoff_import_seconds", "CPU worker: header received "
-                                          "to the sequence scheduled, seconds.", labels=labels),
-            "outcomes": CounterMetricFamily("hybridgate:kv_handoff_worker", "KV hand-offs by outcome, as each "
-                                            "worker counts them.", labels=[*labels, "outcome"]),
-            "waits": CounterMetricFamily("hybridgate:kv_handoff_pool_waits", "Exports that waited for a free "
-                                         "pinned buffer.", labels=labels),
-            "in_use": GaugeMetricFamily("hybridgate:kv_handoff_pool_bytes_in_use", "Pinned hand-off buffer "
-                                        "bytes held now.", labels=labels),
-            "peak": GaugeMetricFamily("hybridgate:kv_handoff_pool_peak_bytes", "Most pinned hand-off buffer "
-                                      "bytes held at once.", labels=labels),
-            "parked": GaugeMetricFamily("hybridgate:kv_handoff_parked", "GPU worker: sequences exported and "
-                                        "parked now.", labels=labels),
-            "reservations": GaugeMetricFamily("hybridgate:kv_handoff_reservations", "CPU worker: live hand-off "
-                                              "reservations now.", labels=labels),
-            "recomputed": CounterMetricFamily("hybridgate:kv_handoff_recomputed", "CPU worker: imported "
-                                              "sequences preempted and recomputed.", labels=labels),
-        }
-        for client in self._clients():
-            s, key = client.stats, [client.endpoint, _DIRECTION]
-            for name, value in (("bytes", s.handoff_bytes_total), ("copy", s.handoff_copy_seconds_total),
-                                ("hidden", s.handoff_copy_hidden_seconds_total),
-                                ("export", s.handoff_export_seconds_total),
-                                ("import", s.handoff_import_seconds_total), ("waits", s.handoff_pool_waits),
-                                ("in_use", s.handoff_pool_bytes_in_use), ("peak", s.handoff_pool_peak_bytes),
-                                ("parked", s.handoff_parked), ("reservations", s.handoff_reservations),
-                                ("recomputed", s.handoff_recomputed)):
-                fam[name].add_metric(key, value)
-            for outcome, n in sorted(s.handoff_outcomes.items()):
-                fam["outcomes"].add_metric([*key, outcome], n)
-        yield from fam.values()

@@ -83,7 +83,7 @@ class Scheduler:
         for seq in [s for s in self.running if s.num_tokens - s.num_computed == 1]:  # decodes
             if budget == 0 or seq.status != SequenceStatus.RUNNING:
                 continue
-            if not self._reserve(seq, 1):
+            if not self._reserve(seq, 1, batch):
                 preempted = True
                 continue
             batch.entries.append((seq, 1))
@@ -108,11 +108,14 @@ class Scheduler:
         self.stats.prefill_tokens += sum(n for s, n in batch.entries if not _is_decode(s, n))
         return batch
 
-    def _reserve(self, seq: Sequence, n: int) -> bool:
+    def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         """Blocks for n more tokens of a running sequence, preempting the newest until they fit."""
         while not self.allocator.ensure(seq.block_table, seq.num_computed + n):
-            # The newest first, imported sequences last: their KV crossed machines to get here.
-            victim = next((s for s in reversed(self.running) if not s.imported), self.running[-1])
+            # The newest first, imported sequences last (their KV crossed machines to get here);
+            # never one already in this step's batch (the newest of all never is: it comes last).
+            batched = {id(s) for s, _ in batch.entries}
+            victim = next((s for s in reversed(self.running) if not s.imported and id(s) not in batched),
+                          self.running[-1])
             self.preempt(victim)
             if victim is seq:
                 return False

@@ -26,6 +26,7 @@ KERNELS = [
     ("matmul_blocks", simd.matmul_blocks),
     ("matmul_rows", quant.matmul_rows), ("rms_norm", cpu_model.rms_norm), ("rope_and_store", cpu_model.rope_and_store),
     ("paged_attention", cpu_model.paged_attention), ("silu_mul", cpu_model.silu_mul),
+    ("import_kv_layer", cpu_model.import_kv_layer),
 ]
 
 
@@ -65,8 +66,10 @@ class NumbaRunner:
                         for _ in range(c.num_layers)]
         self.scratch_slot = self.num_blocks * block_size
         for k, v in zip(self.k_cache, self.v_cache):
-            k[self.num_blocks] = 0.0
-            v[self.scratch_slot :] = 0.0
+            # Zeroed (so resident) now: a first write to a fresh page costs a fault, which would
+            # otherwise land on the steps, and KV hand-off imports, that first use each block.
+            k.fill(0.0)
+            v.fill(0.0)
         self.pool = PinnedPool(4 << 20, 2)
         log.info("CPU runner: weights %.1f MiB in GGUF blocks, KV cache %d blocks of %d tokens (%.1f MiB), %d threads",
                  self.model.weight_bytes / 2**20, self.num_blocks, block_size,
@@ -96,17 +99,9 @@ class NumbaRunner:
         if k.shape != v.shape or k.shape[1:] != self.v_cache[layer].shape[1:] or -(-n // bs) > len(block_table):
             raise ValueError(f"KV of shape {k.shape} and {v.shape} does not fit {len(block_table)} blocks of "
                              f"{bs} x {self.v_cache[layer].shape[1:]}")
-        full, rest = divmod(n, bs)
-        kc, vc = self.k_cache[layer], self.v_cache[layer]
-        vb = vc.reshape(-1, bs, *vc.shape[1:])  # [blocks, block, kv_heads, dim] (a view)
-        if full:
-            table = np.asarray(block_table[:full], dtype=np.int64)
-            kc[table] = k[: full * bs].reshape(full, bs, *k.shape[1:]).transpose(0, 2, 3, 1)
-            vb[table] = v[: full * bs].reshape(full, bs, *v.shape[1:])
-        if rest:
-            b = block_table[full]
-            kc[b, :, :, :rest] = k[full * bs :].transpose(1, 2, 0)
-            vb[b, :rest] = v[full * bs :]
+        table = np.asarray(block_table[: -(-n // bs)], dtype=np.int64)
+        cpu_model.import_kv_layer(np.ascontiguousarray(k, np.float32), np.ascontiguousarray(v, np.float32), table,
+                                  self.k_cache[layer], self.v_cache[layer])
 
     def read_kv(self, block_table: list[int], layer: int, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
         """float32 K and V `[num_tokens, kv_heads, head_dim]` of a sequence's blocks (copies; for tests)."""
@@ -151,6 +146,10 @@ class NumbaRunner:
         seq.num_computed = 4
         seq.append(5)
         self.execute(ScheduledBatch([(seq, 1)]))
+        kv = np.zeros((4, *self.v_cache[0].shape[1:]), np.float32)  # the hand-off import kernel, into block 0:
+        self.import_kv([0], 0, kv, kv)  # converted frames are writable,
+        kv.setflags(write=False)
+        self.import_kv([0], 0, kv, kv)  # float32 frames read-only (views of the received message)
         hits, misses = kernel_cache_stats()
         if progress:
             print(f"hybridgate: CPU kernels ready in {time.monotonic() - start:.1f} s "

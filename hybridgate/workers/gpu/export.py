@@ -42,6 +42,7 @@ log = logging.getLogger("hybridgate.worker")
 DEFAULT_BUFFER_MEMORY = 256 << 20
 MAX_BUFFERS = 16  # the slab is cut into at most this many buffers (larger buffers: fewer, larger parts)
 BUFFER_WAIT_S = 10.0
+PARTS_PER_HANDOFF = 10
 _DTYPE_NAME = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -161,6 +162,7 @@ class KVExporter:
                              f"{2 * self.layer_bytes}")
         slab = (lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True).numpy()) if self.cuda else aligned_slab
         self.pool = PinnedPool(buffer_bytes, num_buffers, slab)
+        self.pool.slab.fill(0)  # touch every page now, not during the first hand-offs
         self.copy_stream = torch.cuda.Stream(dev) if self.cuda else None
         self.jobs: queue.Queue = queue.Queue()
         self.sockets: dict[str, zmq.Socket] = {}
@@ -185,6 +187,8 @@ class KVExporter:
     # --- sender thread -------------------------------------------------------
 
     def _run(self) -> None:
+        if self.cuda:
+            torch.cuda.set_device(self.runner.model.device)
         while not self.stopping.is_set():
             try:
                 job = self.jobs.get(timeout=0.05)
@@ -246,9 +250,15 @@ class KVExporter:
         if 2 * frame_alloc > self.pool.buffer_bytes:
             raise ValueError(f"a hand-off of {h.num_tokens} tokens: one layer's K and V ({2 * frame_alloc} bytes) "
                              f"exceed a pinned buffer ({self.pool.buffer_bytes} bytes)")
-        per_part = self.pool.buffer_bytes // (2 * frame_alloc)
+        # About PARTS_PER_HANDOFF parts (fewer when a buffer holds less): the first part's copy and
+        # the last part's import are what the pipeline cannot overlap.
+        per_part = min(self.pool.buffer_bytes // (2 * frame_alloc), max(1, -(-h.num_layers // PARTS_PER_HANDOFF)))
         dev = cache.k[0].device
-        table = torch.tensor(job.block_table[:nblk], dtype=torch.int64, device=dev)
+        if self.copy_stream is None:
+            table = torch.tensor(job.block_table[:nblk], dtype=torch.int64)
+        else:
+            with torch.cuda.stream(self.copy_stream):  # allocated, and so reused, on the copy stream only
+                table = torch.tensor(job.block_table[:nblk], dtype=torch.int64).to(dev)
         pending: deque = deque()  # parts copied (or copying), not yet sent
         nbytes, copy_s, hidden_s = 0, 0.0, 0.0
         for first in range(0, h.num_layers, per_part):
@@ -278,6 +288,7 @@ class KVExporter:
                 self.copy_stream.synchronize()
             self.notify(ExportEvent(job.key, "cancelled"))
             return
+        self.pauses.pause("exported")
         self.notify(ExportEvent(job.key, "sent", nbytes=nbytes, export_s=time.monotonic() - job.started,
                                 copy_s=copy_s, hidden_s=hidden_s))
 
