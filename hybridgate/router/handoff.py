@@ -85,7 +85,7 @@ from hybridgate.wire import (
 
 log = logging.getLogger("hybridgate.router")
 
-PAUSE_ENV = "HYBRIDGATE_TEST_HANDOFF_PAUSE"
+PAUSE_ENV = "HYBRIDGATE_TEST_ROUTER_HANDOFF_PAUSE"
 OUTCOMES = ("done", "refused", "aborted", "resumed")
 SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -113,7 +113,7 @@ def worker_name(client: WorkerClient) -> str:
 class PauseHook:
     """Holds a hand-off in chosen states so tests reach each window on purpose.
 
-    From `HYBRIDGATE_TEST_HANDOFF_PAUSE="STATES:MAX_SECONDS[:SEED]"`, STATES
+    From `HYBRIDGATE_TEST_ROUTER_HANDOFF_PAUSE="STATES:MAX_SECONDS[:SEED]"`, STATES
     being `+`-separated state names (RESERVING, PREFILLING, EXPORTED, IMPORTED)
     or `all`: each hand-off entering one of them stays there for a seeded
     random time in [MAX_SECONDS / 2, MAX_SECONDS] before its next transition.

@@ -59,8 +59,9 @@ def layout(tmp_path_factory, model_path):
     gpu = Proc(["worker", "--kind", "gpu", "--endpoint", gpu_ep, "--threads", "1"], tmp / "gpu.log")
     cpu = Proc(["worker", "--kind", "cpu", "--endpoint", cpu_ep, "--threads", "1", "--kv-cache-memory", CPU_KV,
                 "--handoff-endpoint", f"ipc://{tmp}/cpu-handoff.sock"], tmp / "cpu.log")
-    a = Gateway(tmp, "a", [gpu_ep, cpu_ep], {"HYBRIDGATE_TEST_HANDOFF_PAUSE": f"all:0.45:{SEED}"})
-    b = Gateway(tmp, "b", [gpu_ep, cpu_ep], {"HYBRIDGATE_TEST_HANDOFF_PAUSE": f"EXPORTED:{4 * TIME_FACTOR}:{SEED}"})
+    pause = "HYBRIDGATE_TEST_ROUTER_HANDOFF_PAUSE"
+    a = Gateway(tmp, "a", [gpu_ep, cpu_ep], {pause: f"all:0.45:{SEED}"})
+    b = Gateway(tmp, "b", [gpu_ep, cpu_ep], {pause: f"EXPORTED:{4 * TIME_FACTOR}:{SEED}"})
     procs = [a, b, gpu, cpu]
     try:
         for g in (a, b):
@@ -239,8 +240,9 @@ def test_abort_storm_leaves_nothing_behind(layout, tokenizer):
     def clean() -> dict:
         m = worker_metrics(a.metrics_url)
         return {k: v for k, v in m.items() if k[0] in (
-            "hybridgate:kv_cache_bytes", "hybridgate:kv_handoff_pool_bytes_in_use", "hybridgate:kv_handoff_parked",
-            "hybridgate:kv_handoff_reservations", "hybridgate:num_requests_running") and v != 0}
+            "hybridgate:kv_cache_bytes", "hybridgate:kv_handoff_pinned_bytes_in_use",
+            "hybridgate:kv_handoff_parked_sequences", "hybridgate:kv_handoff_reservations",
+            "hybridgate:num_requests_running") and v != 0}
 
     deadline = time.monotonic() + 10 * TIME_FACTOR
     while clean() and time.monotonic() < deadline:

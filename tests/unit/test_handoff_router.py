@@ -136,7 +136,7 @@ async def test_import_reported_before_export_counts_as_export_then_import():
 
 
 async def test_an_overtaking_import_still_meets_the_exported_pause():
-    h, gpu, cpu, sink, _ = make(PauseHook.from_env({"HYBRIDGATE_TEST_HANDOFF_PAUSE": "EXPORTED:5"}))
+    h, gpu, cpu, sink, _ = make(PauseHook.from_env({"HYBRIDGATE_TEST_ROUTER_HANDOFF_PAUSE": "EXPORTED:5"}))
     walk(h, gpu, cpu, S.PREFILLING)
     h.on_message(cpu, HandoffImported(RID, 1))
     assert h.state == S.EXPORTED and ("send", HandoffRelease(RID)) not in gpu.sent
@@ -232,7 +232,7 @@ async def test_outputs_of_both_workers_are_reordered_and_deduplicated():
 
 
 async def test_cpu_outputs_wait_for_the_confirmed_import_and_are_dropped_on_resume():
-    h, gpu, cpu, sink, _ = make(PauseHook.from_env({"HYBRIDGATE_TEST_HANDOFF_PAUSE": "EXPORTED:5"}))
+    h, gpu, cpu, sink, _ = make(PauseHook.from_env({"HYBRIDGATE_TEST_ROUTER_HANDOFF_PAUSE": "EXPORTED:5"}))
     walk(h, gpu, cpu, S.EXPORTED)
     h.on_message(gpu, SeqOutput(RID, 0, [10]))
     h.on_message(cpu, HandoffImported(RID, 1))  # held by the pause
@@ -245,7 +245,7 @@ async def test_cpu_outputs_wait_for_the_confirmed_import_and_are_dropped_on_resu
 
 
 async def test_a_loss_during_a_pause_ends_it_and_the_new_state_is_not_paused():
-    h, gpu, cpu, sink, _ = make(PauseHook.from_env({"HYBRIDGATE_TEST_HANDOFF_PAUSE": "EXPORTED:5"}), answer_s=0.05)
+    h, gpu, cpu, sink, _ = make(PauseHook.from_env({"HYBRIDGATE_TEST_ROUTER_HANDOFF_PAUSE": "EXPORTED:5"}), answer_s=0.05)
     walk(h, gpu, cpu, S.EXPORTED)
     h.on_message(cpu, HandoffImported(RID, 1))  # held by the pause
     h.on_message(cpu, WorkerDead("cpu killed"))
@@ -298,7 +298,7 @@ async def test_a_silent_cpu_worker_after_export_resumes_on_the_gpu():
 
 
 async def test_the_answer_timer_starts_after_a_pause():
-    h, gpu, cpu, sink, _ = make(PauseHook.from_env({"HYBRIDGATE_TEST_HANDOFF_PAUSE": "EXPORTED:0.2"}), answer_s=0.15)
+    h, gpu, cpu, sink, _ = make(PauseHook.from_env({"HYBRIDGATE_TEST_ROUTER_HANDOFF_PAUSE": "EXPORTED:0.2"}), answer_s=0.15)
     walk(h, gpu, cpu, S.EXPORTED)
     await asyncio.sleep(0.22)  # the pause (0.1-0.2 s) ended, the answer timer has not fired
     h.on_message(cpu, HandoffImported(RID, 1))
@@ -312,18 +312,18 @@ async def test_messages_from_another_worker_are_ignored():
 
 
 def test_pause_hook_parses_and_names_its_variable():
-    hook = PauseHook.from_env({"HYBRIDGATE_TEST_HANDOFF_PAUSE": "EXPORTED+IMPORTED:0.4:7"})
+    hook = PauseHook.from_env({"HYBRIDGATE_TEST_ROUTER_HANDOFF_PAUSE": "EXPORTED+IMPORTED:0.4:7"})
     assert hook.states == {S.EXPORTED, S.IMPORTED} and hook.seed == 7
     assert all(0.2 <= hook.seconds(S.EXPORTED) <= 0.4 for _ in range(50)) and hook.seconds(S.RESERVING) == 0
-    assert PauseHook.from_env({"HYBRIDGATE_TEST_HANDOFF_PAUSE": "all:1"}).states == {
+    assert PauseHook.from_env({"HYBRIDGATE_TEST_ROUTER_HANDOFF_PAUSE": "all:1"}).states == {
         S.RESERVING, S.PREFILLING, S.EXPORTED, S.IMPORTED}
     assert PauseHook.from_env({}).seconds(S.EXPORTED) == 0
-    with pytest.raises(ValueError, match="HYBRIDGATE_TEST_HANDOFF_PAUSE"):
-        PauseHook.from_env({"HYBRIDGATE_TEST_HANDOFF_PAUSE": "NOWHERE:1"})
+    with pytest.raises(ValueError, match="HYBRIDGATE_TEST_ROUTER_HANDOFF_PAUSE"):
+        PauseHook.from_env({"HYBRIDGATE_TEST_ROUTER_HANDOFF_PAUSE": "NOWHERE:1"})
 
 
 async def test_pause_holds_the_state_and_its_control_events_until_it_ends():
-    h, gpu, cpu, sink, _ = make(PauseHook.from_env({"HYBRIDGATE_TEST_HANDOFF_PAUSE": "IMPORTED:0.1"}))
+    h, gpu, cpu, sink, _ = make(PauseHook.from_env({"HYBRIDGATE_TEST_ROUTER_HANDOFF_PAUSE": "IMPORTED:0.1"}))
     walk(h, gpu, cpu, S.EXPORTED)
     h.on_message(cpu, HandoffImported(RID, 1))
     assert h.state == S.IMPORTED and ("send", HandoffRelease(RID)) not in gpu.sent  # the window tests cancel in
@@ -332,7 +332,7 @@ async def test_pause_holds_the_state_and_its_control_events_until_it_ends():
 
 
 async def test_abort_during_a_pause_wins_over_the_held_transition():
-    h, gpu, cpu, sink, _ = make(PauseHook.from_env({"HYBRIDGATE_TEST_HANDOFF_PAUSE": "EXPORTED:0.05"}))
+    h, gpu, cpu, sink, _ = make(PauseHook.from_env({"HYBRIDGATE_TEST_ROUTER_HANDOFF_PAUSE": "EXPORTED:0.05"}))
     walk(h, gpu, cpu, S.EXPORTED)
     h.on_message(cpu, HandoffImported(RID, 1))  # held by the pause
     h.abort()
@@ -341,7 +341,7 @@ async def test_abort_during_a_pause_wins_over_the_held_transition():
 
 
 async def test_stream_finishing_in_a_held_import_frees_the_parked_sequence():
-    h, gpu, cpu, sink, _ = make(PauseHook.from_env({"HYBRIDGATE_TEST_HANDOFF_PAUSE": "IMPORTED:5"}))
+    h, gpu, cpu, sink, _ = make(PauseHook.from_env({"HYBRIDGATE_TEST_ROUTER_HANDOFF_PAUSE": "IMPORTED:5"}))
     walk(h, gpu, cpu, S.EXPORTED)
     h.on_message(cpu, HandoffImported(RID, 1))
     h.finished()
