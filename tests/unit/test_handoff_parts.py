@@ -121,7 +121,7 @@ def test_metric_names():
         'hybridgate:kv_handoff_bytes_total{direction="gpu_to_cpu",side="import",worker="c"} 94.0',
         'hybridgate:kv_handoff_copy_seconds_total{direction="gpu_to_cpu",side="export",worker="g"} 0.5',
         'hybridgate:kv_handoff_copy_hidden_seconds_total{direction="gpu_to_cpu",side="export",worker="g"} 0.4',
-        'hybridgate:kv_handoff_total{direction="gpu_to_cpu",outcome="resumed",side="export",worker="g"} 1.0',
+        'hybridgate:kv_handoff_worker_total{direction="gpu_to_cpu",outcome="resumed",side="export",worker="g"} 1.0',
         'hybridgate:kv_handoff_pinned_waits_total{worker="g"} 3.0',
         'hybridgate:kv_handoff_parked_sequences{worker="g"} 1.0',
         'hybridgate:kv_handoff_reservations{worker="c"} 2.0',

@@ -372,3 +372,28 @@ def test_reorder_reproduces_the_stream_from_two_overlapping_shuffled_sources(ids
     assert [o.token_index for o in got] == [sum(len(p.token_ids) for p in got[:i]) for i in range(len(got))]
     assert [bool(o.finish) for o in got] == [False] * (len(got) - 1) + [True]
     assert reorder.gap_since is None
+
+
+def test_router_metrics_render_with_their_names_and_buckets():
+    from prometheus_client import generate_latest
+
+    from hybridgate.gateway.metrics import GatewayMetrics
+
+    m = HandoffMetrics()
+    m.outcomes["done"] += 2
+    m.outcomes["refused"] += 1
+    for s in (0.004, 0.04, 3.0):
+        m.observe(s)
+    text = generate_latest(GatewayMetrics(lambda: [], handoff=lambda: m).registry).decode()
+    for line in [
+        'hybridgate:kv_handoff_total{direction="gpu_to_cpu",outcome="done"} 2.0',
+        'hybridgate:kv_handoff_total{direction="gpu_to_cpu",outcome="refused"} 1.0',
+        'hybridgate:kv_handoff_total{direction="gpu_to_cpu",outcome="aborted"} 0.0',
+        'hybridgate:kv_handoff_seconds_bucket{direction="gpu_to_cpu",le="0.005"} 1.0',
+        'hybridgate:kv_handoff_seconds_bucket{direction="gpu_to_cpu",le="0.05"} 2.0',
+        'hybridgate:kv_handoff_seconds_bucket{direction="gpu_to_cpu",le="2.5"} 2.0',
+        'hybridgate:kv_handoff_seconds_bucket{direction="gpu_to_cpu",le="+Inf"} 3.0',
+        'hybridgate:kv_handoff_seconds_count{direction="gpu_to_cpu"} 3.0',
+        'hybridgate:kv_handoff_seconds_sum{direction="gpu_to_cpu"} 3.044',
+    ]:
+        assert line in text, line
