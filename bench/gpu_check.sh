@@ -4,7 +4,8 @@
 # Needs python3 with torch (CUDA), transformers, pytest, numpy there. pyzmq, msgspec and gguf (and gguf's
 # pyyaml) come as cp312 wheels in .gpu-wheels/ (`make gpu-wheels` here; carry the folder along).
 # The 98 MB model does not travel: a random-weight GGUF of its shapes is written on the machine.
-# Figures: $OUT/gpu-check.json (benchmark) and $OUT/gpu-tests.xml (test report).
+# Figures: $OUT/gpu-check.json (benchmark), $OUT/gpu-tests.xml (test report; the hand-off's hidden copy
+# fraction is printed by test_handoff_gpu.py), $OUT/handoff.json (bench handoff, where numba is installed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-check-out}
@@ -22,7 +23,13 @@ fi
 export HYBRIDGATE_GPU_CHECK_MODEL="$MODEL"
 $PY -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))" | tee "$OUT/device.txt"
 status=0
-timeout 120 $PY -m pytest -q -m gpu tests/component/test_gpu.py -p no:cacheprovider --junitxml "$OUT/gpu-tests.xml" || status=$?
+timeout 180 $PY -m pytest -q -s -m gpu tests/component/test_gpu.py tests/component/test_handoff_gpu.py -p no:cacheprovider \
+  --junitxml "$OUT/gpu-tests.xml" || status=$?
 timeout 150 $PY -m hybridgate.cli bench engine --device cuda --model "$MODEL" --concurrency 1,4,16,64 \
   --prefill-prompts 16 --prefill-lens 128,512,2048 --repeats 3 --compare-eager --json "$OUT/gpu-check.json" || status=$?
+# The KV hand-off end to end (GPU worker on CUDA, CPU worker on Numba) where numba is installed.
+if $PY -c "import numba" 2>/dev/null; then
+  timeout 240 $PY -m hybridgate.cli bench handoff --device cuda --model "$MODEL" --lengths 512,2048 --repeats 2 \
+    --json "$OUT/handoff.json" || status=$?
+fi
 exit $status

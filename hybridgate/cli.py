@@ -106,15 +106,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-skip-special-tokens", dest="skip_special_tokens", action="store_false",
                      help="keep special tokens such as <|im_end|> in the text (skipped by default; ids always stream)")
     gen.add_argument("--timeout", type=float, default=None, help="deadline of the call in seconds (default: none)")
+    gen.add_argument("--route", default=None, metavar="R",
+                     help="where the request runs: auto, gpu, cpu or gpu->cpu (GPU prefill, KV hand-off, CPU decode); "
+                          "the gateway honours it only with --allow-client-routes (default: auto)")
     gen.add_argument("--json", action="store_true", help="print each response message as one JSON object per line")
     gen.set_defaults(func=_cmd_generate)
 
     bench = sub.add_parser("bench", help="benchmarks with side-by-side baselines (engine, accuracy)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from hybridgate.bench import add_accuracy_parser, add_engine_parser  # argparse only; torch loads on run
+    from hybridgate.bench import add_accuracy_parser, add_engine_parser, add_handoff_parser  # argparse only
 
     add_engine_parser(bench_sub)
     add_accuracy_parser(bench_sub)
+    add_handoff_parser(bench_sub)
 
     info = sub.add_parser("info", help="print a GGUF model's config and fingerprint")
     add_command_settings(info, "info")

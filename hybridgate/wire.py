@@ -1,7 +1,7 @@
 """Every message between routers and workers, as msgspec Structs (never pickle).
 
-This issue defines only the sampling parameters; the request, output and
-hand-off messages join them here.
+The request, output and load messages, and the KV hand-off (gpu->cpu) messages
+with their header; see "KV hand-off messages" below for who sends what when.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import msgspec
 MAX_STOP_STRINGS = 16
 MAX_STOP_BYTES = 256
 MAX_SEED = 2**64 - 1
+ROPE_BASIS = "gguf-adjacent-pairs"  # HandoffHeader.rope_basis: RoPE on (x[2i], x[2i+1]) in GGUF's row order
+HANDOFF_DTYPES = ("float32", "bfloat16", "float16")  # HandoffHeader.dtype
 
 
 class InvalidFieldError(ValueError):
@@ -104,6 +106,17 @@ class MsgType(bytes, enum.Enum):
     LOAD = b"L"  # worker → router: heartbeat with load and engine counters
     ERROR = b"E"  # worker → router: a request failed in the worker
     OVERLOAD = b"V"  # worker → router: it could not send to this router; these requests were dropped
+    # KV hand-off (gpu->cpu); see "KV hand-off messages" below.
+    HANDOFF_RESERVE = b"r"  # router → CPU worker: reserve blocks for a hand-off
+    HANDOFF_RESERVATION = b"s"  # CPU worker → router: the reservation (with its token) or a refusal
+    HANDOFF_EXPORTED = b"e"  # GPU worker → router: the KV was sent; the sequence is parked
+    HANDOFF_EXPORT_FAILED = b"f"  # GPU worker → router: no export; the GPU worker decodes on
+    HANDOFF_IMPORTED = b"i"  # CPU worker → router: the KV was imported; it decodes from here on
+    HANDOFF_REFUSED = b"n"  # CPU worker → router: a hand-off for this router's reservation was refused
+    HANDOFF_RELEASE = b"l"  # router → GPU worker: the import is confirmed; free the parked sequence
+    HANDOFF_RESUME = b"u"  # router → GPU worker: the CPU side failed; decode the parked sequence here
+    HANDOFF_KV = b"K"  # GPU worker → CPU worker's hand-off socket: the header
+    HANDOFF_KV_PART = b"P"  # GPU worker → CPU worker's hand-off socket: whole layers' K and V frames
 
 
 class Connect(msgspec.Struct, frozen=True):
@@ -126,8 +139,26 @@ class Ready(msgspec.Struct, frozen=True):
     kind: str
 
 
+class HandoffTarget(msgspec.Struct, frozen=True):
+    """Where a GPU worker sends a request's KV after its first token (set on `AddRequest.handoff`).
+
+    endpoint: the CPU worker's hand-off socket (its HELLO's `handoff_endpoint`);
+    token: the CPU worker's reservation token for this request
+    (`HandoffReservation.token`), copied into the header so the CPU worker
+    can match the KV to its reservation.
+    """
+
+    endpoint: str
+    token: str
+
+
 class AddRequest(msgspec.Struct, frozen=True):
-    """A request as the worker needs it: resolved seed and max_tokens, ids only."""
+    """A request as the worker needs it: resolved seed and max_tokens, ids only.
+
+    handoff: a `gpu->cpu` request on the GPU worker: prefill, sample and stream
+    token 0 as usual, then export the KV to `handoff.endpoint` and park the
+    sequence (see "KV hand-off messages"). None: an ordinary request.
+    """
 
     request_id: str
     prompt_ids: list[int]
@@ -138,6 +169,7 @@ class AddRequest(msgspec.Struct, frozen=True):
     # A resumed stream: prompt_ids end with the ids already streamed, and sampling
     # and outputs continue at this token index (DESIGN.md, Worker lifecycle).
     first_token_index: int = 0
+    handoff: HandoffTarget | None = None
 
 
 class Abort(msgspec.Struct, frozen=True):
@@ -166,6 +198,19 @@ class EngineStats(msgspec.Struct):
     # Messages the worker dropped or refused as malformed or inconsistent (bad frames, unknown
     # types, oversized bodies, ADDs that fail validation, duplicate ADDs); cumulative.
     wire_decode_errors: int = 0
+    # KV hand-off (gpu->cpu). Counters are cumulative; "handoff_" gauges are now.
+    handoff_bytes_total: int = 0  # K and V bytes exported (GPU worker) or imported (CPU worker)
+    handoff_export_seconds_total: float = 0.0  # GPU worker: export start to the send queued, summed
+    handoff_copy_seconds_total: float = 0.0  # GPU worker: gather copies of the cache into pinned buffers
+    handoff_copy_hidden_seconds_total: float = 0.0  # the part of those copies that ran while a step was in flight
+    handoff_import_seconds_total: float = 0.0  # CPU worker: header received to the sequence scheduled
+    handoff_outcomes: dict[str, int] = msgspec.field(default_factory=dict)  # outcome → count (see HandoffOutcome)
+    handoff_pool_waits: int = 0  # exports that waited for a free pinned buffer
+    handoff_pool_bytes_in_use: int = 0  # pinned hand-off buffers held now
+    handoff_pool_peak_bytes: int = 0
+    handoff_parked: int = 0  # GPU worker: sequences exported and parked now
+    handoff_reservations: int = 0  # CPU worker: live reservations now
+    handoff_recomputed: int = 0  # CPU worker: imported sequences preempted and recomputed
 
 
 class SeqOutput(msgspec.Struct, frozen=True, array_like=True):
@@ -208,6 +253,178 @@ class Overload(msgspec.Struct, frozen=True):
     reason: str
 
 
+# --- KV hand-off messages ------------------------------------------------------
+#
+# One gpu->cpu request, with the router as the owner of its state (the state
+# machine lives in hybridgate.router; this is what each worker does):
+#
+#  1. router → CPU worker (request socket): HandoffReserve(request_id, num_tokens).
+#     The CPU worker allocates blocks for num_tokens (prompt + 1) slots and holds
+#     them, unscheduled, and answers HandoffReservation(ok=True, token=...), or
+#     ok=False with a reason (no blocks, not ready, a duplicate id, hand-off off).
+#     A reservation expires after the CPU worker's reservation timeout and on
+#     Abort(request_id) from the router that made it.
+#  2. router → GPU worker: AddRequest(..., handoff=HandoffTarget(endpoint, token)).
+#     The GPU worker prefills, samples and streams token 0 as usual (Outputs),
+#     then exports: gathers the sequence's K and V into pinned buffers and sends
+#     one HANDOFF_KV message to the CPU worker's hand-off socket (a DEALER it
+#     connects on first use), and parks the sequence (blocks held, not
+#     scheduled). It tells the router HandoffExported once the send is queued,
+#     or HandoffExportFailed when there was nothing to export (the stream
+#     finished with token 0) or the export could not start; then it decodes on
+#     itself, as an ordinary request.
+#  3. GPU worker → CPU worker (hand-off socket): [HANDOFF_KV, HandoffHeader], then
+#     parts in layer order [HANDOFF_KV_PART, HandoffPart, K layer i, V layer i,
+#     K layer i + 1, ...], each K or V frame `[num_tokens, kv_heads, head_dim]`
+#     of `dtype`, C order (parts are sized by the sender's pinned buffers, so a
+#     hand-off larger than its slab streams through it). A refusal also goes
+#     back to the sender on that socket (the GPU worker forwards it to its
+#     router, which resumes the parked sequence).
+#     The CPU worker checks the header against its own model and its live
+#     reservation; on success it imports the KV into the reserved blocks and
+#     answers the router that made the reservation HandoffImported (its outputs
+#     for the request go to that router from then on, starting at
+#     `next_token_index`); otherwise HandoffRefused naming the field and both
+#     values (the reservation is freed, except for a wrong token, which never
+#     spends it). A hand-off without a live reservation is dropped and counted.
+#  4. router → GPU worker: HandoffRelease(request_id) after HandoffImported (free
+#     the parked sequence), or HandoffResume(request_id) after HandoffRefused or
+#     a lost CPU worker (decode the parked sequence on the GPU from where it
+#     stopped: no token lost or repeated).
+#  Abort(request_ids) goes to both workers at any point and is idempotent: it
+#  frees parked sequences, reservations and imported sequences alike.
+
+
+class HandoffOutcome(str, enum.Enum):
+    """Keys of `EngineStats.handoff_outcomes` (and the `outcome` label of kv_handoff_total)."""
+
+    DONE = "done"  # GPU: released after import; CPU: imported
+    REFUSED = "refused"  # CPU: header refused; GPU: export failed
+    ABORTED = "aborted"  # parked sequence or reservation aborted
+    RESUMED = "resumed"  # GPU: parked sequence resumed on the GPU
+    EXPIRED = "expired"  # CPU: reservation timed out
+    DROPPED = "dropped"  # CPU: a hand-off with no live reservation for its request id
+
+
+class HandoffReserve(msgspec.Struct, frozen=True):
+    """router → CPU worker: hold blocks for `num_tokens` KV slots (prompt + 1) of this request."""
+
+    request_id: str
+    num_tokens: int
+
+
+class HandoffReservation(msgspec.Struct, frozen=True):
+    """CPU worker → router: the answer to HandoffReserve.
+
+    ok: blocks are held for the request; token: the secret a hand-off header
+    must carry (hex, from `secrets`). Not ok: reason says why (no blocks, not
+    ready, a duplicate request id, too long).
+    """
+
+    request_id: str
+    ok: bool
+    token: str = ""
+    reason: str = ""
+
+
+class HandoffHeader(msgspec.Struct, frozen=True, kw_only=True):
+    """The first body frame of a HANDOFF_KV message (GPU worker → CPU worker).
+
+    Shapes of the frames that follow: 2 * num_layers frames, K then V per
+    layer, each `[num_tokens, num_kv_heads, head_dim]` of `dtype` ("float32",
+    "bfloat16" or "float16"; bfloat16 as raw uint16 words), C order. Keys are
+    in `rope_basis` ("gguf-adjacent-pairs": RoPE on (x[2i], x[2i+1]) in GGUF's
+    row order). num_tokens: KV slots sent (the tokens computed: the prompt, and
+    for a resumed stream the ids it carries), = len(prompt_ids) +
+    len(output_ids) - 1. output_ids: ids sampled by the sender (the first at
+    token index `next_token_index - len(output_ids)`), already streamed to the
+    router; the receiver samples the id of `next_token_index` next.
+    """
+
+    request_id: str
+    token: str  # the CPU worker's reservation token (HandoffTarget.token)
+    fingerprint: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    num_tokens: int
+    rope_basis: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    params: SamplingParams
+    seed: int
+    max_tokens: int
+    eos_token_id: int
+    next_token_index: int
+
+
+class HandoffPart(msgspec.Struct, frozen=True):
+    """GPU worker → CPU worker: layers first_layer .. first_layer + num_layers - 1 of a
+    hand-off (2 * num_layers frames follow: K then V per layer)."""
+
+    request_id: str
+    token: str
+    first_layer: int
+    num_layers: int
+
+
+class HandoffExported(msgspec.Struct, frozen=True):
+    """GPU worker → router: the KV of `request_id` was sent; the sequence is parked until
+    HandoffRelease, HandoffResume or Abort. nbytes: K and V bytes; export_ms: export start
+    to the send queued; copy_ms: gather copies into the pinned buffers."""
+
+    request_id: str
+    nbytes: int
+    export_ms: float
+    copy_ms: float = 0.0
+
+
+class HandoffExportFailed(msgspec.Struct, frozen=True):
+    """GPU worker → router: no KV was sent for `request_id`; the GPU worker goes on
+    decoding it (or it finished with token 0: reason "finished"). The router frees the
+    CPU worker's reservation."""
+
+    request_id: str
+    reason: str
+
+
+class HandoffImported(msgspec.Struct, frozen=True):
+    """CPU worker → router (the one that reserved): the KV is imported; outputs of
+    `request_id` come from this worker from `next_token_index` on."""
+
+    request_id: str
+    next_token_index: int
+    import_ms: float = 0.0  # header received to imported (includes waiting for the parts)
+    write_ms: float = 0.0  # of which converting and writing the KV into the cache
+
+
+class HandoffRefused(msgspec.Struct, frozen=True):
+    """CPU worker → router (the one that reserved): the hand-off of `request_id` was refused.
+
+    field: the header field (or "frames", "token", "blocks") that did not match;
+    message: both values. The router resumes the parked sequence on the GPU worker.
+    """
+
+    request_id: str
+    field: str
+    message: str
+
+
+class HandoffRelease(msgspec.Struct, frozen=True):
+    """router → GPU worker: the import is confirmed; free the parked sequence and its buffers."""
+
+    request_id: str
+
+
+class HandoffResume(msgspec.Struct, frozen=True):
+    """router → GPU worker: the CPU side refused or died; decode the parked sequence on
+    the GPU from where it stopped (its next token index is unchanged)."""
+
+    request_id: str
+
+
 MESSAGE_TYPES: dict[MsgType, type] = {
     MsgType.CONNECT: Connect,
     MsgType.HELLO: Hello,
@@ -218,6 +435,16 @@ MESSAGE_TYPES: dict[MsgType, type] = {
     MsgType.LOAD: Load,
     MsgType.ERROR: RequestError,
     MsgType.OVERLOAD: Overload,
+    MsgType.HANDOFF_RESERVE: HandoffReserve,
+    MsgType.HANDOFF_RESERVATION: HandoffReservation,
+    MsgType.HANDOFF_EXPORTED: HandoffExported,
+    MsgType.HANDOFF_EXPORT_FAILED: HandoffExportFailed,
+    MsgType.HANDOFF_IMPORTED: HandoffImported,
+    MsgType.HANDOFF_REFUSED: HandoffRefused,
+    MsgType.HANDOFF_RELEASE: HandoffRelease,
+    MsgType.HANDOFF_RESUME: HandoffResume,
+    MsgType.HANDOFF_KV: HandoffHeader,
+    MsgType.HANDOFF_KV_PART: HandoffPart,
 }
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODERS = {t: msgspec.msgpack.Decoder(cls) for t, cls in MESSAGE_TYPES.items()}

@@ -7,6 +7,8 @@ from collections.abc import Callable, Iterable
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from hybridgate.router.handoff import SECONDS_BUCKETS
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
@@ -14,7 +16,8 @@ _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 class GatewayMetrics:
     """Per-request histograms and counters, plus engine counters read from worker clients."""
 
-    def __init__(self, clients: Callable[[], Iterable] | None = None, wire_errors: Callable[[], int] | None = None):
+    def __init__(self, clients: Callable[[], Iterable] | None = None, wire_errors: Callable[[], int] | None = None,
+                 handoff: Callable[[], object] | None = None):
         self.registry = CollectorRegistry()
         self.ttft = Histogram("hybridgate:time_to_first_token_seconds", "Time to first token (TTFT), seconds.",
                               buckets=_LATENCY_BUCKETS, registry=self.registry)
@@ -25,28 +28,16 @@ class GatewayMetrics:
         self.success = Counter("hybridgate:request_success", "Finished requests by finish reason.",
                                ["finished_reason"], registry=self.registry)
         if clients is not None:
-            self.registry.register(_EngineCollector(clients))
-        if wire_errors is not None:
-            self.registry.register(_RouterWireCollector(wire_errors))
-
-
-class _RouterWireCollector:
-    """Frames from workers the router dropped (undecodable, unexpected, unknown request ids)."""
-
-    def __init__(self, wire_errors: Callable[[], int]):
-        self._wire_errors = wire_errors
-
-    def collect(self):
-        errors = CounterMetricFamily("hybridgate:wire_decode_errors", "Frames dropped by the receiving side's "
-                                     "guarded dispatch (malformed, unknown or inconsistent).", labels=["side"])
-        errors.add_metric(["router"], self._wire_errors())
-        yield errors
+            self.registry.register(_EngineCollector(clients, wire_errors))
+        if handoff is not None:
+            self.registry.register(_HandoffRouterCollector(handoff))
 
 
 class _EngineCollector:
     """Engine counters as each worker last reported them (heartbeat or outputs)."""
 
-    def __init__(self, clients: Callable[[], Iterable]):
+    def __init__(self, clients: Callable[[], Iterable], wire_errors: Callable[[], int] | None = None):
+        self._wire_errors = wire_errors
         self._clients = clients
 
     def collect(self):
@@ -67,9 +58,11 @@ class _EngineCollector:
         wire_errors = CounterMetricFamily("hybridgate:wire_decode_errors",
                                           "Messages refused as malformed or inconsistent, by the side that refused them.",
                                           labels=["worker", "side"])
+        handoff = _HandoffFamilies()
         for client in self._clients():
             # The worker's stable name (HELLO, or kind-index under serve); the endpoint may be a temporary path.
             s, name = client.stats, getattr(client, "name", None) or client.endpoint
+            handoff.add(name, getattr(client, "kind", None), s)
             steps.add_metric([name], s.steps)
             after.add_metric([name], s.tokens_after_abort)
             kv.add_metric([name], s.kv_cache_bytes)
@@ -82,4 +75,84 @@ class _EngineCollector:
             buckets = [(str(b), sum(c for n, c in s.batch_size_counts.items() if n <= b)) for b in _BATCH_BUCKETS]
             buckets.append(("+Inf", sum(s.batch_size_counts.values())))
             batch.add_metric([name], buckets, sum(n * c for n, c in s.batch_size_counts.items()))
+        if self._wire_errors is not None:  # the router's own refusals of worker messages, in the same family
+            wire_errors.add_metric(["", "router"], self._wire_errors())
         yield from (steps, after, kv, running, by_size, batch, hits, misses, wire_errors)
+        yield from handoff.families()
+
+
+class _HandoffFamilies:
+    """The workers' KV hand-off counters (EngineStats.handoff_*), labelled gpu_to_cpu. `side` is
+    "export" on GPU workers and "import" on CPU workers (each hand-off's bytes count on both)."""
+
+    def __init__(self):
+        d = ["worker", "direction", "side"]
+        self.bytes = CounterMetricFamily("hybridgate:kv_handoff_bytes", "KV hand-off bytes exported or imported.",
+                                         labels=d)
+        self.copy = CounterMetricFamily("hybridgate:kv_handoff_copy_seconds",
+                                        "Time of the export's gathers into pinned buffers.", labels=d)
+        self.hidden = CounterMetricFamily("hybridgate:kv_handoff_copy_hidden_seconds",
+                                          "Export copy time that ran while a compute step was in flight.", labels=d)
+        self.export = CounterMetricFamily("hybridgate:kv_handoff_export_seconds",
+                                          "Export start to the last part queued, summed.", labels=d)
+        self.imports = CounterMetricFamily("hybridgate:kv_handoff_import_seconds",
+                                           "Header received to imported, summed.", labels=d)
+        self.outcomes = CounterMetricFamily("hybridgate:kv_handoff_worker", "KV hand-offs by outcome, as each "
+                                            "worker saw them (the router's count is hybridgate:kv_handoff_total).",
+                                            labels=[*d, "outcome"])
+        self.pool_bytes = GaugeMetricFamily("hybridgate:kv_handoff_pinned_bytes_in_use",
+                                            "Pinned hand-off buffer bytes held now.", labels=["worker"])
+        self.pool_peak = GaugeMetricFamily("hybridgate:kv_handoff_pinned_peak_bytes",
+                                           "Most pinned hand-off buffer bytes held at once.", labels=["worker"])
+        self.pool_waits = CounterMetricFamily("hybridgate:kv_handoff_pinned_waits",
+                                              "Exports that waited for a free pinned buffer.", labels=["worker"])
+        self.parked = GaugeMetricFamily("hybridgate:kv_handoff_parked_sequences",
+                                        "Exported sequences parked on a GPU worker.", labels=["worker"])
+        self.reservations = GaugeMetricFamily("hybridgate:kv_handoff_reservations",
+                                              "Live hand-off reservations on a CPU worker.", labels=["worker"])
+        self.recomputed = CounterMetricFamily("hybridgate:kv_handoff_recomputed",
+                                              "Imported sequences preempted and recomputed.", labels=["worker"])
+
+    def add(self, worker: str, kind: str | None, s) -> None:
+        labels = [worker, "gpu_to_cpu", {"gpu": "export", "cpu": "import"}.get(kind or "", "")]
+        self.bytes.add_metric(labels, s.handoff_bytes_total)
+        self.copy.add_metric(labels, s.handoff_copy_seconds_total)
+        self.hidden.add_metric(labels, s.handoff_copy_hidden_seconds_total)
+        self.export.add_metric(labels, s.handoff_export_seconds_total)
+        self.imports.add_metric(labels, s.handoff_import_seconds_total)
+        for outcome, n in sorted(s.handoff_outcomes.items()):
+            self.outcomes.add_metric([*labels, outcome], n)
+        self.pool_bytes.add_metric([worker], s.handoff_pool_bytes_in_use)
+        self.pool_peak.add_metric([worker], s.handoff_pool_peak_bytes)
+        self.pool_waits.add_metric([worker], s.handoff_pool_waits)
+        self.parked.add_metric([worker], s.handoff_parked)
+        self.reservations.add_metric([worker], s.handoff_reservations)
+        self.recomputed.add_metric([worker], s.handoff_recomputed)
+
+    def families(self):
+        return (self.bytes, self.copy, self.hidden, self.export, self.imports, self.outcomes, self.pool_bytes,
+                self.pool_peak, self.pool_waits, self.parked, self.reservations, self.recomputed)
+
+
+class _HandoffRouterCollector:
+    """The router's view of its hand-offs (`hybridgate.router.handoff.HandoffMetrics`), gpu_to_cpu."""
+
+    def __init__(self, metrics: Callable[[], object]):
+        self._metrics = metrics
+
+    def collect(self):
+        m = self._metrics()
+        total = CounterMetricFamily("hybridgate:kv_handoff", "KV hand-offs by outcome, as the router owns them: "
+                                    "done = import confirmed; refused = ran on the GPU worker; resumed = resumed "
+                                    "on the GPU worker after export; aborted = cancelled or lost before import.",
+                                    labels=["direction", "outcome"])
+        for outcome, n in m.outcomes.items():
+            total.add_metric(["gpu_to_cpu", outcome], n)
+        seconds = HistogramMetricFamily("hybridgate:kv_handoff_seconds",
+                                        "KV hand-off time, export start (HandoffExported) to import confirmed "
+                                        "(HandoffImported), as the router sees its messages, seconds.",
+                                        labels=["direction"])
+        buckets = [(str(b), c) for b, c in zip(SECONDS_BUCKETS, m.bucket_counts)]
+        buckets.append(("+Inf", m.seconds_count))
+        seconds.add_metric(["gpu_to_cpu"], buckets, m.seconds_sum)
+        yield from (total, seconds)

@@ -51,15 +51,17 @@ class GenerationService(pb_grpc.GenerationServicer):
     `log_request_text` adds the prompt (off: prompts stay out of logs unless asked)."""
 
     def __init__(self, router: Router, metrics: GatewayMetrics, model_id: str = DEFAULT_MODEL_ID,
-                 log_requests: bool = False, log_request_text: bool = False):
+                 log_requests: bool = False, log_request_text: bool = False,
+                 allow_client_routes: bool = False):
         self.router, self.metrics, self.model_id = router, metrics, model_id
         self.log_requests, self.log_request_text = log_requests, log_request_text
+        self.allow_client_routes = allow_client_routes
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         outcome = _Outcome(time.monotonic())
         try:
             prompt, params = request_to_native(request)
-            stream = self.router.generate(prompt, params, label=request.label)
+            stream = self.router.generate(prompt, params, label=request.label, route=self._route(request))
         except InvalidFieldError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         last = None
@@ -105,6 +107,14 @@ class GenerationService(pb_grpc.GenerationServicer):
         if self.log_request_text:
             line += f" prompt={prompt!r}"
         request_log.info("%s", line)
+
+    def _route(self, request: pb.GenerateRequest) -> str:
+        """The request's route; one other than auto only from a gateway run with --allow-client-routes."""
+        route = request.route if request.HasField("route") else "auto"
+        if route != "auto" and not self.allow_client_routes:
+            raise InvalidFieldError("route", f"{route!r} is honoured only when the gateway runs with "
+                                    "--allow-client-routes (an operator's setting); leave it unset or auto")
+        return route
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         workers = [

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import time
+
 import numpy as np
 
 ALIGN = 64
@@ -30,6 +32,7 @@ class PoolStats:
     peak_bytes: int = 0
     fallbacks: int = 0  # requests served outside the slab because it was exhausted
     buffers_in_use: int = 0
+    waits: int = 0  # acquire(wait_s=...) calls that found no free buffer and waited
 
 
 class PinnedBuffer:
@@ -65,8 +68,24 @@ class PinnedPool:
         self._pending: list[PinnedBuffer] = []  # released, waiting for their completion check
         self.stats = PoolStats()
 
-    def acquire(self) -> PinnedBuffer:
+    def acquire(self, wait_s: float | None = None) -> PinnedBuffer:
+        """A free buffer. Without `wait_s`, never blocks: with the slab exhausted it returns a
+        one-off buffer and counts a fallback. With `wait_s`, never allocates: it polls the
+        pending buffers' checks until one is free (counting a wait).
+
+        Raises:
+            TimeoutError: `wait_s` passed with every buffer still in use.
+        """
         self._reclaim()
+        if wait_s is not None and not self._free:
+            self.stats.waits += 1
+            deadline = time.monotonic() + wait_s
+            while not self._free:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"no free pinned buffer within {wait_s} s "
+                                       f"({self.stats.buffers_in_use} of {len(self.slab) // self.buffer_bytes} in use)")
+                time.sleep(0.0002)
+                self._reclaim()
         self.stats.buffers_in_use += 1
         if not self._free:
             self.stats.fallbacks += 1
@@ -93,6 +112,15 @@ class PinnedPool:
                 self._free.append(buf.index)
                 self.stats.bytes_in_use -= self.buffer_bytes
         self._pending = still
+
+    @property
+    def num_buffers(self) -> int:
+        return len(self.slab) // self.buffer_bytes
+
+    @property
+    def num_free(self) -> int:
+        self._reclaim()
+        return len(self._free)
 
     def drain(self) -> None:
         """Reclaim every buffer whose check is done (call when idle)."""

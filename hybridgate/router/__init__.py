@@ -12,11 +12,11 @@ from hybridgate.router.errors import (
     UnavailableError,
     WorkerRequestError,
 )
-from hybridgate.router.router import Router, RouterConfig
+from hybridgate.router.router import ROUTES, Router, RouterConfig
 from hybridgate.router.stream import Delta, GenerationStream, Timings, Usage
 
 __all__ = [
-    "Delta", "FingerprintMismatchError", "GenerationStream", "InvalidRequestError", "ResourceExhaustedError", "Router",
+    "ROUTES", "Delta", "FingerprintMismatchError", "GenerationStream", "InvalidRequestError", "ResourceExhaustedError", "Router",
     "RouterConfig", "RouterError", "Timings", "UnavailableError", "Usage", "WorkerClient", "WorkerDead",
     "WorkerRequestError", "ZmqWorkerClient",
 ]

@@ -96,6 +96,8 @@ class WorkerClient(Protocol):
 
     def abort(self, request_ids: list[str]) -> None: ...
 
+    def send(self, msg: msgspec.Struct) -> None: ...  # KV hand-off messages (HandoffReserve, Release, Resume)
+
     async def close(self) -> None: ...
 
 
@@ -204,6 +206,11 @@ class ZmqWorkerClient:
     def worker_exited(self, reason: str) -> None:
         """Its process is known to have ended (serve's supervisor saw it): dead now, not after the timeout."""
         self._event(Exited(reason))
+
+    def send(self, msg: msgspec.Struct) -> bool:
+        """Any router → worker message, such as the KV hand-off's (HandoffReserve, HandoffRelease,
+        HandoffResume); False when it could not be sent."""
+        return self._send(msg)
 
     async def close(self) -> None:
         self._closing = True

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 import time
 import uuid
@@ -27,8 +28,22 @@ from hybridgate.models import ChatTemplate, GGUFModel, Tokenizer, load_gguf, mod
 from hybridgate.models.chat import ROLES, ChatTemplateError
 from hybridgate.router.client import RateLimitedLog, StateChange, WorkerClient, WorkerDead, ZmqWorkerClient
 from hybridgate.router.errors import FingerprintMismatchError, InvalidRequestError, UnavailableError
+from hybridgate.router.handoff import HandoffMetrics, PauseHook
 from hybridgate.router.stream import GenerationStream, Stalled, WorkerAvailable
-from hybridgate.wire import Hello, Outputs, Overload, Ready, RequestError, SamplingParams, WorkerState
+from hybridgate.wire import (
+    HandoffExported,
+    HandoffExportFailed,
+    HandoffImported,
+    HandoffRefused,
+    HandoffReservation,
+    Hello,
+    Outputs,
+    Overload,
+    Ready,
+    RequestError,
+    SamplingParams,
+    WorkerState,
+)
 
 log = logging.getLogger("hybridgate.router")
 
@@ -37,6 +52,9 @@ RECENT_IDS = 4096  # ended request ids remembered, so late outputs for them are 
 DEFAULT_MAX_TOKENS_CAP = 4096
 
 Prompt = str | Sequence[Mapping[str, str]]
+# Where a request runs: "auto" is the placement policy's choice; "gpu->cpu" prefills on a
+# GPU worker and hands the KV to a CPU worker that decodes (DESIGN.md, "KV hand-off").
+ROUTES = ("auto", "gpu", "cpu", "gpu->cpu")
 
 
 @dataclass(frozen=True)
@@ -59,6 +77,13 @@ class RouterConfig:
         60.0, "seconds without progress (no token, no prefill chunk) after which a request is aborted on "
         "its worker and resumed elsewhere, or failed with UNAVAILABLE", low=0, low_open=True,
         flag="--request-stall-timeout")
+    handoff_stall_s: float = setting(
+        2.0, "seconds a gap in a hand-off's token indexes may stay open before its worker counts as lost",
+        low=0, low_open=True)
+    handoff_answer_s: float = setting(
+        10.0, "seconds a hand-off waits for the CPU worker's answer to a reservation or an import before it runs "
+              "on the GPU worker instead", low=0, low_open=True)
+
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -104,7 +129,12 @@ class Router:
         self._changed = asyncio.Event()
         self._handlers = {Hello: self._on_hello, Ready: self._on_ready, Outputs: self._on_outputs,
                           RequestError: self._on_request_error, Overload: self._on_overload,
-                          WorkerDead: self._on_dead, StateChange: self._on_state_change}
+                          WorkerDead: self._on_dead, StateChange: self._on_state_change,
+                          HandoffReservation: self._on_handoff, HandoffExported: self._on_handoff,
+                          HandoffExportFailed: self._on_handoff, HandoffImported: self._on_handoff,
+                          HandoffRefused: self._on_handoff}
+        self.handoff_metrics = HandoffMetrics()
+        self.handoff_pause = PauseHook.from_env(os.environ)
         self._was_ready = False
         self._recent: dict[str, None] = {}  # ended request ids, oldest first
         self._unknown_ids = 0
@@ -175,16 +205,22 @@ class Router:
 
     # --- requests -----------------------------------------------------------
 
-    def generate(self, prompt: Prompt, params: SamplingParams | None = None, label: str = "") -> GenerationStream:
+    def generate(self, prompt: Prompt, params: SamplingParams | None = None, label: str = "",
+                 route: str = "auto") -> GenerationStream:
         """A stream for one request; enter it with `async with` to send the request.
 
         `prompt` is raw text or chat messages (mappings with `role` and
-        `content`). Validation happens here: `InvalidRequestError` names the
-        field and its limit.
+        `content`). `route` is one of `ROUTES`: "auto" (placement decides),
+        "gpu", "cpu", or "gpu->cpu" (GPU prefill, KV hand-off, CPU decode).
+        Validation happens here: `InvalidRequestError` names the field and its
+        limit. Entering the stream raises `UnavailableError` when no READY
+        worker of the route's kind is there.
         """
         params = (params or SamplingParams()).validate()
         self._check_prompt(prompt)
-        return GenerationStream(self, prompt, params, label, request_id=uuid.uuid4().hex)
+        if route not in ROUTES:
+            raise InvalidRequestError("route", f"must be one of {', '.join(ROUTES)}, got {route!r}")
+        return GenerationStream(self, prompt, params, label, request_id=uuid.uuid4().hex, route=route)
 
     def _check_prompt(self, prompt: Prompt) -> None:
         if isinstance(prompt, str):
@@ -229,11 +265,12 @@ class Router:
         seed = params.seed if params.seed is not None else secrets.randbits(64)
         return max_tokens, seed
 
-    def place(self, exclude: Sequence[WorkerClient] = ()) -> WorkerClient:
-        """The READY worker with the fewest sequences in flight; GPU first on ties."""
-        ready = [c for c in self.clients if c.state == WorkerState.READY and c not in exclude]
+    def place(self, exclude: Sequence[WorkerClient] = (), kind: str | None = None) -> WorkerClient:
+        """The READY worker (of `kind`, when given) with the fewest sequences in flight; GPU first on ties."""
+        ready = [c for c in self.clients if c.state == WorkerState.READY and c not in exclude
+                 and (kind is None or c.kind == kind)]
         if not ready:
-            raise UnavailableError("no worker is ready")
+            raise UnavailableError(f"no {kind} worker is ready" if kind else "no worker is ready")
         return min(ready, key=lambda c: (self._inflight[id(c)], c.kind != "gpu"))
 
     def register(self, stream: GenerationStream, client: WorkerClient | None) -> None:
@@ -270,6 +307,12 @@ class Router:
                         log.exception("moving stalled request %s failed", stream.request_id)
                         stream.fail(UnavailableError(f"request {stream.request_id} stalled and could not be moved: "
                                                      f"{exc}"))
+
+    def reassign(self, stream: GenerationStream, old: WorkerClient, new: WorkerClient) -> None:
+        """The stream's sequence moved from `old` to `new` (a hand-off's import)."""
+        if stream.request_id in self._streams:
+            self._inflight[id(old)] -= 1
+            self._inflight[id(new)] += 1
 
     # --- worker messages (the output pump) ---------------------------------
 
@@ -315,11 +358,24 @@ class Router:
 
     def _on_outputs(self, client: WorkerClient, msg: Outputs) -> None:
         for out in msg.outputs:
+            stream = self._in_handoff(out.request_id)
+            if stream is not None:
+                stream.handoff.on_message(client, out)  # both workers' outputs, reordered
+                continue
             stream = self._stream_of(client, out.request_id)
             if stream is not None:
                 stream.put(out)
 
+    def _in_handoff(self, request_id: str) -> GenerationStream | None:
+        """The stream of `request_id` while its KV hand-off is active (it takes both workers' messages)."""
+        stream = self._streams.get(request_id)
+        return stream if stream is not None and stream.handoff is not None and stream.handoff.active else None
+
     def _on_request_error(self, client: WorkerClient, msg: RequestError) -> None:
+        stream = self._in_handoff(msg.request_id)
+        if stream is not None:
+            stream.handoff.on_message(client, msg)
+            return
         stream = self._stream_of(client, msg.request_id)
         if stream is not None:
             stream.put(msg)
@@ -331,6 +387,11 @@ class Router:
             if stream is not None:
                 stream.put(msg)
 
+    def _on_handoff(self, client: WorkerClient, msg) -> None:
+        stream = self._streams.get(msg.request_id)
+        if stream is not None and stream.handoff is not None:
+            stream.handoff.on_message(client, msg)
+
     def _on_dead(self, client: WorkerClient, msg: WorkerDead) -> None:
         """The worker's sequences are gone: the single signal its streams act on (fail or move)."""
         if not hasattr(client, "lifecycle"):
@@ -339,5 +400,7 @@ class Router:
             client.state = WorkerState.DEAD
         log.error("%s", msg.reason)
         for stream in list(self._streams.values()):
-            if stream.client is client:
+            if stream.handoff is not None and stream.handoff.active and stream.handoff.involves(client):
+                stream.handoff.on_message(client, msg)
+            elif stream.client is client:
                 stream.put(msg)

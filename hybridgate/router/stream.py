@@ -13,6 +13,7 @@ import msgspec
 from hybridgate.models import IncrementalDetokenizer
 from hybridgate.router.client import WorkerClient, WorkerDead
 from hybridgate.router.errors import ResourceExhaustedError, UnavailableError, WorkerRequestError
+from hybridgate.router.handoff import Handoff, worker_name
 from hybridgate.router.stop import StopMatcher
 from hybridgate.wire import (
     ERROR_NO_KV_BLOCKS,
@@ -107,11 +108,14 @@ class GenerationStream:
     placement is dropped as unknown and an ADD to the same worker is never a duplicate.
     """
 
-    def __init__(self, router: Router, prompt: Prompt, params: SamplingParams, label: str, request_id: str):
+    def __init__(self, router: Router, prompt: Prompt, params: SamplingParams, label: str, request_id: str,
+                 route: str = "auto"):
         self.router, self.prompt, self.params, self.label = router, prompt, params, label
-        self.request_id = request_id
+        self.request_id, self.plan = request_id, route  # the route asked for: auto, gpu, cpu or gpu->cpu
         self.worker_request_id = request_id  # this placement's id on its worker
         self.client = None
+        self.handoff: Handoff | None = None  # a gpu->cpu request's hand-off (hybridgate/router/handoff.py)
+        self._handoff_route = ""  # the hand-off's part of the route, once the request moved on from it
         self.prompt_ids: list[int] = []
         self.ids: list[int] = []  # ids handed to the caller
         self.received: list[int] = []  # ids accepted from workers (the caller may not have read them yet)
@@ -137,14 +141,13 @@ class GenerationStream:
         big = isinstance(self.prompt, str) and len(self.prompt) > _LARGE_PROMPT_CHARS
         self.prompt_ids = await asyncio.to_thread(self.router.tokenize, self.prompt) if big else self.router.tokenize(self.prompt)
         self.max_tokens, self.seed = self.router.resolve(self.prompt_ids, self.params)
-        self._submit(self.router.place(()), "placed")
+        self._first_placement()
         return self
 
     async def __aexit__(self, *exc) -> None:
         if not self.finished:
             self.finished = self.done = True
-            if self.client is not None:
-                self.client.abort([self.worker_request_id])
+            self._abort()
         self.router.unregister(self, self.client)
 
     def _submit(self, client: WorkerClient, how: str, exclude=()) -> None:
@@ -166,7 +169,36 @@ class GenerationStream:
             self.router.unregister(self, client)
             self.client = None
             tried.append(client)
-            client = self.router.place(tried)
+            client = self.router.place(tried, self._kind())
+
+    def _kind(self) -> str | None:
+        """The worker kind a placement must have: a one-kind route keeps it through retries and resumes."""
+        return self.plan if self.plan in ("gpu", "cpu") else None
+
+    def _first_placement(self) -> None:
+        """By the route: one worker, or a KV hand-off from a GPU worker's prefill to a CPU worker's decode."""
+        if self.plan != "gpu->cpu":
+            self._submit(self.router.place((), self._kind()), "placed", ())
+            return
+        gpu, cpu = self.router.place((), "gpu"), self.router.place((), "cpu")
+        request = AddRequest(self.request_id, self.prompt_ids, self.params, self.seed, self.max_tokens, self._eos)
+        self.client, self.last_progress = gpu, time.monotonic()
+        self.router.register(self, gpu)
+        self._hops.append(("placed", 0, gpu))
+        self.handoff = Handoff(self, request, gpu, cpu, self.router.handoff_metrics, self.router.handoff_pause,
+                               self.router.config.handoff_stall_s, self.router.config.handoff_answer_s)
+        self.handoff.start()
+
+    def _abort(self) -> None:
+        if self.handoff is not None and self.handoff.active:
+            self.handoff.abort()
+        elif self.client is not None:
+            self.client.abort([self.worker_request_id])
+
+    def moved(self, old, new) -> None:
+        """The hand-off's import moved the sequence to the CPU worker (called by `Handoff`)."""
+        self.router.reassign(self, old, new)
+        self.client = new
 
     # --- fed by the router's output pump ------------------------------------
 
@@ -179,8 +211,7 @@ class GenerationStream:
         try:
             self._queue.put_nowait(item)
         except asyncio.QueueFull:
-            if self.client is not None:
-                self.client.abort([self.worker_request_id])
+            self._abort()
             self.fail(UnavailableError(f"the client read too slowly: over {self._queue.maxsize} steps buffered"))
 
     def fail(self, exc: BaseException) -> None:
@@ -248,6 +279,8 @@ class GenerationStream:
         log.info("request %s: %s; %s", self.request_id, reason,
                  "resuming after %d ids" % len(self.received) if self.received else "placing it again")
         self.router.unregister(self, self.client)
+        if self.handoff is not None:  # the hand-off handed its stream over as lost: it is over
+            self._handoff_route, self.handoff = self.handoff.route(), None
         self.client = None
         self.worker_request_id = f"{self.request_id}.{len(self._hops)}"
         order = [self._refused + [avoid], self._refused] if avoid is not None else [self._refused]
@@ -255,7 +288,7 @@ class GenerationStream:
             order = order[:1]
         for exclude in order:
             try:
-                self._submit(self.router.place(exclude), "resumed" if self.received else "retried", exclude)
+                self._submit(self.router.place(exclude, self._kind()), "resumed" if self.received else "retried", exclude)
                 return
             except UnavailableError:
                 pass
@@ -277,7 +310,8 @@ class GenerationStream:
     def _place_or_wait(self, reason: str) -> None:
         self.router.unregister(self, None)
         try:
-            self._submit(self.router.place(self._refused), "resumed" if self.received else "retried", self._refused)
+            self._submit(self.router.place(self._refused, self._kind()), "resumed" if self.received else "retried",
+                         self._refused)
         except UnavailableError:
             self.router.register(self, None)
 
@@ -295,6 +329,7 @@ class GenerationStream:
                     return delta
             else:
                 self.finished = True
+                self._abort()
                 self.router.unregister(self, self.client)
                 raise _error_of(item)
         raise StopAsyncIteration
@@ -318,8 +353,7 @@ class GenerationStream:
             if matched:
                 finish = FinishReason.STOP
                 self.done = True
-                if self.client is not None:
-                    self.client.abort([self.worker_request_id])
+                self._abort()
                 break
         self.ids += taken
         if finish is not None and finish != FinishReason.STOP:
@@ -336,6 +370,8 @@ class GenerationStream:
             return Delta(self.request_id, index, text, ids)
         self.finished = True
         self.router.unregister(self, self.client)
+        if self.handoff is not None:
+            self.handoff.finished()
         now = time.monotonic()
         ttft = ((self._first_token_at or now) - self._arrival) * 1e3
         return Delta(
@@ -347,19 +383,17 @@ class GenerationStream:
 
     @property
     def route(self) -> str:
-        """The worker kind; after a move, each placement: "gpu (gpu-0), resumed at token 12 on cpu (cpu-1)"
-        ("retried" when no token had been streamed)."""
-        if len(self._hops) == 1:
-            return self._hops[0][2].kind or ""
-        return ", ".join((f"{how} at token {k} on " if i else "") + f"{c.kind} ({self._name(c)})"
-                         for i, (how, k, c) in enumerate(self._hops))
+        """The plan and the workers that served it: "gpu (gpu-0)", "gpu->cpu (gpu-0 -> cpu-1)"; after a
+        move each placement: "gpu (gpu-0), resumed at token 12 on cpu (cpu-1)" ("retried" when no token
+        had been streamed)."""
+        first = self._handoff_route or (self.handoff.route() if self.handoff is not None else
+                                        f"{self._hops[0][2].kind} ({self._name(self._hops[0][2])})")
+        return ", ".join([first] + [f"{how} at token {k} on {c.kind} ({self._name(c)})"
+                                    for how, k, c in self._hops[1:]])
 
     @staticmethod
     def _name(client: WorkerClient | None) -> str:
-        if client is None:
-            return "none"
-        hello = client.hello
-        return (hello.name if hello is not None and getattr(hello, "name", "") else "") or client.endpoint
+        return "none" if client is None else worker_name(client)
 
 
 def _error_of(item) -> BaseException:

@@ -24,33 +24,33 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ehybridgate/v1/generation.proto\x12\rhybridgate.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"4\n\x04\x43hat\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.hybridgate.v1.ChatMessage\"\x9e\x03\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12#\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x13.hybridgate.v1.ChatH\x00\x12\x17\n\nmax_tokens\x18\x03 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x06\x88\x01\x01\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\r\n\x05label\x18\x0b \x01(\t\x12 \n\x13skip_special_tokens\x18\x0c \x01(\x08H\x07\x88\x01\x01\x42\x07\n\x05inputB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x16\n\x14_skip_special_tokens\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\">\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01\"\xed\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btoken_index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.hybridgate.v1.FinishReason\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.hybridgate.v1.Usage\x12\'\n\x07timings\x18\x07 \x01(\x0b\x32\x16.hybridgate.v1.Timings\x12\r\n\x05route\x18\x08 \x01(\t\"\x15\n\x13GetModelInfoRequest\"L\n\nWorkerInfo\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\r\n\x05ready\x18\x03 \x01(\x08\x12\x0f\n\x07running\x18\x04 \x01(\r\"u\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12*\n\x07workers\x18\x04 \x03(\x0b\x32\x19.hybridgate.v1.WorkerInfo*\x8f\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x04\x32\xa9\x01\n\nGeneration\x12M\n\x08Generate\x12\x1e.hybridgate.v1.GenerateRequest\x1a\x1f.hybridgate.v1.GenerateResponse0\x01\x12L\n\x0cGetModelInfo\x12\".hybridgate.v1.GetModelInfoRequest\x1a\x18.hybridgate.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ehybridgate/v1/generation.proto\x12\rhybridgate.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"4\n\x04\x43hat\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.hybridgate.v1.ChatMessage\"\xbc\x03\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12#\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x13.hybridgate.v1.ChatH\x00\x12\x17\n\nmax_tokens\x18\x03 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x06\x88\x01\x01\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\r\n\x05label\x18\x0b \x01(\t\x12 \n\x13skip_special_tokens\x18\x0c \x01(\x08H\x07\x88\x01\x01\x12\x12\n\x05route\x18\r \x01(\tH\x08\x88\x01\x01\x42\x07\n\x05inputB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x16\n\x14_skip_special_tokensB\x08\n\x06_route\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\">\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01\"\xed\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btoken_index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.hybridgate.v1.FinishReason\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.hybridgate.v1.Usage\x12\'\n\x07timings\x18\x07 \x01(\x0b\x32\x16.hybridgate.v1.Timings\x12\r\n\x05route\x18\x08 \x01(\t\"\x15\n\x13GetModelInfoRequest\"L\n\nWorkerInfo\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\r\n\x05ready\x18\x03 \x01(\x08\x12\x0f\n\x07running\x18\x04 \x01(\r\"u\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12*\n\x07workers\x18\x04 \x03(\x0b\x32\x19.hybridgate.v1.WorkerInfo*\x8f\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x04\x32\xa9\x01\n\nGeneration\x12M\n\x08Generate\x12\x1e.hybridgate.v1.GenerateRequest\x1a\x1f.hybridgate.v1.GenerateResponse0\x01\x12L\n\x0cGetModelInfo\x12\".hybridgate.v1.GetModelInfoRequest\x1a\x18.hybridgate.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'hybridgate.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1173
-  _globals['_FINISHREASON']._serialized_end=1316
+  _globals['_FINISHREASON']._serialized_start=1203
+  _globals['_FINISHREASON']._serialized_end=1346
   _globals['_CHATMESSAGE']._serialized_start=49
   _globals['_CHATMESSAGE']._serialized_end=93
   _globals['_CHAT']._serialized_start=95
   _globals['_CHAT']._serialized_end=147
   _globals['_GENERATEREQUEST']._serialized_start=150
-  _globals['_GENERATEREQUEST']._serialized_end=564
-  _globals['_USAGE']._serialized_start=566
-  _globals['_USAGE']._serialized_end=646
-  _globals['_TIMINGS']._serialized_start=648
-  _globals['_TIMINGS']._serialized_end=710
-  _globals['_GENERATERESPONSE']._serialized_start=713
-  _globals['_GENERATERESPONSE']._serialized_end=950
-  _globals['_GETMODELINFOREQUEST']._serialized_start=952
-  _globals['_GETMODELINFOREQUEST']._serialized_end=973
-  _globals['_WORKERINFO']._serialized_start=975
-  _globals['_WORKERINFO']._serialized_end=1051
-  _globals['_MODELINFO']._serialized_start=1053
-  _globals['_MODELINFO']._serialized_end=1170
-  _globals['_GENERATION']._serialized_start=1319
-  _globals['_GENERATION']._serialized_end=1488
+  _globals['_GENERATEREQUEST']._serialized_end=594
+  _globals['_USAGE']._serialized_start=596
+  _globals['_USAGE']._serialized_end=676
+  _globals['_TIMINGS']._serialized_start=678
+  _globals['_TIMINGS']._serialized_end=740
+  _globals['_GENERATERESPONSE']._serialized_start=743
+  _globals['_GENERATERESPONSE']._serialized_end=980
+  _globals['_GETMODELINFOREQUEST']._serialized_start=982
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1003
+  _globals['_WORKERINFO']._serialized_start=1005
+  _globals['_WORKERINFO']._serialized_end=1081
+  _globals['_MODELINFO']._serialized_start=1083
+  _globals['_MODELINFO']._serialized_end=1200
+  _globals['_GENERATION']._serialized_start=1349
+  _globals['_GENERATION']._serialized_end=1518
 # @@protoc_insertion_point(module_scope)

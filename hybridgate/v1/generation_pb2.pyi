@@ -35,7 +35,7 @@ class Chat(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "chat", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "repetition_penalty", "ignore_eos", "label", "skip_special_tokens")
+    __slots__ = ("prompt", "chat", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "repetition_penalty", "ignore_eos", "label", "skip_special_tokens", "route")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,7 @@ class GenerateRequest(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     LABEL_FIELD_NUMBER: _ClassVar[int]
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     chat: Chat
     max_tokens: int
@@ -60,7 +61,8 @@ class GenerateRequest(_message.Message):
     ignore_eos: bool
     label: str
     skip_special_tokens: bool
-    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., repetition_penalty: _Optional[float] = ..., ignore_eos: _Optional[bool] = ..., label: _Optional[str] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
+    route: str
+    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., repetition_penalty: _Optional[float] = ..., ignore_eos: _Optional[bool] = ..., label: _Optional[str] = ..., skip_special_tokens: _Optional[bool] = ..., route: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")

@@ -40,6 +40,7 @@ from hybridgate.wire import (
 )
 from hybridgate.workers.faults import InjectedFault
 from hybridgate.workers.guard import WireErrors, check_add
+from hybridgate.workers.handoff import HandoffConfig, HandoffState, KVSpec
 from hybridgate.workers.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from hybridgate.workers.sequence import FINISH_OF_STATUS, Sequence, SequenceStatus
 
@@ -73,7 +74,8 @@ class EngineCore:
     """Sequences, scheduler, block allocator and runner; one `step()` is one forward pass."""
 
     def __init__(self, runner: ModelRunner, scheduler_config: SchedulerConfig, fingerprint: str = "",
-                 prefix_caching: bool = True, wire_errors: WireErrors | None = None):
+                 prefix_caching: bool = True, wire_errors: WireErrors | None = None,
+                 handoff: HandoffConfig | None = None):
         self.runner = runner
         self.wire_errors = wire_errors or WireErrors()  # shared with the worker's I/O thread
         self.allocator = BlockAllocator(runner.num_blocks, runner.block_size, prefix_caching)
@@ -89,6 +91,9 @@ class EngineCore:
         # Start-up figures: the kernels were compiled or loaded by the runner's warm-up.
         self.stats.kernel_cache_hits, self.stats.kernel_cache_misses = runner.kernel_cache_stats()
         self._failures: list[tuple[Sequence, RequestError]] = []
+        layout = getattr(runner, "kv_layout", None)
+        spec = KVSpec(fingerprint, runner.block_size, *layout()) if layout is not None else None
+        self.handoffs = HandoffState(self, handoff or HandoffConfig(), spec)
 
     def add(self, request: AddRequest, client: bytes = b"") -> RequestError | None:
         """Queue a request; the error to answer when it is refused, else None.
@@ -130,8 +135,12 @@ class EngineCore:
         for rid in request_ids:
             seq = self._by_id.pop((client, rid), None)
             if seq is not None:
-                self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+                # A parked sequence (hand-off export) frees its blocks once no copy reads them.
+                if not self.handoffs.abort_parked((client, rid)):
+                    self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
                 aborted.append(seq)
+            elif self.handoffs.abort_reservation(client, rid):
+                pass
             else:
                 self._early_aborts[(client, rid)] = None
                 if len(self._early_aborts) > _MAX_EARLY_ABORTS:
@@ -174,6 +183,7 @@ class EngineCore:
             if seq.status.finished:
                 self._by_id.pop((seq.client, seq.request_id), None)
                 self.scheduler.finish(seq, seq.status)
+        self.handoffs.after_step(sampled)  # gpu->cpu: park and export after the first token
         self.stats.steps += 1
         self.stats.batch_size_counts[len(batch)] = self.stats.batch_size_counts.get(len(batch), 0) + 1
         return list(sampled)
@@ -238,6 +248,7 @@ class EngineCore:
         s.pinned_bytes_in_use, s.pinned_peak_bytes, s.pinned_fallbacks = (
             pool.bytes_in_use, pool.peak_bytes, pool.fallbacks)
         s.wire_decode_errors = self.wire_errors.total
+        self.handoffs.fill_stats(s)
         return s
 
 
@@ -308,10 +319,12 @@ class EngineLoop:
     and a failed step fails the sequences it is blamed on (`EngineCore.step`).
     """
 
-    def __init__(self, engine: EngineCore, inbox: Inbox, send: Callable[[bytes, object], None]):
+    def __init__(self, engine: EngineCore, inbox: Inbox, send: Callable[[bytes, object], None],
+                 send_handoff: Callable[[bytes, object], None] | None = None):
         self.engine = engine
         self.inbox = inbox
         self.send = send
+        self.send_handoff = send_handoff  # replies on the hand-off socket (CPU worker)
         self.stopping = threading.Event()
         self._handlers = {AddRequest: self._on_add, ClientGone: self._on_client_gone,
                           ClientCongested: self._on_client_congested}
@@ -320,6 +333,8 @@ class EngineLoop:
         while not self.stopping.is_set():
             self._drain(block=not self.engine.has_work())
             self._apply_aborts(set())
+            self.engine.handoffs.expire()
+            self._flush_handoff_notices()
             if not self.engine.has_work():
                 self.engine.refresh_stats()
                 continue
@@ -334,6 +349,15 @@ class EngineLoop:
             self._apply_aborts({id(s) for s in stepped})
             self._push([s for s in stepped if s.status != SequenceStatus.FINISHED_ABORTED],
                        [s for s in self.engine.last_prefilled if not s.status.finished])
+            self._flush_handoff_notices()
+
+    def _flush_handoff_notices(self) -> None:
+        notices, replies = self.engine.handoffs.take_notices()
+        for client, msg in notices:
+            self.send(client, msg)
+        for peer, msg in replies:
+            if self.send_handoff is not None:
+                self.send_handoff(peer, msg)
 
     def _drain(self, block: bool) -> None:
         try:
@@ -347,7 +371,13 @@ class EngineLoop:
 
     def _handle(self, client: bytes, msg: object) -> None:
         try:
-            self._handlers[type(msg)](client, msg)
+            handler = self._handlers.get(type(msg))
+            if handler is not None:
+                handler(client, msg)
+            elif self.engine.handoffs.handles(msg):  # the KV hand-off's messages (reserve, release, resume, ...)
+                self.engine.handoffs.handle(client, msg)
+            else:
+                log.error("the engine got a message it has no handler for: %s", type(msg).__name__)
         except Exception as exc:  # a bug met by one message must not end the loop
             log.exception("handling %s failed", type(msg).__name__)
             if isinstance(msg, AddRequest):

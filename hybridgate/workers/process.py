@@ -44,6 +44,7 @@ from hybridgate.wire import (
 from hybridgate.workers.engine import ClientCongested, ClientGone, EngineCore, EngineLoop, Inbox
 from hybridgate.workers.guard import WireErrors
 from hybridgate.workers.memory import parse_memory
+from hybridgate.workers.handoff import DEFAULT_RESERVATION_TIMEOUT_S, HandoffConfig, HandoffIncoming
 from hybridgate.workers.scheduler import SchedulerConfig
 
 log = logging.getLogger("hybridgate.worker")
@@ -90,8 +91,26 @@ class WorkerConfig:
     name: str = setting("", "this worker's stable name in the gateway's metrics (default: its endpoint; "
                             "serve names its workers kind-index, e.g. gpu-0)", flag="--worker-name")
 
+    handoff_endpoint: str = setting(
+        "", "CPU workers: where to bind the socket for incoming KV hand-offs (ipc://PATH or tcp://HOST:PORT); "
+        "default: ENDPOINT.handoff for an ipc:// endpoint, none for tcp://", flag="--handoff-endpoint")
+    handoff_buffer_memory: str = setting(
+        "256MiB", "GPU workers: the pinned host slab KV hand-offs stream through (bytes, e.g. 256MiB); "
+        "hand-offs larger than it stream layer by layer", flag="--handoff-buffer-memory")
+    cache_imported_kv: bool = setting(
+        False, "CPU workers: register KV imported by hand-offs in the prefix cache (off: a worker's outputs "
+        "never depend on which hand-offs came before)", flag="--cache-imported-kv")
+    handoff_reservation_timeout_s: float = setting(
+        DEFAULT_RESERVATION_TIMEOUT_S, "CPU workers: seconds a KV hand-off reservation waits for its KV",
+        low=0, low_open=True)
+
+
     def __post_init__(self) -> None:
         check_settings(self)
+        if self.handoff_endpoint and not self.handoff_endpoint.startswith(("ipc://", "tcp://", "inproc://")):
+            raise ValueError(f"handoff_endpoint: must start with ipc://, tcp:// or inproc://, got "
+                             f"{self.handoff_endpoint!r}")
+        self.handoff_buffer_bytes  # raises on a bad size
 
     # The flat names of before the split into sections, for readers.
     max_num_seqs = property(lambda self: self.scheduler.max_num_seqs)
@@ -101,6 +120,24 @@ class WorkerConfig:
     kv_cache_memory = property(lambda self: self.engine.kv_cache_memory)
     prefix_caching = property(lambda self: self.engine.prefix_caching)
     enforce_eager = property(lambda self: self.engine.enforce_eager)
+
+    @property
+    def handoff_buffer_bytes(self) -> int:
+        from hybridgate.workers.memory import parse_memory
+
+        value = parse_memory(self.handoff_buffer_memory, gpu=False)
+        if value <= 1:
+            raise ValueError(f"handoff_buffer_memory: expected bytes (e.g. 256MiB), got {self.handoff_buffer_memory!r}")
+        return int(value)
+
+    @property
+    def resolved_handoff_endpoint(self) -> str:
+        """CPU workers: the hand-off socket's endpoint ("" = none): the setting, else derived from `endpoint`."""
+        if self.kind != "cpu":
+            return ""
+        if self.handoff_endpoint:
+            return self.handoff_endpoint
+        return "" if not self.endpoint or self.endpoint.startswith("tcp://") else self.endpoint + ".handoff"
 
 
 def build_runner(config: WorkerConfig):
@@ -154,6 +191,11 @@ class WorkerIO:
     def __init__(self, ctx: zmq.Context, endpoint: str, hello: Hello, inbox: Inbox, heartbeat_s: float,
                  wire_errors: WireErrors | None = None, send_hwm: int = 100_000):
         self.max_frame_bytes = max_frame_bytes(hello.max_model_len)
+        self.handoff_socket = None
+        if hello.handoff_endpoint:  # CPU workers: KV hand-offs from GPU workers (header, then parts)
+            self.handoff_socket = ctx.socket(zmq.ROUTER)
+            self.handoff_socket.setsockopt(zmq.LINGER, 0)
+            self.handoff_socket.bind(hello.handoff_endpoint)
         self.socket = ctx.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
@@ -179,6 +221,8 @@ class WorkerIO:
             MsgType.ADD.value: (msgspec.msgpack.Decoder(AddRequest), self._on_add),
             MsgType.ABORT.value: (msgspec.msgpack.Decoder(Abort), self._on_abort),
         }
+        for kind in (MsgType.HANDOFF_RESERVE, MsgType.HANDOFF_RELEASE, MsgType.HANDOFF_RESUME):
+            self._inbound[kind.value] = (msgspec.msgpack.Decoder(wire.MESSAGE_TYPES[kind]), self._on_add)
 
     def engine_sender(self, ctx: zmq.Context):
         """A send(client, message) for the engine thread (its own PUSH socket)."""
@@ -191,6 +235,15 @@ class WorkerIO:
 
         return send
 
+    def engine_handoff_sender(self):
+        """A send(peer, message) for the engine thread's replies on the hand-off socket
+        (after engine_sender: it shares that PUSH socket; an empty first frame marks them)."""
+
+        def send(peer: bytes, msg) -> None:
+            self._engine_push.send_multipart([b"", peer, *wire.encode(msg)], copy=False)
+
+        return send
+
     def set_ready(self) -> None:
         """Called from the engine thread; the I/O thread sends READY on its next pass."""
         self._ready.set()
@@ -199,6 +252,8 @@ class WorkerIO:
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
         poller.register(self.from_engine, zmq.POLLIN)
+        if self.handoff_socket is not None:
+            poller.register(self.handoff_socket, zmq.POLLIN)
         next_beat = time.monotonic()
         while not self.stopping.is_set():
             events = dict(poller.poll(timeout=max(0.0, next_beat - time.monotonic()) * 1e3))
@@ -208,6 +263,8 @@ class WorkerIO:
                 self._recv_from_router()
             if self.from_engine in events:
                 self._forward_engine_output()
+            if self.handoff_socket is not None and self.handoff_socket in events:
+                self._recv_handoff()
             if self._ready.is_set() and not self.hello.ready:
                 self.hello = msgspec.structs.replace(self.hello, ready=True)
                 for client in list(self.clients):
@@ -262,6 +319,19 @@ class WorkerIO:
         self._send(client, RequestError(rid, f"the worker could not decode the request: {exc}",
                                         ERROR_INVALID_REQUEST))
 
+    def _recv_handoff(self) -> None:
+        """KV hand-off messages, frames not copied, to the engine (which checks and imports them)."""
+        while True:
+            try:
+                peer, *frames = self.handoff_socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            kind = frames[0].bytes if frames else b""
+            if kind not in (MsgType.HANDOFF_KV.value, MsgType.HANDOFF_KV_PART.value) or len(frames) < 2:
+                log.warning("dropping a message of type %r on the hand-off socket", kind)
+                continue
+            self.inbox.requests.put((peer.bytes, HandoffIncoming(kind, frames[1].buffer, frames[2:])))
+
     def _on_connect(self, client: bytes, msg: Connect) -> None:
         self.clients.add(client)
         self.congested.discard(client)
@@ -279,9 +349,16 @@ class WorkerIO:
     def _forward_engine_output(self) -> None:
         while True:
             try:
-                client, kind, body = self.from_engine.recv_multipart(zmq.NOBLOCK)
+                client, *frames = self.from_engine.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            if not client:  # a reply on the hand-off socket: [b"", peer, kind, body]
+                try:
+                    self.handoff_socket.send_multipart(frames, zmq.NOBLOCK)
+                except (zmq.error.Again, zmq.error.ZMQError, AttributeError) as exc:
+                    log.info("hand-off peer unreachable (%s)", exc)
+                continue
+            kind, body = frames
             if kind == MsgType.OVERLOAD.value:
                 self._queue_overload(client, wire.decode([kind, body]))
             else:
@@ -327,6 +404,8 @@ class WorkerIO:
             self._engine_push.close(0)
         self.socket.close(0)
         self.from_engine.close(0)
+        if self.handoff_socket is not None:
+            self.handoff_socket.close(0)
 
 
 class _Refused(Exception):
@@ -433,7 +512,8 @@ def run_worker(config: WorkerConfig) -> None:
     wire_errors = WireErrors()  # counted by both threads, reported in every LOAD and OUTPUTS
     hello = Hello(kind=config.kind, fingerprint=fingerprint, max_num_seqs=config.max_num_seqs,
                   max_model_len=runner.max_model_len, pid=os.getpid(), ready=False,
-                  boot_id=uuid.uuid4().hex, name=config.name)  # a new boot id on every start
+                  boot_id=uuid.uuid4().hex, name=config.name,  # a new boot id on every start
+                  handoff_endpoint=config.resolved_handoff_endpoint)
     try:
         io = WorkerIO(ctx, config.endpoint, hello, inbox, config.heartbeat_s, wire_errors)
     except zmq.ZMQError as exc:
@@ -443,8 +523,15 @@ def run_worker(config: WorkerConfig) -> None:
     io_thread = threading.Thread(target=io_run, name="worker-io", daemon=True)
     io_thread.start()
     runner.warm_up()
-    engine = EngineCore(runner, config.scheduler, hello.fingerprint, config.engine.prefix_caching, wire_errors)
-    loop = EngineLoop(engine, inbox, io.engine_sender(ctx))
+    engine = EngineCore(runner, config.scheduler, hello.fingerprint, config.engine.prefix_caching, wire_errors,
+                        HandoffConfig(config.cache_imported_kv, config.handoff_reservation_timeout_s))
+    exporter = None
+    if config.kind == "gpu":
+        from hybridgate.workers.gpu.export import KVExporter
+
+        exporter = engine.handoffs.exporter = KVExporter(
+            runner, ctx, lambda ev: inbox.requests.put((b"", ev)), buffer_memory=config.handoff_buffer_bytes)
+    loop = EngineLoop(engine, inbox, io.engine_sender(ctx), io.engine_handoff_sender())
     io.stats = engine.stats  # read by the heartbeat; the engine refreshes it every pass
     io.set_ready()  # the I/O thread sends READY on its next pass
     if config.parent_pid is None:  # standalone: the user's only sign of life at the default log level
@@ -453,6 +540,8 @@ def run_worker(config: WorkerConfig) -> None:
         log.info("%s worker ready on %s (pid %d)", config.kind, config.endpoint, os.getpid())
     threading.Thread(target=lambda: (stop.wait(), loop.stopping.set()), daemon=True).start()
     _exit_if_raises(loop.run, "engine loop")()
+    if exporter is not None:
+        exporter.close()
     io.stopping.set()
     io_thread.join(timeout=2)
     io.close()

@@ -6,8 +6,9 @@ Yu et al., OSDI 2022). Each step spends a token budget: first one token for
 every running decode, then chunks of prefills in progress, then new prompts
 (chunked prefill, as in Sarathi, Agrawal et al. 2023). When KV blocks run out,
 the most recently admitted sequence gives its blocks back and is recomputed
-later (preemption by recomputation, as vLLM does). Prompts look up their
-longest cached prefix first (prefix caching).
+later (preemption by recomputation, as vLLM does); sequences imported by a KV
+hand-off go last. Prompts look up their longest cached prefix first (prefix
+caching); blocks of sequences marked not cacheable (imported KV) never enter it.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class SchedulerStats:
     preemptions: int = 0
     prefill_tokens: int = 0  # prompt (and recomputed) tokens actually run
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    recomputed_imports: int = 0  # preempted sequences whose KV came from a hand-off
 
 
 def _is_decode(seq: Sequence, n: int) -> bool:
@@ -80,7 +82,7 @@ class Scheduler:
         for seq in [s for s in self.running if s.num_tokens - s.num_computed == 1]:  # decodes
             if budget == 0 or seq.status != SequenceStatus.RUNNING:
                 continue
-            if not self._reserve(seq, 1):
+            if not self._reserve(seq, 1, batch):
                 preempted = True
                 continue
             batch.entries.append((seq, 1))
@@ -105,10 +107,14 @@ class Scheduler:
         self.stats.prefill_tokens += sum(n for s, n in batch.entries if not _is_decode(s, n))
         return batch
 
-    def _reserve(self, seq: Sequence, n: int) -> bool:
+    def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         """Blocks for n more tokens of a running sequence, preempting the newest until they fit."""
         while not self.allocator.ensure(seq.block_table, seq.num_computed + n):
-            victim = self.running[-1]
+            # The newest first, imported sequences last (their KV crossed machines to get here);
+            # never one already in this step's batch (the newest of all never is: it comes last).
+            batched = {id(s) for s, _ in batch.entries}
+            victim = next((s for s in reversed(self.running) if not s.imported and id(s) not in batched),
+                          self.running[-1])
             self.preempt(victim)
             if victim is seq:
                 return False
@@ -121,6 +127,8 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.stats.preemptions += 1
+        if seq.imported:
+            self.stats.recomputed_imports += 1
 
     def _reset(self, seq: Sequence) -> None:
         self.allocator.release(seq.block_table)
@@ -142,15 +150,29 @@ class Scheduler:
 
     def after_step(self, batch: ScheduledBatch) -> None:
         """Register every block a step filled, so later prompts can reuse it."""
-        bs = self.allocator.block_size
         for seq, _ in batch.entries:
-            ids = None
-            while (len(seq.block_hashes) + 1) * bs <= seq.num_computed:
-                ids = ids or seq.all_ids
-                k = len(seq.block_hashes)
-                h = block_hash(seq.block_hashes[-1] if k else None, ids[k * bs : (k + 1) * bs], self.fingerprint)
-                seq.block_hashes.append(h)
-                self.allocator.register(seq.block_table[k], h)
+            self.register_blocks(seq)
+
+    def register_blocks(self, seq: Sequence) -> None:
+        """Register the sequence's computed full blocks not yet registered (none if not cacheable)."""
+        if not seq.cacheable:
+            return
+        bs, ids = self.allocator.block_size, None
+        while (len(seq.block_hashes) + 1) * bs <= seq.num_computed:
+            ids = ids or seq.all_ids
+            k = len(seq.block_hashes)
+            h = block_hash(seq.block_hashes[-1] if k else None, ids[k * bs : (k + 1) * bs], self.fingerprint)
+            seq.block_hashes.append(h)
+            self.allocator.register(seq.block_table[k], h)
+
+    def park(self, seq: Sequence) -> None:
+        """Take a running sequence out of scheduling, its blocks held (a KV hand-off's export)."""
+        self.running.remove(seq)
+
+    def unpark(self, seq: Sequence) -> None:
+        """Schedule a parked (or imported) sequence again, as a running one."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """Retire a sequence (waiting or running) and free its blocks."""

@@ -54,6 +54,9 @@ class Sequence:
         # A resumed stream (DESIGN.md, Worker lifecycle): prompt_ids end with the ids the
         # client already has, and this sequence's outputs continue at this token index.
         self.first_token_index = request.first_token_index
+        self.handoff = request.handoff  # gpu->cpu: export after the first token (GPU worker)
+        self.imported = False  # its KV came from a hand-off (CPU worker): preempted last
+        self.cacheable = True  # its blocks may enter the prefix cache (not for imported KV unless configured)
 
     @property
     def num_tokens(self) -> int:

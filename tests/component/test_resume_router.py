@@ -177,4 +177,4 @@ async def test_prefill_progress_is_not_a_stall(gguf_model, fp):
     async with Router(gguf_model, [a, b], RouterConfig(request_stall_timeout_s=0.5 * TIME_FACTOR)) as router:
         deltas = await collect(router)  # prefill twice the timeout, each chunk well within it
         assert_one_contiguous_stream(deltas)
-        assert deltas[-1].route == "gpu" and b.requests == [] and a.aborted == []
+        assert deltas[-1].route == "gpu (a)" and b.requests == [] and a.aborted == []

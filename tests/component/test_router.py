@@ -63,7 +63,7 @@ async def test_france_greedy_matches_reference(router):
     assert [d.finish_reason for d in deltas] == [None] * (len(deltas) - 1) + [FinishReason.EOS]
     last = deltas[-1]
     assert last.usage.completion_tokens == 8 and last.usage.prompt_tokens == len(GREEDY["france"]["prompt_ids"])
-    assert last.route == "gpu" and last.timings.ttft_ms <= last.timings.total_ms
+    assert last.route == "gpu (inproc)" and last.timings.ttft_ms <= last.timings.total_ms
 
 
 @pytest.mark.parametrize("question", ["Translate 'good morning' into Japanese.", "Say 'thank you' in Chinese, Russian and Greek."])

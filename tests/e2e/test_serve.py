@@ -121,6 +121,19 @@ def test_bad_fields_are_invalid_argument(server, fields, field):
     assert ok[-1].finish_reason == pb.FINISH_REASON_LENGTH
 
 
+@pytest.mark.parametrize("route", ["gpu", "cpu", "gpu->cpu", "tpu"])
+def test_a_route_needs_the_operators_flag(server, route):
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub(server.target).Generate(pb.GenerateRequest(prompt="hi", max_tokens=2, route=route)))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("route: ") and "--allow-client-routes" in info.value.details()
+    ok = list(stub(server.target).Generate(pb.GenerateRequest(prompt="hi", max_tokens=2, ignore_eos=True, route="auto")))
+    assert ok[-1].route.startswith("gpu (")
+    names = set(metrics(server.metrics_url))
+    assert "hybridgate:kv_handoff_total{direction=gpu_to_cpu,outcome=done}" in names
+    assert "hybridgate:kv_handoff_seconds_count{direction=gpu_to_cpu}" in names
+
+
 def test_size_limits(server, tokenizer):
     client = stub(server.target)
     with pytest.raises(grpc.RpcError) as info:

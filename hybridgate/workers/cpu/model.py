@@ -64,6 +64,27 @@ def rope_and_store(qkv, positions, cos, sin, slots, k_blocks, v_cache, q_out):
                 v_cache[slot, g, i] = qkv[t, heads + kv_heads + g, i]
 
 
+@nb.njit(parallel=True, **_JIT)
+def import_kv_layer(k, v, table, k_blocks, v_cache):
+    """One layer of a KV hand-off into the paged cache: k, v float32 `[tokens, kv_heads, dim]`
+    (token t in slot t of the sequence); table int64 `[blocks]`, the sequence's block table;
+    k_blocks `[blocks, kv_heads, dim, block]` (keys transposed within a block), v_cache
+    `[slots, kv_heads, dim]`. One job per (block, KV head); a block is 16 x dim floats, in cache."""
+    kv_heads, dim, bs = k_blocks.shape[1], k_blocks.shape[2], k_blocks.shape[3]
+    n = k.shape[0]
+    nblk = (n + bs - 1) // bs
+    for job in prange(nblk * kv_heads):
+        b, g = job // kv_heads, job % kv_heads
+        blk, t0 = table[b], b * bs
+        count = min(bs, n - t0)
+        for i in range(dim):
+            for o in range(count):
+                k_blocks[blk, g, i, o] = k[t0 + o, g, i]
+        for o in range(count):
+            for i in range(dim):
+                v_cache[blk * bs + o, g, i] = v[t0 + o, g, i]
+
+
 QUERY_TILE = 16  # query tokens of one sequence that share each K/V load
 
 

@@ -27,6 +27,7 @@ KERNELS = [
     ("matmul_blocks", simd.matmul_blocks),
     ("matmul_rows", quant.matmul_rows), ("rms_norm", cpu_model.rms_norm), ("rope_and_store", cpu_model.rope_and_store),
     ("paged_attention", cpu_model.paged_attention), ("silu_mul", cpu_model.silu_mul),
+    ("import_kv_layer", cpu_model.import_kv_layer),
 ]
 
 
@@ -68,8 +69,10 @@ class NumbaRunner:
                         for _ in range(c.num_layers)]
         self.scratch_slot = self.num_blocks * block_size
         for k, v in zip(self.k_cache, self.v_cache):
-            k[self.num_blocks] = 0.0
-            v[self.scratch_slot :] = 0.0
+            # Zeroed (so resident) now: a first write to a fresh page costs a fault, which would
+            # otherwise land on the steps, and KV hand-off imports, that first use each block.
+            k.fill(0.0)
+            v.fill(0.0)
         self.pool = PinnedPool(4 << 20, 2)
         log.info("CPU runner: weights %.1f MiB in GGUF blocks, KV cache %d blocks of %d tokens (%.1f MiB), %d threads",
                  self.model.weight_bytes / 2**20, self.num_blocks, block_size,
@@ -81,6 +84,36 @@ class NumbaRunner:
 
     def kernel_cache_stats(self) -> tuple[int, int]:
         return kernel_cache_stats()
+
+    def kv_layout(self) -> tuple[int, int, int, str]:
+        """(layers, KV heads, head dim, dtype) of this cache: what a KV hand-off must match."""
+        c = self.model.config
+        return c.num_layers, c.num_kv_heads, c.head_dim, "float32"
+
+    def import_kv(self, block_table: list[int], layer: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Write one layer's K and V of a hand-off into `block_table`'s blocks, in this cache's layout.
+
+        k, v: float32 `[num_tokens, kv_heads, head_dim]` (slot t of the sequence is row t);
+        keys are stored transposed within each block. Raises ValueError on shapes that do
+        not fit the table.
+        """
+        bs = self.block_size
+        n = k.shape[0]
+        if k.shape != v.shape or k.shape[1:] != self.v_cache[layer].shape[1:] or -(-n // bs) > len(block_table):
+            raise ValueError(f"KV of shape {k.shape} and {v.shape} does not fit {len(block_table)} blocks of "
+                             f"{bs} x {self.v_cache[layer].shape[1:]}")
+        table = np.asarray(block_table[: -(-n // bs)], dtype=np.int64)
+        cpu_model.import_kv_layer(np.ascontiguousarray(k, np.float32), np.ascontiguousarray(v, np.float32), table,
+                                  self.k_cache[layer], self.v_cache[layer])
+
+    def read_kv(self, block_table: list[int], layer: int, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        """float32 K and V `[num_tokens, kv_heads, head_dim]` of a sequence's blocks (copies; for tests)."""
+        bs = self.block_size
+        table = np.asarray(block_table[: -(-num_tokens // bs)], dtype=np.int64)
+        k = self.k_cache[layer][table].transpose(0, 3, 1, 2).reshape(-1, *self.v_cache[layer].shape[1:])
+        vc = self.v_cache[layer]
+        v = vc.reshape(-1, bs, *vc.shape[1:])[table].reshape(-1, *vc.shape[1:])
+        return k[:num_tokens].copy(), v[:num_tokens].copy()
 
     def forward(self, batch: ScheduledBatch) -> np.ndarray:
         """float32 logits `[len(batch), vocab]` at each entry's last new token."""
@@ -118,6 +151,10 @@ class NumbaRunner:
         seq.num_computed = 4
         seq.append(5)
         self.execute(ScheduledBatch([(seq, 1)]))
+        kv = np.zeros((4, *self.v_cache[0].shape[1:]), np.float32)  # the hand-off import kernel, into block 0:
+        self.import_kv([0], 0, kv, kv)  # converted frames are writable,
+        kv.setflags(write=False)
+        self.import_kv([0], 0, kv, kv)  # float32 frames read-only (views of the received message)
         hits, misses = kernel_cache_stats()
         if progress:
             print(f"hybridgate: CPU kernels ready in {time.monotonic() - start:.1f} s "

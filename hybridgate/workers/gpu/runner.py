@@ -19,6 +19,7 @@ from hybridgate.mempool import DEFAULT_BLOCK_SIZE, PinnedPool, PoolStats, aligne
 from hybridgate.models import GGUFModel
 from hybridgate.workers.gpu import sampling
 from hybridgate.workers.gpu.attention import PagedAttention, PagedKVCache, PagedStep
+from hybridgate.workers.gpu.export import StepTimeline, dtype_name
 from hybridgate.workers.gpu.graphs import DecodeGraphs
 from hybridgate.workers.memory import host_available_bytes, num_blocks_for
 from hybridgate.workers.gpu.model import LlamaModel
@@ -81,6 +82,12 @@ class TorchRunner:
                  self.num_blocks * self.block_bytes / 2**20, dev, self.model.weight_bytes / 2**20)
         self.pool = PinnedPool(STAGING_BUFFER_BYTES, 2, _pinned_slab if dev.type == "cuda" else aligned_slab)
         self._vocab_hash = torch.from_numpy(sampling.vocab_hash(model.config.vocab_size)).to(dev)
+        self.timeline = StepTimeline(dev)  # when steps ran: the hand-off's hidden copy time is measured on it
+
+    def kv_layout(self) -> tuple[int, int, int, str]:
+        """(layers, KV heads, head dim, dtype) of this cache: a KV hand-off's header fields."""
+        c = self.model.config
+        return c.num_layers, c.num_kv_heads, c.head_dim, dtype_name(self.model.dtype)
 
     def kernel_cache_stats(self) -> tuple[int, int]:
         return 0, 0  # nothing compiled ahead of time (CUDA graphs are captured, not cached)
@@ -103,6 +110,13 @@ class TorchRunner:
             self.pool.release(buf, self._done_check())
 
     def execute(self, batch: ScheduledBatch) -> dict[Sequence, int]:
+        self.timeline.begin()
+        try:
+            return self._execute(batch)
+        finally:
+            self.timeline.end()
+
+    def _execute(self, batch: ScheduledBatch) -> dict[Sequence, int]:
         if self.fault is not None:
             self.fault.check(batch)
         logits = self.forward(batch)

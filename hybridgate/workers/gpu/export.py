@@ -1,0 +1,348 @@
+"""KV export from the torch runner's paged cache to a CPU worker's hand-off socket.
+
+The engine thread calls `KVExporter.submit()` right after the step that
+sampled the sequence's first token; on CUDA it records an event on the
+compute stream there, so the copies wait for the step that wrote the last
+blocks (never relaxed source ordering) while the engine goes on with its next
+step. A sender thread then, per part of whole layers: takes a buffer of the
+pinned slab (waiting, with a timeout, when all are in flight; never
+allocating), gathers the sequence's blocks of each layer into it on a
+dedicated copy stream (`non_blocking=True`), records a copy event, and once
+that event completes sends the frames with `copy=False` and a send tracker;
+the buffer returns to the pool when the tracker says ZeroMQ is done with it.
+Parts are pipelined: the next part's copies are issued before the previous
+part is sent. On a CPU torch device the same code runs with a plain slab and
+synchronous gathers.
+
+The copy time "hidden" behind compute is the overlap of each part's copy with
+the runner's steps: CUDA events on both streams on CUDA, host clocks on the
+CPU (`StepTimeline`).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+
+from hybridgate import wire
+from hybridgate.mempool import PinnedPool, aligned_slab
+from hybridgate.wire import HandoffHeader, HandoffPart, HandoffRefused, MsgType
+from hybridgate.workers.handoff import PauseHooks
+
+log = logging.getLogger("hybridgate.worker")
+
+DEFAULT_BUFFER_MEMORY = 256 << 20
+MAX_BUFFERS = 16  # the slab is cut into at most this many buffers (larger buffers: fewer, larger parts)
+BUFFER_WAIT_S = 10.0
+PARTS_PER_HANDOFF = 10
+_DTYPE_NAME = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAME[dtype]
+
+
+class StepTimeline:
+    """When the runner's steps ran, to measure how much of a copy overlapped compute.
+
+    CUDA: start and end events of each step on the compute stream (timing
+    events, positions relative to one reference event). CPU: host monotonic
+    times. Keeps the last `keep` steps.
+    """
+
+    def __init__(self, device: torch.device, keep: int = 256):
+        self.cuda = device.type == "cuda"
+        self._steps: deque = deque(maxlen=keep)
+        self._lock = threading.Lock()
+        self._open = None
+        if self.cuda:
+            self.ref = torch.cuda.Event(enable_timing=True)
+            self.ref.record()
+
+    def begin(self) -> None:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self._open = ev
+        else:
+            self._open = time.monotonic()
+
+    def end(self) -> None:
+        if self._open is None:
+            return
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+        else:
+            ev = time.monotonic()
+        with self._lock:
+            self._steps.append((self._open, ev))
+            self._open = None
+
+    def overlap_s(self, start, end) -> float:
+        """Seconds of [start, end] (events on CUDA, monotonic floats on the CPU) during which a step ran."""
+        with self._lock:
+            steps = list(self._steps)
+            current = self._open
+        if current is not None:
+            steps.append((current, None))
+        if self.cuda:
+            a, b = self.ref.elapsed_time(start) / 1e3, self.ref.elapsed_time(end) / 1e3
+            spans = []
+            for s, e in steps:
+                if not s.query():
+                    continue
+                spans.append((self.ref.elapsed_time(s) / 1e3,
+                              self.ref.elapsed_time(e) / 1e3 if e is not None and e.query() else float("inf")))
+        else:
+            a, b = start, end
+            spans = [(s, e if e is not None else time.monotonic()) for s, e in steps]
+        return sum(max(0.0, min(b, e) - max(a, s)) for s, e in spans)
+
+
+@dataclass
+class ExportJob:
+    """One sequence's export: where, what, and the event after which its blocks are final."""
+
+    key: tuple[bytes, str]  # (router identity, request id) on the GPU worker
+    endpoint: str
+    header: HandoffHeader
+    block_table: list[int]
+    ready: object = None  # torch.cuda.Event on CUDA
+    started: float = field(default_factory=time.monotonic)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass(frozen=True)
+class ExportEvent:
+    """Sender thread → engine: an export finished ("sent"), failed ("failed"), was cancelled
+    ("cancelled"; blocks no longer read), or its hand-off came back refused ("refused")."""
+
+    key: tuple[bytes, str]
+    kind: str
+    nbytes: int = 0
+    export_s: float = 0.0
+    copy_s: float = 0.0
+    hidden_s: float = 0.0
+    reason: str = ""
+    refused: HandoffRefused | None = None
+
+
+class KVExporter:
+    """Gathers, copies and sends KV hand-offs on its own thread; `notify(event)` reaches the engine."""
+
+    def __init__(self, runner, ctx: zmq.Context, notify: Callable[[ExportEvent], None],
+                 buffer_memory: int = DEFAULT_BUFFER_MEMORY, pauses: PauseHooks | None = None,
+                 wait_s: float = BUFFER_WAIT_S, buffer_bytes: int | None = None):
+        """buffer_memory: the slab (the `handoff_buffer_memory` setting). buffer_bytes: one
+        buffer, by default the larger of slab / MAX_BUFFERS and one layer's K and V at the
+        model's length (so every hand-off fits, layer by layer); tests pass a smaller one."""
+        self.runner, self.ctx, self.notify, self.wait_s = runner, ctx, notify, wait_s
+        self.pauses = pauses or PauseHooks()
+        cache, dev = runner.cache, runner.model.device
+        self.cuda = dev.type == "cuda"
+        itemsize = cache.k[0].element_size()
+        bs = cache.block_size
+        max_blocks = -(-runner.max_model_len // bs)
+        self.layer_bytes = 2 * max_blocks * bs * cache.k[0].shape[1] * cache.k[0].shape[2] * itemsize
+        if buffer_bytes is None:
+            buffer_bytes = max(buffer_memory // MAX_BUFFERS, self.layer_bytes)
+        num_buffers = buffer_memory // buffer_bytes
+        if num_buffers < 2:
+            raise ValueError(f"handoff_buffer_memory: {buffer_memory} bytes hold fewer than 2 buffers of one layer's "
+                             f"K and V at max model length ({self.layer_bytes} bytes); give at least "
+                             f"{2 * self.layer_bytes}")
+        slab = (lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True).numpy()) if self.cuda else aligned_slab
+        self.pool = PinnedPool(buffer_bytes, num_buffers, slab)
+        self.pool.slab.fill(0)  # touch every page now, not during the first hand-offs
+        self.copy_stream = torch.cuda.Stream(dev) if self.cuda else None
+        self.jobs: queue.Queue = queue.Queue()
+        self.sockets: dict[str, zmq.Socket] = {}
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="kv-export", daemon=True)
+        self.thread.start()
+
+    # --- engine thread -------------------------------------------------------
+
+    def submit(self, job: ExportJob) -> None:
+        """Queue an export; on CUDA, first mark the compute stream's present point as its start."""
+        if self.cuda:
+            job.ready = torch.cuda.Event()
+            job.ready.record()  # after the step that wrote the sequence's last blocks
+        self.jobs.put(job)
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.jobs.put(None)
+        self.thread.join(timeout=5)
+
+    # --- sender thread -------------------------------------------------------
+
+    def _run(self) -> None:
+        if self.cuda:
+            torch.cuda.set_device(self.runner.model.device)
+        while not self.stopping.is_set():
+            try:
+                job = self.jobs.get(timeout=0.05)
+            except queue.Empty:
+                job = None
+            self._poll_replies()
+            if job is None:
+                continue
+            try:
+                self._export(job)
+            except Exception as exc:  # an export that fails leaves the sequence on the GPU worker
+                log.warning("KV export of %s failed: %s", job.key[1], exc)
+                if self.copy_stream is not None:
+                    self.copy_stream.synchronize()  # no copy may still read the blocks
+                self.notify(ExportEvent(job.key, "failed", reason=str(exc)))
+        for sock in self.sockets.values():
+            sock.close(0)
+
+    def _socket(self, endpoint: str) -> zmq.Socket:
+        sock = self.sockets.get(endpoint)
+        if sock is None:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a connected peer: an absent one times out
+            sock.setsockopt(zmq.SNDTIMEO, int(self.wait_s * 1e3))
+            sock.connect(endpoint)
+            self.sockets[endpoint] = sock
+        return sock
+
+    def _poll_replies(self) -> None:
+        """Refusals the CPU workers sent back on the hand-off socket: to the engine (then the router)."""
+        for sock in self.sockets.values():
+            while True:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                try:
+                    msg = wire.decode(frames)
+                except ValueError as exc:
+                    log.warning("dropping a bad reply on the hand-off socket: %s", exc)
+                    continue
+                if isinstance(msg, HandoffRefused):
+                    self.notify(ExportEvent((b"", msg.request_id), "refused", refused=msg))
+
+    def _export(self, job: ExportJob) -> None:
+        h = job.header
+        self.pauses.pause("exporting")
+        if job.cancelled.is_set():
+            self.notify(ExportEvent(job.key, "cancelled"))
+            return
+        sock = self._socket(job.endpoint)
+        sock.send_multipart(wire.encode(h))
+        cache, bs = self.runner.cache, self.runner.cache.block_size
+        nblk = -(-h.num_tokens // bs)
+        row_bytes = cache.k[0].shape[1] * cache.k[0].shape[2] * cache.k[0].element_size()
+        frame_alloc = nblk * bs * row_bytes  # whole blocks are gathered; the first num_tokens rows are sent
+        frame_bytes = h.num_tokens * row_bytes
+        if 2 * frame_alloc > self.pool.buffer_bytes:
+            raise ValueError(f"a hand-off of {h.num_tokens} tokens: one layer's K and V ({2 * frame_alloc} bytes) "
+                             f"exceed a pinned buffer ({self.pool.buffer_bytes} bytes)")
+        # About PARTS_PER_HANDOFF parts (fewer when a buffer holds less): the first part's copy and
+        # the last part's import are what the pipeline cannot overlap.
+        per_part = min(self.pool.buffer_bytes // (2 * frame_alloc), max(1, -(-h.num_layers // PARTS_PER_HANDOFF)))
+        dev = cache.k[0].device
+        if self.copy_stream is None:
+            table = torch.tensor(job.block_table[:nblk], dtype=torch.int64)
+        else:
+            with torch.cuda.stream(self.copy_stream):  # allocated, and so reused, on the copy stream only
+                table = torch.tensor(job.block_table[:nblk], dtype=torch.int64).to(dev)
+        pending: deque = deque()  # parts copied (or copying), not yet sent
+        nbytes, copy_s, hidden_s = 0, 0.0, 0.0
+        for first in range(0, h.num_layers, per_part):
+            if job.cancelled.is_set():
+                break
+            layers = range(first, min(h.num_layers, first + per_part))
+            if self.pool.num_free == 0 and pending:
+                c, hdn = self._send_part(sock, job, *pending.popleft())
+                copy_s, hidden_s = copy_s + c, hidden_s + hdn
+            buf = self.pool.acquire(wait_s=self.wait_s)
+            try:
+                timing = self._copy(buf, layers, table, nblk, frame_alloc, job.ready)
+            except Exception:
+                self.pool.release(buf)
+                raise
+            pending.append((buf, layers, frame_alloc, frame_bytes, timing))
+            nbytes += 2 * len(layers) * frame_bytes
+        while pending:
+            if job.cancelled.is_set():
+                buf, *_ = pending.popleft()
+                self.pool.release(buf, self._copy_done_check())
+                continue
+            c, hdn = self._send_part(sock, job, *pending.popleft())
+            copy_s, hidden_s = copy_s + c, hidden_s + hdn
+        if job.cancelled.is_set():
+            if self.copy_stream is not None:
+                self.copy_stream.synchronize()
+            self.notify(ExportEvent(job.key, "cancelled"))
+            return
+        self.pauses.pause("exported")
+        self.notify(ExportEvent(job.key, "sent", nbytes=nbytes, export_s=time.monotonic() - job.started,
+                                copy_s=copy_s, hidden_s=hidden_s))
+
+    def _copy_done_check(self):
+        if self.copy_stream is None:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(self.copy_stream)
+        return ev.query
+
+    def _copy(self, buf, layers: range, table: torch.Tensor, nblk: int, frame_alloc: int, ready):
+        """Gather `layers`' K and V blocks into `buf` (K then V per layer, frame_alloc bytes each).
+
+        Returns (start, end) of the copy: CUDA timing events on the copy stream, or
+        monotonic times on the CPU."""
+        cache = self.runner.cache
+        bs = cache.block_size
+        kv_shape = cache.k[0].shape[1:]
+        dst = torch.from_numpy(buf.memory[: 2 * len(layers) * frame_alloc]).view(cache.k[0].dtype)
+        dst = dst.view(2 * len(layers), nblk, bs, *kv_shape)
+        if self.copy_stream is None:
+            start = time.monotonic()
+            for j, layer in enumerate(layers):
+                for w, src in enumerate((cache.k[layer], cache.v[layer])):
+                    torch.index_select(src.view(-1, bs, *kv_shape), 0, table, out=dst[2 * j + w])
+            return start, time.monotonic()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.copy_stream):
+            self.copy_stream.wait_event(ready)  # the step that wrote the blocks comes first
+            start.record(self.copy_stream)
+            for j, layer in enumerate(layers):
+                for w, src in enumerate((cache.k[layer], cache.v[layer])):
+                    gathered = src.view(-1, bs, *kv_shape).index_select(0, table)  # on the copy stream
+                    dst[2 * j + w].copy_(gathered, non_blocking=True)
+            end.record(self.copy_stream)
+        return start, end
+
+    def _send_part(self, sock: zmq.Socket, job: ExportJob, buf, layers: range, frame_alloc: int, frame_bytes: int,
+                   timing) -> tuple[float, float]:
+        """Wait for the part's copy, send it zero-copy, hand the buffer back; (copy s, hidden s)."""
+        start, end = timing
+        if self.copy_stream is not None:
+            end.synchronize()
+            copy_s = start.elapsed_time(end) / 1e3
+        else:
+            copy_s = end - start
+        hidden_s = self.runner.timeline.overlap_s(start, end)
+        part = HandoffPart(job.header.request_id, job.header.token, layers[0], len(layers))
+        sock.send_multipart(wire.encode(part), zmq.SNDMORE)
+        trackers = []
+        frames = [buf.memory[i * frame_alloc : i * frame_alloc + frame_bytes] for i in range(2 * len(layers))]
+        for i, frame in enumerate(frames):
+            flags = zmq.SNDMORE if i < len(frames) - 1 else 0
+            trackers.append(sock.send(frame, flags, copy=False, track=True))
+        tracker = zmq.MessageTracker(*trackers)
+        self.pool.release(buf, lambda: tracker.done)
+        return copy_s, min(hidden_s, copy_s)

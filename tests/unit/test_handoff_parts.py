@@ -1,0 +1,157 @@
+"""KV hand-off pieces without a model: frame conversion, header checks, the pinned pool's waits,
+test pauses, worker settings, and the metric names on /metrics."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import msgspec
+import numpy as np
+import pytest
+
+from hybridgate import wire
+from hybridgate.mempool import PinnedPool
+from hybridgate.wire import HandoffHeader, SamplingParams
+from hybridgate.workers.handoff import HandoffRefusal, KVSpec, PauseHooks, Reservations, check_header, frames_to_float32
+
+SPEC = KVSpec("fp", 16, 2, 3, 64)
+
+
+def header(**changes) -> HandoffHeader:
+    h = HandoffHeader(request_id="r", token="t", fingerprint="fp", block_size=16, num_layers=2, num_kv_heads=3,
+                      head_dim=64, dtype="float32", num_tokens=5, rope_basis=wire.ROPE_BASIS, prompt_ids=[1, 2, 3, 4, 5],
+                      output_ids=[9], params=SamplingParams(), seed=1, max_tokens=4, eos_token_id=2,
+                      next_token_index=1)
+    return msgspec.structs.replace(h, **changes)
+
+
+def test_frames_convert_bf16_and_fp16_exactly():
+    want = np.random.default_rng(0).standard_normal((5, 3, 64)).astype(np.float32)
+    bf16 = (want.view(np.uint32) >> 16).astype("<u2")  # truncation: exactly representable after the round trip
+    exact_bf16 = (bf16.astype(np.uint32) << 16).view(np.float32)
+    got = frames_to_float32([bf16.tobytes()], header(dtype="bfloat16"), SPEC)[0]
+    np.testing.assert_array_equal(got, exact_bf16)
+    fp16 = want.astype("<f2")
+    got = frames_to_float32([fp16.tobytes()], header(dtype="float16"), SPEC)[0]
+    np.testing.assert_array_equal(got, fp16.astype(np.float32))
+    with pytest.raises(HandoffRefusal, match="frame 0 has 100 bytes") as exc:
+        frames_to_float32([b"x" * 100], header(), SPEC)
+    assert exc.value.field == "frames"
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"fingerprint": "other"}, "fingerprint"), ({"num_layers": 3}, "num_layers"), ({"dtype": "float64"}, "dtype"),
+    ({"rope_basis": "rotate-half"}, "rope_basis"), ({"num_tokens": 4}, "num_tokens"),
+    ({"output_ids": [], "num_tokens": 4}, "output_ids"), ({"max_tokens": 1}, "output_ids"), ({"next_token_index": 0}, "next_token_index"),
+])
+def test_header_checks_name_the_field_and_both_values(changes, field):
+    check_header(header(), SPEC, 100)
+    with pytest.raises(HandoffRefusal) as exc:
+        check_header(header(**changes), SPEC, 100)
+    assert exc.value.field == field
+    value = next(iter(changes.values()))
+    if isinstance(value, str):
+        assert repr(value) in exc.value.message
+
+
+def test_a_token_matches_only_its_reservation():
+    rs = Reservations(timeout_s=30)
+    r = rs.add(b"c", "req", 10, [])
+    assert len(r.token) == 32 and rs.match("req", r.token) is r
+    for rid, token in (("req", "0" * 32), ("other", r.token)):
+        with pytest.raises(HandoffRefusal, match="wrong, spent or expired"):
+            rs.match(rid, token)
+    assert rs.expired(time.monotonic()) == [] and rs.expired(time.monotonic() + 31) == [r]
+
+
+def test_pool_waits_for_a_buffer_instead_of_allocating():
+    pool = PinnedPool(1024, 2)
+    a, b = pool.acquire(wait_s=1), pool.acquire(wait_s=1)
+    done = []
+    pool.release(a, lambda: bool(done))
+    with pytest.raises(TimeoutError, match="no free pinned buffer"):
+        pool.acquire(wait_s=0.05)
+    done.append(1)
+    c = pool.acquire(wait_s=1)
+    assert c.index == a.index and pool.stats.waits == 1 and pool.stats.fallbacks == 0
+    pool.release(b), pool.release(c)
+    assert pool.stats.bytes_in_use == 0 and pool.stats.peak_bytes == 2048
+
+
+def test_pause_hooks_parse_and_seed():
+    hooks = PauseHooks("exporting:0.01,imported:0.02", seed="7")
+    assert hooks.seconds == {"exporting": 0.01, "imported": 0.02}
+    start = time.monotonic()
+    hooks.pause("reserved")  # not configured: at once
+    hooks.pause("exporting")
+    assert time.monotonic() - start < 0.5
+    with pytest.raises(ValueError, match="unknown state 'nope'"):
+        PauseHooks("nope:1")
+    assert PauseHooks("", seed=None).seconds == {}
+
+
+def test_worker_settings():
+    from hybridgate.workers.process import WorkerConfig
+
+    cpu = WorkerConfig("m", "ipc:///tmp/w", kind="cpu")
+    assert cpu.resolved_handoff_endpoint == "ipc:///tmp/w.handoff"
+    assert WorkerConfig("m", "tcp://127.0.0.1:5000", kind="cpu").resolved_handoff_endpoint == ""
+    assert WorkerConfig("m", "ipc:///tmp/w", kind="gpu").resolved_handoff_endpoint == ""
+    assert cpu.handoff_buffer_bytes == 256 << 20 and not cpu.cache_imported_kv
+    with pytest.raises(ValueError, match="handoff_buffer_memory"):
+        WorkerConfig("m", "ipc:///tmp/w", handoff_buffer_memory="0.5")
+    with pytest.raises(ValueError, match="handoff_endpoint"):
+        WorkerConfig("m", "ipc:///tmp/w", kind="cpu", handoff_endpoint="/tmp/x")
+
+
+def test_metric_names():
+    from prometheus_client import generate_latest
+
+    from hybridgate.gateway.metrics import GatewayMetrics
+    from hybridgate.wire import EngineStats
+
+    gpu = EngineStats(handoff_bytes_total=94, handoff_copy_seconds_total=0.5, handoff_copy_hidden_seconds_total=0.4,
+                      handoff_outcomes={"done": 2, "resumed": 1}, handoff_pool_waits=3, handoff_parked=1)
+    cpu = EngineStats(handoff_bytes_total=94, handoff_reservations=2, handoff_recomputed=1)
+    clients = [SimpleNamespace(stats=gpu, endpoint="g", kind="gpu"), SimpleNamespace(stats=cpu, endpoint="c", kind="cpu")]
+    text = generate_latest(GatewayMetrics(lambda: clients).registry).decode()
+    for line in [
+        'hybridgate:kv_handoff_bytes_total{direction="gpu_to_cpu",side="export",worker="g"} 94.0',
+        'hybridgate:kv_handoff_bytes_total{direction="gpu_to_cpu",side="import",worker="c"} 94.0',
+        'hybridgate:kv_handoff_copy_seconds_total{direction="gpu_to_cpu",side="export",worker="g"} 0.5',
+        'hybridgate:kv_handoff_copy_hidden_seconds_total{direction="gpu_to_cpu",side="export",worker="g"} 0.4',
+        'hybridgate:kv_handoff_worker_total{direction="gpu_to_cpu",outcome="resumed",side="export",worker="g"} 1.0',
+        'hybridgate:kv_handoff_pinned_waits_total{worker="g"} 3.0',
+        'hybridgate:kv_handoff_parked_sequences{worker="g"} 1.0',
+        'hybridgate:kv_handoff_reservations{worker="c"} 2.0',
+        'hybridgate:kv_handoff_recomputed_total{worker="c"} 1.0',
+    ]:
+        assert line in text
+
+
+def test_imported_sequences_are_preempted_last_and_counted_when_recomputed():
+    from hybridgate.mempool import BlockAllocator
+    from hybridgate.wire import AddRequest
+    from hybridgate.workers.scheduler import Scheduler, SchedulerConfig
+    from hybridgate.workers.sequence import Sequence, SequenceStatus
+
+    sched = Scheduler(SchedulerConfig(8, 100), BlockAllocator(5, 4), "fp")
+
+    def running(rid: str, n: int, imported: bool) -> Sequence:
+        s = Sequence(AddRequest(rid, list(range(10, 10 + n)), SamplingParams(), 0, 50, 2))
+        sched.allocator.ensure(s.block_table, n)
+        s.num_computed, s.imported, s.cacheable = n, imported, not imported
+        s.output_ids.append(7)
+        sched.unpark(s)
+        return s
+
+    other = running("other", 8, False)  # 2 full blocks: its next token needs a third
+    plain = running("plain", 4, False)  # 1 block, room for its next token
+    imp = running("imp", 6, True)  # 2 blocks, room for its next token; now 0 blocks are free
+    batch = sched.schedule()  # other needs a block: plain goes, though imp is the newest
+    assert [s.request_id for s in batch.sequences] == ["other", "imp"]
+    assert plain.status == SequenceStatus.WAITING and imp.status == SequenceStatus.RUNNING
+    assert sched.stats.recomputed_imports == 0 and sched.allocator.by_hash == {}  # imported KV never cached
+    sched.preempt(imp)
+    assert sched.stats.recomputed_imports == 1
