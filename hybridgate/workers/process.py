@@ -195,6 +195,7 @@ class WorkerIO:
         if hello.handoff_endpoint:  # CPU workers: KV hand-offs from GPU workers (header, then parts)
             self.handoff_socket = ctx.socket(zmq.ROUTER)
             self.handoff_socket.setsockopt(zmq.LINGER, 0)
+            self.handoff_socket.setsockopt(zmq.RCVBUF, 4 << 20)  # fewer, larger kernel copies (capped by rmem_max)
             self.handoff_socket.bind(hello.handoff_endpoint)
         self.socket = ctx.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)

@@ -43,6 +43,7 @@ DEFAULT_BUFFER_MEMORY = 256 << 20
 MAX_BUFFERS = 16  # the slab is cut into at most this many buffers (larger buffers: fewer, larger parts)
 BUFFER_WAIT_S = 10.0
 PARTS_PER_HANDOFF = 10
+SOCKET_BUFFER_BYTES = 4 << 20
 _DTYPE_NAME = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -214,6 +215,7 @@ class KVExporter:
             sock.setsockopt(zmq.LINGER, 1000)
             sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a connected peer: an absent one times out
             sock.setsockopt(zmq.SNDTIMEO, int(self.wait_s * 1e3))
+            sock.setsockopt(zmq.SNDBUF, SOCKET_BUFFER_BYTES)  # fewer, larger kernel copies (capped by wmem_max)
             sock.connect(endpoint)
             self.sockets[endpoint] = sock
         return sock
