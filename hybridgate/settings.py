@@ -65,5 +65,7 @@ COMMANDS: dict[str, Selection] = {
     "info": Selection(("model",)),
     "bench engine": Selection(("model", "worker.kind", "worker.engine.threads", "worker.engine.device",
                                "worker.engine.kv_cache_memory")),
+    "bench handoff": Selection(("model", "worker.engine.threads", "worker.engine.device",
+                                "worker.engine.kv_cache_memory", "worker.handoff_buffer_memory")),
     "bench accuracy": Selection(("model", "worker.kind", "worker.engine.threads", "worker.engine.device")),
 }

@@ -61,20 +61,18 @@ def _run_accuracy(args) -> int:
 
 
 def add_handoff_parser(sub) -> None:
+    from hybridgate.config import add_command_settings, bounded
+
     p = sub.add_parser("handoff", help="GPU prefill, KV hand-off, CPU decode in real worker processes; where the "
                                        "time goes")
-    p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[128, 512, 2048, 4096],
+    add_command_settings(p, "bench handoff")
+    p.add_argument("--lengths", type=bounded(int, 1, many=True), default=[128, 512, 2048, 4096],
                    help="prompt lengths, comma-separated (default 128,512,2048,4096)")
-    p.add_argument("--repeats", type=int, default=3, help="runs per length; medians are reported (default 3)")
-    p.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct Q4_1)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
-                   help="torch device of the GPU worker (default: cuda if present)")
-    p.add_argument("--threads", type=int, default=None, help="threads of each worker (default: all cores)")
-    p.add_argument("--kv-cache-memory", default="512MiB", help="KV cache of each worker (default 512MiB)")
-    p.add_argument("--handoff-buffer-memory", default="256MiB",
-                   help="the GPU worker's pinned hand-off slab (default 256MiB)")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds per request (default 300)")
-    p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for the workers to be READY")
+    p.add_argument("--repeats", type=bounded(int, 1), default=3, help="runs per length; medians are reported (default 3)")
+    p.add_argument("--timeout", type=bounded(float, 0, low_open=True), default=300.0,
+                   help="seconds per request (default 300)")
+    p.add_argument("--startup-timeout", type=bounded(float, 0, low_open=True), default=300.0,
+                   help="seconds for the workers to be READY (default 300)")
     p.add_argument("--json", default=None, metavar="OUT", help="write the figures to this JSON file")
     p.set_defaults(func=_run_handoff)
 

@@ -172,15 +172,20 @@ class BenchRouter:
 
 
 def start_worker(kind: str, endpoint: str, args, log: Path) -> subprocess.Popen:
+    """One worker process with the settings of this command line (the configuration root's)."""
+    from hybridgate.config import resolve
+
+    settings = resolve(args).settings
+    engine = settings.worker.engine
     cmd = [sys.executable, "-m", "hybridgate.cli", "worker", "--kind", kind, "--endpoint", endpoint,
-           "--max-num-seqs", "8", "--kv-cache-memory", args.kv_cache_memory]
-    if args.model:
-        cmd += ["--model", args.model]
-    if args.threads:
-        cmd += ["--threads", str(args.threads)]
+           "--max-num-seqs", "8", "--model", settings.model_path]
+    if engine.kv_cache_memory:
+        cmd += ["--kv-cache-memory", engine.kv_cache_memory]
+    if engine.threads:
+        cmd += ["--threads", str(engine.threads)]
     if kind == "gpu":
-        cmd += ["--device", args.device or ("cuda" if _cuda() else "cpu"), "--handoff-buffer-memory",
-                args.handoff_buffer_memory]
+        cmd += ["--device", engine.device or ("cuda" if _cuda() else "cpu"), "--handoff-buffer-memory",
+                settings.worker.handoff_buffer_memory]
     return subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -273,6 +278,6 @@ def run(args) -> list[dict]:
                 p.kill()
     print(table(results))
     if args.json:
-        Path(args.json).write_text(json.dumps({"lengths": results, "device": args.device or
+        Path(args.json).write_text(json.dumps({"lengths": results, "device": getattr(args, "device", None) or
                                                ("cuda" if _cuda() else "cpu")}, indent=2))
     return results
