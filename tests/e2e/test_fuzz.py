@@ -35,7 +35,9 @@ MAX_FRAME = max_frame_bytes(MAX_MODEL_LEN)
 MIN_CASES = 2000
 LIVE_ID = "live-request"
 
-INBOUND = {MsgType.CONNECT.value: Connect, MsgType.ADD.value: AddRequest, MsgType.ABORT.value: Abort}
+# Every type a worker takes from a router (the KV hand-off's too: they go to its engine).
+INBOUND = {t.value: wire.MESSAGE_TYPES[t] for t in (MsgType.CONNECT, MsgType.ADD, MsgType.ABORT, MsgType.HANDOFF_RESERVE,
+                                                    MsgType.HANDOFF_RELEASE, MsgType.HANDOFF_RESUME)}
 
 # What the worker must do with a message: refuse it (count it), refuse and answer it with a
 # RequestError, or take it (not counted).
@@ -195,7 +197,7 @@ def test_no_frame_kills_a_worker_and_each_is_counted(tmp_path, model_path):
                   tmp_path / "worker.log")
     ctx = zmq.Context()
     try:
-        worker.wait_for(r"worker ready on", timeout=180)
+        worker.wait_for(r"hybridgate worker: READY \(", timeout=180)
         fuzzer, victim = Dealer(ctx, endpoint, "fuzzer"), Dealer(ctx, endpoint, "victim-router")
         for d in (fuzzer, victim):
             d.send(Connect(d.socket.getsockopt(zmq.IDENTITY).decode()))
