@@ -46,6 +46,11 @@ from hybridgate.router.lifecycle import (
 )
 from hybridgate.wire import (
     Abort,
+    HandoffExported,
+    HandoffExportFailed,
+    HandoffImported,
+    HandoffRefused,
+    HandoffReservation,
     AddRequest,
     Connect,
     EngineStats,
@@ -163,7 +168,9 @@ class ZmqWorkerClient:
         self._on_message: MessageHandler | None = None
         self._drop_log = RateLimitedLog(log)
         self._receivers = {Hello: self._on_hello, Ready: self._on_ready, Load: self._on_load, Outputs: self._on_outputs,
-                           RequestError: self._on_request_error, Overload: self._on_overload}
+                           RequestError: self._on_request_error, Overload: self._on_overload,
+                           **{t: self._on_handoff for t in (HandoffReservation, HandoffExported, HandoffExportFailed,
+                                                             HandoffImported, HandoffRefused)}}
         self._actions = {SendConnect: self._do_connect, SendAbort: self._do_abort, NewSocket: self._do_new_socket,
                          ReportDead: self._do_report_dead}
 
@@ -327,6 +334,11 @@ class ZmqWorkerClient:
 
     def _on_request_error(self, msg: RequestError) -> None:
         self.lifecycle.finished(msg.request_id)
+        self._event(MessageSeen())
+        self._on_message(self, msg)
+
+    def _on_handoff(self, msg: msgspec.Struct) -> None:
+        """The KV hand-off's worker → router messages: the router's hand-off state machine takes them."""
         self._event(MessageSeen())
         self._on_message(self, msg)
 
