@@ -29,6 +29,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import math
 import numbers
 import os
 import types
@@ -154,6 +155,8 @@ def problem(spec: Spec, value: Any) -> str | None:
                tuple: lambda v: isinstance(v, tuple) and all(isinstance(x, str) for x in v)}[spec.kind]
     if not ok_type(value):
         return f"must be {_describe(spec.kind)}, got {value!r}"
+    if spec.kind is float and not math.isfinite(value):  # NaN passes every comparison; inf breaks timers
+        return f"must be a finite number, got {value!r}"
     m = spec.meta
     low, high = m["low"], m["high"]
     if low is not None and (value <= low if m["low_open"] else value < low) \

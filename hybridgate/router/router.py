@@ -342,7 +342,9 @@ class Router:
             log.info("%s worker %s is READY", client.kind, client.endpoint)
 
     def _on_state_change(self, client: WorkerClient, msg: StateChange) -> None:
-        level = logging.INFO if msg.new in (WorkerState.READY, WorkerState.CONNECTING) else logging.WARNING
+        back = msg.new == WorkerState.READY and msg.old in (WorkerState.SUSPECT, WorkerState.DEAD, WorkerState.PROBING)
+        # Losing a worker is a warning; so is getting it back, so that recovery shows at the default level.
+        level = logging.INFO if msg.new in (WorkerState.READY, WorkerState.CONNECTING) and not back else logging.WARNING
         log.log(level, "%s worker %s: %s → %s", client.kind or "", getattr(client, "name", client.endpoint),
                 msg.old.name, msg.new.name)
 

@@ -54,6 +54,15 @@ def _check_memory(value: str) -> None:
     parse_memory(value, gpu=False)
 
 
+def _check_bytes(value: str) -> None:
+    try:
+        size = parse_memory(value, gpu=False)
+    except ValueError:
+        size = 0
+    if size <= 1:  # a fraction parses to <= 1: this setting takes bytes only
+        raise ValueError(f"must be a size in bytes such as 256MiB, got {value!r}")
+
+
 def _check_endpoint(value: str) -> None:
     if not value.startswith(("ipc://", "tcp://", "inproc://")):
         raise ValueError(f"must start with ipc://, tcp:// or inproc://, got {value!r}")
@@ -96,7 +105,7 @@ class WorkerConfig:
         "default: ENDPOINT.handoff for an ipc:// endpoint, none for tcp://", flag="--handoff-endpoint")
     handoff_buffer_memory: str = setting(
         "256MiB", "GPU workers: the pinned host slab KV hand-offs stream through (bytes, e.g. 256MiB); "
-        "hand-offs larger than it stream layer by layer", flag="--handoff-buffer-memory")
+        "hand-offs larger than it stream layer by layer", flag="--handoff-buffer-memory", check=_check_bytes)
     cache_imported_kv: bool = setting(
         False, "CPU workers: register KV imported by hand-offs in the prefix cache (off: a worker's outputs "
         "never depend on which hand-offs came before)", flag="--cache-imported-kv")

@@ -119,6 +119,9 @@ def test_a_bad_flag_names_the_flag_and_the_limit(capsys, argv, words):
     ("HYBRIDGATE_GRACE_PERIOD", "-1", ["HYBRIDGATE_GRACE_PERIOD", ">= 0"]),
     ("HYBRIDGATE_PREFIX_CACHING", "maybe", ["HYBRIDGATE_PREFIX_CACHING", "true", "false"]),
     ("HYBRIDGATE_KV_CACHE_MEMORY", "0", ["HYBRIDGATE_KV_CACHE_MEMORY", "at least 1 MiB"]),
+    ("HYBRIDGATE_GRACE_PERIOD", "nan", ["HYBRIDGATE_GRACE_PERIOD", "finite", "nan"]),
+    ("HYBRIDGATE_WORKER_TIMEOUT", "inf", ["HYBRIDGATE_WORKER_TIMEOUT", "finite", "inf"]),
+    ("HYBRIDGATE_HANDOFF_BUFFER_MEMORY", "0.5", ["HYBRIDGATE_HANDOFF_BUFFER_MEMORY", "bytes", "'0.5'"]),
 ])
 def test_a_bad_variable_names_the_variable_and_the_limit(env, text, words):
     with pytest.raises(ValueError) as exc:
