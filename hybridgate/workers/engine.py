@@ -106,8 +106,7 @@ class EngineCore:
         router), and a request whose abort overtook it.
         """
         rid = request.request_id
-        if (client, rid) in self._early_aborts:
-            del self._early_aborts[(client, rid)]
+        if self.take_early_abort(client, rid):
             return None  # aborted before it arrived
         try:
             check_add(request, self.runner.vocab_size, self.runner.max_model_len)
@@ -146,6 +145,10 @@ class EngineCore:
                 if len(self._early_aborts) > _MAX_EARLY_ABORTS:
                     del self._early_aborts[next(iter(self._early_aborts))]
         return aborted
+
+    def take_early_abort(self, client: bytes, request_id: str) -> bool:
+        """Whether an abort for this request arrived before the request did (and forget it)."""
+        return self._early_aborts.pop((client, request_id), False) is None
 
     def abort_client(self, client: bytes) -> list[str]:
         """Abort every sequence of this router; their request ids."""
@@ -375,6 +378,7 @@ class EngineLoop:
             if handler is not None:
                 handler(client, msg)
             elif self.engine.handoffs.handles(msg):  # the KV hand-off's messages (reserve, release, resume, ...)
+                self._apply_aborts(set())  # an abort that overtook its reservation applies first, as for ADD
                 self.engine.handoffs.handle(client, msg)
             else:
                 log.error("the engine got a message it has no handler for: %s", type(msg).__name__)

@@ -423,6 +423,8 @@ class HandoffState:
         def refuse(reason: str) -> None:
             self.notices.append((client, HandoffReservation(rid, False, reason=reason)))
 
+        if engine.take_early_abort(client, rid):  # its abort overtook it on the fast path
+            return refuse(f"request {rid!r} was aborted before its reservation arrived")
         if self.spec is None or not hasattr(engine.runner, "import_kv"):
             return refuse("this worker takes no KV hand-offs")
         if rid in self.reservations.by_id or (client, rid) in engine._by_id:

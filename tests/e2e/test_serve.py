@@ -69,7 +69,7 @@ def test_request_log_line(server):
         label=label)))
     line = server.wait_for(rf"request id=\S+ label='{label}'.*\n").group(0)
     assert f"id={messages[0].request_id} " in line
-    expected = (f"route=gpu prompt_tokens={len(GREEDY['france']['prompt_ids'])} completion_tokens=8 ttft_ms=",
+    expected = (f"route=gpu (gpu-0) prompt_tokens={len(GREEDY['france']['prompt_ids'])} completion_tokens=8 ttft_ms=",
                 "finish_reason=eos status=OK")
     assert all(e in line for e in expected), line
     ttft, total = (float(re.search(rf"{k}=([\d.]+)", line).group(1)) for k in ("ttft_ms", "total_ms"))
