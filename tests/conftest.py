@@ -80,3 +80,20 @@ def golden_json(name: str):
 def golden_npz(name: str) -> dict[str, np.ndarray]:
     with np.load(GOLDEN / name) as data:
         return {k: data[k] for k in data.files}
+
+
+@pytest.fixture(scope="session")
+def gpu_model_path(tmp_path_factory):
+    """For the GPU-marked tests: $HYBRIDGATE_GPU_CHECK_MODEL, else the default model if installed, else a
+    random-weight GGUF of its shapes (the GPU machine has no 98 MB file)."""
+    path = os.environ.get("HYBRIDGATE_GPU_CHECK_MODEL")
+    if path:
+        return path
+    from hybridgate.models import ModelLoadError, default_model_path
+
+    try:
+        return str(default_model_path())
+    except ModelLoadError:
+        from tiny_gguf import write_default_shaped
+
+        return str(write_default_shaped(tmp_path_factory.mktemp("gguf") / "random.gguf"))

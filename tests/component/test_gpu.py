@@ -3,29 +3,12 @@
 from __future__ import annotations
 
 import hashlib
-import os
 
 import numpy as np
 import pytest
 import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-
-
-@pytest.fixture(scope="module")
-def gpu_model_path(tmp_path_factory):
-    """The default model if installed, else a random-weight GGUF of its shapes (the GPU machine has no 98 MB file)."""
-    path = os.environ.get("HYBRIDGATE_GPU_CHECK_MODEL")
-    if path:
-        return path
-    from hybridgate.models import ModelLoadError, default_model_path
-
-    try:
-        return str(default_model_path())
-    except ModelLoadError:
-        from tiny_gguf import write_default_shaped
-
-        return str(write_default_shaped(tmp_path_factory.mktemp("gguf") / "random.gguf"))
 
 
 @pytest.fixture(scope="module")

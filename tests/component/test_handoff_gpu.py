@@ -8,7 +8,6 @@ hidden-fraction metric is measured with CUDA events on both streams for a 2,048-
 from __future__ import annotations
 
 import hashlib
-import os
 import queue
 import time
 
@@ -20,21 +19,6 @@ import zmq
 from conftest import TIME_FACTOR
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-
-
-@pytest.fixture(scope="module")
-def gpu_model_path(tmp_path_factory):
-    path = os.environ.get("HYBRIDGATE_GPU_CHECK_MODEL")
-    if path:
-        return path
-    from hybridgate.models import ModelLoadError, default_model_path
-
-    try:
-        return str(default_model_path())
-    except ModelLoadError:
-        from tiny_gguf import write_default_shaped
-
-        return str(write_default_shaped(tmp_path_factory.mktemp("gguf") / "random.gguf"))
 
 
 @pytest.fixture(scope="module")
