@@ -67,5 +67,6 @@ COMMANDS: dict[str, Selection] = {
                                "worker.engine.kv_cache_memory")),
     "bench handoff": Selection(("model", "worker.engine.threads", "worker.engine.device",
                                 "worker.engine.kv_cache_memory", "worker.handoff_buffer_memory")),
+    "bench gateway": Selection(("model",)),
     "bench accuracy": Selection(("model", "worker.kind", "worker.engine.threads", "worker.engine.device")),
 }
