@@ -59,7 +59,7 @@ COMMANDS: dict[str, Selection] = {
     "serve": Selection(("model", "gateway", "router", "worker", "layout", "supervisor"),
                        exclude=("worker.kind", "worker.endpoint", "worker.name", "layout.worker_endpoints",
                                 "router.wait_for_workers")),
-    "gateway": Selection(("model", "gateway", "router", "layout.worker_endpoints")),
+    "gateway": Selection(("model", "gateway", "router", "layout.worker_endpoints", "layout.gateways")),
     "worker": Selection(("model", "worker"), required=("worker.endpoint",)),
     "config": Selection(("",)),
     "info": Selection(("model",)),

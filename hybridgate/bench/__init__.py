@@ -95,6 +95,8 @@ def add_gateway_parser(sub) -> None:
     p.add_argument("--requests", type=bounded(int, 1), default=64,
                    help="streams per concurrency (at least the concurrency; default 64)")
     p.add_argument("--max-tokens", type=bounded(int, 1), default=256, help="ids per stream (default 256)")
+    p.add_argument("--gateways", type=bounded(int, 1, 64), default=1,
+                   help="gateway processes on the one port (hybridgate gateway --gateways N; default 1)")
     p.add_argument("--step-ms", type=bounded(float, 0), default=0.0,
                    help="the instant worker's step time in ms (default 0: steps back to back)")
     p.add_argument("--startup-timeout", type=bounded(float, 0, low_open=True), default=120.0,

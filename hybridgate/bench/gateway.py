@@ -35,6 +35,7 @@ from hybridgate.bench.instant import run_instant_worker
 
 PROMPT = "Write a long story about a lighthouse keeper."
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+MAX_CONNECTIONS = 16
 
 
 def cpu_seconds(pid: int) -> float:
@@ -44,6 +45,18 @@ def cpu_seconds(pid: int) -> float:
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime (fields 14, 15 of stat(5))
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """`cpu_seconds` of `pid` and of its living children (the other gateways of `--gateways N`)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:  # field 4: ppid
+                children.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return cpu_seconds(pid) + sum(cpu_seconds(c) for c in children)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -101,11 +114,14 @@ async def _drive(target: str, concurrency: int, requests: int, max_tokens: int) 
         for _ in remaining:
             await one(stub)
 
-    async with grpc.aio.insecure_channel(target) as channel:
-        stub = pb_grpc.GenerationStub(channel)
-        cpu0, start = time.process_time(), time.perf_counter()
-        await asyncio.gather(*(lane(stub) for _ in range(concurrency)))
-        wall, cpu = time.perf_counter() - start, time.process_time() - cpu0
+    # One connection per lane (a local subchannel pool each), so that the kernel can spread them over
+    # the gateways of `--gateways N`; with one gateway the streams' cost is the same.
+    channels = [grpc.aio.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
+                for _ in range(min(concurrency, MAX_CONNECTIONS))]
+    cpu0, start = time.process_time(), time.perf_counter()
+    await asyncio.gather(*(lane(pb_grpc.GenerationStub(channels[k % len(channels)])) for k in range(concurrency)))
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu0
+    await asyncio.gather(*(c.close() for c in channels))
     return {"wall_s": wall, "client_cpu_s": cpu, "ttft_s": ttfts, "itl_s": itls, **counts}
 
 
@@ -127,9 +143,9 @@ def _run_client(target: str, concurrency: int, requests: int, max_tokens: int) -
 class _Gateway:
     """`hybridgate gateway` as a child process; `target` once it says READY."""
 
-    def __init__(self, model: str, endpoint: str, timeout_s: float):
+    def __init__(self, model: str, endpoint: str, timeout_s: float, gateways: int = 1):
         cmd = [sys.executable, "-m", "hybridgate.cli", "gateway", "--model", model, "--port", "0",
-               "--worker", endpoint, "--worker-startup-timeout", str(timeout_s)]
+               "--worker", endpoint, "--worker-startup-timeout", str(timeout_s), "--gateways", str(gateways)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         port = self._wait_for("hybridgate: gRPC on ", timeout_s).rsplit(":", 1)[1].split()[0]
@@ -166,9 +182,9 @@ class _Gateway:
 def measure(gateway: _Gateway, worker_pid: int, concurrency: int, requests: int, max_tokens: int) -> dict:
     """One concurrency: the client's figures and the processes' CPU over the same window."""
     _run_client(gateway.target, concurrency, min(requests, 2 * concurrency), max_tokens)  # warm-up
-    gw0, wk0 = cpu_seconds(gateway.proc.pid), cpu_seconds(worker_pid)
+    gw0, wk0 = tree_cpu_seconds(gateway.proc.pid), cpu_seconds(worker_pid)
     r = _run_client(gateway.target, concurrency, requests, max_tokens)
-    gw, wk = cpu_seconds(gateway.proc.pid) - gw0, cpu_seconds(worker_pid) - wk0
+    gw, wk = tree_cpu_seconds(gateway.proc.pid) - gw0, cpu_seconds(worker_pid) - wk0
     tokens = r["tokens"]
     per_token = (lambda s: s / tokens * 1e6 if tokens else None)
     ms = (lambda v: v * 1e3 if v is not None else None)
@@ -199,7 +215,7 @@ def run(args) -> list[dict]:
     gateway = None
     results = []
     try:
-        gateway = _Gateway(model, endpoint, args.startup_timeout)
+        gateway = _Gateway(model, endpoint, args.startup_timeout, args.gateways)
         for concurrency in args.concurrency:
             row = measure(gateway, worker.pid, concurrency, max(args.requests, concurrency), args.max_tokens)
             results.append(row)
@@ -210,7 +226,8 @@ def run(args) -> list[dict]:
         worker.terminate()
         worker.join(30)
         shutil.rmtree(folder, ignore_errors=True)
-    report = {"benchmark": "gateway", "protocol": "grpc", "step_ms": args.step_ms, "cpus": os.cpu_count(),
+    report = {"benchmark": "gateway", "protocol": "grpc", "gateways": args.gateways, "step_ms": args.step_ms,
+              "cpus": os.cpu_count(),
               "results": results}
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
