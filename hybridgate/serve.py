@@ -17,6 +17,7 @@ from hybridgate.config import check_settings, setting
 from hybridgate.gateway.server import Gateway
 from hybridgate.router import Router, ZmqWorkerClient
 from hybridgate.router.client import missing_ipc_socket
+from hybridgate.scaleout import ExtraGateways, gateway_group
 from hybridgate.supervise import Supervisor
 from hybridgate.wire import WorkerState
 from hybridgate.workers.process import WorkerConfig
@@ -38,6 +39,10 @@ class LayoutConfig:
                                   "unless --threads is given", low=0)
     worker_endpoints: tuple[str, ...] = setting(
         (), "a running worker's endpoint (ipc://PATH or tcp://HOST:PORT); repeat for several", flag="--worker")
+    gateways: int = setting(
+        1, "gateway processes serving the one gRPC port (SO_REUSEPORT among themselves only: a port another "
+           "program holds is still refused), each with its own router, all sharing the workers; with "
+           "--metrics-port P, gateway i serves its metrics on P+i", low=1, high=64)
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -83,13 +88,16 @@ async def check_sockets(clients: list[ZmqWorkerClient], wait: bool, fail) -> Non
         fail()
 
 
-async def run_gateway(config: Settings, endpoints: list[str], supervisor: Supervisor | None = None) -> int:
+async def run_gateway(config: Settings, endpoints: list[str], supervisor: Supervisor | None = None,
+                      extra: ExtraGateways | None = None, reuse_port: bool = False, index: int = 0) -> int:
     """Serve until SIGINT/SIGTERM. Under `serve`, `supervisor` starts its workers once the port is
-    bound (so a port in use fails at once) and keeps them running; its slots name the clients."""
+    bound (so a port in use fails at once) and keeps them running; its slots name the clients.
+    `extra`: the other gateways of `serve --gateways N`, started once this one listens and drained
+    with it; such a gateway runs this with `reuse_port` and its `index` (it prints no READY line)."""
     names = [slot.name for slot in supervisor.slots] if supervisor is not None else [""] * len(endpoints)
     clients = [ZmqWorkerClient(ep, dead_after_s=config.router.dead_after_s, name=name) for ep, name in zip(endpoints, names)]
     router = Router(config.model_path, clients, config.router)
-    gateway = Gateway(router, config.gateway)
+    gateway = Gateway(router, config.gateway, reuse_port=reuse_port)
     router.on_ready_change = gateway.on_ready_change
     await gateway.start()
     background = []
@@ -99,10 +107,17 @@ async def run_gateway(config: Settings, endpoints: list[str], supervisor: Superv
         supervisor.start_all()
         gateway.metrics.registry.register(supervisor)
         background.append(asyncio.create_task(supervisor.run()))
-    print(f"hybridgate: gRPC on {config.gateway.host}:{gateway.port} (health NOT_SERVING until a worker is up)",
-          flush=True)
+    say = (lambda line: print(f"hybridgate: {line}", flush=True)) if index == 0 else \
+        (lambda line: log.info("gateway %d: %s", index, line))
+    say(f"gRPC on {config.gateway.host}:{gateway.port} (health NOT_SERVING until a worker is up)")
     if gateway.metrics_port is not None:
-        print(f"hybridgate: metrics on http://{config.gateway.host}:{gateway.metrics_port}/metrics", flush=True)
+        where = f"http://{config.gateway.host}:{gateway.metrics_port}/metrics"
+        print(f"hybridgate: metrics on {where}" if index == 0 else f"hybridgate: gateway {index} metrics on {where}",
+              flush=True)
+    if extra is not None:
+        extra.start_all()
+        background.append(asyncio.create_task(extra.watch(config.supervisor.restart_window_s,
+                                                          config.supervisor.max_restarts)))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -132,14 +147,17 @@ async def run_gateway(config: Settings, endpoints: list[str], supervisor: Superv
             if c.state != WorkerState.READY:
                 print(f"hybridgate: warning: worker {c.name} ({c.endpoint}) is {c.state.name} (see its log above)",
                       file=sys.stderr, flush=True)
-        print(f"hybridgate: READY ({', '.join(ready)} worker{'s' if len(ready) > 1 else ''}) — model "
-              f"{config.model_path}", flush=True)
+        gateways = f", {extra_count + 1} gateways" if (extra_count := len(extra.procs) if extra else 0) else ""
+        say(f"READY ({', '.join(ready)} worker{'s' if len(ready) > 1 else ''}{gateways}) — model {config.model_path}")
         await stop.wait()
-    print("hybridgate: shutting down (health NOT_SERVING, in-flight streams get "
-          f"{config.gateway.grace_s:g} s)", flush=True)
+    say(f"shutting down (health NOT_SERVING, in-flight streams get {config.gateway.grace_s:g} s)")
     if supervisor is not None:
         supervisor.stopping = True  # workers run on through the grace period, but are not restarted
+    if extra is not None:
+        extra.drain()  # they drain beside this one; the workers serve them until all are done
     await gateway.stop()
+    if extra is not None:
+        await asyncio.to_thread(extra.join, config.gateway.grace_s + 5)
     for task in (entered, waiter, *background):
         task.cancel()
     await router.close()
@@ -194,7 +212,8 @@ def serve(config: Settings) -> int:
                for name, kind, endpoint in zip(names, kinds, endpoints)}
     supervisor = Supervisor(configs, config.supervisor, private)  # its workers bind once loaded: no socket check
     try:
-        return _run(run_gateway(config, endpoints, supervisor))
+        with gateway_group(config, endpoints) as (config, extra):
+            return _run(run_gateway(config, endpoints, supervisor, extra, reuse_port=extra is not None))
     finally:
         supervisor.stop_all()
         shutil.rmtree(private, ignore_errors=True)
@@ -203,4 +222,6 @@ def serve(config: Settings) -> int:
 def gateway_only(config: Settings) -> int:
     if not config.layout.worker_endpoints:
         raise ValueError("--worker: give at least one worker endpoint (ipc://... or tcp://...)")
-    return _run(run_gateway(config, list(config.layout.worker_endpoints)))
+    endpoints = list(config.layout.worker_endpoints)
+    with gateway_group(config, endpoints) as (config, extra):
+        return _run(run_gateway(config, endpoints, extra=extra, reuse_port=extra is not None))

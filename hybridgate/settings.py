@@ -59,7 +59,7 @@ COMMANDS: dict[str, Selection] = {
     "serve": Selection(("model", "gateway", "router", "worker", "layout", "supervisor"),
                        exclude=("worker.kind", "worker.endpoint", "worker.name", "layout.worker_endpoints",
                                 "router.wait_for_workers")),
-    "gateway": Selection(("model", "gateway", "router", "layout.worker_endpoints")),
+    "gateway": Selection(("model", "gateway", "router", "layout.worker_endpoints", "layout.gateways")),
     "worker": Selection(("model", "worker"), required=("worker.endpoint",)),
     "config": Selection(("",)),
     "info": Selection(("model",)),
@@ -67,5 +67,6 @@ COMMANDS: dict[str, Selection] = {
                                "worker.engine.kv_cache_memory")),
     "bench handoff": Selection(("model", "worker.engine.threads", "worker.engine.device",
                                 "worker.engine.kv_cache_memory", "worker.handoff_buffer_memory")),
+    "bench gateway": Selection(("model",)),
     "bench accuracy": Selection(("model", "worker.kind", "worker.engine.threads", "worker.engine.device")),
 }

@@ -82,3 +82,31 @@ def _run_handoff(args) -> int:
 
     results = handoff.run(args)
     return 0 if all(r["ids_equal_plain_run"] for r in results) else 1
+
+
+def add_gateway_parser(sub) -> None:
+    from hybridgate.config import add_command_settings, bounded
+
+    p = sub.add_parser("gateway", help="the gateway's CPU per streamed token and its tokens/s, against an instant "
+                                       "worker (no model compute) over the real wire and real gRPC")
+    add_command_settings(p, "bench gateway")
+    p.add_argument("--concurrency", type=bounded(int, 1, many=True), default=[1, 16, 64],
+                   help="concurrent streams, comma-separated (default 1,16,64)")
+    p.add_argument("--requests", type=bounded(int, 1), default=64,
+                   help="streams per concurrency (at least the concurrency; default 64)")
+    p.add_argument("--max-tokens", type=bounded(int, 1), default=256, help="ids per stream (default 256)")
+    p.add_argument("--gateways", type=bounded(int, 1, 64), default=1,
+                   help="gateway processes on the one port (hybridgate gateway --gateways N; default 1)")
+    p.add_argument("--step-ms", type=bounded(float, 0), default=0.0,
+                   help="the instant worker's step time in ms (default 0: steps back to back)")
+    p.add_argument("--startup-timeout", type=bounded(float, 0, low_open=True), default=120.0,
+                   help="seconds for the worker and gateway to be READY (default 120)")
+    p.add_argument("--json", default=None, metavar="OUT", help="write the figures to this JSON file")
+    p.set_defaults(func=_run_gateway)
+
+
+def _run_gateway(args) -> int:
+    from hybridgate.bench import gateway
+
+    results = gateway.run(args)
+    return 0 if all(r["errors"] == 0 and r["short_streams"] == 0 for r in results) else 1

@@ -49,12 +49,13 @@ class GatewayConfig:
 
 class Gateway:
     """A started gRPC server around a router; `port` is the bound port (0 picks a free one).
+    `reuse_port`: bind with SO_REUSEPORT, beside this machine's other gateways of one `serve`.
 
     Raises (here): OSError naming --host and --port when the port cannot be bound; the C
     core's own log line about it is kept off stderr, so the user reads one line.
     """
 
-    def __init__(self, router: Router, config: GatewayConfig):
+    def __init__(self, router: Router, config: GatewayConfig, reuse_port: bool = False):
         self.router, self.config = router, config
         self.metrics = GatewayMetrics(lambda: router.clients, wire_errors=lambda: router.wire_errors,
                                       handoff=lambda: router.handoff_metrics)
@@ -62,7 +63,9 @@ class Gateway:
         self.server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.so_reuseport", 0),  # a second server on a taken port fails instead of sharing it
+            # A second server on a taken port fails instead of sharing it; `serve --gateways N` shares
+            # it among its own gateways only (hybridgate.scaleout holds the port first).
+            ("grpc.so_reuseport", int(reuse_port)),
         ])
         service = GenerationService(router, self.metrics, log_requests=config.log_requests,
                                     log_request_text=config.log_request_text,

@@ -125,6 +125,7 @@ class GenerationStream:
         self._hops: list[tuple[str, int, WorkerClient]] = []  # (how, first token index, worker) of each placement
         self._refused: list[WorkerClient] = []
         self._queue: asyncio.Queue = asyncio.Queue(maxsize=router.config.queue_size)
+        self._held = None  # an item taken off the queue by `_coalesce` and not yet handled
         self._detok = IncrementalDetokenizer(router.tokenizer, params.skip_special_tokens)
         self._stop = StopMatcher(params.stop)
         self._eos = router.tokenizer.eos_token_id
@@ -216,6 +217,7 @@ class GenerationStream:
 
     def fail(self, exc: BaseException) -> None:
         self.done = True
+        self._held = None
         while not self._queue.empty():
             self._queue.get_nowait()
         self._queue.put_nowait(exc)
@@ -322,9 +324,9 @@ class GenerationStream:
 
     async def __anext__(self) -> Delta:
         while not self.finished:
-            item = await self._queue.get()
+            item, self._held = (self._held, None) if self._held is not None else (await self._queue.get(), None)
             if isinstance(item, SeqOutput):
-                delta = self._on_output(item)
+                delta = self._on_output(self._coalesce(item))
                 if delta is not None:
                     return delta
             else:
@@ -333,6 +335,22 @@ class GenerationStream:
                 self.router.unregister(self, self.client)
                 raise _error_of(item)
         raise StopAsyncIteration
+
+    def _coalesce(self, out: SeqOutput) -> SeqOutput:
+        """`out` joined with the outputs queued behind it: a reader that fell behind gets one delta
+        for all of them (ids and token indexes exact), a reader that keeps up one per step.
+        Outputs are queued contiguous (`_on_output_event` numbers them), so joining is appending."""
+        if self._queue.empty() or out.finish:
+            return out
+        ids, finish = list(out.token_ids), 0
+        while not finish and not self._queue.empty():
+            item = self._queue.get_nowait()
+            if not isinstance(item, SeqOutput):
+                self._held = item  # an error after the outputs: read on the next call
+                break
+            ids += item.token_ids
+            finish = item.finish
+        return SeqOutput(out.request_id, out.token_index, ids, finish, out.queue_ms, out.cached_tokens)
 
     def _on_output(self, out: SeqOutput) -> Delta | None:
         skip = len(self.ids) - out.token_index  # duplicates from a resend
@@ -345,6 +363,10 @@ class GenerationStream:
             self._first_token_at = time.monotonic()
         finish = FinishReason(out.finish) if out.finish else None
         first_index, parts, taken = len(self.ids), [], []
+        if not self._stop.stops:  # no stop string can cut the ids: detokenize them at once
+            eos_last = finish == FinishReason.EOS and new_ids[-1:] == [self._eos]
+            parts.append(self._detok.steps(new_ids[:-1] if eos_last else new_ids))
+            taken, new_ids = new_ids, ()
         for k, tid in enumerate(new_ids):
             taken.append(tid)
             is_eos = finish == FinishReason.EOS and k == len(new_ids) - 1 and tid == self._eos

@@ -20,6 +20,7 @@ import signal
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -502,8 +503,11 @@ def _exit_if_raises(target, what: str, stopping: threading.Event | None = None):
 EXIT_THREAD_DIED = 70  # EX_SOFTWARE: an internal error ended a worker thread
 
 
-def run_worker(config: WorkerConfig) -> None:
-    """Process entry point: load, bind, warm up, READY, then serve until SIGTERM."""
+def run_worker(config: WorkerConfig, build: Callable[[WorkerConfig], tuple] = build_runner) -> None:
+    """Process entry point: load, bind, warm up, READY, then serve until SIGTERM.
+
+    `build` returns (runner, model); benchmarks pass a runner that computes
+    nothing (hybridgate.bench.instant) to measure the gateway alone."""
     _die_with_parent(config.parent_pid)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
     stop = threading.Event()
@@ -514,7 +518,7 @@ def run_worker(config: WorkerConfig) -> None:
     from hybridgate.models import model_fingerprint
 
     check_bindable(config.endpoint)  # before the model loads: a bad endpoint fails at once
-    runner, model = build_runner(config)
+    runner, model = build(config)
     fingerprint = model_fingerprint(model)
     del model  # the runners copy what they keep: the GGUF file can be unmapped
     ctx = zmq.Context()

@@ -88,3 +88,19 @@ def test_skipping_special_tokens_equals_reference_decode(tokenizer, id_pool, dat
     detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
     text = "".join(detok.step(i) for i in ids) + detok.flush()
     assert text == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_ids_in_batches_give_the_reference_decode(tokenizer, id_pool, data):
+    # The gateway detokenizes a reader's queued ids at once: however the ids are cut into batches,
+    # the batches' texts joined are tokenizers' own decode, and each batch's text is the
+    # reference decode of the ids so far, less at most one U+FFFD held for a later id.
+    ids = data.draw(st.lists(st.sampled_from(id_pool), max_size=24))
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(ids)), max_size=5)))
+    detok, emitted = IncrementalDetokenizer(tokenizer), ""
+    for lo, hi in zip([0, *cuts], [*cuts, len(ids)]):
+        emitted += detok.steps(ids[lo:hi])
+        partial = tokenizer.decode(ids[:hi])
+        assert emitted == partial or emitted + "\ufffd" == partial
+    assert emitted + detok.flush() == tokenizer.decode(ids)

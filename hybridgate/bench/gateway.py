@@ -1,0 +1,245 @@
+"""`hybridgate bench gateway`: what the gateway costs per streamed token.
+
+Three processes, so that each one's CPU time is its own: an instant worker
+(`hybridgate.bench.instant`: the real worker process and wire, a runner that
+computes nothing), `hybridgate gateway` connected to it, and a client process
+driving N concurrent gRPC streams (`ignore_eos`, `max_tokens` ids each). Per
+concurrency it reports streamed tokens/s, response messages per token, the
+gateway's CPU seconds per streamed token (utime + stime of the process and
+all its threads, from /proc, over the measured window), the worker's and the
+client's CPU per token beside it, and client-side TTFT and ITL percentiles
+(ITL: the gap between two response messages divided by the ids the second
+carries).
+
+The client shares the machine's cores with the gateway: on a 2-core machine
+the figure "gateway CPU per token" holds, the tokens/s is bounded by what the
+three processes leave each other, and the output says how much CPU the client
+and the worker took.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from hybridgate.bench.instant import run_instant_worker
+
+PROMPT = "Write a long story about a lighthouse keeper."
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+MAX_CONNECTIONS = 16
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` and all its threads (Linux /proc; 0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime (fields 14, 15 of stat(5))
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """`cpu_seconds` of `pid` and of its living children (the other gateways of `--gateways N`)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:  # field 4: ppid
+                children.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return cpu_seconds(pid) + sum(cpu_seconds(c) for c in children)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-quantile (0..1) by the nearest-rank method; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, int(round(q * len(ordered) + 0.5)) - 1))]
+
+
+def _client_main(target: str, concurrency: int, requests: int, max_tokens: int, conn) -> None:
+    """Client process: `requests` streams, `concurrency` at a time; sends the figures back on `conn`."""
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    conn.send(asyncio.run(_drive(target, concurrency, requests, max_tokens)))
+    conn.close()
+
+
+async def _drive(target: str, concurrency: int, requests: int, max_tokens: int) -> dict:
+    import grpc
+
+    from hybridgate.v1 import generation_pb2 as pb
+    from hybridgate.v1 import generation_pb2_grpc as pb_grpc
+
+    request = pb.GenerateRequest(prompt=PROMPT, max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                                 label="bench-gateway")
+    ttfts: list[float] = []
+    itls: list[float] = []
+    counts = {"tokens": 0, "messages": 0, "errors": 0, "short": 0}
+    remaining = iter(range(requests))
+
+    async def one(stub) -> None:
+        start = last = time.perf_counter()
+        tokens = 0
+        try:
+            async for msg in stub.Generate(request):
+                now = time.perf_counter()
+                n = len(msg.token_ids)
+                if tokens == 0:
+                    ttfts.append(now - start)
+                elif n:
+                    itls.append((now - last) / n)
+                last, tokens = now, tokens + n
+                counts["messages"] += 1
+        except grpc.aio.AioRpcError:
+            counts["errors"] += 1
+        counts["tokens"] += tokens
+        counts["short"] += tokens != max_tokens
+
+    async def lane(stub) -> None:
+        for _ in remaining:
+            await one(stub)
+
+    # One connection per lane (a local subchannel pool each), so that the kernel can spread them over
+    # the gateways of `--gateways N`; with one gateway the streams' cost is the same.
+    channels = [grpc.aio.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
+                for _ in range(min(concurrency, MAX_CONNECTIONS))]
+    cpu0, start = time.process_time(), time.perf_counter()
+    await asyncio.gather(*(lane(pb_grpc.GenerationStub(channels[k % len(channels)])) for k in range(concurrency)))
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu0
+    await asyncio.gather(*(c.close() for c in channels))
+    return {"wall_s": wall, "client_cpu_s": cpu, "ttft_s": ttfts, "itl_s": itls, **counts}
+
+
+def _run_client(target: str, concurrency: int, requests: int, max_tokens: int) -> dict:
+    ctx = mp.get_context("spawn")
+    ours, theirs = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_client_main, args=(target, concurrency, requests, max_tokens, theirs),
+                       name="bench-gateway-client")
+    proc.start()
+    theirs.close()
+    try:
+        result = ours.recv()
+    except EOFError:
+        raise RuntimeError(f"the bench client process exited ({proc.exitcode}) without its figures") from None
+    proc.join()
+    return result
+
+
+class _Gateway:
+    """`hybridgate gateway` as a child process; `target` once it says READY."""
+
+    def __init__(self, model: str, endpoint: str, timeout_s: float, gateways: int = 1):
+        cmd = [sys.executable, "-m", "hybridgate.cli", "gateway", "--model", model, "--port", "0",
+               "--worker", endpoint, "--worker-startup-timeout", str(timeout_s), "--gateways", str(gateways)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        port = self._wait_for("hybridgate: gRPC on ", timeout_s).rsplit(":", 1)[1].split()[0]
+        self._wait_for("hybridgate: READY", timeout_s)
+        self.target = f"127.0.0.1:{port}"
+        threading.Thread(target=self._drain, daemon=True).start()  # never let its pipe fill
+
+    def _wait_for(self, prefix: str, timeout_s: float) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            self.lines.append(line)
+            if line.startswith(prefix):
+                return line.strip()
+        self.stop()
+        raise RuntimeError(f"the gateway did not print {prefix!r}:\n{''.join(self.lines[-20:])}")
+
+    def _drain(self) -> None:
+        for _ in self.proc.stdout:
+            pass
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def measure(gateway: _Gateway, worker_pid: int, concurrency: int, requests: int, max_tokens: int) -> dict:
+    """One concurrency: the client's figures and the processes' CPU over the same window."""
+    _run_client(gateway.target, concurrency, min(requests, 2 * concurrency), max_tokens)  # warm-up
+    gw0, wk0 = tree_cpu_seconds(gateway.proc.pid), cpu_seconds(worker_pid)
+    r = _run_client(gateway.target, concurrency, requests, max_tokens)
+    gw, wk = tree_cpu_seconds(gateway.proc.pid) - gw0, cpu_seconds(worker_pid) - wk0
+    tokens = r["tokens"]
+    per_token = (lambda s: s / tokens * 1e6 if tokens else None)
+    ms = (lambda v: v * 1e3 if v is not None else None)
+    return {
+        "concurrency": concurrency, "requests": requests, "max_tokens": max_tokens,
+        "tokens": tokens, "messages": r["messages"], "errors": r["errors"], "short_streams": r["short"],
+        "wall_s": r["wall_s"], "tokens_per_s": tokens / r["wall_s"] if r["wall_s"] else None,
+        "messages_per_token": r["messages"] / tokens if tokens else None,
+        "gateway_cpu_s": gw, "gateway_cpu_us_per_token": per_token(gw),
+        "worker_cpu_us_per_token": per_token(wk), "client_cpu_us_per_token": per_token(r["client_cpu_s"]),
+        "ttft_ms": {f"p{q}": ms(percentile(r["ttft_s"], q / 100)) for q in (50, 90, 99)},
+        "itl_ms": {f"p{q}": ms(percentile(r["itl_s"], q / 100)) for q in (50, 90, 99)},
+    }
+
+
+def run(args) -> list[dict]:
+    from hybridgate.config import resolve
+    from hybridgate.workers.process import WorkerConfig
+
+    model = resolve(args).settings.model_path
+    folder = tempfile.mkdtemp(prefix="hybridgate-bench-")  # mode 0700: the ipc socket's private folder
+    endpoint = f"ipc://{folder}/instant-0"
+    ctx = mp.get_context("spawn")
+    worker = ctx.Process(target=run_instant_worker, name="bench-instant-worker",
+                         args=(WorkerConfig(model_path=model, endpoint=endpoint, parent_pid=os.getpid(),
+                                            name="instant-0"), args.step_ms / 1e3))
+    worker.start()
+    gateway = None
+    results = []
+    try:
+        gateway = _Gateway(model, endpoint, args.startup_timeout, args.gateways)
+        for concurrency in args.concurrency:
+            row = measure(gateway, worker.pid, concurrency, max(args.requests, concurrency), args.max_tokens)
+            results.append(row)
+            _print_row(row)
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        worker.terminate()
+        worker.join(30)
+        shutil.rmtree(folder, ignore_errors=True)
+    report = {"benchmark": "gateway", "protocol": "grpc", "gateways": args.gateways, "step_ms": args.step_ms,
+              "cpus": os.cpu_count(),
+              "results": results}
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return results
+
+
+def _print_row(r: dict) -> None:
+    fmt = (lambda v, spec=".1f": "-" if v is None else format(v, spec))
+    print(f"concurrency {r['concurrency']:>4}: {fmt(r['tokens_per_s'], '.0f')} tokens/s, "
+          f"gateway {fmt(r['gateway_cpu_us_per_token'])} µs CPU/token "
+          f"(worker {fmt(r['worker_cpu_us_per_token'])}, client {fmt(r['client_cpu_us_per_token'])}), "
+          f"{fmt(r['messages_per_token'], '.2f')} messages/token, "
+          f"TTFT p50 {fmt(r['ttft_ms']['p50'])} ms p99 {fmt(r['ttft_ms']['p99'])} ms, "
+          f"ITL p50 {fmt(r['itl_ms']['p50'], '.3f')} ms p99 {fmt(r['itl_ms']['p99'], '.3f')} ms"
+          + (f", {r['errors']} errors" if r["errors"] else ""), flush=True)

@@ -1,0 +1,33 @@
+"""`hybridgate bench gateway` on a tiny case: real instant worker, gateway and client processes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import TIME_FACTOR
+
+HYBRIDGATE = str(Path(sys.executable).parent / "hybridgate")
+
+
+def test_bench_gateway_reports_every_figure(tmp_path):
+    out = tmp_path / "gateway.json"
+    proc = subprocess.run([HYBRIDGATE, "bench", "gateway", "--concurrency", "1,3", "--requests", "4",
+                           "--max-tokens", "12", "--json", str(out)],
+                          capture_output=True, text=True, timeout=120 * TIME_FACTOR)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert report["protocol"] == "grpc"
+    assert [r["concurrency"] for r in report["results"]] == [1, 3]
+    for row in report["results"]:
+        # Every stream ran to max_tokens (ignore_eos): 4 streams x 12 ids, none cut short.
+        assert row["tokens"] == 4 * 12 and row["errors"] == 0 and row["short_streams"] == 0
+        assert 1 / 12 <= row["messages_per_token"] <= 1
+        for key in ("tokens_per_s", "gateway_cpu_s", "gateway_cpu_us_per_token", "worker_cpu_us_per_token",
+                    "client_cpu_us_per_token"):
+            assert row[key] > 0, key
+        for key in ("ttft_ms", "itl_ms"):
+            assert 0 < row[key]["p50"] <= row[key]["p90"] <= row[key]["p99"], key
+    assert "tokens/s" in proc.stdout and "µs CPU/token" in proc.stdout
