@@ -101,6 +101,11 @@ async def run(router, route, **params):
         return [d async for d in stream]
 
 
+def contiguous(deltas) -> bool:
+    """Each delta starts where the ones before it ended (queued outputs may be joined into one)."""
+    return [d.token_index for d in deltas] == [sum(len(x.token_ids) for x in deltas[:k]) for k in range(len(deltas))]
+
+
 def ids(deltas):
     return [t for d in deltas for t in d.token_ids]
 
@@ -109,7 +114,7 @@ async def test_gpu_to_cpu_streams_token_0_from_the_gpu_and_the_rest_from_the_cpu
     gpu, cpu = pair(model_fingerprint(gguf_model))
     async with Router(gguf_model, [gpu, cpu]) as router:
         deltas = await run(router, "gpu->cpu")
-        assert ids(deltas) == SCRIPT and [d.token_index for d in deltas] == list(range(6))
+        assert ids(deltas) == SCRIPT and contiguous(deltas)
         assert deltas[-1].route == "gpu->cpu (gpu-0 -> cpu-1)"
         assert [type(m) for m in gpu.got] == [HandoffRelease] and [type(m) for m in cpu.got] == [HandoffReserve]
         assert cpu.got[0].num_tokens == len(router.tokenize("x")) + 1
@@ -130,7 +135,7 @@ async def test_a_refused_import_resumes_on_the_gpu_with_no_token_lost_or_repeate
     gpu, cpu = pair(model_fingerprint(gguf_model), refuse_import="a != b")
     async with Router(gguf_model, [gpu, cpu]) as router:
         deltas = await run(router, "gpu->cpu")
-        assert ids(deltas) == SCRIPT and [d.token_index for d in deltas] == list(range(6))
+        assert ids(deltas) == SCRIPT and contiguous(deltas)
         assert [type(m) for m in gpu.got] == [HandoffResume]
         assert deltas[-1].route.startswith("gpu (hand-off refused: fingerprint: a != b")
         assert router.handoff_metrics.outcomes["resumed"] == 1
