@@ -147,7 +147,7 @@ async def run_gateway(config: Settings, endpoints: list[str], supervisor: Superv
             if c.state != WorkerState.READY:
                 print(f"hybridgate: warning: worker {c.name} ({c.endpoint}) is {c.state.name} (see its log above)",
                       file=sys.stderr, flush=True)
-        gateways = f", {extra_count + 1} gateways" if (extra_count := len(extra.procs) if extra else 0) else ""
+        gateways = f", {len(extra.procs) + 1} gateways" if extra is not None else ""
         say(f"READY ({', '.join(ready)} worker{'s' if len(ready) > 1 else ''}{gateways}) — model {config.model_path}")
         await stop.wait()
     say(f"shutting down (health NOT_SERVING, in-flight streams get {config.gateway.grace_s:g} s)")

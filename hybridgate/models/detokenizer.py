@@ -57,10 +57,7 @@ class IncrementalDetokenizer:
 
     def step(self, token_id: int) -> str:
         """The new text that `token_id` completes ('' while a character is partial)."""
-        buf = self._pending + (b"" if token_id in self._skipped else self._token_bytes[token_id])
-        keep = _incomplete_tail(buf)
-        self._pending = buf[len(buf) - keep :] if keep else b""
-        return self._emit(buf[: len(buf) - keep])
+        return self._take(b"" if token_id in self._skipped else self._token_bytes[token_id])
 
     def steps(self, token_ids) -> str:
         """The new text of several ids at once: equal to joining `step()` of each, at one decode.
@@ -68,7 +65,10 @@ class IncrementalDetokenizer:
         Equal because a step emits everything but a proper prefix of a
         well-formed character, and the UTF-8 decoder's choices (U+FFFD per
         maximal subpart) never look past such a boundary."""
-        data = b"".join(self._token_bytes[t] for t in token_ids if t not in self._skipped)
+        return self._take(b"".join(self._token_bytes[t] for t in token_ids if t not in self._skipped))
+
+    def _take(self, data: bytes) -> str:
+        """Emit the pending bytes and `data`, holding back only a proper prefix of a character."""
         buf = self._pending + data
         keep = _incomplete_tail(buf)
         self._pending = buf[len(buf) - keep :] if keep else b""

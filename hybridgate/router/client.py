@@ -163,7 +163,7 @@ class ZmqWorkerClient:
         self._name = name
         self._ctx = ctx or zmq.asyncio.Context.instance()
         self._socket: zmq.asyncio.Socket | None = None
-        self._plain: tuple[zmq.asyncio.Socket, zmq.Socket] | None = None  # (socket, a plain view of it)
+        self._plain: zmq.Socket | None = None  # a plain view of _socket, for `_drain`
         self._tasks: list[asyncio.Task] = []
         self._closing = False
         self._last_seen = 0.0
@@ -240,7 +240,7 @@ class ZmqWorkerClient:
         sock.setsockopt(zmq.RCVHWM, 100_000)
         sock.setsockopt(zmq.SNDHWM, 100_000)
         sock.connect(self.endpoint)
-        self._socket = sock
+        self._socket, self._plain = sock, zmq.Socket.shadow(sock.underlying)
 
     def _send(self, msg: msgspec.Struct) -> bool:
         """Never raises: a full or unconnected pipe (EAGAIN) is a failed send, reported to the lifecycle."""
@@ -303,12 +303,12 @@ class ZmqWorkerClient:
         sharing the same underlying one reads the rest at once. At most
         DRAIN_BATCH messages, so that the streams' tasks run between batches.
         """
-        plain = self._plain if self._plain is not None and self._plain[0] is sock else None
-        if plain is None:
-            self._plain = plain = (sock, zmq.Socket.shadow(sock.underlying))
+        plain = self._plain
         for _ in range(DRAIN_BATCH):
+            if self._socket is not sock:  # a message replaced the socket (new boot id): read the new one next
+                return
             try:
-                frames = plain[1].recv_multipart(zmq.NOBLOCK)
+                frames = plain.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
             self._dispatch(frames)

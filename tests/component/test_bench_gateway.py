@@ -14,17 +14,18 @@ HYBRIDGATE = str(Path(sys.executable).parent / "hybridgate")
 
 def test_bench_gateway_reports_every_figure(tmp_path):
     out = tmp_path / "gateway.json"
-    proc = subprocess.run([HYBRIDGATE, "bench", "gateway", "--concurrency", "1,3", "--requests", "4",
-                           "--max-tokens", "12", "--json", str(out)],
+    proc = subprocess.run([HYBRIDGATE, "bench", "gateway", "--concurrency", "1,3", "--requests", "6",
+                           "--max-tokens", "48", "--step-ms", "2", "--json", str(out)],
                           capture_output=True, text=True, timeout=120 * TIME_FACTOR)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
     assert report["protocol"] == "grpc"
     assert [r["concurrency"] for r in report["results"]] == [1, 3]
     for row in report["results"]:
-        # Every stream ran to max_tokens (ignore_eos): 4 streams x 12 ids, none cut short.
-        assert row["tokens"] == 4 * 12 and row["errors"] == 0 and row["short_streams"] == 0
-        assert 1 / 12 <= row["messages_per_token"] <= 1
+        # Every stream ran to max_tokens (ignore_eos): 6 streams x 48 ids, none cut short. (2 ms steps:
+        # enough gateway work that its CPU time is more than a clock tick, 10 ms, on a quiet machine.)
+        assert row["tokens"] == 6 * 48 and row["errors"] == 0 and row["short_streams"] == 0
+        assert 1 / 48 <= row["messages_per_token"] <= 1
         for key in ("tokens_per_s", "gateway_cpu_s", "gateway_cpu_us_per_token", "worker_cpu_us_per_token",
                     "client_cpu_us_per_token"):
             assert row[key] > 0, key
