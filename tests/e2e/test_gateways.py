@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import signal
 import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -69,4 +70,8 @@ def test_sigint_drains_both_gateways_and_leaves_no_child(serve2):
     kids = children_of(pid)
     assert len(kids) >= 2  # a worker and the second gateway
     assert serve2.stop(signal.SIGINT) == 0, serve2.text()
+    # multiprocessing's resource tracker exits once the last holder of its pipe has: just after serve
+    deadline = time.monotonic() + 5 * TIME_FACTOR
+    while any(alive(k) for k in kids) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not [k for k in kids if alive(k)]
