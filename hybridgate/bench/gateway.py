@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from hybridgate.bench.instant import run_instant_worker
+from hybridgate.bench.machine import describe, summary
 
 PROMPT = "Write a long story about a lighthouse keeper."
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -205,6 +206,8 @@ def run(args) -> list[dict]:
     from hybridgate.workers.process import WorkerConfig
 
     model = resolve(args).settings.model_path
+    machine = describe()  # before the run loads it
+    print(summary(machine), flush=True)
     folder = tempfile.mkdtemp(prefix="hybridgate-bench-")  # mode 0700: the ipc socket's private folder
     endpoint = f"ipc://{folder}/instant-0"
     ctx = mp.get_context("spawn")
@@ -227,7 +230,7 @@ def run(args) -> list[dict]:
         worker.join(30)
         shutil.rmtree(folder, ignore_errors=True)
     report = {"benchmark": "gateway", "protocol": "grpc", "gateways": args.gateways, "step_ms": args.step_ms,
-              "cpus": os.cpu_count(),
+              "cpus": os.cpu_count(), "machine": machine,
               "results": results}
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,4 +32,7 @@ def test_bench_gateway_reports_every_figure(tmp_path):
             assert row[key] > 0, key
         for key in ("ttft_ms", "itl_ms"):
             assert 0 < row[key]["p50"] <= row[key]["p90"] <= row[key]["p99"], key
+    flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    assert report["machine"]["isa"] == ("avx512" if " avx512bw" in flags else "avx2" if " avx2" in flags else "other")
+    assert report["machine"]["cpus"] == os.cpu_count() and "machine: " in proc.stdout
     assert "tokens/s" in proc.stdout and "µs CPU/token" in proc.stdout
