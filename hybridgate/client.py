@@ -39,8 +39,9 @@ def generate(args: argparse.Namespace, prompt: str) -> int:
     stub = pb_grpc.GenerationStub(channel)
     request = build_request(args, prompt)
     wrote = False
+    call = stub.Generate(request, timeout=args.timeout)
     try:
-        for msg in stub.Generate(request, timeout=args.timeout):
+        for msg in call:
             if args.json:
                 fields = json_format.MessageToDict(msg, preserving_proto_field_name=True)
                 fields.setdefault("token_index", msg.token_index)  # proto3 leaves out a 0
@@ -51,6 +52,8 @@ def generate(args: argparse.Namespace, prompt: str) -> int:
                 wrote = wrote or bool(msg.text)
             if msg.finish_reason:
                 last = msg
+        if args.json:  # the placement: plan, policy, predicted and observed TTFT
+            print(json.dumps({"trailing_metadata": dict(call.trailing_metadata() or ())}), flush=True)
     except grpc.RpcError as exc:
         if wrote:
             print()

@@ -211,6 +211,18 @@ class EngineStats(msgspec.Struct):
     handoff_parked: int = 0  # GPU worker: sequences exported and parked now
     handoff_reservations: int = 0  # CPU worker: live reservations now
     handoff_recomputed: int = 0  # CPU worker: imported sequences preempted and recomputed
+    # Load report for placement (hybridgate/router/costmodel.py); gauges, now.
+    queued_prefill_tokens: int = 0  # prompt tokens not yet computed: waiting sequences and prefills in progress
+    decoding: int = 0  # running sequences past their prompt: one token each per step
+    blocks_cached: int = 0  # free blocks that still hold a cached prefix (evicted on demand)
+    max_num_seqs: int = 0  # the scheduler's batch cap
+    max_num_batched_tokens: int = 0  # the scheduler's token budget per step
+    # Measured rates, moving medians over recent steps, seeded by a warm-up measurement at start
+    # (hybridgate/workers/rates.py): tokens in a step with a prompt chunk (power-of-two bucket) →
+    # tokens/s of that step; sequences in a decode-only step (exact up to 8, then power-of-two
+    # buckets) → seconds per step.
+    prefill_tokens_per_s: dict[int, float] = msgspec.field(default_factory=dict)
+    decode_step_s: dict[int, float] = msgspec.field(default_factory=dict)
 
 
 class SeqOutput(msgspec.Struct, frozen=True, array_like=True):

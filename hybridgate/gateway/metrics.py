@@ -10,6 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from hybridgate.router.handoff import SECONDS_BUCKETS
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ERROR_BUCKETS = (-10.0, -2.5, -1.0, -0.5, -0.25, -0.1, -0.05, -0.02, 0.0, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
@@ -27,10 +28,24 @@ class GatewayMetrics:
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.success = Counter("hybridgate:request_success", "Finished requests by finish reason.",
                                ["finished_reason"], registry=self.registry)
+        self.placements = Counter("hybridgate:placements", "Requests placed, by policy and plan.",
+                                  ["policy", "plan"], registry=self.registry)
+        self.ttft_error = Histogram("hybridgate:ttft_prediction_error_seconds",
+                                    "Observed minus predicted TTFT of each placed request, seconds.",
+                                    buckets=_ERROR_BUCKETS, registry=self.registry)
+        self.spills = Counter("hybridgate:spills", "Requests no plan could serve within the SLOs, placed on "
+                              "the CPU tier instead of being rejected.", registry=self.registry)
         if clients is not None:
             self.registry.register(_EngineCollector(clients, wire_errors))
         if handoff is not None:
             self.registry.register(_HandoffRouterCollector(handoff))
+
+    def observe_placement(self, placement, observed_ttft_s: float) -> None:
+        """One finished request's placement (a `hybridgate.router.placement.Placement`)."""
+        self.placements.labels(placement.policy, placement.route).inc()
+        self.ttft_error.observe(observed_ttft_s - placement.plan.ttft_s)
+        if placement.plan.spilled:
+            self.spills.inc()
 
 
 class _EngineCollector:
@@ -46,6 +61,11 @@ class _EngineCollector:
                                     "Tokens sampled after their request's abort arrived.", labels=["worker"])
         kv = GaugeMetricFamily("hybridgate:kv_cache_bytes", "KV-cache bytes held by live sequences.", labels=["worker"])
         running = GaugeMetricFamily("hybridgate:num_requests_running", "Sequences running.", labels=["worker"])
+        waiting = GaugeMetricFamily("hybridgate:num_requests_waiting", "Sequences waiting to be admitted.",
+                                    labels=["worker"])
+        queued = GaugeMetricFamily("hybridgate:queued_prefill_tokens", "Prompt tokens not yet computed (waiting "
+                                   "sequences and prefills in progress), as the worker last reported.",
+                                   labels=["worker"])
         by_size = CounterMetricFamily("hybridgate:engine_steps_by_batch_size", "Engine steps by sequences per step.",
                                       labels=["worker", "batch_size"])
         batch = HistogramMetricFamily("hybridgate:engine_batch_size", "Sequences per engine step.", labels=["worker"])
@@ -67,6 +87,8 @@ class _EngineCollector:
             after.add_metric([name], s.tokens_after_abort)
             kv.add_metric([name], s.kv_cache_bytes)
             running.add_metric([name], s.running)
+            waiting.add_metric([name], s.waiting)
+            queued.add_metric([name], s.queued_prefill_tokens)
             hits.add_metric([name], s.kernel_cache_hits)
             misses.add_metric([name], s.kernel_cache_misses)
             wire_errors.add_metric([name, "worker"], s.wire_decode_errors)
@@ -77,7 +99,7 @@ class _EngineCollector:
             batch.add_metric([name], buckets, sum(n * c for n, c in s.batch_size_counts.items()))
         if self._wire_errors is not None:  # the router's own refusals of worker messages, in the same family
             wire_errors.add_metric(["", "router"], self._wire_errors())
-        yield from (steps, after, kv, running, by_size, batch, hits, misses, wire_errors)
+        yield from (steps, after, kv, running, waiting, queued, by_size, batch, hits, misses, wire_errors)
         yield from handoff.families()
 
 

@@ -81,6 +81,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                         outcome.finish, outcome.route = delta.finish_reason.name.lower(), delta.route
                         self.metrics.e2e.observe(now - outcome.start)
                         self.metrics.success.labels(outcome.finish).inc()
+                        context.set_trailing_metadata(self._placement_metadata(stream, delta))
                     yield delta_to_proto(delta)
         except tuple(_STATUS_OF) as exc:
             outcome.status = next(c for t, c in _STATUS_OF.items() if isinstance(exc, t))
@@ -95,6 +96,20 @@ class GenerationService(pb_grpc.GenerationServicer):
                 self.metrics.success.labels("abort").inc()
             if self.log_requests:
                 self._log(stream, request, prompt, outcome)
+
+    def _placement_metadata(self, stream, delta) -> tuple[tuple[str, str], ...]:
+        """The call's trailing metadata: the plan, the policy and its predicted TTFT beside the observed
+        one (the router's, arrival to first token), in ms; the placement metrics are counted here."""
+        observed_ms = delta.timings.ttft_ms if delta.timings is not None else 0.0
+        placement = stream.placement
+        if placement is None:  # a route the client chose (--allow-client-routes): no policy ran
+            return (("hybridgate-plan", stream.plan), ("hybridgate-policy", "client-route"),
+                    ("hybridgate-observed-ttft-ms", f"{observed_ms:.1f}"))
+        self.metrics.observe_placement(placement, observed_ms / 1e3)
+        return (("hybridgate-plan", placement.route), ("hybridgate-policy", placement.policy),
+                ("hybridgate-predicted-ttft-ms", f"{placement.plan.ttft_s * 1e3:.1f}"),
+                ("hybridgate-predicted-tpot-ms", f"{placement.plan.tpot_s * 1e3:.1f}"),
+                ("hybridgate-observed-ttft-ms", f"{observed_ms:.1f}"))
 
     def _log(self, stream, request: pb.GenerateRequest, prompt, outcome: _Outcome) -> None:
         now = time.monotonic()

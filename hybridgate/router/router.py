@@ -29,6 +29,8 @@ from hybridgate.models.chat import ROLES, ChatTemplateError
 from hybridgate.router.client import RateLimitedLog, StateChange, WorkerClient, WorkerDead, ZmqWorkerClient
 from hybridgate.router.errors import FingerprintMismatchError, InvalidRequestError, UnavailableError
 from hybridgate.router.handoff import HandoffMetrics, PauseHook
+from hybridgate.router.placement import Placement, Placer, _Pending
+from hybridgate.router.policy import POLICIES, make_policy
 from hybridgate.router.stream import GenerationStream, Stalled, WorkerAvailable
 from hybridgate.wire import (
     HandoffExported,
@@ -84,6 +86,15 @@ class RouterConfig:
         10.0, "seconds a hand-off waits for the CPU worker's answer to a reservation or an import before it runs "
               "on the GPU worker instead", low=0, low_open=True)
 
+    policy: str = setting(
+        "cost", "placement policy: cost (predicted TTFT and TPOT against the SLOs, spilling to the CPU tier), "
+        "least_loaded, round_robin, power_of_two or prefix_affinity", choices=POLICIES)
+    ttft_slo_s: float | None = setting(
+        None, "TTFT objective of the cost policy, seconds (default: 3 x the unloaded TTFT of the fastest worker "
+              "for each prompt's length)", flag="--ttft-slo", low=0, low_open=True)
+    tpot_slo_s: float | None = setting(
+        None, "TPOT objective of the cost policy, seconds (default: 3 x the fastest unloaded decode step)",
+        flag="--tpot-slo", low=0, low_open=True)
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -139,6 +150,9 @@ class Router:
         self._recent: dict[str, None] = {}  # ended request ids, oldest first
         self._unknown_ids = 0
         self._unknown_log = RateLimitedLog(log)
+        mc = self.model.config
+        self.placer = Placer(make_policy(self.config.policy, self.config.ttft_slo_s, self.config.tpot_slo_s),
+                             self.fingerprint, kv_bytes_per_token=2 * 4 * mc.num_layers * mc.num_kv_heads * mc.head_dim)
 
     async def __aenter__(self) -> Router:
         for client in self.clients:
@@ -273,6 +287,21 @@ class Router:
             raise UnavailableError(f"no {kind} worker is ready" if kind else "no worker is ready")
         return min(ready, key=lambda c: (self._inflight[id(c)], c.kind != "gpu"))
 
+    def plan(self, prompt_ids: list[int], max_tokens: int, deadline_s: float | None = None) -> Placement:
+        """The placement policy's plan for a request over the READY workers (RouterConfig.policy).
+
+        Raises UnavailableError when no worker is READY.
+        """
+        ready = [c for c in self.clients if c.state == WorkerState.READY]
+        if not ready:
+            raise UnavailableError("no worker is ready")
+        pending: dict[int, list[_Pending]] = {}
+        for stream in self._streams.values():
+            if stream.client is not None and not stream.done:
+                pending.setdefault(id(stream.client), []).append(
+                    _Pending(stream.uncached_tokens, bool(stream.received)))
+        return self.placer.place(ready, self._inflight, pending, prompt_ids, max_tokens, deadline_s)
+
     def register(self, stream: GenerationStream, client: WorkerClient | None) -> None:
         """Route outputs for `stream.worker_request_id` to `stream`; None: it waits for a READY worker."""
         self._streams[stream.worker_request_id] = stream
@@ -401,6 +430,7 @@ class Router:
                 return
             client.state = WorkerState.DEAD
         log.error("%s", msg.reason)
+        self.placer.forget(client)
         for stream in list(self._streams.values()):
             if stream.handoff is not None and stream.handoff.active and stream.handoff.involves(client):
                 stream.handoff.on_message(client, msg)

@@ -122,6 +122,8 @@ class GenerationStream:
         self.finished = False
         self.done = False  # the pump has queued the last item; nothing more moves this stream
         self.last_progress = time.monotonic()
+        self.placement = None  # the policy's Placement of a route="auto" request (hybridgate/router/placement.py)
+        self.uncached_tokens = 0  # prompt tokens its worker is expected to compute (for the router's load record)
         self._hops: list[tuple[str, int, WorkerClient]] = []  # (how, first token index, worker) of each placement
         self._refused: list[WorkerClient] = []
         self._queue: asyncio.Queue = asyncio.Queue(maxsize=router.config.queue_size)
@@ -178,10 +180,19 @@ class GenerationStream:
 
     def _first_placement(self) -> None:
         """By the route: one worker, or a KV hand-off from a GPU worker's prefill to a CPU worker's decode."""
-        if self.plan != "gpu->cpu":
+        self.uncached_tokens = len(self.prompt_ids)
+        if self.plan == "auto":
+            self.placement = self.router.plan(self.prompt_ids, self.max_tokens)
+            self.uncached_tokens = self.placement.uncached_tokens
+            if self.placement.route != "gpu->cpu":
+                self._submit(self.placement.clients[0], "placed", ())
+                return
+            gpu, cpu = self.placement.clients
+        elif self.plan != "gpu->cpu":
             self._submit(self.router.place((), self._kind()), "placed", ())
             return
-        gpu, cpu = self.router.place((), "gpu"), self.router.place((), "cpu")
+        else:
+            gpu, cpu = self.router.place((), "gpu"), self.router.place((), "cpu")
         request = AddRequest(self.request_id, self.prompt_ids, self.params, self.seed, self.max_tokens, self._eos)
         self.client, self.last_progress = gpu, time.monotonic()
         self.router.register(self, gpu)

@@ -36,12 +36,14 @@ from hybridgate.wire import (
     Outputs,
     Overload,
     RequestError,
+    SamplingParams,
     SeqOutput,
 )
 from hybridgate.workers.faults import InjectedFault
 from hybridgate.workers.guard import WireErrors, check_add
 from hybridgate.workers.handoff import HandoffConfig, HandoffState, KVSpec
-from hybridgate.workers.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from hybridgate.workers.rates import StepRates
+from hybridgate.workers.scheduler import ScheduledBatch, Scheduler, SchedulerConfig, SchedulerStats
 from hybridgate.workers.sequence import FINISH_OF_STATUS, Sequence, SequenceStatus
 
 log = logging.getLogger(__name__)
@@ -81,6 +83,7 @@ class EngineCore:
         self.allocator = BlockAllocator(runner.num_blocks, runner.block_size, prefix_caching)
         self.scheduler = Scheduler(scheduler_config, self.allocator, fingerprint)
         self.stats = EngineStats(blocks_total=runner.num_blocks)
+        self.rates = StepRates()  # measured speeds for the load report (hybridgate/workers/rates.py)
         # Sequences whose prompt chunk ran in the last step without sampling a token yet: the loop
         # reports them as progress (an empty output), so a router can tell a long prefill from a stall.
         self.last_prefilled: list[Sequence] = []
@@ -172,7 +175,11 @@ class EngineCore:
         for seq, _ in batch.entries:
             if not seq.output_ids and seq.queue_ms == 0.0:
                 seq.queue_ms = (now - seq.arrival) * 1e3
+        started = time.perf_counter()
         sampled, failed = self._execute_isolating(batch.entries)
+        if not failed:  # a step that reran parts of itself is no measure of speed
+            prefill = any(not (n == 1 and seq.output_ids) for seq, n in batch.entries)
+            self.rates.record_step(batch.num_tokens, len(batch), prefill, time.perf_counter() - started)
         if failed:
             batch = ScheduledBatch([(s, n) for s, n in batch.entries if s not in failed])
             for seq, exc in failed.items():
@@ -252,7 +259,42 @@ class EngineCore:
             pool.bytes_in_use, pool.peak_bytes, pool.fallbacks)
         s.wire_decode_errors = self.wire_errors.total
         self.handoffs.fill_stats(s)
+        s.queued_prefill_tokens = sum(q.num_tokens - q.num_computed for q in sched.waiting) + sum(
+            q.num_tokens - q.num_computed for q in sched.running if q.num_tokens - q.num_computed > 1)
+        s.decoding = sum(1 for q in sched.running if q.num_tokens - q.num_computed == 1)
+        s.blocks_cached = self.allocator.stats().cached
+        s.max_num_seqs, s.max_num_batched_tokens = sched.config.max_num_seqs, sched.config.max_num_batched_tokens
+        s.prefill_tokens_per_s, s.decode_step_s = self.rates.prefill.medians, self.rates.decode.medians
         return s
+
+    def measure_rates(self, prefill_lens: tuple[int, ...] = (32, 256),
+                      decode_batches: tuple[int, ...] = (1, 8), decode_steps: int = 2) -> None:
+        """Seed the rate tables before READY: one prefill step per length, `decode_steps` decode steps per
+        batch size, on synthetic prompts that stay out of the prefix cache; counters are reset after.
+
+        Lengths and batches are capped by the scheduler's budget, the model length and the KV cache.
+        """
+        budget, limit = self.scheduler.config.max_num_batched_tokens, self.runner.max_model_len
+        ids = lambda n, k: [(7 * i + 13 * k) % (self.runner.vocab_size - 3) + 3 for i in range(n)]  # noqa: E731
+        greedy = SamplingParams(temperature=0)
+        jobs = [[(ids(min(n, budget, limit - 2), k), 1)] for k, n in enumerate(prefill_lens)]
+        jobs += [[(ids(8, 100 + b * 64 + j), decode_steps + 1) for j in range(min(b, self.scheduler.config.max_num_seqs))]
+                 for b in decode_batches]
+        for k, job in enumerate(jobs):
+            need = sum(self.allocator.blocks_needed([], len(p) + m) for p, m in job)
+            if need > self.allocator.num_blocks:
+                continue
+            for j, (prompt, max_tokens) in enumerate(job):
+                rid = f"rates-{k}-{j}"
+                self.add(AddRequest(rid, prompt, greedy, 0, max_tokens, -1), b"\x00rates")
+                self._by_id[(b"\x00rates", rid)].cacheable = False
+            while self.has_work():
+                self.step()
+        kernel_hits, kernel_misses = self.stats.kernel_cache_hits, self.stats.kernel_cache_misses
+        self.stats = EngineStats(blocks_total=self.runner.num_blocks, kernel_cache_hits=kernel_hits,
+                                 kernel_cache_misses=kernel_misses)
+        self.scheduler.stats = SchedulerStats()
+        self.take_failures()
 
 
 def _is_out_of_memory(exc: BaseException) -> bool:
@@ -338,8 +380,8 @@ class EngineLoop:
             self._apply_aborts(set())
             self.engine.handoffs.expire()
             self._flush_handoff_notices()
+            self.engine.refresh_stats()  # the heartbeat reports the queue this step starts on
             if not self.engine.has_work():
-                self.engine.refresh_stats()
                 continue
             try:
                 stepped = self.engine.step()

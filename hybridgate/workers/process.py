@@ -81,6 +81,10 @@ class EngineConfig:
               "or of available memory (CPU); default 0.9 on a GPU, 1GiB on a CPU", check=_check_memory)
     prefix_caching: bool = setting(True, "reuse the KV blocks of cached prompt prefixes")
     enforce_eager: bool = setting(False, "on CUDA, run decode steps eagerly instead of replaying captured CUDA graphs")
+    measure_rates: bool = setting(
+        True, "before READY, time prefill steps of 32 and 256 tokens and decode steps of 1 and 8 "
+              "sequences, so the router's cost model places the first requests on this worker's own figures "
+              "(1-3 s on 2 cores); off: the first placements use no figures until real steps have run")
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -130,6 +134,7 @@ class WorkerConfig:
     kv_cache_memory = property(lambda self: self.engine.kv_cache_memory)
     prefix_caching = property(lambda self: self.engine.prefix_caching)
     enforce_eager = property(lambda self: self.engine.enforce_eager)
+    measure_rates = property(lambda self: self.engine.measure_rates)
 
     @property
     def handoff_buffer_bytes(self) -> int:
@@ -539,6 +544,13 @@ def run_worker(config: WorkerConfig, build: Callable[[WorkerConfig], tuple] = bu
     runner.warm_up()
     engine = EngineCore(runner, config.scheduler, hello.fingerprint, config.engine.prefix_caching, wire_errors,
                         HandoffConfig(config.cache_imported_kv, config.handoff_reservation_timeout_s))
+    if config.measure_rates:
+        started = time.monotonic()
+        engine.measure_rates()
+        log.info("%s worker measured its rates in %.1f s: prefill tokens/s by step tokens %s, decode step s by "
+                 "batch %s", config.kind, time.monotonic() - started,
+                 {k: round(v) for k, v in engine.rates.prefill.medians.items()},
+                 {k: round(v, 4) for k, v in engine.rates.decode.medians.items()})
     exporter = None
     if config.kind == "gpu":
         from hybridgate.workers.gpu.export import KVExporter

@@ -41,8 +41,9 @@ def run_cli(server, *args, input=None) -> subprocess.CompletedProcess:
 def test_cli_streams_the_reference_answer(server):
     out = run_cli(server, "--chat", "--max-tokens", "32", "--temperature", "0", "--json", FRANCE)
     assert out.returncode == 0, out.stderr
-    messages = [json.loads(line) for line in out.stdout.splitlines()]
+    *messages, trailer = [json.loads(line) for line in out.stdout.splitlines()]
     assert [t for m in messages for t in m["token_ids"]] == GREEDY["france"]["ids"]
+    assert trailer["trailing_metadata"]["hybridgate-plan"] == "gpu"  # the placement, last
     assert messages[-1]["finish_reason"] == "FINISH_REASON_EOS"
     assert [("finish_reason" in m) for m in messages] == [False] * (len(messages) - 1) + [True]
     plain = run_cli(server, "--chat", "--max-tokens", "32", "--temperature", "0", "-", input=FRANCE)
@@ -55,7 +56,7 @@ def test_special_tokens_stay_out_of_the_text_unless_asked(server, tokenizer):
     for extra, kept in (((), False), (("--no-skip-special-tokens",), True)):
         out = run_cli(server, *extra, *args)
         assert out.returncode == 0, out.stderr
-        messages = [json.loads(line) for line in out.stdout.splitlines()]
+        *messages, _ = [json.loads(line) for line in out.stdout.splitlines()]  # the last: trailing metadata
         ids, text = [t for m in messages for t in m["token_ids"]], "".join(m.get("text", "") for m in messages)
         assert len(ids) == 16 and ids[:8] == GREEDY["france"]["ids"]
         assert tokenizer.eos_token_id == 2 and 2 in ids

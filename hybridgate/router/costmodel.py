@@ -1,0 +1,132 @@
+"""Predicted TTFT and TPOT of a request on a worker, from the worker's load report.
+
+A step's time is read off the worker's own measured tables (`EngineStats.
+prefill_tokens_per_s` by step tokens, `EngineStats.decode_step_s` by batch;
+hybridgate/workers/rates.py), interpolated between buckets. A request's TTFT on
+a worker is the time of the steps that prefill everything queued ahead of it
+(prompt tokens not yet computed there) plus its own uncached tokens, in chunks
+of the step budget left after the running decodes, each step also carrying
+those decodes (chunked prefill as in Sarathi-Serve, Agrawal et al., OSDI
+2024). Its TPOT is the decode step time at the batch the worker will have once
+its queue is admitted. A `gpu->cpu` plan has the GPU worker's TTFT and the CPU
+worker's TPOT plus the hand-off's copy time spread over the output.
+
+All times in seconds. A worker that has reported no figures yet is priced with
+`UNMEASURED_*` (a slow guess, so measured workers are preferred).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+UNMEASURED_PREFILL_TOKENS_PER_S = 100.0
+UNMEASURED_DECODE_STEP_S = 0.1
+HANDOFF_BYTES_PER_S = 2e9  # host-to-host copy of KV through the pinned slab; a conservative figure
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """One READY worker as a policy sees it: its last load report plus the router's own count.
+
+    `queued_prefill_tokens` and `decoding` are the larger of the worker's report
+    and this router's record of what it sent there since (a report is up to one
+    heartbeat old; a burst of placements must see its own earlier members).
+    """
+
+    index: int  # position among the router's clients
+    name: str
+    kind: str  # "gpu" or "cpu"
+    inflight: int = 0  # this router's requests on the worker
+    queued_prefill_tokens: int = 0
+    waiting: int = 0  # requests not yet admitted to the batch
+    decoding: int = 0
+    blocks_free: int = 1 << 30  # free blocks, cached ones included (they are evicted on demand)
+    blocks_total: int = 1 << 30
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    prefill_tokens_per_s: Mapping[int, float] = field(default_factory=dict)
+    decode_step_s: Mapping[int, float] = field(default_factory=dict)
+    takes_handoff: bool = False  # a CPU worker with a hand-off socket
+
+
+def _interpolate(table: Mapping[int, float], x: float, extrapolate_up: bool) -> float:
+    """Piecewise-linear in x over the table's keys; flat below the first key; above the last one
+    linear along the last two points (`extrapolate_up`) or flat."""
+    keys = sorted(table)
+    if len(keys) == 1 or x <= keys[0]:
+        return table[keys[0]]
+    if x >= keys[-1]:
+        if not extrapolate_up:
+            return table[keys[-1]]
+        a, b = keys[-2], keys[-1]
+        slope = max(0.0, (table[b] - table[a]) / (b - a))
+        return table[b] + slope * (x - b)
+    i = bisect.bisect_left(keys, x)
+    a, b = keys[i - 1], keys[i]
+    return table[a] + (table[b] - table[a]) * (x - a) / (b - a)
+
+
+def step_s(w: WorkerLoad, tokens: int, batch: int) -> float:
+    """Seconds of one step of `tokens` tokens over `batch` sequences (tokens == batch: decode only)."""
+    if tokens <= batch and w.decode_step_s:
+        return _interpolate(w.decode_step_s, batch, extrapolate_up=True)
+    if w.prefill_tokens_per_s:
+        return tokens / _interpolate(w.prefill_tokens_per_s, tokens, extrapolate_up=False)
+    if tokens <= batch:
+        return UNMEASURED_DECODE_STEP_S
+    return tokens / UNMEASURED_PREFILL_TOKENS_PER_S
+
+
+def prefill_s(w: WorkerLoad, tokens: int, decoding: int) -> float:
+    """Seconds to prefill `tokens` prompt tokens in budget-sized chunks beside `decoding` decodes."""
+    if tokens <= 0:
+        return 0.0
+    chunk = max(1, w.max_num_batched_tokens - decoding)
+    full, rest = divmod(tokens, chunk)
+    t = full * step_s(w, decoding + chunk, decoding + 1)
+    return t + (step_s(w, decoding + rest, decoding + 1) if rest else 0.0)
+
+
+def ttft_s(w: WorkerLoad, uncached_tokens: int) -> float:
+    """Predicted TTFT: the queue ahead of the request and its own uncached tokens (at least the one
+    token every prompt computes), prefilled beside the running decodes."""
+    return prefill_s(w, w.queued_prefill_tokens + max(1, uncached_tokens), w.decoding)
+
+
+def tpot_s(w: WorkerLoad) -> float:
+    """Predicted TPOT: a decode step at the batch the worker has once its queue is admitted."""
+    batch = min(w.max_num_seqs, w.decoding + w.waiting + 1)
+    return step_s(w, batch, batch)
+
+
+def unloaded_ttft_s(w: WorkerLoad, prompt_tokens: int) -> float:
+    """TTFT of the whole prompt on this worker with nothing else on it."""
+    return prefill_s(w, max(1, prompt_tokens), 0)
+
+
+def unloaded_tpot_s(w: WorkerLoad) -> float:
+    """Decode step of one sequence alone on this worker."""
+    return step_s(w, 1, 1)
+
+
+def handoff_s(kv_bytes_per_token: int, tokens: int) -> float:
+    """Copy time of a sequence's KV in a gpu->cpu hand-off."""
+    return kv_bytes_per_token * tokens / HANDOFF_BYTES_PER_S
+
+
+def blocks_needed(w: WorkerLoad, tokens: int) -> int:
+    return math.ceil(tokens / w.block_size)
+
+
+def fits(w: WorkerLoad, tokens: int) -> bool:
+    """Whether the worker's whole cache can hold `tokens` (else it refuses the request)."""
+    return blocks_needed(w, tokens) <= w.blocks_total
+
+
+def fits_now(w: WorkerLoad, tokens: int) -> bool:
+    """Whether its free blocks hold `tokens` now (else something is preempted to make room)."""
+    return blocks_needed(w, tokens) <= w.blocks_free

@@ -1,0 +1,198 @@
+"""Placement policies: one interface, five policies (`--policy`).
+
+A policy gets a `PlacementRequest` (prompt length, its uncached length on
+each worker, max_tokens, deadline) and the READY workers' `WorkerLoad`s, and
+returns a `Plan`: the route (`gpu`, `cpu` or `gpu->cpu`), the workers, and the
+predicted TTFT and TPOT (hybridgate/router/costmodel.py), whichever policy chose
+it, so every placement can be compared with what it observed.
+
+- `round_robin`: the next worker in turn.
+- `least_loaded`: the fewest requests in flight from this router (GPU first on
+  ties); what the router did before policies.
+- `power_of_two`: two workers drawn at random, the less loaded of the two
+  (Mitzenmacher, "The Power of Two Choices in Randomized Load Balancing", 2001).
+- `prefix_affinity`: the worker holding the longest cached prefix of the
+  prompt, by the router's own record of the block hashes it sent to each
+  worker, unless the load is imbalanced, then the least loaded (the rule of
+  SGLang's cache-aware router: imbalance when max − min > `balance_abs` and
+  max > `balance_rel` × min; a match below `cache_threshold` of the prompt
+  also goes to the least loaded).
+- `cost` (the default): predicts TTFT and TPOT of every plan on every
+  eligible worker and takes, among the plans that meet both SLOs and fit the
+  worker's free KV blocks, the one that finishes soonest (TTFT + TPOT × the
+  remaining tokens); when none does, a CPU worker that can hold the request
+  takes it (a spill) rather than a rejection, and without one the plan with
+  the lowest TTFT. Default SLOs scale with the request, as Splitwise (Patel
+  et al., ISCA 2024) and Sarathi-Serve define theirs: TTFT SLO = 3 × the
+  unloaded TTFT of the fastest worker for this prompt, TPOT SLO = 3 × the
+  fastest unloaded decode step. Until every worker has reported measured
+  figures, `cost` places as `least_loaded` does.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from hybridgate.router import costmodel as cm
+from hybridgate.router.costmodel import WorkerLoad
+
+SLO_FACTOR = 3.0
+
+
+@dataclass(frozen=True)
+class PlacementRequest:
+    """What a policy knows of a request. `uncached_tokens[i]`: prompt tokens not cached on workers[i]
+    (the router's estimate); `deadline_s`: seconds left, None for none; `kv_bytes_per_token`:
+    what a gpu->cpu hand-off copies per token."""
+
+    prompt_tokens: int
+    max_tokens: int
+    uncached_tokens: tuple[int, ...]
+    deadline_s: float | None = None
+    kv_bytes_per_token: int = 0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A placement: `route` is "gpu", "cpu" or "gpu->cpu"; `workers` are indexes into the loads
+    given to the policy (one, or the GPU then the CPU worker of a hand-off); seconds predicted."""
+
+    route: str
+    workers: tuple[int, ...]
+    ttft_s: float
+    tpot_s: float
+    spilled: bool = False
+    meets_slo: bool = True
+
+    def e2e_s(self, max_tokens: int) -> float:
+        return self.ttft_s + self.tpot_s * max(0, max_tokens - 1)
+
+
+class Policy(Protocol):
+    name: str
+
+    def place(self, request: PlacementRequest, workers: Sequence[WorkerLoad]) -> Plan:
+        """The plan for `request` over `workers` (non-empty, all READY)."""
+
+
+def predict(request: PlacementRequest, workers: Sequence[WorkerLoad], i: int) -> Plan:
+    """The one-worker plan on workers[i], with its predictions."""
+    w = workers[i]
+    return Plan(w.kind, (i,), cm.ttft_s(w, request.uncached_tokens[i]), cm.tpot_s(w))
+
+
+def all_plans(request: PlacementRequest, workers: Sequence[WorkerLoad]) -> list[Plan]:
+    """Every one-worker plan, and gpu->cpu from each GPU worker to its best hand-off target."""
+    plans = [predict(request, workers, i) for i in range(len(workers))]
+    cpus = [i for i, w in enumerate(workers) if w.kind == "cpu" and w.takes_handoff]
+    if cpus:
+        target = min(cpus, key=lambda i: cm.tpot_s(workers[i]))
+        cpu, steps = workers[target], max(1, request.max_tokens - 1)
+        copy = cm.handoff_s(request.kv_bytes_per_token, request.prompt_tokens)
+        drain = cm.prefill_s(cpu, cpu.queued_prefill_tokens, cpu.decoding)  # the CPU's queue runs first
+        plans += [Plan("gpu->cpu", (p.workers[0], target), p.ttft_s,
+                       cm.tpot_s(cpu) + (copy + max(0.0, drain - p.ttft_s)) / steps)
+                  for p in plans[: len(workers)] if workers[p.workers[0]].kind == "gpu" and request.max_tokens > 1]
+    return plans
+
+
+def _least_loaded(workers: Sequence[WorkerLoad], candidates: Sequence[int]) -> int:
+    return min(candidates, key=lambda i: (workers[i].inflight, workers[i].kind != "gpu", i))
+
+
+class RoundRobin:
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._turn = itertools.count()
+
+    def place(self, request: PlacementRequest, workers: Sequence[WorkerLoad]) -> Plan:
+        return predict(request, workers, next(self._turn) % len(workers))
+
+
+class LeastLoaded:
+    name = "least_loaded"
+
+    def place(self, request: PlacementRequest, workers: Sequence[WorkerLoad]) -> Plan:
+        return predict(request, workers, _least_loaded(workers, range(len(workers))))
+
+
+class PowerOfTwo:
+    name = "power_of_two"
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+
+    def place(self, request: PlacementRequest, workers: Sequence[WorkerLoad]) -> Plan:
+        sample = self._rng.sample(range(len(workers)), min(2, len(workers)))
+        return predict(request, workers, _least_loaded(workers, sample))
+
+
+class PrefixAffinity:
+    name = "prefix_affinity"
+
+    def __init__(self, cache_threshold: float = 0.5, balance_abs: int = 32, balance_rel: float = 1.5) -> None:
+        self.cache_threshold, self.balance_abs, self.balance_rel = cache_threshold, balance_abs, balance_rel
+
+    def place(self, request: PlacementRequest, workers: Sequence[WorkerLoad]) -> Plan:
+        loads = [w.inflight for w in workers]
+        hi, lo = max(loads), min(loads)
+        everyone = range(len(workers))
+        if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
+            return predict(request, workers, _least_loaded(workers, everyone))
+        cached = [request.prompt_tokens - request.uncached_tokens[i] for i in everyone]
+        best = max(everyone, key=lambda i: (cached[i], -workers[i].inflight))
+        if cached[best] < self.cache_threshold * request.prompt_tokens:
+            return predict(request, workers, _least_loaded(workers, everyone))
+        return predict(request, workers, best)
+
+
+class CostPolicy:
+    """`ttft_slo_s` / `tpot_slo_s`: fixed objectives in seconds; None: 3 × the unloaded figures."""
+
+    name = "cost"
+
+    def __init__(self, ttft_slo_s: float | None = None, tpot_slo_s: float | None = None) -> None:
+        self.ttft_slo_s, self.tpot_slo_s = ttft_slo_s, tpot_slo_s
+
+    def slos(self, request: PlacementRequest, workers: Sequence[WorkerLoad]) -> tuple[float, float]:
+        """(TTFT SLO, TPOT SLO) of this request, seconds."""
+        ttft = self.ttft_slo_s or SLO_FACTOR * min(cm.unloaded_ttft_s(w, request.prompt_tokens) for w in workers)
+        tpot = self.tpot_slo_s or SLO_FACTOR * min(cm.unloaded_tpot_s(w) for w in workers)
+        return ttft, tpot
+
+    def place(self, request: PlacementRequest, workers: Sequence[WorkerLoad]) -> Plan:
+        if not all(w.prefill_tokens_per_s and w.decode_step_s for w in workers):
+            # A worker without figures yet (started with rate measurement off, or an in-process
+            # engine): nothing to predict with, so the fewest in flight, as least_loaded.
+            return predict(request, workers, _least_loaded(workers, range(len(workers))))
+        total = request.prompt_tokens + request.max_tokens
+        plans = [p for p in all_plans(request, workers) if all(cm.fits(workers[i], total) for i in p.workers)]
+        if not plans:  # no worker's cache can hold it: let the first one refuse it with its own message
+            return predict(request, workers, 0)
+        ttft_slo, tpot_slo = self.slos(request, workers)
+        good = [p for p in plans if p.ttft_s <= ttft_slo and p.tpot_s <= tpot_slo
+                and cm.fits_now(workers[p.workers[-1]], total)]
+        if good:
+            return min(good, key=lambda p: (p.e2e_s(request.max_tokens), p.route != "cpu"))
+        # Nothing meets the SLOs: no rejection; the plan that finishes soonest, the CPU tier first on ties.
+        best = min(plans, key=lambda p: (p.e2e_s(request.max_tokens), p.route != "cpu"))
+        return replace(best, spilled=best.route == "cpu", meets_slo=False)
+
+
+POLICIES = ("cost", "least_loaded", "round_robin", "power_of_two", "prefix_affinity")
+
+
+def make_policy(name: str, ttft_slo_s: float | None = None, tpot_slo_s: float | None = None,
+                seed: int | None = None) -> Policy:
+    """The policy named `name` (one of POLICIES). Raises ValueError naming the choices."""
+    makers = {"cost": lambda: CostPolicy(ttft_slo_s, tpot_slo_s), "least_loaded": LeastLoaded,
+              "round_robin": RoundRobin, "power_of_two": lambda: PowerOfTwo(seed),
+              "prefix_affinity": PrefixAffinity}
+    if name not in makers:
+        raise ValueError(f"policy: must be one of {', '.join(POLICIES)}, got {name!r}")
+    return makers[name]()

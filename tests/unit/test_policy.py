@@ -1,0 +1,141 @@
+"""Placement policies and the cost model on synthetic load reports (values worked out by hand)."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+from hybridgate.router import costmodel as cm
+from hybridgate.router.costmodel import WorkerLoad
+from hybridgate.router.placement import Placer, _Pending
+from hybridgate.router.policy import CostPolicy, PlacementRequest, PowerOfTwo, PrefixAffinity, make_policy
+from hybridgate.wire import EngineStats
+
+# A fast prefiller (2,000 tokens/s, 30 ms decode steps) and a slow one (200 tokens/s, 15 ms steps).
+FAST_PREFILL = dict(prefill_tokens_per_s={32: 2000.0, 512: 2000.0}, decode_step_s={1: 0.03, 8: 0.05})
+SLOW_PREFILL = dict(prefill_tokens_per_s={32: 200.0, 512: 200.0}, decode_step_s={1: 0.015, 8: 0.04})
+
+
+def request(prompt: int, max_tokens: int = 16, uncached=None, n: int = 2) -> PlacementRequest:
+    return PlacementRequest(prompt, max_tokens, tuple(uncached) if uncached else (prompt,) * n)
+
+
+def test_ttft_is_the_queue_and_the_prompt_in_budget_chunks():
+    w = WorkerLoad(0, "w", "cpu", queued_prefill_tokens=3000, prefill_tokens_per_s={512: 1000.0},
+                   decode_step_s={1: 0.01})
+    # 4,000 tokens at 1,000 tokens/s whatever the chunking: 2,048 + 1,952 tokens.
+    assert cm.ttft_s(w, 1000) == pytest.approx(4.0)
+    # With 48 decodes running, chunks are 2,000 prompt tokens + 48 decodes, still 1,000 tokens/s a step:
+    # two steps of 2,048 tokens = 4.096 s.
+    busy = WorkerLoad(0, "w", "cpu", queued_prefill_tokens=3000, decoding=48,
+                      prefill_tokens_per_s={512: 1000.0}, decode_step_s={1: 0.01})
+    assert cm.ttft_s(busy, 1000) == pytest.approx(4.096)
+
+
+def test_decode_step_interpolates_between_measured_batches_and_extrapolates_above():
+    w = WorkerLoad(0, "w", "cpu", decode_step_s={1: 0.010, 8: 0.024})
+    assert cm.step_s(w, 4, 4) == pytest.approx(0.016)  # 0.010 + 3/7 * 0.014
+    assert cm.step_s(w, 15, 15) == pytest.approx(0.038)  # slope 0.002 s per sequence past 8
+
+
+def test_cost_sends_a_long_prompt_to_the_worker_that_prefills_fastest():
+    policy = CostPolicy()
+    gpu_fast = [WorkerLoad(0, "gpu-0", "gpu", **FAST_PREFILL), WorkerLoad(1, "cpu-0", "cpu", **SLOW_PREFILL)]
+    plan = policy.place(request(4000, max_tokens=8), gpu_fast)
+    assert (plan.route, plan.workers) == ("gpu", (0,))
+    assert plan.ttft_s == pytest.approx(2.0)  # 4,000 tokens at 2,000 tokens/s
+    # The measured figures decide, not the kind: here the CPU worker prefills faster.
+    cpu_fast = [WorkerLoad(0, "gpu-0", "gpu", **SLOW_PREFILL), WorkerLoad(1, "cpu-0", "cpu", **FAST_PREFILL)]
+    assert policy.place(request(4000, max_tokens=8), cpu_fast).workers == (1,)
+
+
+def test_cost_sends_a_short_chat_to_an_idle_cpu_worker_while_the_gpu_worker_is_busy():
+    workers = [WorkerLoad(0, "gpu-0", "gpu", queued_prefill_tokens=6000, decoding=8, waiting=3, **FAST_PREFILL),
+               WorkerLoad(1, "cpu-0", "cpu", **SLOW_PREFILL)]
+    plan = CostPolicy(ttft_slo_s=0.5).place(request(20, max_tokens=32), workers)
+    assert (plan.route, plan.workers, plan.spilled) == ("cpu", (1,), False)
+    assert plan.ttft_s == pytest.approx(0.1)  # 20 tokens at 200 tokens/s
+    # Both idle: both meet the SLOs, and the chat goes to the worker that finishes it first: 0.01 s +
+    # 31 x 0.03 s on the fast prefiller against 0.1 s + 31 x 0.015 s here, so the CPU worker still.
+    idle = [WorkerLoad(0, "gpu-0", "gpu", **FAST_PREFILL), WorkerLoad(1, "cpu-0", "cpu", **SLOW_PREFILL)]
+    assert CostPolicy(ttft_slo_s=0.5).place(request(20, max_tokens=32), idle).route == "cpu"
+    # Under the default TTFT SLO (3 x 0.01 s, the fast prefiller's unloaded TTFT) only the GPU worker meets it.
+    assert CostPolicy().place(request(20, max_tokens=32), idle).route == "gpu"
+
+
+def test_cost_spills_to_the_cpu_tier_when_no_plan_meets_the_slo():
+    # The GPU worker's queue is 40 s deep; the CPU worker's 2,000 queued tokens take 10 s: both miss a
+    # 1 s TTFT SLO, and the request runs on the CPU tier instead of being rejected.
+    workers = [WorkerLoad(0, "gpu-0", "gpu", queued_prefill_tokens=80_000, **FAST_PREFILL),
+               WorkerLoad(1, "cpu-0", "cpu", queued_prefill_tokens=2000, **SLOW_PREFILL)]
+    plan = CostPolicy(ttft_slo_s=1.0).place(request(20, max_tokens=16), workers)
+    assert (plan.route, plan.spilled, plan.meets_slo) == ("cpu", True, False)
+    assert plan.ttft_s == pytest.approx(2020 / 200)
+
+
+def test_default_slos_are_three_times_the_fastest_unloaded_figures():
+    workers = [WorkerLoad(0, "gpu-0", "gpu", **FAST_PREFILL), WorkerLoad(1, "cpu-0", "cpu", **SLOW_PREFILL)]
+    ttft, tpot = CostPolicy().slos(request(1000), workers)
+    assert ttft == pytest.approx(3 * 1000 / 2000) and tpot == pytest.approx(3 * 0.015)
+
+
+def test_power_of_two_never_picks_the_more_loaded_of_its_two_samples():
+    workers = [WorkerLoad(i, f"w{i}", "cpu", inflight=load) for i, load in enumerate((0, 5, 10, 15))]
+    policy = PowerOfTwo(seed=7)
+    picks = collections.Counter(policy.place(request(10, n=4), workers).workers[0] for _ in range(600))
+    # The most loaded worker is the more loaded of every pair it is in; worker i is picked when the
+    # other sample is more loaded: 3, 2, 1 and 0 pairs of the 6.
+    assert picks[3] == 0
+    assert picks[0] / 600 == pytest.approx(3 / 6, abs=0.07)
+    assert picks[1] / 600 == pytest.approx(2 / 6, abs=0.07)
+    assert picks[2] / 600 == pytest.approx(1 / 6, abs=0.07)
+
+
+def test_prefix_affinity_follows_the_longest_prefix_unless_the_load_is_imbalanced():
+    policy = PrefixAffinity(cache_threshold=0.5, balance_abs=32, balance_rel=1.5)
+    balanced = [WorkerLoad(0, "w0", "cpu", inflight=3), WorkerLoad(1, "w1", "cpu", inflight=5)]
+    assert policy.place(request(1000, uncached=(1000, 200)), balanced).workers == (1,)
+    # 40 more in flight on w1: past both thresholds (40 > 32 and 45 > 1.5 x 5): the least loaded.
+    imbalanced = [WorkerLoad(0, "w0", "cpu", inflight=5), WorkerLoad(1, "w1", "cpu", inflight=45)]
+    assert policy.place(request(1000, uncached=(1000, 200)), imbalanced).workers == (0,)
+    # A match below half the prompt is no reason to go there.
+    assert policy.place(request(1000, uncached=(1000, 600)), balanced).workers == (0,)
+
+
+class FakeClient:
+    def __init__(self, name: str, kind: str, **stats):
+        self.name, self.endpoint, self.kind, self.hello = name, name, kind, None
+        self.stats = EngineStats(blocks_total=1000, max_num_seqs=64, max_num_batched_tokens=2048, **stats)
+
+
+def test_placer_counts_its_own_unanswered_requests_and_remembers_the_prefixes_it_sent():
+    gpu = FakeClient("gpu-0", "gpu", prefill_tokens_per_s={512: 1000.0}, decode_step_s={1: 0.02})
+    cpu = FakeClient("cpu-0", "cpu", prefill_tokens_per_s={512: 500.0}, decode_step_s={1: 0.02})
+    placer = Placer(make_policy("cost", ttft_slo_s=100.0), "fp", kv_bytes_per_token=0)
+    prompt = list(range(3, 1003))  # 1,000 tokens: 62 full blocks usable for the prefix record
+    first = placer.place([gpu, cpu], {}, {}, prompt, 4)
+    assert first.clients == (gpu,) and first.uncached_tokens == 1000
+    # The same prompt again: this router sent those blocks to gpu-0, so only 1000 - 62 * 16 = 8 tokens are
+    # uncached there. With 1,000 of its own tokens still queued on gpu-0 (no report yet), TTFT there is
+    # 1,008 / 1,000 s against 1,000 / 500 s on cpu-0.
+    second = placer.place([gpu, cpu], {}, {id(gpu): [_Pending(1000)]}, prompt, 4)
+    assert second.clients == (gpu,) and second.uncached_tokens == 8
+    assert second.plan.ttft_s == pytest.approx(1.008)
+    # Three such prompts queued there (3,000 tokens: 3 s) and a fresh prompt goes to cpu-0 (2 s).
+    other = list(range(5000, 6000))
+    third = placer.place([gpu, cpu], {}, {id(gpu): [_Pending(1000)] * 2}, other, 4)
+    assert third.clients == (cpu,) and third.plan.ttft_s == pytest.approx(2.0)
+
+
+def test_cost_prefills_on_the_fast_prefiller_and_decodes_a_long_generation_on_the_cpu_worker():
+    # gpu-0 prefills 10x faster but decodes at 60 ms a step; cpu-0 decodes at 15 ms. For 2,000 prompt tokens and
+    # 256 new tokens: gpu 1 + 255 x 0.06 = 16.3 s, cpu 10 + 255 x 0.015 = 13.8 s, gpu->cpu 1 + 255 x 0.015 +
+    # the copy of 2,000 tokens x 92,160 bytes at 2 GB/s (0.09 s) = 4.9 s.
+    workers = [WorkerLoad(0, "gpu-0", "gpu", prefill_tokens_per_s={512: 2000.0}, decode_step_s={1: 0.06}),
+               WorkerLoad(1, "cpu-0", "cpu", prefill_tokens_per_s={512: 200.0}, decode_step_s={1: 0.015},
+                          takes_handoff=True)]
+    req = PlacementRequest(2000, 256, (2000, 2000), kv_bytes_per_token=92_160)
+    plan = CostPolicy(ttft_slo_s=20.0, tpot_slo_s=1.0).place(req, workers)
+    assert (plan.route, plan.workers) == ("gpu->cpu", (0, 1))
+    assert plan.e2e_s(256) == pytest.approx(1 + 255 * 0.015 + 2000 * 92_160 / 2e9)
