@@ -133,6 +133,7 @@ class Hello(msgspec.Struct, frozen=True):
     boot_id: str = ""  # new on every worker start: a new boot id is a new worker, its old sequences gone
     name: str = ""  # stable label (`kind-index` under serve, or --worker-name); metrics use it
     handoff_endpoint: str = ""  # CPU workers: where GPU workers send KV hand-offs ("" = none)
+    cpu_isa: str = ""  # CPU workers: the instruction set of their kernels (avx512, avx2, generic)
 
 
 class Ready(msgspec.Struct, frozen=True):

@@ -119,7 +119,7 @@ class GenerationService(pb_grpc.GenerationServicer):
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         workers = [
             pb.WorkerInfo(endpoint=c.endpoint, kind=c.kind or "", ready=c.state == WorkerState.READY,
-                          running=c.stats.running)
+                          running=c.stats.running, cpu_isa=c.hello.cpu_isa if c.hello is not None else "")
             for c in self.router.clients
         ]
         return pb.ModelInfo(model_id=self.model_id, fingerprint=self.router.fingerprint,

@@ -81,6 +81,9 @@ class EngineConfig:
               "or of available memory (CPU); default 0.9 on a GPU, 1GiB on a CPU", check=_check_memory)
     prefix_caching: bool = setting(True, "reuse the KV blocks of cached prompt prefixes")
     enforce_eager: bool = setting(False, "on CUDA, run decode steps eagerly instead of replaying captured CUDA graphs")
+    cpu_isa: str | None = setting(
+        None, "CPU worker: the instruction set its kernels are compiled for (default: the best this CPU runs)",
+        choices=("avx512", "avx2", "generic"))
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -165,6 +168,9 @@ def build_runner(config: WorkerConfig):
         device = torch.device(config.device) if config.device else None
         return TorchRunner(model, device, kv_cache_memory=config.kv_cache_memory, enforce_eager=config.enforce_eager,
                            max_num_seqs=config.max_num_seqs), model
+    from hybridgate.workers.cpu import isa
+
+    isa.select(config.engine.cpu_isa)  # before the kernels (and Numba) are imported
     from hybridgate.workers.cpu.runner import NumbaRunner
 
     return NumbaRunner(model, kv_cache_memory=config.kv_cache_memory, threads=config.threads), model
@@ -527,7 +533,7 @@ def run_worker(config: WorkerConfig, build: Callable[[WorkerConfig], tuple] = bu
     hello = Hello(kind=config.kind, fingerprint=fingerprint, max_num_seqs=config.max_num_seqs,
                   max_model_len=runner.max_model_len, pid=os.getpid(), ready=False,
                   boot_id=uuid.uuid4().hex, name=config.name,  # a new boot id on every start
-                  handoff_endpoint=config.resolved_handoff_endpoint)
+                  handoff_endpoint=config.resolved_handoff_endpoint, cpu_isa=getattr(runner, "cpu_isa", ""))
     try:
         io = WorkerIO(ctx, config.endpoint, hello, inbox, config.heartbeat_s, wire_errors)
     except zmq.ZMQError as exc:
