@@ -17,7 +17,7 @@ class GatewayMetrics:
     """Per-request histograms and counters, plus engine counters read from worker clients."""
 
     def __init__(self, clients: Callable[[], Iterable] | None = None, wire_errors: Callable[[], int] | None = None,
-                 handoff: Callable[[], object] | None = None):
+                 handoff: Callable[[], object] | None = None, redis_up: Callable[[], bool | None] | None = None):
         self.registry = CollectorRegistry()
         self.ttft = Histogram("hybridgate:time_to_first_token_seconds", "Time to first token (TTFT), seconds.",
                               buckets=_LATENCY_BUCKETS, registry=self.registry)
@@ -35,6 +35,22 @@ class GatewayMetrics:
             self.registry.register(_EngineCollector(clients, wire_errors))
         if handoff is not None:
             self.registry.register(_HandoffRouterCollector(handoff))
+        if redis_up is not None:
+            self.registry.register(_RedisCollector(redis_up))
+
+
+class _RedisCollector:
+    """`redis_up`: 1 while this gateway's last Redis call succeeded, 0 after one failed (absent without Redis)."""
+
+    def __init__(self, up: Callable[[], bool | None]):
+        self._up = up
+
+    def collect(self):
+        up = self._up()
+        if up is None:  # no Redis configured, or not tried yet
+            return
+        yield GaugeMetricFamily("hybridgate:redis_up", "Whether the last Redis call succeeded (1) or not (0).",
+                                value=float(up))
 
 
 class _EngineCollector:
