@@ -17,7 +17,7 @@ class GatewayMetrics:
     """Per-request histograms and counters, plus engine counters read from worker clients."""
 
     def __init__(self, clients: Callable[[], Iterable] | None = None, wire_errors: Callable[[], int] | None = None,
-                 handoff: Callable[[], object] | None = None):
+                 handoff: Callable[[], object] | None = None, redis_up: Callable[[], bool | None] | None = None):
         self.registry = CollectorRegistry()
         self.ttft = Histogram("hybridgate:time_to_first_token_seconds", "Time to first token (TTFT), seconds.",
                               buckets=_LATENCY_BUCKETS, registry=self.registry)
@@ -27,10 +27,30 @@ class GatewayMetrics:
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.success = Counter("hybridgate:request_success", "Finished requests by finish reason.",
                                ["finished_reason"], registry=self.registry)
+        # reason: max_inflight_requests (this gateway's limit), worker_queue_full (every worker's waiting
+        # queue at --max-num-waiting), worker_memory (no worker had the memory or KV blocks)
+        self.rejected = Counter("hybridgate:requests_rejected", "Requests refused with RESOURCE_EXHAUSTED, by reason.",
+                                ["reason"], registry=self.registry)
         if clients is not None:
             self.registry.register(_EngineCollector(clients, wire_errors))
         if handoff is not None:
             self.registry.register(_HandoffRouterCollector(handoff))
+        if redis_up is not None:
+            self.registry.register(_RedisCollector(redis_up))
+
+
+class _RedisCollector:
+    """`redis_up`: 1 while this gateway's last Redis call succeeded, 0 after one failed (absent without Redis)."""
+
+    def __init__(self, up: Callable[[], bool | None]):
+        self._up = up
+
+    def collect(self):
+        up = self._up()
+        if up is None:  # no Redis configured, or not tried yet
+            return
+        yield GaugeMetricFamily("hybridgate:redis_up", "Whether the last Redis call succeeded (1) or not (0).",
+                                value=float(up))
 
 
 class _EngineCollector:
@@ -46,6 +66,10 @@ class _EngineCollector:
                                     "Tokens sampled after their request's abort arrived.", labels=["worker"])
         kv = GaugeMetricFamily("hybridgate:kv_cache_bytes", "KV-cache bytes held by live sequences.", labels=["worker"])
         running = GaugeMetricFamily("hybridgate:num_requests_running", "Sequences running.", labels=["worker"])
+        waiting = GaugeMetricFamily("hybridgate:num_requests_waiting", "Requests queued on the worker, not yet "
+                                    "running.", labels=["worker"])
+        prefill = CounterMetricFamily("hybridgate:engine_prefill_tokens", "Prompt tokens run (prefix-cache hits "
+                                      "excluded, recomputation included).", labels=["worker"])
         by_size = CounterMetricFamily("hybridgate:engine_steps_by_batch_size", "Engine steps by sequences per step.",
                                       labels=["worker", "batch_size"])
         batch = HistogramMetricFamily("hybridgate:engine_batch_size", "Sequences per engine step.", labels=["worker"])
@@ -67,6 +91,8 @@ class _EngineCollector:
             after.add_metric([name], s.tokens_after_abort)
             kv.add_metric([name], s.kv_cache_bytes)
             running.add_metric([name], s.running)
+            waiting.add_metric([name], s.waiting)
+            prefill.add_metric([name], s.prefill_tokens)
             hits.add_metric([name], s.kernel_cache_hits)
             misses.add_metric([name], s.kernel_cache_misses)
             wire_errors.add_metric([name, "worker"], s.wire_decode_errors)
@@ -77,7 +103,7 @@ class _EngineCollector:
             batch.add_metric([name], buckets, sum(n * c for n, c in s.batch_size_counts.items()))
         if self._wire_errors is not None:  # the router's own refusals of worker messages, in the same family
             wire_errors.add_metric(["", "router"], self._wire_errors())
-        yield from (steps, after, kv, running, by_size, batch, hits, misses, wire_errors)
+        yield from (steps, after, kv, running, waiting, prefill, by_size, batch, hits, misses, wire_errors)
         yield from handoff.families()
 
 
