@@ -36,7 +36,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     settings = _settings(args)
     if not settings.worker.endpoint:  # HYBRIDGATE_ENDPOINT= or --endpoint '' reads as unset
         raise ValueError("--endpoint: give where to bind, ipc://PATH or tcp://127.0.0.1:PORT")
-    run_worker(replace(settings.worker, model_path=settings.model_path))
+    run_worker(replace(settings.worker, model_path=settings.model_path), redis=settings.redis)
     return 0
 
 

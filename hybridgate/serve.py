@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from hybridgate.config import check_settings, setting
 from hybridgate.gateway.server import Gateway
+from hybridgate.redisconf import redacted
 from hybridgate.router import Router, ZmqWorkerClient
 from hybridgate.router.client import missing_ipc_socket
 from hybridgate.scaleout import ExtraGateways, gateway_group
@@ -96,7 +97,12 @@ async def run_gateway(config: Settings, endpoints: list[str], supervisor: Superv
     with it; such a gateway runs this with `reuse_port` and its `index` (it prints no READY line)."""
     names = [slot.name for slot in supervisor.slots] if supervisor is not None else [""] * len(endpoints)
     clients = [ZmqWorkerClient(ep, dead_after_s=config.router.dead_after_s, name=name) for ep, name in zip(endpoints, names)]
-    router = Router(config.model_path, clients, config.router)
+    registry = None
+    if config.redis.url:
+        from hybridgate.router.registry import RedisRegistry
+
+        registry = RedisRegistry(config.redis, dead_after_s=config.router.dead_after_s)
+    router = Router(config.model_path, clients, config.router, registry=registry)
     gateway = Gateway(router, config.gateway, reuse_port=reuse_port)
     router.on_ready_change = gateway.on_ready_change
     await gateway.start()
@@ -142,13 +148,15 @@ async def run_gateway(config: Settings, endpoints: list[str], supervisor: Superv
         settled = asyncio.create_task(router.wait_settled(config.router.startup_timeout_s))
         await asyncio.wait({settled, waiter}, return_when=asyncio.FIRST_COMPLETED)
         settled.cancel()
-        ready = [c.kind for c in clients if c.state == WorkerState.READY]
-        for c in clients:
+        ready = [c.kind for c in router.clients if c.state == WorkerState.READY]
+        for c in router.clients:
             if c.state != WorkerState.READY:
                 print(f"hybridgate: warning: worker {c.name} ({c.endpoint}) is {c.state.name} (see its log above)",
                       file=sys.stderr, flush=True)
         gateways = f", {len(extra.procs) + 1} gateways" if extra is not None else ""
-        say(f"READY ({', '.join(ready)} worker{'s' if len(ready) > 1 else ''}{gateways}) — model {config.model_path}")
+        workers = f"{', '.join(ready)} worker{'s' if len(ready) > 1 else ''}" if ready else "no worker yet"
+        found = f", workers from Redis at {redacted(config.redis.url)}" if registry is not None else ""
+        say(f"READY ({workers}{gateways}{found}) — model {config.model_path}")
         await stop.wait()
     say(f"shutting down (health NOT_SERVING, in-flight streams get {config.gateway.grace_s:g} s)")
     if supervisor is not None:
@@ -220,8 +228,9 @@ def serve(config: Settings) -> int:
 
 
 def gateway_only(config: Settings) -> int:
-    if not config.layout.worker_endpoints:
-        raise ValueError("--worker: give at least one worker endpoint (ipc://... or tcp://...)")
+    if not config.layout.worker_endpoints and not config.redis.url:
+        raise ValueError("--worker: give at least one worker endpoint (ipc://... or tcp://...), "
+                         "or --redis-url to find workers in the registry")
     endpoints = list(config.layout.worker_endpoints)
     with gateway_group(config, endpoints) as (config, extra):
         return _run(run_gateway(config, endpoints, extra=extra, reuse_port=extra is not None))

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from hybridgate.config import check_settings, setting
 from hybridgate.gateway.server import GatewayConfig
+from hybridgate.redisconf import RedisConfig
 from hybridgate.router.router import RouterConfig
 from hybridgate.serve import LayoutConfig
 from hybridgate.supervise import SupervisorConfig
@@ -33,6 +34,7 @@ class Settings:
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     layout: LayoutConfig = field(default_factory=LayoutConfig)
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
+    redis: RedisConfig = field(default_factory=RedisConfig)
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -58,15 +60,17 @@ class Selection:
 COMMANDS: dict[str, Selection] = {
     "serve": Selection(("model", "gateway", "router", "worker", "layout", "supervisor"),
                        exclude=("worker.kind", "worker.endpoint", "worker.name", "layout.worker_endpoints",
-                                "router.wait_for_workers")),
-    "gateway": Selection(("model", "gateway", "router", "layout.worker_endpoints", "layout.gateways")),
-    "worker": Selection(("model", "worker"), required=("worker.endpoint",)),
+                                "router.wait_for_workers", "worker.advertise", "redis")),
+    "gateway": Selection(("model", "gateway", "router", "layout.worker_endpoints", "layout.gateways", "redis")),
+    "worker": Selection(("model", "worker", "redis"), required=("worker.endpoint",)),
     "config": Selection(("",)),
     "info": Selection(("model",)),
     "bench engine": Selection(("model", "worker.kind", "worker.engine.threads", "worker.engine.device",
+                               "worker.engine.cpu_isa",
                                "worker.engine.kv_cache_memory")),
     "bench handoff": Selection(("model", "worker.engine.threads", "worker.engine.device",
                                 "worker.engine.kv_cache_memory", "worker.handoff_buffer_memory")),
     "bench gateway": Selection(("model",)),
-    "bench accuracy": Selection(("model", "worker.kind", "worker.engine.threads", "worker.engine.device")),
+    "bench accuracy": Selection(("model", "worker.kind", "worker.engine.threads", "worker.engine.device",
+                                 "worker.engine.cpu_isa")),
 }

@@ -133,6 +133,7 @@ class Hello(msgspec.Struct, frozen=True):
     boot_id: str = ""  # new on every worker start: a new boot id is a new worker, its old sequences gone
     name: str = ""  # stable label (`kind-index` under serve, or --worker-name); metrics use it
     handoff_endpoint: str = ""  # CPU workers: where GPU workers send KV hand-offs ("" = none)
+    cpu_isa: str = ""  # CPU workers: the instruction set of their kernels (avx512, avx2, generic)
 
 
 class Ready(msgspec.Struct, frozen=True):
@@ -247,13 +248,14 @@ class Load(msgspec.Struct, frozen=True):
 ERROR_INTERNAL = "internal"  # the worker failed it (gRPC INTERNAL)
 ERROR_RESOURCE_EXHAUSTED = "resource_exhausted"  # device or host memory ran out for it (RESOURCE_EXHAUSTED)
 ERROR_NO_KV_BLOCKS = "no_kv_blocks"  # it needs more KV blocks than this worker's cache holds: place it elsewhere
+ERROR_QUEUE_FULL = "queue_full"  # the worker's waiting queue is at --max-num-waiting: place it elsewhere
 ERROR_INVALID_REQUEST = "invalid_request"  # the ADD failed the worker's checks (a router bug: INTERNAL)
 
 
 class RequestError(msgspec.Struct, frozen=True):
     request_id: str
     message: str
-    # ERROR_INTERNAL, or ERROR_NO_KV_BLOCKS / ERROR_RESOURCE_EXHAUSTED: a refusal another worker may not
+    # ERROR_INTERNAL, or ERROR_NO_KV_BLOCKS / ERROR_RESOURCE_EXHAUSTED / ERROR_QUEUE_FULL: a refusal another worker may not
     # give, so the router places the request elsewhere before it fails. Unknown codes read as internal.
     code: str = ERROR_INTERNAL
 

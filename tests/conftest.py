@@ -97,3 +97,64 @@ def gpu_model_path(tmp_path_factory):
         from tiny_gguf import write_default_shaped
 
         return str(write_default_shaped(tmp_path_factory.mktemp("gguf") / "random.gguf"))
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """A real `redis-server` on a free loopback port, no persistence; `stop()`/`start()` for outage tests."""
+
+    def __init__(self, folder: Path):
+        import shutil
+
+        self.binary = shutil.which("redis-server")
+        if self.binary is None:
+            missing("redis-server (Debian: apt-get install redis-server)")
+        self.folder, self.port = folder, free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc = None
+        self.start()
+
+    def start(self) -> None:
+        import subprocess
+        import time
+
+        self.proc = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(self.folder)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 10 * TIME_FACTOR
+        import redis
+
+        while True:
+            try:
+                redis.Redis(port=self.port, socket_timeout=1).ping()
+                return
+            except redis.exceptions.ConnectionError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server did not start on port {self.port}") from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+        self.proc = None
+
+    def client(self):
+        import redis
+
+        return redis.Redis(port=self.port, socket_timeout=2)
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A fresh Redis for one test (its URL: `redis_server.url`)."""
+    server = RedisServer(tmp_path)
+    yield server
+    server.stop()

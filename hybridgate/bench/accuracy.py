@@ -75,13 +75,17 @@ def run(args: argparse.Namespace) -> dict:
     reference = teacher_forced_logits(TorchRunner(model, torch.device("cpu"), torch.float32, kv_cache_memory=memory),
                                       cases)
     if settings.worker.kind == "cpu":
+        from hybridgate.workers.cpu import isa
+
+        isa.select(settings.worker.engine.cpu_isa)
         from hybridgate.workers.cpu.runner import NumbaRunner
 
         runner = NumbaRunner(model, kv_cache_memory=memory, threads=settings.worker.engine.threads)
     else:
         device = torch.device(settings.worker.engine.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         runner = TorchRunner(model, device, kv_cache_memory=memory)
-    out = {"kind": settings.worker.kind, **compare(reference, teacher_forced_logits(runner, cases))}
+    out = {"kind": settings.worker.kind, **({"cpu_isa": runner.cpu_isa} if hasattr(runner, "cpu_isa") else {}),
+           **compare(reference, teacher_forced_logits(runner, cases))}
     print(json.dumps(out, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")

@@ -148,12 +148,17 @@ def run(args: argparse.Namespace) -> dict:
     model = load_gguf(path)
     tokenizer = Tokenizer.from_model(model)
     if cpu:
+        from hybridgate.workers.cpu import isa
+
+        isa.select(engine.cpu_isa)
         from hybridgate.workers.cpu.runner import NumbaRunner
 
         ours = EngineBench(model, NumbaRunner(model, engine.kv_cache_memory or "1GiB", threads=engine.threads))
         import numba
 
-        out: dict = {"kind": "cpu", "threads": numba.get_num_threads(), "baseline": baseline}
+        out: dict = {"kind": "cpu", "cpu_isa": ours.runner.cpu_isa, "threads": numba.get_num_threads(),
+                     "baseline": baseline}
+        print(f"CPU kernels: {ours.runner.cpu_isa} path", flush=True)
         base_name = "llama_cpp"
     else:
         device = torch.device(engine.device or ("cuda" if torch.cuda.is_available() else "cpu"))

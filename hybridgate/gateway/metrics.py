@@ -18,7 +18,7 @@ class GatewayMetrics:
     """Per-request histograms and counters, plus engine counters read from worker clients."""
 
     def __init__(self, clients: Callable[[], Iterable] | None = None, wire_errors: Callable[[], int] | None = None,
-                 handoff: Callable[[], object] | None = None):
+                 handoff: Callable[[], object] | None = None, redis_up: Callable[[], bool | None] | None = None):
         self.registry = CollectorRegistry()
         self.ttft = Histogram("hybridgate:time_to_first_token_seconds", "Time to first token (TTFT), seconds.",
                               buckets=_LATENCY_BUCKETS, registry=self.registry)
@@ -35,10 +35,16 @@ class GatewayMetrics:
                                     buckets=_ERROR_BUCKETS, registry=self.registry)
         self.spills = Counter("hybridgate:spills", "Requests no plan could serve within the SLOs, placed on "
                               "the CPU tier instead of being rejected.", registry=self.registry)
+        # reason: max_inflight_requests (this gateway's limit), worker_queue_full (every worker's waiting
+        # queue at --max-num-waiting), worker_memory (no worker had the memory or KV blocks)
+        self.rejected = Counter("hybridgate:requests_rejected", "Requests refused with RESOURCE_EXHAUSTED, by reason.",
+                                ["reason"], registry=self.registry)
         if clients is not None:
             self.registry.register(_EngineCollector(clients, wire_errors))
         if handoff is not None:
             self.registry.register(_HandoffRouterCollector(handoff))
+        if redis_up is not None:
+            self.registry.register(_RedisCollector(redis_up))
 
     def observe_placement(self, placement, observed_ttft_s: float) -> None:
         """One finished request's placement (a `hybridgate.router.placement.Placement`)."""
@@ -46,6 +52,20 @@ class GatewayMetrics:
         self.ttft_error.observe(observed_ttft_s - placement.plan.ttft_s)
         if placement.plan.spilled:
             self.spills.inc()
+
+
+class _RedisCollector:
+    """`redis_up`: 1 while this gateway's last Redis call succeeded, 0 after one failed (absent without Redis)."""
+
+    def __init__(self, up: Callable[[], bool | None]):
+        self._up = up
+
+    def collect(self):
+        up = self._up()
+        if up is None:  # no Redis configured, or not tried yet
+            return
+        yield GaugeMetricFamily("hybridgate:redis_up", "Whether the last Redis call succeeded (1) or not (0).",
+                                value=float(up))
 
 
 class _EngineCollector:
@@ -61,8 +81,10 @@ class _EngineCollector:
                                     "Tokens sampled after their request's abort arrived.", labels=["worker"])
         kv = GaugeMetricFamily("hybridgate:kv_cache_bytes", "KV-cache bytes held by live sequences.", labels=["worker"])
         running = GaugeMetricFamily("hybridgate:num_requests_running", "Sequences running.", labels=["worker"])
-        waiting = GaugeMetricFamily("hybridgate:num_requests_waiting", "Sequences waiting to be admitted.",
-                                    labels=["worker"])
+        waiting = GaugeMetricFamily("hybridgate:num_requests_waiting", "Requests queued on the worker, not yet "
+                                    "running.", labels=["worker"])
+        prefill = CounterMetricFamily("hybridgate:engine_prefill_tokens", "Prompt tokens run (prefix-cache hits "
+                                      "excluded, recomputation included).", labels=["worker"])
         queued = GaugeMetricFamily("hybridgate:queued_prefill_tokens", "Prompt tokens not yet computed (waiting "
                                    "sequences and prefills in progress), as the worker last reported.",
                                    labels=["worker"])
@@ -89,6 +111,7 @@ class _EngineCollector:
             running.add_metric([name], s.running)
             waiting.add_metric([name], s.waiting)
             queued.add_metric([name], s.queued_prefill_tokens)
+            prefill.add_metric([name], s.prefill_tokens)
             hits.add_metric([name], s.kernel_cache_hits)
             misses.add_metric([name], s.kernel_cache_misses)
             wire_errors.add_metric([name, "worker"], s.wire_decode_errors)
@@ -99,7 +122,7 @@ class _EngineCollector:
             batch.add_metric([name], buckets, sum(n * c for n, c in s.batch_size_counts.items()))
         if self._wire_errors is not None:  # the router's own refusals of worker messages, in the same family
             wire_errors.add_metric(["", "router"], self._wire_errors())
-        yield from (steps, after, kv, running, waiting, queued, by_size, batch, hits, misses, wire_errors)
+        yield from (steps, after, kv, running, waiting, queued, prefill, by_size, batch, hits, misses, wire_errors)
         yield from handoff.families()
 
 

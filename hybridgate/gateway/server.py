@@ -39,6 +39,9 @@ class GatewayConfig:
     log_requests: bool = setting(False, "log one line per finished request: id, label, route, prompt and "
                                  "completion tokens, TTFT, total time, finish reason (never the prompt text)")
     log_request_text: bool = setting(False, "with log_requests, add each request's prompt text to its line")
+    max_inflight_requests: int = setting(
+        1024, "requests this gateway holds at once (accepted, not finished); one more is refused at once with "
+              "RESOURCE_EXHAUSTED and a grpc-retry-pushback-ms trailer", low=1)
     allow_client_routes: bool = setting(
         False, "honour a request's `route` field (gpu, cpu, gpu->cpu): an operator's tool and the tests' handle; "
                "without it a route other than auto is INVALID_ARGUMENT")
@@ -58,7 +61,7 @@ class Gateway:
     def __init__(self, router: Router, config: GatewayConfig, reuse_port: bool = False):
         self.router, self.config = router, config
         self.metrics = GatewayMetrics(lambda: router.clients, wire_errors=lambda: router.wire_errors,
-                                      handoff=lambda: router.handoff_metrics)
+                                      handoff=lambda: router.handoff_metrics, redis_up=router.redis_up)
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -69,7 +72,8 @@ class Gateway:
         ])
         service = GenerationService(router, self.metrics, log_requests=config.log_requests,
                                     log_request_text=config.log_request_text,
-                                    allow_client_routes=config.allow_client_routes)
+                                    allow_client_routes=config.allow_client_routes,
+                                    max_inflight_requests=config.max_inflight_requests)
         pb_grpc.add_GenerationServicer_to_server(service, self.server)
         if config.log_requests:  # the request log shows at any --log-level
             logging.getLogger("hybridgate.requests").setLevel(logging.INFO)

@@ -9,9 +9,11 @@ from dataclasses import dataclass
 
 import grpc
 
+from hybridgate.gateway.admission import Admission
 from hybridgate.gateway.convert import delta_to_proto, request_to_native
 from hybridgate.gateway.metrics import GatewayMetrics
 from hybridgate.models import DEFAULT_MODEL_ID
+from hybridgate.router.router import DEFAULT_MAX_TOKENS_CAP
 from hybridgate.router import (
     FingerprintMismatchError,
     ResourceExhaustedError,
@@ -46,16 +48,29 @@ class _Outcome:
     status: grpc.StatusCode = grpc.StatusCode.OK
 
 
+PUSHBACK_KEY = "grpc-retry-pushback-ms"  # gRFC A6: the trailer gRPC's retry policy reads
+
+
 class GenerationService(pb_grpc.GenerationServicer):
     """`log_requests`: one line per finished request on the `hybridgate.requests` logger;
-    `log_request_text` adds the prompt (off: prompts stay out of logs unless asked)."""
+    `log_request_text` adds the prompt (off: prompts stay out of logs unless asked).
+    `max_inflight_requests`: requests accepted and not yet finished; one more is refused at once
+    with RESOURCE_EXHAUSTED and a `grpc-retry-pushback-ms` trailer (hybridgate.gateway.admission)."""
 
     def __init__(self, router: Router, metrics: GatewayMetrics, model_id: str = DEFAULT_MODEL_ID,
                  log_requests: bool = False, log_request_text: bool = False,
-                 allow_client_routes: bool = False):
+                 allow_client_routes: bool = False, max_inflight_requests: int = 1024):
         self.router, self.metrics, self.model_id = router, metrics, model_id
         self.log_requests, self.log_request_text = log_requests, log_request_text
         self.allow_client_routes = allow_client_routes
+        self.admission = Admission(max_inflight_requests)
+
+    async def _refuse(self, context: grpc.aio.ServicerContext, reason: str, message: str) -> None:
+        """RESOURCE_EXHAUSTED now, with the retry pushback; counted under `reason`."""
+        self.metrics.rejected.labels(reason).inc()
+        pushback = self.admission.pushback_ms()
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{message}; retry in {pushback} ms",
+                            trailing_metadata=((PUSHBACK_KEY, str(pushback)),))
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         outcome = _Outcome(time.monotonic())
@@ -64,6 +79,13 @@ class GenerationService(pb_grpc.GenerationServicer):
             stream = self.router.generate(prompt, params, label=request.label, route=self._route(request))
         except InvalidFieldError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        # Admission sits here, in the handler, before any await: 40 calls that arrive together see
+        # the count of those admitted before them.
+        cost = params.max_tokens or DEFAULT_MAX_TOKENS_CAP
+        if not self.admission.try_enter(cost):
+            await self._refuse(context, "max_inflight_requests",
+                               f"the gateway holds {self.admission.limit} requests, its limit "
+                               "(--max-inflight-requests)")
         last = None
         try:
             # A cancelled call or an expired deadline raises CancelledError in here;
@@ -77,12 +99,16 @@ class GenerationService(pb_grpc.GenerationServicer):
                     elif delta.token_ids:
                         self.metrics.itl.observe((now - last) / len(delta.token_ids))
                     last = now
+                    self.admission.streamed(len(delta.token_ids))
                     if delta.finish_reason is not None:
                         outcome.finish, outcome.route = delta.finish_reason.name.lower(), delta.route
                         self.metrics.e2e.observe(now - outcome.start)
                         self.metrics.success.labels(outcome.finish).inc()
                         context.set_trailing_metadata(self._placement_metadata(stream, delta))
                     yield delta_to_proto(delta)
+        except ResourceExhaustedError as exc:
+            outcome.status = grpc.StatusCode.RESOURCE_EXHAUSTED
+            await self._refuse(context, exc.reason, str(exc))
         except tuple(_STATUS_OF) as exc:
             outcome.status = next(c for t, c in _STATUS_OF.items() if isinstance(exc, t))
             await context.abort(outcome.status, str(exc))
@@ -90,6 +116,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             outcome.status = grpc.StatusCode.CANCELLED
             raise
         finally:
+            self.admission.leave(cost)
             # The client cancelled, or its deadline passed, before the last response.
             if outcome.status == grpc.StatusCode.CANCELLED and outcome.finish is None:
                 outcome.finish = "abort"
@@ -134,7 +161,7 @@ class GenerationService(pb_grpc.GenerationServicer):
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         workers = [
             pb.WorkerInfo(endpoint=c.endpoint, kind=c.kind or "", ready=c.state == WorkerState.READY,
-                          running=c.stats.running)
+                          running=c.stats.running, cpu_isa=c.hello.cpu_isa if c.hello is not None else "")
             for c in self.router.clients
         ]
         return pb.ModelInfo(model_id=self.model_id, fingerprint=self.router.fingerprint,

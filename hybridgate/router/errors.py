@@ -20,7 +20,12 @@ class WorkerRequestError(RouterError):
 
 
 class ResourceExhaustedError(RouterError):
-    """The worker ran out of (device) memory for the request (RESOURCE_EXHAUSTED)."""
+    """No worker had room for the request (RESOURCE_EXHAUSTED): `reason` is "worker_memory" (device or
+    host memory, or KV blocks) or "worker_queue_full" (every worker's waiting queue was at --max-num-waiting)."""
+
+    def __init__(self, message: str, reason: str = "worker_memory"):
+        super().__init__(message)
+        self.reason = reason
 
 
 class FingerprintMismatchError(RouterError):

@@ -31,6 +31,7 @@ from hybridgate.router.errors import FingerprintMismatchError, InvalidRequestErr
 from hybridgate.router.handoff import HandoffMetrics, PauseHook
 from hybridgate.router.placement import Placement, Placer, _Pending
 from hybridgate.router.policy import POLICIES, make_policy
+from hybridgate.router.registry import RedisRegistry
 from hybridgate.router.stream import GenerationStream, Stalled, WorkerAvailable
 from hybridgate.wire import (
     HandoffExported,
@@ -123,6 +124,7 @@ class Router:
         clients: Sequence[WorkerClient | str],
         config: RouterConfig | None = None,
         on_ready_change: Callable[[bool], None] | None = None,
+        registry: RedisRegistry | None = None,
     ):
         self.model = model if isinstance(model, GGUFModel) else load_gguf(model)
         self.config = config or RouterConfig()
@@ -133,6 +135,7 @@ class Router:
         self.clients = [ZmqWorkerClient(c, dead_after_s=self.config.dead_after_s) if isinstance(c, str) else c
                         for c in clients]
         self.on_ready_change = on_ready_change or (lambda ready: None)
+        self.registry = registry  # workers found in Redis join and leave `clients` while the router runs
         self._streams: dict[str, GenerationStream] = {}  # by the request id on its worker
         self._waiting: dict[str, GenerationStream] = {}  # moved streams waiting for a READY worker
         self._stall_task: asyncio.Task | None = None
@@ -159,6 +162,10 @@ class Router:
             await client.start(self._on_message)
         self._stall_task = asyncio.create_task(self._watch_stalls())
         try:
+            if self.registry is not None:
+                await self.registry.start(self)
+                if not self.clients:  # workers join later; health says NOT_SERVING until one is READY
+                    return self
             await asyncio.wait_for(self._wait_usable(), self.config.startup_timeout_s)
         except asyncio.TimeoutError:
             await self.close()
@@ -178,7 +185,37 @@ class Router:
         if self._stall_task is not None:
             self._stall_task.cancel()
             await asyncio.gather(self._stall_task, return_exceptions=True)
+        if self.registry is not None:
+            await self.registry.close()
         await asyncio.gather(*(c.close() for c in self.clients), return_exceptions=True)
+
+    async def add_client(self, client: WorkerClient) -> None:
+        """A worker joins while the router runs (the registry found it); placement sees it once READY."""
+        self.clients.append(client)
+        self._inflight[id(client)] = 0
+        await client.start(self._on_message)
+
+    async def drop_client(self, client: WorkerClient, reason: str) -> None:
+        """A worker leaves (its registry entry expired): its streams get WorkerDead (moved or failed), then
+        the client is closed. Placement never sees it again."""
+        if client not in self.clients:
+            return
+        self.clients.remove(client)
+        self._inflight.pop(id(client), None)
+        for stream in list(self._streams.values()):
+            if stream.client is client or (stream.handoff is not None and stream.handoff.active
+                                          and stream.handoff.involves(client)):
+                self._on_dead(client, WorkerDead(reason))
+                break
+        await client.close()
+        self._changed.set()
+        if self.ready != self._was_ready:
+            self._was_ready = self.ready
+            self.on_ready_change(self._was_ready)
+
+    def redis_up(self) -> bool | None:
+        """Whether this router's last Redis call succeeded; None without Redis (the `redis_up` metric)."""
+        return self.registry.up if self.registry is not None else None
 
     @property
     def ready(self) -> bool:
@@ -312,7 +349,7 @@ class Router:
 
     def unregister(self, stream: GenerationStream, client: WorkerClient | None) -> None:
         self._waiting.pop(stream.worker_request_id, None)
-        if self._streams.pop(stream.worker_request_id, None) is not None and client is not None:
+        if self._streams.pop(stream.worker_request_id, None) is not None and id(client) in self._inflight:
             self._inflight[id(client)] -= 1
         self._recent[stream.worker_request_id] = None
         if len(self._recent) > RECENT_IDS:
@@ -340,7 +377,8 @@ class Router:
     def reassign(self, stream: GenerationStream, old: WorkerClient, new: WorkerClient) -> None:
         """The stream's sequence moved from `old` to `new` (a hand-off's import)."""
         if stream.request_id in self._streams:
-            self._inflight[id(old)] -= 1
+            if id(old) in self._inflight:
+                self._inflight[id(old)] -= 1
             self._inflight[id(new)] += 1
 
     # --- worker messages (the output pump) ---------------------------------

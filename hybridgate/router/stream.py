@@ -17,6 +17,7 @@ from hybridgate.router.handoff import Handoff, worker_name
 from hybridgate.router.stop import StopMatcher
 from hybridgate.wire import (
     ERROR_NO_KV_BLOCKS,
+    ERROR_QUEUE_FULL,
     ERROR_RESOURCE_EXHAUSTED,
     AddRequest,
     FinishReason,
@@ -75,7 +76,7 @@ class WorkerAvailable(msgspec.Struct, frozen=True):
 
 # Refusals that another worker may not give: its cache may be larger or emptier.
 MAX_MOVES = 8  # placements of one request (retries and resumes together) before it fails
-REPLACEABLE_CODES = frozenset({ERROR_NO_KV_BLOCKS, ERROR_RESOURCE_EXHAUSTED})
+REPLACEABLE_CODES = frozenset({ERROR_NO_KV_BLOCKS, ERROR_RESOURCE_EXHAUSTED, ERROR_QUEUE_FULL})
 
 
 class GenerationStream:
@@ -434,6 +435,7 @@ def _error_of(item) -> BaseException:
         return UnavailableError(item.reason)
     if isinstance(item, RequestError):
         if item.code in REPLACEABLE_CODES:  # memory ran out, or the request needs more KV than any worker holds
-            return ResourceExhaustedError(item.message)
+            reason = "worker_queue_full" if item.code == ERROR_QUEUE_FULL else "worker_memory"
+            return ResourceExhaustedError(item.message, reason)
         return WorkerRequestError(item.message)
     return item if isinstance(item, BaseException) else RuntimeError(f"unexpected stream item {item!r}")

@@ -109,16 +109,18 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("endpoint", "kind", "ready", "running")
+    __slots__ = ("endpoint", "kind", "ready", "running", "cpu_isa")
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
+    CPU_ISA_FIELD_NUMBER: _ClassVar[int]
     endpoint: str
     kind: str
     ready: bool
     running: int
-    def __init__(self, endpoint: _Optional[str] = ..., kind: _Optional[str] = ..., ready: _Optional[bool] = ..., running: _Optional[int] = ...) -> None: ...
+    cpu_isa: str
+    def __init__(self, endpoint: _Optional[str] = ..., kind: _Optional[str] = ..., ready: _Optional[bool] = ..., running: _Optional[int] = ..., cpu_isa: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("model_id", "fingerprint", "max_model_len", "workers")

@@ -28,6 +28,7 @@ from hybridgate.wire import (
     ERROR_INTERNAL,
     ERROR_INVALID_REQUEST,
     ERROR_NO_KV_BLOCKS,
+    ERROR_QUEUE_FULL,
     ERROR_RESOURCE_EXHAUSTED,
     Abort,
     AddRequest,
@@ -104,7 +105,8 @@ class EngineCore:
         Refused: an ADD that fails `check_add` (code invalid_request, counted as
         a wire error; answered only when it has a request id), and one that needs
         more KV blocks than the cache holds (code no_kv_blocks: another worker
-        may hold it). Dropped without an answer: a duplicate of a live (client,
+        may hold it), and one past a waiting queue of --max-num-waiting (code
+        queue_full: another worker may have room). Dropped without an answer: a duplicate of a live (client,
         request_id), counted (an error would end the live request at the
         router), and a request whose abort overtook it.
         """
@@ -126,6 +128,10 @@ class EngineCore:
             return RequestError(rid, f"prompt + max_tokens = {total} tokens needs more KV blocks than "
                                 f"the cache holds ({self.allocator.num_blocks} of {self.allocator.block_size} tokens); "
                                 "raise --kv-cache-memory", ERROR_NO_KV_BLOCKS)
+        limit = self.scheduler.config.max_num_waiting
+        if len(self.scheduler.waiting) >= limit:
+            return RequestError(rid, f"the worker's waiting queue is full ({limit} requests, --max-num-waiting)",
+                                ERROR_QUEUE_FULL)
         seq = Sequence(request, client)
         self._by_id[(client, seq.request_id)] = seq
         self.scheduler.add(seq)

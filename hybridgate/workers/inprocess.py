@@ -26,7 +26,8 @@ class InProcessClient:
         self.kind = runner.kind
         scheduler = scheduler or SchedulerConfig()
         self.hello = Hello(kind=runner.kind, fingerprint=fingerprint, max_num_seqs=scheduler.max_num_seqs,
-                           max_model_len=runner.max_model_len, pid=os.getpid(), ready=True)
+                           max_model_len=runner.max_model_len, pid=os.getpid(), ready=True,
+                           cpu_isa=getattr(runner, "cpu_isa", ""))
         self.engine = EngineCore(runner, scheduler, fingerprint, prefix_caching)
         self.inbox = Inbox()
         self._loop_thread: threading.Thread | None = None

@@ -29,6 +29,7 @@ import zmq
 
 from hybridgate import wire
 from hybridgate.config import check_settings, setting
+from hybridgate.redisconf import RedisConfig, WorkerEntry
 from hybridgate.wire import (
     ERROR_INVALID_REQUEST,
     Abort,
@@ -85,6 +86,9 @@ class EngineConfig:
         True, "before READY, time prefill steps of 32 and 256 tokens and decode steps of 1 and 8 "
               "sequences, so the router's cost model places the first requests on this worker's own figures "
               "(1-3 s on 2 cores); off: the first placements use no figures until real steps have run")
+    cpu_isa: str | None = setting(
+        None, "CPU worker: the instruction set its kernels are compiled for (default: the best this CPU runs)",
+        choices=("avx512", "avx2", "generic"))
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -105,6 +109,10 @@ class WorkerConfig:
     name: str = setting("", "this worker's stable name in the gateway's metrics (default: its endpoint; "
                             "serve names its workers kind-index, e.g. gpu-0)", flag="--worker-name")
 
+    advertise: str = setting(
+        "", "with --redis-url: the endpoint routers on other hosts connect to, tcp://HOST:PORT (default: this "
+            "host's name and the bound port for a tcp:// endpoint, the endpoint itself for ipc://)",
+        flag="--advertise", check=lambda v: v and _check_endpoint(v))
     handoff_endpoint: str = setting(
         "", "CPU workers: where to bind the socket for incoming KV hand-offs (ipc://PATH or tcp://HOST:PORT); "
         "default: ENDPOINT.handoff for an ipc:// endpoint, none for tcp://", flag="--handoff-endpoint")
@@ -170,6 +178,9 @@ def build_runner(config: WorkerConfig):
         device = torch.device(config.device) if config.device else None
         return TorchRunner(model, device, kv_cache_memory=config.kv_cache_memory, enforce_eager=config.enforce_eager,
                            max_num_seqs=config.max_num_seqs), model
+    from hybridgate.workers.cpu import isa
+
+    isa.select(config.engine.cpu_isa)  # before the kernels (and Numba) are imported
     from hybridgate.workers.cpu.runner import NumbaRunner
 
     return NumbaRunner(model, kv_cache_memory=config.kv_cache_memory, threads=config.threads), model
@@ -508,11 +519,14 @@ def _exit_if_raises(target, what: str, stopping: threading.Event | None = None):
 EXIT_THREAD_DIED = 70  # EX_SOFTWARE: an internal error ended a worker thread
 
 
-def run_worker(config: WorkerConfig, build: Callable[[WorkerConfig], tuple] = build_runner) -> None:
+def run_worker(config: WorkerConfig, build: Callable[[WorkerConfig], tuple] = build_runner,
+               redis: RedisConfig | None = None) -> None:
     """Process entry point: load, bind, warm up, READY, then serve until SIGTERM.
 
     `build` returns (runner, model); benchmarks pass a runner that computes
-    nothing (hybridgate.bench.instant) to measure the gateway alone."""
+    nothing (hybridgate.bench.instant) to measure the gateway alone. With
+    `redis.url`, the worker registers itself once READY (`workers.registration`)
+    and removes its entry on exit."""
     _die_with_parent(config.parent_pid)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
     stop = threading.Event()
@@ -532,7 +546,7 @@ def run_worker(config: WorkerConfig, build: Callable[[WorkerConfig], tuple] = bu
     hello = Hello(kind=config.kind, fingerprint=fingerprint, max_num_seqs=config.max_num_seqs,
                   max_model_len=runner.max_model_len, pid=os.getpid(), ready=False,
                   boot_id=uuid.uuid4().hex, name=config.name,  # a new boot id on every start
-                  handoff_endpoint=config.resolved_handoff_endpoint)
+                  handoff_endpoint=config.resolved_handoff_endpoint, cpu_isa=getattr(runner, "cpu_isa", ""))
     try:
         io = WorkerIO(ctx, config.endpoint, hello, inbox, config.heartbeat_s, wire_errors)
     except zmq.ZMQError as exc:
@@ -564,8 +578,19 @@ def run_worker(config: WorkerConfig, build: Callable[[WorkerConfig], tuple] = bu
         print(f"hybridgate worker: READY ({config.kind}, pid {os.getpid()}) on {config.endpoint}", flush=True)
     else:  # under serve, which prints its own READY line
         log.info("%s worker ready on %s (pid %d)", config.kind, config.endpoint, os.getpid())
+    registration = None
+    if redis is not None and redis.url:
+        from hybridgate.workers.registration import Registration, advertised_endpoint
+
+        registration = Registration(redis, WorkerEntry(
+            endpoint=advertised_endpoint(config.endpoint, config.advertise), kind=config.kind, fingerprint=fingerprint,
+            capacity=config.max_num_seqs, boot_id=hello.boot_id, name=config.name,
+            handoff_endpoint=config.resolved_handoff_endpoint))
+        registration.start()
     threading.Thread(target=lambda: (stop.wait(), loop.stopping.set()), daemon=True).start()
     _exit_if_raises(loop.run, "engine loop")()
+    if registration is not None:
+        registration.stop()
     if exporter is not None:
         exporter.close()
     io.stopping.set()

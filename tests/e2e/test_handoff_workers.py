@@ -15,6 +15,7 @@ import zmq
 from conftest import TIME_FACTOR
 from hybridgate import wire
 from hybridgate.bench.handoff import BenchRouter, start_worker
+from hybridgate.workers.cpu import isa
 from hybridgate.wire import HandoffHeader, HandoffRefused, HandoffReservation, HandoffReserve, SamplingParams
 
 
@@ -58,6 +59,9 @@ def test_token_0_on_the_gpu_worker_the_rest_on_the_cpu_worker(workers):
     assert gpu.handoff_parked == 0 and gpu.blocks_used == 0 and gpu.handoff_outcomes == {"done": 1}
     cpu = router.fresh_stats("cpu")
     assert cpu.handoff_outcomes == {"done": 1} and cpu.handoff_reservations == 0
+    # HELLO names the CPU worker's kernel path (the best this CPU runs, as LLVM reports its features).
+    assert router.links["cpu"].hello.cpu_isa == isa.best(isa.host_features())
+    assert router.links["gpu"].hello.cpu_isa == ""
 
 
 def test_a_bad_header_is_refused_by_field_and_the_cpu_worker_keeps_serving(workers):

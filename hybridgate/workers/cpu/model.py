@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import math
 
-import numba as nb
-import numpy as np
-from numba import prange
+from hybridgate.workers.cpu import isa
 
-from hybridgate.models import GGUFModel
-from hybridgate.workers.cpu.quant import QuantMatrix, concat_rows, quant_matrix
-from hybridgate.workers.cpu.simd import pv_rows1, pv_rows4, qk_rows1, qk_rows4, silu_mul16, softmax_weights
-from hybridgate.workers.step_inputs import StepInputs
+isa.selected()  # before Numba is imported: it compiles for the chosen instruction set
+
+import numba as nb  # noqa: E402
+import numpy as np  # noqa: E402
+from numba import prange  # noqa: E402
+
+from hybridgate.models import GGUFModel  # noqa: E402
+from hybridgate.workers.cpu.quant import QuantMatrix, concat_rows, quant_matrix  # noqa: E402
+from hybridgate.workers.cpu.simd import pv_rows1, pv_rows4, qk_rows1, qk_rows4, silu_mul16, softmax_weights  # noqa: E402
+from hybridgate.workers.step_inputs import StepInputs  # noqa: E402
 
 _JIT = dict(nogil=True, fastmath=True, cache=True)
 

@@ -15,11 +15,15 @@ split out and widened to float32 at load (Q4_1: 6 bits per weight).
 
 from __future__ import annotations
 
-import numba as nb
-import numpy as np
-from numba import prange
+from hybridgate.workers.cpu import isa
 
-from hybridgate.workers.cpu.simd import matmul_blocks
+isa.selected()  # before Numba is imported: it compiles for the chosen instruction set
+
+import numba as nb  # noqa: E402
+import numpy as np  # noqa: E402
+from numba import prange  # noqa: E402
+
+from hybridgate.workers.cpu.simd import matmul_blocks  # noqa: E402
 
 _JIT = dict(nogil=True, fastmath=True, cache=True)
 

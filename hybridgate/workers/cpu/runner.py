@@ -6,20 +6,24 @@ import logging
 import sys
 import time
 
-import numba
-import numpy as np
+from hybridgate.workers.cpu import isa
 
-from hybridgate.mempool import DEFAULT_BLOCK_SIZE, PinnedPool, PoolStats
-from hybridgate.models import GGUFModel
-from hybridgate.workers.cpu import model as cpu_model
-from hybridgate.workers.cpu import quant, simd
-from hybridgate.workers.cpu.model import CpuLlama
-from hybridgate.workers.faults import FaultHook
-from hybridgate.workers.memory import host_available_bytes, num_blocks_for
-from hybridgate.workers.sampling import sample
-from hybridgate.workers.scheduler import ScheduledBatch
-from hybridgate.workers.sequence import Sequence
-from hybridgate.workers.step_inputs import build_step_inputs
+isa.selected()  # before Numba is imported: it compiles for the chosen instruction set
+
+import numba  # noqa: E402
+import numpy as np  # noqa: E402
+
+from hybridgate.mempool import DEFAULT_BLOCK_SIZE, PinnedPool, PoolStats  # noqa: E402
+from hybridgate.models import GGUFModel  # noqa: E402
+from hybridgate.workers.cpu import model as cpu_model  # noqa: E402
+from hybridgate.workers.cpu import quant, simd  # noqa: E402
+from hybridgate.workers.cpu.model import CpuLlama  # noqa: E402
+from hybridgate.workers.faults import FaultHook  # noqa: E402
+from hybridgate.workers.memory import host_available_bytes, num_blocks_for  # noqa: E402
+from hybridgate.workers.sampling import sample  # noqa: E402
+from hybridgate.workers.scheduler import ScheduledBatch  # noqa: E402
+from hybridgate.workers.sequence import Sequence  # noqa: E402
+from hybridgate.workers.step_inputs import build_step_inputs  # noqa: E402
 
 log = logging.getLogger("hybridgate.worker")
 
@@ -74,6 +78,10 @@ class NumbaRunner:
             k.fill(0.0)
             v.fill(0.0)
         self.pool = PinnedPool(4 << 20, 2)
+        target = isa.selected()
+        self.cpu_isa = target.isa
+        log.info("CPU kernels: %s path (LLVM target %s%s), cache %s", target.isa, target.cpu_name,
+                 ", VNNI" if target.vnni else "", target.cache_dir)
         log.info("CPU runner: weights %.1f MiB in GGUF blocks, KV cache %d blocks of %d tokens (%.1f MiB), %d threads",
                  self.model.weight_bytes / 2**20, self.num_blocks, block_size,
                  self.num_blocks * self.block_bytes / 2**20, numba.get_num_threads())

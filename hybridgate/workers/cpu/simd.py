@@ -24,12 +24,16 @@ Block formats: ggml's ggml-common.h (`block_q4_1`, `block_q8_0`).
 
 from __future__ import annotations
 
-import numba as nb
-from llvmlite import ir
-from numba import prange
-from numba import types
-from numba.core import cgutils
-from numba.extending import intrinsic
+from hybridgate.workers.cpu import isa
+
+isa.selected()  # before Numba is imported: it compiles for the chosen instruction set
+
+import numba as nb  # noqa: E402
+from llvmlite import ir  # noqa: E402
+from numba import prange  # noqa: E402
+from numba import types  # noqa: E402
+from numba.core import cgutils  # noqa: E402
+from numba.extending import intrinsic  # noqa: E402
 
 LANES = 16
 _F32 = ir.FloatType()

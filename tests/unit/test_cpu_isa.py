@@ -1,0 +1,142 @@
+"""The CPU kernels on each instruction-set path this machine runs, each in its own process.
+
+Numba compiles for one target per process, so every path runs in a child
+(`python tests/unit/test_cpu_isa.py ISA MODEL`): each quant type on random
+blocks and every tensor of the default model against gguf's dequantizer times
+the activations in float64, batch invariance, and the target LLVM was given.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from hybridgate.workers.cpu import isa  # noqa: E402  (no Numba: safe to import here)
+
+RUNNABLE = isa.ISAS[isa.ISAS.index(isa.best(isa.host_features())):]
+TOLERANCE = 1e-5  # relative L2 error of a matmul against float64: fp32 activations, exact weights
+
+
+def _child(args: list[str], env: dict | None = None, timeout: float = 240) -> dict:
+    proc = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=ROOT, env={**(env or os.environ), "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("path", RUNNABLE)
+def test_each_path_matches_the_dequantizer_on_random_blocks_and_every_model_tensor(path, model_path):
+    out = _child([path, "check", str(model_path)])
+    assert out["isa"] == path
+    assert out["numba_cpu_name"] == {"avx512": "skylake-avx512", "avx2": "haswell", "generic": "generic"}[path]
+    assert out["random_worst"] <= TOLERANCE, out["random"]
+    assert out["model_tensors"] >= 211 and out["model_worst"] <= TOLERANCE, out["model_worst_tensor"]
+    assert out["batch_invariant"]
+
+
+def test_one_cache_entry_per_path_compiled_once_and_avx2_has_no_zmm(tmp_path):
+    env = {"HOME": str(tmp_path)}
+    base = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    paths = [p for p in ("avx2", "generic") if p in RUNNABLE]
+    first = {p: _child([p, "asm"], env={**base, **env}) for p in paths}
+    for p in paths:
+        assert first[p]["misses"] > 0 and first[p]["asm_bytes"] > 0
+        assert "zmm" not in first[p]["registers"], p
+    if "avx2" in paths:
+        assert "ymm" in first["avx2"]["registers"]
+    again = _child(["avx2" if "avx2" in paths else "generic", "asm"], env={**base, **env})
+    assert again["misses"] == 0 and again["hits"] > 0  # loaded from the cache, not compiled again
+    folders = sorted(p.name.rsplit("-", 1)[1] for p in (tmp_path / ".cache" / "hybridgate" / "numba").iterdir())
+    assert folders == sorted(paths)
+
+
+def test_a_path_the_cpu_cannot_run_or_an_unknown_name_is_refused():
+    with pytest.raises(ValueError, match="cpu_isa: expected one of"):
+        isa.select("sse9")
+    if RUNNABLE[0] != "avx512":
+        with pytest.raises(ValueError, match="cannot run avx512"):
+            isa.select("avx512")
+
+
+# ---- the child ----
+
+def _worst(pairs):
+    worst, name = 0.0, ""
+    for key, got, ref in pairs:
+        err = float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
+        if err > worst:
+            worst, name = err, key
+    return worst, name
+
+
+def _check(model_file: str) -> dict:
+    import gguf
+
+    from hybridgate.workers.cpu import quant
+    from hybridgate.workers.cpu.runner import NumbaRunner  # noqa: F401  (the runner's imports, as a worker has)
+    from tests.unit.test_cpu_kernels import QUANTIZABLE, T, random_blocks
+
+    rng = np.random.default_rng(13)
+    random_pairs = []
+    invariant = True
+    for kind in QUANTIZABLE + ["Q4_K", "Q6_K"]:
+        rows, cols = 37, 512
+        data = random_blocks(kind, rows, cols, rng)
+        dense = np.asarray(gguf.quants.dequantize(data, T[kind]), np.float64).reshape(rows, cols)
+        m = quant.quant_matrix("w", int(T[kind]), data, (rows, cols))
+        x = rng.standard_normal((9, cols)).astype(np.float32)
+        y = m.matmul(x)
+        random_pairs.append((kind, y, x.astype(np.float64) @ dense.T))
+        invariant &= all(np.array_equal(m.matmul(x[b : b + 1])[0], y[b]) for b in (0, 4, 8))
+    reader = gguf.GGUFReader(model_file)
+    model_pairs = []
+    for t in reader.tensors:
+        if len(t.shape) != 2:
+            continue
+        cols, rows = int(t.shape[0]), int(t.shape[1])
+        data = np.ascontiguousarray(t.data).view(np.uint8).reshape(rows, -1)
+        pick = np.sort(rng.choice(rows, size=min(rows, 256), replace=False))  # the LM head: 256 of its rows
+        m = quant.quant_matrix(t.name, int(t.tensor_type), data[pick], (len(pick), cols))
+        dense = np.asarray(gguf.quants.dequantize(data[pick], t.tensor_type), np.float64).reshape(len(pick), cols)
+        x = rng.standard_normal((5, cols)).astype(np.float32)
+        y = m.matmul(x)
+        model_pairs.append((t.name, y, x.astype(np.float64) @ dense.T))
+        invariant &= np.array_equal(m.matmul(x[2:3])[0], y[2])
+    from numba.core import config
+
+    rw, rn = _worst(random_pairs)
+    mw, mn = _worst(model_pairs)
+    return {"isa": isa.selected().isa, "numba_cpu_name": config.CPU_NAME, "random_worst": rw, "random": rn,
+            "model_worst": mw, "model_worst_tensor": mn, "model_tensors": len(model_pairs),
+            "batch_invariant": bool(invariant)}
+
+
+def _asm() -> dict:
+    import re
+
+    from hybridgate.workers.cpu import quant, simd
+    from tests.unit.test_cpu_kernels import T, random_blocks
+
+    rng = np.random.default_rng(1)
+    m = quant.quant_matrix("w", int(T.Q4_1), random_blocks("Q4_1", 8, 64, rng), (8, 64))
+    m.matmul(rng.standard_normal((4, 64)).astype(np.float32))
+    stats = simd.matmul_blocks.stats
+    hits, misses = sum(stats.cache_hits.values()), sum(stats.cache_misses.values())
+    asm = "" if hits else "\n".join(simd.matmul_blocks.inspect_asm().values())
+    return {"hits": hits, "misses": misses, "asm_bytes": len(asm),
+            "registers": sorted(set(re.findall(r"%([xyz]mm)\d+", asm)))}
+
+
+if __name__ == "__main__":
+    isa.select(sys.argv[1])
+    result = _check(sys.argv[3]) if sys.argv[2] == "check" else _asm()
+    print(json.dumps(result))

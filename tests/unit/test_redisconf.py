@@ -1,0 +1,69 @@
+"""Redis settings: the password never shows; the worker's advertised endpoint; a registry through an outage."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import msgspec
+import pytest
+
+from hybridgate.cli import build_parser
+from hybridgate.config import report, resolve
+from hybridgate.redisconf import RedisConfig, WorkerEntry, redacted, worker_key
+from hybridgate.workers.registration import advertised_endpoint
+
+
+def test_the_password_is_redacted_everywhere():
+    url = "rediss://alice:s3cret@cache.example:6380/2"
+    assert redacted(url) == "rediss://alice:***@cache.example:6380/2"
+    assert redacted("redis://:pw@h/0") == "redis://:***@h/0"
+    assert redacted("redis://h:1/0") == "redis://h:1/0"
+    assert "s3cret" not in repr(RedisConfig(url=url))
+    resolved = resolve(build_parser().parse_args(["gateway", "--redis-url", url]))
+    assert resolved.settings.redis.url == url and "s3cret" not in report(resolved)
+    with pytest.raises(ValueError, match=r"must start with redis://.*'http://u:\*\*\*@h'"):
+        RedisConfig(url="http://u:pw@h")
+
+
+def test_advertised_endpoint_defaults_to_the_host_name_and_bound_port():
+    assert advertised_endpoint("tcp://0.0.0.0:5555", "") == f"tcp://{socket.gethostname()}:5555"
+    assert advertised_endpoint("tcp://0.0.0.0:5555", "tcp://w1:6000") == "tcp://w1:6000"
+    assert advertised_endpoint("ipc:///run/w.sock", "") == "ipc:///run/w.sock"
+
+
+class _FakeRouter:
+    fingerprint = "f" * 64
+
+    def __init__(self):
+        self.added, self.dropped = [], []
+
+    async def add_client(self, client):
+        self.added.append(client)
+
+    async def drop_client(self, client, reason):
+        self.dropped.append(client)
+
+
+async def test_registry_keeps_its_workers_through_an_outage_and_drops_expired_ones(redis_server):
+    from hybridgate.router.registry import RedisRegistry
+
+    cfg = RedisConfig(url=redis_server.url, timeout_s=0.2)
+    entry = WorkerEntry(endpoint="tcp://w:1", kind="cpu", fingerprint="f" * 64, capacity=8, boot_id="b1")
+    redis = redis_server.client()
+    redis.set(worker_key(cfg.prefix, entry.endpoint), msgspec.json.encode(entry), px=60_000)
+    router = _FakeRouter()
+    registry = RedisRegistry(cfg, make_client=lambda e: e.endpoint, poll_s=3600)
+    await registry.start(router)
+    try:
+        assert router.added == ["tcp://w:1"] and registry.up is True
+        redis_server.stop()
+        start = asyncio.get_running_loop().time()
+        await registry.poll()
+        assert asyncio.get_running_loop().time() - start < 1.0  # bounded by timeout_s, not the OS
+        assert registry.up is False and router.dropped == []  # the last known worker stays
+        redis_server.start()
+        await registry.poll()  # the restarted Redis is empty: the entry is gone
+        assert registry.up is True and router.dropped == ["tcp://w:1"]
+    finally:
+        await registry.close()
