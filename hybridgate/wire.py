@@ -171,6 +171,9 @@ class AddRequest(msgspec.Struct, frozen=True):
     # and outputs continue at this token index (DESIGN.md, Worker lifecycle).
     first_token_index: int = 0
     handoff: HandoffTarget | None = None
+    # Seconds the request may wait on the worker for its first step, from its arrival there; 0: no limit.
+    # One that waits longer is dropped unrun, answered with ERROR_DEADLINE_EXCEEDED.
+    deadline_s: float = 0.0
 
 
 class Abort(msgspec.Struct, frozen=True):
@@ -249,6 +252,7 @@ ERROR_INTERNAL = "internal"  # the worker failed it (gRPC INTERNAL)
 ERROR_RESOURCE_EXHAUSTED = "resource_exhausted"  # device or host memory ran out for it (RESOURCE_EXHAUSTED)
 ERROR_NO_KV_BLOCKS = "no_kv_blocks"  # it needs more KV blocks than this worker's cache holds: place it elsewhere
 ERROR_QUEUE_FULL = "queue_full"  # the worker's waiting queue is at --max-num-waiting: place it elsewhere
+ERROR_DEADLINE_EXCEEDED = "deadline_exceeded"  # its deadline passed while it waited, before any work (DEADLINE_EXCEEDED)
 ERROR_INVALID_REQUEST = "invalid_request"  # the ADD failed the worker's checks (a router bug: INTERNAL)
 
 

@@ -15,6 +15,7 @@ from hybridgate.gateway.metrics import GatewayMetrics
 from hybridgate.models import DEFAULT_MODEL_ID
 from hybridgate.router.router import DEFAULT_MAX_TOKENS_CAP
 from hybridgate.router import (
+    DeadlineExceededError,
     FingerprintMismatchError,
     ResourceExhaustedError,
     Router,
@@ -29,6 +30,7 @@ log = logging.getLogger("hybridgate.gateway")
 request_log = logging.getLogger("hybridgate.requests")
 
 _STATUS_OF = {
+    DeadlineExceededError: grpc.StatusCode.DEADLINE_EXCEEDED,
     InvalidFieldError: grpc.StatusCode.INVALID_ARGUMENT,
     UnavailableError: grpc.StatusCode.UNAVAILABLE,
     FingerprintMismatchError: grpc.StatusCode.UNAVAILABLE,
@@ -76,7 +78,8 @@ class GenerationService(pb_grpc.GenerationServicer):
         outcome = _Outcome(time.monotonic())
         try:
             prompt, params = request_to_native(request)
-            stream = self.router.generate(prompt, params, label=request.label, route=self._route(request))
+            stream = self.router.generate(prompt, params, label=request.label, route=self._route(request),
+                                          deadline_s=context.time_remaining())
         except InvalidFieldError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         # Admission sits here, in the handler, before any await: 40 calls that arrive together see

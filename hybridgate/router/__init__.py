@@ -5,6 +5,7 @@ Never imports torch, numba or `hybridgate.workers`; worker clients are handed in
 
 from hybridgate.router.client import WorkerClient, WorkerDead, ZmqWorkerClient
 from hybridgate.router.errors import (
+    DeadlineExceededError,
     FingerprintMismatchError,
     InvalidRequestError,
     ResourceExhaustedError,
@@ -16,7 +17,7 @@ from hybridgate.router.router import ROUTES, Router, RouterConfig
 from hybridgate.router.stream import Delta, GenerationStream, Timings, Usage
 
 __all__ = [
-    "ROUTES", "Delta", "FingerprintMismatchError", "GenerationStream", "InvalidRequestError", "ResourceExhaustedError", "Router",
+    "ROUTES", "DeadlineExceededError", "Delta", "FingerprintMismatchError", "GenerationStream", "InvalidRequestError", "ResourceExhaustedError", "Router",
     "RouterConfig", "RouterError", "Timings", "UnavailableError", "Usage", "WorkerClient", "WorkerDead",
     "WorkerRequestError", "ZmqWorkerClient",
 ]

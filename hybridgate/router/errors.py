@@ -28,5 +28,10 @@ class ResourceExhaustedError(RouterError):
         self.reason = reason
 
 
+class DeadlineExceededError(RouterError):
+    """The request's deadline is shorter than every plan's predicted TTFT, or passed while it waited on its
+    worker; no work was done for it (DEADLINE_EXCEEDED)."""
+
+
 class FingerprintMismatchError(RouterError):
     """A worker serves a different model than the router's."""

@@ -257,7 +257,7 @@ class Router:
     # --- requests -----------------------------------------------------------
 
     def generate(self, prompt: Prompt, params: SamplingParams | None = None, label: str = "",
-                 route: str = "auto") -> GenerationStream:
+                 route: str = "auto", deadline_s: float | None = None) -> GenerationStream:
         """A stream for one request; enter it with `async with` to send the request.
 
         `prompt` is raw text or chat messages (mappings with `role` and
@@ -265,13 +265,20 @@ class Router:
         "gpu", "cpu", or "gpu->cpu" (GPU prefill, KV hand-off, CPU decode).
         Validation happens here: `InvalidRequestError` names the field and its
         limit. Entering the stream raises `UnavailableError` when no READY
-        worker of the route's kind is there.
+        worker of the route's kind is there. `deadline_s`: seconds the caller
+        will wait (a gRPC call's remaining time); a request whose deadline is
+        shorter than every plan's predicted TTFT raises `DeadlineExceededError`
+        on entry, before any work, and one still waiting on its worker when it
+        passes is dropped there unrun (the same error).
         """
         params = (params or SamplingParams()).validate()
         self._check_prompt(prompt)
         if route not in ROUTES:
             raise InvalidRequestError("route", f"must be one of {', '.join(ROUTES)}, got {route!r}")
-        return GenerationStream(self, prompt, params, label, request_id=uuid.uuid4().hex, route=route)
+        if deadline_s is not None and not deadline_s >= 0:
+            raise InvalidRequestError("deadline_s", f"must be >= 0 seconds, got {deadline_s}")
+        return GenerationStream(self, prompt, params, label, request_id=uuid.uuid4().hex, route=route,
+                                deadline_s=deadline_s)
 
     def _check_prompt(self, prompt: Prompt) -> None:
         if isinstance(prompt, str):

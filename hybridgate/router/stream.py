@@ -12,10 +12,11 @@ import msgspec
 
 from hybridgate.models import IncrementalDetokenizer
 from hybridgate.router.client import WorkerClient, WorkerDead
-from hybridgate.router.errors import ResourceExhaustedError, UnavailableError, WorkerRequestError
+from hybridgate.router.errors import DeadlineExceededError, ResourceExhaustedError, UnavailableError, WorkerRequestError
 from hybridgate.router.handoff import Handoff, worker_name
 from hybridgate.router.stop import StopMatcher
 from hybridgate.wire import (
+    ERROR_DEADLINE_EXCEEDED,
     ERROR_NO_KV_BLOCKS,
     ERROR_QUEUE_FULL,
     ERROR_RESOURCE_EXHAUSTED,
@@ -110,8 +111,9 @@ class GenerationStream:
     """
 
     def __init__(self, router: Router, prompt: Prompt, params: SamplingParams, label: str, request_id: str,
-                 route: str = "auto"):
+                 route: str = "auto", deadline_s: float | None = None):
         self.router, self.prompt, self.params, self.label = router, prompt, params, label
+        self.deadline_s = deadline_s  # seconds from entry; None: none
         self.request_id, self.plan = request_id, route  # the route asked for: auto, gpu, cpu or gpu->cpu
         self.worker_request_id = request_id  # this placement's id on its worker
         self.client = None
@@ -165,8 +167,10 @@ class GenerationStream:
             k = len(self.received)
             self.client, self.last_progress = client, time.monotonic()
             self.router.register(self, client)
+            left = self._time_left()
             sent = client.add(AddRequest(self.worker_request_id, self.prompt_ids + self.received, self.params,
-                                         self.seed, self.max_tokens - k, self._eos, first_token_index=k))
+                                         self.seed, self.max_tokens - k, self._eos, first_token_index=k,
+                                         deadline_s=max(left, 1e-3) if left is not None and not k else 0.0))
             if sent is not False:
                 self._hops.append((how, k, client))
                 return
@@ -174,6 +178,12 @@ class GenerationStream:
             self.client = None
             tried.append(client)
             client = self.router.place(tried, self._kind())
+
+    def _time_left(self) -> float | None:
+        """Seconds left of the caller's deadline (None: no deadline)."""
+        if self.deadline_s is None:
+            return None
+        return self.deadline_s - (time.monotonic() - self._arrival)
 
     def _kind(self) -> str | None:
         """The worker kind a placement must have: a one-kind route keeps it through retries and resumes."""
@@ -183,8 +193,13 @@ class GenerationStream:
         """By the route: one worker, or a KV hand-off from a GPU worker's prefill to a CPU worker's decode."""
         self.uncached_tokens = len(self.prompt_ids)
         if self.plan == "auto":
-            self.placement = self.router.plan(self.prompt_ids, self.max_tokens)
+            left = self._time_left()
+            self.placement = self.router.plan(self.prompt_ids, self.max_tokens, left)
             self.uncached_tokens = self.placement.uncached_tokens
+            if left is not None and left < self.placement.fastest_ttft_s:
+                raise DeadlineExceededError(
+                    f"the deadline ({left * 1e3:.0f} ms left) is shorter than every plan's predicted TTFT "
+                    f"(the fastest: {self.placement.fastest_ttft_s * 1e3:.0f} ms); nothing was run")
             if self.placement.route != "gpu->cpu":
                 self._submit(self.placement.clients[0], "placed", ())
                 return
@@ -434,6 +449,8 @@ def _error_of(item) -> BaseException:
     if isinstance(item, WorkerDead):
         return UnavailableError(item.reason)
     if isinstance(item, RequestError):
+        if item.code == ERROR_DEADLINE_EXCEEDED:
+            return DeadlineExceededError(item.message)
         if item.code in REPLACEABLE_CODES:  # memory ran out, or the request needs more KV than any worker holds
             reason = "worker_queue_full" if item.code == ERROR_QUEUE_FULL else "worker_memory"
             return ResourceExhaustedError(item.message, reason)

@@ -25,6 +25,7 @@ from typing import Protocol
 
 from hybridgate.mempool import BlockAllocator
 from hybridgate.wire import (
+    ERROR_DEADLINE_EXCEEDED,
     ERROR_INTERNAL,
     ERROR_INVALID_REQUEST,
     ERROR_NO_KV_BLOCKS,
@@ -174,6 +175,11 @@ class EngineCore:
         Sequences blamed for a failure of the step are finished (aborted) and
         their errors wait in `take_failures()`; the rest of the batch goes on.
         """
+        for seq in self.scheduler.expire(time.monotonic()):  # expired before any work: never run
+            self._by_id.pop((seq.client, seq.request_id), None)
+            self._failures.append((seq, RequestError(
+                seq.request_id, f"its deadline ({seq.deadline - seq.arrival:.3f} s after arrival) passed while it "
+                "waited on the worker; it was not run", ERROR_DEADLINE_EXCEEDED)))
         batch = self.scheduler.schedule()
         if not len(batch):
             return []

@@ -54,6 +54,8 @@ def check_add(request: AddRequest, vocab_size: int, max_model_len: int) -> None:
         raise InvalidFieldError("eos_token_id", f"must be in [-1, {vocab_size}), got {request.eos_token_id}")
     if request.first_token_index < 0:
         raise InvalidFieldError("first_token_index", f"must be >= 0, got {request.first_token_index}")
+    if not 0 <= request.deadline_s < float("inf"):  # NaN fails too
+        raise InvalidFieldError("deadline_s", f"must be a finite number >= 0, got {request.deadline_s}")
 
 
 class WireErrors:

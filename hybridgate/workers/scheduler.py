@@ -76,6 +76,15 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def expire(self, now: float) -> list[Sequence]:
+        """Drop the waiting sequences that never ran and whose deadline is before `now` (monotonic
+        seconds); they are finished as aborted, with their blocks freed, and returned."""
+        expired = [s for s in self.waiting if s.deadline is not None and s.deadline < now
+                   and not s.output_ids and not s.scheduled_once]
+        for seq in expired:
+            self.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        return expired
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

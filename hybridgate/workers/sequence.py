@@ -44,6 +44,8 @@ class Sequence:
         self.eos_token_id = request.eos_token_id
         self.status = SequenceStatus.WAITING
         self.arrival = time.monotonic()
+        # Monotonic time past which it is dropped if it has not run yet (None: no deadline).
+        self.deadline = self.arrival + request.deadline_s if request.deadline_s > 0 else None
         self.queue_ms = 0.0
         self.num_computed = 0  # tokens whose KV is in the cache
         self.block_table: list[int] = []  # KV blocks, in order (the scheduler's allocator owns them)

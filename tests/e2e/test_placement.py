@@ -14,6 +14,7 @@ import threading
 import time
 import urllib.request
 
+import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -105,3 +106,25 @@ def test_a_short_request_avoids_the_worker_busy_with_a_long_prefill(served):
     samples = metrics(served.metrics_url)
     assert samples[f"hybridgate:placements_total{{plan={other},policy=cost}}"] >= 1
     assert samples["hybridgate:ttft_prediction_error_seconds_count{}"] >= 3
+
+
+def test_a_50_ms_deadline_behind_long_prompts_is_refused_before_any_work(served):
+    before = worker_gauge(served.metrics_url, "hybridgate:engine_prefill_tokens_total")
+    results: dict[int, list] = {}
+    calls = [threading.Thread(target=lambda k=k: results.update(
+        {k: generate_with_metadata(served.target, prompt(3 + k, 1500), 1)[0]})) for k in range(2)]
+    for call in calls:
+        call.start()
+    deadline = time.monotonic() + 30 * TIME_FACTOR
+    while sum(v >= 1000 for v in worker_gauge(served.metrics_url, "hybridgate:queued_prefill_tokens").values()) < 2:
+        assert time.monotonic() < deadline, "the long prompts never showed in both workers' queues"
+        time.sleep(0.02)
+    with pytest.raises(grpc.RpcError) as refused:
+        list(stub(served.target).Generate(pb.GenerateRequest(prompt=prompt(5, 20), max_tokens=4), timeout=0.05))
+    assert refused.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    for call in calls:
+        call.join(120 * TIME_FACTOR)
+    # The workers prefilled the two long prompts and nothing else: the refused request never reached them.
+    after = worker_gauge(served.metrics_url, "hybridgate:engine_prefill_tokens_total")
+    expected = sum(results[k][-1].usage.prompt_tokens - results[k][-1].usage.cached_tokens for k in range(2))
+    assert sum(after.values()) - sum(before.values()) == expected

@@ -139,3 +139,13 @@ def test_cost_prefills_on_the_fast_prefiller_and_decodes_a_long_generation_on_th
     plan = CostPolicy(ttft_slo_s=20.0, tpot_slo_s=1.0).place(req, workers)
     assert (plan.route, plan.workers) == ("gpu->cpu", (0, 1))
     assert plan.e2e_s(256) == pytest.approx(1 + 255 * 0.015 + 2000 * 92_160 / 2e9)
+
+
+def test_the_deadline_check_uses_the_fastest_plans_predicted_ttft():
+    # Both workers 3,000 tokens deep: the fastest plan's TTFT is 3,020 / 2,000 s, whatever the policy picks.
+    gpu = FakeClient("gpu-0", "gpu", queued_prefill_tokens=3000, prefill_tokens_per_s={512: 2000.0},
+                     decode_step_s={1: 0.02})
+    cpu = FakeClient("cpu-0", "cpu", queued_prefill_tokens=3000, prefill_tokens_per_s={512: 200.0},
+                     decode_step_s={1: 0.02})
+    placed = Placer(make_policy("round_robin"), "fp", 0).place([cpu, gpu], {}, {}, list(range(3, 23)), 4, 0.05)
+    assert placed.clients == (cpu,) and placed.fastest_ttft_s == pytest.approx(3020 / 2000)

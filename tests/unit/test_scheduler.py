@@ -109,3 +109,18 @@ def test_config_validation():
         SchedulerConfig(max_num_seqs=0)
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         SchedulerConfig(max_num_batched_tokens=0)
+
+
+def test_a_waiting_sequence_past_its_deadline_is_dropped_unrun():
+    sched = make(budget=8)
+    busy = seq("busy", 40, max_tokens=2)
+    late = Sequence(AddRequest("late", list(range(100, 105)), SamplingParams(), 0, 4, 2, deadline_s=0.05))
+    sched.add(busy)
+    sched.add(late)
+    run_step(sched)  # the budget of 8 goes to busy's prompt; late waits
+    assert sched.expire(late.arrival + 0.04) == []  # not yet past
+    assert sched.expire(late.arrival + 0.06) == [late]
+    assert late.status == SequenceStatus.FINISHED_ABORTED and late not in sched.waiting and not late.block_table
+    while sched.has_work():
+        assert all(s is busy for s in run_step(sched).sequences)
+    assert late.num_computed == 0 and sched.allocator.num_used == 0
