@@ -14,6 +14,8 @@ import msgspec
 MAX_STOP_STRINGS = 16
 MAX_STOP_BYTES = 256
 MAX_SEED = 2**64 - 1
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs limit; vLLM's default max_logprobs)
 ROPE_BASIS = "gguf-adjacent-pairs"  # HandoffHeader.rope_basis: RoPE on (x[2i], x[2i+1]) in GGUF's row order
 HANDOFF_DTYPES = ("float32", "bfloat16", "float16")  # HandoffHeader.dtype
 
@@ -36,6 +38,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     rest of the context (capped by the router). skip_special_tokens: leave
     special tokens such as `<|im_end|>` out of the streamed text (the router's
     detokenizer; their ids are streamed all the same).
+    presence_penalty, frequency_penalty: in [-2, 2], OpenAI's penalties over the
+    generated ids (the sampler's spec says how). min_p: in [0, 1], 0 is off.
+    stop_token_ids: ids that end generation like EOS (finish reason stop; the
+    id is streamed, its text shown unless it is a skipped special token, as
+    vLLM). logprobs: None asks for none; k in [0, 20]: each sampled id's raw
+    log-probability and the k most likely ids with theirs.
     """
 
     temperature: float = 1.0
@@ -47,6 +55,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None
 
     def validate(self) -> SamplingParams:
         """Return self if every field is within its limit.
@@ -62,6 +75,17 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             raise InvalidFieldError("top_k", f"must be >= -1 (-1 or 0 turn it off), got {self.top_k}")
         if math.isnan(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise InvalidFieldError("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:  # NaN fails too
+                raise InvalidFieldError(name, f"must be in [-2, 2], got {value}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidFieldError("min_p", f"must be in [0, 1], got {self.min_p}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS or any(t < 0 for t in self.stop_token_ids):
+            raise InvalidFieldError("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, each >= 0, got "
+                                    f"{list(self.stop_token_ids)[:MAX_STOP_TOKEN_IDS + 1]}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidFieldError("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
             raise InvalidFieldError("seed", f"must be in [0, 2**64 - 1], got {self.seed}")
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -229,6 +253,14 @@ class EngineStats(msgspec.Struct):
     decode_step_s: dict[int, float] = msgspec.field(default_factory=dict)
 
 
+class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """One sampled id's raw log-probability (natural log) and the most likely ids with theirs, most likely first."""
+
+    logprob: float
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+
 class SeqOutput(msgspec.Struct, frozen=True, array_like=True):
     request_id: str
     token_index: int  # index of token_ids[0] among the generated tokens
@@ -236,6 +268,13 @@ class SeqOutput(msgspec.Struct, frozen=True, array_like=True):
     finish: int = 0  # 0 or a FinishReason
     queue_ms: float = 0.0  # set with the first token: arrival to first scheduled step
     cached_tokens: int = 0
+    # One per id of token_ids when the request asked for logprobs (SamplingParams.logprobs), else empty.
+    logprobs: list[TokenLogprobs] = []
+
+    def tail(self, skip: int, token_index: int) -> SeqOutput:
+        """This output less its first `skip` ids (and their logprobs), numbered from `token_index`."""
+        return msgspec.structs.replace(self, token_index=token_index, token_ids=self.token_ids[skip:],
+                                       logprobs=self.logprobs[skip:])
 
 
 class Outputs(msgspec.Struct, frozen=True):

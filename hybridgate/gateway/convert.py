@@ -35,13 +35,21 @@ def request_to_native(req: pb.GenerateRequest) -> tuple[Prompt, SamplingParams]:
         stop=tuple(req.stop),
         ignore_eos=req.ignore_eos,
         skip_special_tokens=req.skip_special_tokens if req.HasField("skip_special_tokens") else True,
+        presence_penalty=req.presence_penalty if req.HasField("presence_penalty") else 0.0,
+        frequency_penalty=req.frequency_penalty if req.HasField("frequency_penalty") else 0.0,
+        min_p=req.min_p if req.HasField("min_p") else 0.0,
+        stop_token_ids=tuple(req.stop_token_ids),
+        logprobs=req.logprobs if req.HasField("logprobs") else None,
     )
     return prompt, params
 
 
 def delta_to_proto(delta: Delta) -> pb.GenerateResponse:
     msg = pb.GenerateResponse(
-        request_id=delta.request_id, token_index=delta.token_index, text=delta.text, token_ids=delta.token_ids
+        request_id=delta.request_id, token_index=delta.token_index, text=delta.text, token_ids=delta.token_ids,
+        logprobs=[pb.TokenLogprob(logprob=lp.logprob, top=[pb.TopLogprob(token_id=i, logprob=v)
+                                                            for i, v in zip(lp.top_ids, lp.top_logprobs)])
+                  for lp in delta.logprobs],
     )
     if delta.finish_reason is not None:
         msg.finish_reason = int(delta.finish_reason)

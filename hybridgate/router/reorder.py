@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import time
 
-import msgspec
-
 from hybridgate.wire import SeqOutput
 
 
@@ -61,7 +59,7 @@ class Reorder:
             self.duplicates += 1
             return None
         if skip:
-            out = msgspec.structs.replace(out, token_index=self.next_index, token_ids=ids)
+            out = out.tail(skip, self.next_index)
         self.next_index += len(ids)
         self.finished = bool(out.finish)
         return out

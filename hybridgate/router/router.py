@@ -272,6 +272,10 @@ class Router:
         passes is dropped there unrun (the same error).
         """
         params = (params or SamplingParams()).validate()
+        bad = [t for t in params.stop_token_ids if t >= self.tokenizer.vocab_size]
+        if bad:
+            raise InvalidRequestError("stop_token_ids", f"every id must be in [0, {self.tokenizer.vocab_size}), "
+                                      f"got {bad[0]}")
         self._check_prompt(prompt)
         if route not in ROUTES:
             raise InvalidRequestError("route", f"must be one of {', '.join(ROUTES)}, got {route!r}")

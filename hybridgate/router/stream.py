@@ -26,6 +26,7 @@ from hybridgate.wire import (
     RequestError,
     SamplingParams,
     SeqOutput,
+    TokenLogprobs,
     WorkerState,
 )
 
@@ -53,7 +54,8 @@ class Timings:
 
 @dataclass(frozen=True)
 class Delta:
-    """New text and ids of one step; the last delta has finish_reason, usage, timings and route."""
+    """New text and ids of one step; the last delta has finish_reason, usage, timings and route.
+    `logprobs`: one per id of `token_ids` when the request asked for them (SamplingParams.logprobs), else empty."""
 
     request_id: str
     token_index: int
@@ -63,6 +65,7 @@ class Delta:
     usage: Usage | None = None
     timings: Timings | None = None
     route: str = ""
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 class Stalled(msgspec.Struct, frozen=True):
@@ -259,7 +262,8 @@ class GenerationStream:
         new_ids = out.token_ids[skip:]
         if not new_ids and not out.finish:
             return  # progress only (a prefill chunk) or a duplicate
-        first = SeqOutput(self.request_id, len(self.received), new_ids, out.finish, out.queue_ms, out.cached_tokens)
+        first = SeqOutput(self.request_id, len(self.received), new_ids, out.finish, out.queue_ms, out.cached_tokens,
+                          out.logprobs[skip:])
         self.received += new_ids
         self.done = bool(out.finish)
         self._queue_item(first)
@@ -369,19 +373,21 @@ class GenerationStream:
         Outputs are queued contiguous (`_on_output_event` numbers them), so joining is appending."""
         if self._queue.empty() or out.finish:
             return out
-        ids, finish = list(out.token_ids), 0
+        ids, finish, logprobs = list(out.token_ids), 0, list(out.logprobs)
         while not finish and not self._queue.empty():
             item = self._queue.get_nowait()
             if not isinstance(item, SeqOutput):
                 self._held = item  # an error after the outputs: read on the next call
                 break
             ids += item.token_ids
+            logprobs += item.logprobs
             finish = item.finish
-        return SeqOutput(out.request_id, out.token_index, ids, finish, out.queue_ms, out.cached_tokens)
+        return SeqOutput(out.request_id, out.token_index, ids, finish, out.queue_ms, out.cached_tokens, logprobs)
 
     def _on_output(self, out: SeqOutput) -> Delta | None:
         skip = len(self.ids) - out.token_index  # duplicates from a resend
         new_ids = out.token_ids[max(skip, 0) :]
+        new_logprobs = out.logprobs[max(skip, 0) :]
         if not new_ids and not out.finish:
             return None
         if out.token_index == 0 and out.token_ids:
@@ -389,7 +395,7 @@ class GenerationStream:
         if self._first_token_at is None:
             self._first_token_at = time.monotonic()
         finish = FinishReason(out.finish) if out.finish else None
-        first_index, parts, taken = len(self.ids), [], []
+        first_index, parts, taken, stopped = len(self.ids), [], [], False
         if not self._stop.stops:  # no stop string can cut the ids: detokenize them at once
             eos_last = finish == FinishReason.EOS and new_ids[-1:] == [self._eos]
             parts.append(self._detok.steps(new_ids[:-1] if eos_last else new_ids))
@@ -400,23 +406,24 @@ class GenerationStream:
             text, matched = self._stop.push("" if is_eos else self._detok.step(tid))
             parts.append(text)
             if matched:
-                finish = FinishReason.STOP
+                finish, stopped = FinishReason.STOP, True
                 self.done = True
                 self._abort()
                 break
         self.ids += taken
-        if finish is not None and finish != FinishReason.STOP:
+        if finish is not None and not stopped:  # (a stop token id from the worker finishes as STOP, flushed here)
             text, matched = self._stop.push(self._detok.flush())
             if not matched:  # a stop held back behind one that can no longer complete still counts
                 rest, matched = self._stop.flush()
                 text += rest
             parts.append(text)
             finish = FinishReason.STOP if matched else finish
-        return self._delta(first_index, "".join(parts), taken, finish)
+        return self._delta(first_index, "".join(parts), taken, finish, tuple(new_logprobs[: len(taken)]))
 
-    def _delta(self, index: int, text: str, ids: list[int], finish: FinishReason | None) -> Delta:
+    def _delta(self, index: int, text: str, ids: list[int], finish: FinishReason | None,
+               logprobs: tuple[TokenLogprobs, ...] = ()) -> Delta:
         if finish is None:
-            return Delta(self.request_id, index, text, ids)
+            return Delta(self.request_id, index, text, ids, logprobs=logprobs)
         self.finished = True
         self.router.unregister(self, self.client)
         if self.handoff is not None:
@@ -427,7 +434,7 @@ class GenerationStream:
             self.request_id, index, text, ids, finish,
             usage=Usage(len(self.prompt_ids), len(self.ids), self._cached),
             timings=Timings(self._queue_ms, ttft, (now - self._arrival) * 1e3),
-            route=self.route,
+            route=self.route, logprobs=logprobs,
         )
 
     @property

@@ -65,7 +65,9 @@ class ModelRunner(Protocol):
 
     def execute(self, batch: ScheduledBatch) -> dict[Sequence, int]:
         """Run the batch (it does not change the sequences); return the id sampled
-        for each sequence whose every token is computed after this step."""
+        for each sequence whose every token is computed after this step. A runner that
+        computes logprobs (for sequences whose params ask) also has `take_logprobs()`,
+        which returns those of its last `execute` and forgets them."""
 
     def pool_stats(self):
         """The PinnedPool's stats (bytes in use, peak, fallbacks)."""
@@ -96,6 +98,8 @@ class EngineCore:
         # Start-up figures: the kernels were compiled or loaded by the runner's warm-up.
         self.stats.kernel_cache_hits, self.stats.kernel_cache_misses = runner.kernel_cache_stats()
         self._failures: list[tuple[Sequence, RequestError]] = []
+        self._logprobs: dict = {}  # Sequence → TokenLogprobs of the step being run
+        self._take_logprobs = getattr(runner, "take_logprobs", None)
         layout = getattr(runner, "kv_layout", None)
         spec = KVSpec(fingerprint, runner.block_size, *layout()) if layout is not None else None
         self.handoffs = HandoffState(self, handoff or HandoffConfig(), spec)
@@ -200,8 +204,9 @@ class EngineCore:
         for seq, n in batch.entries:
             seq.num_computed += n
         self.scheduler.after_step(batch)
+        logprobs, self._logprobs = self._logprobs, {}
         for seq, token in sampled.items():
-            seq.append(token)
+            seq.append(token, logprobs.get(seq))
             if seq.status.finished:
                 self._by_id.pop((seq.client, seq.request_id), None)
                 self.scheduler.finish(seq, seq.status)
@@ -221,7 +226,10 @@ class EngineCore:
         failure that does not come back on the rerun blames no one.
         """
         try:
-            return self.runner.execute(ScheduledBatch(entries)), {}
+            sampled = self.runner.execute(ScheduledBatch(entries))
+            if self._take_logprobs is not None:
+                self._logprobs.update(self._take_logprobs())
+            return sampled, {}
         except Exception as exc:
             if len(entries) == 1:
                 return {}, {entries[0][0]: exc}
@@ -328,6 +336,7 @@ def output_of(seq: Sequence) -> SeqOutput:
         finish=int(FINISH_OF_STATUS[seq.status]) if seq.status.finished else 0,
         queue_ms=seq.queue_ms if first else 0.0,
         cached_tokens=seq.cached_tokens if first else 0,
+        logprobs=seq.output_logprobs[seq.sent :] if seq.params.logprobs is not None else [],
     )
     seq.sent = len(seq.output_ids)
     return out

@@ -25,7 +25,7 @@ def check_add(request: AddRequest, vocab_size: int, max_model_len: int) -> None:
 
     Checks every field the engine and the kernels rely on: a prompt of 1 to
     max_model_len ids, each in [0, vocab_size); the sampling parameters within
-    their limits; max_tokens >= 1 with prompt + max_tokens <= max_model_len; seed in
+    their limits (stop_token_ids within the vocabulary too); max_tokens >= 1 with prompt + max_tokens <= max_model_len; seed in
     [0, 2**64 - 1]; eos_token_id in [-1, vocab_size) (-1: none); first_token_index >= 0.
 
     Raises:
@@ -43,6 +43,9 @@ def check_add(request: AddRequest, vocab_size: int, max_model_len: int) -> None:
     if low < 0 or high >= vocab_size:
         raise InvalidFieldError("prompt_ids", f"every id must be in [0, {vocab_size}), got {low if low < 0 else high}")
     request.params.validate()
+    bad_stop = [t for t in request.params.stop_token_ids if t >= vocab_size]
+    if bad_stop:
+        raise InvalidFieldError("stop_token_ids", f"every id must be in [0, {vocab_size}), got {bad_stop[0]}")
     if request.max_tokens < 1:
         raise InvalidFieldError("max_tokens", f"must be >= 1, got {request.max_tokens}")
     if len(ids) + request.max_tokens > max_model_len:

@@ -519,6 +519,8 @@ class HandoffState:
         seq = Sequence(AddRequest(h.request_id, list(h.prompt_ids), h.params, h.seed, h.max_tokens, h.eos_token_id,
                                   first_token_index=h.next_token_index - len(h.output_ids)), r.client)
         seq.output_ids = list(h.output_ids)
+        if h.params.logprobs is not None:  # the GPU worker streamed these ids with their logprobs
+            seq.output_logprobs = [None] * len(seq.output_ids)
         seq.sent = len(seq.output_ids)  # the GPU worker streamed them
         seq.num_computed = h.num_tokens
         seq.block_table = r.block_table

@@ -6,15 +6,26 @@ which give the same id for the same logits, parameters, seed and token index:
 1. Repetition penalty over the seen ids (prompt and generated), as in CTRL
    (Keskar et al. 2019, eq. 2) and transformers: a positive logit is divided by
    the penalty, a negative one multiplied.
-2. Temperature 0: the first argmax; stop here.
-3. Divide by the temperature.
-4. Top-k (k > 0): drop logits below the k-th largest (ties at it stay).
-5. Top-p (p < 1), nucleus sampling (Holtzman et al. 2020): sort descending,
+2. Presence and frequency penalties over the generated ids only, as OpenAI
+   defines them (API reference, "Parameter details"; vLLM does the same):
+   logits[j] -= c[j] * frequency_penalty + (c[j] > 0) * presence_penalty, with
+   c[j] the count of id j among the generated ids.
+3. Temperature 0: the first argmax; stop here.
+4. Divide by the temperature.
+5. Min-p (p > 0; Nguyen et al. 2024, as vLLM): drop tokens whose probability
+   is below min_p times the most likely one's, i.e. logit < max + log(min_p).
+6. Top-k (k > 0): drop logits below the k-th largest (ties at it stay).
+7. Top-p (p < 1), nucleus sampling (Holtzman et al. 2020): sort descending,
    stable, and keep a token while the mass before it is < p of the total;
    the first token always stays.
-6. Gumbel-max: argmax(logit + g), g = -log(-log(u)) with u from a
+8. Gumbel-max: argmax(logit + g), g = -log(-log(u)) with u from a
    counter-based hash keyed by (seed, token index, vocab id), so a sequence's
    noise depends on nothing but its seed and position. Arithmetic is float64.
+
+Log-probabilities (when a request asks for them, `SamplingParams.logprobs`):
+the log-softmax of the model's raw logits, before any penalty and the
+temperature (vLLM's default, "raw_logprobs"), of the sampled id and of the
+`logprobs` most likely ids, most likely first (ties: the lower id first).
 
 The hash is Chris Wellons' `lowbias32` integer mixer, whose multipliers are
 below 2**31, so both implementations compute it exactly in int64.
@@ -23,11 +34,12 @@ below 2**31, so both implementations compute it exactly in int64.
 from __future__ import annotations
 
 from collections.abc import Sequence
+import math
 from functools import lru_cache
 
 import numpy as np
 
-from hybridgate.wire import SamplingParams
+from hybridgate.wire import SamplingParams, TokenLogprobs
 
 _M32 = 0xFFFFFFFF
 
@@ -80,6 +92,20 @@ def apply_repetition_penalty(x: np.ndarray, seen: Sequence[int], penalty: float)
     return x
 
 
+def apply_openai_penalties(x: np.ndarray, generated: Sequence[int], presence: float, frequency: float) -> np.ndarray:
+    """OpenAI's presence and frequency penalties on a float64 row `[vocab]` (in place; returned)."""
+    if (presence or frequency) and len(generated):
+        ids, counts = np.unique(np.asarray(generated, dtype=np.int64), return_counts=True)
+        x[ids] -= counts * frequency + presence
+    return x
+
+
+def _min_p(x: np.ndarray, min_p: float) -> np.ndarray:
+    if min_p > 0.0:
+        x = np.where(x < x.max() + math.log(min_p), -np.inf, x)
+    return x
+
+
 def _top_k_top_p(x: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
     if top_k > 0 and top_k < x.shape[0] or top_p < 1.0:
         order = np.argsort(-x, kind="stable")
@@ -97,12 +123,15 @@ def _top_k_top_p(x: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
     return x
 
 
-def sample_row(logits: np.ndarray, params: SamplingParams, seed: int, token_index: int, seen: Sequence[int]) -> int:
-    """One id from one row of logits `[vocab]` (any float dtype)."""
+def sample_row(logits: np.ndarray, params: SamplingParams, seed: int, token_index: int, seen: Sequence[int],
+               generated: Sequence[int] = ()) -> int:
+    """One id from one row of logits `[vocab]` (any float dtype); `generated`: the ids sampled so far."""
     x = apply_repetition_penalty(np.array(logits, dtype=np.float64), seen, params.repetition_penalty)
+    x = apply_openai_penalties(x, generated, params.presence_penalty, params.frequency_penalty)
     if params.temperature == 0.0:
         return int(np.argmax(x))
-    x = _top_k_top_p(x / params.temperature, params.top_k, params.top_p)
+    x = _min_p(x / params.temperature, params.min_p)
+    x = _top_k_top_p(x, params.top_k, params.top_p)
     return int(np.argmax(x + gumbel_noise(seed, token_index, x.shape[0])))
 
 
@@ -112,13 +141,46 @@ def sample(
     seeds: Sequence[int],
     token_indices: Sequence[int],
     seen: Sequence[Sequence[int]],
+    generated: Sequence[Sequence[int]] | None = None,
 ) -> np.ndarray:
     """Next ids for a batch: logits `[batch, vocab]` → int64 `[batch]`.
 
     `seeds[i]` (uint64) and `token_indices[i]` (index of the token being sampled
-    among the sequence's generated tokens, from 0) key row i's noise.
+    among the sequence's generated tokens, from 0) key row i's noise. `seen[i]`:
+    the ids the repetition penalty counts (prompt and generated); `generated[i]`:
+    the ids the presence and frequency penalties count (None: none anywhere).
     """
+    gen = generated if generated is not None else [()] * logits.shape[0]
     return np.array(
-        [sample_row(logits[i], params[i], seeds[i], token_indices[i], seen[i]) for i in range(logits.shape[0])],
+        [sample_row(logits[i], params[i], seeds[i], token_indices[i], seen[i], gen[i]) for i in range(logits.shape[0])],
         dtype=np.int64,
     )
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """float64 log-softmax over the last axis of `[..., vocab]` logits."""
+    x = np.asarray(logits, dtype=np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - (m + np.log(np.exp(x - m).sum(axis=-1, keepdims=True)))
+
+
+def top_ids(logprobs: np.ndarray, k: int) -> np.ndarray:
+    """The k ids of largest value in a row `[vocab]`, largest first, ties by the lower id (int64 `[k]`)."""
+    if k <= 0:
+        return np.zeros(0, dtype=np.int64)
+    part = np.argpartition(-logprobs, k - 1)[:k] if k < logprobs.shape[0] else np.arange(logprobs.shape[0])
+    return part[np.lexsort((part, -logprobs[part]))].astype(np.int64)
+
+
+def token_logprobs(logits: np.ndarray, ids: Sequence[int], counts: Sequence[int | None]) -> list[TokenLogprobs | None]:
+    """Per row of raw logits `[batch, vocab]`: the log-probability of `ids[i]` and the `counts[i]` most
+    likely ids (None: the row asked for none; see the module doc)."""
+    out: list[TokenLogprobs | None] = []
+    for i, k in enumerate(counts):
+        if k is None:
+            out.append(None)
+            continue
+        lp = log_softmax(logits[i])
+        top = top_ids(lp, k)
+        out.append(TokenLogprobs(float(lp[ids[i]]), top.tolist(), lp[top].tolist()))
+    return out

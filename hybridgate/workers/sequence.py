@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
-from hybridgate.wire import AddRequest, FinishReason, SamplingParams
+from hybridgate.wire import AddRequest, FinishReason, SamplingParams, TokenLogprobs
 
 
 class SequenceStatus(enum.IntEnum):
@@ -38,6 +38,8 @@ class Sequence:
         self.client = client
         self.prompt_ids: list[int] = list(request.prompt_ids)
         self.output_ids: list[int] = []
+        # One per output id when the request asks for logprobs (None for ids another worker sampled).
+        self.output_logprobs: list[TokenLogprobs | None] = []
         self.params: SamplingParams = request.params
         self.seed = request.seed
         self.max_tokens = request.max_tokens
@@ -74,10 +76,21 @@ class Sequence:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
-    def append(self, token_id: int) -> None:
-        """Add a sampled id and finish on EOS or max_tokens."""
+    @property
+    def generated_ids(self) -> list[int]:
+        """Every id generated for the request, a resumed stream's earlier ones (the tail of its prompt) too:
+        what the presence and frequency penalties count."""
+        n = self.next_token_index
+        return self.all_ids[-n:] if n else []
+
+    def append(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
+        """Add a sampled id (and its logprobs, when asked) and finish on EOS, a stop token id or max_tokens."""
         self.output_ids.append(token_id)
+        if self.params.logprobs is not None:
+            self.output_logprobs.append(logprobs)
         if token_id == self.eos_token_id and not self.params.ignore_eos:
             self.status = SequenceStatus.FINISHED_EOS
+        elif token_id in self.params.stop_token_ids:
+            self.status = SequenceStatus.FINISHED_STOPPED
         elif len(self.output_ids) >= self.max_tokens:
             self.status = SequenceStatus.FINISHED_LENGTH

@@ -20,10 +20,11 @@ from hybridgate.workers.cpu import quant, simd  # noqa: E402
 from hybridgate.workers.cpu.model import CpuLlama  # noqa: E402
 from hybridgate.workers.faults import FaultHook  # noqa: E402
 from hybridgate.workers.memory import host_available_bytes, num_blocks_for  # noqa: E402
-from hybridgate.workers.sampling import sample  # noqa: E402
+from hybridgate.workers.sampling import sample, token_logprobs  # noqa: E402
 from hybridgate.workers.scheduler import ScheduledBatch  # noqa: E402
 from hybridgate.workers.sequence import Sequence  # noqa: E402
 from hybridgate.workers.step_inputs import build_step_inputs  # noqa: E402
+from hybridgate.wire import TokenLogprobs  # noqa: E402
 
 log = logging.getLogger("hybridgate.worker")
 
@@ -56,6 +57,7 @@ class NumbaRunner:
         self.max_model_len = c.max_model_len
         self.vocab_size = c.vocab_size
         self.fault = FaultHook.from_env()  # tests only: None unless HYBRIDGATE_TEST_FAULT is set
+        self._logprobs: dict[Sequence, TokenLogprobs] = {}  # of the last execute (take_logprobs)
         self.block_size = block_size
         self.block_bytes = 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * 4
         self.num_blocks = num_blocks_for(kv_cache_memory, self.block_bytes, host_available_bytes(), gpu=False)
@@ -135,15 +137,26 @@ class NumbaRunner:
     def execute(self, batch: ScheduledBatch) -> dict[Sequence, int]:
         if self.fault is not None:
             self.fault.check(batch)
+        self._logprobs = {}
         logits = self.forward(batch)
         ready = [(row, s) for row, (s, n) in enumerate(batch.entries) if s.num_computed + n == s.num_tokens]
         if not ready:
             return {}
         seqs = [s for _, s in ready]
-        ids = sample(logits[[r for r, _ in ready]], [s.params for s in seqs], [s.seed for s in seqs],
-                     [s.next_token_index for s in seqs],
-                     [s.all_ids if s.params.repetition_penalty != 1.0 else () for s in seqs])
+        rows = logits[[r for r, _ in ready]]
+        ids = sample(rows, [s.params for s in seqs], [s.seed for s in seqs], [s.next_token_index for s in seqs],
+                     [s.all_ids if s.params.repetition_penalty != 1.0 else () for s in seqs],
+                     [s.generated_ids if s.params.presence_penalty or s.params.frequency_penalty else ()
+                      for s in seqs])
+        if any(s.params.logprobs is not None for s in seqs):
+            lps = token_logprobs(rows, ids, [s.params.logprobs for s in seqs])
+            self._logprobs = {s: lp for s, lp in zip(seqs, lps) if lp is not None}
         return dict(zip(seqs, ids.tolist()))
+
+    def take_logprobs(self) -> dict[Sequence, TokenLogprobs]:
+        """The logprobs of the last `execute`, for the sequences that asked (then forgotten)."""
+        out, self._logprobs = self._logprobs, {}
+        return out
 
     def warm_up(self, progress: bool = True) -> None:
         """Compile (or load from the cache) every kernel, with a progress line, then one real step."""

@@ -27,6 +27,7 @@ from hybridgate.workers.faults import FaultHook
 from hybridgate.workers.scheduler import ScheduledBatch, SchedulerConfig
 from hybridgate.workers.sequence import Sequence
 from hybridgate.workers.step_inputs import StepInputs, build_step_inputs
+from hybridgate.wire import TokenLogprobs
 
 log = logging.getLogger("hybridgate.worker")
 
@@ -59,6 +60,7 @@ class TorchRunner:
         self.max_model_len = model.config.max_model_len
         self.vocab_size = model.config.vocab_size
         self.fault = FaultHook.from_env()  # tests only: None unless HYBRIDGATE_TEST_FAULT is set
+        self._logprobs: dict[Sequence, TokenLogprobs] = {}  # of the last execute (take_logprobs)
         # Decode attention gathers whole blocks on CUDA (fewer, larger copies); per-slot
         # index_select on the CPU, where it measured as fast and needs no padding to a block.
         self.block_gather = dev.type == "cuda" if block_gather is None else block_gather
@@ -119,6 +121,7 @@ class TorchRunner:
     def _execute(self, batch: ScheduledBatch) -> dict[Sequence, int]:
         if self.fault is not None:
             self.fault.check(batch)
+        self._logprobs = {}
         logits = self.forward(batch)
         ready = [(row, seq) for row, (seq, n) in enumerate(batch.entries) if seq.num_computed + n == seq.num_tokens]
         if not ready:
@@ -128,8 +131,18 @@ class TorchRunner:
         sampled = sampling.sample(
             logits[rows], [s.params for s in seqs], [s.seed for s in seqs], [s.next_token_index for s in seqs],
             [s.all_ids if s.params.repetition_penalty != 1.0 else () for s in seqs], self._vocab_hash,
+            generated=[s.generated_ids if s.params.presence_penalty or s.params.frequency_penalty else ()
+                       for s in seqs],
         )
+        if any(s.params.logprobs is not None for s in seqs):
+            lps = sampling.token_logprobs(logits[rows], sampled, [s.params.logprobs for s in seqs])
+            self._logprobs = {s: lp for s, lp in zip(seqs, lps) if lp is not None}
         return dict(zip(seqs, sampled.tolist()))
+
+    def take_logprobs(self) -> dict[Sequence, TokenLogprobs]:
+        """The logprobs of the last `execute`, for the sequences that asked (then forgotten)."""
+        out, self._logprobs = self._logprobs, {}
+        return out
 
     def _done_check(self):
         if self.model.device.type != "cuda":

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hybridgate.wire import SamplingParams
+from hybridgate.wire import SamplingParams, TokenLogprobs
 from hybridgate.workers.sampling import sampler_key, vocab_hash
 
 _M32 = 0xFFFFFFFF
@@ -63,12 +63,19 @@ def sample_tensors(
     any_sampled: bool = True,
     k_max: int = 0,
     any_top_p: bool = True,
+    counts: torch.Tensor | None = None,
+    presence: torch.Tensor | None = None,
+    frequency: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Next ids, int64 `[batch]`, from logits `[batch, vocab]`.
 
     Per-row tensors `[batch]`: temperature, top_p, repetition_penalty (float64),
     top_k and keys (int64; keys from `sampler_key`). seen_mask: bool
     `[batch, vocab]`, True where an id was seen (None: no penalty anywhere).
+    counts: float64 `[batch, vocab]`, how often each id was generated, with
+    presence and frequency (float64 `[batch]`): OpenAI's penalties (None: off
+    everywhere). min_p: float64 `[batch]` (None: off everywhere).
     The keyword flags, known on the host, skip work no row needs (all greedy:
     no noise; k_max 0: no top-k; no top-p: no sort); they never change ids.
     """
@@ -76,10 +83,15 @@ def sample_tensors(
     if seen_mask is not None:
         pen = repetition_penalty[:, None]
         x = torch.where(seen_mask & (pen != 1.0), torch.where(x > 0, x / pen, x * pen), x)
+    if counts is not None:
+        x = x - (counts * frequency[:, None] + (counts > 0) * presence[:, None])
     greedy = x.argmax(dim=-1)
     if not any_sampled:
         return greedy
     x = x / torch.where(temperature == 0, 1.0, temperature)[:, None]
+    if min_p is not None:
+        floor = x.max(dim=-1, keepdim=True).values + torch.log(min_p)[:, None]  # log(0) = -inf: off
+        x = torch.where(x < floor, float("-inf"), x)
     if k_max > 0:
         x = _top_k(x, top_k, min(k_max, x.shape[-1]))
     if any_top_p:
@@ -95,11 +107,13 @@ def sample(
     token_indices: Sequence[int],
     seen: Sequence[Sequence[int]],
     vocab_ids_hash: torch.Tensor | None = None,
+    generated: Sequence[Sequence[int]] | None = None,
 ) -> torch.Tensor:
     """Same contract as `hybridgate.workers.sampling.sample`, on `logits.device`.
 
     `vocab_ids_hash`: `vocab_hash(vocab)` already on the device (saves a copy per step).
     """
+    openai = generated is not None and any(p.presence_penalty or p.frequency_penalty for p in params)
     dev, batch, vocab = logits.device, logits.shape[0], logits.shape[1]
     f64 = lambda vals: torch.tensor(vals, dtype=torch.float64, device=dev)  # noqa: E731
     seen_mask = None
@@ -108,7 +122,15 @@ def sample(
         for i, ids in enumerate(seen):
             if len(ids):
                 seen_mask[i, torch.as_tensor(list(ids), dtype=torch.int64, device=dev)] = True
+    counts = None
+    if openai:
+        counts = torch.zeros(batch, vocab, dtype=torch.float64, device=dev)
+        for i, ids in enumerate(generated):
+            if len(ids):
+                index = torch.as_tensor(list(ids), dtype=torch.int64, device=dev)
+                counts[i].index_add_(0, index, torch.ones(len(index), dtype=torch.float64, device=dev))
     keys = [sampler_key(s, t) for s, t in zip(seeds, token_indices)]
+    any_min_p = any(p.min_p > 0 and p.temperature > 0 for p in params)
     return sample_tensors(
         logits,
         temperature=f64([p.temperature for p in params]),
@@ -121,4 +143,31 @@ def sample(
         any_sampled=any(p.temperature > 0 for p in params),
         k_max=max((p.top_k for p in params if p.temperature > 0 and 0 < p.top_k < vocab), default=0),
         any_top_p=any(p.top_p < 1.0 and p.temperature > 0 for p in params),
+        counts=counts,
+        presence=f64([p.presence_penalty for p in params]) if openai else None,
+        frequency=f64([p.frequency_penalty for p in params]) if openai else None,
+        min_p=f64([p.min_p for p in params]) if any_min_p else None,
     )
+
+
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, counts: Sequence[int | None]) -> list[TokenLogprobs | None]:
+    """Same contract as `hybridgate.workers.sampling.token_logprobs`: raw logits `[batch, vocab]`, the
+    sampled ids int64 `[batch]`; one device-to-host copy for the whole batch."""
+    rows = [i for i, k in enumerate(counts) if k is not None]
+    out: list[TokenLogprobs | None] = [None] * len(counts)
+    if not rows:
+        return out
+    index = torch.tensor(rows, device=logits.device)
+    lp = torch.log_softmax(logits[index].to(torch.float64), dim=-1)  # [rows, vocab]
+    chosen = lp.gather(1, ids[index][:, None])[:, 0]
+    k_max = max(counts[i] for i in rows)
+    values, top = torch.topk(lp, k_max, dim=-1, sorted=True) if k_max else (lp[:, :0], ids[index][:, None][:, :0])
+    # ties by the lower id, as the numpy twin: sort each row by id, then stably by value, descending
+    by_id = torch.sort(top, dim=-1, stable=True)
+    values = values.gather(1, by_id.indices)
+    order = torch.sort(values, dim=-1, descending=True, stable=True).indices
+    top, values = by_id.values.gather(1, order).tolist(), values.gather(1, order).tolist()
+    for j, i in enumerate(rows):
+        k = counts[i]
+        out[i] = TokenLogprobs(float(chosen[j]), top[j][:k], values[j][:k])
+    return out
