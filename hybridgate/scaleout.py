@@ -34,10 +34,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("hybridgate")
 
 
-def hold_port(host: str, port: int) -> socket.socket:
+def hold_port(host: str, port: int, flag: str = "--port") -> socket.socket:
     """A socket bound to (host, port) with SO_REUSEPORT, not listening; port 0 picks a free one.
 
-    Raises OSError naming --host and --port when the address is in use or not this machine's.
+    Raises OSError naming --host and `flag` when the address is in use or not this machine's.
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -46,7 +46,7 @@ def hold_port(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (--host, --port)") from None
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (--host, {flag})") from None
     return sock
 
 
@@ -60,6 +60,10 @@ def gateway_group(config: Settings, endpoints: list[str]) -> Iterator[tuple[Sett
         return
     held = hold_port(config.gateway.host, config.gateway.port)
     config = replace(config, gateway=replace(config.gateway, port=held.getsockname()[1]))
+    held_http = None  # the HTTP API's port is shared the same way
+    if config.gateway.http_port is not None:
+        held_http = hold_port(config.gateway.host, config.gateway.http_port, "--http-port")
+        config = replace(config, gateway=replace(config.gateway, http_port=held_http.getsockname()[1]))
     extra = ExtraGateways(config, endpoints, config.gateway.port)
     try:
         yield config, extra
@@ -67,6 +71,8 @@ def gateway_group(config: Settings, endpoints: list[str]) -> Iterator[tuple[Sett
         extra.drain()
         extra.join(5)
         held.close()
+        if held_http is not None:
+            held_http.close()
 
 
 def gateway_main(config: Settings, endpoints: list[str], index: int, parent_pid: int) -> None:

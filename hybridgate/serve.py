@@ -116,6 +116,9 @@ async def run_gateway(config: Settings, endpoints: list[str], supervisor: Superv
     say = (lambda line: print(f"hybridgate: {line}", flush=True)) if index == 0 else \
         (lambda line: log.info("gateway %d: %s", index, line))
     say(f"gRPC on {config.gateway.host}:{gateway.port} (health NOT_SERVING until a worker is up)")
+    if gateway.http_port is not None:
+        say(f"OpenAI-compatible HTTP on http://{config.gateway.host}:{gateway.http_port}/v1 "
+            "(/health 503 until a worker is up)")
     if gateway.metrics_port is not None:
         where = f"http://{config.gateway.host}:{gateway.metrics_port}/metrics"
         print(f"hybridgate: metrics on {where}" if index == 0 else f"hybridgate: gateway {index} metrics on {where}",

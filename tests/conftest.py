@@ -15,6 +15,10 @@ ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "golden"
 sys.path.insert(0, str(ROOT / "tests" / "reference"))
 
+# Every gateway and serve the tests start binds its HTTP API on a free port unless a test says otherwise
+# (the default, 8000, would collide between tests and with anything else on the machine).
+os.environ.setdefault("HYBRIDGATE_HTTP_PORT", "0")
+
 # Every time limit in the tests is multiplied by this one factor (slow machines: raise it).
 TIME_FACTOR = float(os.environ.get("HYBRIDGATE_TEST_TIME_FACTOR", "1"))
 

@@ -1,4 +1,5 @@
-"""The gateway server: Generation, grpc.health.v1 and reflection on grpc.aio, metrics over HTTP."""
+"""The gateway server: Generation, grpc.health.v1 and reflection on grpc.aio, the OpenAI-compatible
+HTTP API on the same event loop (hybridgate.gateway.http), metrics over HTTP."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from hybridgate.config import check_settings, setting
+from hybridgate.gateway.http import HttpDoor, OpenAIApp
 from hybridgate.gateway.metrics import GatewayMetrics
 from hybridgate.gateway.service import GenerationService
 from hybridgate.router import Router
@@ -42,6 +44,11 @@ class GatewayConfig:
     max_inflight_requests: int = setting(
         1024, "requests this gateway holds at once (accepted, not finished); one more is refused at once with "
               "RESOURCE_EXHAUSTED and a grpc-retry-pushback-ms trailer", low=1)
+    http_port: int | None = setting(
+        8000, "port of the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health, "
+              "/metrics) on --host; 0 picks a free one; an empty value turns it off", low=0, high=65535)
+    served_model_name: tuple[str, ...] = setting(
+        (), "the model name(s) the HTTP API answers to and reports (default: the model's id); repeat for aliases")
     allow_client_routes: bool = setting(
         False, "honour a request's `route` field (gpu, cpu, gpu->cpu): an operator's tool and the tests' handle; "
                "without it a route other than auto is INVALID_ARGUMENT")
@@ -75,6 +82,11 @@ class Gateway:
                                     allow_client_routes=config.allow_client_routes,
                                     max_inflight_requests=config.max_inflight_requests)
         pb_grpc.add_GenerationServicer_to_server(service, self.server)
+        self.http: HttpDoor | None = None
+        if config.http_port is not None:  # bound now, so a taken port fails before anything starts
+            names = config.served_model_name or (service.model_id,)
+            self.openai = OpenAIApp(router, self.metrics, service.admission, names)
+            self.http = HttpDoor(self.openai.app, config.host, config.http_port, config.grace_s, reuse_port)
         if config.log_requests:  # the request log shows at any --log-level
             logging.getLogger("hybridgate.requests").setLevel(logging.INFO)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -109,6 +121,13 @@ class Gateway:
             self.metrics_port = httpd.server_port
             self._httpd = httpd
         await self.server.start()
+        if self.http is not None:
+            await self.http.start()
+
+    @property
+    def http_port(self) -> int | None:
+        """The HTTP API's bound port (None: off)."""
+        return self.http.port if self.http is not None else None
 
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -122,7 +141,11 @@ class Gateway:
     async def stop(self) -> None:
         """Health NOT_SERVING, then in-flight streams get `grace_s` to finish."""
         await self.set_serving(False)
-        await self.server.stop(self.config.grace_s)
+        if self.http is not None:
+            self.openai.draining = True
+            await asyncio.gather(self.server.stop(self.config.grace_s), self.http.stop())
+        else:
+            await self.server.stop(self.config.grace_s)
         if self._httpd is not None:
             self._httpd.shutdown()
 

@@ -14,14 +14,8 @@ from hybridgate.gateway.convert import delta_to_proto, request_to_native
 from hybridgate.gateway.metrics import GatewayMetrics
 from hybridgate.models import DEFAULT_MODEL_ID
 from hybridgate.router.router import DEFAULT_MAX_TOKENS_CAP
-from hybridgate.router import (
-    DeadlineExceededError,
-    FingerprintMismatchError,
-    ResourceExhaustedError,
-    Router,
-    UnavailableError,
-    WorkerRequestError,
-)
+from hybridgate.gateway.errors import ROUTER_ERRORS, status_of
+from hybridgate.router import ResourceExhaustedError, Router
 from hybridgate.v1 import generation_pb2 as pb
 from hybridgate.v1 import generation_pb2_grpc as pb_grpc
 from hybridgate.wire import InvalidFieldError, WorkerState
@@ -29,14 +23,6 @@ from hybridgate.wire import InvalidFieldError, WorkerState
 log = logging.getLogger("hybridgate.gateway")
 request_log = logging.getLogger("hybridgate.requests")
 
-_STATUS_OF = {
-    DeadlineExceededError: grpc.StatusCode.DEADLINE_EXCEEDED,
-    InvalidFieldError: grpc.StatusCode.INVALID_ARGUMENT,
-    UnavailableError: grpc.StatusCode.UNAVAILABLE,
-    FingerprintMismatchError: grpc.StatusCode.UNAVAILABLE,
-    WorkerRequestError: grpc.StatusCode.INTERNAL,
-    ResourceExhaustedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
-}
 
 
 @dataclass
@@ -112,8 +98,8 @@ class GenerationService(pb_grpc.GenerationServicer):
         except ResourceExhaustedError as exc:
             outcome.status = grpc.StatusCode.RESOURCE_EXHAUSTED
             await self._refuse(context, exc.reason, str(exc))
-        except tuple(_STATUS_OF) as exc:
-            outcome.status = next(c for t, c in _STATUS_OF.items() if isinstance(exc, t))
+        except ROUTER_ERRORS as exc:
+            outcome.status = status_of(exc)
             await context.abort(outcome.status, str(exc))
         except asyncio.CancelledError:
             outcome.status = grpc.StatusCode.CANCELLED

@@ -11,6 +11,11 @@ class RouterError(Exception):
 InvalidRequestError = InvalidFieldError
 
 
+class ContextLengthError(InvalidFieldError):
+    """The prompt, or the prompt and max_tokens, exceed the max model length (INVALID_ARGUMENT; the HTTP
+    door's `context_length_exceeded`)."""
+
+
 class UnavailableError(RouterError):
     """No worker can serve the request, or its worker died (UNAVAILABLE)."""
 

@@ -27,7 +27,7 @@ from hybridgate.config import check_settings, setting
 from hybridgate.models import ChatTemplate, GGUFModel, Tokenizer, load_gguf, model_fingerprint
 from hybridgate.models.chat import ROLES, ChatTemplateError
 from hybridgate.router.client import RateLimitedLog, StateChange, WorkerClient, WorkerDead, ZmqWorkerClient
-from hybridgate.router.errors import FingerprintMismatchError, InvalidRequestError, UnavailableError
+from hybridgate.router.errors import ContextLengthError, FingerprintMismatchError, InvalidRequestError, UnavailableError
 from hybridgate.router.handoff import HandoffMetrics, PauseHook
 from hybridgate.router.placement import Placement, Placer, _Pending
 from hybridgate.router.policy import POLICIES, make_policy
@@ -97,8 +97,22 @@ class RouterConfig:
         None, "TPOT objective of the cost policy, seconds (default: 3 x the fastest unloaded decode step)",
         flag="--tpot-slo", low=0, low_open=True)
 
+    chat_template: str | None = setting(
+        None, "a file holding a Jinja chat template to render chats with instead of the model's own "
+              "(tokenizer.chat_template)")
+
     def __post_init__(self) -> None:
         check_settings(self)
+
+
+def read_chat_template(path: str | None) -> str | None:
+    """The text of the --chat-template file (None: the model's own). Raises ValueError naming the flag."""
+    if path is None:
+        return None
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--chat-template: cannot read {path}: {exc}") from None
 
 
 class Router:
@@ -129,7 +143,7 @@ class Router:
         self.model = model if isinstance(model, GGUFModel) else load_gguf(model)
         self.config = config or RouterConfig()
         self.tokenizer = Tokenizer.from_model(self.model)
-        self.chat_template = ChatTemplate(self.tokenizer)
+        self.chat_template = ChatTemplate(self.tokenizer, read_chat_template(self.config.chat_template))
         self.fingerprint = model_fingerprint(self.model)
         self.max_model_len = min(self.config.max_model_len or 1 << 62, self.model.config.max_model_len)
         self.clients = [ZmqWorkerClient(c, dead_after_s=self.config.dead_after_s) if isinstance(c, str) else c
@@ -318,11 +332,11 @@ class Router:
         """(max_tokens, seed) for this request, checked against the model length."""
         n, limit = len(prompt_ids), self.max_model_len
         if n >= limit:
-            raise InvalidRequestError("prompt", f"{n} tokens, but the max model length is {limit} tokens "
+            raise ContextLengthError("prompt", f"{n} tokens, but the max model length is {limit} tokens "
                                       "(prompt and output together)")
         max_tokens = params.max_tokens or min(limit - n, DEFAULT_MAX_TOKENS_CAP)
         if n + max_tokens > limit:
-            raise InvalidRequestError("max_tokens", f"prompt ({n} tokens) + max_tokens ({max_tokens}) = "
+            raise ContextLengthError("max_tokens", f"prompt ({n} tokens) + max_tokens ({max_tokens}) = "
                                       f"{n + max_tokens} exceeds the max model length of {limit} tokens")
         seed = params.seed if params.seed is not None else secrets.randbits(64)
         return max_tokens, seed

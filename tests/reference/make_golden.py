@@ -11,6 +11,10 @@ Takes about two minutes on 2 cores. Writes:
 - logits.npz: last-position fp32 logits for short prompts, one prompt of more
   than 2048 tokens and 4 prompts of different lengths.
 - greedy.json: greedy ids for the chats of GREEDY_CASES.
+- logprobs.json: for the greedy answer of the "france" chat, per generated
+  token: its log-probability (float64 log-softmax of the fp32 logits at the
+  position before it) and the 5 most likely ids with theirs
+  (`--only logprobs` writes this file alone).
 - tiny.npz: last-position logits of tiny random GGUF files (tiny_gguf.py) with
   several head / KV-head counts, and a checksum of their weights.
 - versions.json: the versions and the model file's sha256 that produced them.
@@ -153,6 +157,18 @@ def greedy_golden(tok, model) -> dict:
     return out
 
 
+def logprobs_golden(model, greedy: dict) -> dict:
+    case = greedy["france"]
+    prompt, ids = case["prompt_ids"], case["ids"]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + ids])).logits[0].double()  # [positions, vocab]
+    lp = torch.log_softmax(logits[len(prompt) - 1 : len(prompt) + len(ids) - 1], dim=-1)
+    top = torch.topk(lp, 5, dim=-1)
+    return {"case": "france", "prompt_ids": prompt, "ids": ids,
+            "logprobs": [float(lp[i, t]) for i, t in enumerate(ids)],
+            "top_ids": top.indices.tolist(), "top_logprobs": top.values.tolist()}
+
+
 def weights_checksum(path: Path) -> str:
     import gguf
 
@@ -205,9 +221,14 @@ def main() -> None:
     GOLDEN.mkdir(parents=True, exist_ok=True)
     tok, plain, model = load_reference(path)
     dump = lambda name, obj: (GOLDEN / name).write_text(json.dumps(obj, ensure_ascii=False, indent=1) + "\n")
+    if sys.argv[1:] == ["--only", "logprobs"]:
+        dump("logprobs.json", logprobs_golden(model, json.loads((GOLDEN / "greedy.json").read_text())))
+        return
     dump("tokenizer.json", tokenizer_golden(tok, plain))
     dump("chat.json", chat_golden(tok))
-    dump("greedy.json", greedy_golden(tok, model))
+    greedy = greedy_golden(tok, model)
+    dump("greedy.json", greedy)
+    dump("logprobs.json", logprobs_golden(model, greedy))
     np.savez_compressed(GOLDEN / "logits.npz", **logits_golden(tok, model))
     np.savez_compressed(GOLDEN / "tiny.npz", **tiny_golden())
     dump("versions.json", versions(path))

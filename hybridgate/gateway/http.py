@@ -1,0 +1,367 @@
+"""The OpenAI-compatible HTTP door: a FastAPI app over the same `Router`, served by uvicorn on the
+gateway's own event loop beside grpc.aio.
+
+Endpoints: POST /v1/chat/completions and /v1/completions (JSON, or server-sent
+events with `stream`), GET /v1/models, GET /health (200 only while a worker is
+READY and the gateway is not draining), GET /metrics (the gateway's Prometheus
+registry), POST /tokenize and /detokenize (vLLM's shapes), and the schema at
+/openapi.json. Shapes follow the OpenAI API reference; errors are the envelope
+{"error": {"message", "type", "param", "code"}} with the status from the one
+table in `hybridgate.gateway.errors`, never a traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import socket
+import time
+
+import anyio
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hybridgate.gateway import openai_api as api
+from hybridgate.gateway.admission import Admission
+from hybridgate.gateway.errors import HTTP_OF, ROUTER_ERRORS, status_of
+from hybridgate.gateway.metrics import GatewayMetrics
+from hybridgate.gateway.openai_format import ChoiceState, Formatter
+from hybridgate.models.chat import ChatTemplateError
+from hybridgate.router import ResourceExhaustedError, Router
+from hybridgate.router.errors import ContextLengthError
+from hybridgate.router.router import DEFAULT_MAX_TOKENS_CAP
+from hybridgate.wire import InvalidFieldError
+
+log = logging.getLogger("hybridgate.gateway")
+
+
+class ApiError(Exception):
+    """An answer other than 200: HTTP status, OpenAI type, message, param, code; `headers` (Retry-After)."""
+
+    def __init__(self, status: int, kind: str, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.param, self.code, self.headers = status, kind, param, code, headers or {}
+
+    def envelope(self) -> dict:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.envelope(), status_code=self.status, headers=self.headers)
+
+
+def api_error(exc: BaseException, body=None, retry_ms: int | None = None) -> ApiError:
+    """The HTTP answer to a router error, through the one gRPC table."""
+    status, kind = HTTP_OF.get(status_of(exc), (500, "server_error"))
+    if isinstance(exc, InvalidFieldError):
+        param = api.param_of(exc.field, body) if body is not None else exc.field
+        code = "context_length_exceeded" if isinstance(exc, ContextLengthError) else None
+        return ApiError(status, kind, str(exc), param, code)
+    headers = {"Retry-After": str(max(1, math.ceil(retry_ms / 1e3)))} if retry_ms is not None and status == 429 else None
+    return ApiError(status, kind, str(exc), headers=headers)
+
+
+class OpenAIApp:
+    """The app and its handlers; `draining` turns /health to 503 while `serve` drains both doors."""
+
+    def __init__(self, router: Router, metrics: GatewayMetrics, admission: Admission, model_names: tuple[str, ...]):
+        self.router, self.metrics, self.admission = router, metrics, admission
+        self.model_names = model_names
+        self.draining = False
+        self.format = Formatter(router, model_names[0])
+        self.app = self._build()
+
+    def _build(self) -> FastAPI:
+        app = FastAPI(title="hybridgate", summary="OpenAI-compatible API of a hybridgate gateway",
+                      docs_url=None, redoc_url=None)
+        app.add_exception_handler(ApiError, lambda request, exc: exc.response())
+        app.add_exception_handler(RequestValidationError, self._on_validation_error)
+        app.add_exception_handler(StarletteHTTPException, self._on_http_error)
+        app.add_exception_handler(Exception, self._on_unexpected)
+        app.post("/v1/chat/completions")(self.chat)
+        app.post("/v1/completions")(self.completions)
+        app.get("/v1/models")(self.models)
+        app.get("/health")(self.health)
+        app.get("/metrics")(self.prometheus)
+        app.post("/tokenize")(self.tokenize)
+        app.post("/detokenize")(self.detokenize)
+        return app
+
+    # --- errors ----------------------------------------------------------------------------
+
+    @staticmethod
+    async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        if first.get("type") == "json_invalid":
+            return ApiError(400, "invalid_request_error", "the request body is not valid JSON").response()
+        param = ".".join(loc) or None
+        message = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid request body")
+        return ApiError(400, "invalid_request_error", message, param).response()
+
+    @staticmethod
+    async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return ApiError(exc.status_code, kind, str(exc.detail)).response()
+
+    @staticmethod
+    async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("HTTP %s %s failed", request.method, request.url.path)
+        return ApiError(500, "server_error", f"internal error ({type(exc).__name__})").response()
+
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.model_names:
+            raise ApiError(404, "invalid_request_error", f"The model `{name}` does not exist; this server serves "
+                           f"{', '.join(self.model_names)}", "model", "model_not_found")
+
+    # --- the plain endpoints -------------------------------------------------------------------
+
+    async def models(self) -> dict:
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": self.format.created, "owned_by": "hybridgate",
+             "root": self.model_names[0], "max_model_len": self.router.max_model_len} for name in self.model_names]}
+
+    async def health(self) -> Response:
+        ok = self.router.ready and not self.draining
+        return Response(status_code=200 if ok else 503)
+
+    async def prometheus(self) -> Response:
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def tokenize(self, body: api.TokenizeRequest) -> dict:
+        self._check_model(body.model)
+        try:
+            if body.messages is not None:
+                try:
+                    ids = self.router.chat_template.encode(api.chat_messages(body), body.add_generation_prompt)
+                except ChatTemplateError as exc:
+                    raise InvalidFieldError("messages", str(exc)) from None
+            elif body.prompt is not None:
+                ids = self.router.tokenizer.encode(body.prompt)
+            else:
+                raise InvalidFieldError("prompt", "give prompt or messages")
+        except InvalidFieldError as exc:
+            raise api_error(exc) from None
+        return {"count": len(ids), "max_model_len": self.router.max_model_len, "tokens": ids}
+
+    async def detokenize(self, body: api.DetokenizeRequest) -> dict:
+        self._check_model(body.model)
+        vocab = self.router.tokenizer.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(400, "invalid_request_error", f"tokens: every id must be in [0, {vocab}), got {bad[0]}",
+                           "tokens")
+        return {"prompt": self.router.tokenizer.decode(body.tokens)}
+
+    # --- generation ------------------------------------------------------------------------------
+
+    async def chat(self, body: api.ChatCompletionRequest, request: Request) -> Response:
+        def prepare():
+            messages = api.chat_messages(body)
+            return [messages], api.chat_logprobs_count(body)
+
+        return await self._generate(body, request, prepare, chat=True)
+
+    async def completions(self, body: api.CompletionRequest, request: Request) -> Response:
+        def prepare():
+            prompts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
+            if not 1 <= len(prompts) <= api.MAX_CHOICES:
+                raise InvalidFieldError("prompt", f"a list of 1 to {api.MAX_CHOICES} prompts, got {len(prompts)}")
+            return prompts, body.logprobs
+
+        return await self._generate(body, request, prepare, chat=False)
+
+    async def _generate(self, body, request: Request, prepare, chat: bool) -> Response:
+        api.unknown_fields.note(body)
+        self._check_model(body.model)
+        try:
+            api.refuse_unsupported(body)
+            prompts, logprobs = prepare()
+            base = api.sampling_params(body, logprobs)
+            states = []
+            for p, prompt in enumerate(prompts):
+                for i in range(body.n):
+                    params = base if base.seed is None else _with_seed(base, base.seed + i)
+                    stream = self.router.generate(prompt, params, label=body.user or "")
+                    states.append(ChoiceState(p * body.n + i, stream, p))
+        except InvalidFieldError as exc:
+            raise api_error(exc, body) from None
+        cost = len(states) * (base.max_tokens or DEFAULT_MAX_TOKENS_CAP)
+        if not self.admission.try_enter(cost):
+            self.metrics.rejected.labels("max_inflight_requests").inc()
+            raise api_error(ResourceExhaustedError(
+                f"the gateway holds {self.admission.limit} requests, its limit (--max-inflight-requests)"),
+                retry_ms=self.admission.pushback_ms())
+        run = _Run(self, states)
+        try:
+            await run.enter()
+        except BaseException as exc:
+            await run.close()
+            self.admission.leave(cost)
+            if isinstance(exc, ResourceExhaustedError):
+                self.metrics.rejected.labels(exc.reason).inc()
+            if isinstance(exc, ROUTER_ERRORS):
+                raise api_error(exc, body, self.admission.pushback_ms()) from None
+            raise
+        kind = "chat" if chat else "text"
+        if not body.stream:
+            try:
+                await run.finish()
+                return JSONResponse(self.format.whole(kind, states, body))
+            except ROUTER_ERRORS as exc:
+                raise api_error(exc, body, self.admission.pushback_ms()) from None
+            finally:
+                await run.close()
+                self.admission.leave(cost)
+        return StreamingResponse(self._sse(run, kind, body, cost), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    async def _sse(self, run: _Run, kind: str, body, cost: int):
+        """The event stream; leaving it early (the client went away) aborts every choice on its worker."""
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        chunks = self.format.chunks(kind, run.states, body, include_usage)
+        try:
+            for chunk in chunks.opening():
+                yield chunk
+            async for state, delta in run.deltas():
+                for chunk in chunks.delta(state, delta):
+                    yield chunk
+            for chunk in chunks.closing():
+                yield chunk
+        except ROUTER_ERRORS as exc:
+            yield chunks.error(api_error(exc, body).envelope())
+        finally:
+            # Starlette cancels this generator's task when the client disconnects, and its cancel scope
+            # cancels every await after that too: the aborts must go out all the same.
+            with anyio.CancelScope(shield=True):
+                await run.close()
+            self.admission.leave(cost)
+
+
+def _with_seed(params, seed: int):
+    import msgspec
+
+    return msgspec.structs.replace(params, seed=seed)
+
+
+class _Run:
+    """The streams of one HTTP request's choices: entered together, read as one merged sequence of deltas."""
+
+    def __init__(self, door: OpenAIApp, states: list[ChoiceState]):
+        self.door, self.states = door, states
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []
+
+    async def enter(self) -> None:
+        """Tokenize, check and place every choice; raise the first error (nothing is left running then)."""
+        for s in self.states:
+            await s.stream.__aenter__()
+            s.entered = True
+        self._tasks = [asyncio.create_task(self._pump(s)) for s in self.states]
+
+    async def _pump(self, state: ChoiceState) -> None:
+        metrics, start = self.door.metrics, state.started
+        try:
+            async for delta in state.stream:
+                now = time.monotonic()
+                if state.first_at is None:
+                    state.first_at = now
+                    metrics.ttft.observe(now - start)
+                self.door.admission.streamed(len(delta.token_ids))
+                if delta.finish_reason is not None:
+                    metrics.e2e.observe(now - start)
+                    metrics.success.labels(delta.finish_reason.name.lower()).inc()
+                self._queue.put_nowait((state, delta))
+        except BaseException as exc:
+            self._queue.put_nowait((state, exc))
+            if not isinstance(exc, Exception):
+                raise
+
+    async def deltas(self):
+        """(state, delta) of every choice as they come, until each has finished; raises a choice's error."""
+        left = len(self.states)
+        while left:
+            state, item = await self._queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            state.add(item)
+            if item.finish_reason is not None:
+                left -= 1
+            yield state, item
+
+    async def finish(self) -> None:
+        async for _ in self.deltas():
+            pass
+
+    async def close(self) -> None:
+        """Cancel what still runs and leave every entered stream (which aborts it on its worker)."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for s in self.states:
+            if s.entered:
+                s.entered = False
+                if s.finish is None:  # the client went away, or a sibling choice failed
+                    self.door.metrics.success.labels("abort").inc()
+                with contextlib.suppress(Exception):
+                    await s.stream.__aexit__(None, None, None)
+
+
+class _NoSignals(uvicorn.Server):
+    """uvicorn without its own signal handlers: `serve` drains both doors on SIGINT/SIGTERM."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+    def install_signal_handlers(self) -> None:  # uvicorn before 0.29
+        pass
+
+
+class HttpDoor:
+    """The app on a socket bound at construction (port 0: a free one; `port` is the bound one).
+
+    Raises OSError naming --host and --http-port when the address cannot be bound.
+    """
+
+    def __init__(self, app: FastAPI, host: str, port: int, grace_s: float, reuse_port: bool = False):
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        try:
+            self.sock.bind((host, port))
+        except OSError as exc:
+            self.sock.close()
+            raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (--host, --http-port)") from None
+        self.port = self.sock.getsockname()[1]
+        config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=max(grace_s, 0.1), loop="none", http="h11")
+        self.server = _NoSignals(config)
+        uvicorn_log = logging.getLogger("uvicorn.error")
+        if uvicorn_log.level == logging.NOTSET:  # its start and stop lines say nothing serve does not
+            uvicorn_log.setLevel(logging.WARNING)
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self.server.serve(sockets=[self.sock]))
+        while not self.server.started:
+            if self._task.done():
+                self._task.result()
+                raise OSError("the HTTP server stopped while starting (--http-port)")
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        """Stop accepting; requests in flight get the grace period to finish."""
+        if self._task is None:
+            return
+        self.server.should_exit = True
+        await asyncio.gather(self._task, return_exceptions=True)
+

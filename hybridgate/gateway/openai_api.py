@@ -1,0 +1,190 @@
+"""The OpenAI API's request bodies (pydantic) and their conversion to the router's values.
+
+Fields follow the OpenAI API reference (Chat Completions, Completions) and the
+extensions vLLM users rely on (top_k, min_p, repetition_penalty,
+stop_token_ids, ignore_eos, skip_special_tokens). A field outside the API is
+ignored, as vLLM does (and logged once per name); a field of the API that is
+not supported here (tools, functions, logit_bias, response_format other than
+text, echo, suffix) is refused naming it, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from hybridgate.wire import MAX_SEED, InvalidFieldError, SamplingParams
+
+log = logging.getLogger("hybridgate.gateway")
+
+MAX_CHOICES = 16
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class ContentPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class _Sampling(_Body):
+    """The fields both endpoints share."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    logit_bias: dict[str, float] | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
+class _Unknown:
+    """Names of fields outside the API, each logged once per process."""
+
+    def __init__(self) -> None:
+        self.seen: set[str] = set()
+
+    def note(self, body: BaseModel, prefix: str = "") -> None:
+        for name in body.model_extra or {}:
+            if prefix + name not in self.seen:
+                self.seen.add(prefix + name)
+                log.warning("ignoring the request field %r: it is not part of the OpenAI API this gateway serves "
+                            "(logged once)", prefix + name)
+
+
+unknown_fields = _Unknown()
+
+
+def refuse_unsupported(body: _Sampling) -> None:
+    """Raise InvalidFieldError naming the first field of the API that is set but not supported."""
+    if body.logit_bias:
+        raise InvalidFieldError("logit_bias", "is not supported by this server")
+    if isinstance(body, ChatCompletionRequest):
+        for name in ("tools", "functions"):
+            if getattr(body, name):
+                raise InvalidFieldError(name, "tool and function calling are not supported by this server")
+        kind = (body.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise InvalidFieldError("response_format", f"only type 'text' is supported, got {kind!r}")
+    else:
+        if body.echo:
+            raise InvalidFieldError("echo", "is not supported by this server")
+        if body.suffix:
+            raise InvalidFieldError("suffix", "is not supported by this server")
+
+
+def chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
+    """The messages as the router takes them: string content; text parts joined with newlines, as vLLM."""
+    out = []
+    for i, m in enumerate(body.messages):
+        if isinstance(m.content, list):
+            texts = []
+            for j, part in enumerate(m.content):
+                if part.type != "text" or part.text is None:
+                    raise InvalidFieldError(f"messages[{i}].content[{j}].type",
+                                            f"only text parts are supported, got {part.type!r}")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        else:
+            content = m.content or ""
+        out.append({"role": m.role, "content": content})
+    return out
+
+
+def sampling_params(body: _Sampling, logprobs: int | None) -> SamplingParams:
+    """The router's parameters for one choice (choice i's seed is the caller's: seed + i).
+
+    Raises InvalidFieldError naming the API field (n, seed; the rest are checked by the router).
+    """
+    if not 1 <= body.n <= MAX_CHOICES:
+        raise InvalidFieldError("n", f"must be in [1, {MAX_CHOICES}], got {body.n}")
+    if body.seed is not None and not 0 <= body.seed <= MAX_SEED - (body.n - 1):
+        raise InvalidFieldError("seed", f"must be in [0, 2**64 - n], got {body.seed}")
+    max_tokens = body.max_tokens
+    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
+        max_tokens = body.max_completion_tokens  # it wins over the deprecated max_tokens
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    given = {k: v for k, v in dict(
+        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+        presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty).items() if v is not None}
+    return SamplingParams(max_tokens=max_tokens, seed=body.seed, stop=stop, ignore_eos=body.ignore_eos,
+                          skip_special_tokens=body.skip_special_tokens,
+                          stop_token_ids=tuple(body.stop_token_ids or ()), logprobs=logprobs, **given)
+
+
+def chat_logprobs_count(body: ChatCompletionRequest) -> int | None:
+    """How many alternatives each token's logprobs carry (None: no logprobs)."""
+    if body.top_logprobs is not None and not body.logprobs:
+        raise InvalidFieldError("top_logprobs", "needs logprobs: true")
+    return (body.top_logprobs or 0) if body.logprobs else None
+
+
+def param_of(field: str, body: _Sampling) -> str:
+    """The API's name of a router field: the chat API calls the alternatives top_logprobs, and
+    max_completion_tokens when that was the field given."""
+    if isinstance(body, ChatCompletionRequest):
+        if field == "logprobs":
+            return "top_logprobs"
+        if field == "max_tokens" and body.max_completion_tokens is not None:
+            return "max_completion_tokens"
+    return field

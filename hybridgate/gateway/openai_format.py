@@ -1,0 +1,170 @@
+"""Responses and stream chunks of the OpenAI API, built from the router's deltas.
+
+Shapes as the OpenAI API reference shows them: `chat.completion` and
+`chat.completion.chunk` (the first delta of each choice carries
+`role: "assistant"`, no later one does), `text_completion` for both forms of
+completions; each choice's last chunk carries its `finish_reason`, once; with
+`stream_options.include_usage` every chunk has `usage: null` and one last chunk
+has the usage and `choices: []`. Server-sent events are `data: {json}\\n\\n`,
+the last `data: [DONE]\\n\\n`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import msgspec
+
+from hybridgate.router import Delta, GenerationStream, Router
+from hybridgate.router.stream import Usage
+from hybridgate.wire import FinishReason, TokenLogprobs
+
+_FINISH = {FinishReason.STOP: "stop", FinishReason.EOS: "stop", FinishReason.LENGTH: "length",
+           FinishReason.ABORT: "abort"}
+_ENCODE = msgspec.json.Encoder().encode
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj) -> bytes:
+    return b"data: " + _ENCODE(obj) + b"\n\n"
+
+
+@dataclass
+class ChoiceState:
+    """One choice of a request: its stream and what it has produced."""
+
+    index: int
+    stream: GenerationStream
+    prompt_index: int = 0
+    entered: bool = False
+    started: float = field(default_factory=time.monotonic)
+    first_at: float | None = None
+    texts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    offset: int = 0  # characters of text already streamed (completions' text_offset)
+    finish: FinishReason | None = None
+    usage: Usage | None = None
+
+    def add(self, delta: Delta) -> None:
+        self.texts.append(delta.text)
+        self.logprobs.extend(delta.logprobs)
+        if delta.finish_reason is not None:
+            self.finish, self.usage = delta.finish_reason, delta.usage
+
+
+class Formatter:
+    """Builds the bodies for one served model name; token strings come from the router's tokenizer."""
+
+    def __init__(self, router: Router, model_name: str):
+        self.router, self.model_name = router, model_name
+        self.created = int(time.time())
+        self.fingerprint = "fp_" + router.fingerprint[:12]
+
+    def _token(self, token_id: int) -> tuple[str, list[int]]:
+        raw = self.router.tokenizer.token_bytes[token_id]
+        return raw.decode("utf-8", errors="replace"), list(raw)
+
+    def chat_logprobs(self, ids: list[int], lps: list[TokenLogprobs]) -> dict:
+        content = []
+        for tid, lp in zip(ids, lps):
+            text, raw = self._token(tid)
+            top = [dict(zip(("token", "bytes"), self._token(i)), logprob=v) for i, v in zip(lp.top_ids, lp.top_logprobs)]
+            content.append({"token": text, "logprob": lp.logprob, "bytes": raw, "top_logprobs": top})
+        return {"content": content}
+
+    def text_logprobs(self, ids: list[int], lps: list[TokenLogprobs], offset: int) -> dict:
+        tokens, offsets = [], []
+        for tid in ids:
+            text = self._token(tid)[0]
+            tokens.append(text)
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps], "text_offset": offsets,
+                "top_logprobs": [{self._token(i)[0]: v for i, v in zip(lp.top_ids, lp.top_logprobs)} for lp in lps]}
+
+    def usage(self, states: list[ChoiceState]) -> dict:
+        """Prompt tokens once per prompt (as OpenAI counts them with n > 1), completion tokens of every choice."""
+        firsts = {s.prompt_index: s for s in reversed(states) if s.usage is not None}
+        prompt = sum(s.usage.prompt_tokens for s in firsts.values())
+        completion = sum(s.usage.completion_tokens for s in states if s.usage is not None)
+        cached = sum(s.usage.cached_tokens for s in firsts.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def _head(self, kind: str, rid: str, chunk: bool) -> dict:
+        obj = ("chat.completion.chunk" if chunk else "chat.completion") if kind == "chat" else "text_completion"
+        return {"id": rid, "object": obj, "created": int(time.time()), "model": self.model_name,
+                "system_fingerprint": self.fingerprint}
+
+    def whole(self, kind: str, states: list[ChoiceState], body) -> dict:
+        """The non-streamed response of finished choices."""
+        choices = []
+        for s in states:
+            ids = [t for t in s.stream.ids]
+            text = "".join(s.texts)
+            want = bool(s.stream.params.logprobs is not None)
+            if kind == "chat":
+                choices.append({"index": s.index, "message": {"role": "assistant", "content": text},
+                                "logprobs": self.chat_logprobs(ids, s.logprobs) if want else None,
+                                "finish_reason": _FINISH.get(s.finish, "stop")})
+            else:
+                choices.append({"index": s.index, "text": text,
+                                "logprobs": self.text_logprobs(ids, s.logprobs, 0) if want else None,
+                                "finish_reason": _FINISH.get(s.finish, "stop")})
+        prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+        return {**self._head(kind, prefix + uuid.uuid4().hex, False), "choices": choices, "usage": self.usage(states)}
+
+    def chunks(self, kind: str, states: list[ChoiceState], body, include_usage: bool) -> Chunks:
+        return Chunks(self, kind, states, include_usage)
+
+
+class Chunks:
+    """The server-sent events of one streamed request."""
+
+    def __init__(self, fmt: Formatter, kind: str, states: list[ChoiceState], include_usage: bool):
+        self.fmt, self.kind, self.states, self.include_usage = fmt, kind, states, include_usage
+        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+
+    def _chunk(self, choices: list[dict]) -> bytes:
+        obj = {**self.fmt._head(self.kind, self.id, True), "choices": choices}
+        if self.include_usage:
+            obj["usage"] = None
+        return sse(obj)
+
+    def opening(self) -> list[bytes]:
+        """Chat: each choice's first delta, the assistant role (content empty); completions: nothing."""
+        if self.kind != "chat":
+            return []
+        return [self._chunk([{"index": s.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}]) for s in self.states]
+
+    def delta(self, state: ChoiceState, delta: Delta) -> list[bytes]:
+        finish = _FINISH.get(delta.finish_reason) if delta.finish_reason is not None else None
+        want = state.stream.params.logprobs is not None
+        if not delta.text and finish is None and not (want and delta.token_ids):
+            return []
+        ids = delta.token_ids[: len(delta.logprobs)]
+        if self.kind == "chat":
+            choice = {"index": state.index, "delta": {"content": delta.text} if delta.text else {},
+                      "logprobs": self.fmt.chat_logprobs(ids, list(delta.logprobs)) if want else None,
+                      "finish_reason": finish}
+        else:
+            choice = {"index": state.index, "text": delta.text,
+                      "logprobs": self.fmt.text_logprobs(ids, list(delta.logprobs), state.offset) if want else None,
+                      "finish_reason": finish}
+            state.offset += sum(len(self.fmt._token(t)[0]) for t in ids)
+        return [self._chunk([choice])]
+
+    def closing(self) -> list[bytes]:
+        out = []
+        if self.include_usage:
+            out.append(sse({**self.fmt._head(self.kind, self.id, True), "choices": [],
+                            "usage": self.fmt.usage(self.states)}))
+        out.append(DONE)
+        return out
+
+    def error(self, envelope: dict) -> bytes:
+        """An error after the stream began: one event with the error envelope, then [DONE]."""
+        return sse(envelope) + DONE
