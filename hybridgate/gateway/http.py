@@ -20,8 +20,9 @@ import socket
 import time
 
 import anyio
+import grpc
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -29,6 +30,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybridgate.gateway import openai_api as api
 from hybridgate.gateway.admission import Admission
+from hybridgate.gateway.auth import HEADER as AUTH_HEADER
+from hybridgate.gateway.auth import bearer_ok
 from hybridgate.gateway.errors import HTTP_OF, ROUTER_ERRORS, status_of
 from hybridgate.gateway.metrics import GatewayMetrics
 from hybridgate.gateway.openai_format import ChoiceState, Formatter
@@ -70,8 +73,10 @@ def api_error(exc: BaseException, body=None, retry_ms: int | None = None) -> Api
 class OpenAIApp:
     """The app and its handlers; `draining` turns /health to 503 while `serve` drains both doors."""
 
-    def __init__(self, router: Router, metrics: GatewayMetrics, admission: Admission, model_names: tuple[str, ...]):
+    def __init__(self, router: Router, metrics: GatewayMetrics, admission: Admission, model_names: tuple[str, ...],
+                 auth_token: str | None = None):
         self.router, self.metrics, self.admission = router, metrics, admission
+        self.auth_token = auth_token  # GatewayConfig.auth_token: every endpoint but /health wants it (None: off)
         self.model_names = model_names
         self.draining = False
         self.format = Formatter(router, model_names[0])
@@ -79,7 +84,7 @@ class OpenAIApp:
 
     def _build(self) -> FastAPI:
         app = FastAPI(title="hybridgate", summary="OpenAI-compatible API of a hybridgate gateway",
-                      docs_url=None, redoc_url=None)
+                      docs_url=None, redoc_url=None, dependencies=[Depends(self._authenticate)])
         app.add_exception_handler(ApiError, lambda request, exc: exc.response())
         app.add_exception_handler(RequestValidationError, self._on_validation_error)
         app.add_exception_handler(StarletteHTTPException, self._on_http_error)
@@ -114,6 +119,14 @@ class OpenAIApp:
     async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("HTTP %s %s failed", request.method, request.url.path)
         return ApiError(500, "server_error", f"internal error ({type(exc).__name__})").response()
+
+    async def _authenticate(self, request: Request) -> None:
+        """401 unless the bearer token is the configured one (hybridgate.gateway.auth); /health is open."""
+        if request.url.path != "/health" and not bearer_ok(self.auth_token, request.headers.get(AUTH_HEADER)):
+            status, kind = HTTP_OF[grpc.StatusCode.UNAUTHENTICATED]
+            raise ApiError(status, kind, "a valid `Authorization: Bearer <token>` header is required "
+                           "(the gateway's --auth-token)", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name not in self.model_names:

@@ -101,7 +101,10 @@ class GenerationService(pb_grpc.GenerationServicer):
         except ROUTER_ERRORS as exc:
             outcome.status = status_of(exc)
             await context.abort(outcome.status, str(exc))
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
+            # grpc.aio cancels the call's task wherever it waits: inside this generator (the
+            # router's queue: CancelledError) or in its own write of the last response, after
+            # which the suspended generator is closed (GeneratorExit at the `yield`).
             outcome.status = grpc.StatusCode.CANCELLED
             raise
         finally:

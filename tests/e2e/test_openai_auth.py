@@ -1,0 +1,59 @@
+"""End to end: the HTTP API behind --auth-token-file (one serve with a CPU worker), and a taken --http-port."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from conftest import TIME_FACTOR
+from procs import HYBRIDGATE, Serve
+
+TOKEN = "s3cret-token-for-tests"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, model_path):
+    folder = tmp_path_factory.mktemp("auth")
+    token_file = folder / "token"
+    token_file.write_text(TOKEN + "\n")
+    os.chmod(token_file, 0o600)
+    proc = Serve(folder / "serve.log", "--auth-token-file", str(token_file))
+    yield proc
+    assert proc.stop() == 0, proc.text()
+
+
+def sdk(server, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.http_url + "/v1", api_key=key, max_retries=0, timeout=60 * TIME_FACTOR)
+
+
+def test_a_missing_or_wrong_token_is_401(server):
+    for key in ("wrong-token", ""):
+        with pytest.raises(openai.AuthenticationError) as e:
+            sdk(server, key).models.list()
+        assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
+    with pytest.raises(urllib.error.HTTPError) as e:  # no Authorization header at all
+        urllib.request.urlopen(server.http_url + "/v1/models", timeout=30)
+    assert e.value.code == 401 and e.value.headers["WWW-Authenticate"] == "Bearer"
+    assert urllib.request.urlopen(server.http_url + "/health", timeout=30).status == 200  # health stays open
+
+
+def test_the_right_token_is_served(server):
+    r = sdk(server, TOKEN).chat.completions.create(model="SmolLM2-135M-Instruct-Q4_1", temperature=0, max_tokens=3,
+                                                  messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert r.choices[0].message.content == "The capital of"
+
+
+def test_a_taken_http_port_fails_at_once_naming_the_flag():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run([HYBRIDGATE, "serve", "--port", "0", "--http-port", str(port)], capture_output=True,
+                             text=True, timeout=60 * TIME_FACTOR)
+    assert out.returncode != 0 and "--http-port" in out.stderr and f"127.0.0.1:{port}" in out.stderr, out.stderr
