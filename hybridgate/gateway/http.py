@@ -42,6 +42,7 @@ from hybridgate.router.router import DEFAULT_MAX_TOKENS_CAP
 from hybridgate.wire import InvalidFieldError
 
 log = logging.getLogger("hybridgate.gateway")
+request_log = logging.getLogger("hybridgate.requests")
 
 
 class ApiError(Exception):
@@ -74,8 +75,9 @@ class OpenAIApp:
     """The app and its handlers; `draining` turns /health to 503 while `serve` drains both doors."""
 
     def __init__(self, router: Router, metrics: GatewayMetrics, admission: Admission, model_names: tuple[str, ...],
-                 auth_token: str | None = None):
+                 auth_token: str | None = None, log_requests: bool = False):
         self.router, self.metrics, self.admission = router, metrics, admission
+        self.log_requests = log_requests  # one line per finished choice on `hybridgate.requests`, as gRPC's
         self.auth_token = auth_token  # GatewayConfig.auth_token: every endpoint but /health wants it (None: off)
         self.model_names = model_names
         self.draining = False
@@ -322,8 +324,20 @@ class _Run:
                 s.entered = False
                 if s.finish is None:  # the client went away, or a sibling choice failed
                     self.door.metrics.success.labels("abort").inc()
+                if self.door.log_requests:
+                    self._log(s)
                 with contextlib.suppress(Exception):
                     await s.stream.__aexit__(None, None, None)
+
+
+    @staticmethod
+    def _log(s: ChoiceState) -> None:
+        stream, now = s.stream, time.monotonic()
+        ttft = f"{(s.first_at - s.started) * 1e3:.1f}" if s.first_at is not None else "-"
+        request_log.info("request id=%s label=%r door=http choice=%d prompt_tokens=%d completion_tokens=%d "
+                         "ttft_ms=%s total_ms=%.1f finish_reason=%s", stream.request_id, stream.label, s.index,
+                         len(stream.prompt_ids), len(stream.ids), ttft, (now - s.started) * 1e3,
+                         s.finish.name.lower() if s.finish is not None else "abort")
 
 
 class _NoSignals(uvicorn.Server):

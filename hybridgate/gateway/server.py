@@ -102,7 +102,8 @@ class Gateway:
         self.http: HttpDoor | None = None
         if config.http_port is not None:  # bound now, so a taken port fails before anything starts
             names = config.served_model_name or (service.model_id,)
-            self.openai = OpenAIApp(router, self.metrics, service.admission, names, config.auth_token)
+            self.openai = OpenAIApp(router, self.metrics, service.admission, names, config.auth_token,
+                                    config.log_requests)
             self.http = HttpDoor(self.openai.app, config.host, config.http_port, config.grace_s, reuse_port)
         if config.log_requests:  # the request log shows at any --log-level
             logging.getLogger("hybridgate.requests").setLevel(logging.INFO)

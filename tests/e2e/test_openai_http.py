@@ -32,7 +32,8 @@ AFTER_ABORT = "hybridgate:engine_tokens_after_abort_total"
 def server(tmp_path_factory, model_path):
     proc = Serve(tmp_path_factory.mktemp("openai") / "serve.log", "--cpu-workers", "0", "--gpu-workers", "1",
                  "--served-model-name", MODEL, "--served-model-name", "alias",
-                 "--max-inflight-requests", str(INFLIGHT), "--grace-period", str(30 * TIME_FACTOR))
+                 "--max-inflight-requests", str(INFLIGHT), "--grace-period", str(30 * TIME_FACTOR),
+                 "--log-requests")
     yield proc
     assert proc.stop() == 0, proc.text()
 
@@ -150,7 +151,7 @@ def test_stop_strings_stop_ids_and_max_completion_tokens(client):
         ("The capital of France", "stop", 4)
 
 
-def test_logprobs_equal_the_references_log_softmax(client, tokenizer):
+def test_logprobs_equal_the_references_log_softmax(server, client, tokenizer):
     r = client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=32, logprobs=True,
                                        top_logprobs=5)
     content = r.choices[0].logprobs.content
@@ -162,7 +163,14 @@ def test_logprobs_equal_the_references_log_softmax(client, tokenizer):
         assert values == sorted(values, reverse=True) and got.top_logprobs[0].bytes == got.bytes  # greedy: the top one
         assert max(abs(a - b) for a, b in zip(values, top_lps)) < 1e-3
         assert [t.bytes for t in got.top_logprobs] == [list(tokenizer.token_bytes[i]) for i in top_ids]
-    # the completions form, and the raw log-probabilities are the same at another temperature
+    # the gRPC door carries the same numbers (GenerateResponse.logprobs, one per token id)
+    msgs = list(stub(server.target).Generate(pb.GenerateRequest(
+        chat=pb.Chat(messages=[pb.ChatMessage(role="user", content=FRANCE)]), max_tokens=32, temperature=0, logprobs=3)))
+    lps = [lp for m in msgs for lp in m.logprobs]
+    assert len(lps) == sum(len(m.token_ids) for m in msgs) == len(LOGPROBS["ids"])
+    assert all(abs(a.logprob - b) < 1e-3 and [t.token_id for t in a.top] == ids[:3]
+               for a, b, ids in zip(lps, LOGPROBS["logprobs"], LOGPROBS["top_ids"]))
+    # the completions form
     text = client.completions.create(model=MODEL, prompt=tokenizer.decode(LOGPROBS["prompt_ids"]), temperature=0,
                                      max_tokens=3, logprobs=2)
     lp = text.choices[0].logprobs
@@ -213,6 +221,12 @@ def test_unknown_fields_are_ignored_and_logged_once(server, client):
                                            extra_body={"made_up_field": 1})
         assert r.choices[0].message.content == "The capital"
     assert server.text().count("'made_up_field'") == 1
+
+
+def test_the_user_field_is_the_request_label_in_the_log(server, client):
+    client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=2, user="user-label-7")
+    line = server.wait_for(r"request id=\S+ label='user-label-7' door=http .*\n").group(0)
+    assert f"prompt_tokens={len(GREEDY['prompt_ids'])} completion_tokens=2 " in line and "finish_reason=length" in line
 
 
 def test_full_gateway_is_429_with_retry_after(server, client):
