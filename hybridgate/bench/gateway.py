@@ -145,7 +145,7 @@ class _Gateway:
     """`hybridgate gateway` as a child process; `target` once it says READY."""
 
     def __init__(self, model: str, endpoint: str, timeout_s: float, gateways: int = 1):
-        cmd = [sys.executable, "-m", "hybridgate.cli", "gateway", "--model", model, "--port", "0",
+        cmd = [sys.executable, "-m", "hybridgate.cli", "gateway", "--model", model, "--port", "0", "--http-port", "0",
                "--worker", endpoint, "--worker-startup-timeout", str(timeout_s), "--gateways", str(gateways)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []

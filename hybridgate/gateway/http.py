@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP door: a FastAPI app over the same `Router`, served by uvicorn on the
-gateway's own event loop beside grpc.aio.
+gateway's own event loop beside grpc.aio (hybridgate.gateway.http_server).
 
 Endpoints: POST /v1/chat/completions and /v1/completions (JSON, or server-sent
 events with `stream`), GET /v1/models, GET /health (200 only while a worker is
@@ -16,12 +16,11 @@ import asyncio
 import contextlib
 import logging
 import math
-import socket
 import time
 
 import anyio
 import grpc
-import uvicorn
+import msgspec
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -227,20 +226,22 @@ class OpenAIApp:
         kind = "chat" if chat else "text"
         if not body.stream:
             try:
-                await run.finish()
-                return JSONResponse(self.format.whole(kind, states, body))
+                if not await _unless_disconnected(run.finish(), request):
+                    return Response(status_code=499)  # nobody reads it: the choices were aborted
+                return JSONResponse(self.format.whole(kind, states))
             except ROUTER_ERRORS as exc:
                 raise api_error(exc, body, self.admission.pushback_ms()) from None
             finally:
                 await run.close()
                 self.admission.leave(cost)
-        return StreamingResponse(self._sse(run, kind, body, cost), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        run.cost = cost
+        return _EventStream(self._sse(run, kind, body), run.release, media_type="text/event-stream",
+                            headers={"Cache-Control": "no-cache"})
 
-    async def _sse(self, run: _Run, kind: str, body, cost: int):
+    async def _sse(self, run: _Run, kind: str, body):
         """The event stream; leaving it early (the client went away) aborts every choice on its worker."""
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = self.format.chunks(kind, run.states, body, include_usage)
+        chunks = self.format.chunks(kind, run.states, include_usage)
         try:
             for chunk in chunks.opening():
                 yield chunk
@@ -252,17 +253,46 @@ class OpenAIApp:
         except ROUTER_ERRORS as exc:
             yield chunks.error(api_error(exc, body).envelope())
         finally:
-            # Starlette cancels this generator's task when the client disconnects, and its cancel scope
-            # cancels every await after that too: the aborts must go out all the same.
-            with anyio.CancelScope(shield=True):
-                await run.close()
-            self.admission.leave(cost)
+            await run.release()
+
+
+async def _unless_disconnected(work, request: Request) -> bool:
+    """Run `work` to its end (True), or stop it when the client disconnects first (False)."""
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(watch, return_exceptions=True)
+    if task.cancelled():
+        return False
+    task.result()
+    return True
 
 
 def _with_seed(params, seed: int):
-    import msgspec
-
     return msgspec.structs.replace(params, seed=seed)
+
+
+class _EventStream(StreamingResponse):
+    """A StreamingResponse that runs `release` however it ends: also when the client went away before
+    the body was first read (then the body's generator never started, so its `finally` cannot)."""
+
+    def __init__(self, content, release, **kwargs):
+        super().__init__(content, **kwargs)
+        self._release = release
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._release()
 
 
 class _Run:
@@ -270,8 +300,21 @@ class _Run:
 
     def __init__(self, door: OpenAIApp, states: list[ChoiceState]):
         self.door, self.states = door, states
+        self.cost = 0  # admission slot's max_tokens, given back by `release` (streams)
+        self._released = False
         self._queue: asyncio.Queue = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
+
+    async def release(self) -> None:
+        """Close the streams and give the admission slot back, once. Starlette cancels a streamed body's
+        task when the client disconnects, and its cancel scope cancels every await after that too:
+        the aborts must go out all the same, so this is shielded."""
+        if self._released:
+            return
+        self._released = True
+        with anyio.CancelScope(shield=True):
+            await self.close()
+        self.door.admission.leave(self.cost)
 
     async def enter(self) -> None:
         """Tokenize, check and place every choice; raise the first error (nothing is left running then)."""
@@ -338,57 +381,3 @@ class _Run:
                          "ttft_ms=%s total_ms=%.1f finish_reason=%s", stream.request_id, stream.label, s.index,
                          len(stream.prompt_ids), len(stream.ids), ttft, (now - s.started) * 1e3,
                          s.finish.name.lower() if s.finish is not None else "abort")
-
-
-class _NoSignals(uvicorn.Server):
-    """uvicorn without its own signal handlers: `serve` drains both doors on SIGINT/SIGTERM."""
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        yield
-
-    def install_signal_handlers(self) -> None:  # uvicorn before 0.29
-        pass
-
-
-class HttpDoor:
-    """The app on a socket bound at construction (port 0: a free one; `port` is the bound one).
-
-    Raises OSError naming --host and --http-port when the address cannot be bound.
-    """
-
-    def __init__(self, app: FastAPI, host: str, port: int, grace_s: float, reuse_port: bool = False):
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.sock = socket.socket(family, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if reuse_port:
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        try:
-            self.sock.bind((host, port))
-        except OSError as exc:
-            self.sock.close()
-            raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (--host, --http-port)") from None
-        self.port = self.sock.getsockname()[1]
-        config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=max(grace_s, 0.1), loop="none", http="h11")
-        self.server = _NoSignals(config)
-        uvicorn_log = logging.getLogger("uvicorn.error")
-        if uvicorn_log.level == logging.NOTSET:  # its start and stop lines say nothing serve does not
-            uvicorn_log.setLevel(logging.WARNING)
-        self._task: asyncio.Task | None = None
-
-    async def start(self) -> None:
-        self._task = asyncio.create_task(self.server.serve(sockets=[self.sock]))
-        while not self.server.started:
-            if self._task.done():
-                self._task.result()
-                raise OSError("the HTTP server stopped while starting (--http-port)")
-            await asyncio.sleep(0.01)
-
-    async def stop(self) -> None:
-        """Stop accepting; requests in flight get the grace period to finish."""
-        if self._task is None:
-            return
-        self.server.should_exit = True
-        await asyncio.gather(self._task, return_exceptions=True)
-

@@ -98,11 +98,11 @@ class Formatter:
         return {"id": rid, "object": obj, "created": int(time.time()), "model": self.model_name,
                 "system_fingerprint": self.fingerprint}
 
-    def whole(self, kind: str, states: list[ChoiceState], body) -> dict:
+    def whole(self, kind: str, states: list[ChoiceState]) -> dict:
         """The non-streamed response of finished choices."""
         choices = []
         for s in states:
-            ids = [t for t in s.stream.ids]
+            ids = list(s.stream.ids)
             text = "".join(s.texts)
             want = bool(s.stream.params.logprobs is not None)
             if kind == "chat":
@@ -116,7 +116,7 @@ class Formatter:
         prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
         return {**self._head(kind, prefix + uuid.uuid4().hex, False), "choices": choices, "usage": self.usage(states)}
 
-    def chunks(self, kind: str, states: list[ChoiceState], body, include_usage: bool) -> Chunks:
+    def chunks(self, kind: str, states: list[ChoiceState], include_usage: bool) -> Chunks:
         return Chunks(self, kind, states, include_usage)
 
 

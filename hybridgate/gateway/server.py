@@ -18,7 +18,8 @@ from prometheus_client import start_http_server
 
 from hybridgate.config import check_settings, setting
 from hybridgate.gateway.auth import check_token
-from hybridgate.gateway.http import HttpDoor, OpenAIApp
+from hybridgate.gateway.http import OpenAIApp
+from hybridgate.gateway.http_server import HttpDoor
 from hybridgate.keys import read_secret_file
 from hybridgate.gateway.metrics import GatewayMetrics
 from hybridgate.gateway.service import GenerationService

@@ -264,6 +264,16 @@ def test_a_client_that_goes_away_aborts_its_request(server):
     assert metrics(server.metrics_url).get(aborted, 0) > before.get(aborted, 0)
 
 
+def test_a_client_that_goes_away_before_a_whole_answer_aborts_it(server):
+    conn = http.client.HTTPConnection(urllib.parse.urlsplit(server.http_url).netloc, timeout=60 * TIME_FACTOR)
+    conn.request("POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": "Once upon a time",
+                 "max_tokens": 2000, "ignore_eos": True}), {"Content-Type": "application/json"})
+    wait_metric(server.metrics_url, "hybridgate:num_requests_running{}", lambda v: v == 1, timeout=30)
+    conn.close()
+    wait_metric(server.metrics_url, "hybridgate:num_requests_running{}", lambda v: v == 0, timeout=30)
+    wait_metric(server.metrics_url, "hybridgate:kv_cache_bytes{}", lambda v: v == 0, timeout=30)
+
+
 def test_models_health_metrics_openapi_tokenize(server):
     conn = http.client.HTTPConnection(urllib.parse.urlsplit(server.http_url).netloc, timeout=30 * TIME_FACTOR)
 

@@ -75,13 +75,13 @@ def test_one_table_answers_both_doors():
     assert HTTP_OF[status_of(UnavailableError("none"))][0] == 503
 
 
-def test_chat_template_file_changes_the_rendered_prompt(tmp_path, model_path, tokenizer):
+def test_chat_template_file_changes_the_rendered_prompt(tmp_path, gguf_model, tokenizer):
     template = tmp_path / "plain.jinja"
     template.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}ASSISTANT:")
     settings = resolve(build_parser().parse_args(["serve", "--chat-template", str(template)])).settings
     assert settings.router.chat_template == str(template)
-    ids = Router(model_path, [], settings.router).tokenize(CHAT)
+    ids = Router(gguf_model, [], settings.router).tokenize(CHAT)
     assert tokenizer.decode(ids) == "[user] What is the capital of France?\nASSISTANT:"
-    assert Router(model_path, [], RouterConfig()).tokenize(CHAT) == golden_json("greedy.json")["france"]["prompt_ids"]
+    assert Router(gguf_model, [], RouterConfig()).tokenize(CHAT) == golden_json("greedy.json")["france"]["prompt_ids"]
     with pytest.raises(ValueError, match="--chat-template"):
-        Router(model_path, [], RouterConfig(chat_template=str(tmp_path / "missing.jinja")))
+        Router(gguf_model, [], RouterConfig(chat_template=str(tmp_path / "missing.jinja")))

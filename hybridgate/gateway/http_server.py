@@ -1,0 +1,64 @@
+"""The HTTP door's server: uvicorn on the gateway's own event loop, on a socket bound before anything starts."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+
+import uvicorn
+
+
+class _NoSignals(uvicorn.Server):
+    """uvicorn without its own signal handlers: `serve` drains both doors on SIGINT/SIGTERM."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+    def install_signal_handlers(self) -> None:  # uvicorn before 0.29
+        pass
+
+
+class HttpDoor:
+    """An ASGI `app` on a socket bound at construction (port 0: a free one; `port` is the bound one).
+
+    Raises OSError naming --host and --http-port when the address cannot be bound.
+    """
+
+    def __init__(self, app, host: str, port: int, grace_s: float, reuse_port: bool = False):
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        try:
+            self.sock.bind((host, port))
+        except OSError as exc:
+            self.sock.close()
+            raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (--host, --http-port)") from None
+        self.port = self.sock.getsockname()[1]
+        config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=max(grace_s, 0.1), loop="none", http="h11")
+        self.server = _NoSignals(config)
+        uvicorn_log = logging.getLogger("uvicorn.error")
+        if uvicorn_log.level == logging.NOTSET:  # its start and stop lines say nothing serve does not
+            uvicorn_log.setLevel(logging.WARNING)
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self.server.serve(sockets=[self.sock]))
+        while not self.server.started:
+            if self._task.done():
+                self._task.result()
+                raise OSError("the HTTP server stopped while starting (--http-port)")
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        """Stop accepting; requests in flight get the grace period to finish."""
+        if self._task is None:
+            return
+        self.server.should_exit = True
+        await asyncio.gather(self._task, return_exceptions=True)
+
