@@ -269,7 +269,7 @@ async def _unless_disconnected(work, request: Request) -> bool:
         watch.cancel()
         if not task.done():
             task.cancel()
-        await asyncio.gather(watch, return_exceptions=True)
+        await asyncio.gather(task, watch, return_exceptions=True)
     if task.cancelled():
         return False
     task.result()
