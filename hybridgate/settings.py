@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from hybridgate.config import check_settings, setting
 from hybridgate.gateway.server import GatewayConfig
+from hybridgate.keys import TransportConfig
 from hybridgate.redisconf import RedisConfig
 from hybridgate.router.router import RouterConfig
 from hybridgate.serve import LayoutConfig
@@ -35,6 +36,7 @@ class Settings:
     layout: LayoutConfig = field(default_factory=LayoutConfig)
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
     redis: RedisConfig = field(default_factory=RedisConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -58,11 +60,12 @@ class Selection:
 
 # `serve` sets each worker's kind and endpoint itself; `gateway` connects to running workers.
 COMMANDS: dict[str, Selection] = {
-    "serve": Selection(("model", "gateway", "router", "worker", "layout", "supervisor"),
+    "serve": Selection(("model", "gateway", "router", "worker", "layout", "supervisor", "transport"),
                        exclude=("worker.kind", "worker.endpoint", "worker.name", "layout.worker_endpoints",
                                 "router.wait_for_workers", "worker.advertise", "redis")),
-    "gateway": Selection(("model", "gateway", "router", "layout.worker_endpoints", "layout.gateways", "redis")),
-    "worker": Selection(("model", "worker", "redis"), required=("worker.endpoint",)),
+    "gateway": Selection(("model", "gateway", "router", "layout.worker_endpoints", "layout.gateways", "redis",
+                          "transport")),
+    "worker": Selection(("model", "worker", "redis", "transport"), required=("worker.endpoint",)),
     "config": Selection(("",)),
     "info": Selection(("model",)),
     "bench engine": Selection(("model", "worker.kind", "worker.engine.threads", "worker.engine.device",

@@ -17,8 +17,9 @@ from prometheus_client import start_http_server
 
 from hybridgate.config import check_settings, setting
 from hybridgate.gateway.auth import check_token
-from hybridgate.keys import read_secret_file
+from hybridgate.keys import check_secret_mode, read_secret_file
 from hybridgate.gateway.metrics import GatewayMetrics
+from hybridgate.gateway.security import BearerInterceptor, server_credentials
 from hybridgate.gateway.service import GenerationService
 from hybridgate.router import Router
 from hybridgate.v1 import generation_pb2 as pb
@@ -53,6 +54,11 @@ class GatewayConfig:
         secret=True, check=check_token)
     auth_token_file: str | None = setting(
         None, "read the bearer token from this file (mode 0600 or narrower; surrounding whitespace dropped)")
+    tls_cert: str | None = setting(None, "serve gRPC over TLS with this PEM certificate chain (with --tls-key)")
+    tls_key: str | None = setting(None, "the PEM private key of --tls-cert (mode 0600 or narrower)")
+    tls_client_ca: str | None = setting(
+        None, "mutual TLS: PEM CA certificates that clients' certificates must chain to; a client without "
+              "one is refused in the handshake (needs --tls-cert)")
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -65,6 +71,12 @@ class GatewayConfig:
             except ValueError as exc:
                 raise ValueError(f"--auth-token-file: the token in {self.auth_token_file} {exc}") from None
             object.__setattr__(self, "auth_token", token)  # resolved once here: every door reads auth_token
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("--tls-cert and --tls-key: give both or neither")
+        if self.tls_key:
+            check_secret_mode(self.tls_key, "--tls-key")  # refused before anything starts
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("--tls-client-ca: mutual TLS needs TLS on the port (--tls-cert and --tls-key)")
 
 
 class Gateway:
@@ -80,7 +92,10 @@ class Gateway:
         self.metrics = GatewayMetrics(lambda: router.clients, wire_errors=lambda: router.wire_errors,
                                       handoff=lambda: router.handoff_metrics, redis_up=router.redis_up)
         self.health = health.aio.HealthServicer()
-        self.server = grpc.aio.server(options=[
+        credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca) \
+            if config.tls_cert else None  # read before anything binds: a bad file fails at once
+        interceptors = [BearerInterceptor(config.auth_token)] if config.auth_token else []
+        self.server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             # A second server on a taken port fails instead of sharing it; `serve --gateways N` shares
@@ -99,7 +114,9 @@ class Gateway:
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
         with _fd2_captured() as core_log:
             try:
-                self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+                address = f"{config.host}:{config.port}"
+                self.port = self.server.add_secure_port(address, credentials) if credentials is not None \
+                    else self.server.add_insecure_port(address)
             except RuntimeError:  # grpc's "Failed to bind"
                 self.port = 0
         if self.port == 0:
