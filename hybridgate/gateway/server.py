@@ -128,6 +128,7 @@ class Gateway:
         sys.stderr.write(core_log[0])
         self.metrics_port: int | None = None
         self._httpd = None
+        self._lag_task: asyncio.Task | None = None
 
     async def start(self) -> None:
         """Serve metrics, then gRPC. Raises OSError naming the flag when the metrics port is taken
@@ -143,6 +144,7 @@ class Gateway:
             self.metrics_port = httpd.server_port
             self._httpd = httpd
         await self.server.start()
+        self._lag_task = asyncio.get_running_loop().create_task(self.metrics.watch_loop_lag())
 
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -157,8 +159,10 @@ class Gateway:
         """Health NOT_SERVING, then in-flight streams get `grace_s` to finish."""
         await self.set_serving(False)
         await self.server.stop(self.config.grace_s)
-        if self._httpd is not None:
-            self._httpd.shutdown()
+        if self._lag_task is not None:
+            self._lag_task.cancel()
+        if self._httpd is not None:  # its serve_forever polls every 0.5 s: wait for it off the loop
+            await asyncio.to_thread(self._httpd.shutdown)
 
 
 @contextlib.contextmanager

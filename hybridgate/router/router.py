@@ -31,6 +31,7 @@ from hybridgate.router.errors import FingerprintMismatchError, InvalidRequestErr
 from hybridgate.router.handoff import HandoffMetrics, PauseHook
 from hybridgate.router.placement import Placement, Placer, _Pending
 from hybridgate.router.policy import POLICIES, make_policy
+from hybridgate.router.prompts import PromptEncoder
 from hybridgate.router.registry import RedisRegistry
 from hybridgate.router.stream import GenerationStream, Stalled, WorkerAvailable
 from hybridgate.wire import (
@@ -83,6 +84,10 @@ class RouterConfig:
     handoff_stall_s: float = setting(
         2.0, "seconds a gap in a hand-off's token indexes may stay open before its worker counts as lost",
         low=0, low_open=True)
+    prompt_processes: int = setting(
+        2, "processes that render and tokenize prompts over 8192 characters off the event loop, started on "
+           "first use at a lower priority; 0: a thread instead (which still stalls the loop about 150 ms per MiB)",
+        low=0)
     handoff_answer_s: float = setting(
         10.0, "seconds a hand-off waits for the CPU worker's answer to a reservation or an import before it runs "
               "on the GPU worker instead", low=0, low_open=True)
@@ -131,6 +136,9 @@ class Router:
         self.tokenizer = Tokenizer.from_model(self.model)
         self.chat_template = ChatTemplate(self.tokenizer)
         self.fingerprint = model_fingerprint(self.model)
+        self.prompts = PromptEncoder(str(self.model.path), self.tokenize, lambda m: InvalidRequestError("messages", m),
+                                     self.config.prompt_processes)
+        self._longest_token = max(map(len, self.tokenizer.token_bytes), default=1)
         self.max_model_len = min(self.config.max_model_len or 1 << 62, self.model.config.max_model_len)
         self.clients = [ZmqWorkerClient(c, dead_after_s=self.config.dead_after_s) if isinstance(c, str) else c
                         for c in clients]
@@ -188,6 +196,7 @@ class Router:
         if self.registry is not None:
             await self.registry.close()
         await asyncio.gather(*(c.close() for c in self.clients), return_exceptions=True)
+        self.prompts.close()
 
     async def add_client(self, client: WorkerClient) -> None:
         """A worker joins while the router runs (the registry found it); placement sees it once READY."""
@@ -287,11 +296,13 @@ class Router:
             size = len(prompt.encode("utf-8"))
             if size > MAX_PROMPT_BYTES:
                 raise InvalidRequestError("prompt", f"at most 1 MiB ({MAX_PROMPT_BYTES} bytes), got {size} bytes")
+            self._check_bound(size)
             return
         if not prompt:
             raise InvalidRequestError("messages", "at least one message is required")
         if not any(isinstance(m.get("content"), str) and m["content"].strip() for m in prompt):
             raise InvalidRequestError("messages", "every message content is empty")
+        total = 0
         for i, m in enumerate(prompt):
             if m.get("role") not in ROLES:
                 raise InvalidRequestError(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {m.get('role')!r}")
@@ -301,6 +312,18 @@ class Router:
             size = len(content.encode("utf-8"))
             if size > MAX_PROMPT_BYTES:
                 raise InvalidRequestError(f"messages[{i}].content", f"at most 1 MiB ({MAX_PROMPT_BYTES} bytes), got {size} bytes")
+            total += size
+        self._check_bound(total)
+
+    def _check_bound(self, size: int) -> None:
+        """A prompt of `size` bytes has at least size / (the longest token's bytes) tokens, since a
+        byte-level BPE token stands for at most that many bytes: one certain to exceed the model
+        length is refused before seconds of tokenizing."""
+        fewest = -(-size // self._longest_token)
+        if fewest >= self.max_model_len:
+            raise InvalidRequestError("prompt", f"{size} bytes are at least {fewest} tokens (no token of this model "
+                                      f"is longer than {self._longest_token} bytes), but the max model length is "
+                                      f"{self.max_model_len} tokens (prompt and output together)")
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

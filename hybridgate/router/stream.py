@@ -34,7 +34,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("hybridgate.router")
 
-_LARGE_PROMPT_CHARS = 1 << 16  # tokenize off the event loop above this
 
 
 @dataclass(frozen=True)
@@ -144,8 +143,9 @@ class GenerationStream:
 
     async def __aenter__(self) -> GenerationStream:
         self._arrival = time.monotonic()
-        big = isinstance(self.prompt, str) and len(self.prompt) > _LARGE_PROMPT_CHARS
-        self.prompt_ids = await asyncio.to_thread(self.router.tokenize, self.prompt) if big else self.router.tokenize(self.prompt)
+        ids = await self.router.prompts.encode(self.prompt)  # a large one off the event loop
+        # An array of ids is converted only when it can run: resolve() refuses a longer one by its length.
+        self.prompt_ids = ids if isinstance(ids, list) or len(ids) >= self.router.max_model_len else ids.tolist()
         self.max_tokens, self.seed = self.router.resolve(self.prompt_ids, self.params)
         self._first_placement()
         return self

@@ -206,7 +206,7 @@ def test_mutual_tls_refuses_a_client_without_a_certificate(deployment):
 def test_a_curve_worker_ignores_a_gateway_without_its_key(deployment):
     # A and M hold the key and are READY on the worker (the fixture waited); W (another key) and P
     # (plaintext) have been connecting all along: give them a few more seconds, then look.
-    time.sleep(3 * TIME_FACTOR)
+    time.sleep(1.0 * TIME_FACTOR)
     for target in (deployment["w"], deployment["p"]):
         with grpc.insecure_channel(target) as channel:
             info = pb_grpc.GenerationStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=10 * TIME_FACTOR)
