@@ -101,6 +101,14 @@ def add_gateway_parser(sub) -> None:
                    help="the instant worker's step time in ms (default 0: steps back to back)")
     p.add_argument("--startup-timeout", type=bounded(float, 0, low_open=True), default=120.0,
                    help="seconds for the worker and gateway to be READY (default 120)")
+    p.add_argument("--tls", action="store_true",
+                   help="also run each concurrency against a second gateway with TLS (a self-signed certificate) "
+                        "and a bearer token, alternately with plaintext, and report the tokens/s ratio")
+    p.add_argument("--repeats", type=bounded(int, 1), default=3,
+                   help="with --tls: plaintext/TLS run pairs per concurrency, medians reported (default 3)")
+    p.add_argument("--large-chat-bytes", type=bounded(int, 0, 1 << 20), default=0,
+                   help="during each run, send chat requests of this many bytes and of half as many, one at a "
+                        "time, and report the gateway's event-loop lag (default 0: none)")
     p.add_argument("--json", default=None, metavar="OUT", help="write the figures to this JSON file")
     p.set_defaults(func=_run_gateway)
 
