@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from hybridgate.config import check_settings, setting
 from hybridgate.gateway.server import GatewayConfig
 from hybridgate.redisconf import RedisConfig
+from hybridgate.router.response_cache import ResponseCacheConfig
 from hybridgate.router.router import RouterConfig
 from hybridgate.serve import LayoutConfig
 from hybridgate.supervise import SupervisorConfig
@@ -35,6 +36,7 @@ class Settings:
     layout: LayoutConfig = field(default_factory=LayoutConfig)
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
     redis: RedisConfig = field(default_factory=RedisConfig)
+    response_cache: ResponseCacheConfig = field(default_factory=ResponseCacheConfig)
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -58,10 +60,11 @@ class Selection:
 
 # `serve` sets each worker's kind and endpoint itself; `gateway` connects to running workers.
 COMMANDS: dict[str, Selection] = {
-    "serve": Selection(("model", "gateway", "router", "worker", "layout", "supervisor"),
+    "serve": Selection(("model", "gateway", "router", "worker", "layout", "supervisor", "response_cache"),
                        exclude=("worker.kind", "worker.endpoint", "worker.name", "layout.worker_endpoints",
                                 "router.wait_for_workers", "worker.advertise", "redis")),
-    "gateway": Selection(("model", "gateway", "router", "layout.worker_endpoints", "layout.gateways", "redis")),
+    "gateway": Selection(("model", "gateway", "router", "layout.worker_endpoints", "layout.gateways", "redis",
+                          "response_cache")),
     "worker": Selection(("model", "worker", "redis"), required=("worker.endpoint",)),
     "config": Selection(("",)),
     "info": Selection(("model",)),

@@ -61,7 +61,8 @@ class Gateway:
     def __init__(self, router: Router, config: GatewayConfig, reuse_port: bool = False):
         self.router, self.config = router, config
         self.metrics = GatewayMetrics(lambda: router.clients, wire_errors=lambda: router.wire_errors,
-                                      handoff=lambda: router.handoff_metrics, redis_up=router.redis_up)
+                                      handoff=lambda: router.handoff_metrics, redis_up=router.redis_up,
+                                      response_cache=router.response_cache)
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
