@@ -128,6 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_handoff_parser(bench_sub)
     add_gateway_parser(bench_sub)
 
+    from hybridgate.health import add_health_parser  # argparse only
+
+    add_health_parser(sub)
+
     info = sub.add_parser("info", help="print a GGUF model's config and fingerprint")
     add_command_settings(info, "info")
     info.set_defaults(func=_cmd_info)
