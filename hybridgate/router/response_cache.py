@@ -156,7 +156,8 @@ class RedisStore:
 
     def __init__(self, redis: RedisConfig, max_bytes: int, ttl_s: float, clock=time.monotonic):
         if not redis.url:
-            raise ValueError("--response-cache redis: needs --redis-url (or use --response-cache memory)")
+            raise ValueError("--response-cache redis: needs --redis-url, a setting of `hybridgate gateway` (under "
+                             "`serve`, use --response-cache memory)")
         self.redis, self.max_bytes, self.ttl_s, self.clock = redis, max_bytes, ttl_s, clock
         self.up: bool | None = None
         self._client = connect(redis)
