@@ -172,14 +172,25 @@ def test_ten_identical_concurrent_requests_cost_one_generation(stack):
 
 def test_cancelling_leader_then_follower_leaves_the_rest_and_last_one_out_aborts(stack):
     gw = stack["gateway"]
-    tokens = 40
+    tokens = 64  # long enough that the followers join while it streams, even on a loaded machine
     req = request("Describe a forest.", max_tokens=tokens, ignore_eos=True)
-    # Call 0 and then call 1 leave after a few messages; whichever arrived first led the flight.
-    results = _concurrent(gw, req, 10, cancel_after={0: 2, 1: 5})
-    assert [code for _, code in results[:2]] == [grpc.StatusCode.CANCELLED] * 2
-    rest = [shape(got) for got, code in results[2:] if code == grpc.StatusCode.OK]
+    coalesced = gw.m("hybridgate:response_cache_coalesced_total{}")
+    leader = gw.stub.Generate(req, timeout=60 * TIME_FACTOR)
+    led = [next(leader)]  # the leader's generation is streaming before any follower arrives
+    followers = [gw.stub.Generate(req, timeout=60 * TIME_FACTOR) for _ in range(9)]
+    got = [[next(f)] for f in followers]  # each has joined the flight
+    assert gw.m("hybridgate:response_cache_coalesced_total{}") - coalesced == 9
+    leader.cancel()  # the leader leaves first ...
+    with pytest.raises(grpc.RpcError) as info:
+        led += list(leader)
+    assert info.value.code() == grpc.StatusCode.CANCELLED
+    got[0] += [next(followers[0]) for _ in range(3)]
+    followers[0].cancel()  # ... then a follower
+    with pytest.raises(grpc.RpcError):
+        list(followers[0])
+    rest = [shape(g + list(f)) for g, f in zip(got[1:], followers[1:])]
     assert len(rest) == 8 and all(s == rest[0] for s in rest) and sum(len(p[2]) for p in rest[0]) == tokens
-    assert shape(results[1][0]) == rest[0][:len(results[1][0])]
+    assert shape(got[0]) == rest[0][:len(got[0])] and shape(led) == rest[0][:len(led)]
 
     before = gw.worker_work()
     long = request("Describe a desert.", max_tokens=2000, ignore_eos=True)
