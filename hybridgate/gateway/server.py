@@ -16,6 +16,8 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from hybridgate.config import check_settings, setting
+from hybridgate.gateway.auth import check_token
+from hybridgate.keys import read_secret_file
 from hybridgate.gateway.metrics import GatewayMetrics
 from hybridgate.gateway.service import GenerationService
 from hybridgate.router import Router
@@ -45,9 +47,24 @@ class GatewayConfig:
     allow_client_routes: bool = setting(
         False, "honour a request's `route` field (gpu, cpu, gpu->cpu): an operator's tool and the tests' handle; "
                "without it a route other than auto is INVALID_ARGUMENT")
+    auth_token: str | None = setting(
+        None, "require `authorization: Bearer TOKEN` on every call but health (UNAUTHENTICATED otherwise); "
+              "prefer --auth-token-file or the variable, since a flag shows in the process list (default: off)",
+        secret=True, check=check_token)
+    auth_token_file: str | None = setting(
+        None, "read the bearer token from this file (mode 0600 or narrower; surrounding whitespace dropped)")
 
     def __post_init__(self) -> None:
         check_settings(self)
+        if self.auth_token_file:
+            token = read_secret_file(self.auth_token_file, "--auth-token-file")
+            if self.auth_token not in (None, "", token):  # equal: a copy made by dataclasses.replace
+                raise ValueError("--auth-token and --auth-token-file: give one of them, not both")
+            try:
+                check_token(token)
+            except ValueError as exc:
+                raise ValueError(f"--auth-token-file: the token in {self.auth_token_file} {exc}") from None
+            object.__setattr__(self, "auth_token", token)  # resolved once here: every door reads auth_token
 
 
 class Gateway:

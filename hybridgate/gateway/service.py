@@ -115,7 +115,10 @@ class GenerationService(pb_grpc.GenerationServicer):
         except tuple(_STATUS_OF) as exc:
             outcome.status = next(c for t, c in _STATUS_OF.items() if isinstance(exc, t))
             await context.abort(outcome.status, str(exc))
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
+            # grpc.aio cancels the call's task wherever it waits: inside this generator (the
+            # router's queue: CancelledError) or in its own write of the last response, after
+            # which the suspended generator is closed (GeneratorExit at the `yield`).
             outcome.status = grpc.StatusCode.CANCELLED
             raise
         finally:
