@@ -137,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     from hybridgate.bench import (  # argparse only
         add_accuracy_parser,
+        add_cache_parser,
         add_engine_parser,
         add_gateway_parser,
         add_handoff_parser,
@@ -146,6 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_accuracy_parser(bench_sub)
     add_handoff_parser(bench_sub)
     add_gateway_parser(bench_sub)
+    add_cache_parser(bench_sub)
+
+    from hybridgate.health import add_health_parser  # argparse only
+
+    add_health_parser(sub)
 
     keys = sub.add_parser("keys", help="CURVE keys for ZeroMQ over tcp")
     keys_sub = keys.add_subparsers(dest="keys", required=True)

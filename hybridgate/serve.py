@@ -107,7 +107,10 @@ async def run_gateway(config: Settings, endpoints: list[str], supervisor: Superv
         from hybridgate.router.registry import RedisRegistry
 
         registry = RedisRegistry(config.redis, dead_after_s=config.router.dead_after_s, transport=transport)
-    router = Router(config.model_path, clients, config.router, registry=registry)
+    from hybridgate.router.response_cache import ResponseCache
+
+    cache = ResponseCache.from_config(config.response_cache, config.redis)
+    router = Router(config.model_path, clients, config.router, registry=registry, response_cache=cache)
     gateway = Gateway(router, config.gateway, reuse_port=reuse_port)
     router.on_ready_change = gateway.on_ready_change
     await gateway.start()

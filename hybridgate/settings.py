@@ -17,6 +17,7 @@ from hybridgate.config import check_settings, setting
 from hybridgate.gateway.server import GatewayConfig
 from hybridgate.keys import TransportConfig
 from hybridgate.redisconf import RedisConfig
+from hybridgate.router.response_cache import ResponseCacheConfig
 from hybridgate.router.router import RouterConfig
 from hybridgate.serve import LayoutConfig
 from hybridgate.supervise import SupervisorConfig
@@ -37,6 +38,7 @@ class Settings:
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
     redis: RedisConfig = field(default_factory=RedisConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
+    response_cache: ResponseCacheConfig = field(default_factory=ResponseCacheConfig)
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -60,11 +62,12 @@ class Selection:
 
 # `serve` sets each worker's kind and endpoint itself; `gateway` connects to running workers.
 COMMANDS: dict[str, Selection] = {
-    "serve": Selection(("model", "gateway", "router", "worker", "layout", "supervisor", "transport"),
+    "serve": Selection(("model", "gateway", "router", "worker", "layout", "supervisor", "response_cache",
+                        "transport"),
                        exclude=("worker.kind", "worker.endpoint", "worker.name", "layout.worker_endpoints",
                                 "router.wait_for_workers", "worker.advertise", "redis")),
     "gateway": Selection(("model", "gateway", "router", "layout.worker_endpoints", "layout.gateways", "redis",
-                          "transport")),
+                          "response_cache", "transport")),
     "worker": Selection(("model", "worker", "redis", "transport"), required=("worker.endpoint",)),
     "config": Selection(("",)),
     "info": Selection(("model",)),
@@ -74,6 +77,7 @@ COMMANDS: dict[str, Selection] = {
     "bench handoff": Selection(("model", "worker.engine.threads", "worker.engine.device",
                                 "worker.engine.kv_cache_memory", "worker.handoff_buffer_memory")),
     "bench gateway": Selection(("model",)),
+    "bench cache": Selection(("model",)),
     "bench accuracy": Selection(("model", "worker.kind", "worker.engine.threads", "worker.engine.device",
                                  "worker.engine.cpu_isa")),
 }

@@ -21,7 +21,8 @@ class GatewayMetrics:
     """Per-request histograms and counters, plus engine counters read from worker clients."""
 
     def __init__(self, clients: Callable[[], Iterable] | None = None, wire_errors: Callable[[], int] | None = None,
-                 handoff: Callable[[], object] | None = None, redis_up: Callable[[], bool | None] | None = None):
+                 handoff: Callable[[], object] | None = None, redis_up: Callable[[], bool | None] | None = None,
+                 response_cache=None):
         self.registry = CollectorRegistry()
         self.ttft = Histogram("hybridgate:time_to_first_token_seconds", "Time to first token (TTFT), seconds.",
                               buckets=_LATENCY_BUCKETS, registry=self.registry)
@@ -52,6 +53,8 @@ class GatewayMetrics:
             self.registry.register(_HandoffRouterCollector(handoff))
         if redis_up is not None:
             self.registry.register(_RedisCollector(redis_up))
+        if response_cache is not None:
+            self.registry.register(_ResponseCacheCollector(response_cache))
 
     async def watch_loop_lag(self, interval_s: float = LAG_INTERVAL_S) -> None:
         """Runs until cancelled: each period, how much later than asked the loop woke this task
@@ -82,6 +85,24 @@ class _RedisCollector:
             return
         yield GaugeMetricFamily("hybridgate:redis_up", "Whether the last Redis call succeeded (1) or not (0).",
                                 value=float(up))
+
+
+class _ResponseCacheCollector:
+    """The response cache's counters (`hybridgate.router.response_cache.ResponseCache`) and the bytes it holds."""
+
+    def __init__(self, cache):
+        self._cache = cache
+
+    def collect(self):
+        c = self._cache
+        yield CounterMetricFamily("hybridgate:response_cache_hits", "Deterministic requests answered by a replay "
+                                  "of a cached answer.", value=c.hits)
+        yield CounterMetricFamily("hybridgate:response_cache_misses", "Deterministic requests that started a "
+                                  "generation (no cached answer, none in flight).", value=c.misses)
+        yield CounterMetricFamily("hybridgate:response_cache_coalesced", "Deterministic requests that joined an "
+                                  "identical generation in flight (single-flight).", value=c.coalesced)
+        yield GaugeMetricFamily("hybridgate:response_cache_bytes", "Bytes of cached answers held (memory), or "
+                                "written by this gateway and not yet expired (redis).", value=c.store.bytes)
 
 
 class _EngineCollector:

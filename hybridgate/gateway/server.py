@@ -90,7 +90,8 @@ class Gateway:
     def __init__(self, router: Router, config: GatewayConfig, reuse_port: bool = False):
         self.router, self.config = router, config
         self.metrics = GatewayMetrics(lambda: router.clients, wire_errors=lambda: router.wire_errors,
-                                      handoff=lambda: router.handoff_metrics, redis_up=router.redis_up)
+                                      handoff=lambda: router.handoff_metrics, redis_up=router.redis_up,
+                                      response_cache=router.response_cache)
         self.health = health.aio.HealthServicer()
         credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca) \
             if config.tls_cert else None  # read before anything binds: a bad file fails at once

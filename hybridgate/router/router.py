@@ -33,6 +33,7 @@ from hybridgate.router.placement import Placement, Placer, _Pending
 from hybridgate.router.policy import POLICIES, make_policy
 from hybridgate.router.prompts import PromptEncoder
 from hybridgate.router.registry import RedisRegistry
+from hybridgate.router.response_cache import ResponseCache
 from hybridgate.router.stream import GenerationStream, Stalled, WorkerAvailable
 from hybridgate.wire import (
     HandoffExported,
@@ -130,6 +131,7 @@ class Router:
         config: RouterConfig | None = None,
         on_ready_change: Callable[[bool], None] | None = None,
         registry: RedisRegistry | None = None,
+        response_cache: ResponseCache | None = None,
     ):
         self.model = model if isinstance(model, GGUFModel) else load_gguf(model)
         self.config = config or RouterConfig()
@@ -144,6 +146,7 @@ class Router:
                         for c in clients]
         self.on_ready_change = on_ready_change or (lambda ready: None)
         self.registry = registry  # workers found in Redis join and leave `clients` while the router runs
+        self.response_cache = response_cache  # deterministic requests: replayed answers, shared generations
         self._streams: dict[str, GenerationStream] = {}  # by the request id on its worker
         self._waiting: dict[str, GenerationStream] = {}  # moved streams waiting for a READY worker
         self._stall_task: asyncio.Task | None = None
@@ -195,6 +198,8 @@ class Router:
             await asyncio.gather(self._stall_task, return_exceptions=True)
         if self.registry is not None:
             await self.registry.close()
+        if self.response_cache is not None:
+            await self.response_cache.close()
         await asyncio.gather(*(c.close() for c in self.clients), return_exceptions=True)
         self.prompts.close()
 
@@ -223,8 +228,12 @@ class Router:
             self.on_ready_change(self._was_ready)
 
     def redis_up(self) -> bool | None:
-        """Whether this router's last Redis call succeeded; None without Redis (the `redis_up` metric)."""
-        return self.registry.up if self.registry is not None else None
+        """Whether the last Redis calls of the registry and the response cache succeeded (False when either
+        failed); None without Redis or before the first call (the `redis_up` metric)."""
+        ups = [self.registry.up if self.registry is not None else None,
+               self.response_cache.up if self.response_cache is not None else None]
+        known = [u for u in ups if u is not None]
+        return all(known) if known else None
 
     @property
     def ready(self) -> bool:
@@ -278,7 +287,11 @@ class Router:
         will wait (a gRPC call's remaining time); a request whose deadline is
         shorter than every plan's predicted TTFT raises `DeadlineExceededError`
         on entry, before any work, and one still waiting on its worker when it
-        passes is dropped there unrun (the same error).
+        passes is dropped there unrun (the same error). With a `response_cache`,
+        a deterministic request (temperature 0 or a seed) gets a
+        `response_cache.CachedStream` (same interface): a stored answer
+        replayed, or a generation shared with identical requests in flight
+        (which runs under the deadline of the request that started it).
         """
         params = (params or SamplingParams()).validate()
         self._check_prompt(prompt)
@@ -286,8 +299,9 @@ class Router:
             raise InvalidRequestError("route", f"must be one of {', '.join(ROUTES)}, got {route!r}")
         if deadline_s is not None and not deadline_s >= 0:
             raise InvalidRequestError("deadline_s", f"must be >= 0 seconds, got {deadline_s}")
-        return GenerationStream(self, prompt, params, label, request_id=uuid.uuid4().hex, route=route,
-                                deadline_s=deadline_s)
+        stream = GenerationStream(self, prompt, params, label, request_id=uuid.uuid4().hex, route=route,
+                                  deadline_s=deadline_s)
+        return self.response_cache.wrap(stream) if self.response_cache is not None else stream
 
     def _check_prompt(self, prompt: Prompt) -> None:
         if isinstance(prompt, str):
