@@ -177,6 +177,9 @@ def test_tls_works_and_plaintext_to_it_fails(deployment):
         with pytest.raises(grpc.RpcError) as info:
             health_pb2_grpc.HealthStub(plain).Check(health_pb2.HealthCheckRequest(), timeout=5 * TIME_FACTOR)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    out = subprocess.run([HYBRIDGATE, "health", "--target", deployment["a"], "--tls-ca", deployment["certs"]["ca"]],
+                         capture_output=True, text=True, timeout=60 * TIME_FACTOR)
+    assert out.returncode == 0 and "SERVING" in out.stdout, out.stdout + out.stderr  # health needs no token
     # `hybridgate generate` over TLS, the token from the environment
     out = subprocess.run([HYBRIDGATE, "generate", "--target", deployment["a"], "--tls-ca", deployment["certs"]["ca"],
                           "--max-tokens", "3", "--ignore-eos", "--temperature", "0", "Hello"],
@@ -213,6 +216,11 @@ def test_a_curve_worker_ignores_a_gateway_without_its_key(deployment):
             assert [w.ready for w in info.workers] == [False], info
             health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=SERVICE))
             assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    # `hybridgate health --worker` (the container health check) probes it with the key, and fails without
+    for extra, code, state in ((("--curve-key", deployment["key"]), 0, "READY"), ((), 1, "CONNECTING")):
+        out = subprocess.run([HYBRIDGATE, "health", "--worker", deployment["endpoint"], "--timeout",
+                              str(2 * TIME_FACTOR), *extra], capture_output=True, text=True, timeout=60 * TIME_FACTOR)
+        assert out.returncode == code and out.stdout.strip().endswith(state), out.stdout + out.stderr
 
 
 def _refused(*args: str) -> str:
