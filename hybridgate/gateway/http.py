@@ -203,7 +203,7 @@ class OpenAIApp:
                 for i in range(body.n):
                     params = base if base.seed is None else _with_seed(base, base.seed + i)
                     stream = self.router.generate(prompt, params, label=body.user or "")
-                    states.append(ChoiceState(p * body.n + i, stream, p))
+                    states.append(ChoiceState(p * body.n + i, stream, p, logprobs is not None, body.user or ""))
         except InvalidFieldError as exc:
             raise api_error(exc, body) from None
         cost = len(states) * (base.max_tokens or DEFAULT_MAX_TOKENS_CAP)
@@ -378,6 +378,6 @@ class _Run:
         stream, now = s.stream, time.monotonic()
         ttft = f"{(s.first_at - s.started) * 1e3:.1f}" if s.first_at is not None else "-"
         request_log.info("request id=%s label=%r door=http choice=%d prompt_tokens=%d completion_tokens=%d "
-                         "ttft_ms=%s total_ms=%.1f finish_reason=%s", stream.request_id, stream.label, s.index,
+                         "ttft_ms=%s total_ms=%.1f finish_reason=%s", stream.request_id, s.label, s.index,
                          len(stream.prompt_ids), len(stream.ids), ttft, (now - s.started) * 1e3,
                          s.finish.name.lower() if s.finish is not None else "abort")

@@ -36,8 +36,10 @@ class ChoiceState:
     """One choice of a request: its stream and what it has produced."""
 
     index: int
-    stream: GenerationStream
+    stream: GenerationStream  # or the response cache's CachedStream (the same interface)
     prompt_index: int = 0
+    logprobs_wanted: bool = False
+    label: str = ""
     entered: bool = False
     started: float = field(default_factory=time.monotonic)
     first_at: float | None = None
@@ -104,7 +106,7 @@ class Formatter:
         for s in states:
             ids = list(s.stream.ids)
             text = "".join(s.texts)
-            want = bool(s.stream.params.logprobs is not None)
+            want = s.logprobs_wanted
             if kind == "chat":
                 choices.append({"index": s.index, "message": {"role": "assistant", "content": text},
                                 "logprobs": self.chat_logprobs(ids, s.logprobs) if want else None,
@@ -142,7 +144,7 @@ class Chunks:
 
     def delta(self, state: ChoiceState, delta: Delta) -> list[bytes]:
         finish = _FINISH.get(delta.finish_reason) if delta.finish_reason is not None else None
-        want = state.stream.params.logprobs is not None
+        want = state.logprobs_wanted
         if not delta.text and finish is None and not (want and delta.token_ids):
             return []
         ids = delta.token_ids[: len(delta.logprobs)]

@@ -121,8 +121,9 @@ class GenerationService(pb_grpc.GenerationServicer):
         one (the router's, arrival to first token), in ms; the placement metrics are counted here."""
         observed_ms = delta.timings.ttft_ms if delta.timings is not None else 0.0
         placement = stream.placement
-        if placement is None:  # a route the client chose (--allow-client-routes): no policy ran
-            return (("hybridgate-plan", stream.plan), ("hybridgate-policy", "client-route"),
+        if placement is None:  # a client's route (--allow-client-routes), or the response cache: no policy ran
+            policy = "response-cache" if stream.plan in ("cache", "coalesced") else "client-route"
+            return (("hybridgate-plan", stream.plan), ("hybridgate-policy", policy),
                     ("hybridgate-observed-ttft-ms", f"{observed_ms:.1f}"))
         self.metrics.observe_placement(placement, observed_ms / 1e3)
         return (("hybridgate-plan", placement.route), ("hybridgate-policy", placement.policy),

@@ -83,3 +83,30 @@ def test_config_printer_masks_the_token():
     for as_json in (False, True):
         text = report(resolved, as_json=as_json)
         assert TOKEN not in text and "<set>" in text
+
+
+def test_curve_keys_round_trip_and_refusals(tmp_path):
+    import zmq.auth
+
+    from hybridgate.keys import Transport, TransportConfig, generate_keys, load_keys
+
+    path = tmp_path / "deploy.key"
+    made = generate_keys(path)
+    assert (path.stat().st_mode & 0o777) == 0o600 and load_keys(str(path)) == made
+    assert zmq.auth.load_certificate(f"{path}.pub") == (made.public, None)  # ZeroMQ's own reader agrees
+    assert made.secret.decode() not in repr(made)
+    with pytest.raises(FileExistsError):
+        generate_keys(path)
+    os.chmod(path, 0o644)
+    with pytest.raises(ValueError, match="has mode 0644"):
+        TransportConfig(curve_key=str(path))
+    bogus = tmp_path / "bogus.key"
+    bogus.write_text("not a key\n")
+    os.chmod(bogus, 0o600)
+    with pytest.raises(ValueError, match="not a CURVE key file|holds no CURVE key pair"):
+        load_keys(str(bogus))
+    plain = Transport(TransportConfig())
+    plain.check("ipc:///tmp/x", "--endpoint")  # ipc needs no keys
+    with pytest.raises(ValueError, match=r"--endpoint tcp://127\.0\.0\.1:5: a tcp endpoint needs CURVE keys"):
+        plain.check("tcp://127.0.0.1:5", "--endpoint")
+    Transport(TransportConfig(insecure_tcp=True)).check("tcp://127.0.0.1:5", "--endpoint")
