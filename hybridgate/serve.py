@@ -125,7 +125,8 @@ async def run_gateway(config: Settings, endpoints: list[str], supervisor: Superv
         (lambda line: log.info("gateway %d: %s", index, line))
     say(f"gRPC on {config.gateway.host}:{gateway.port} (health NOT_SERVING until a worker is up)")
     if gateway.http_port is not None:
-        say(f"OpenAI-compatible HTTP on http://{config.gateway.host}:{gateway.http_port}/v1 "
+        scheme = "https" if config.gateway.tls_cert else "http"
+        say(f"OpenAI-compatible HTTP on {scheme}://{config.gateway.host}:{gateway.http_port}/v1 "
             "(/health 503 until a worker is up)")
     if gateway.metrics_port is not None:
         where = f"http://{config.gateway.host}:{gateway.metrics_port}/metrics"

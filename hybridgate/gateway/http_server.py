@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import ssl
 
 import uvicorn
 
@@ -27,7 +28,8 @@ class HttpDoor:
     Raises OSError naming --host and --http-port when the address cannot be bound.
     """
 
-    def __init__(self, app, host: str, port: int, grace_s: float, reuse_port: bool = False):
+    def __init__(self, app, host: str, port: int, grace_s: float, reuse_port: bool = False,
+                 tls: tuple[str, str, str | None] | None = None):
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -39,8 +41,12 @@ class HttpDoor:
             self.sock.close()
             raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (--host, --http-port)") from None
         self.port = self.sock.getsockname()[1]
+        # tls: (certificate chain, key, client CA or None), the gRPC port's --tls-cert, --tls-key, --tls-client-ca
+        cert, key, client_ca = tls if tls is not None else (None, None, None)
         config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=max(grace_s, 0.1), loop="none", http="h11")
+                                timeout_graceful_shutdown=max(grace_s, 0.1), loop="none", http="h11",
+                                ssl_certfile=cert, ssl_keyfile=key, ssl_ca_certs=client_ca,
+                                ssl_cert_reqs=ssl.CERT_REQUIRED if client_ca else ssl.CERT_NONE)
         self.server = _NoSignals(config)
         uvicorn_log = logging.getLogger("uvicorn.error")
         if uvicorn_log.level == logging.NOTSET:  # its start and stop lines say nothing serve does not

@@ -121,7 +121,8 @@ class Gateway:
             names = config.served_model_name or (service.model_id,)
             self.openai = OpenAIApp(router, self.metrics, service.admission, names, config.auth_token,
                                     config.log_requests)
-            self.http = HttpDoor(self.openai.app, config.host, config.http_port, config.grace_s, reuse_port)
+            tls = (config.tls_cert, config.tls_key, config.tls_client_ca) if config.tls_cert else None
+            self.http = HttpDoor(self.openai.app, config.host, config.http_port, config.grace_s, reuse_port, tls)
         if config.log_requests:  # the request log shows at any --log-level
             logging.getLogger("hybridgate.requests").setLevel(logging.INFO)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -66,7 +66,7 @@ class Serve(Proc):
     def __init__(self, log: Path, *extra: str, env: dict[str, str] | None = None):
         super().__init__(["serve", "--port", "0", "--metrics-port", "0", "--threads", "1", *extra], log, env)
         self.port = int(self.wait_for(r"gRPC on 127\.0\.0\.1:(\d+)").group(1))
-        http = re.search(r"OpenAI-compatible HTTP on (http://\S+)/v1", self.wait_for(r"(OpenAI-compatible HTTP|metrics) on").string)
+        http = re.search(r"OpenAI-compatible HTTP on (https?://\S+)/v1", self.wait_for(r"(OpenAI-compatible HTTP|metrics) on").string)
         self.http_url = http.group(1) if http else None  # the HTTP API's root (None: started without it)
         self.metrics_url = self.wait_for(r"metrics on (http://\S+)").group(1)
         self.wait_for(r"hybridgate: READY")
