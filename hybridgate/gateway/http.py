@@ -317,24 +317,28 @@ class _Run:
         self.door.admission.leave(self.cost)
 
     async def enter(self) -> None:
-        """Tokenize, check and place every choice; raise the first error (nothing is left running then)."""
+        """Tokenize, check and place every choice; raise the first error (nothing is left running then).
+        Several choices are read by one task each into a queue; a single one is read directly (no hop)."""
         for s in self.states:
             await s.stream.__aenter__()
             s.entered = True
-        self._tasks = [asyncio.create_task(self._pump(s)) for s in self.states]
+        if len(self.states) > 1:
+            self._tasks = [asyncio.create_task(self._pump(s)) for s in self.states]
+
+    def _observe(self, state: ChoiceState, delta) -> None:
+        metrics, now = self.door.metrics, time.monotonic()
+        if state.first_at is None:
+            state.first_at = now
+            metrics.ttft.observe(now - state.started)
+        self.door.admission.streamed(len(delta.token_ids))
+        if delta.finish_reason is not None:
+            metrics.e2e.observe(now - state.started)
+            metrics.success.labels(delta.finish_reason.name.lower()).inc()
 
     async def _pump(self, state: ChoiceState) -> None:
-        metrics, start = self.door.metrics, state.started
         try:
             async for delta in state.stream:
-                now = time.monotonic()
-                if state.first_at is None:
-                    state.first_at = now
-                    metrics.ttft.observe(now - start)
-                self.door.admission.streamed(len(delta.token_ids))
-                if delta.finish_reason is not None:
-                    metrics.e2e.observe(now - start)
-                    metrics.success.labels(delta.finish_reason.name.lower()).inc()
+                self._observe(state, delta)
                 self._queue.put_nowait((state, delta))
         except BaseException as exc:
             self._queue.put_nowait((state, exc))
@@ -343,6 +347,13 @@ class _Run:
 
     async def deltas(self):
         """(state, delta) of every choice as they come, until each has finished; raises a choice's error."""
+        if not self._tasks:
+            state = self.states[0]
+            async for delta in state.stream:
+                self._observe(state, delta)
+                state.add(delta)
+                yield state, delta
+            return
         left = len(self.states)
         while left:
             state, item = await self._queue.get()
@@ -371,7 +382,6 @@ class _Run:
                     self._log(s)
                 with contextlib.suppress(Exception):
                     await s.stream.__aexit__(None, None, None)
-
 
     @staticmethod
     def _log(s: ChoiceState) -> None:
