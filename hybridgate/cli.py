@@ -114,19 +114,23 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print each response message as one JSON object per line")
     gen.set_defaults(func=_cmd_generate)
 
-    bench = sub.add_parser("bench", help="benchmarks with side-by-side baselines (engine, accuracy, handoff, gateway)")
+    bench = sub.add_parser("bench", help="benchmarks with side-by-side baselines (engine, accuracy, handoff, gateway, serve, sim)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     from hybridgate.bench import (  # argparse only
         add_accuracy_parser,
         add_engine_parser,
         add_gateway_parser,
         add_handoff_parser,
+        add_serve_parser,
+        add_sim_parser,
     )
 
     add_engine_parser(bench_sub)
     add_accuracy_parser(bench_sub)
     add_handoff_parser(bench_sub)
     add_gateway_parser(bench_sub)
+    add_serve_parser(bench_sub)
+    add_sim_parser(bench_sub)
 
     info = sub.add_parser("info", help="print a GGUF model's config and fingerprint")
     add_command_settings(info, "info")
