@@ -279,7 +279,7 @@ class Bench:
                           capacity_hint: float | None) -> tuple[float | None, list[dict], list[dict]]:
         capacity, cap_runs = None, []
         if self.args.capacity_runs:
-            search = wl.CapacitySearch(capacity_hint or self.start_rate(), self.args.capacity_runs)
+            search = wl.CapacitySearch(self.start_rate(), self.args.capacity_runs)  # one start for every policy
             while (rate := search.next_rate()) is not None:
                 search.record(await self.one_rate(client, rate, f"{label} capacity"))
             capacity, cap_runs = search.capacity, search.runs

@@ -135,6 +135,7 @@ class _Worker:
     running: list = field(default_factory=list)
     blocks_free: int = 0
     busy: bool = False
+    incoming: int = 0  # gpu->cpu sequences placed here and not imported yet (the router counts them as decodes)
     batch: list = field(default_factory=list)  # (seq, tokens) of the step in flight
 
     def __post_init__(self) -> None:
@@ -150,7 +151,7 @@ class _Worker:
         return WorkerLoad(
             index=index, name=f"{p.name}-{index}", kind=p.kind, inflight=len(self.waiting) + len(self.running),
             queued_prefill_tokens=sum(s.remaining for s in (*self.waiting, *self.running) if s.prefilling),
-            waiting=len(self.waiting), decoding=sum(not s.prefilling for s in self.running),
+            waiting=len(self.waiting), decoding=sum(not s.prefilling for s in self.running) + self.incoming,
             blocks_free=self.blocks_free, blocks_total=p.blocks_total, block_size=p.block_size,
             max_num_seqs=p.max_num_seqs, max_num_batched_tokens=p.max_num_batched_tokens,
             prefill_tokens_per_s=p.prefill_tokens_per_s, decode_step_s=p.decode_step_s,
@@ -254,6 +255,7 @@ class Simulation:
         seq = _Seq(outcome, item.prompt_tokens)
         if plan.route == "gpu->cpu":
             seq.handoff_to = plan.workers[1]
+            self.workers[seq.handoff_to].incoming += 1
         worker = self.workers[plan.workers[0]]
         if not cm.fits(loads[plan.workers[0]], item.prompt_tokens + item.max_tokens):
             outcome.ended, outcome.error = True, "RESOURCE_EXHAUSTED"
@@ -297,6 +299,7 @@ class Simulation:
 
     def _import(self, index: int, seq: _Seq) -> None:
         # The CPU worker takes the sequence with its KV: nothing to prefill, its next step decodes it.
+        self.workers[index].incoming -= 1
         self.workers[index].waiting.append(seq)
         self._kick(index)
 
@@ -362,7 +365,7 @@ def run(args) -> dict:
     for layout in layouts:
         out = report["layouts"].setdefault(layout, {"policies": {}})
         for policy in policies:
-            search = wl.CapacitySearch(first_capacity or start, args.capacity_runs)
+            search = wl.CapacitySearch(start, args.capacity_runs)  # one start for all: the same path when equal
             while (rate := search.next_rate()) is not None:
                 search.record(one(layout, policy, rate))
             base = first_capacity or search.capacity

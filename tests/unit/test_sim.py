@@ -44,7 +44,9 @@ def test_cost_keeps_short_requests_off_the_worker_busy_with_a_long_prompt():
     slow = Profile("slow", "cpu", decode_step_s={1: 0.02}, prefill_tokens_per_s={16: 200.0}, blocks_total=1000)
     items = [wl.WorkItem("summary", 4000, 2), wl.WorkItem("short", 20, 4)]
     long_one, short = run([fast, slow], "cost", items, [0.0, 0.01])
-    assert long_one.plan == "gpu" and short.plan == "cpu"  # 0.99 s of queue on the fast one > 0.1 s here
+    # The summary prefills on the fast prefiller and its one more token decodes on the CPU worker (no GPU decode
+    # slot held); the short one avoids the 0.99 s of queue there: 0.1 s on the CPU worker.
+    assert long_one.plan == "gpu->cpu" and short.plan == "cpu"
     assert short.ttft_s == pytest.approx(20 / 200)
     # least_loaded puts the short one on the idle CPU worker as well, but the long one on the GPU worker
     # only because it comes first; reversed, the summary lands on the slow prefiller.
