@@ -142,6 +142,10 @@ def _add_load_args(p, serve: bool) -> None:
     p.add_argument("--compare-policies", default=None, metavar="P",
                    help="policies to run side by side, comma-separated, e.g. cost,least_loaded"
                         + (" (serve restarts for each)" if serve else "") + " (default: --policy alone)")
+    p.add_argument("--slo-from", default=None, metavar="JSON",
+                   help="take the SLOs from an earlier bench serve or bench sim report (its \"slo\"), so runs judge "
+                        "the same objectives (default: --ttft-slo/--tpot-slo, else 3 x the unloaded figures of the "
+                        "first layout)")
     p.add_argument("--json", default=None, metavar="OUT", help="write the figures to this JSON file")
     p.add_argument("--plot", default=None, metavar="PNG",
                    help="write goodput and p99 TTFT against offered load to this PNG (needs matplotlib)")
@@ -197,9 +201,6 @@ def add_sim_parser(sub) -> None:
                         "h200-llama8b*1+epyc32-llama8b*8; a profile is a JSON file (bench engine --profile-out) or the "
                         "name of a shipped one: smollm2-gpu-t1, smollm2-cpu-t1, smollm2-gpu-t2, smollm2-cpu-t2, "
                         "h200-llama8b, epyc32-llama8b")
-    p.add_argument("--slo-from", default=None, metavar="JSON",
-                   help="take the SLOs from a bench serve report (its \"slo\"), so both judge the same objectives "
-                        "(default: --ttft-slo/--tpot-slo, else 3 x the first layout's unloaded figures)")
     p.set_defaults(func=_run_sim)
 
 

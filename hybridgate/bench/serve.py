@@ -47,7 +47,7 @@ WORDS = ("apple river stone cloud field green music table window garden silver o
          "ocean travel circle wonder pocket candle button dragon flower hammer jacket mirror needle pencil "
          "rocket shadow spider sugar tiger violin wallet zebra basket butter camera coffee dinner energy "
          "finger guitar honey kitten lemon monkey nature number orbit parrot puzzle quiet robot salad").split()
-PROBE_MAX_TOKENS = 16
+PROBE_MAX_TOKENS = 32
 RECOVERY_WINDOW_S = 5.0
 
 
@@ -239,6 +239,8 @@ class Bench:
         else:
             self.items = wl.builtin_items(args.max_requests, args.seed, wl.parse_mix(args.mix))
         self.slo: wl.Slo | None = None
+        if args.slo_from:
+            self.slo = wl.Slo.from_json(json.loads(Path(args.slo_from).read_text())["slo"])
         self.logdir = Path(args.log_dir or tempfile.mkdtemp(prefix="hybridgate-bench-serve-"))
         self.logdir.mkdir(parents=True, exist_ok=True)
 
@@ -257,7 +259,10 @@ class Bench:
             ttft[n], t = await client.probe(n)
             tpot.append(t)
         router = self.settings.router
-        self.slo = wl.Slo(router.ttft_slo_s, router.tpot_slo_s, ttft, min(tpot))
+        self.unloaded = {"ttft_s": {str(k): v for k, v in ttft.items()}, "tpot_s": min(tpot),
+                         "decode_tokens_per_s": 1.0 / min(tpot)}
+        if self.slo is None:
+            self.slo = wl.Slo(router.ttft_slo_s, router.tpot_slo_s, ttft, min(tpot))
         print(f"unloaded: TTFT s by prompt tokens {({k: round(v, 3) for k, v in ttft.items()})}, "
               f"TPOT {min(tpot) * 1e3:.1f} ms", flush=True)
 
@@ -311,9 +316,9 @@ async def _run_layouts(bench: Bench) -> dict:
                                 args.startup_timeout)
             try:
                 client = Client(proc.target, bench.prompts)
-                if bench.slo is None:
+                if "slo" not in report:
                     await bench.calibrate(client)
-                    report["slo"] = bench.slo.to_json()
+                    report["slo"], report["unloaded"] = bench.slo.to_json(), bench.unloaded
                 label = f"{layout} {policy}"
                 capacity, sweep, cap_runs = await bench.policy_runs(
                     client, label, absolute or rates, first_capacity)
@@ -337,7 +342,7 @@ async def _run_target(bench: Bench) -> dict:
     rates = wl.parse_rates(args.rates) if args.rates else []
     capacity, sweep, cap_runs = await bench.policy_runs(client, args.target, rates, None)
     name = bench.settings.router.policy
-    return {"machine": describe(), "target": args.target, "slo": bench.slo.to_json(),
+    return {"machine": describe(), "target": args.target, "slo": bench.slo.to_json(), "unloaded": bench.unloaded,
             "workload": _workload_json(bench), "seed": args.seed,
             "policies": {name: wl.policy_report(name, capacity, sweep, cap_runs)}}
 

@@ -190,7 +190,8 @@ class CostPolicy:
         if not plans:  # no worker's cache can hold it: let the first one refuse it with its own message
             return predict(request, workers, 0)
         ttft_slo, tpot_slo = self.slos(request, workers)
-        good = [p for p in plans if p.ttft_s <= ttft_slo and p.tpot_s <= TPOT_HEADROOM * tpot_slo
+        decodes = request.max_tokens > 1  # a one-token request has no TPOT to meet
+        good = [p for p in plans if p.ttft_s <= ttft_slo and (not decodes or p.tpot_s <= TPOT_HEADROOM * tpot_slo)
                 and cm.fits_now(workers[p.workers[-1]], total)]
         if good:
             return min(good, key=lambda p: (gpu_decode_s(p, request.max_tokens), p.e2e_s(request.max_tokens),
