@@ -171,7 +171,8 @@ def add_serve_parser(sub) -> None:
                    help="one more flag for the serve it starts, e.g. --serve-arg=--max-num-seqs=32; repeat for several")
     p.add_argument("--startup-timeout", type=bounded(float, 0, low_open=True), default=300.0,
                    help="seconds for serve to be READY (default 300)")
-    p.add_argument("--log-dir", default=None, metavar="DIR", help="where serve's logs go (default: a new temporary folder)")
+    p.add_argument("--log-dir", default=None, metavar="DIR",
+                   help="where serve's logs go (default: a new temporary folder)")
     p.add_argument("--chaos-kill-every", type=bounded(float, 0, low_open=True), default=None, metavar="S",
                    help="instead of the search and sweep, one load run of --chaos-duration seconds at the first of "
                         "--rates (default: half the unloaded rate) while a worker process is SIGKILLed every S "

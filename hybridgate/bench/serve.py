@@ -192,7 +192,8 @@ class Client:
                 for _ in range(repeats)]
         bad = [o for o in runs if not o.ended or o.error or o.ttft_s is None]
         if bad:
-            raise RuntimeError(f"an unloaded probe of {prompt_tokens} prompt tokens failed: {bad[0].error or 'cut off'}")
+            raise RuntimeError(f"an unloaded probe of {prompt_tokens} prompt tokens failed: "
+                               f"{bad[0].error or 'cut off'}")
         return statistics.median(o.ttft_s for o in runs), statistics.median(o.tpot_s for o in runs)
 
 

@@ -149,7 +149,8 @@ def parse_mix(text: str | None) -> dict[str, tuple[float, tuple[int, int], tuple
     return {name: (weights.get(name, 0.0), p, m) for name, (_, p, m) in mix.items()}
 
 
-def builtin_items(n: int, seed: int, mix: Mapping | None = None, max_prompt_tokens: int | None = None) -> list[WorkItem]:
+def builtin_items(n: int, seed: int, mix: Mapping | None = None,
+                  max_prompt_tokens: int | None = None) -> list[WorkItem]:
     """n items drawn from `mix` (default `BUILTIN_MIX`) with `random.Random(seed)`; prompts capped at
     `max_prompt_tokens` (a small model's context)."""
     mix = mix or BUILTIN_MIX
@@ -178,7 +179,8 @@ def file_items(path: str | Path) -> list[WorkItem]:
             d = json.loads(line)
             p, m = int(d["prompt_tokens"]), int(d["max_tokens"])
         except (ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"--workload {path}:{lineno}: needs integer prompt_tokens and max_tokens ({exc})") from None
+            raise ValueError(f"--workload {path}:{lineno}: needs integer prompt_tokens and max_tokens "
+                             f"({exc})") from None
         if p < 1 or m < 1:
             raise ValueError(f"--workload {path}:{lineno}: prompt_tokens and max_tokens must be >= 1")
         out.append(WorkItem(str(d.get("class", "file")), p, m))
@@ -284,7 +286,8 @@ def parse_rates(text: str) -> list[tuple[float, bool]]:
         try:
             value = float(part[:-1] if relative else part)
         except ValueError:
-            raise ValueError(f"--rates: each rate is a number or a multiple of capacity like 0.5x, got {part!r}") from None
+            raise ValueError(f"--rates: each rate is a number or a multiple of capacity like 0.5x, "
+                             f"got {part!r}") from None
         if not value > 0:
             raise ValueError(f"--rates: each rate must be > 0, got {part!r}")
         out.append((value, relative))
@@ -296,7 +299,7 @@ def policy_report(name: str, capacity: float | None, sweep: list[dict], capacity
     runs = sweep or capacity_runs
     headline = max((r for r in runs if r["attainment"] >= ATTAINMENT_TARGET), key=lambda r: r["rate"],
                    default=runs[0] if runs else {})
-    keys = ("goodput", "throughput", "attainment", "ttft_p50", "ttft_p90", "ttft_p99", "tpot_p50", "tpot_p90",
+    keys = ("throughput", "attainment", "ttft_p50", "ttft_p90", "ttft_p99", "tpot_p50", "tpot_p90",
             "tpot_p99", "e2e_p50", "e2e_p90", "e2e_p99", "short_ttft_p99", "plans", "rate")
     return {"policy": name, "capacity": capacity, **{k: headline.get(k) for k in keys},
             "goodput": max((r["goodput"] for r in runs), default=None), "headline_rate": headline.get("rate"),
