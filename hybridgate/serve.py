@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from hybridgate.config import check_settings, setting
 from hybridgate.gateway.server import Gateway
+from hybridgate.keys import Transport
 from hybridgate.redisconf import redacted
 from hybridgate.router import Router, ZmqWorkerClient
 from hybridgate.router.client import missing_ipc_socket
@@ -96,13 +97,20 @@ async def run_gateway(config: Settings, endpoints: list[str], supervisor: Superv
     `extra`: the other gateways of `serve --gateways N`, started once this one listens and drained
     with it; such a gateway runs this with `reuse_port` and its `index` (it prints no READY line)."""
     names = [slot.name for slot in supervisor.slots] if supervisor is not None else [""] * len(endpoints)
-    clients = [ZmqWorkerClient(ep, dead_after_s=config.router.dead_after_s, name=name) for ep, name in zip(endpoints, names)]
+    transport = Transport(config.transport)
+    for endpoint in endpoints:  # before anything starts: a tcp worker without keys is refused here
+        transport.check(endpoint, "--worker")
+    clients = [ZmqWorkerClient(ep, dead_after_s=config.router.dead_after_s, name=name, transport=transport)
+               for ep, name in zip(endpoints, names)]
     registry = None
     if config.redis.url:
         from hybridgate.router.registry import RedisRegistry
 
-        registry = RedisRegistry(config.redis, dead_after_s=config.router.dead_after_s)
-    router = Router(config.model_path, clients, config.router, registry=registry)
+        registry = RedisRegistry(config.redis, dead_after_s=config.router.dead_after_s, transport=transport)
+    from hybridgate.router.response_cache import ResponseCache
+
+    cache = ResponseCache.from_config(config.response_cache, config.redis)
+    router = Router(config.model_path, clients, config.router, registry=registry, response_cache=cache)
     gateway = Gateway(router, config.gateway, reuse_port=reuse_port)
     router.on_ready_change = gateway.on_ready_change
     await gateway.start()

@@ -105,6 +105,14 @@ def add_gateway_parser(sub) -> None:
                    help="the instant worker's step time in ms (default 0: steps back to back)")
     p.add_argument("--startup-timeout", type=bounded(float, 0, low_open=True), default=120.0,
                    help="seconds for the worker and gateway to be READY (default 120)")
+    p.add_argument("--tls", action="store_true",
+                   help="also run each concurrency against a second gateway with TLS (a self-signed certificate) "
+                        "and a bearer token, alternately with plaintext, and report the tokens/s ratio")
+    p.add_argument("--repeats", type=bounded(int, 1), default=3,
+                   help="with --tls: plaintext/TLS run pairs per concurrency, medians reported (default 3)")
+    p.add_argument("--large-chat-bytes", type=bounded(int, 0, 1 << 20), default=0,
+                   help="during each run, send chat requests of this many bytes and of half as many, one at a "
+                        "time, and report the gateway's event-loop lag (default 0: none)")
     p.add_argument("--json", default=None, metavar="OUT", help="write the figures to this JSON file")
     p.set_defaults(func=_run_gateway)
 
@@ -210,3 +218,33 @@ def _run_sim(args) -> int:
 
     sim.run(args)
     return 0
+
+
+def add_cache_parser(sub) -> None:
+    from hybridgate.config import add_command_settings, bounded
+
+    p = sub.add_parser("cache", help="the response cache over gRPC: a hit's TTFT beside one round trip, a long "
+                                     "answer replayed against generated, single-flight against one request")
+    add_command_settings(p, "bench cache")
+    p.add_argument("--redis-url", default=None, help="the Redis of the redis mode (default: a redis-server "
+                                                     "started here from PATH on a free port)")
+    p.add_argument("--threads", type=bounded(int, 1), default=1, help="the CPU worker's threads (default 1)")
+    p.add_argument("--repeats", type=bounded(int, 1), default=7, help="runs per case; medians are reported (default 7)")
+    p.add_argument("--replay-tokens", type=bounded(int, 1), default=1000,
+                   help="tokens of the answer generated once and replayed (default 1000)")
+    p.add_argument("--coalesce", type=bounded(int, 2), default=10,
+                   help="identical requests sent at once in the single-flight case (default 10)")
+    p.add_argument("--coalesce-tokens", type=bounded(int, 1), default=48,
+                   help="tokens of each single-flight request (default 48)")
+    p.add_argument("--startup-timeout", type=bounded(float, 0, low_open=True), default=120.0,
+                   help="seconds for the worker and gateways to be READY (default 120)")
+    p.add_argument("--json", default=None, metavar="OUT", help="write the figures to this JSON file")
+    p.set_defaults(func=_run_cache)
+
+
+def _run_cache(args) -> int:
+    from hybridgate.bench import cache
+
+    report = cache.run(args)
+    c = report.get("coalescing")
+    return 0 if c is not None and not c["errors"] else 1
