@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "self-signed certificate); default: plaintext")
     gen.set_defaults(func=_cmd_generate)
 
-    bench = sub.add_parser("bench", help="benchmarks with side-by-side baselines (engine, accuracy, handoff, gateway)")
+    bench = sub.add_parser("bench", help="benchmarks with side-by-side baselines (engine, accuracy, handoff, gateway, serve, sim)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     from hybridgate.bench import (  # argparse only
         add_accuracy_parser,
@@ -141,12 +141,16 @@ def build_parser() -> argparse.ArgumentParser:
         add_engine_parser,
         add_gateway_parser,
         add_handoff_parser,
+        add_serve_parser,
+        add_sim_parser,
     )
 
     add_engine_parser(bench_sub)
     add_accuracy_parser(bench_sub)
     add_handoff_parser(bench_sub)
     add_gateway_parser(bench_sub)
+    add_serve_parser(bench_sub)
+    add_sim_parser(bench_sub)
     add_cache_parser(bench_sub)
 
     from hybridgate.health import add_health_parser  # argparse only

@@ -37,8 +37,8 @@ class LayoutConfig:
     gpu_workers: int | None = setting(
         None, "GPU workers (the PyTorch runner; on a CPU torch device where there is no CUDA); "
               "default: 1 where CUDA is present, else 0", low=0)
-    cpu_workers: int = setting(1, "CPU workers (Numba kernels on the GGUF blocks); several share the cores "
-                                  "unless --threads is given", low=0)
+    cpu_workers: int = setting(1, "CPU workers (Numba kernels on the GGUF blocks); the workers that compute "
+                                  "on the CPU share its cores unless --threads is given", low=0)
     worker_endpoints: tuple[str, ...] = setting(
         (), "a running worker's endpoint (ipc://PATH or tcp://HOST:PORT); repeat for several", flag="--worker")
     gateways: int = setting(
@@ -218,9 +218,11 @@ def serve(config: Settings) -> int:
     SIGINT/SIGTERM, no child left."""
     kinds = worker_layout(config.layout)
     threads = config.worker.engine.threads
-    cpu_count = kinds.count("cpu")
-    if threads is None and cpu_count > 1:  # CPU workers share the cores instead of each taking all
-        threads = max(1, (os.cpu_count() or 1) // cpu_count)
+    # The workers that compute on the CPU share its cores instead of each taking all: the CPU workers,
+    # and the GPU workers too where there is no CUDA (their torch device is the CPU).
+    on_cpu = kinds.count("cpu") + (kinds.count("gpu") if "gpu" in kinds and not cuda_present() else 0)
+    if threads is None and on_cpu > 1:
+        threads = max(1, (os.cpu_count() or 1) // on_cpu)
     remove_stale_socket_dirs()
     private = tempfile.mkdtemp(prefix="hybridgate-")  # mode 0700: only this user reaches the ipc sockets
     Path(private, "serve.pid").write_text(str(os.getpid()))

@@ -77,6 +77,8 @@ COMMANDS: dict[str, Selection] = {
     "bench handoff": Selection(("model", "worker.engine.threads", "worker.engine.device",
                                 "worker.engine.kv_cache_memory", "worker.handoff_buffer_memory")),
     "bench gateway": Selection(("model",)),
+    "bench serve": Selection(("model", "router.policy", "router.ttft_slo_s", "router.tpot_slo_s")),
+    "bench sim": Selection(("router.policy", "router.ttft_slo_s", "router.tpot_slo_s")),
     "bench cache": Selection(("model",)),
     "bench accuracy": Selection(("model", "worker.kind", "worker.engine.threads", "worker.engine.device",
                                  "worker.engine.cpu_isa")),

@@ -34,6 +34,7 @@ from pathlib import Path
 from hybridgate.bench import safety
 from hybridgate.bench.instant import run_instant_worker
 from hybridgate.bench.machine import describe, summary
+from hybridgate.bench.workload import percentile
 
 PROMPT = "Write a long story about a lighthouse keeper."
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -59,14 +60,6 @@ def tree_cpu_seconds(pid: int) -> float:
         except (OSError, ValueError, IndexError):
             continue
     return cpu_seconds(pid) + sum(cpu_seconds(c) for c in children)
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """The q-quantile (0..1) by the nearest-rank method; None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, int(round(q * len(ordered) + 0.5)) - 1))]
 
 
 def _client_main(target: str, concurrency: int, requests: int, max_tokens: int, conn, tls_ca: str | None = None,

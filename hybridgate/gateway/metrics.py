@@ -117,6 +117,10 @@ class _EngineCollector:
         after = CounterMetricFamily("hybridgate:engine_tokens_after_abort",
                                     "Tokens sampled after their request's abort arrived.", labels=["worker"])
         kv = GaugeMetricFamily("hybridgate:kv_cache_bytes", "KV-cache bytes held by live sequences.", labels=["worker"])
+        blocks = GaugeMetricFamily("hybridgate:kv_cache_blocks_used", "KV blocks held by live sequences (free "
+                                   "cached blocks excluded); 0 on an idle worker that leaks none.", labels=["worker"])
+        pinned = GaugeMetricFamily("hybridgate:pinned_bytes_in_use", "The runner's pinned host buffer bytes held "
+                                   "now (hand-off buffers are kv_handoff_pinned_bytes_in_use).", labels=["worker"])
         running = GaugeMetricFamily("hybridgate:num_requests_running", "Sequences running.", labels=["worker"])
         waiting = GaugeMetricFamily("hybridgate:num_requests_waiting", "Requests queued on the worker, not yet "
                                     "running.", labels=["worker"])
@@ -145,6 +149,8 @@ class _EngineCollector:
             steps.add_metric([name], s.steps)
             after.add_metric([name], s.tokens_after_abort)
             kv.add_metric([name], s.kv_cache_bytes)
+            blocks.add_metric([name], s.blocks_used)
+            pinned.add_metric([name], s.pinned_bytes_in_use)
             running.add_metric([name], s.running)
             waiting.add_metric([name], s.waiting)
             queued.add_metric([name], s.queued_prefill_tokens)
@@ -159,7 +165,7 @@ class _EngineCollector:
             batch.add_metric([name], buckets, sum(n * c for n, c in s.batch_size_counts.items()))
         if self._wire_errors is not None:  # the router's own refusals of worker messages, in the same family
             wire_errors.add_metric(["", "router"], self._wire_errors())
-        yield from (steps, after, kv, running, waiting, queued, prefill, by_size, batch, hits, misses, wire_errors)
+        yield from (steps, after, kv, blocks, pinned, running, waiting, queued, prefill, by_size, batch, hits, misses, wire_errors)
         yield from handoff.families()
 
 

@@ -399,6 +399,10 @@ class Router:
             if stream.client is not None and not stream.done:
                 pending.setdefault(id(stream.client), []).append(
                     _Pending(stream.uncached_tokens, bool(stream.received)))
+                placed = stream.placement
+                if placed is not None and placed.route == "gpu->cpu" and stream.client is placed.clients[0]:
+                    # Still on its GPU worker: a decode the CPU worker will have, counted there already.
+                    pending.setdefault(id(placed.clients[1]), []).append(_Pending(0, True))
         return self.placer.place(ready, self._inflight, pending, prompt_ids, max_tokens, deadline_s)
 
     def register(self, stream: GenerationStream, client: WorkerClient | None) -> None:

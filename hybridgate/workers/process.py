@@ -76,7 +76,7 @@ class EngineConfig:
     """How a worker's runner uses its device: the settings `build_runner` passes on."""
 
     threads: int | None = setting(
-        None, "CPU threads per worker (default: all cores; under serve, several CPU workers split them)", low=1)
+        None, "CPU threads per worker (default: all cores; under serve, the workers computing on the CPU split them)", low=1)
     device: str | None = setting(None, "torch device of the GPU worker (default: cuda if present, else cpu)")
     kv_cache_memory: str | None = setting(
         None, "KV cache size: bytes (e.g. 2GiB) or a fraction of free device memory after weights (GPU) "
