@@ -169,6 +169,10 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--target", default=None, metavar="HOST:PORT",
                    help="drive this running gateway, and nothing else (default: start hybridgate serve on "
                         "127.0.0.1 with a free port, once per layout and policy)")
+    p.add_argument("--protocol", choices=("grpc", "openai"), default="grpc",
+                   help="how the load generator talks to the gateway: its gRPC stream, or the OpenAI-compatible HTTP "
+                        "API (/v1/completions, server-sent events; --target is then the HTTP HOST:PORT); "
+                        "the plan mix is known only over gRPC (default grpc)")
     p.add_argument("--layouts", default=None, metavar="L",
                    help="worker layouts to start, comma-separated, each gpu, cpu or a sum like gpu+cpu or cpu*2; "
                         "every layout gets the same --total-threads (default gpu+cpu)")

@@ -72,12 +72,13 @@ class ServeProcess:
     def __init__(self, model: str, serve_args: list[str], log: Path, timeout_s: float):
         self.log = log
         cmd = [sys.executable, "-m", "hybridgate.cli", "serve", "--model", model, "--host", "127.0.0.1",
-               "--port", "0", "--metrics-port", "0", *serve_args]
+               "--port", "0", "--metrics-port", "0", "--http-port", "0", *serve_args]
         self._out = open(log, "w")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=subprocess.STDOUT, text=True, env=env,
                                      start_new_session=True)
         self.target = "127.0.0.1:" + self._wait_for("hybridgate: gRPC on 127.0.0.1:", timeout_s).split()[0]
+        self.http_target = self._wait_for("hybridgate: OpenAI-compatible HTTP on http://", timeout_s).split("/")[0]
         self.metrics_url = self._wait_for("hybridgate: metrics on ", timeout_s).split()[0]
         self._wait_for("hybridgate: READY", timeout_s)
 
@@ -195,6 +196,83 @@ class Client:
             raise RuntimeError(f"an unloaded probe of {prompt_tokens} prompt tokens failed: "
                                f"{bad[0].error or 'cut off'}")
         return statistics.median(o.ttft_s for o in runs), statistics.median(o.tpot_s for o in runs)
+
+
+class OpenAIClient(Client):
+    """The HTTP side (--protocol openai): /v1/completions streamed as server-sent events over plain asyncio
+    streams (no client library's own cost in the figures); tokens counted from the usage chunk."""
+
+    async def run(self, items: list[wl.WorkItem], arrivals: list[float], limit_s: float,
+                  progress: str = "") -> list[wl.Outcome]:
+        self.runs += 1
+        key = self.runs * 1_000_003 + int(time.time())
+        texts = [self.prompts.text(it.prompt_tokens, key + i) for i, it in enumerate(items)]
+        outcomes = [wl.Outcome(it, t) for it, t in zip(items, arrivals)]
+        bar = _progress(len(items), progress)
+        host, port = self.target.rsplit(":", 1)
+        start = time.perf_counter()
+
+        async def one(i: int) -> None:
+            await asyncio.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
+            o, sent = outcomes[i], time.perf_counter()
+            o.arrival_s = sent - start
+            body = json.dumps({"prompt": texts[i], "max_tokens": items[i].max_tokens, "temperature": 0.0,
+                               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+                               "user": "bench-serve"}).encode()
+            try:
+                async for event in _sse_post(host, int(port), "/v1/completions", body):
+                    now = time.perf_counter()
+                    if event == b"[DONE]":
+                        o.e2e_s, o.ended = now - sent, True
+                        break
+                    chunk = json.loads(event)
+                    if "error" in chunk:
+                        o.ended, o.error = True, str(chunk["error"].get("type"))
+                        break
+                    if chunk.get("choices") and chunk["choices"][0]["text"] and o.ttft_s is None:
+                        o.ttft_s = now - sent
+                    if chunk.get("usage"):
+                        o.tokens = chunk["usage"]["completion_tokens"]
+            except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
+                o.ended, o.error = True, type(exc).__name__
+            finally:
+                bar.update(1)
+
+        tasks = [asyncio.create_task(one(i)) for i in range(len(items))]
+        _, pending = await asyncio.wait(tasks, timeout=(arrivals[-1] if arrivals else 0) + limit_s)
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        bar.close()
+        return outcomes
+
+
+async def _sse_post(host: str, port: int, path: str, body: bytes):
+    """The `data:` payloads of one POST's event stream (HTTP/1.1, chunked); raises ValueError on a status other
+    than 200 (its body in the message)."""
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        writer.write(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+                     b"Connection: close\r\n\r\n" % (path.encode(), host.encode(), len(body)) + body)
+        head = await reader.readuntil(b"\r\n\r\n")
+        if not head.startswith(b"HTTP/1.1 200"):
+            raise ValueError(head.split(b"\r\n", 1)[0].decode() + " " + (await reader.read(2000)).decode())
+        buf = b""
+        while True:
+            size = int((await reader.readline()).strip() or b"0", 16)
+            if size == 0:
+                return
+            buf += (await reader.readexactly(size + 2))[:-2]
+            while b"\n\n" in buf:
+                event, buf = buf.split(b"\n\n", 1)
+                yield event.removeprefix(b"data: ")
+    finally:
+        writer.close()
+
+
+def make_client(protocol: str, target: str, http_target: str, prompts: Prompts) -> Client:
+    """The load generator of --protocol: gRPC to `target`, or the OpenAI HTTP API at `http_target`."""
+    return OpenAIClient(http_target, prompts) if protocol == "openai" else Client(target, prompts)
 
 
 def _progress(total: int, label: str):
@@ -316,7 +394,7 @@ async def _run_layouts(bench: Bench) -> dict:
             proc = ServeProcess(bench.model, serve_args, bench.logdir / f"serve-{layout}-{policy}.log",
                                 args.startup_timeout)
             try:
-                client = Client(proc.target, bench.prompts)
+                client = make_client(args.protocol, proc.target, proc.http_target, bench.prompts)
                 if "slo" not in report:
                     await bench.calibrate(client)
                     report["slo"], report["unloaded"] = bench.slo.to_json(), bench.unloaded
@@ -338,7 +416,7 @@ async def _run_layouts(bench: Bench) -> dict:
 
 async def _run_target(bench: Bench) -> dict:
     args = bench.args
-    client = Client(args.target, bench.prompts)
+    client = make_client(args.protocol, args.target, args.target, bench.prompts)
     await bench.calibrate(client)
     rates = wl.parse_rates(args.rates) if args.rates else []
     capacity, sweep, cap_runs = await bench.policy_runs(client, args.target, rates, None)
@@ -413,7 +491,7 @@ async def _run_chaos(bench: Bench) -> dict:
     serve_args = serve_args_for(layout, threads, policy, bench.settings) + list(args.serve_arg or [])
     proc = ServeProcess(bench.model, serve_args, bench.logdir / "serve-chaos.log", args.startup_timeout)
     try:
-        client = Client(proc.target, bench.prompts)
+        client = make_client(args.protocol, proc.target, proc.http_target, bench.prompts)
         await bench.calibrate(client)
         rate = wl.parse_rates(args.rates)[0][0] if args.rates else 0.5 * bench.start_rate()
         n = max(1, round(rate * args.chaos_duration))
@@ -509,6 +587,7 @@ def run(args) -> dict:
     else:
         report = _run_async(_run_layouts(bench))
     report["machine_after"] = describe()
+    report["protocol"] = args.protocol
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     if args.plot and "layouts" in report:

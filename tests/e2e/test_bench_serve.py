@@ -48,3 +48,12 @@ def test_chaos_mode_kills_a_worker_and_loses_nothing(tmp_path):
     kill = chaos["kills"][0]
     assert kill["restart_s"] is not None and kill["restart_s"] > 0  # serve restarted the worker, READY again
     assert {"recovered_after_s", "attainment_before"} <= set(kill)
+
+
+def test_bench_serve_drives_the_openai_http_api(tmp_path):
+    report = bench_serve(tmp_path, "--layouts", "cpu", "--capacity-runs", "1", "--rates", "1.5", "--duration", "2",
+                         "--protocol", "openai")
+    assert report["protocol"] == "openai"
+    check_report(report, ["cost"])
+    for r in report["policies"]["cost"]["sweep"]:
+        assert r["unfinished"] == 0 and not r["errors"] and r["requests"] >= 3
