@@ -66,11 +66,11 @@ COMMANDS: dict[str, Selection] = {
     "config": Selection(("",)),
     "info": Selection(("model",)),
     "bench engine": Selection(("model", "worker.kind", "worker.engine.threads", "worker.engine.device",
-                               "worker.engine.cpu_isa",
+                               "worker.engine.cpu_isa", "worker.engine.cpu_activations",
                                "worker.engine.kv_cache_memory")),
     "bench handoff": Selection(("model", "worker.engine.threads", "worker.engine.device",
                                 "worker.engine.kv_cache_memory", "worker.handoff_buffer_memory")),
     "bench gateway": Selection(("model",)),
     "bench accuracy": Selection(("model", "worker.kind", "worker.engine.threads", "worker.engine.device",
-                                 "worker.engine.cpu_isa")),
+                                 "worker.engine.cpu_isa", "worker.engine.cpu_activations")),
 }
