@@ -267,11 +267,8 @@ def run(args: argparse.Namespace) -> dict:
         weights = ours.runner.model.weight_bytes
         out["weight_bytes_read_per_step"] = weights
         out["weight_read_gb_per_s_c1"] = weights / out["decode_step_ms_c1"] / 1e6
-        out["read_bandwidth_gb_per_s"] = read_bandwidth_gb_per_s(args.bandwidth_mib)
-        out["step_over_bandwidth_bound"] = out["read_bandwidth_gb_per_s"] / out["weight_read_gb_per_s_c1"]
         print(f"weights read per step: {weights / 2**20:.1f} MiB ({out['weight_read_gb_per_s_c1']:.1f} GB/s at "
-              f"batch 1; this machine reads {out['read_bandwidth_gb_per_s']:.1f} GB/s with {out['threads']} threads: "
-              f"the step takes {out['step_over_bandwidth_bound']:.2f}x its read time)", flush=True)
+              "batch 1)", flush=True)
         for name, ms in steps.items():
             if name.endswith("_decode_step_ms"):
                 out[f"{name}_c1"] = ms
@@ -301,6 +298,11 @@ def run(args: argparse.Namespace) -> dict:
     print(f"peak RSS: {out['peak_rss_mib']:.0f} MiB" + (
         f" ({out['peak_rss_mib_before_baseline']:.0f} MiB before the baseline loaded)"
         if "peak_rss_mib_before_baseline" in out else ""), flush=True)
+    if cpu:  # after the RSS figure: the array it sums is not the engine's memory
+        out["read_bandwidth_gb_per_s"] = read_bandwidth_gb_per_s(args.bandwidth_mib)
+        out["step_over_bandwidth_bound"] = out["read_bandwidth_gb_per_s"] / out["weight_read_gb_per_s_c1"]
+        print(f"read bandwidth: {out['read_bandwidth_gb_per_s']:.1f} GB/s with {out['threads']} threads; the decode "
+              f"step takes {out['step_over_bandwidth_bound']:.2f}x the time its weights take to read", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     return out
