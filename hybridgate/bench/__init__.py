@@ -40,6 +40,10 @@ def add_engine_parser(sub) -> None:
     p.add_argument("--compare-eager", action="store_true",
                    help="on CUDA, also time the decode step without CUDA graphs (--enforce-eager)")
     p.add_argument("--json", default=None, metavar="OUT", help="write the figures to this JSON file")
+    p.add_argument("--profile-out", default=None, metavar="FILE",
+                   help="instead of the cases above, measure the step tables (decode step by batch, prefill "
+                        "tokens/s by step tokens) and KV capacity at serve's defaults, and write them as a "
+                        "worker profile for bench sim")
     p.set_defaults(func=_run_engine)
 
 
@@ -107,6 +111,14 @@ def add_gateway_parser(sub) -> None:
                    help="the instant worker's step time in ms (default 0: steps back to back)")
     p.add_argument("--startup-timeout", type=bounded(float, 0, low_open=True), default=120.0,
                    help="seconds for the worker and gateway to be READY (default 120)")
+    p.add_argument("--tls", action="store_true",
+                   help="also run each concurrency against a second gateway with TLS (a self-signed certificate) "
+                        "and a bearer token, alternately with plaintext, and report the tokens/s ratio")
+    p.add_argument("--repeats", type=bounded(int, 1), default=3,
+                   help="with --tls: plaintext/TLS run pairs per concurrency, medians reported (default 3)")
+    p.add_argument("--large-chat-bytes", type=bounded(int, 0, 1 << 20), default=0,
+                   help="during each run, send chat requests of this many bytes and of half as many, one at a "
+                        "time, and report the gateway's event-loop lag (default 0: none)")
     p.add_argument("--json", default=None, metavar="OUT", help="write the figures to this JSON file")
     p.set_defaults(func=_run_gateway)
 
@@ -116,3 +128,129 @@ def _run_gateway(args) -> int:
 
     results = gateway.run(args)
     return 0 if all(r["errors"] == 0 and r["short_streams"] == 0 for r in results) else 1
+
+
+def _add_load_args(p, serve: bool) -> None:
+    """The workload, rates and output flags `bench serve` and `bench sim` share."""
+    from hybridgate.config import bounded
+
+    p.add_argument("--workload", default=None, metavar="FILE",
+                   help='JSON lines, one request a line: {"prompt_tokens": N, "max_tokens": M, "class": "name"} '
+                        "(default: the built-in mix of short chats, 1,000-4,000-token summaries and long generations)")
+    p.add_argument("--mix", default=None, metavar="W",
+                   help="weights of the built-in mix's classes, e.g. short=0.7,summary=0.15,long=0.15 (the default)")
+    p.add_argument("--seed", type=bounded(int, 0), default=0, help="seed of the workload and the arrivals (default 0)")
+    p.add_argument("--rates", default=None, metavar="R",
+                   help="offered loads of the sweep, requests/s or multiples of the first policy's capacity under "
+                        "SLO, comma-separated, e.g. 0.25x,0.5x,1x,1.5x (default: no sweep, the capacity search only)")
+    p.add_argument("--capacity-runs", type=bounded(int, 0), default=5,
+                   help="runs of the capacity search per policy: doubling, then bisection (0: none; default 5)")
+    p.add_argument("--duration", type=bounded(float, 0, low_open=True), default=60.0,
+                   help="seconds of arrivals per run: requests = rate x duration, bounded below (default 60)")
+    p.add_argument("--min-requests", type=bounded(int, 1), default=8, help="fewest requests per run (default 8)")
+    p.add_argument("--max-requests", type=bounded(int, 1, 100_000), default=200,
+                   help="most requests per run (default 200)")
+    p.add_argument("--time-limit", type=bounded(float, 0, low_open=True), default=120.0,
+                   help="seconds after a run's last arrival by which every request must have ended; those still "
+                        "open are cut off and count as missing the SLOs (default 120)")
+    p.add_argument("--compare-policies", default=None, metavar="P",
+                   help="policies to run side by side, comma-separated, e.g. cost,least_loaded"
+                        + (" (serve restarts for each)" if serve else "") + " (default: --policy alone)")
+    p.add_argument("--slo-from", default=None, metavar="JSON",
+                   help="take the SLOs from an earlier bench serve or bench sim report (its \"slo\"), so runs judge "
+                        "the same objectives (default: --ttft-slo/--tpot-slo, else 3 x the unloaded figures of the "
+                        "first layout)")
+    p.add_argument("--json", default=None, metavar="OUT", help="write the figures to this JSON file")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="write goodput and p99 TTFT against offered load to this PNG (needs matplotlib)")
+
+
+def add_serve_parser(sub) -> None:
+    from hybridgate.config import add_command_settings, bounded
+
+    p = sub.add_parser("serve", help="open-loop Poisson load on a real gateway: goodput under SLOs, TTFT/TPOT/e2e "
+                                     "percentiles, plan mix, capacity under SLO, per policy and layout")
+    add_command_settings(p, "bench serve")
+    _add_load_args(p, serve=True)
+    p.add_argument("--target", default=None, metavar="HOST:PORT",
+                   help="drive this running gateway, and nothing else (default: start hybridgate serve on "
+                        "127.0.0.1 with a free port, once per layout and policy)")
+    p.add_argument("--layouts", default=None, metavar="L",
+                   help="worker layouts to start, comma-separated, each gpu, cpu or a sum like gpu+cpu or cpu*2; "
+                        "every layout gets the same --total-threads (default gpu+cpu)")
+    p.add_argument("--total-threads", type=bounded(int, 1), default=None,
+                   help="threads of all the workers together, split evenly among a layout's workers "
+                        "(default: the machine's cores)")
+    p.add_argument("--serve-arg", action="append", default=None, metavar="FLAG",
+                   help="one more flag for the serve it starts, e.g. --serve-arg=--max-num-seqs=32; repeat for several")
+    p.add_argument("--startup-timeout", type=bounded(float, 0, low_open=True), default=300.0,
+                   help="seconds for serve to be READY (default 300)")
+    p.add_argument("--log-dir", default=None, metavar="DIR",
+                   help="where serve's logs go (default: a new temporary folder)")
+    p.add_argument("--chaos-kill-every", type=bounded(float, 0, low_open=True), default=None, metavar="S",
+                   help="instead of the search and sweep, one load run of --chaos-duration seconds at the first of "
+                        "--rates (default: half the unloaded rate) while a worker process is SIGKILLed every S "
+                        "seconds; reports requests lost, blocks and pinned bytes leaked, recovery after each restart")
+    p.add_argument("--chaos-duration", type=bounded(float, 0, low_open=True), default=180.0,
+                   help="seconds of arrivals of the chaos run (default 180)")
+    p.set_defaults(func=_run_serve)
+
+
+def _run_serve(args) -> int:
+    from hybridgate.bench import serve
+
+    report = serve.run(args)
+    chaos = report.get("chaos")
+    return 1 if chaos and (chaos["lost"] or chaos["leaked_blocks"] or chaos["leaked_pinned_bytes"]) else 0
+
+
+def add_sim_parser(sub) -> None:
+    p = sub.add_parser("sim", help="discrete-event simulation of a worker layout driving the real policy objects, "
+                                   "worker models from calibration profiles; bench serve's figures")
+    from hybridgate.config import add_command_settings
+
+    add_command_settings(p, "bench sim")
+    _add_load_args(p, serve=False)
+    p.add_argument("--layouts", default=None, metavar="L",
+                   help="layouts, comma-separated, each a sum of profiles with counts, e.g. "
+                        "h200-llama8b*1+epyc32-llama8b*8; a profile is a JSON file (bench engine --profile-out) or the "
+                        "name of a shipped one: smollm2-gpu-t1, smollm2-cpu-t1, smollm2-gpu-t2, smollm2-cpu-t2, "
+                        "h200-llama8b, epyc32-llama8b")
+    p.set_defaults(func=_run_sim)
+
+
+def _run_sim(args) -> int:
+    from hybridgate.bench import sim
+
+    sim.run(args)
+    return 0
+
+
+def add_cache_parser(sub) -> None:
+    from hybridgate.config import add_command_settings, bounded
+
+    p = sub.add_parser("cache", help="the response cache over gRPC: a hit's TTFT beside one round trip, a long "
+                                     "answer replayed against generated, single-flight against one request")
+    add_command_settings(p, "bench cache")
+    p.add_argument("--redis-url", default=None, help="the Redis of the redis mode (default: a redis-server "
+                                                     "started here from PATH on a free port)")
+    p.add_argument("--threads", type=bounded(int, 1), default=1, help="the CPU worker's threads (default 1)")
+    p.add_argument("--repeats", type=bounded(int, 1), default=7, help="runs per case; medians are reported (default 7)")
+    p.add_argument("--replay-tokens", type=bounded(int, 1), default=1000,
+                   help="tokens of the answer generated once and replayed (default 1000)")
+    p.add_argument("--coalesce", type=bounded(int, 2), default=10,
+                   help="identical requests sent at once in the single-flight case (default 10)")
+    p.add_argument("--coalesce-tokens", type=bounded(int, 1), default=48,
+                   help="tokens of each single-flight request (default 48)")
+    p.add_argument("--startup-timeout", type=bounded(float, 0, low_open=True), default=120.0,
+                   help="seconds for the worker and gateways to be READY (default 120)")
+    p.add_argument("--json", default=None, metavar="OUT", help="write the figures to this JSON file")
+    p.set_defaults(func=_run_cache)
+
+
+def _run_cache(args) -> int:
+    from hybridgate.bench import cache
+
+    report = cache.run(args)
+    c = report.get("coalescing")
+    return 0 if c is not None and not c["errors"] else 1

@@ -18,6 +18,12 @@ The CPU runner also reports its ISA path, the bytes of weights it reads per
 decode step, the read rate that makes at batch 1 beside this machine's
 measured read bandwidth (a parallel Numba sum over `--bandwidth-mib`), and
 this process's peak RSS.
+
+`--profile-out FILE` writes a worker profile for `bench sim` instead: the
+engine's own step tables (`EngineCore.measure_rates` over more step sizes:
+decode step seconds by batch, prefill tokens/s by step tokens; medians of
+several steps), its KV capacity in blocks and the scheduler's caps at serve's
+defaults, with the machine, threads and command that measured them.
 """
 
 from __future__ import annotations
@@ -132,6 +138,10 @@ class TransformersBaseline:
         return ids.numel() / (time.perf_counter() - start)
 
 
+def _median(fn, repeats: int) -> float:
+    return statistics.median(fn() for _ in range(repeats))
+
+
 def _llama_cpp_baselines(path: Path, out: dict, max_seqs: int, llama_cpp_path: str | None) -> dict:
     """llama.cpp with its defaults and with extra buffer types off, each in its own process; a
     configuration that fails to start is reported in `out` and left out."""
@@ -239,6 +249,8 @@ def run(args: argparse.Namespace) -> dict:
         ours = EngineBench.torch(model, device, dtype, engine.kv_cache_memory)
         out = {"kind": "gpu", "device": str(device), "dtype": str(dtype).removeprefix("torch."),
                "threads": torch.get_num_threads(), "baseline": baseline}
+    if args.profile_out:
+        return write_profile(args, ours, out, model)
     out.update({"repeats": args.repeats, "decode": {}, "prefill": {}})
     bases: dict = {}
     if baseline == "transformers":
@@ -306,6 +318,38 @@ def run(args: argparse.Namespace) -> dict:
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     return out
+
+
+PROFILE_PREFILL_LENS = (16, 64, 256, 1024, 2048)
+PROFILE_DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def write_profile(args: argparse.Namespace, ours: EngineBench, out: dict, model) -> dict:
+    """Measure the step tables at serve's scheduler defaults and write them as a `bench sim` profile."""
+    import shlex
+    import sys
+
+    from hybridgate.bench.machine import describe
+
+    engine = EngineCore(ours.runner, SchedulerConfig(), ours.fingerprint, prefix_caching=False)
+    engine.measure_rates(PROFILE_PREFILL_LENS, PROFILE_DECODE_BATCHES, decode_steps=6)
+    mc = model.config
+    element = 2 if out.get("dtype") in ("bfloat16", "float16") else 4
+    profile = {
+        "name": Path(args.profile_out).stem.removeprefix("profile-"), "kind": out["kind"],
+        "decode_step_s": {str(k): v for k, v in sorted(engine.rates.decode.medians.items())},
+        "prefill_tokens_per_s": {str(k): v for k, v in sorted(engine.rates.prefill.medians.items())},
+        "blocks_total": ours.runner.num_blocks, "block_size": engine.allocator.block_size,
+        "max_num_seqs": engine.scheduler.config.max_num_seqs,
+        "max_num_batched_tokens": engine.scheduler.config.max_num_batched_tokens,
+        "kv_bytes_per_token": 2 * element * mc.num_layers * mc.num_kv_heads * mc.head_dim,
+        "source": f"measured by `hybridgate bench {shlex.join(sys.argv[2:])}` (medians of 6 steps per size)",
+        "model": Path(model.path).name, "machine": describe(), **{k: v for k, v in out.items() if k != "kind"},
+    }
+    Path(args.profile_out).write_text(json.dumps(profile, indent=1) + "\n")
+    print(f"profile: {args.profile_out}: decode step s by batch {profile['decode_step_s']}, prefill tokens/s "
+          f"by step tokens {profile['prefill_tokens_per_s']}, {profile['blocks_total']} blocks", flush=True)
+    return profile
 
 
 def _peak_rss_mib() -> float:

@@ -31,8 +31,10 @@ import threading
 import time
 from pathlib import Path
 
+from hybridgate.bench import safety
 from hybridgate.bench.instant import run_instant_worker
 from hybridgate.bench.machine import describe, summary
+from hybridgate.bench.workload import percentile
 
 PROMPT = "Write a long story about a lighthouse keeper."
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -60,27 +62,22 @@ def tree_cpu_seconds(pid: int) -> float:
     return cpu_seconds(pid) + sum(cpu_seconds(c) for c in children)
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    """The q-quantile (0..1) by the nearest-rank method; None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, int(round(q * len(ordered) + 0.5)) - 1))]
-
-
-def _client_main(target: str, concurrency: int, requests: int, max_tokens: int, conn) -> None:
-    """Client process: `requests` streams, `concurrency` at a time; sends the figures back on `conn`."""
+def _client_main(target: str, concurrency: int, requests: int, max_tokens: int, conn, tls_ca: str | None = None,
+                 token: str | None = None) -> None:
+    """Client process: `requests` streams, `concurrency` at a time; sends the figures back on `conn`.
+    `tls_ca`: connect over TLS trusting that PEM; `token`: send it as the bearer token."""
     try:
         import uvloop
 
         uvloop.install()
     except ImportError:
         pass
-    conn.send(asyncio.run(_drive(target, concurrency, requests, max_tokens)))
+    conn.send(asyncio.run(_drive(target, concurrency, requests, max_tokens, tls_ca, token)))
     conn.close()
 
 
-async def _drive(target: str, concurrency: int, requests: int, max_tokens: int) -> dict:
+async def _drive(target: str, concurrency: int, requests: int, max_tokens: int, tls_ca: str | None = None,
+                 token: str | None = None) -> dict:
     import grpc
 
     from hybridgate.v1 import generation_pb2 as pb
@@ -97,7 +94,7 @@ async def _drive(target: str, concurrency: int, requests: int, max_tokens: int) 
         start = last = time.perf_counter()
         tokens = 0
         try:
-            async for msg in stub.Generate(request):
+            async for msg in stub.Generate(request, metadata=metadata):
                 now = time.perf_counter()
                 n = len(msg.token_ids)
                 if tokens == 0:
@@ -117,8 +114,11 @@ async def _drive(target: str, concurrency: int, requests: int, max_tokens: int) 
 
     # One connection per lane (a local subchannel pool each), so that the kernel can spread them over
     # the gateways of `--gateways N`; with one gateway the streams' cost is the same.
-    channels = [grpc.aio.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
-                for _ in range(min(concurrency, MAX_CONNECTIONS))]
+    metadata = (("authorization", f"Bearer {token}"),) if token else None
+    options = [("grpc.use_local_subchannel_pool", 1)]
+    credentials = grpc.ssl_channel_credentials(Path(tls_ca).read_bytes()) if tls_ca else None
+    channels = [grpc.aio.secure_channel(target, credentials, options=options) if credentials else
+                grpc.aio.insecure_channel(target, options=options) for _ in range(min(concurrency, MAX_CONNECTIONS))]
     cpu0, start = time.process_time(), time.perf_counter()
     await asyncio.gather(*(lane(pb_grpc.GenerationStub(channels[k % len(channels)])) for k in range(concurrency)))
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu0
@@ -126,10 +126,11 @@ async def _drive(target: str, concurrency: int, requests: int, max_tokens: int) 
     return {"wall_s": wall, "client_cpu_s": cpu, "ttft_s": ttfts, "itl_s": itls, **counts}
 
 
-def _run_client(target: str, concurrency: int, requests: int, max_tokens: int) -> dict:
+def _run_client(target: str, concurrency: int, requests: int, max_tokens: int, tls_ca: str | None = None,
+                token: str | None = None) -> dict:
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_client_main, args=(target, concurrency, requests, max_tokens, theirs),
+    proc = ctx.Process(target=_client_main, args=(target, concurrency, requests, max_tokens, theirs, tls_ca, token),
                        name="bench-gateway-client")
     proc.start()
     theirs.close()
@@ -144,12 +145,17 @@ def _run_client(target: str, concurrency: int, requests: int, max_tokens: int) -
 class _Gateway:
     """`hybridgate gateway` as a child process; `target` once it says READY."""
 
-    def __init__(self, model: str, endpoint: str, timeout_s: float, gateways: int = 1):
+    def __init__(self, model: str, endpoint: str, timeout_s: float, gateways: int = 1, extra: tuple = (),
+                 env: dict | None = None, tls_ca: str | None = None, token: str | None = None):
         cmd = [sys.executable, "-m", "hybridgate.cli", "gateway", "--model", model, "--port", "0",
-               "--worker", endpoint, "--worker-startup-timeout", str(timeout_s), "--gateways", str(gateways)]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+               "--worker", endpoint, "--worker-startup-timeout", str(timeout_s), "--gateways", str(gateways),
+               "--metrics-port", "0", *extra]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env=dict(os.environ, **(env or {})))
         self.lines: list[str] = []
+        self.tls_ca, self.token = tls_ca, token
         port = self._wait_for("hybridgate: gRPC on ", timeout_s).rsplit(":", 1)[1].split()[0]
+        self.metrics_url = self._wait_for("hybridgate: metrics on ", timeout_s).split()[-1]
         self._wait_for("hybridgate: READY", timeout_s)
         self.target = f"127.0.0.1:{port}"
         threading.Thread(target=self._drain, daemon=True).start()  # never let its pipe fill
@@ -180,12 +186,19 @@ class _Gateway:
                 self.proc.wait()
 
 
-def measure(gateway: _Gateway, worker_pid: int, concurrency: int, requests: int, max_tokens: int) -> dict:
-    """One concurrency: the client's figures and the processes' CPU over the same window."""
-    _run_client(gateway.target, concurrency, min(requests, 2 * concurrency), max_tokens)  # warm-up
+def measure(gateway: _Gateway, worker_pid: int, concurrency: int, requests: int, max_tokens: int,
+            large_chat_bytes: int = 0) -> dict:
+    """One concurrency: the client's figures and the processes' CPU over the same window; with
+    `large_chat_bytes`, chats of that size arrive meanwhile and the row has the loop's lag."""
+    tls = dict(tls_ca=gateway.tls_ca, token=gateway.token)
+    _run_client(gateway.target, concurrency, min(requests, 2 * concurrency), max_tokens, **tls)  # warm-up
+    lag0 = safety.lag_buckets(gateway.metrics_url)
+    chats = safety.LargeChats(gateway.target, large_chat_bytes, **tls) if large_chat_bytes else None
     gw0, wk0 = tree_cpu_seconds(gateway.proc.pid), cpu_seconds(worker_pid)
-    r = _run_client(gateway.target, concurrency, requests, max_tokens)
+    r = _run_client(gateway.target, concurrency, requests, max_tokens, **tls)
     gw, wk = tree_cpu_seconds(gateway.proc.pid) - gw0, cpu_seconds(worker_pid) - wk0
+    large = chats.stop() if chats is not None else None
+    lag = safety.lag_summary(lag0, safety.lag_buckets(gateway.metrics_url))
     tokens = r["tokens"]
     per_token = (lambda s: s / tokens * 1e6 if tokens else None)
     ms = (lambda v: v * 1e3 if v is not None else None)
@@ -198,6 +211,7 @@ def measure(gateway: _Gateway, worker_pid: int, concurrency: int, requests: int,
         "worker_cpu_us_per_token": per_token(wk), "client_cpu_us_per_token": per_token(r["client_cpu_s"]),
         "ttft_ms": {f"p{q}": ms(percentile(r["ttft_s"], q / 100)) for q in (50, 90, 99)},
         "itl_ms": {f"p{q}": ms(percentile(r["itl_s"], q / 100)) for q in (50, 90, 99)},
+        "tls": gateway.tls_ca is not None, "event_loop_lag": lag, "large_chats": large,
     }
 
 
@@ -215,26 +229,51 @@ def run(args) -> list[dict]:
                          args=(WorkerConfig(model_path=model, endpoint=endpoint, parent_pid=os.getpid(),
                                             name="instant-0"), args.step_ms / 1e3))
     worker.start()
-    gateway = None
-    results = []
+    gateways: list[_Gateway] = []
+    results, ratios = [], []
     try:
-        gateway = _Gateway(model, endpoint, args.startup_timeout, args.gateways)
+        gateways.append(_Gateway(model, endpoint, args.startup_timeout, args.gateways))
+        if args.tls:  # beside it on the same worker: TLS with a self-signed certificate, and a bearer token
+            cert, key = safety.self_signed(folder)
+            token = safety.new_token()
+            gateways.append(_Gateway(model, endpoint, args.startup_timeout, args.gateways,
+                                     extra=("--tls-cert", cert, "--tls-key", key), env={safety.TOKEN_ENV: token},
+                                     tls_ca=cert, token=token))
         for concurrency in args.concurrency:
-            row = measure(gateway, worker.pid, concurrency, max(args.requests, concurrency), args.max_tokens)
-            results.append(row)
-            _print_row(row)
+            rows: dict[bool, list[dict]] = {False: [], True: []}
+            for _ in range(args.repeats if args.tls else 1):
+                for gateway in gateways:  # plaintext, then TLS: side by side, alternately
+                    row = measure(gateway, worker.pid, concurrency, max(args.requests, concurrency), args.max_tokens,
+                                  args.large_chat_bytes)
+                    rows[row["tls"]].append(row)
+                    results.append(row)
+                    _print_row(row)
+            if args.tls:
+                ratios.append(_tls_ratio(concurrency, rows[False], rows[True]))
+                print(f"concurrency {concurrency:>4}: TLS + auth / plaintext tokens/s = {ratios[-1]['ratio']:.3f} "
+                      f"(medians of {len(rows[True])}: {ratios[-1]['tls_tokens_per_s']:.0f} / "
+                      f"{ratios[-1]['plain_tokens_per_s']:.0f})", flush=True)
     finally:
-        if gateway is not None:
+        for gateway in gateways:
             gateway.stop()
         worker.terminate()
         worker.join(30)
         shutil.rmtree(folder, ignore_errors=True)
     report = {"benchmark": "gateway", "protocol": "grpc", "gateways": args.gateways, "step_ms": args.step_ms,
-              "cpus": os.cpu_count(), "machine": machine,
-              "results": results}
+              "cpus": os.cpu_count(), "machine": machine, "large_chat_bytes": args.large_chat_bytes,
+              "results": results, "tls_ratios": ratios}
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     return results
+
+
+def _tls_ratio(concurrency: int, plain: list[dict], tls: list[dict]) -> dict:
+    import statistics
+
+    p = statistics.median(r["tokens_per_s"] or 0.0 for r in plain)
+    t = statistics.median(r["tokens_per_s"] or 0.0 for r in tls)
+    return {"concurrency": concurrency, "plain_tokens_per_s": p, "tls_tokens_per_s": t,
+            "ratio": t / p if p else None, "runs": len(tls)}
 
 
 def _print_row(r: dict) -> None:
@@ -245,4 +284,9 @@ def _print_row(r: dict) -> None:
           f"{fmt(r['messages_per_token'], '.2f')} messages/token, "
           f"TTFT p50 {fmt(r['ttft_ms']['p50'])} ms p99 {fmt(r['ttft_ms']['p99'])} ms, "
           f"ITL p50 {fmt(r['itl_ms']['p50'], '.3f')} ms p99 {fmt(r['itl_ms']['p99'], '.3f')} ms"
+          + (" [TLS + auth]" if r["tls"] else "")
+          + (f", loop lag p99 <= {fmt(r['event_loop_lag']['p99_ms_at_most'], '.0f')} ms "
+             f"({fmt(100 * (r['event_loop_lag']['within_20ms'] or 0), '.1f')}% of "
+             f"{r['event_loop_lag']['probes']} probes within 20 ms; large chats {r['large_chats']})"
+             if r["large_chats"] is not None else "")
           + (f", {r['errors']} errors" if r["errors"] else ""), flush=True)

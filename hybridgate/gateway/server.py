@@ -16,7 +16,10 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from hybridgate.config import check_settings, setting
+from hybridgate.gateway.auth import check_token
+from hybridgate.keys import check_secret_mode, read_secret_file
 from hybridgate.gateway.metrics import GatewayMetrics
+from hybridgate.gateway.security import BearerInterceptor, server_credentials
 from hybridgate.gateway.service import GenerationService
 from hybridgate.router import Router
 from hybridgate.v1 import generation_pb2 as pb
@@ -45,9 +48,35 @@ class GatewayConfig:
     allow_client_routes: bool = setting(
         False, "honour a request's `route` field (gpu, cpu, gpu->cpu): an operator's tool and the tests' handle; "
                "without it a route other than auto is INVALID_ARGUMENT")
+    auth_token: str | None = setting(
+        None, "require `authorization: Bearer TOKEN` on every call but health (UNAUTHENTICATED otherwise); "
+              "prefer --auth-token-file or the variable, since a flag shows in the process list (default: off)",
+        secret=True, check=check_token)
+    auth_token_file: str | None = setting(
+        None, "read the bearer token from this file (mode 0600 or narrower; surrounding whitespace dropped)")
+    tls_cert: str | None = setting(None, "serve gRPC over TLS with this PEM certificate chain (with --tls-key)")
+    tls_key: str | None = setting(None, "the PEM private key of --tls-cert (mode 0600 or narrower)")
+    tls_client_ca: str | None = setting(
+        None, "mutual TLS: PEM CA certificates that clients' certificates must chain to; a client without "
+              "one is refused in the handshake (needs --tls-cert)")
 
     def __post_init__(self) -> None:
         check_settings(self)
+        if self.auth_token_file:
+            token = read_secret_file(self.auth_token_file, "--auth-token-file")
+            if self.auth_token not in (None, "", token):  # equal: a copy made by dataclasses.replace
+                raise ValueError("--auth-token and --auth-token-file: give one of them, not both")
+            try:
+                check_token(token)
+            except ValueError as exc:
+                raise ValueError(f"--auth-token-file: the token in {self.auth_token_file} {exc}") from None
+            object.__setattr__(self, "auth_token", token)  # resolved once here: every door reads auth_token
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("--tls-cert and --tls-key: give both or neither")
+        if self.tls_key:
+            check_secret_mode(self.tls_key, "--tls-key")  # refused before anything starts
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("--tls-client-ca: mutual TLS needs TLS on the port (--tls-cert and --tls-key)")
 
 
 class Gateway:
@@ -61,9 +90,13 @@ class Gateway:
     def __init__(self, router: Router, config: GatewayConfig, reuse_port: bool = False):
         self.router, self.config = router, config
         self.metrics = GatewayMetrics(lambda: router.clients, wire_errors=lambda: router.wire_errors,
-                                      handoff=lambda: router.handoff_metrics, redis_up=router.redis_up)
+                                      handoff=lambda: router.handoff_metrics, redis_up=router.redis_up,
+                                      response_cache=router.response_cache)
         self.health = health.aio.HealthServicer()
-        self.server = grpc.aio.server(options=[
+        credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca) \
+            if config.tls_cert else None  # read before anything binds: a bad file fails at once
+        interceptors = [BearerInterceptor(config.auth_token)] if config.auth_token else []
+        self.server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             # A second server on a taken port fails instead of sharing it; `serve --gateways N` shares
@@ -82,7 +115,9 @@ class Gateway:
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
         with _fd2_captured() as core_log:
             try:
-                self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+                address = f"{config.host}:{config.port}"
+                self.port = self.server.add_secure_port(address, credentials) if credentials is not None \
+                    else self.server.add_insecure_port(address)
             except RuntimeError:  # grpc's "Failed to bind"
                 self.port = 0
         if self.port == 0:
@@ -94,6 +129,7 @@ class Gateway:
         sys.stderr.write(core_log[0])
         self.metrics_port: int | None = None
         self._httpd = None
+        self._lag_task: asyncio.Task | None = None
 
     async def start(self) -> None:
         """Serve metrics, then gRPC. Raises OSError naming the flag when the metrics port is taken
@@ -109,6 +145,7 @@ class Gateway:
             self.metrics_port = httpd.server_port
             self._httpd = httpd
         await self.server.start()
+        self._lag_task = asyncio.get_running_loop().create_task(self.metrics.watch_loop_lag())
 
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -123,8 +160,10 @@ class Gateway:
         """Health NOT_SERVING, then in-flight streams get `grace_s` to finish."""
         await self.set_serving(False)
         await self.server.stop(self.config.grace_s)
-        if self._httpd is not None:
-            self._httpd.shutdown()
+        if self._lag_task is not None:
+            self._lag_task.cancel()
+        if self._httpd is not None:  # its serve_forever polls every 0.5 s: wait for it off the loop
+            await asyncio.to_thread(self._httpd.shutdown)
 
 
 @contextlib.contextmanager

@@ -115,7 +115,10 @@ class GenerationService(pb_grpc.GenerationServicer):
         except tuple(_STATUS_OF) as exc:
             outcome.status = next(c for t, c in _STATUS_OF.items() if isinstance(exc, t))
             await context.abort(outcome.status, str(exc))
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
+            # grpc.aio cancels the call's task wherever it waits: inside this generator (the
+            # router's queue: CancelledError) or in its own write of the last response, after
+            # which the suspended generator is closed (GeneratorExit at the `yield`).
             outcome.status = grpc.StatusCode.CANCELLED
             raise
         finally:
@@ -132,8 +135,9 @@ class GenerationService(pb_grpc.GenerationServicer):
         one (the router's, arrival to first token), in ms; the placement metrics are counted here."""
         observed_ms = delta.timings.ttft_ms if delta.timings is not None else 0.0
         placement = stream.placement
-        if placement is None:  # a route the client chose (--allow-client-routes): no policy ran
-            return (("hybridgate-plan", stream.plan), ("hybridgate-policy", "client-route"),
+        if placement is None:  # a client's route (--allow-client-routes), or the response cache: no policy ran
+            policy = "response-cache" if stream.plan in ("cache", "coalesced") else "client-route"
+            return (("hybridgate-plan", stream.plan), ("hybridgate-policy", policy),
                     ("hybridgate-observed-ttft-ms", f"{observed_ms:.1f}"))
         self.metrics.observe_placement(placement, observed_ms / 1e3)
         return (("hybridgate-plan", placement.route), ("hybridgate-policy", placement.policy),

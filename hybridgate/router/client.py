@@ -27,6 +27,7 @@ import zmq
 import zmq.asyncio
 
 from hybridgate import wire
+from hybridgate.keys import Transport
 from hybridgate.router.lifecycle import (
     PROBE_FIRST_S,
     Exited,
@@ -148,12 +149,14 @@ class ZmqWorkerClient:
     or makes a handler raise is dropped, counted in `wire_errors` and logged
     (rate-limited); the receive task never dies of what a worker sends.
 
-    `name`: the label of this worker in metrics until its HELLO names it.
+    `name`: the label of this worker in metrics until its HELLO names it. `transport`: CURVE on
+    a tcp:// endpoint (hybridgate.keys.Transport; None: plain sockets, the embedder's choice).
     """
 
     def __init__(self, endpoint: str, *, dead_after_s: float = 1.0, suspect_after_s: float | None = None,
-                 name: str = "", ctx: zmq.asyncio.Context | None = None):
+                 name: str = "", ctx: zmq.asyncio.Context | None = None, transport: Transport | None = None):
         self.endpoint = endpoint
+        self.transport = transport
         self.kind: str | None = None
         self.stats = EngineStats()
         self.hello: Hello | None = None
@@ -239,6 +242,8 @@ class ZmqWorkerClient:
         sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing for a peer that is not connected
         sock.setsockopt(zmq.RCVHWM, 100_000)
         sock.setsockopt(zmq.SNDHWM, 100_000)
+        if self.transport is not None:
+            self.transport.client(sock, self.endpoint)
         sock.connect(self.endpoint)
         self._socket, self._plain = sock, zmq.Socket.shadow(sock.underlying)
 

@@ -19,8 +19,13 @@ it, so every placement can be compared with what it observed.
   also goes to the least loaded).
 - `cost` (the default): predicts TTFT and TPOT of every plan on every
   eligible worker and takes, among the plans that meet both SLOs and fit the
-  worker's free KV blocks, the one that finishes soonest (TTFT + TPOT × the
-  remaining tokens); when none does, a CPU worker that can hold the request
+  worker's free KV blocks, the cheapest: the one that holds a GPU worker's
+  decode slots for the fewest seconds (a `gpu` plan: TPOT × its remaining
+  tokens; `cpu` and `gpu->cpu`: none), so the GPU keeps its batch and its
+  steps for the work only it does fast, prefill, while the CPU tier decodes
+  whatever it can within the SLOs (the division of labour of Splitwise and
+  DistServe, with the CPU tier as the decode pool); among equally cheap plans
+  the one that finishes soonest (TTFT + TPOT × the remaining tokens). When none does, a CPU worker that can hold the request
   takes it (a spill) rather than a rejection, and without one the plan with
   the lowest TTFT. Default SLOs scale with the request, as Splitwise (Patel
   et al., ISCA 2024) and Sarathi-Serve define theirs: TTFT SLO = 3 × the
@@ -41,6 +46,10 @@ from hybridgate.router import costmodel as cm
 from hybridgate.router.costmodel import WorkerLoad
 
 SLO_FACTOR = 3.0
+# A plan meets the TPOT SLO when its predicted TPOT is within this fraction of it. The prediction is the step at
+# the batch the worker has now; the requests placed after this one join that batch too, so a batch filled to the
+# SLO's edge ends above it for everyone in it. The room left absorbs what arrives during the generation.
+TPOT_HEADROOM = 0.8
 
 
 @dataclass(frozen=True)
@@ -98,6 +107,12 @@ def all_plans(request: PlacementRequest, workers: Sequence[WorkerLoad]) -> list[
                        cm.tpot_s(cpu) + (copy + max(0.0, drain - p.ttft_s)) / steps)
                   for p in plans[: len(workers)] if workers[p.workers[0]].kind == "gpu" and request.max_tokens > 1]
     return plans
+
+
+def gpu_decode_s(plan: Plan, max_tokens: int) -> float:
+    """Seconds a plan holds a GPU worker's decode slot: TPOT × the tokens after the first for a `gpu` plan;
+    0 for `cpu` and `gpu->cpu` (the GPU worker only prefills)."""
+    return plan.tpot_s * max(0, max_tokens - 1) if plan.route == "gpu" else 0.0
 
 
 def _least_loaded(workers: Sequence[WorkerLoad], candidates: Sequence[int]) -> int:
@@ -175,10 +190,12 @@ class CostPolicy:
         if not plans:  # no worker's cache can hold it: let the first one refuse it with its own message
             return predict(request, workers, 0)
         ttft_slo, tpot_slo = self.slos(request, workers)
-        good = [p for p in plans if p.ttft_s <= ttft_slo and p.tpot_s <= tpot_slo
+        decodes = request.max_tokens > 1  # a one-token request has no TPOT to meet
+        good = [p for p in plans if p.ttft_s <= ttft_slo and (not decodes or p.tpot_s <= TPOT_HEADROOM * tpot_slo)
                 and cm.fits_now(workers[p.workers[-1]], total)]
         if good:
-            return min(good, key=lambda p: (p.e2e_s(request.max_tokens), p.route != "cpu"))
+            return min(good, key=lambda p: (gpu_decode_s(p, request.max_tokens), p.e2e_s(request.max_tokens),
+                                            p.route != "cpu"))
         # Nothing meets the SLOs: no rejection; the plan that finishes soonest, the CPU tier first on ties.
         best = min(plans, key=lambda p: (p.e2e_s(request.max_tokens), p.route != "cpu"))
         return replace(best, spilled=best.route == "cpu", meets_slo=False)

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from hybridgate.redisconf import RedisConfig, WorkerEntry, bounded, connect, redacted, redis_errors, worker_pattern
+from hybridgate.keys import Transport
 from hybridgate.router.client import WorkerClient, ZmqWorkerClient
 
 if TYPE_CHECKING:
@@ -46,12 +47,13 @@ class RedisRegistry:
     """
 
     def __init__(self, config: RedisConfig, *, dead_after_s: float = 1.0, poll_s: float = POLL_S,
-                 make_client: Callable[[WorkerEntry], WorkerClient] | None = None):
+                 make_client: Callable[[WorkerEntry], WorkerClient] | None = None, transport: Transport | None = None):
         if not config.url:
             raise ValueError("--redis-url: the registry needs a Redis URL")
         self.config, self.poll_s = config, poll_s
         self.make_client = make_client or (lambda e: ZmqWorkerClient(e.endpoint, dead_after_s=dead_after_s,
-                                                                     name=e.name))
+                                                                     name=e.name, transport=transport))
+        self.transport = transport
         self.up: bool | None = None
         self.known: dict[str, tuple[WorkerClient, WorkerEntry]] = {}  # by endpoint
         self._refused: set[tuple[str, str]] = set()  # (endpoint, boot id) logged once
@@ -126,6 +128,14 @@ class RedisRegistry:
                     await self._drop(endpoint, "now serves another model")
                 continue
             known = self.known.get(endpoint)
+            if known is None and self.transport is not None:
+                try:
+                    self.transport.check(endpoint, "worker (registry)")
+                except ValueError as exc:
+                    if (endpoint, entry.boot_id) not in self._refused:
+                        self._refused.add((endpoint, entry.boot_id))
+                        log.error("refusing worker %s: %s", endpoint, exc)
+                    continue
             if known is None:
                 client = self.make_client(entry)
                 self.known[endpoint] = (client, entry)

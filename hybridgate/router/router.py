@@ -31,7 +31,9 @@ from hybridgate.router.errors import FingerprintMismatchError, InvalidRequestErr
 from hybridgate.router.handoff import HandoffMetrics, PauseHook
 from hybridgate.router.placement import Placement, Placer, _Pending
 from hybridgate.router.policy import POLICIES, make_policy
+from hybridgate.router.prompts import PromptEncoder
 from hybridgate.router.registry import RedisRegistry
+from hybridgate.router.response_cache import ResponseCache
 from hybridgate.router.stream import GenerationStream, Stalled, WorkerAvailable
 from hybridgate.wire import (
     HandoffExported,
@@ -83,6 +85,10 @@ class RouterConfig:
     handoff_stall_s: float = setting(
         2.0, "seconds a gap in a hand-off's token indexes may stay open before its worker counts as lost",
         low=0, low_open=True)
+    prompt_processes: int = setting(
+        2, "processes that render and tokenize prompts over 8192 characters off the event loop, started on "
+           "first use at a lower priority; 0: a thread instead (which still stalls the loop about 150 ms per MiB)",
+        low=0)
     handoff_answer_s: float = setting(
         10.0, "seconds a hand-off waits for the CPU worker's answer to a reservation or an import before it runs "
               "on the GPU worker instead", low=0, low_open=True)
@@ -125,17 +131,22 @@ class Router:
         config: RouterConfig | None = None,
         on_ready_change: Callable[[bool], None] | None = None,
         registry: RedisRegistry | None = None,
+        response_cache: ResponseCache | None = None,
     ):
         self.model = model if isinstance(model, GGUFModel) else load_gguf(model)
         self.config = config or RouterConfig()
         self.tokenizer = Tokenizer.from_model(self.model)
         self.chat_template = ChatTemplate(self.tokenizer)
         self.fingerprint = model_fingerprint(self.model)
+        self.prompts = PromptEncoder(str(self.model.path), self.tokenize, lambda m: InvalidRequestError("messages", m),
+                                     self.config.prompt_processes)
+        self._longest_token = max(map(len, self.tokenizer.token_bytes), default=1)
         self.max_model_len = min(self.config.max_model_len or 1 << 62, self.model.config.max_model_len)
         self.clients = [ZmqWorkerClient(c, dead_after_s=self.config.dead_after_s) if isinstance(c, str) else c
                         for c in clients]
         self.on_ready_change = on_ready_change or (lambda ready: None)
         self.registry = registry  # workers found in Redis join and leave `clients` while the router runs
+        self.response_cache = response_cache  # deterministic requests: replayed answers, shared generations
         self._streams: dict[str, GenerationStream] = {}  # by the request id on its worker
         self._waiting: dict[str, GenerationStream] = {}  # moved streams waiting for a READY worker
         self._stall_task: asyncio.Task | None = None
@@ -187,7 +198,10 @@ class Router:
             await asyncio.gather(self._stall_task, return_exceptions=True)
         if self.registry is not None:
             await self.registry.close()
+        if self.response_cache is not None:
+            await self.response_cache.close()
         await asyncio.gather(*(c.close() for c in self.clients), return_exceptions=True)
+        self.prompts.close()
 
     async def add_client(self, client: WorkerClient) -> None:
         """A worker joins while the router runs (the registry found it); placement sees it once READY."""
@@ -214,8 +228,12 @@ class Router:
             self.on_ready_change(self._was_ready)
 
     def redis_up(self) -> bool | None:
-        """Whether this router's last Redis call succeeded; None without Redis (the `redis_up` metric)."""
-        return self.registry.up if self.registry is not None else None
+        """Whether the last Redis calls of the registry and the response cache succeeded (False when either
+        failed); None without Redis or before the first call (the `redis_up` metric)."""
+        ups = [self.registry.up if self.registry is not None else None,
+               self.response_cache.up if self.response_cache is not None else None]
+        known = [u for u in ups if u is not None]
+        return all(known) if known else None
 
     @property
     def ready(self) -> bool:
@@ -269,7 +287,11 @@ class Router:
         will wait (a gRPC call's remaining time); a request whose deadline is
         shorter than every plan's predicted TTFT raises `DeadlineExceededError`
         on entry, before any work, and one still waiting on its worker when it
-        passes is dropped there unrun (the same error).
+        passes is dropped there unrun (the same error). With a `response_cache`,
+        a deterministic request (temperature 0 or a seed) gets a
+        `response_cache.CachedStream` (same interface): a stored answer
+        replayed, or a generation shared with identical requests in flight
+        (which runs under the deadline of the request that started it).
         """
         params = (params or SamplingParams()).validate()
         self._check_prompt(prompt)
@@ -277,8 +299,9 @@ class Router:
             raise InvalidRequestError("route", f"must be one of {', '.join(ROUTES)}, got {route!r}")
         if deadline_s is not None and not deadline_s >= 0:
             raise InvalidRequestError("deadline_s", f"must be >= 0 seconds, got {deadline_s}")
-        return GenerationStream(self, prompt, params, label, request_id=uuid.uuid4().hex, route=route,
-                                deadline_s=deadline_s)
+        stream = GenerationStream(self, prompt, params, label, request_id=uuid.uuid4().hex, route=route,
+                                  deadline_s=deadline_s)
+        return self.response_cache.wrap(stream) if self.response_cache is not None else stream
 
     def _check_prompt(self, prompt: Prompt) -> None:
         if isinstance(prompt, str):
@@ -287,11 +310,13 @@ class Router:
             size = len(prompt.encode("utf-8"))
             if size > MAX_PROMPT_BYTES:
                 raise InvalidRequestError("prompt", f"at most 1 MiB ({MAX_PROMPT_BYTES} bytes), got {size} bytes")
+            self._check_bound(size)
             return
         if not prompt:
             raise InvalidRequestError("messages", "at least one message is required")
         if not any(isinstance(m.get("content"), str) and m["content"].strip() for m in prompt):
             raise InvalidRequestError("messages", "every message content is empty")
+        total = 0
         for i, m in enumerate(prompt):
             if m.get("role") not in ROLES:
                 raise InvalidRequestError(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {m.get('role')!r}")
@@ -301,6 +326,18 @@ class Router:
             size = len(content.encode("utf-8"))
             if size > MAX_PROMPT_BYTES:
                 raise InvalidRequestError(f"messages[{i}].content", f"at most 1 MiB ({MAX_PROMPT_BYTES} bytes), got {size} bytes")
+            total += size
+        self._check_bound(total)
+
+    def _check_bound(self, size: int) -> None:
+        """A prompt of `size` bytes has at least size / (the longest token's bytes) tokens, since a
+        byte-level BPE token stands for at most that many bytes: one certain to exceed the model
+        length is refused before seconds of tokenizing."""
+        fewest = -(-size // self._longest_token)
+        if fewest >= self.max_model_len:
+            raise InvalidRequestError("prompt", f"{size} bytes are at least {fewest} tokens (no token of this model "
+                                      f"is longer than {self._longest_token} bytes), but the max model length is "
+                                      f"{self.max_model_len} tokens (prompt and output together)")
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -344,6 +381,10 @@ class Router:
             if stream.client is not None and not stream.done:
                 pending.setdefault(id(stream.client), []).append(
                     _Pending(stream.uncached_tokens, bool(stream.received)))
+                placed = stream.placement
+                if placed is not None and placed.route == "gpu->cpu" and stream.client is placed.clients[0]:
+                    # Still on its GPU worker: a decode the CPU worker will have, counted there already.
+                    pending.setdefault(id(placed.clients[1]), []).append(_Pending(0, True))
         return self.placer.place(ready, self._inflight, pending, prompt_ids, max_tokens, deadline_s)
 
     def register(self, stream: GenerationStream, client: WorkerClient | None) -> None:

@@ -34,7 +34,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("hybridgate.router")
 
-_LARGE_PROMPT_CHARS = 1 << 16  # tokenize off the event loop above this
 
 
 @dataclass(frozen=True)
@@ -120,6 +119,7 @@ class GenerationStream:
         self.handoff: Handoff | None = None  # a gpu->cpu request's hand-off (hybridgate/router/handoff.py)
         self._handoff_route = ""  # the hand-off's part of the route, once the request moved on from it
         self.prompt_ids: list[int] = []
+        self._prepared = False
         self.ids: list[int] = []  # ids handed to the caller
         self.received: list[int] = []  # ids accepted from workers (the caller may not have read them yet)
         self.finished = False
@@ -143,14 +143,26 @@ class GenerationStream:
                         Stalled: self._on_stalled, WorkerAvailable: self._on_worker_available}
 
     async def __aenter__(self) -> GenerationStream:
-        self._arrival = time.monotonic()
-        big = isinstance(self.prompt, str) and len(self.prompt) > _LARGE_PROMPT_CHARS
-        self.prompt_ids = await asyncio.to_thread(self.router.tokenize, self.prompt) if big else self.router.tokenize(self.prompt)
-        self.max_tokens, self.seed = self.router.resolve(self.prompt_ids, self.params)
+        await self.prepare()
         self._first_placement()
         return self
 
+    async def prepare(self) -> None:
+        """Tokenize and resolve max_tokens and the seed (once; the response cache keys on them before entry)."""
+        if self._prepared:
+            return
+        self._prepared = True
+        self._arrival = time.monotonic()
+        ids = await self.router.prompts.encode(self.prompt)  # a large one off the event loop
+        # An array of ids is converted only when it can run: resolve() refuses a longer one by its length.
+        self.prompt_ids = ids if isinstance(ids, list) or len(ids) >= self.router.max_model_len else ids.tolist()
+        self.max_tokens, self.seed = self.router.resolve(self.prompt_ids, self.params)
+
     async def __aexit__(self, *exc) -> None:
+        self.leave()
+
+    def leave(self) -> None:
+        """What leaving the `async with` does: abort the request on its worker if unfinished, forget it."""
         if not self.finished:
             self.finished = self.done = True
             self._abort()

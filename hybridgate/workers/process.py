@@ -29,6 +29,7 @@ import zmq
 
 from hybridgate import wire
 from hybridgate.config import check_settings, setting
+from hybridgate.keys import Transport, TransportConfig
 from hybridgate.redisconf import RedisConfig, WorkerEntry
 from hybridgate.wire import (
     ERROR_INVALID_REQUEST,
@@ -75,7 +76,7 @@ class EngineConfig:
     """How a worker's runner uses its device: the settings `build_runner` passes on."""
 
     threads: int | None = setting(
-        None, "CPU threads per worker (default: all cores; under serve, several CPU workers split them)", low=1)
+        None, "CPU threads per worker (default: all cores; under serve, the workers computing on the CPU split them)", low=1)
     device: str | None = setting(None, "torch device of the GPU worker (default: cuda if present, else cpu)")
     kv_cache_memory: str | None = setting(
         None, "KV cache size: bytes (e.g. 2GiB) or a fraction of free device memory after weights (GPU) "
@@ -221,13 +222,15 @@ class WorkerIO:
     """
 
     def __init__(self, ctx: zmq.Context, endpoint: str, hello: Hello, inbox: Inbox, heartbeat_s: float,
-                 wire_errors: WireErrors | None = None, send_hwm: int = 100_000):
+                 wire_errors: WireErrors | None = None, send_hwm: int = 100_000, transport: Transport | None = None):
         self.max_frame_bytes = max_frame_bytes(hello.max_model_len)
+        transport = transport or Transport(TransportConfig(insecure_tcp=True))  # tests' and benchmarks' sockets
         self.handoff_socket = None
         if hello.handoff_endpoint:  # CPU workers: KV hand-offs from GPU workers (header, then parts)
             self.handoff_socket = ctx.socket(zmq.ROUTER)
             self.handoff_socket.setsockopt(zmq.LINGER, 0)
             self.handoff_socket.setsockopt(zmq.RCVBUF, 4 << 20)  # fewer, larger kernel copies (capped by rmem_max)
+            transport.server(self.handoff_socket, hello.handoff_endpoint, "--handoff-endpoint")
             self.handoff_socket.bind(hello.handoff_endpoint)
         self.socket = ctx.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -237,6 +240,7 @@ class WorkerIO:
         # Memory guard only: libzmq drops the connection of a peer sending a frame this large
         # (unseen, so uncounted); frames up to it are read and refused, counted, by `_on_frames`.
         self.socket.setsockopt(zmq.MAXMSGSIZE, 16 * self.max_frame_bytes)
+        transport.server(self.socket, endpoint)
         self.socket.bind(endpoint)
         self.from_engine = ctx.socket(zmq.PULL)
         self._engine_addr = f"inproc://engine-out-{id(self)}"
@@ -526,13 +530,15 @@ EXIT_THREAD_DIED = 70  # EX_SOFTWARE: an internal error ended a worker thread
 
 
 def run_worker(config: WorkerConfig, build: Callable[[WorkerConfig], tuple] = build_runner,
-               redis: RedisConfig | None = None) -> None:
+               redis: RedisConfig | None = None, transport: TransportConfig | None = None) -> None:
     """Process entry point: load, bind, warm up, READY, then serve until SIGTERM.
 
     `build` returns (runner, model); benchmarks pass a runner that computes
     nothing (hybridgate.bench.instant) to measure the gateway alone. With
     `redis.url`, the worker registers itself once READY (`workers.registration`)
-    and removes its entry on exit."""
+    and removes its entry on exit. `transport`: CURVE keys for tcp:// sockets (its
+    request socket, a CPU worker's hand-off socket, a GPU worker's hand-off connections);
+    a tcp:// endpoint without keys raises ValueError unless it allows insecure tcp."""
     _die_with_parent(config.parent_pid)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
     stop = threading.Event()
@@ -543,10 +549,15 @@ def run_worker(config: WorkerConfig, build: Callable[[WorkerConfig], tuple] = bu
     from hybridgate.models import model_fingerprint
 
     check_bindable(config.endpoint)  # before the model loads: a bad endpoint fails at once
+    secure = Transport(transport)
+    secure.check(config.endpoint, "--endpoint")
+    if config.resolved_handoff_endpoint:
+        secure.check(config.resolved_handoff_endpoint, "--handoff-endpoint")
     runner, model = build(config)
     fingerprint = model_fingerprint(model)
     del model  # the runners copy what they keep: the GGUF file can be unmapped
     ctx = zmq.Context()
+    secure.authenticate(ctx)  # the ZAP handler admits only clients holding the deployment's key
     inbox = Inbox()
     wire_errors = WireErrors()  # counted by both threads, reported in every LOAD and OUTPUTS
     hello = Hello(kind=config.kind, fingerprint=fingerprint, max_num_seqs=config.max_num_seqs,
@@ -554,7 +565,7 @@ def run_worker(config: WorkerConfig, build: Callable[[WorkerConfig], tuple] = bu
                   boot_id=uuid.uuid4().hex, name=config.name,  # a new boot id on every start
                   handoff_endpoint=config.resolved_handoff_endpoint, cpu_isa=getattr(runner, "cpu_isa", ""))
     try:
-        io = WorkerIO(ctx, config.endpoint, hello, inbox, config.heartbeat_s, wire_errors)
+        io = WorkerIO(ctx, config.endpoint, hello, inbox, config.heartbeat_s, wire_errors, transport=secure)
     except zmq.ZMQError as exc:
         ctx.destroy(0)
         raise OSError(_bind_error(config.endpoint, exc)) from None
@@ -576,7 +587,8 @@ def run_worker(config: WorkerConfig, build: Callable[[WorkerConfig], tuple] = bu
         from hybridgate.workers.gpu.export import KVExporter
 
         exporter = engine.handoffs.exporter = KVExporter(
-            runner, ctx, lambda ev: inbox.requests.put((b"", ev)), buffer_memory=config.handoff_buffer_bytes)
+            runner, ctx, lambda ev: inbox.requests.put((b"", ev)), buffer_memory=config.handoff_buffer_bytes,
+            transport=secure)
     loop = EngineLoop(engine, inbox, io.engine_sender(ctx), io.engine_handoff_sender())
     io.stats = engine.stats  # read by the heartbeat; the engine refreshes it every pass
     io.set_ready()  # the I/O thread sends READY on its next pass
@@ -602,4 +614,5 @@ def run_worker(config: WorkerConfig, build: Callable[[WorkerConfig], tuple] = bu
     io.stopping.set()
     io_thread.join(timeout=2)
     io.close()
+    secure.close()
     ctx.term()

@@ -16,12 +16,16 @@ HYBRIDGATE = str(Path(sys.executable).parent / "hybridgate")
 def test_bench_gateway_reports_every_figure(tmp_path):
     out = tmp_path / "gateway.json"
     proc = subprocess.run([HYBRIDGATE, "bench", "gateway", "--concurrency", "1,3", "--requests", "6",
-                           "--max-tokens", "48", "--step-ms", "2", "--json", str(out)],
+                           "--max-tokens", "48", "--step-ms", "2", "--tls", "--repeats", "1",
+                           "--large-chat-bytes", "20000", "--json", str(out)],
                           capture_output=True, text=True, timeout=120 * TIME_FACTOR)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
     assert report["protocol"] == "grpc"
-    assert [r["concurrency"] for r in report["results"]] == [1, 3]
+    # --tls: each concurrency against plaintext, then TLS + auth, and their ratio
+    assert [(r["concurrency"], r["tls"]) for r in report["results"]] == [(1, False), (1, True), (3, False), (3, True)]
+    assert [r["concurrency"] for r in report["tls_ratios"]] == [1, 3]
+    assert all(r["ratio"] > 0 and r["runs"] == 1 for r in report["tls_ratios"])
     for row in report["results"]:
         # Every stream ran to max_tokens (ignore_eos): 6 streams x 48 ids, none cut short. (2 ms steps:
         # enough gateway work that its CPU time is more than a clock tick, 10 ms, on a quiet machine.)
@@ -30,6 +34,12 @@ def test_bench_gateway_reports_every_figure(tmp_path):
         for key in ("tokens_per_s", "gateway_cpu_s", "gateway_cpu_us_per_token", "worker_cpu_us_per_token",
                     "client_cpu_us_per_token"):
             assert row[key] > 0, key
+        # --large-chat-bytes: chats of 20,000 and 10,000 bytes arrived meanwhile (tokenized in the prompt
+        # processes: fine for the model, so answered OK), and the loop's lag was read over the run
+        assert sum(row["large_chats"].values()) >= 1 and set(row["large_chats"]) <= {
+            "20000 bytes: OK", "10000 bytes: OK"}, row["large_chats"]
+        lag = row["event_loop_lag"]
+        assert lag["probes"] > 0 and 0 <= lag["within_20ms"] <= 1 and lag["p99_ms_at_most"] <= lag["max_ms_at_most"]
         for key in ("ttft_ms", "itl_ms"):
             assert 0 < row[key]["p50"] <= row[key]["p90"] <= row[key]["p99"], key
     flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
@@ -13,6 +14,7 @@ from hybridgate.router import Router
 from hybridgate.v1 import generation_pb2 as pb
 from hybridgate.v1 import generation_pb2_grpc as pb_grpc
 from hybridgate.wire import FinishReason
+from conftest import TIME_FACTOR
 from scripted import ScriptedClient
 
 pytestmark = pytest.mark.asyncio
@@ -41,3 +43,44 @@ async def test_one_line_per_request_with_the_prompt_only_when_asked(gguf_model, 
     assert f"prompt_tokens={len(tokenizer.encode(PROMPT))} completion_tokens={len(script)} " in line
     assert "finish_reason=length status=OK" in line
     assert (f"prompt={PROMPT!r}" in line) == with_text and ("secret" in line) == with_text
+
+
+async def test_every_cancelled_call_is_counted_and_logged_as_abort(gguf_model, tokenizer, caplog):
+    # grpc.aio cancels a call wherever its task waits: in the router's queue (CancelledError inside
+    # the handler) or in its own write of a response (the handler's generator is closed later, with
+    # GeneratorExit). A scripted worker that streams without pause puts many cancels in the second.
+    script = tokenizer.encode(" word" * 400)
+    client = ScriptedClient(model_fingerprint(gguf_model), script, finish=FinishReason.LENGTH)
+    calls = 12
+    async with Router(gguf_model, [client]) as router:
+        gateway = Gateway(router, GatewayConfig(port=0, log_requests=True))
+        await gateway.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+                stub = pb_grpc.GenerationStub(channel)
+                for _ in range(calls):
+                    call = stub.Generate(pb.GenerateRequest(prompt=PROMPT, max_tokens=len(script)))
+                    received = 0
+                    async for _message in call:
+                        received += 1
+                        if received == 3:
+                            call.cancel()
+                            break
+            await wait_for_lines(caplog, calls)
+            aborted = gateway.metrics.registry.get_sample_value(
+                "hybridgate:request_success_total", {"finished_reason": "abort"})
+        finally:
+            await gateway.stop()
+    lines = [r.getMessage() for r in caplog.records if r.name == "hybridgate.requests"]
+    assert all("finish_reason=abort status=CANCELLED" in line for line in lines), lines
+    assert aborted == calls
+
+
+async def wait_for_lines(caplog, count: int, timeout: float = 10.0) -> None:
+    """Until `count` request-log lines were written (a cancelled handler ends after the client moved on)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout * TIME_FACTOR
+    while sum(r.name == "hybridgate.requests" for r in caplog.records) < count:
+        if loop.time() > deadline:
+            raise AssertionError(f"fewer than {count} request-log lines after {timeout * TIME_FACTOR} s")
+        await asyncio.sleep(0.01)

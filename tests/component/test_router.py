@@ -12,6 +12,7 @@ import torch
 from conftest import TIME_FACTOR, golden_json
 from hybridgate.models import model_fingerprint
 from hybridgate.router import (
+    DeadlineExceededError,
     FingerprintMismatchError,
     InvalidRequestError,
     ResourceExhaustedError,
@@ -20,7 +21,7 @@ from hybridgate.router import (
     UnavailableError,
     WorkerRequestError,
 )
-from hybridgate.wire import FinishReason, Overload, RequestError, SamplingParams
+from hybridgate.wire import EngineStats, FinishReason, Overload, RequestError, SamplingParams
 from hybridgate.workers.gpu.runner import TorchRunner
 from hybridgate.workers.inprocess import InProcessClient
 from scripted import ScriptedClient
@@ -290,3 +291,22 @@ async def test_worker_failures_reach_the_caller_as_their_error(gguf_model, messa
                 async for d in stream:
                     got.append(d)
         assert len(got) == 1
+
+
+async def test_a_deadline_shorter_than_every_plans_predicted_ttft_is_refused_before_any_work(gguf_model, tokenizer):
+    fp = model_fingerprint(gguf_model)
+    # Both workers 3,000 prompt tokens deep: the fastest plan's TTFT is (3,000 + the prompt) / 2,000 s, 1.5 s.
+    gpu, cpu = ScriptedClient(fp, [5, 6], kind="gpu"), ScriptedClient(fp, [5, 6], kind="cpu")
+    for client, rate in ((gpu, 2000.0), (cpu, 200.0)):
+        client.stats = EngineStats(queued_prefill_tokens=3000, blocks_total=1000, max_num_seqs=64,
+                                   max_num_batched_tokens=2048, prefill_tokens_per_s={512: rate},
+                                   decode_step_s={1: 0.02})
+    async with Router(gguf_model, [gpu, cpu]) as router:
+        with pytest.raises(DeadlineExceededError):
+            async with router.generate("Hello", SamplingParams(max_tokens=2), deadline_s=0.05) as stream:
+                [d async for d in stream]
+        assert gpu.requests == [] and cpu.requests == []  # no worker was asked to do anything
+        # A deadline the fastest plan meets runs.
+        async with router.generate("Hello", SamplingParams(max_tokens=2), deadline_s=30.0) as stream:
+            deltas = [d async for d in stream]
+        assert sum(len(d.token_ids) for d in deltas) == 2 and len(gpu.requests) + len(cpu.requests) == 1

@@ -26,7 +26,7 @@ class Proc:
     def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None):
         self.log = log
         self._out = open(log, "wb")
-        env = dict(os.environ, PYTHONUNBUFFERED="1", HYBRIDGATE_LOG_LEVEL="INFO", **(env or {}))
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYBRIDGATE_LOG_LEVEL": "INFO", **(env or {})}
         self.popen = subprocess.Popen([HYBRIDGATE, *args], stdout=self._out, stderr=subprocess.STDOUT, env=env,
                                       start_new_session=True)
 

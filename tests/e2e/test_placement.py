@@ -115,9 +115,11 @@ def test_a_50_ms_deadline_behind_long_prompts_is_refused_before_any_work(served)
         {k: generate_with_metadata(served.target, prompt(3 + k, 1500), 1)[0]})) for k in range(2)]
     for call in calls:
         call.start()
+    # The long prompts queued, on one worker or on both (where depends on the prefill rates each measured; two
+    # on one worker share a step, and a worker reports its queue between steps, so wait for what one step leaves).
     deadline = time.monotonic() + 30 * TIME_FACTOR
-    while sum(v >= 1000 for v in worker_gauge(served.metrics_url, "hybridgate:queued_prefill_tokens").values()) < 2:
-        assert time.monotonic() < deadline, "the long prompts never showed in both workers' queues"
+    while sum(worker_gauge(served.metrics_url, "hybridgate:queued_prefill_tokens").values()) < 500:
+        assert time.monotonic() < deadline, "the long prompts never showed in the workers' queues"
         time.sleep(0.02)
     with pytest.raises(grpc.RpcError) as refused:
         list(stub(served.target).Generate(pb.GenerateRequest(prompt=prompt(5, 20), max_tokens=4), timeout=0.05))

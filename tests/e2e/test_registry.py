@@ -25,7 +25,8 @@ GREEDY = golden_json("greedy.json")["france"]  # transformers' greedy ids for th
 
 
 def gateway(tmp_path, name: str, url: str) -> tuple[Proc, str]:
-    proc = Proc(["gateway", "--port", "0", "--redis-url", url, "--registry-ttl", str(TTL)], tmp_path / f"{name}.log")
+    proc = Proc(["gateway", "--port", "0", "--redis-url", url, "--registry-ttl", str(TTL), "--insecure-tcp"],
+                tmp_path / f"{name}.log")
     port = proc.wait_for(r"gRPC on 127\.0\.0\.1:(\d+)").group(1)
     proc.wait_for(r"hybridgate: READY \(.*workers from Redis at redis://127\.0\.0\.1:\d+/0\)", 30)
     return proc, f"127.0.0.1:{port}"
@@ -34,7 +35,7 @@ def gateway(tmp_path, name: str, url: str) -> tuple[Proc, str]:
 def worker(tmp_path, name: str, url: str, port: int, *extra: str) -> Proc:
     endpoint = f"tcp://127.0.0.1:{port}"
     return Proc(["worker", "--endpoint", endpoint, "--advertise", endpoint, "--threads", "1", "--redis-url", url,
-                 "--registry-ttl", str(TTL), *extra], tmp_path / f"{name}.log")
+                 "--registry-ttl", str(TTL), "--insecure-tcp", *extra], tmp_path / f"{name}.log")
 
 
 def chat(target: str, timeout: float = 30.0) -> list[int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+from dataclasses import replace
 
 import pytest
 
@@ -114,17 +115,18 @@ def test_placer_counts_its_own_unanswered_requests_and_remembers_the_prefixes_it
     cpu = FakeClient("cpu-0", "cpu", prefill_tokens_per_s={512: 500.0}, decode_step_s={1: 0.02})
     placer = Placer(make_policy("cost", ttft_slo_s=100.0), "fp", kv_bytes_per_token=0)
     prompt = list(range(3, 1003))  # 1,000 tokens: 62 full blocks usable for the prefix record
-    first = placer.place([gpu, cpu], {}, {}, prompt, 4)
+    # One token each (no decode to keep off the GPU worker), so the TTFT alone decides.
+    first = placer.place([gpu, cpu], {}, {}, prompt, 1)
     assert first.clients == (gpu,) and first.uncached_tokens == 1000
     # The same prompt again: this router sent those blocks to gpu-0, so only 1000 - 62 * 16 = 8 tokens are
     # uncached there. With 1,000 of its own tokens still queued on gpu-0 (no report yet), TTFT there is
     # 1,008 / 1,000 s against 1,000 / 500 s on cpu-0.
-    second = placer.place([gpu, cpu], {}, {id(gpu): [_Pending(1000)]}, prompt, 4)
+    second = placer.place([gpu, cpu], {}, {id(gpu): [_Pending(1000)]}, prompt, 1)
     assert second.clients == (gpu,) and second.uncached_tokens == 8
     assert second.plan.ttft_s == pytest.approx(1.008)
     # Three such prompts queued there (3,000 tokens: 3 s) and a fresh prompt goes to cpu-0 (2 s).
     other = list(range(5000, 6000))
-    third = placer.place([gpu, cpu], {}, {id(gpu): [_Pending(1000)] * 2}, other, 4)
+    third = placer.place([gpu, cpu], {}, {id(gpu): [_Pending(1000)] * 2}, other, 1)
     assert third.clients == (cpu,) and third.plan.ttft_s == pytest.approx(2.0)
 
 
@@ -149,3 +151,16 @@ def test_the_deadline_check_uses_the_fastest_plans_predicted_ttft():
                      decode_step_s={1: 0.02})
     placed = Placer(make_policy("round_robin"), "fp", 0).place([cpu, gpu], {}, {}, list(range(3, 23)), 4, 0.05)
     assert placed.clients == (cpu,) and placed.fastest_ttft_s == pytest.approx(3020 / 2000)
+
+
+def test_cost_keeps_a_cpu_decode_only_with_room_below_the_tpot_slo():
+    # The CPU worker would decode at 90 ms a step against a 100 ms TPOT SLO: within it, but the requests placed
+    # after this one join the same batch, so only a step of at most 80 ms (TPOT_HEADROOM) counts as meeting it.
+    workers = [WorkerLoad(0, "gpu-0", "gpu", prefill_tokens_per_s={512: 2000.0}, decode_step_s={1: 0.03}),
+               WorkerLoad(1, "cpu-0", "cpu", prefill_tokens_per_s={512: 200.0}, decode_step_s={1: 0.09},
+                          takes_handoff=True)]
+    req = PlacementRequest(20, 64, (20, 20))
+    assert CostPolicy(ttft_slo_s=1.0, tpot_slo_s=0.1).place(req, workers).route == "gpu"
+    # At 75 ms the CPU tier takes the decode, and the GPU worker only prefills (no GPU decode slot held).
+    faster = [workers[0], replace(workers[1], decode_step_s={1: 0.075})]
+    assert CostPolicy(ttft_slo_s=1.0, tpot_slo_s=0.1).place(req, faster).route in ("cpu", "gpu->cpu")

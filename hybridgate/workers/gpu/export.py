@@ -33,6 +33,7 @@ import torch
 import zmq
 
 from hybridgate import wire
+from hybridgate.keys import Transport
 from hybridgate.mempool import PinnedPool, aligned_slab
 from hybridgate.wire import HandoffHeader, HandoffPart, HandoffRefused, MsgType
 from hybridgate.workers.handoff import PauseHooks
@@ -142,11 +143,13 @@ class KVExporter:
 
     def __init__(self, runner, ctx: zmq.Context, notify: Callable[[ExportEvent], None],
                  buffer_memory: int = DEFAULT_BUFFER_MEMORY, pauses: PauseHooks | None = None,
-                 wait_s: float = BUFFER_WAIT_S, buffer_bytes: int | None = None):
+                 wait_s: float = BUFFER_WAIT_S, buffer_bytes: int | None = None, transport: Transport | None = None):
         """buffer_memory: the slab (the `handoff_buffer_memory` setting). buffer_bytes: one
         buffer, by default the larger of slab / MAX_BUFFERS and one layer's K and V at the
-        model's length (so every hand-off fits, layer by layer); tests pass a smaller one."""
+        model's length (so every hand-off fits, layer by layer); tests pass a smaller one.
+        transport: CURVE for a CPU worker's tcp:// hand-off socket (None: plain sockets)."""
         self.runner, self.ctx, self.notify, self.wait_s = runner, ctx, notify, wait_s
+        self.transport = transport
         self.pauses = pauses or PauseHooks()
         cache, dev = runner.cache, runner.model.device
         self.cuda = dev.type == "cuda"
@@ -216,6 +219,8 @@ class KVExporter:
             sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a connected peer: an absent one times out
             sock.setsockopt(zmq.SNDTIMEO, int(self.wait_s * 1e3))
             sock.setsockopt(zmq.SNDBUF, SOCKET_BUFFER_BYTES)  # fewer, larger kernel copies (capped by wmem_max)
+            if self.transport is not None:
+                self.transport.client(sock, endpoint, "hand-off endpoint")
             sock.connect(endpoint)
             self.sockets[endpoint] = sock
         return sock

@@ -1,0 +1,45 @@
+"""Entry points of the prompt encoder's pool processes (hybridgate.router.prompts).
+
+This module imports only the standard library at its top, so that a spawned pool
+process lowers its priority (nice +10) before it imports numpy, tokenizers and
+gguf and builds the tokenizer: even starting up, it yields the cores to the
+worker's decode steps and the gateway's event loop.
+
+A job is one msgspec-msgpack bytes object (the text, or the messages); the answer
+is b"I" + the ids as int32 bytes, or b"E" + the chat template's error message.
+"""
+
+from __future__ import annotations
+
+import os
+
+NICE = 10
+
+_state: dict = {}  # the model's tokenizer and chat template, built once per process
+
+
+def init(model_path: str) -> None:
+    """Pool initializer: lower the priority, then build the tokenizer and chat template of `model_path`."""
+    try:
+        os.nice(NICE)
+    except OSError:  # not permitted: encode at the same priority
+        pass
+    from hybridgate.models import ChatTemplate, Tokenizer, load_gguf
+
+    tokenizer = Tokenizer.from_model(load_gguf(model_path))
+    _state.update(tokenizer=tokenizer, chat=ChatTemplate(tokenizer))
+
+
+def encode(job: bytes) -> bytes:
+    """Render (messages) and tokenize one prompt; see the module doc for the formats."""
+    import msgspec
+    import numpy as np
+
+    from hybridgate.models.chat import ChatTemplateError
+
+    prompt = msgspec.msgpack.decode(job)
+    try:
+        ids = _state["tokenizer"].encode(prompt) if isinstance(prompt, str) else _state["chat"].encode(prompt)
+    except ChatTemplateError as exc:
+        return b"E" + str(exc).encode()
+    return b"I" + np.asarray(ids, dtype=np.int32).tobytes()

@@ -1,0 +1,50 @@
+"""bench serve on a tiny workload against the serve it starts: its JSON holds every figure, and its chaos
+mode (one kill) reports no request lost and nothing leaked."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+from bench_checks import check_report
+from conftest import TIME_FACTOR
+from procs import HYBRIDGATE
+
+TINY = [(20, 4), (120, 2), (12, 8)]  # (prompt tokens, max tokens)
+
+
+def bench_serve(tmp_path, *flags: str) -> dict:
+    workload = tmp_path / "tiny.jsonl"
+    workload.write_text("".join(json.dumps({"prompt_tokens": p, "max_tokens": m}) + "\n" for p, m in TINY))
+    out = tmp_path / "serve.json"
+    proc = subprocess.run([HYBRIDGATE, "bench", "serve", "--workload", str(workload), "--total-threads", "1",
+                           "--min-requests", "3", "--max-requests", "6", "--time-limit", str(60 * TIME_FACTOR),
+                           "--json", str(out), "--log-dir", str(tmp_path / "logs"), *flags],
+                          capture_output=True, text=True, timeout=300 * TIME_FACTOR)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(out.read_text())
+
+
+def test_bench_serve_json_holds_every_figure_and_the_plot_is_written(tmp_path):
+    png = tmp_path / "serve.png"
+    report = bench_serve(tmp_path, "--layouts", "cpu", "--capacity-runs", "1", "--rates", "1.5", "--duration", "2",
+                         "--plot", str(png))
+    check_report(report, ["cost"])
+    cost = report["policies"]["cost"]
+    assert len(cost["capacity_runs"]) == 1 and [r["rate"] for r in cost["sweep"]] == [1.5]
+    for r in cost["sweep"] + cost["capacity_runs"]:
+        # One CPU worker: every request ran there, and every one finished with all its tokens.
+        assert r["plans"] == {"cpu": r["requests"]} and r["unfinished"] == 0 and not r["errors"]
+    assert cost["serve_args"][:6] == ["--gpu-workers", "0", "--cpu-workers", "1", "--threads", "1"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_chaos_mode_kills_a_worker_and_loses_nothing(tmp_path):
+    report = bench_serve(tmp_path, "--layouts", "cpu", "--chaos-kill-every", "2", "--chaos-duration", "3",
+                         "--rates", "3")
+    chaos = report["chaos"]
+    assert len(chaos["kills"]) == 1 and chaos["requests"] == 9
+    assert chaos["lost"] == 0 and chaos["leaked_blocks"] == 0 and chaos["leaked_pinned_bytes"] == 0 and chaos["idle"]
+    kill = chaos["kills"][0]
+    assert kill["restart_s"] is not None and kill["restart_s"] > 0  # serve restarted the worker, READY again
+    assert {"recovered_after_s", "attainment_before"} <= set(kill)

