@@ -31,6 +31,12 @@ def add_engine_parser(sub) -> None:
                    help="baseline run side by side (default: transformers for gpu; none for cpu, where llama-cpp "
                         "needs the bench extra: pip install -e '.[bench]')")
     p.add_argument("--no-baseline", action="store_true", help="same as --baseline none")
+    p.add_argument("--llama-cpp-path", default=None, metavar="DIR",
+                   help="with --baseline llama-cpp: a folder holding another llama-cpp-python build (e.g. "
+                        "pip install --target DIR, built for AVX2 only), put first on the baseline's sys.path "
+                        "(default: the installed llama_cpp)")
+    p.add_argument("--bandwidth-mib", type=bounded(int, 1), default=512,
+                   help="--kind cpu: MiB of the array whose parallel sum measures the read bandwidth (default 512)")
     p.add_argument("--compare-eager", action="store_true",
                    help="on CUDA, also time the decode step without CUDA graphs (--enforce-eager)")
     p.add_argument("--json", default=None, metavar="OUT", help="write the figures to this JSON file")

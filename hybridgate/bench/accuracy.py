@@ -80,11 +80,13 @@ def run(args: argparse.Namespace) -> dict:
         isa.select(settings.worker.engine.cpu_isa)
         from hybridgate.workers.cpu.runner import NumbaRunner
 
-        runner = NumbaRunner(model, kv_cache_memory=memory, threads=settings.worker.engine.threads)
+        runner = NumbaRunner(model, kv_cache_memory=memory, threads=settings.worker.engine.threads,
+                             activations=settings.worker.engine.cpu_activations)
     else:
         device = torch.device(settings.worker.engine.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         runner = TorchRunner(model, device, kv_cache_memory=memory)
-    out = {"kind": settings.worker.kind, **({"cpu_isa": runner.cpu_isa} if hasattr(runner, "cpu_isa") else {}),
+    cpu = {"cpu_isa": runner.cpu_isa, "cpu_activations": runner.cpu_activations} if hasattr(runner, "cpu_isa") else {}
+    out = {"kind": settings.worker.kind, **cpu,
            **compare(reference, teacher_forced_logits(runner, cases))}
     print(json.dumps(out, indent=1))
     if args.json:

@@ -10,10 +10,14 @@ Baselines: for `--kind gpu`, transformers `generate(use_cache=True)` on the
 same GGUF, device and dtype, batched with left padding and exactly
 `--new-tokens` new tokens; prefill: one forward of the batch. For `--kind cpu`
 (`--baseline llama-cpp`), llama.cpp on the same file, threads and prompts, its
-parallel sequences decoded in one batch per step (`llama_baseline`).
-The CPU runner also reports the bytes of weights it reads per decode step, the
-read rate that makes at batch 1, and this process's peak RSS before any
-baseline loads.
+parallel sequences decoded in one batch per step (`llama_baseline`), twice:
+`llama_cpp_defaults` (the library's defaults, extra buffer types on) and
+`llama_cpp_plain` (extra buffer types off), each in its own process, each
+with its ratio; ours and the baselines run alternately, `--repeats` times.
+The CPU runner also reports its ISA path, the bytes of weights it reads per
+decode step, the read rate that makes at batch 1 beside this machine's
+measured read bandwidth (a parallel Numba sum over `--bandwidth-mib`), and
+this process's peak RSS.
 
 `--profile-out FILE` writes a worker profile for `bench sim` instead: the
 engine's own step tables (`EngineCore.measure_rates` over more step sizes:
@@ -138,6 +142,76 @@ def _median(fn, repeats: int) -> float:
     return statistics.median(fn() for _ in range(repeats))
 
 
+def _llama_cpp_baselines(path: Path, out: dict, max_seqs: int, llama_cpp_path: str | None) -> dict:
+    """llama.cpp with its defaults and with extra buffer types off, each in its own process; a
+    configuration that fails to start is reported in `out` and left out."""
+    from hybridgate.bench.llama_baseline import CONFIGS, LlamaCppProcess
+
+    bases, out["llama_cpp"] = {}, {}
+    for config in CONFIGS:
+        name = f"llama_cpp_{config}"
+        try:
+            bases[name] = LlamaCppProcess(path, out["threads"], max_seqs, config, llama_cpp_path)
+            out["llama_cpp"][config] = bases[name].info
+            print(f"{name}: llama-cpp-python {bases[name].info['version']} from {bases[name].info['path']} "
+                  f"({bases[name].info['system_info'].strip()})", flush=True)
+        except RuntimeError as exc:
+            out["llama_cpp"][config] = {"error": str(exc)}
+            print(f"{name}: {exc}", flush=True)
+    return bases
+
+
+def _alternate(measure, ours, bases: dict, repeats: int, key: str = "tokens_per_s", ratio: bool = True) -> dict:
+    """Medians of `measure(x)` for ours and each baseline, run alternately (ours, then each baseline,
+    `repeats` times), so a shared machine's load falls on all of them alike. A baseline that
+    crashes drops out of the row (its error under `<name>_error`); `ratio` is ours over the first
+    baseline that finished (a higher-is-better figure), `<name>_ratio` over each."""
+    runs: dict[str, list[float]] = {"hybridgate": [], **{name: [] for name in bases}}
+    row: dict = {}
+    for _ in range(repeats):
+        runs["hybridgate"].append(measure(ours))
+        for name, base in bases.items():
+            if f"{name}_error" in row:
+                continue
+            try:
+                runs[name].append(measure(base))
+            except RuntimeError as exc:
+                row[f"{name}_error"] = str(exc)
+    mine = statistics.median(runs["hybridgate"])
+    row[f"hybridgate_{key}"] = mine
+    for name, values in runs.items():
+        if name == "hybridgate" or not values or f"{name}_error" in row:
+            continue
+        row[f"{name}_{key}"] = statistics.median(values)
+        if ratio:
+            row[f"{name}_ratio"] = mine / row[f"{name}_{key}"]
+            row.setdefault("ratio", row[f"{name}_ratio"])
+    return row
+
+
+def read_bandwidth_gb_per_s(mib: int, repeats: int = 5) -> float:
+    """This machine's read rate in GB/s with Numba's threads: the median over `repeats` of a
+    parallel sum over a float32 array of `mib` MiB (larger than the caches)."""
+    import numba
+    import numpy as np
+
+    @numba.njit(parallel=True, fastmath=True)
+    def total(a):
+        s = np.float32(0.0)
+        for i in numba.prange(a.shape[0]):
+            s += a[i]
+        return s
+
+    a = np.ones(mib << 18, dtype=np.float32)
+    total(a)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        total(a)
+        times.append(time.perf_counter() - start)
+    return a.nbytes / statistics.median(times) / 1e9
+
+
 def run(args: argparse.Namespace) -> dict:
     settings = resolve(args).settings
     engine = settings.worker.engine
@@ -159,13 +233,14 @@ def run(args: argparse.Namespace) -> dict:
         isa.select(engine.cpu_isa)
         from hybridgate.workers.cpu.runner import NumbaRunner
 
-        ours = EngineBench(model, NumbaRunner(model, engine.kv_cache_memory or "1GiB", threads=engine.threads))
+        ours = EngineBench(model, NumbaRunner(model, engine.kv_cache_memory or "1GiB", threads=engine.threads,
+                                              activations=engine.cpu_activations))
         import numba
 
         out: dict = {"kind": "cpu", "cpu_isa": ours.runner.cpu_isa, "threads": numba.get_num_threads(),
                      "baseline": baseline}
-        print(f"CPU kernels: {ours.runner.cpu_isa} path", flush=True)
-        base_name = "llama_cpp"
+        print(f"CPU kernels: {ours.runner.cpu_isa} path, activations {ours.runner.cpu_activations}", flush=True)
+        out["cpu_activations"] = ours.runner.cpu_activations
     else:
         device = torch.device(engine.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -174,39 +249,31 @@ def run(args: argparse.Namespace) -> dict:
         ours = EngineBench.torch(model, device, dtype, engine.kv_cache_memory)
         out = {"kind": "gpu", "device": str(device), "dtype": str(dtype).removeprefix("torch."),
                "threads": torch.get_num_threads(), "baseline": baseline}
-        base_name = "transformers"
     if args.profile_out:
         return write_profile(args, ours, out, model)
     out.update({"repeats": args.repeats, "decode": {}, "prefill": {}})
-    base = None
+    bases: dict = {}
     if baseline == "transformers":
-        base = TransformersBaseline(path, device, dtype)
+        bases["transformers"] = TransformersBaseline(path, device, dtype)
     elif baseline == "llama-cpp":
-        from hybridgate.bench.llama_baseline import LlamaCppBaseline
-
-        out["peak_rss_mib_before_baseline"] = _peak_rss_mib()  # measured below too, with the baseline loaded
-        base = LlamaCppBaseline(path, out["threads"], max_seqs=max(args.concurrency))
+        out["peak_rss_mib_before_baseline"] = _peak_rss_mib()  # the baselines run in their own processes
+        bases = _llama_cpp_baselines(path, out, max(args.concurrency), args.llama_cpp_path)
     for c in args.concurrency:
         batch = prompts(tokenizer, c, args.prompt_len)
-        row = {"hybridgate_tokens_per_s": _median(lambda: ours.decode(batch, args.new_tokens), args.repeats)}
-        if base is not None:
-            row[f"{base_name}_tokens_per_s"] = _median(lambda: base.decode(batch, args.new_tokens), args.repeats)
-            row["ratio"] = row["hybridgate_tokens_per_s"] / row[f"{base_name}_tokens_per_s"]
-        out["decode"][c] = row
+        out["decode"][c] = row = _alternate(lambda b: b.decode(batch, args.new_tokens), ours, bases, args.repeats)
         _print("decode", f"c={c}", row)
     for length in args.prefill_lens:
         batch = prompts(tokenizer, args.prefill_prompts, length)
-        row = {"hybridgate_tokens_per_s": _median(lambda: ours.prefill(batch), args.repeats)}
-        if base is not None:
-            row[f"{base_name}_tokens_per_s"] = _median(lambda: base.prefill(batch), args.repeats)
-            row["ratio"] = row["hybridgate_tokens_per_s"] / row[f"{base_name}_tokens_per_s"]
+        row = _alternate(lambda b: b.prefill(batch), ours, bases, args.repeats)
         if not cpu:
             row["hybridgate_tflops"] = 2 * ours.runner.model.weight_bytes / ours.runner.model.embed.element_size() \
                 * row["hybridgate_tokens_per_s"] / 1e12  # 2 x weights x tokens / s (attention excluded)
         out["prefill"][f"{args.prefill_prompts}x{length}"] = row
         _print("prefill", f"{args.prefill_prompts}x{length}", row)
     step_prompt = prompts(tokenizer, 1, args.prompt_len)[0]
-    out["decode_step_ms_c1"] = _median(lambda: ours.decode_step_ms(step_prompt), args.repeats)
+    steps = _alternate(lambda b: b.decode_step_ms(step_prompt), ours, bases if cpu else {}, args.repeats,
+                       key="decode_step_ms", ratio=False)
+    out["decode_step_ms_c1"] = steps.pop("hybridgate_decode_step_ms")
     print(f"decode step at batch 1: {out['decode_step_ms_c1']:.3f} ms", flush=True)
     if cpu:
         weights = ours.runner.model.weight_bytes
@@ -214,9 +281,10 @@ def run(args: argparse.Namespace) -> dict:
         out["weight_read_gb_per_s_c1"] = weights / out["decode_step_ms_c1"] / 1e6
         print(f"weights read per step: {weights / 2**20:.1f} MiB ({out['weight_read_gb_per_s_c1']:.1f} GB/s at "
               "batch 1)", flush=True)
-        if base is not None:
-            out["llama_cpp_decode_step_ms_c1"] = _median(lambda: base.decode_step_ms(step_prompt), args.repeats)
-            print(f"llama.cpp decode step at batch 1: {out['llama_cpp_decode_step_ms_c1']:.3f} ms", flush=True)
+        for name, ms in steps.items():
+            if name.endswith("_decode_step_ms"):
+                out[f"{name}_c1"] = ms
+                print(f"{name.removesuffix('_decode_step_ms')} decode step at batch 1: {ms:.3f} ms", flush=True)
     if args.compare_eager and not cpu and device.type == "cuda":
         eager = EngineBench.torch(model, device, dtype, "2GiB", enforce_eager=True)
         out["decode_step_ms_c1_eager"] = _median(lambda: eager.decode_step_ms(step_prompt), args.repeats)
@@ -230,14 +298,23 @@ def run(args: argparse.Namespace) -> dict:
         out["decode_scaling_16_over_1"] = (out["decode"][16]["hybridgate_tokens_per_s"]
                                            / out["decode"][1]["hybridgate_tokens_per_s"])
         print(f"decode scaling c=16 / c=1: {out['decode_scaling_16_over_1']:.2f}x")
-        if base is not None and cpu:
-            single = out["decode"][1][f"{base_name}_tokens_per_s"]
+        first = out["decode"][1]
+        single = first.get("llama_cpp_defaults_tokens_per_s") or first.get("llama_cpp_plain_tokens_per_s")
+        if cpu and single:
             out["c16_over_llama_cpp_c1"] = out["decode"][16]["hybridgate_tokens_per_s"] / single
             print(f"c=16 over llama.cpp's single stream: {out['c16_over_llama_cpp_c1']:.2f}x")
+    for b in bases.values():
+        if hasattr(b, "close"):
+            b.close()
     out["peak_rss_mib"] = _peak_rss_mib()
     print(f"peak RSS: {out['peak_rss_mib']:.0f} MiB" + (
         f" ({out['peak_rss_mib_before_baseline']:.0f} MiB before the baseline loaded)"
         if "peak_rss_mib_before_baseline" in out else ""), flush=True)
+    if cpu:  # after the RSS figure: the array it sums is not the engine's memory
+        out["read_bandwidth_gb_per_s"] = read_bandwidth_gb_per_s(args.bandwidth_mib)
+        out["step_over_bandwidth_bound"] = out["read_bandwidth_gb_per_s"] / out["weight_read_gb_per_s_c1"]
+        print(f"read bandwidth: {out['read_bandwidth_gb_per_s']:.1f} GB/s with {out['threads']} threads; the decode "
+              f"step takes {out['step_over_bandwidth_bound']:.2f}x the time its weights take to read", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     return out

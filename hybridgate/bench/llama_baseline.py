@@ -1,4 +1,4 @@
-"""llama.cpp on the same GGUF, threads and prompts: the CPU worker's baseline.
+"""llama.cpp on the same GGUF, threads and prompts: the CPU worker's baseline, in its own process.
 
 Uses llama-cpp-python's low-level API (the `bench` extra): one context with
 `n_seq_max` parallel sequences, and `llama_decode` on batches that hold one
@@ -6,22 +6,36 @@ token of every running sequence per decode step (llama.cpp's own batched
 decoding, as in its `batched` example), greedy by argmax of the returned
 logits. Prefill: the prompt in one batch of `n_batch` tokens, logits of the
 last one only.
+
+Two configurations: `defaults` (the library's model defaults: extra buffer
+types on, so ggml repacks weights for its fastest kernels, as users get it)
+and `plain` (`use_extra_bufts` off). Each runs in a child process
+(`LlamaCppProcess`: `python -m hybridgate.bench.llama_baseline`, one JSON
+request and one JSON answer per line), so a crash inside ggml ends that
+baseline, not the benchmark; the child may import llama_cpp from another
+build's folder (`--llama-cpp-path`, e.g. one built for AVX2 only) and reports
+which build it loaded.
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+CONFIGS = {"defaults": True, "plain": False}  # name -> use_extra_bufts
+
 
 class LlamaCppBaseline:
     """llama.cpp context on `path` with `threads` threads and room for `max_seqs` sequences."""
 
-    def __init__(self, path: Path, threads: int, max_seqs: int = 16, n_ctx: int = 4096):
+    def __init__(self, path: Path, threads: int, max_seqs: int = 16, n_ctx: int = 4096, extra_bufts: bool = False):
         try:
             import llama_cpp
         except ImportError as exc:  # pragma: no cover - the extra is optional
@@ -31,9 +45,8 @@ class LlamaCppBaseline:
         lib.llama_log_set(_quiet_log, ctypes.c_void_p(0))
         mparams = lib.llama_model_default_params()
         mparams.n_gpu_layers = 0
-        # ggml's AMX buffer type segfaults in ggml_backend_amx_mul_mat on batches of more than one token on
-        # these machines (llama-cpp-python 0.3.36); the extra buffer types are off, the AVX-512 kernels run.
-        mparams.use_extra_bufts = False
+        # On: ggml's extra buffer types (CPU weight repacking, AMX where built) as the library's default.
+        mparams.use_extra_bufts = extra_bufts
         self.model = lib.llama_model_load_from_file(os.fsencode(path), mparams)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {path}")
@@ -116,6 +129,99 @@ class LlamaCppBaseline:
         return sum(len(p) for p in batch) / (time.perf_counter() - start)
 
 
+    def build(self) -> dict:
+        """Which llama.cpp this is: version, library folder and ggml's CPU feature line."""
+        info = self.lib.llama_print_system_info()
+        return {"version": getattr(self.lib, "__version__", "?"), "path": str(Path(self.lib.__file__).parent),
+                "system_info": info.decode() if isinstance(info, bytes) else str(info)}
+
+
+class LlamaCppProcess:
+    """A `LlamaCppBaseline` in a child process: the same methods, answered over a pipe.
+
+    llama_cpp_path: a folder put first on the child's sys.path (another llama-cpp-python build),
+    or None for the installed one. `crashed` holds the child's last words once it died; every
+    later call raises RuntimeError.
+    """
+
+    def __init__(self, path: Path, threads: int, max_seqs: int, config: str, llama_cpp_path: str | None = None,
+                 timeout_s: float = 600.0):
+        if config not in CONFIGS:
+            raise ValueError(f"llama.cpp config: expected one of {', '.join(CONFIGS)}, got {config!r}")
+        env = dict(os.environ)
+        if llama_cpp_path:
+            env["PYTHONPATH"] = os.pathsep.join([llama_cpp_path, *filter(None, [env.get("PYTHONPATH")])])
+        self.config, self.timeout_s, self.crashed = config, timeout_s, ""
+        self.proc = subprocess.Popen([sys.executable, "-m", "hybridgate.bench.llama_baseline"], env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.info = self._call("init", path=str(path), threads=threads, max_seqs=max_seqs,
+                               extra_bufts=CONFIGS[config])
+
+    def _call(self, op: str, **kw):
+        if self.crashed:
+            raise RuntimeError(f"llama.cpp ({self.config}) crashed earlier: {self.crashed}")
+        try:
+            self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        except (BrokenPipeError, OSError):
+            line = ""
+        if not line:
+            self.proc.wait(timeout=self.timeout_s)
+            tail = self.proc.stderr.read()[-400:].strip()
+            self.crashed = f"exit code {self.proc.returncode}" + (f": {tail}" if tail else "")
+            raise RuntimeError(f"llama.cpp ({self.config}) crashed: {self.crashed}")
+        answer = json.loads(line)
+        if "error" in answer:
+            raise RuntimeError(f"llama.cpp ({self.config}): {answer['error']}")
+        return answer["value"]
+
+    def decode(self, batch: list[list[int]], new_tokens: int) -> float:
+        return self._call("decode", batch=batch, new_tokens=new_tokens)
+
+    def decode_step_ms(self, prompt: list[int], steps: int = 64) -> float:
+        return self._call("decode_step_ms", prompt=prompt, steps=steps)
+
+    def prefill(self, batch: list[list[int]]) -> float:
+        return self._call("prefill", batch=batch)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _serve() -> None:
+    """The child: one JSON request per stdin line, one JSON answer per stdout line."""
+    base = None
+    out = sys.stdout
+    sys.stdout = sys.stderr  # llama.cpp's own prints stay off the answer channel
+    for line in sys.stdin:
+        req = json.loads(line)
+        op = req.pop("op")
+        try:
+            if op == "init":
+                base = LlamaCppBaseline(Path(req["path"]), req["threads"], req["max_seqs"],
+                                        extra_bufts=req["extra_bufts"])
+                value = base.build()
+            else:
+                value = getattr(base, op)(**req)
+            out.write(json.dumps({"value": value}) + "\n")
+        except Exception as exc:  # noqa: BLE001 - reported to the parent, which names the baseline
+            out.write(json.dumps({"error": f"{type(exc).__name__}: {exc}"}) + "\n")
+        out.flush()
+    if base is not None:
+        base.close()
+
+
 @ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
 def _quiet_log(level, text, user_data):  # pragma: no cover - called from C
     return None
+
+
+if __name__ == "__main__":
+    _serve()

@@ -90,6 +90,11 @@ class EngineConfig:
     cpu_isa: str | None = setting(
         None, "CPU worker: the instruction set its kernels are compiled for (default: the best this CPU runs)",
         choices=("avx512", "avx2", "generic"))
+    cpu_activations: str = setting(
+        "auto", "CPU worker: the activation format of the quantized matmuls: f32 (float32 activations times "
+                "dequantized weights), i16 (activations quantized to int16 per 32-block, integer multiply-adds, "
+                "about 2e-5 relative error), auto (the faster of the two per weight type on this ISA path)",
+        choices=("auto", "f32", "i16"))
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -184,7 +189,8 @@ def build_runner(config: WorkerConfig):
     isa.select(config.engine.cpu_isa)  # before the kernels (and Numba) are imported
     from hybridgate.workers.cpu.runner import NumbaRunner
 
-    return NumbaRunner(model, kv_cache_memory=config.kv_cache_memory, threads=config.threads), model
+    return NumbaRunner(model, kv_cache_memory=config.kv_cache_memory, threads=config.threads,
+                       activations=config.engine.cpu_activations), model
 
 
 def max_frame_bytes(max_model_len: int) -> int:

@@ -18,12 +18,40 @@ def bench_args(*argv: str) -> argparse.Namespace:
                               "--new-tokens", "4", "--repeats", "1", "--kv-cache-memory", "64MiB", *argv])
 
 
-def test_cpu_bench_reports_rates_bytes_and_rss(tmp_path, model_path):
-    out = engine.run(bench_args("--model", str(model_path), "--json", str(tmp_path / "b.json")))
+# A llama_cpp whose every call succeeds until llama_decode, which aborts the process: a real crash
+# of the baseline's own process, which the bench must outlive.
+CRASHING_LLAMA_CPP = """
+import os
+__version__ = "0-crashing"
+class _Any:
+    def __getattr__(self, name): return _Any()
+    def __setattr__(self, name, value): pass
+    def __call__(self, *args, **kwargs): return _Any()
+    def __getitem__(self, index): return _Any()
+    def __setitem__(self, index, value): pass
+def llama_decode(ctx, batch):
+    os.abort()
+def __getattr__(name):
+    return _Any()
+"""
+
+
+def test_cpu_bench_reports_rates_bytes_bandwidth_and_outlives_a_crashing_baseline(tmp_path, model_path):
+    (tmp_path / "fake" / "llama_cpp").mkdir(parents=True)
+    (tmp_path / "fake" / "llama_cpp" / "__init__.py").write_text(CRASHING_LLAMA_CPP)
+    out = engine.run(bench_args("--model", str(model_path), "--json", str(tmp_path / "b.json"), "--baseline",
+                                "llama-cpp", "--llama-cpp-path", str(tmp_path / "fake"), "--bandwidth-mib", "64"))
     assert set(out["decode"]) == {1, 2} and all(r["hybridgate_tokens_per_s"] > 0 for r in out["decode"].values())
     assert out["prefill"]["2x24"]["hybridgate_tokens_per_s"] > 0
     assert 80 * 2**20 < out["weight_bytes_read_per_step"] < 1.25 * 98 * 2**20  # the GGUF holds ~92 MiB of tensors
     assert out["peak_rss_mib"] > 100 and out["ttft"]["cached_ms"] < out["ttft"]["cold_ms"]
+    assert out["read_bandwidth_gb_per_s"] > 0.5 and out["step_over_bandwidth_bound"] > 0
+    assert out["cpu_isa"] in ("avx512", "avx2", "generic") and out["cpu_activations"].startswith("auto")
+    for config in ("defaults", "plain"):  # each ran in its own process from the given folder, and crashed there
+        assert out["llama_cpp"][config]["version"] == "0-crashing"
+        assert str(tmp_path / "fake") in out["llama_cpp"][config]["path"]
+        row = out["decode"][1]
+        assert "crashed" in row[f"llama_cpp_{config}_error"] and f"llama_cpp_{config}_tokens_per_s" not in row
     assert (tmp_path / "b.json").exists()
 
 
@@ -33,8 +61,11 @@ def test_baselines_belong_to_their_kind():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="the optional bench extra (llama-cpp-python)")
-def test_llama_cpp_baseline_runs_side_by_side(model_path):
-    out = engine.run(bench_args("--model", str(model_path), "--baseline", "llama-cpp"))
+def test_llama_cpp_baselines_run_side_by_side(model_path):
+    out = engine.run(bench_args("--model", str(model_path), "--baseline", "llama-cpp", "--bandwidth-mib", "64"))
     for row in list(out["decode"].values()) + list(out["prefill"].values()):
-        assert row["llama_cpp_tokens_per_s"] > 0 and row["ratio"] > 0
-    assert out["llama_cpp_decode_step_ms_c1"] > 0
+        assert row["llama_cpp_plain_tokens_per_s"] > 0 and row["llama_cpp_plain_ratio"] > 0 and row["ratio"] > 0
+        # the defaults (extra buffer types on) may crash inside ggml on some CPUs: then it says so
+        assert row.get("llama_cpp_defaults_tokens_per_s", 0) > 0 or "llama_cpp_defaults_error" in row
+    assert out["llama_cpp_plain_decode_step_ms_c1"] > 0
+    assert "AVX" in out["llama_cpp"]["plain"]["system_info"]

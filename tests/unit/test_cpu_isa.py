@@ -3,7 +3,9 @@
 Numba compiles for one target per process, so every path runs in a child
 (`python tests/unit/test_cpu_isa.py ISA MODEL`): each quant type on random
 blocks and every tensor of the default model against gguf's dequantizer times
-the activations in float64, batch invariance, and the target LLVM was given.
+the activations in float64, in each activation format (float32, and int16 per
+32-block with integer multiply-adds, whose error is the activations'
+quantization), batch invariance, and the target LLVM was given.
 """
 
 from __future__ import annotations
@@ -21,13 +23,18 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from hybridgate.workers.cpu import isa  # noqa: E402  (no Numba: safe to import here)
+from tests.conftest import TIME_FACTOR  # noqa: E402
 
 RUNNABLE = isa.ISAS[isa.ISAS.index(isa.best(isa.host_features())):]
 TOLERANCE = 1e-5  # relative L2 error of a matmul against float64: fp32 activations, exact weights
+# int16 activations: each rounded by at most 2^-16 of its block's largest value; on Gaussian
+# activations that is about 2e-5 of the product (relative L2), stated in intdot's docstring.
+I16_TOLERANCE = 5e-5
 
 
 def _child(args: list[str], env: dict | None = None, timeout: float = 240) -> dict:
-    proc = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, timeout=timeout,
+    proc = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True,
+                          timeout=timeout * TIME_FACTOR,
                           cwd=ROOT, env={**(env or os.environ), "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -41,6 +48,10 @@ def test_each_path_matches_the_dequantizer_on_random_blocks_and_every_model_tens
     assert out["random_worst"] <= TOLERANCE, out["random"]
     assert out["model_tensors"] >= 211 and out["model_worst"] <= TOLERANCE, out["model_worst_tensor"]
     assert out["batch_invariant"]
+    assert out["i16_random_worst"] <= I16_TOLERANCE, out["i16_random"]
+    assert out["i16_model_tensors"] >= 211 and out["i16_model_worst"] <= I16_TOLERANCE, out["i16_model_worst_tensor"]
+    assert out["i16_random_worst"] > 1e-7  # the int16 kernels ran (float32 activations are 1e5 times closer)
+    assert out["i16_batch_invariant"]
 
 
 def test_one_cache_entry_per_path_compiled_once_and_avx2_has_no_zmm(tmp_path):
@@ -86,52 +97,64 @@ def _check(model_file: str) -> dict:
     from tests.unit.test_cpu_kernels import QUANTIZABLE, T, random_blocks
 
     rng = np.random.default_rng(13)
-    random_pairs = []
-    invariant = True
+    pairs = {"f32": ([], []), "i16": ([], [])}  # (random, model) per format
+    invariant = {"f32": True, "i16": True}
     for kind in QUANTIZABLE + ["Q4_K", "Q6_K"]:
         rows, cols = 37, 512
         data = random_blocks(kind, rows, cols, rng)
         dense = np.asarray(gguf.quants.dequantize(data, T[kind]), np.float64).reshape(rows, cols)
-        m = quant.quant_matrix("w", int(T[kind]), data, (rows, cols))
         x = rng.standard_normal((9, cols)).astype(np.float32)
-        y = m.matmul(x)
-        random_pairs.append((kind, y, x.astype(np.float64) @ dense.T))
-        invariant &= all(np.array_equal(m.matmul(x[b : b + 1])[0], y[b]) for b in (0, 4, 8))
+        for fmt in ("f32", "i16") if kind in ("Q4_1", "Q8_0") else ("f32",):
+            m = quant.quant_matrix("w", int(T[kind]), data, (rows, cols), fmt)
+            y = m.matmul(x)
+            pairs[fmt][0].append((kind, y, x.astype(np.float64) @ dense.T))
+            invariant[fmt] &= all(np.array_equal(m.matmul(x[b : b + 1])[0], y[b]) for b in (0, 4, 8))
+    for kind in ("Q4_1", "Q8_0"):  # every tile shape: 4-row tiles and a 1-row tail, 4x4 and 4x1, two X_TILE passes
+        m = quant.quant_matrix("w", int(T[kind]), random_blocks(kind, 37, 96, rng), (37, 96), "i16")
+        x = rng.standard_normal((70, 96)).astype(np.float32)
+        batched = m.matmul(x)
+        invariant["i16"] &= all(np.array_equal(m.matmul(x[b : b + 1])[0], batched[b]) for b in range(70))
     reader = gguf.GGUFReader(model_file)
-    model_pairs = []
     for t in reader.tensors:
         if len(t.shape) != 2:
             continue
         cols, rows = int(t.shape[0]), int(t.shape[1])
         data = np.ascontiguousarray(t.data).view(np.uint8).reshape(rows, -1)
         pick = np.sort(rng.choice(rows, size=min(rows, 256), replace=False))  # the LM head: 256 of its rows
-        m = quant.quant_matrix(t.name, int(t.tensor_type), data[pick], (len(pick), cols))
         dense = np.asarray(gguf.quants.dequantize(data[pick], t.tensor_type), np.float64).reshape(len(pick), cols)
         x = rng.standard_normal((5, cols)).astype(np.float32)
-        y = m.matmul(x)
-        model_pairs.append((t.name, y, x.astype(np.float64) @ dense.T))
-        invariant &= np.array_equal(m.matmul(x[2:3])[0], y[2])
+        for fmt in ("f32", "i16"):
+            m = quant.quant_matrix(t.name, int(t.tensor_type), data[pick], (len(pick), cols), fmt)
+            y = m.matmul(x)
+            pairs[fmt][1].append((t.name, y, x.astype(np.float64) @ dense.T))
+            invariant[fmt] &= np.array_equal(m.matmul(x[2:3])[0], y[2])
     from numba.core import config
 
-    rw, rn = _worst(random_pairs)
-    mw, mn = _worst(model_pairs)
-    return {"isa": isa.selected().isa, "numba_cpu_name": config.CPU_NAME, "random_worst": rw, "random": rn,
-            "model_worst": mw, "model_worst_tensor": mn, "model_tensors": len(model_pairs),
-            "batch_invariant": bool(invariant)}
+    out = {"isa": isa.selected().isa, "numba_cpu_name": config.CPU_NAME}
+    for fmt, (random_pairs, model_pairs) in pairs.items():
+        prefix = "" if fmt == "f32" else "i16_"
+        rw, rn = _worst(random_pairs)
+        mw, mn = _worst(model_pairs)
+        out.update({f"{prefix}random_worst": rw, f"{prefix}random": rn, f"{prefix}model_worst": mw,
+                    f"{prefix}model_worst_tensor": mn, f"{prefix}model_tensors": len(model_pairs),
+                    f"{prefix}batch_invariant": bool(invariant[fmt])})
+    return out
 
 
 def _asm() -> dict:
     import re
 
-    from hybridgate.workers.cpu import quant, simd
+    from hybridgate.workers.cpu import intdot, quant, simd
     from tests.unit.test_cpu_kernels import T, random_blocks
 
     rng = np.random.default_rng(1)
-    m = quant.quant_matrix("w", int(T.Q4_1), random_blocks("Q4_1", 8, 64, rng), (8, 64))
-    m.matmul(rng.standard_normal((4, 64)).astype(np.float32))
-    stats = simd.matmul_blocks.stats
-    hits, misses = sum(stats.cache_hits.values()), sum(stats.cache_misses.values())
-    asm = "" if hits else "\n".join(simd.matmul_blocks.inspect_asm().values())
+    for fmt in ("f32", "i16"):  # both matmul kernels: float32 and int16 activations
+        m = quant.quant_matrix("w", int(T.Q4_1), random_blocks("Q4_1", 8, 64, rng), (8, 64), fmt)
+        m.matmul(rng.standard_normal((4, 64)).astype(np.float32))
+    kernels = (simd.matmul_blocks, intdot.matmul_i16)
+    hits = sum(sum(k.stats.cache_hits.values()) for k in kernels)
+    misses = sum(sum(k.stats.cache_misses.values()) for k in kernels)
+    asm = "" if hits else "\n".join(a for k in kernels for a in k.inspect_asm().values())
     return {"hits": hits, "misses": misses, "asm_bytes": len(asm),
             "registers": sorted(set(re.findall(r"%([xyz]mm)\d+", asm)))}
 

@@ -39,7 +39,10 @@ def test_matmul_matches_reference(kind, rows, cols, batch):
     for matrix in (quant.quant_matrix("w", int(T[kind]), data, (rows, cols)),
                    quant.QuantMatrix("w", int(T[kind]), data, (rows, cols))):
         y = matrix.matmul(x)
-        assert np.linalg.norm(y - ref) / np.linalg.norm(ref) <= 1e-5, type(matrix).__name__
+        # float32 activations: float32 rounding only; int16 ones (the default format of some weight
+        # types on some paths): their quantization, ~2e-5 (test_cpu_isa checks both formats on every path)
+        limit = 1e-5 if matrix.activations == "f32" else 5e-5
+        assert np.linalg.norm(y - ref) / np.linalg.norm(ref) <= limit, (type(matrix).__name__, matrix.activations)
         np.testing.assert_allclose(matrix.row(rows // 2), dense[rows // 2], rtol=1e-6, atol=1e-7)
 
 

@@ -175,20 +175,22 @@ def silu_mul(gate_up, out):
             out[t, i] = g / (np.float32(1.0) + np.float32(math.exp(-g))) * gate_up[t, ffn + i]
 
 
-def _matrix(model: GGUFModel, names: list[str]) -> QuantMatrix:
+def _matrix(model: GGUFModel, names: list[str], activations: str) -> QuantMatrix:
     parts = [(int(model.tensors[n].ggml_type), model.tensors[n].data, model.tensors[n].shape) for n in names]
-    fused = concat_rows("+".join(names), parts) if len(parts) > 1 else None
+    fused = concat_rows("+".join(names), parts, activations) if len(parts) > 1 else None
     if fused is not None:
         return fused
     if len(parts) > 1:
         raise ValueError(f"tensors {names} differ in type or columns and cannot be fused")
-    return quant_matrix(names[0], *parts[0])
+    return quant_matrix(names[0], *parts[0], activations)
 
 
 class CpuLlama:
-    """Weights in GGUF blocks (Q4_1 and Q8_0 repacked), float32 norms and RoPE tables."""
+    """Weights in GGUF blocks (Q4_1 and Q8_0 repacked), float32 norms and RoPE tables.
 
-    def __init__(self, model: GGUFModel, max_model_len: int | None = None):
+    activations: the quantized matmuls' activation format (`intdot.FORMATS`; "auto" by path)."""
+
+    def __init__(self, model: GGUFModel, max_model_len: int | None = None, activations: str = "auto"):
         c = self.config = model.config
         self.max_model_len = max_model_len or c.max_model_len
         self.layers = []
@@ -196,14 +198,14 @@ class CpuLlama:
             p = f"blk.{i}."
             self.layers.append({
                 "attn_norm": model.tensors[p + "attn_norm.weight"].dequantize(),
-                "qkv": _matrix(model, [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]),
-                "wo": _matrix(model, [p + "attn_output.weight"]),
+                "qkv": _matrix(model, [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], activations),
+                "wo": _matrix(model, [p + "attn_output.weight"], activations),
                 "ffn_norm": model.tensors[p + "ffn_norm.weight"].dequantize(),
-                "gate_up": _matrix(model, [p + "ffn_gate.weight", p + "ffn_up.weight"]),
-                "down": _matrix(model, [p + "ffn_down.weight"]),
+                "gate_up": _matrix(model, [p + "ffn_gate.weight", p + "ffn_up.weight"], activations),
+                "down": _matrix(model, [p + "ffn_down.weight"], activations),
             })
-        self.embed = _matrix(model, ["token_embd.weight"])
-        self.lm_head = self.embed if c.tie_word_embeddings else _matrix(model, ["output.weight"])
+        self.embed = _matrix(model, ["token_embd.weight"], activations)
+        self.lm_head = self.embed if c.tie_word_embeddings else _matrix(model, ["output.weight"], activations)
         self.out_norm = model.tensors["output_norm.weight"].dequantize()
         inv_freq = 1.0 / (c.rope_theta ** (np.arange(0, c.head_dim, 2, dtype=np.int64).astype(np.float32) / c.head_dim))
         angles = np.arange(self.max_model_len, dtype=np.float32)[:, None] * inv_freq.astype(np.float32)[None, :]

@@ -23,6 +23,7 @@ import numba as nb  # noqa: E402
 import numpy as np  # noqa: E402
 from numba import prange  # noqa: E402
 
+from hybridgate.workers.cpu.intdot import activation_format, matmul_i16  # noqa: E402
 from hybridgate.workers.cpu.simd import matmul_blocks  # noqa: E402
 
 _JIT = dict(nogil=True, fastmath=True, cache=True)
@@ -162,10 +163,15 @@ def matmul_rows(kind, x, w, out):
                 out[b, r] = s
 
 
+_KERNELS = {"f32": matmul_blocks, "i16": matmul_i16}
+
+
 class QuantMatrix:
     """A weight `[rows, cols]` in its GGUF blocks; `matmul(x)` → x @ W.T (float32)."""
 
-    def __init__(self, name: str, kind: int, data: np.ndarray, shape: tuple[int, int]):
+    activations = "f32"  # the row-dequantizing kernel multiplies float32 activations
+
+    def __init__(self, name: str, kind: int, data: np.ndarray, shape: tuple[int, int], activations: str = "auto"):
         if kind not in BLOCK:
             raise ValueError(f"tensor {name!r}: GGUF type {kind} has no CPU kernel")
         self.name, self.kind, self.data, self.shape = name, kind, np.ascontiguousarray(data), shape
@@ -188,10 +194,13 @@ class QuantMatrix:
 class Q41Matrix(QuantMatrix):
     """Q4_1 split: ggml's nibbles `[rows, cols / 2]` (16 bytes per block, byte j: columns j and
     j + 16) plus float32 scales and mins `[rows, cols / 32]`: 6 bits per weight; the GGUF bytes
-    are not kept. Multiplied by `simd.matmul_blocks`."""
+    are not kept. Multiplied by `simd.matmul_blocks` (float32 activations) or
+    `intdot.matmul_i16` (int16 activations), as `activations` resolves for this path."""
 
-    def __init__(self, name: str, kind: int, data: np.ndarray, shape: tuple[int, int]):
+    def __init__(self, name: str, kind: int, data: np.ndarray, shape: tuple[int, int], activations: str = "auto"):
         super().__init__(name, kind, data, shape)
+        self.activations = activation_format(activations, "q4_1")
+        self._kernel = _KERNELS[self.activations]
         rows, cols = shape
         blocks = np.ascontiguousarray(data).reshape(rows, cols // 32, 20)
         self.scale = blocks[:, :, 0:2].copy().view(np.float16)[:, :, 0].astype(np.float32)
@@ -205,7 +214,7 @@ class Q41Matrix(QuantMatrix):
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
         out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
-        matmul_blocks(x, self.qs, self.scale, self.minimum, out)
+        self._kernel(x, self.qs, self.scale, self.minimum, out)
         return out
 
     def row(self, index: int) -> np.ndarray:
@@ -216,10 +225,12 @@ class Q41Matrix(QuantMatrix):
 
 class Q80Matrix(QuantMatrix):
     """Q8_0 split: int8 codes `[rows, cols]` and float32 scales `[rows, cols / 32]` (9 bits per weight).
-    Multiplied by `simd.matmul_blocks`."""
+    Multiplied by `simd.matmul_blocks` or `intdot.matmul_i16`, as for `Q41Matrix`."""
 
-    def __init__(self, name: str, kind: int, data: np.ndarray, shape: tuple[int, int]):
+    def __init__(self, name: str, kind: int, data: np.ndarray, shape: tuple[int, int], activations: str = "auto"):
         super().__init__(name, kind, data, shape)
+        self.activations = activation_format(activations, "q8_0")
+        self._kernel = _KERNELS[self.activations]
         blocks = np.ascontiguousarray(data).reshape(shape[0], shape[1] // 32, 34)
         self.scale = blocks[:, :, 0:2].copy().view(np.float16)[:, :, 0].astype(np.float32)
         self.qs = np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(shape[0], shape[1])
@@ -231,7 +242,7 @@ class Q80Matrix(QuantMatrix):
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
         out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
-        matmul_blocks(x, self.qs, self.scale, self.scale, out)
+        self._kernel(x, self.qs, self.scale, self.scale, out)
         return out
 
     def row(self, index: int) -> np.ndarray:
@@ -246,16 +257,19 @@ class Q80Matrix(QuantMatrix):
 _FAST = {Q4_1: Q41Matrix, Q8_0: Q80Matrix}
 
 
-def quant_matrix(name: str, kind: int, data: np.ndarray, shape: tuple[int, int]) -> QuantMatrix:
-    """The matrix class for `kind`: repacked fast paths for Q4_1 and Q8_0, row dequantization otherwise."""
-    return _FAST.get(kind, QuantMatrix)(name, kind, data, shape)
+def quant_matrix(name: str, kind: int, data: np.ndarray, shape: tuple[int, int],
+                 activations: str = "auto") -> QuantMatrix:
+    """The matrix class for `kind`: repacked fast paths for Q4_1 and Q8_0 (their activation format
+    from `activations`, see `intdot.activation_format`), row dequantization otherwise."""
+    return _FAST.get(kind, QuantMatrix)(name, kind, data, shape, activations)
 
 
-def concat_rows(name: str, parts: list[tuple[int, np.ndarray, tuple[int, int]]]) -> QuantMatrix | None:
+def concat_rows(name: str, parts: list[tuple[int, np.ndarray, tuple[int, int]]],
+                activations: str = "auto") -> QuantMatrix | None:
     """One matrix of several weights with the same type and columns, rows stacked (fused Q/K/V, gate/up)."""
     kinds = {k for k, _, _ in parts}
     cols = {s[1] for _, _, s in parts}
     if len(kinds) != 1 or len(cols) != 1:
         return None
     data = np.concatenate([np.ascontiguousarray(d) for _, d, _ in parts], axis=0)
-    return quant_matrix(name, kinds.pop(), data, (sum(s[0] for _, _, s in parts), cols.pop()))
+    return quant_matrix(name, kinds.pop(), data, (sum(s[0] for _, _, s in parts), cols.pop()), activations)

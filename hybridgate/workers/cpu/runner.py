@@ -16,7 +16,7 @@ import numpy as np  # noqa: E402
 from hybridgate.mempool import DEFAULT_BLOCK_SIZE, PinnedPool, PoolStats  # noqa: E402
 from hybridgate.models import GGUFModel  # noqa: E402
 from hybridgate.workers.cpu import model as cpu_model  # noqa: E402
-from hybridgate.workers.cpu import quant, simd  # noqa: E402
+from hybridgate.workers.cpu import intdot, quant, simd  # noqa: E402
 from hybridgate.workers.cpu.model import CpuLlama  # noqa: E402
 from hybridgate.workers.faults import FaultHook  # noqa: E402
 from hybridgate.workers.memory import host_available_bytes, num_blocks_for  # noqa: E402
@@ -29,7 +29,7 @@ from hybridgate.wire import TokenLogprobs  # noqa: E402
 log = logging.getLogger("hybridgate.worker")
 
 KERNELS = [
-    ("matmul_blocks", simd.matmul_blocks),
+    ("matmul_blocks", simd.matmul_blocks), ("matmul_i16", intdot.matmul_i16),
     ("matmul_rows", quant.matmul_rows), ("rms_norm", cpu_model.rms_norm), ("rope_and_store", cpu_model.rope_and_store),
     ("paged_attention", cpu_model.paged_attention), ("silu_mul", cpu_model.silu_mul),
     ("import_kv_layer", cpu_model.import_kv_layer),
@@ -49,10 +49,14 @@ class NumbaRunner:
     kind = "cpu"
 
     def __init__(self, model: GGUFModel, kv_cache_memory: str | float | None = None,
-                 block_size: int = DEFAULT_BLOCK_SIZE, max_num_blocks: int | None = None, threads: int | None = None):
+                 block_size: int = DEFAULT_BLOCK_SIZE, max_num_blocks: int | None = None, threads: int | None = None,
+                 activations: str = "auto"):
         if threads:
             numba.set_num_threads(threads)
-        self.model = CpuLlama(model)
+        self.model = CpuLlama(model, activations=activations)
+        # e.g. "i16", or "auto: q4_1 f32, q8_0 i16"
+        self.cpu_activations = activations if activations != "auto" else "auto: " + ", ".join(
+            f"{k} {v}" for k, v in intdot.AUTO[isa.selected().isa].items())
         c = model.config
         self.max_model_len = c.max_model_len
         self.vocab_size = c.vocab_size
@@ -82,8 +86,8 @@ class NumbaRunner:
         self.pool = PinnedPool(4 << 20, 2)
         target = isa.selected()
         self.cpu_isa = target.isa
-        log.info("CPU kernels: %s path (LLVM target %s%s), cache %s", target.isa, target.cpu_name,
-                 ", VNNI" if target.vnni else "", target.cache_dir)
+        log.info("CPU kernels: %s path (LLVM target %s%s), activations %s, cache %s", target.isa, target.cpu_name,
+                 ", VNNI" if target.vnni else "", self.cpu_activations, target.cache_dir)
         log.info("CPU runner: weights %.1f MiB in GGUF blocks, KV cache %d blocks of %d tokens (%.1f MiB), %d threads",
                  self.model.weight_bytes / 2**20, self.num_blocks, block_size,
                  self.num_blocks * self.block_bytes / 2**20, numba.get_num_threads())

@@ -1,0 +1,272 @@
+"""Integer dot products of GGUF blocks with activations quantized to int16 per 32-block.
+
+The float kernels of `simd` turn every 4-bit weight into a float before the
+multiply (a zero-extend, a convert and a fused multiply-add per 16 weights,
+twice that on 8-lane AVX2). Here the codes stay integers: each activation row
+is quantized per 32-column block to int16 with a float32 scale,
+`xq = rint(x · 32767 / max|x_block|)`, `s = max|x_block| / 32767` (relative
+error at most 2^-16 of the block's largest value, about 1.5e-5), and the block
+product is
+    Σ_j w_j x_j ≈ d · s · Σ_j q_j xq_j + m · Σ_j x_j
+with Σ_j q_j xq_j exact in int32 (|q| ≤ 128, |xq| ≤ 32767, 32 terms: below
+2^28) from pair products (`vpmaddwd`: two int16 products summed into one
+int32 lane), and Σ_j x_j (the Q4_1 min term, 0 for Q8_0) the activation
+block's exact float sum, computed once per activation row and block. So per
+block and pair of rows the float work is one convert and one FMA on the
+int32 lanes, whatever the weight type.
+
+Paths: `avx512` calls `llvm.x86.avx512.pmaddw.d.512` (32 products into 16
+lanes) and accumulates in 16 float lanes; `avx2` calls `llvm.x86.avx2.pmadd.wd`
+twice and adds the halves (exact) into 8 float lanes; `generic` writes the same
+products as portable IR (sign-extend, multiply, add lane pairs). The integer
+sums are exact, so lane layouts differ between paths only in the float
+accumulation order, which is fixed within a path: a row's result does not
+depend on the batch or tile it is computed in.
+
+Sources: ggml's block formats (ggml-common.h `block_q4_1`, `block_q8_0`), the
+activation-quantized dot products of ggml-cpu (`ggml_vec_dot_q4_1_q8_1`, which
+quantizes activations to 8 bits; 16 bits here), Intel's intrinsics guide for
+`vpmaddwd`.
+"""
+
+from __future__ import annotations
+
+from hybridgate.workers.cpu import isa
+
+_ISA = isa.selected().isa  # before Numba is imported: it compiles for the chosen instruction set
+
+import numba as nb  # noqa: E402
+import numpy as np  # noqa: E402
+from llvmlite import ir  # noqa: E402
+from numba import prange  # noqa: E402
+from numba import types  # noqa: E402
+from numba.core import cgutils  # noqa: E402
+from numba.extending import intrinsic  # noqa: E402
+
+from hybridgate.workers.cpu.simd import X_TILE, _load_vec, _ptr  # noqa: E402
+
+FORMATS = ("auto", "f32", "i16")  # the cpu_activations setting's choices
+# "auto": the faster format of each weight type on each path, measured on one thread with the default
+# model's matrices (batch 1 and 16, AVX-512 machine, both paths): on AVX-512 the float kernels beat
+# int16 on Q4_1 (0.9x at batch 1, 0.5-0.8x at 16), int16 wins on Q8_0 (1.3x); on AVX2 int16 wins on
+# both (1.6-1.7x), where the 8-lane float kernels need twice the converts. The generic path (merely
+# correct, unmeasured) keeps float32.
+AUTO = {"avx512": {"q4_1": "f32", "q8_0": "i16"}, "avx2": {"q4_1": "i16", "q8_0": "i16"},
+        "generic": {"q4_1": "f32", "q8_0": "f32"}}
+ACC_LANES = 16 if _ISA == "avx512" else 8  # float accumulator lanes: one register on each path
+XQ_MAX = 32767.0  # int16 activations stay in ±32767, so a pair product never meets vpmaddwd's one overflow
+
+_F32 = ir.FloatType()
+_I16 = ir.IntType(16)
+_I32 = ir.IntType(32)
+_VACC = ir.VectorType(_F32, ACC_LANES)
+_VACCI = ir.VectorType(_I32, ACC_LANES)
+
+
+def activation_format(activations: str, kind: str) -> str:
+    """The format a `kind` ("q4_1" or "q8_0") matmul uses: "f32" (`simd.matmul_blocks`) or "i16"
+    (`matmul_i16`). activations: one of FORMATS; "auto" picks by this process's path (`AUTO`).
+    Raises ValueError naming cpu_activations for another name."""
+    if activations not in FORMATS:
+        raise ValueError(f"cpu_activations: expected one of {', '.join(FORMATS)}, got {activations!r}")
+    return AUTO[_ISA][kind] if activations == "auto" else activations
+
+
+def _lanes(builder, vec, lo: int, count: int):
+    return builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_I32, count), list(range(lo, lo + count))))
+
+
+def _splat(builder, scalar, vec_ty):
+    n = vec_ty.count
+    vec = builder.insert_element(ir.Constant(vec_ty, ir.Undefined), scalar, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_I32, n), [0] * n))
+
+
+def _pair_products(builder, w, x):
+    """<32 x i16> w, x → <ACC_LANES x i32> whose lanes sum to Σ_j w_j x_j (exactly)."""
+    if _ISA == "avx512":
+        ty = ir.FunctionType(ir.VectorType(_I32, 16), [ir.VectorType(_I16, 32)] * 2)
+        fn = cgutils.get_or_insert_function(builder.module, ty, "llvm.x86.avx512.pmaddw.d.512")
+        return builder.call(fn, [w, x])
+    if _ISA == "avx2":
+        ty = ir.FunctionType(ir.VectorType(_I32, 8), [ir.VectorType(_I16, 16)] * 2)
+        fn = cgutils.get_or_insert_function(builder.module, ty, "llvm.x86.avx2.pmadd.wd")
+        lo = builder.call(fn, [_lanes(builder, w, 0, 16), _lanes(builder, x, 0, 16)])
+        hi = builder.call(fn, [_lanes(builder, w, 16, 16), _lanes(builder, x, 16, 16)])
+        return builder.add(lo, hi)
+    v32 = ir.VectorType(_I32, 32)
+    p = builder.mul(builder.sext(w, v32), builder.sext(x, v32))
+    p = builder.add(builder.shuffle_vector(p, p, ir.Constant(ir.VectorType(_I32, 16), list(range(0, 32, 2)))),
+                    builder.shuffle_vector(p, p, ir.Constant(ir.VectorType(_I32, 16), list(range(1, 32, 2)))))
+    return builder.add(_lanes(builder, p, 0, 8), _lanes(builder, p, 8, 8))
+
+
+def _tree_sum(builder, vec):
+    width = vec.type.count
+    while width > 1:
+        width //= 2
+        vec = builder.fadd(_lanes(builder, vec, 0, width), _lanes(builder, vec, width, width))
+    return builder.extract_element(vec, ir.Constant(_I32, 0))
+
+
+def _fma(builder, a, b, c):
+    name = f"llvm.fma.{'v%df32' % a.type.count if isinstance(a.type, ir.VectorType) else 'f32'}"
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(a.type, [a.type] * 3), name)
+    return builder.call(fn, [a, b, c])
+
+
+def _weights_i16(context, builder, kind, ty, qa, qoff):
+    """One block's 32 codes as <32 x i16> in column order: Q4_1 16 bytes of nibbles (byte j:
+    column j low, j + 16 high), Q8_0 32 int8."""
+    if kind == "q4_1":
+        raw = _load_vec(builder, _ptr(context, builder, ty, qa, qoff), ir.VectorType(ir.IntType(8), 16), 1)
+        q = builder.zext(raw, ir.VectorType(_I16, 16))
+        lo = builder.and_(q, ir.Constant(q.type, [15] * 16))
+        hi = builder.lshr(q, ir.Constant(q.type, [4] * 16))
+        return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
+    raw = _load_vec(builder, _ptr(context, builder, ty, qa, qoff), ir.VectorType(ir.IntType(8), 32), 1)
+    return builder.sext(raw, ir.VectorType(_I16, 32))
+
+
+def _make_itile(wrows: int, xrows: int):
+    """An intrinsic: `wrows` weight rows of GGUF blocks times `xrows` int16 activation rows.
+
+    f(qs, q_off, q_stride, scale, minimum, s_off, s_stride, nblocks, xq, x_off, x_stride, xs, xsum,
+      a_off, a_stride, out, o_off, o_stride) writes, for weight row i and activation row k,
+      out[o_off + k·o_stride + i] = Σ_b d_ib · xs_kb · Σ_j q_ibj · xq_kbj + m_ib · xsum_kb
+    (the m term for Q4_1 only) with d_ib, m_ib at scale/minimum[s_off + i·s_stride + b] and
+    xs_kb, xsum_kb at xs/xsum[a_off + k·a_stride + b]; codes as in `simd._make_tile`, xq int16 at
+    x_off + k·x_stride + 32b. Per pair (i, k): acc = fma(float(P_ibk), d_ib · xs_kb, acc) over the
+    blocks in order, the min term in a separate scalar FMA chain, then a fixed lane tree: the same
+    operations whatever the tile.
+    """
+
+    def generic(typingctx, qs, q_off, q_stride, scale, minimum, s_off, s_stride, nblocks, xq, x_off, x_stride,
+                xs, xsum, a_off, a_stride, out, o_off, o_stride):
+        ip = types.intp
+        sig = types.void(qs, ip, ip, scale, minimum, ip, ip, ip, xq, ip, ip, xs, xsum, ip, ip, out, ip, ip)
+        kind = "q4_1" if qs.dtype == types.uint8 else "q8_0"
+
+        def codegen(context, builder, signature, args):
+            (qa, qo, qstr, sa, ma, so, sstr, n, xa, xo, xstr, xsa, xma, ao, astr, oa, oo, ostr) = args
+            ty = signature.args
+            c = lambda v: ir.Constant(n.type, v)  # noqa: E731
+            zero = ir.Constant(_VACC, [0.0] * ACC_LANES)
+            accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(wrows)] for _ in range(xrows)]
+            maccs = [[cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in range(wrows)]
+                     for _ in range(xrows)]
+            block_bytes = 16 if kind == "q4_1" else 32
+            with cgutils.for_range(builder, n) as loop:
+                b = loop.index
+                w, d, m = [], [], []
+                for i in range(wrows):
+                    qoff = builder.add(builder.add(qo, builder.mul(qstr, c(i))), builder.mul(b, c(block_bytes)))
+                    w.append(_weights_i16(context, builder, kind, ty[0], qa, qoff))
+                    sp = builder.add(builder.add(so, builder.mul(sstr, c(i))), b)
+                    d.append(builder.load(_ptr(context, builder, ty[3], sa, sp)))
+                    if kind == "q4_1":
+                        m.append(builder.load(_ptr(context, builder, ty[4], ma, sp)))
+                for k in range(xrows):
+                    xp = _ptr(context, builder, ty[8], xa,
+                              builder.add(builder.add(xo, builder.mul(xstr, c(k))), builder.mul(b, c(32))))
+                    xv = _load_vec(builder, xp, ir.VectorType(_I16, 32), 2)
+                    ap = builder.add(builder.add(ao, builder.mul(astr, c(k))), b)
+                    s = builder.load(_ptr(context, builder, ty[11], xsa, ap))
+                    total = builder.load(_ptr(context, builder, ty[12], xma, ap)) if kind == "q4_1" else None
+                    for i in range(wrows):
+                        p = builder.sitofp(_pair_products(builder, w[i], xv), _VACC)
+                        ds = _splat(builder, builder.fmul(d[i], s), _VACC)
+                        builder.store(_fma(builder, p, ds, builder.load(accs[k][i])), accs[k][i])
+                        if kind == "q4_1":
+                            builder.store(_fma(builder, m[i], total, builder.load(maccs[k][i])), maccs[k][i])
+            for k in range(xrows):
+                for i in range(wrows):
+                    op = builder.add(builder.add(oo, builder.mul(ostr, c(k))), c(i))
+                    value = builder.fadd(_tree_sum(builder, builder.load(accs[k][i])), builder.load(maccs[k][i]))
+                    builder.store(value, _ptr(context, builder, ty[15], oa, op))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    generic.__name__ = f"itile{wrows}x{xrows}"
+    return intrinsic(generic)
+
+
+itile4x4, itile4x1, itile1x1 = _make_itile(4, 4), _make_itile(4, 1), _make_itile(1, 1)
+
+_JIT = dict(nogil=True, fastmath=True, cache=True)
+_CHUNKS = 16
+
+
+@nb.njit(**_JIT)
+def _quantize_row(x, k, xq, xs, xsum):
+    """Row k of x float32 `[batch, cols]` into xq int16 (per 32-block scale xs, exact sum xsum)."""
+    for b in range(x.shape[1] // 32):
+        top = np.float32(0.0)
+        for j in range(32):
+            top = max(top, abs(x[k, 32 * b + j]))
+        inv = np.float32(XQ_MAX) / top if top > 0 else np.float32(0.0)
+        total = 0
+        for j in range(32):
+            q = np.int32(np.rint(x[k, 32 * b + j] * inv))
+            xq[k, 32 * b + j] = np.int16(q)
+            total += q
+        xs[k, b] = top / np.float32(XQ_MAX)
+        xsum[k, b] = np.float32(total) * xs[k, b]
+
+
+@nb.njit(parallel=True, **_JIT)
+def quantize_i16(x, xq, xs, xsum):
+    """x float32 `[batch, cols]` (cols a multiple of 32) → xq int16 `[batch, cols]`, xs and xsum
+    float32 `[batch, cols / 32]`: x ≈ xs · xq per 32-column block, xsum the block's float sum.
+    Each row on its own (the same bits whatever the batch)."""
+    for k in prange(x.shape[0]):
+        _quantize_row(x, k, xq, xs, xsum)
+
+
+@nb.njit(**_JIT)
+def _irows(xq, xs, xsum, qs, scale, minimum, out, r, wrows, b0, b1):
+    rows, nblocks, cols, qw = qs.shape[0], scale.shape[1], xq.shape[1], qs.shape[1]
+    b = b0
+    if wrows == 4:
+        while b + 4 <= b1:
+            itile4x4(qs, r * qw, qw, scale, minimum, r * nblocks, nblocks, nblocks, xq, b * cols, cols,
+                     xs, xsum, b * nblocks, nblocks, out, b * rows + r, rows)
+            b += 4
+        while b < b1:
+            itile4x1(qs, r * qw, qw, scale, minimum, r * nblocks, nblocks, nblocks, xq, b * cols, cols,
+                     xs, xsum, b * nblocks, nblocks, out, b * rows + r, rows)
+            b += 1
+    else:
+        while b < b1:
+            itile1x1(qs, r * qw, qw, scale, minimum, r * nblocks, nblocks, nblocks, xq, b * cols, cols,
+                     xs, xsum, b * nblocks, nblocks, out, b * rows + r, rows)
+            b += 1
+
+
+@nb.njit(parallel=True, **_JIT)
+def matmul_i16(x, qs, scale, minimum, out):
+    """out float32 `[batch, rows]` = x float32 `[batch, cols]` @ W.T with x quantized to int16 per
+    32-block first (`quantize_i16`); W as in `simd.matmul_blocks` (Q4_1 uint8 nibbles or Q8_0
+    int8 codes, float32 scale and minimum `[rows, cols / 32]`; minimum unused for Q8_0). Error:
+    the activations' quantization, about 1.5e-5 of each block's largest value."""
+    batch, cols = x.shape
+    nblocks = cols // 32
+    xq = np.empty((batch, cols), dtype=np.int16)
+    xs = np.empty((batch, nblocks), dtype=np.float32)
+    xsum = np.empty((batch, nblocks), dtype=np.float32)
+    if batch < 8:
+        for k in range(batch):
+            _quantize_row(x, k, xq, xs, xsum)
+    else:
+        for k in prange(batch):
+            _quantize_row(x, k, xq, xs, xsum)
+    groups = qs.shape[0] // 4
+    per = (groups + _CHUNKS - 1) // _CHUNKS
+    for b0 in range(0, batch, X_TILE):
+        b1 = min(batch, b0 + X_TILE)
+        for c in prange(_CHUNKS):
+            for g in range(c * per, min(groups, (c + 1) * per)):
+                _irows(xq, xs, xsum, qs, scale, minimum, out, 4 * g, 4, b0, b1)
+        for r in range(4 * groups, qs.shape[0]):
+            _irows(xq, xs, xsum, qs, scale, minimum, out, r, 1, b0, b1)
