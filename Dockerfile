@@ -49,6 +49,7 @@ ENV PATH=/opt/hybridgate/bin:$PATH \
 USER 10001:10001
 WORKDIR /home/hybridgate
 RUN mkdir -p /home/hybridgate/.cache/hybridgate \
+    && mkdir -m 0700 /home/hybridgate/keys \
     && python -m hybridgate.workers.cpu.warm
 # A named volume mounted here starts as a copy of what the build left (the warm caches).
 VOLUME ["/home/hybridgate/.cache/hybridgate"]

@@ -61,7 +61,14 @@ def _cmd_keys_generate(args: argparse.Namespace) -> int:
     try:
         keys = generate_keys(args.path)
     except FileExistsError:
-        raise OSError(f"{args.path} exists; a key file is never overwritten (remove it first)") from None
+        if not args.keep_existing:
+            raise OSError(f"{args.path} exists; a key file is never overwritten (remove it first, or pass "
+                          "--keep-existing to keep it)") from None
+        from hybridgate.keys import load_keys
+
+        keys = load_keys(args.path, "keys generate PATH")  # the kept file must be a key pair of mode 0600
+        print(f"kept {args.path} (public key {keys.public.decode()})")
+        return 0
     print(f"wrote {args.path} (mode 0600: the key pair, for --curve-key on every process) and "
           f"{args.path}.pub (public key {keys.public.decode()})")
     return 0
@@ -163,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                     "process of one deployment takes the same file")
     keys_gen.add_argument("path", metavar="PATH", help="the key file to create (never overwritten); PATH.pub gets "
                                                        "the public key alone")
+    keys_gen.add_argument("--keep-existing", action="store_true",
+                          help="when PATH already holds a key pair (mode 0600), keep it and exit 0 instead of "
+                               "refusing: for an init container that runs at every start of a deployment")
     keys_gen.set_defaults(func=_cmd_keys_generate)
 
     info = sub.add_parser("info", help="print a GGUF model's config and fingerprint")

@@ -70,6 +70,8 @@ def _our_commands() -> list[tuple[str, list[str]]]:
     for name in OURS:
         service = COMPOSE["services"][name]
         out.append((f"{name}.command", list(service["command"])))
+        if service["healthcheck"].get("disable"):  # a one-shot (the key pair's init service)
+            continue
         test = service["healthcheck"]["test"]
         assert test[:2] == ["CMD", "hybridgate"], f"{name}: health check {test}"
         out.append((f"{name}.healthcheck", test[2:]))
@@ -98,9 +100,11 @@ def test_every_command_flag_and_variable_is_accepted_by_our_cli():
     for name in OURS:
         service = COMPOSE["services"][name]
         command = service["command"][0]
+        if "environment" not in service:  # a command without settings (`keys generate`): its flags are checked above
+            continue
         chosen = COMMANDS[command]
         accepted = {s.env for s in select(Settings, chosen.include, chosen.exclude)} | CLI_VARIABLES
-        for variable in service["environment"]:
+        for variable in service.get("environment", {}):
             assert variable in accepted, f"{name}: {variable} is not a setting of `hybridgate {command}`"
     # What is awaited is only what is missing: a flag our CLI has gained should leave the list.
     accepted_now = AWAITING - missing
@@ -123,10 +127,14 @@ def test_dockerfile_builds_what_make_install_builds():
     assert f"HYBRIDGATE_CACHE_DIR={volume}" in DOCKERFILE and f'VOLUME ["{volume}"]' in DOCKERFILE
 
 
-def _loopback_env(service: str, redis_url: str, ports: dict[str, int]) -> dict[str, str]:
-    """A service's environment with the compose network's names replaced by this machine's loopback."""
+KEY_FILE = "/home/hybridgate/keys/deploy.key"  # in the compose `keys` volume
+
+
+def _loopback_env(service: str, redis_url: str, ports: dict[str, int], key: Path) -> dict[str, str]:
+    """A service's environment with the compose network's names replaced by this machine's loopback,
+    and the key volume's file by `key`."""
     env = {k: str(v) for k, v in COMPOSE["services"][service]["environment"].items()}
-    env = {k: v.replace("redis://redis:6379/0", redis_url) for k, v in env.items()}
+    env = {k: v.replace("redis://redis:6379/0", redis_url).replace(KEY_FILE, str(key)) for k, v in env.items()}
     if "HYBRIDGATE_HOST" in env:
         env["HYBRIDGATE_HOST"] = "127.0.0.1"
     if "HYBRIDGATE_ENDPOINT" in env:
@@ -139,23 +147,33 @@ def _loopback_env(service: str, redis_url: str, ports: dict[str, int]) -> dict[s
     return env
 
 
-def _argv(service: str) -> list[str]:
+def _argv(service: str, key: Path) -> list[str]:
     ok, _ = _accepts(COMPOSE["services"][service]["command"])
-    return [a for a in COMPOSE["services"][service]["command"] if ok or a not in AWAITING]
+    return [a.replace(KEY_FILE, str(key)) for a in COMPOSE["services"][service]["command"] if ok or a not in AWAITING]
+
+
+def _health(service: str, key: Path, old: str, new: str) -> list[str]:
+    return [a.replace(old, new).replace(KEY_FILE, str(key)) for a in COMPOSE["services"][service]["healthcheck"]["test"][2:]]
 
 
 def test_compose_topology_serves_a_chat_on_loopback(tmp_path, model_path):
     redis = RedisServer(tmp_path)
     procs = []
+    key = tmp_path / "deploy.key"
+    for run in range(2):  # the init service, run at every start, keeps the deployment's key pair
+        out = subprocess.run([HYBRIDGATE, *_argv("keys", key)], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and out.stdout.startswith(("wrote", "kept")[run]), out.stdout + out.stderr
+    assert key.stat().st_mode & 0o777 == 0o600
     try:
         workers = []
         for k in range(2):
             ports = {"endpoint": free_port()}
-            env = _loopback_env("cpu-worker", redis.url, ports) | {"HYBRIDGATE_THREADS": "1"}
-            procs.append(Proc(_argv("cpu-worker"), tmp_path / f"cpu-worker-{k}.log", env=env))
+            env = _loopback_env("cpu-worker", redis.url, ports, key) | {"HYBRIDGATE_THREADS": "1"}
+            procs.append(Proc(_argv("cpu-worker", key), tmp_path / f"cpu-worker-{k}.log", env=env))
             workers.append(env["HYBRIDGATE_ENDPOINT"])
         ports = {"HYBRIDGATE_PORT": free_port(), "HYBRIDGATE_METRICS_PORT": free_port()}
-        gateway = Proc(_argv("gateway"), tmp_path / "gateway.log", env=_loopback_env("gateway", redis.url, ports))
+        gateway = Proc(_argv("gateway", key), tmp_path / "gateway.log",
+                       env=_loopback_env("gateway", redis.url, ports, key))
         procs.append(gateway)
         for proc in procs[:2]:
             proc.wait_for(r"hybridgate worker: READY", 120)
@@ -171,13 +189,11 @@ def test_compose_topology_serves_a_chat_on_loopback(tmp_path, model_path):
         again = list(stub(target).Generate(request, timeout=60 * TIME_FACTOR))  # the compose gateway caches
         assert again[-1].route == "cache" and [m.text for m in again] == [m.text for m in messages]
         # The compose health checks, pointed at these processes.
-        health = COMPOSE["services"]["gateway"]["healthcheck"]["test"][2:]
-        health = [a.replace("127.0.0.1:50051", target) for a in health]
+        health = _health("gateway", key, "127.0.0.1:50051", target)
         out = subprocess.run([HYBRIDGATE, *health], capture_output=True, text=True, timeout=30 * TIME_FACTOR)
         assert out.returncode == 0 and out.stdout.strip() == f"gateway {target}: SERVING", out.stdout + out.stderr
         for endpoint in workers:
-            health = [a.replace("tcp://127.0.0.1:5555", endpoint)
-                      for a in COMPOSE["services"]["cpu-worker"]["healthcheck"]["test"][2:]]
+            health = _health("cpu-worker", key, "tcp://127.0.0.1:5555", endpoint)
             out = subprocess.run([HYBRIDGATE, *health], capture_output=True, text=True, timeout=30 * TIME_FACTOR)
             assert out.returncode == 0 and out.stdout.strip() == f"worker {endpoint}: READY", out.stdout + out.stderr
     finally:
