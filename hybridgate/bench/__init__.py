@@ -105,6 +105,9 @@ def add_gateway_parser(sub) -> None:
     p.add_argument("--requests", type=bounded(int, 1), default=64,
                    help="streams per concurrency (at least the concurrency; default 64)")
     p.add_argument("--max-tokens", type=bounded(int, 1), default=256, help="ids per stream (default 256)")
+    p.add_argument("--protocol", choices=("grpc", "openai"), default="grpc",
+                   help="drive the gateway's gRPC stream, or its OpenAI-compatible HTTP door (/v1/completions as "
+                        "server-sent events; not with --tls) (default grpc)")
     p.add_argument("--gateways", type=bounded(int, 1, 64), default=1,
                    help="gateway processes on the one port (hybridgate gateway --gateways N; default 1)")
     p.add_argument("--step-ms", type=bounded(float, 0), default=0.0,

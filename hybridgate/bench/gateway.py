@@ -9,7 +9,10 @@ gateway's CPU seconds per streamed token (utime + stime of the process and
 all its threads, from /proc, over the measured window), the worker's and the
 client's CPU per token beside it, and client-side TTFT and ITL percentiles
 (ITL: the gap between two response messages divided by the ids the second
-carries).
+carries). `--protocol openai` drives the OpenAI-compatible HTTP door of
+the same gateway instead (`/v1/completions`, server-sent events; a response
+message is one SSE chunk, tokens are counted from the usage chunk, and ITL is
+the gap between two chunks, one token each unless the door joined them).
 
 The client shares the machine's cores with the gateway: on a 2-core machine
 the figure "gateway CPU per token" holds, the tokens/s is bounded by what the
@@ -63,7 +66,7 @@ def tree_cpu_seconds(pid: int) -> float:
 
 
 def _client_main(target: str, concurrency: int, requests: int, max_tokens: int, conn, tls_ca: str | None = None,
-                 token: str | None = None) -> None:
+                 token: str | None = None, protocol: str = "grpc") -> None:
     """Client process: `requests` streams, `concurrency` at a time; sends the figures back on `conn`.
     `tls_ca`: connect over TLS trusting that PEM; `token`: send it as the bearer token."""
     try:
@@ -72,7 +75,9 @@ def _client_main(target: str, concurrency: int, requests: int, max_tokens: int, 
         uvloop.install()
     except ImportError:
         pass
-    conn.send(asyncio.run(_drive(target, concurrency, requests, max_tokens, tls_ca, token)))
+    drive = _drive_http(target, concurrency, requests, max_tokens) if protocol == "openai" else \
+        _drive(target, concurrency, requests, max_tokens, tls_ca, token)
+    conn.send(asyncio.run(drive))
     conn.close()
 
 
@@ -126,12 +131,59 @@ async def _drive(target: str, concurrency: int, requests: int, max_tokens: int, 
     return {"wall_s": wall, "client_cpu_s": cpu, "ttft_s": ttfts, "itl_s": itls, **counts}
 
 
+async def _drive_http(target: str, concurrency: int, requests: int, max_tokens: int) -> dict:
+    """`_drive` over the OpenAI HTTP door: /v1/completions streamed as server-sent events."""
+    from hybridgate.bench.serve import _sse_post
+
+    host, port = target.rsplit(":", 1)
+    body = json.dumps({"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+                       "stream": True, "stream_options": {"include_usage": True}, "user": "bench-gateway"}).encode()
+    ttfts: list[float] = []
+    itls: list[float] = []
+    counts = {"tokens": 0, "messages": 0, "errors": 0, "short": 0}
+    remaining = iter(range(requests))
+
+    async def one() -> None:
+        start = last = time.perf_counter()
+        tokens, first = 0, True
+        try:
+            async for event in _sse_post(host, int(port), "/v1/completions", body):
+                now = time.perf_counter()
+                if event == b"[DONE]":
+                    break
+                chunk = json.loads(event)
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+                if not chunk.get("choices"):
+                    continue
+                if first:
+                    ttfts.append(now - start)
+                    first = False
+                else:
+                    itls.append(now - last)
+                last = now
+                counts["messages"] += 1
+        except (OSError, asyncio.IncompleteReadError, ValueError):
+            counts["errors"] += 1
+        counts["tokens"] += tokens
+        counts["short"] += tokens != max_tokens
+
+    async def lane() -> None:
+        for _ in remaining:
+            await one()
+
+    cpu0, start = time.process_time(), time.perf_counter()
+    await asyncio.gather(*(lane() for _ in range(concurrency)))
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu0
+    return {"wall_s": wall, "client_cpu_s": cpu, "ttft_s": ttfts, "itl_s": itls, **counts}
+
+
 def _run_client(target: str, concurrency: int, requests: int, max_tokens: int, tls_ca: str | None = None,
-                token: str | None = None) -> dict:
+                token: str | None = None, protocol: str = "grpc") -> dict:
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_client_main, args=(target, concurrency, requests, max_tokens, theirs, tls_ca, token),
-                       name="bench-gateway-client")
+    proc = ctx.Process(target=_client_main, name="bench-gateway-client",
+                       args=(target, concurrency, requests, max_tokens, theirs, tls_ca, token, protocol))
     proc.start()
     theirs.close()
     try:
@@ -155,6 +207,8 @@ class _Gateway:
         self.lines: list[str] = []
         self.tls_ca, self.token = tls_ca, token
         port = self._wait_for("hybridgate: gRPC on ", timeout_s).rsplit(":", 1)[1].split()[0]
+        http = self._wait_for("hybridgate: OpenAI-compatible HTTP on ", timeout_s).split("://", 1)[1]
+        self.http_target = http.split("/", 1)[0]
         self.metrics_url = self._wait_for("hybridgate: metrics on ", timeout_s).split()[-1]
         self._wait_for("hybridgate: READY", timeout_s)
         self.target = f"127.0.0.1:{port}"
@@ -187,15 +241,17 @@ class _Gateway:
 
 
 def measure(gateway: _Gateway, worker_pid: int, concurrency: int, requests: int, max_tokens: int,
-            large_chat_bytes: int = 0) -> dict:
+            large_chat_bytes: int = 0, protocol: str = "grpc") -> dict:
     """One concurrency: the client's figures and the processes' CPU over the same window; with
-    `large_chat_bytes`, chats of that size arrive meanwhile and the row has the loop's lag."""
+    `large_chat_bytes`, chats of that size arrive meanwhile and the row has the loop's lag.
+    `protocol`: the gRPC stream or the OpenAI HTTP door (`openai`) of the same gateway."""
     tls = dict(tls_ca=gateway.tls_ca, token=gateway.token)
-    _run_client(gateway.target, concurrency, min(requests, 2 * concurrency), max_tokens, **tls)  # warm-up
+    target = gateway.http_target if protocol == "openai" else gateway.target
+    _run_client(target, concurrency, min(requests, 2 * concurrency), max_tokens, protocol=protocol, **tls)  # warm-up
     lag0 = safety.lag_buckets(gateway.metrics_url)
     chats = safety.LargeChats(gateway.target, large_chat_bytes, **tls) if large_chat_bytes else None
     gw0, wk0 = tree_cpu_seconds(gateway.proc.pid), cpu_seconds(worker_pid)
-    r = _run_client(gateway.target, concurrency, requests, max_tokens, **tls)
+    r = _run_client(target, concurrency, requests, max_tokens, protocol=protocol, **tls)
     gw, wk = tree_cpu_seconds(gateway.proc.pid) - gw0, cpu_seconds(worker_pid) - wk0
     large = chats.stop() if chats is not None else None
     lag = safety.lag_summary(lag0, safety.lag_buckets(gateway.metrics_url))
@@ -211,7 +267,7 @@ def measure(gateway: _Gateway, worker_pid: int, concurrency: int, requests: int,
         "worker_cpu_us_per_token": per_token(wk), "client_cpu_us_per_token": per_token(r["client_cpu_s"]),
         "ttft_ms": {f"p{q}": ms(percentile(r["ttft_s"], q / 100)) for q in (50, 90, 99)},
         "itl_ms": {f"p{q}": ms(percentile(r["itl_s"], q / 100)) for q in (50, 90, 99)},
-        "tls": gateway.tls_ca is not None, "event_loop_lag": lag, "large_chats": large,
+        "tls": gateway.tls_ca is not None, "protocol": protocol, "event_loop_lag": lag, "large_chats": large,
     }
 
 
@@ -219,6 +275,8 @@ def run(args) -> list[dict]:
     from hybridgate.config import resolve
     from hybridgate.workers.process import WorkerConfig
 
+    if args.tls and args.protocol == "openai":
+        raise SystemExit("bench gateway: --tls measures the gRPC door; leave it out with --protocol openai")
     model = resolve(args).settings.model_path
     machine = describe()  # before the run loads it
     print(summary(machine), flush=True)
@@ -244,7 +302,7 @@ def run(args) -> list[dict]:
             for _ in range(args.repeats if args.tls else 1):
                 for gateway in gateways:  # plaintext, then TLS: side by side, alternately
                     row = measure(gateway, worker.pid, concurrency, max(args.requests, concurrency), args.max_tokens,
-                                  args.large_chat_bytes)
+                                  args.large_chat_bytes, args.protocol)
                     rows[row["tls"]].append(row)
                     results.append(row)
                     _print_row(row)
@@ -259,7 +317,7 @@ def run(args) -> list[dict]:
         worker.terminate()
         worker.join(30)
         shutil.rmtree(folder, ignore_errors=True)
-    report = {"benchmark": "gateway", "protocol": "grpc", "gateways": args.gateways, "step_ms": args.step_ms,
+    report = {"benchmark": "gateway", "protocol": args.protocol, "gateways": args.gateways, "step_ms": args.step_ms,
               "cpus": os.cpu_count(), "machine": machine, "large_chat_bytes": args.large_chat_bytes,
               "results": results, "tls_ratios": ratios}
     if args.json:
@@ -284,7 +342,7 @@ def _print_row(r: dict) -> None:
           f"{fmt(r['messages_per_token'], '.2f')} messages/token, "
           f"TTFT p50 {fmt(r['ttft_ms']['p50'])} ms p99 {fmt(r['ttft_ms']['p99'])} ms, "
           f"ITL p50 {fmt(r['itl_ms']['p50'], '.3f')} ms p99 {fmt(r['itl_ms']['p99'], '.3f')} ms"
-          + (" [TLS + auth]" if r["tls"] else "")
+          + (" [TLS + auth]" if r["tls"] else "") + (" [OpenAI HTTP]" if r["protocol"] == "openai" else "")
           + (f", loop lag p99 <= {fmt(r['event_loop_lag']['p99_ms_at_most'], '.0f')} ms "
              f"({fmt(100 * (r['event_loop_lag']['within_20ms'] or 0), '.1f')}% of "
              f"{r['event_loop_lag']['probes']} probes within 20 ms; large chats {r['large_chats']})"

@@ -46,3 +46,20 @@ def test_bench_gateway_reports_every_figure(tmp_path):
     assert report["machine"]["isa"] == ("avx512" if " avx512bw" in flags else "avx2" if " avx2" in flags else "other")
     assert report["machine"]["cpus"] == os.cpu_count() and "machine: " in proc.stdout
     assert "tokens/s" in proc.stdout and "µs CPU/token" in proc.stdout
+
+
+def test_bench_gateway_over_the_openai_http_door(tmp_path):
+    out = tmp_path / "gateway-http.json"
+    proc = subprocess.run([HYBRIDGATE, "bench", "gateway", "--protocol", "openai", "--concurrency", "2",
+                           "--requests", "4", "--max-tokens", "32", "--step-ms", "2", "--json", str(out)],
+                          capture_output=True, text=True, timeout=120 * TIME_FACTOR)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert report["protocol"] == "openai" and "[OpenAI HTTP]" in proc.stdout
+    (row,) = report["results"]
+    # Tokens from each stream's usage chunk: 4 streams x 32, none cut short (ignore_eos).
+    assert row["protocol"] == "openai" and row["tokens"] == 4 * 32 and row["errors"] == 0 and row["short_streams"] == 0
+    assert 1 / 32 <= row["messages_per_token"] <= 1
+    assert row["gateway_cpu_us_per_token"] > 0 and row["tokens_per_s"] > 0
+    for key in ("ttft_ms", "itl_ms"):
+        assert 0 < row[key]["p50"] <= row[key]["p90"] <= row[key]["p99"], key
