@@ -51,7 +51,8 @@ def _cmd_config(args: argparse.Namespace) -> int:
 def _cmd_generate(args: argparse.Namespace) -> int:
     from hybridgate.client import generate
 
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    # `echo ... |` and heredocs end the text with a newline the user did not mean as part of the prompt.
+    prompt = sys.stdin.read().removesuffix("\n") if args.prompt == "-" else args.prompt
     return generate(args, prompt)
 
 
@@ -113,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     config.set_defaults(func=_cmd_config)
 
     gen = sub.add_parser("generate", help="stream one answer from a running gateway")
-    gen.add_argument("prompt", metavar="PROMPT", help="the prompt text, or - to read it from stdin")
+    gen.add_argument("prompt", metavar="PROMPT", help="the prompt text, or - to read it from stdin (one trailing newline dropped)")
     target = f"{GatewayConfig.host}:{GatewayConfig.port}"  # serve's defaults, declared once there
     gen.add_argument("--target", default=target, help=f"gateway address HOST:PORT (default {target})")
     gen.add_argument("--chat", action="store_true", help="send PROMPT as one user message through the chat template")

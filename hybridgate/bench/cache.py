@@ -101,7 +101,8 @@ class _Gateway:
 
         from hybridgate.v1 import generation_pb2_grpc as pb_grpc
 
-        argv = [HYBRIDGATE, "gateway", "--model", model, "--worker", endpoint, "--port", "0", "--metrics-port", "0",
+        argv = [HYBRIDGATE, "gateway", "--model", model, "--worker", endpoint, "--port", "0", "--http-port", "0",
+                "--metrics-port", "0",
                 "--response-cache", mode] + (["--redis-url", redis_url] if redis_url else [])
         self.proc = _Proc(argv, folder / f"gateway-{mode}.log")
         port = self.proc.wait_for(r"gRPC on 127\.0\.0\.1:(\d+)", timeout_s).group(1)

@@ -616,3 +616,8 @@ def run_worker(config: WorkerConfig, build: Callable[[WorkerConfig], tuple] = bu
     io.close()
     secure.close()
     ctx.term()
+    # The socket files this worker bound: a gateway started later must find no socket rather than one that
+    # nobody listens on (the missing-socket check reads the file; a stale one would make it wait).
+    for endpoint in (config.endpoint, config.resolved_handoff_endpoint):
+        if endpoint and endpoint.startswith("ipc://"):
+            Path(endpoint.removeprefix("ipc://")).unlink(missing_ok=True)

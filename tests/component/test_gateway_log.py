@@ -26,7 +26,7 @@ PROMPT = "A secret prompt about Paris"
 async def test_one_line_per_request_with_the_prompt_only_when_asked(gguf_model, tokenizer, caplog, with_text):
     script = tokenizer.encode(" It is sunny.")
     client = ScriptedClient(model_fingerprint(gguf_model), script, finish=FinishReason.LENGTH)
-    config = GatewayConfig(port=0, log_requests=True, log_request_text=with_text)
+    config = GatewayConfig(port=0, http_port=0, log_requests=True, log_request_text=with_text)
     async with Router(gguf_model, [client]) as router:
         gateway = Gateway(router, config)
         await gateway.start()
@@ -53,7 +53,7 @@ async def test_every_cancelled_call_is_counted_and_logged_as_abort(gguf_model, t
     client = ScriptedClient(model_fingerprint(gguf_model), script, finish=FinishReason.LENGTH)
     calls = 12
     async with Router(gguf_model, [client]) as router:
-        gateway = Gateway(router, GatewayConfig(port=0, log_requests=True))
+        gateway = Gateway(router, GatewayConfig(port=0, http_port=0, log_requests=True))
         await gateway.start()
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:

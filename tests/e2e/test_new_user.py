@@ -43,8 +43,11 @@ def test_worker_prints_a_ready_line_at_the_default_log_level(tmp_path, model_pat
     try:
         pid = worker.wait_for(rf"hybridgate worker: READY \(cpu, pid (\d+)\) on {re.escape(endpoint)}\n").group(1)
         assert int(pid) == worker.pid
+        assert (tmp_path / "w.sock").exists() and (tmp_path / "w.sock.handoff").exists()
     finally:
         assert worker.stop() == 0, worker.text()
+    # Its socket files went with it: a gateway started later is told nothing listens, at once.
+    assert not (tmp_path / "w.sock").exists() and not (tmp_path / "w.sock.handoff").exists()
 
 
 @pytest.mark.parametrize(("endpoint", "problem", "flag"), [

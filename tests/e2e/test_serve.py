@@ -46,7 +46,8 @@ def test_cli_streams_the_reference_answer(server):
     assert trailer["trailing_metadata"]["hybridgate-plan"] == "gpu"  # the placement, last
     assert messages[-1]["finish_reason"] == "FINISH_REASON_EOS"
     assert [("finish_reason" in m) for m in messages] == [False] * (len(messages) - 1) + [True]
-    plain = run_cli(server, "--chat", "--max-tokens", "32", "--temperature", "0", "-", input=FRANCE)
+    # stdin as `echo` pipes it: the trailing newline is not part of the prompt
+    plain = run_cli(server, "--chat", "--max-tokens", "32", "--temperature", "0", "-", input=FRANCE + "\n")
     assert plain.stdout.strip() == "The capital of France is Paris." and "finish_reason=eos" in plain.stderr
 
 
