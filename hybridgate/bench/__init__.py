@@ -198,6 +198,18 @@ def add_serve_parser(sub) -> None:
                    help="instead of the search and sweep, one load run of --chaos-duration seconds at the first of "
                         "--rates (default: half the unloaded rate) while a worker process is SIGKILLed every S "
                         "seconds; reports requests lost, blocks and pinned bytes leaked, recovery after each restart")
+    p.add_argument("--compare-protocols", action="store_true",
+                   help="instead of the search and sweep: one serve of the first layout, the same requests over gRPC "
+                        "and over the OpenAI HTTP door alternately, one stream at a time and --compare-concurrency "
+                        "at once; decode tokens/s, aggregate tokens/s, TTFT, gateway CPU per streamed token and "
+                        "the HTTP/gRPC ratios (medians over --compare-pairs)")
+    p.add_argument("--compare-pairs", type=bounded(int, 1, 100), default=5,
+                   help="with --compare-protocols: gRPC/HTTP run pairs per case (default 5)")
+    p.add_argument("--compare-concurrency", type=bounded(int, 1, 1024), default=64,
+                   help="with --compare-protocols: streams at once in the concurrent case (default 64)")
+    p.add_argument("--compare-max-tokens", type=bounded(int, 2, 4096), default=128,
+                   help="with --compare-protocols: ids per request at one stream; a quarter of it (at least 8) "
+                        "per stream in the concurrent case (default 128)")
     p.add_argument("--chaos-duration", type=bounded(float, 0, low_open=True), default=180.0,
                    help="seconds of arrivals of the chaos run (default 180)")
     p.set_defaults(func=_run_serve)

@@ -550,6 +550,29 @@ async def _run_chaos(bench: Bench) -> dict:
         proc.stop()
 
 
+async def _run_protocols(bench: Bench) -> dict:
+    """--compare-protocols: one serve of the first layout, gRPC and HTTP alternately (bench/protocols.py)."""
+    from hybridgate.bench import protocols
+
+    args = bench.args
+    layout = (args.layouts or "gpu+cpu").split(",")[0].strip()
+    threads = args.total_threads or os.cpu_count() or 1
+    serve_args = serve_args_for(layout, threads, bench.settings.router.policy, bench.settings) + list(
+        args.serve_arg or [])
+    proc = ServeProcess(bench.model, serve_args, bench.logdir / f"serve-{layout}-protocols.log", args.startup_timeout)
+    try:
+        clients = {"grpc": make_client("grpc", proc.target, proc.http_target, bench.prompts),
+                   "openai": make_client("openai", proc.target, proc.http_target, bench.prompts)}
+        clients["openai"].runs = 1_000  # its prompts differ from the gRPC runs' (no prefix-cache hit between them)
+        await clients["grpc"].run([wl.WorkItem("warm-up", 16, 4)], [0.0], args.time_limit)  # both doors warm
+        await clients["openai"].run([wl.WorkItem("warm-up", 16, 4)], [0.0], args.time_limit)
+        compared = await protocols.run_compare(bench, proc, clients)
+    finally:
+        proc.stop()
+    return {"machine": describe(), "layout": layout, "threads_total": threads, "serve_args": serve_args,
+            "compare_protocols": compared, "log_dir": str(bench.logdir)}
+
+
 async def _wait_idle(proc: ServeProcess, limit_s: float) -> dict:
     """Wait (up to limit_s) until no worker runs or queues anything; then what they still hold."""
     deadline = time.monotonic() + limit_s
@@ -575,19 +598,21 @@ def run(args) -> dict:
     from hybridgate.config import resolve
 
     settings = resolve(args).settings
-    if args.target and (args.compare_policies or args.layouts or args.chaos_kill_every):
-        raise ValueError("--target: --compare-policies, --layouts and --chaos-kill-every need a serve that "
-                         "bench serve starts itself; leave --target out")
+    if args.target and (args.compare_policies or args.layouts or args.chaos_kill_every or args.compare_protocols):
+        raise ValueError("--target: --compare-policies, --compare-protocols, --layouts and --chaos-kill-every need "
+                         "a serve that bench serve starts itself; leave --target out")
     print(summary(), flush=True)
     bench = Bench(args, settings)
-    if args.chaos_kill_every:
+    if args.compare_protocols:
+        report = _run_async(_run_protocols(bench))
+    elif args.chaos_kill_every:
         report = _run_async(_run_chaos(bench))
     elif args.target:
         report = _run_async(_run_target(bench))
     else:
         report = _run_async(_run_layouts(bench))
     report["machine_after"] = describe()
-    report["protocol"] = args.protocol
+    report["protocol"] = "grpc,openai" if args.compare_protocols else args.protocol
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     if args.plot and "layouts" in report:

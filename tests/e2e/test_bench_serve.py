@@ -57,3 +57,23 @@ def test_bench_serve_drives_the_openai_http_api(tmp_path):
     check_report(report, ["cost"])
     for r in report["policies"]["cost"]["sweep"]:
         assert r["unfinished"] == 0 and not r["errors"] and r["requests"] >= 3
+
+
+def test_compare_protocols_runs_both_doors_alternately_with_every_figure(tmp_path):
+    report = bench_serve(tmp_path, "--layouts", "cpu", "--compare-protocols", "--compare-pairs", "2",
+                         "--compare-concurrency", "3", "--compare-max-tokens", "12")
+    assert report["protocol"] == "grpc,openai"
+    figures = {"tokens_per_s", "decode_tokens_per_s", "ttft_s", "gateway_cpu_us_per_token", "wall_s"}
+    for case, streams, ids in (("one_stream", 1, 12), ("concurrent", 3, 8)):
+        r = report["compare_protocols"][case]
+        assert (r["streams"], r["max_tokens"]) == (streams, ids)
+        for name in ("grpc", "openai"):
+            assert set(r[name]) == figures and len(r["runs"][name]) == 2
+            # Every figure is the median of the two runs that were made (not a copy of one of them).
+            for k in figures:
+                assert r[name][k] == sum(run[k] for run in r["runs"][name]) / 2
+        ratio = r["ratio_openai_over_grpc"]
+        pairs = [h["tokens_per_s"] / g["tokens_per_s"] for g, h in zip(r["runs"]["grpc"], r["runs"]["openai"])]
+        assert ratio["tokens_per_s"] == sum(pairs) / 2
+        # The same worker behind both doors: the two protocols' decode rates are within a factor of 3.
+        assert 1 / 3 < ratio["decode_tokens_per_s"] < 3
