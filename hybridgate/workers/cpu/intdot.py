@@ -43,7 +43,7 @@ from numba import types  # noqa: E402
 from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
-from hybridgate.workers.cpu.simd import X_TILE, _load_vec, _ptr  # noqa: E402
+from hybridgate.workers.cpu.simd import PREFETCH_ROWS, X_TILE, _load_vec, _ptr, prefetch  # noqa: E402
 
 FORMATS = ("auto", "f32", "i16")  # the cpu_activations setting's choices
 # "auto": the faster format of each weight type on each path, measured on one thread with the default
@@ -161,11 +161,16 @@ def _make_itile(wrows: int, xrows: int):
                 w, d, m = [], [], []
                 for i in range(wrows):
                     qoff = builder.add(builder.add(qo, builder.mul(qstr, c(i))), builder.mul(b, c(block_bytes)))
+                    ahead_q = builder.add(qoff, builder.mul(qstr, c(PREFETCH_ROWS)))  # see simd.PREFETCH_ROWS
+                    prefetch(builder, _ptr(context, builder, ty[0], qa, ahead_q))
                     w.append(_weights_i16(context, builder, kind, ty[0], qa, qoff))
                     sp = builder.add(builder.add(so, builder.mul(sstr, c(i))), b)
+                    ahead_s = builder.add(sp, builder.mul(sstr, c(PREFETCH_ROWS)))
                     d.append(builder.load(_ptr(context, builder, ty[3], sa, sp)))
+                    prefetch(builder, _ptr(context, builder, ty[3], sa, ahead_s))
                     if kind == "q4_1":
                         m.append(builder.load(_ptr(context, builder, ty[4], ma, sp)))
+                        prefetch(builder, _ptr(context, builder, ty[4], ma, ahead_s))
                 for k in range(xrows):
                     xp = _ptr(context, builder, ty[8], xa,
                               builder.add(builder.add(xo, builder.mul(xstr, c(k))), builder.mul(b, c(32))))
@@ -270,3 +275,4 @@ def matmul_i16(x, qs, scale, minimum, out):
                 _irows(xq, xs, xsum, qs, scale, minimum, out, 4 * g, 4, b0, b1)
         for r in range(4 * groups, qs.shape[0]):
             _irows(xq, xs, xsum, qs, scale, minimum, out, r, 1, b0, b1)
+

@@ -73,6 +73,22 @@ def _fma(builder, a, b, c):
     return builder.call(fn, [a, b, c])
 
 
+# Weight rows are prefetched this many rows ahead of the tile reading them: a decode step streams each
+# weight matrix once from memory, and at batch 1 the hardware prefetchers alone left the kernels waiting
+# on it (measured on the default model, one thread: the Q4_1 matmuls of a step took 1.4x (AVX-512) to
+# 1.5x (AVX2) as long without; 8 and 16 rows ahead measured alike).
+PREFETCH_ROWS = 16
+
+
+def prefetch(builder, ptr):
+    """A read prefetch of the cache line at ptr into every cache level (llvm.prefetch; a hint: an address
+    past the array's end is not read and cannot fault)."""
+    i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                        "llvm.prefetch.p0i8")
+    builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+
+
 def _make_tile(wrows: int, xrows: int):
     """An intrinsic multiplying `wrows` weight rows of GGUF blocks by `xrows` activation rows.
 
@@ -112,8 +128,12 @@ def _make_tile(wrows: int, xrows: int):
                     row_q = builder.add(qo, builder.mul(qstr, c(i)))
                     sp = builder.add(builder.add(so, builder.mul(sstr, c(i))), b)
                     d = _splat(builder, builder.load(_ptr(context, builder, ty[3], sa, sp)))
+                    ahead_s = builder.add(sp, builder.mul(sstr, c(PREFETCH_ROWS)))
+                    prefetch(builder, _ptr(context, builder, ty[3], sa, ahead_s))
                     if kind == "q4_1":
+                        prefetch(builder, _ptr(context, builder, ty[4], ma, ahead_s))
                         qp = _ptr(context, builder, ty[0], qa, builder.add(row_q, builder.mul(b, c(16))))
+                        prefetch(builder, builder.gep(qp, [builder.mul(qstr, c(PREFETCH_ROWS))]))
                         q = builder.zext(_load_vec(builder, qp, v16i8, 1), v16i32)
                         lo = builder.sitofp(builder.and_(q, ir.Constant(v16i32, [15] * LANES)), _V16F)
                         hi = builder.sitofp(builder.lshr(q, ir.Constant(v16i32, [4] * LANES)), _V16F)
@@ -121,6 +141,7 @@ def _make_tile(wrows: int, xrows: int):
                         w.append((_fma(builder, lo, d, m), _fma(builder, hi, d, m)))
                     else:
                         qp = _ptr(context, builder, ty[0], qa, builder.add(row_q, builder.mul(b, c(32))))
+                        prefetch(builder, builder.gep(qp, [builder.mul(qstr, c(PREFETCH_ROWS))]))
                         lo = builder.sitofp(_load_vec(builder, qp, v16i8, 1), _V16F)
                         hi = builder.sitofp(_load_vec(builder, builder.gep(qp, [c(16)]), v16i8, 1), _V16F)
                         w.append((builder.fmul(lo, d), builder.fmul(hi, d)))
