@@ -73,7 +73,7 @@ COMMANDS: dict[str, Selection] = {
     "info": Selection(("model",)),
     "bench engine": Selection(("model", "worker.kind", "worker.engine.threads", "worker.engine.device",
                                "worker.engine.cpu_isa", "worker.engine.cpu_activations",
-                               "worker.engine.kv_cache_memory")),
+                               "worker.engine.kv_cache_memory", "worker.engine.kv_cache_dtype")),
     "bench handoff": Selection(("model", "worker.engine.threads", "worker.engine.device",
                                 "worker.engine.kv_cache_memory", "worker.handoff_buffer_memory")),
     "bench gateway": Selection(("model",)),
@@ -81,5 +81,6 @@ COMMANDS: dict[str, Selection] = {
     "bench sim": Selection(("router.policy", "router.ttft_slo_s", "router.tpot_slo_s")),
     "bench cache": Selection(("model",)),
     "bench accuracy": Selection(("model", "worker.kind", "worker.engine.threads", "worker.engine.device",
-                                 "worker.engine.cpu_isa", "worker.engine.cpu_activations")),
+                                 "worker.engine.cpu_isa", "worker.engine.cpu_activations",
+                                 "worker.engine.kv_cache_dtype")),
 }

@@ -158,6 +158,7 @@ class Hello(msgspec.Struct, frozen=True):
     name: str = ""  # stable label (`kind-index` under serve, or --worker-name); metrics use it
     handoff_endpoint: str = ""  # CPU workers: where GPU workers send KV hand-offs ("" = none)
     cpu_isa: str = ""  # CPU workers: the instruction set of their kernels (avx512, avx2, generic)
+    kv_dtype: str = ""  # the KV cache's element type, one of HANDOFF_DTYPES ("" = not reported)
 
 
 class Ready(msgspec.Struct, frozen=True):

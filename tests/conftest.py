@@ -86,6 +86,17 @@ def golden_npz(name: str) -> dict[str, np.ndarray]:
         return {k: data[k] for k in data.files}
 
 
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 → bfloat16 bits by numpy alone: round to nearest even on the top 16 bits (finite x)."""
+    u = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def bf16_rounded(x: np.ndarray) -> np.ndarray:
+    """x rounded to bfloat16, as float32 (`bf16_bits` widened)."""
+    return (bf16_bits(x).astype(np.uint32) << 16).view(np.float32)
+
+
 @pytest.fixture(scope="session")
 def gpu_model_path(tmp_path_factory):
     """For the GPU-marked tests: $HYBRIDGATE_GPU_CHECK_MODEL, else the default model if installed, else a

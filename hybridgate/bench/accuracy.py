@@ -81,11 +81,13 @@ def run(args: argparse.Namespace) -> dict:
         from hybridgate.workers.cpu.runner import NumbaRunner
 
         runner = NumbaRunner(model, kv_cache_memory=memory, threads=settings.worker.engine.threads,
-                             activations=settings.worker.engine.cpu_activations)
+                             activations=settings.worker.engine.cpu_activations,
+                             kv_cache_dtype=settings.worker.engine.kv_cache_dtype)
     else:
         device = torch.device(settings.worker.engine.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         runner = TorchRunner(model, device, kv_cache_memory=memory)
-    cpu = {"cpu_isa": runner.cpu_isa, "cpu_activations": runner.cpu_activations} if hasattr(runner, "cpu_isa") else {}
+    cpu = {"cpu_isa": runner.cpu_isa, "cpu_activations": runner.cpu_activations,
+           "kv_cache_dtype": runner.kv_dtype.name} if hasattr(runner, "cpu_isa") else {}
     out = {"kind": settings.worker.kind, **cpu,
            **compare(reference, teacher_forced_logits(runner, cases))}
     print(json.dumps(out, indent=1))

@@ -234,13 +234,15 @@ def run(args: argparse.Namespace) -> dict:
         from hybridgate.workers.cpu.runner import NumbaRunner
 
         ours = EngineBench(model, NumbaRunner(model, engine.kv_cache_memory or "1GiB", threads=engine.threads,
-                                              activations=engine.cpu_activations))
+                                              activations=engine.cpu_activations,
+                                              kv_cache_dtype=engine.kv_cache_dtype))
         import numba
 
         out: dict = {"kind": "cpu", "cpu_isa": ours.runner.cpu_isa, "threads": numba.get_num_threads(),
                      "baseline": baseline}
-        print(f"CPU kernels: {ours.runner.cpu_isa} path, activations {ours.runner.cpu_activations}", flush=True)
-        out["cpu_activations"] = ours.runner.cpu_activations
+        print(f"CPU kernels: {ours.runner.cpu_isa} path, activations {ours.runner.cpu_activations}, "
+              f"KV cache {ours.runner.kv_dtype.name}", flush=True)
+        out["cpu_activations"], out["kv_cache_dtype"] = ours.runner.cpu_activations, ours.runner.kv_dtype.name
     else:
         device = torch.device(engine.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -44,6 +44,7 @@ from hybridgate.wire import (
     Ready,
     RequestError,
 )
+from hybridgate.workers.cpu.kvdtype import KV_DTYPES
 from hybridgate.workers.engine import ClientCongested, ClientGone, EngineCore, EngineLoop, Inbox
 from hybridgate.workers.guard import WireErrors
 from hybridgate.workers.memory import parse_memory
@@ -95,6 +96,12 @@ class EngineConfig:
                 "dequantized weights), i16 (activations quantized to int16 per 32-block, integer multiply-adds, "
                 "about 2e-5 relative error), auto (the faster of the two per weight type on this ISA path)",
         choices=("auto", "f32", "i16"))
+    kv_cache_dtype: str = setting(
+        "fp32", "CPU worker: the KV cache's element format; fp16 and bf16 round K and V to nearest even as they "
+                "are stored and widen them to float32 as attention reads them, for half the bytes per token (twice "
+                "the blocks in --kv-cache-memory) and less to read per step. GPU workers ignore it: their cache "
+                "has the compute dtype (bf16 on CUDA, fp32 on a CPU torch device)",
+        choices=tuple(KV_DTYPES))
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -190,7 +197,7 @@ def build_runner(config: WorkerConfig):
     from hybridgate.workers.cpu.runner import NumbaRunner
 
     return NumbaRunner(model, kv_cache_memory=config.kv_cache_memory, threads=config.threads,
-                       activations=config.engine.cpu_activations), model
+                       activations=config.engine.cpu_activations, kv_cache_dtype=config.engine.kv_cache_dtype), model
 
 
 def max_frame_bytes(max_model_len: int) -> int:
@@ -563,7 +570,8 @@ def run_worker(config: WorkerConfig, build: Callable[[WorkerConfig], tuple] = bu
     hello = Hello(kind=config.kind, fingerprint=fingerprint, max_num_seqs=config.max_num_seqs,
                   max_model_len=runner.max_model_len, pid=os.getpid(), ready=False,
                   boot_id=uuid.uuid4().hex, name=config.name,  # a new boot id on every start
-                  handoff_endpoint=config.resolved_handoff_endpoint, cpu_isa=getattr(runner, "cpu_isa", ""))
+                  handoff_endpoint=config.resolved_handoff_endpoint, cpu_isa=getattr(runner, "cpu_isa", ""),
+                  kv_dtype=runner.kv_layout()[3] if hasattr(runner, "kv_layout") else "")
     try:
         io = WorkerIO(ctx, config.endpoint, hello, inbox, config.heartbeat_s, wire_errors, transport=secure)
     except zmq.ZMQError as exc:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import golden_json, golden_npz
+from conftest import bf16_rounded, golden_json, golden_npz
 from hybridgate.models import model_fingerprint
 from hybridgate.wire import AddRequest, SamplingParams
 from hybridgate.workers.cpu.runner import NumbaRunner
@@ -73,6 +73,36 @@ def test_logits_are_bitwise_equal_alone_and_in_a_batch_of_8(runner):
     batch = runner.forward(ScheduledBatch([(s, 1) for s in seqs]))
     np.testing.assert_array_equal(alone[0], batch[0])
     assert not np.array_equal(batch[0], batch[1])  # the rows are different requests
+
+
+def test_16_bit_caches_hold_twice_the_blocks_in_the_same_memory(gguf_model):
+    c = gguf_model.config
+    float32_block = 2 * c.num_layers * 16 * c.num_kv_heads * c.head_dim * 4  # K and V, every layer, 16 tokens
+    memory = str(20 * float32_block)
+    blocks, held = {}, {}
+    for name in ("fp32", "fp16", "bf16"):
+        r = NumbaRunner(gguf_model, kv_cache_memory=memory, threads=1, kv_cache_dtype=name)
+        blocks[name] = r.num_blocks
+        held[name] = sum(a.nbytes for a in r.k_cache + r.v_cache) // (r.num_blocks + 1)  # + 1: the scratch block
+    assert blocks == {"fp32": 20, "fp16": 40, "bf16": 40}
+    assert held == {"fp32": float32_block, "fp16": float32_block // 2, "bf16": float32_block // 2}
+
+
+@pytest.mark.parametrize(("name", "wire", "rounded"), [
+    ("fp16", "float16", lambda x: x.astype(np.float16).astype(np.float32)),
+    ("bf16", "bfloat16", bf16_rounded),
+])
+def test_import_into_a_16_bit_cache_stores_the_rounded_values(gguf_model, name, wire, rounded):
+    runner = NumbaRunner(gguf_model, kv_cache_memory="16MiB", threads=1, kv_cache_dtype=name)
+    assert runner.kv_layout() == (30, 3, 64, wire)
+    rng = np.random.default_rng(5)
+    k, v = (rng.standard_normal((2, 21, 3, 64)) * 4).astype(np.float32)
+    runner.import_kv([7, 2], 11, k, v)
+    got_k, got_v = runner.read_kv([7, 2], 11, 21)
+    assert got_k.dtype == got_v.dtype == np.float32
+    np.testing.assert_array_equal(got_k, rounded(k))
+    np.testing.assert_array_equal(got_v, rounded(v))
+    assert not np.array_equal(got_k, k)
 
 
 def test_weight_bytes_held_are_at_most_1_25x_the_gguf_tensors(gguf_model):

@@ -13,7 +13,7 @@ import pytest
 import torch
 import zmq
 
-from conftest import TIME_FACTOR
+from conftest import TIME_FACTOR, bf16_bits
 from hybridgate import wire
 from hybridgate.models import model_fingerprint
 from hybridgate.wire import (
@@ -171,6 +171,30 @@ def test_imported_kv_equals_the_cpu_runners_own(gpu, cpu, link, numba_runner, n)
     assert len(out) == 5
     stats = cpu.refresh_stats()
     assert stats.handoff_outcomes == {"done": 1} and stats.handoff_bytes_total == exported.nbytes
+
+
+def test_a_handoff_into_a_bf16_cpu_cache_stores_the_senders_kv_rounded(gpu, link, gguf_model, fingerprint):
+    runner = NumbaRunner(gguf_model, kv_cache_memory="16MiB", threads=1, kv_cache_dtype="bf16")
+    cpu = EngineCore(runner, SchedulerConfig(), fingerprint, prefix_caching=False)
+    assert cpu.handoffs.spec.dtype == "bfloat16"  # the receiver's own dtype; the fp32 sender's frames convert
+    prompt = prompt_of(21, salt=5)
+    _, gpu_notices, cpu_notices = run_handoff(gpu, cpu, link, prompt, "bf16")
+    assert [type(m) for _, m in cpu_notices] == [HandoffImported]
+    (_, parked), = gpu.handoffs.parked.items()
+    sent = [s * 16 + o for s in parked.seq.block_table for o in range(16)][:21]  # the sender's slots
+    seq = cpu._by_id[(ROUTER, "bf16")]
+    cache = gpu.runner.cache
+    for layer in range(30):
+        k, v = runner.read_kv(seq.block_table, layer, 21)
+        np.testing.assert_array_equal(bf16_bits(k), bf16_bits(cache.k[layer][sent].numpy()))
+        np.testing.assert_array_equal(bf16_bits(v), bf16_bits(cache.v[layer][sent].numpy()))
+        assert np.array_equal(k.view(np.uint32) & 0xFFFF, np.zeros_like(k, np.uint32))  # bf16 values, as stored
+    gpu.handoffs.handle(ROUTER, HandoffRelease("bf16"))
+    out = []
+    while cpu.has_work():
+        for s in cpu.step():
+            out += output_of(s).token_ids
+    assert len(out) == 5 and cpu.allocator.num_used == 0
 
 
 def test_resume_decodes_on_the_gpu_with_the_ids_of_a_plain_run(gpu, cpu, link):

@@ -105,6 +105,7 @@ def test_worker_defaults_to_the_cpu_runner_like_serve(capsys):
     (["worker", "--endpoint", "/tmp/w.sock"], ["--endpoint", "ipc://", "/tmp/w.sock"]),
     (["bench", "engine", "--threads", "0"], ["--threads", ">= 1"]),  # bench shares serve's bounds now
     (["bench", "accuracy", "--threads", "-2"], ["--threads", ">= 1"]),
+    (["worker", "--endpoint", "ipc:///x", "--kv-cache-dtype", "fp8"], ["--kv-cache-dtype", "fp32", "bf16", "fp8"]),
 ])
 def test_a_bad_flag_names_the_flag_and_the_limit(capsys, argv, words):
     with pytest.raises(SystemExit) as exc:
@@ -122,6 +123,7 @@ def test_a_bad_flag_names_the_flag_and_the_limit(capsys, argv, words):
     ("HYBRIDGATE_GRACE_PERIOD", "nan", ["HYBRIDGATE_GRACE_PERIOD", "finite", "nan"]),
     ("HYBRIDGATE_WORKER_TIMEOUT", "inf", ["HYBRIDGATE_WORKER_TIMEOUT", "finite", "inf"]),
     ("HYBRIDGATE_HANDOFF_BUFFER_MEMORY", "0.5", ["HYBRIDGATE_HANDOFF_BUFFER_MEMORY", "bytes", "'0.5'"]),
+    ("HYBRIDGATE_KV_CACHE_DTYPE", "float16", ["HYBRIDGATE_KV_CACHE_DTYPE", "fp32, fp16, bf16", "'float16'"]),
 ])
 def test_a_bad_variable_names_the_variable_and_the_limit(env, text, words):
     with pytest.raises(ValueError) as exc:
@@ -189,6 +191,16 @@ def test_config_is_cheap_and_prints_text():
     line = next(x for x in out.stdout.splitlines() if x.startswith("worker.scheduler.max_num_seqs"))
     assert line.split()[1:4] == ["9", "flag", "--max-num-seqs"]
     assert "heavy: []" in out.stdout
+
+
+def test_kv_cache_dtype_is_listed_and_reaches_the_worker_and_the_cpu_benches(capsys):
+    assert cli.main(["config", "--kv-cache-dtype", "bf16"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("worker.engine.kv_cache_dtype"))
+    assert line.split()[1:4] == ['"bf16"', "flag", "--kv-cache-dtype"]
+    for argv in (["worker", "--endpoint", "ipc:///x"], ["bench", "engine"], ["bench", "accuracy"]):
+        assert resolve(parse(*argv, "--kv-cache-dtype", "fp16"), environ={}).settings.worker.engine.kv_cache_dtype \
+            == "fp16"
+    assert resolve(parse("serve"), environ={}).settings.worker.engine.kv_cache_dtype == "fp32"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """The Llama forward pass on the CPU: Numba kernels over GGUF blocks, a paged host KV cache.
 
 Same math as `hybridgate.workers.gpu.model` (RMSNorm, RoPE on adjacent pairs in
-GGUF's row order, grouped-query attention, SwiGLU, tied LM head), in float32.
+GGUF's row order, grouped-query attention, SwiGLU, tied LM head), in float32
+(the KV cache may hold fp16 or bf16, widened to float32 as attention reads it).
 Each step reads every weight matrix once for all its tokens (Q, K, V fused into
 one matrix, gate and up into another), so kernel calls per step do not grow
 with the batch: `kernel_calls` counts them.
@@ -21,7 +22,15 @@ from numba import prange  # noqa: E402
 
 from hybridgate.models import GGUFModel  # noqa: E402
 from hybridgate.workers.cpu.quant import QuantMatrix, concat_rows, quant_matrix  # noqa: E402
-from hybridgate.workers.cpu.simd import pv_rows1, pv_rows4, qk_rows1, qk_rows4, silu_mul16, softmax_weights  # noqa: E402
+from hybridgate.workers.cpu.simd import (  # noqa: E402
+    kv_encode,
+    pv_rows1,
+    pv_rows4,
+    qk_rows1,
+    qk_rows4,
+    silu_mul16,
+    softmax_weights,
+)
 from hybridgate.workers.step_inputs import StepInputs  # noqa: E402
 
 _JIT = dict(nogil=True, fastmath=True, cache=True)
@@ -45,7 +54,8 @@ def rope_and_store(qkv, positions, cos, sin, slots, k_blocks, v_cache, q_out):
 
     qkv float32 `[tokens, heads + 2 kv_heads, dim]` (Q heads, K heads, V heads); positions,
     slots int64 `[tokens]`; cos, sin `[max_len, dim / 2]`; k_blocks `[blocks, kv_heads, dim,
-    block]` (keys transposed within a block), v_cache `[slots, kv_heads, dim]`; q_out
+    block]` (keys transposed within a block), v_cache `[slots, kv_heads, dim]`, both of the
+    cache's element type (`kvdtype`: K and V rounded to it as they are stored); q_out
     `[tokens, heads, dim]`. One pass per token replaces a RoPE kernel, two scattered numpy
     writes and a copy.
     """
@@ -62,10 +72,11 @@ def rope_and_store(qkv, positions, cos, sin, slots, k_blocks, v_cache, q_out):
                 if h < heads:
                     q_out[t, h, 2 * i], q_out[t, h, 2 * i + 1] = ra, rb
                 else:
-                    k_blocks[blk, h - heads, 2 * i, o], k_blocks[blk, h - heads, 2 * i + 1, o] = ra, rb
+                    k_blocks[blk, h - heads, 2 * i, o] = kv_encode(ra, k_blocks)
+                    k_blocks[blk, h - heads, 2 * i + 1, o] = kv_encode(rb, k_blocks)
         for g in range(kv_heads):
             for i in range(2 * half):
-                v_cache[slot, g, i] = qkv[t, heads + kv_heads + g, i]
+                v_cache[slot, g, i] = kv_encode(qkv[t, heads + kv_heads + g, i], v_cache)
 
 
 @nb.njit(parallel=True, **_JIT)
@@ -73,7 +84,8 @@ def import_kv_layer(k, v, table, k_blocks, v_cache):
     """One layer of a KV hand-off into the paged cache: k, v float32 `[tokens, kv_heads, dim]`
     (token t in slot t of the sequence); table int64 `[blocks]`, the sequence's block table;
     k_blocks `[blocks, kv_heads, dim, block]` (keys transposed within a block), v_cache
-    `[slots, kv_heads, dim]`. One job per (block, KV head); a block is 16 x dim floats, in cache."""
+    `[slots, kv_heads, dim]`, of the cache's element type (`kvdtype`: rounded to it as they are
+    stored). One job per (block, KV head); a block is 16 x dim elements, in cache."""
     kv_heads, dim, bs = k_blocks.shape[1], k_blocks.shape[2], k_blocks.shape[3]
     n = k.shape[0]
     nblk = (n + bs - 1) // bs
@@ -83,10 +95,10 @@ def import_kv_layer(k, v, table, k_blocks, v_cache):
         count = min(bs, n - t0)
         for i in range(dim):
             for o in range(count):
-                k_blocks[blk, g, i, o] = k[t0 + o, g, i]
+                k_blocks[blk, g, i, o] = kv_encode(k[t0 + o, g, i], k_blocks)
         for o in range(count):
             for i in range(dim):
-                v_cache[blk * bs + o, g, i] = v[t0 + o, g, i]
+                v_cache[blk * bs + o, g, i] = kv_encode(v[t0 + o, g, i], v_cache)
 
 
 QUERY_TILE = 16  # query tokens of one sequence that share each K/V load
@@ -97,7 +109,8 @@ def paged_attention(q, k_blocks, v_cache, ctx_offset, ctx_len, ctx_slots, tiles,
     """Causal GQA over the paged cache: for token t, head h: softmax(q·k / sqrt(d)) v over its context.
 
     q `[tokens, heads, dim]`; k_blocks `[blocks, kv_heads, dim, block]` (keys transposed within
-    each block); v_cache `[slots, kv_heads, dim]`; token t reads context slots
+    each block); v_cache `[slots, kv_heads, dim]` (both float32, or 16-bit patterns widened to
+    float32 as they are read: `kvdtype`); token t reads context slots
     ctx_slots[ctx_offset[t] : ctx_offset[t] + ctx_len[t]] (slot = block · block_size + offset).
     tiles int64 `[n + 1]`: token boundaries of runs that share ctx_offset (one sequence's chunk,
     at most QUERY_TILE tokens); one job per (run, KV head) reads each key chunk and value row once
@@ -228,7 +241,7 @@ class CpuLlama:
         """Logits float32 `[entries, vocab]` at each entry's last new token; K/V written to their slots.
 
         k_cache: per layer `[blocks, kv_heads, head_dim, block_size]`; v_cache: per layer
-        `[slots, kv_heads, head_dim]` (see `paged_attention`)."""
+        `[slots, kv_heads, head_dim]`; of one element type (`kvdtype`; see `paged_attention`)."""
         c = self.config
         heads, kv_heads, dim = c.num_heads, c.num_kv_heads, c.head_dim
         ctx_offset, ctx_len, ctx_slots, tiles = _token_contexts(h)

@@ -17,6 +17,7 @@ from hybridgate.mempool import DEFAULT_BLOCK_SIZE, PinnedPool, PoolStats  # noqa
 from hybridgate.models import GGUFModel  # noqa: E402
 from hybridgate.workers.cpu import model as cpu_model  # noqa: E402
 from hybridgate.workers.cpu import intdot, quant, simd  # noqa: E402
+from hybridgate.workers.cpu.kvdtype import kv_dtype  # noqa: E402
 from hybridgate.workers.cpu.model import CpuLlama  # noqa: E402
 from hybridgate.workers.faults import FaultHook  # noqa: E402
 from hybridgate.workers.memory import host_available_bytes, num_blocks_for  # noqa: E402
@@ -44,13 +45,18 @@ def kernel_cache_stats() -> tuple[int, int]:
 
 
 class NumbaRunner:
-    """Runs `CpuLlama` over a float32 paged host KV cache and samples with the numpy sampler."""
+    """Runs `CpuLlama` over a paged host KV cache and samples with the numpy sampler.
+
+    kv_cache_dtype: the cache's element format, fp32, fp16 or bf16 (`kvdtype`); a 16-bit
+    cache holds twice the blocks in the same kv_cache_memory. Raises ValueError naming the
+    setting for any other value."""
 
     kind = "cpu"
 
     def __init__(self, model: GGUFModel, kv_cache_memory: str | float | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE, max_num_blocks: int | None = None, threads: int | None = None,
-                 activations: str = "auto"):
+                 activations: str = "auto", kv_cache_dtype: str = "fp32"):
+        self.kv_dtype = kv_dtype(kv_cache_dtype)
         if threads:
             numba.set_num_threads(threads)
         self.model = CpuLlama(model, activations=activations)
@@ -63,7 +69,7 @@ class NumbaRunner:
         self.fault = FaultHook.from_env()  # tests only: None unless HYBRIDGATE_TEST_FAULT is set
         self._logprobs: dict[Sequence, TokenLogprobs] = {}  # of the last execute (take_logprobs)
         self.block_size = block_size
-        self.block_bytes = 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * 4
+        self.block_bytes = 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * self.kv_dtype.itemsize
         self.num_blocks = num_blocks_for(kv_cache_memory, self.block_bytes, host_available_bytes(), gpu=False)
         if max_num_blocks is not None:
             self.num_blocks = min(self.num_blocks, max_num_blocks)
@@ -73,24 +79,25 @@ class NumbaRunner:
             raise ValueError(f"model head_dim {c.head_dim}: the CPU runner needs a multiple of 16 (its vector width)")
         blocks = self.num_blocks + 1  # the last block is scratch for padding reads
         # Keys transposed within each block (16 keys per vector in the score kernel), values by slot.
-        self.k_cache = [np.empty((blocks, c.num_kv_heads, c.head_dim, block_size), np.float32)
+        store = self.kv_dtype.storage
+        self.k_cache = [np.empty((blocks, c.num_kv_heads, c.head_dim, block_size), store)
                         for _ in range(c.num_layers)]
-        self.v_cache = [np.empty((blocks * block_size, c.num_kv_heads, c.head_dim), np.float32)
+        self.v_cache = [np.empty((blocks * block_size, c.num_kv_heads, c.head_dim), store)
                         for _ in range(c.num_layers)]
         self.scratch_slot = self.num_blocks * block_size
         for k, v in zip(self.k_cache, self.v_cache):
             # Zeroed (so resident) now: a first write to a fresh page costs a fault, which would
             # otherwise land on the steps, and KV hand-off imports, that first use each block.
-            k.fill(0.0)
-            v.fill(0.0)
+            k.fill(0)
+            v.fill(0)
         self.pool = PinnedPool(4 << 20, 2)
         target = isa.selected()
         self.cpu_isa = target.isa
         log.info("CPU kernels: %s path (LLVM target %s%s), activations %s, cache %s", target.isa, target.cpu_name,
                  ", VNNI" if target.vnni else "", self.cpu_activations, target.cache_dir)
-        log.info("CPU runner: weights %.1f MiB in GGUF blocks, KV cache %d blocks of %d tokens (%.1f MiB), %d threads",
-                 self.model.weight_bytes / 2**20, self.num_blocks, block_size,
-                 self.num_blocks * self.block_bytes / 2**20, numba.get_num_threads())
+        log.info("CPU runner: weights %.1f MiB in GGUF blocks, KV cache %d blocks of %d tokens (%.1f MiB, %s), "
+                 "%d threads", self.model.weight_bytes / 2**20, self.num_blocks, block_size,
+                 self.num_blocks * self.block_bytes / 2**20, self.kv_dtype.name, numba.get_num_threads())
 
     def pool_stats(self) -> PoolStats:
         self.pool.drain()
@@ -102,14 +109,14 @@ class NumbaRunner:
     def kv_layout(self) -> tuple[int, int, int, str]:
         """(layers, KV heads, head dim, dtype) of this cache: what a KV hand-off must match."""
         c = self.model.config
-        return c.num_layers, c.num_kv_heads, c.head_dim, "float32"
+        return c.num_layers, c.num_kv_heads, c.head_dim, self.kv_dtype.wire
 
     def import_kv(self, block_table: list[int], layer: int, k: np.ndarray, v: np.ndarray) -> None:
         """Write one layer's K and V of a hand-off into `block_table`'s blocks, in this cache's layout.
 
-        k, v: float32 `[num_tokens, kv_heads, head_dim]` (slot t of the sequence is row t);
-        keys are stored transposed within each block. Raises ValueError on shapes that do
-        not fit the table.
+        k, v: float32 `[num_tokens, kv_heads, head_dim]` (slot t of the sequence is row t),
+        rounded to this cache's dtype (to nearest even) as they are stored; keys are stored
+        transposed within each block. Raises ValueError on shapes that do not fit the table.
         """
         bs = self.block_size
         n = k.shape[0]
@@ -121,13 +128,14 @@ class NumbaRunner:
                                   self.k_cache[layer], self.v_cache[layer])
 
     def read_kv(self, block_table: list[int], layer: int, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
-        """float32 K and V `[num_tokens, kv_heads, head_dim]` of a sequence's blocks (copies; for tests)."""
+        """float32 K and V `[num_tokens, kv_heads, head_dim]` of a sequence's blocks, widened from
+        the cache's dtype (copies; for tests)."""
         bs = self.block_size
         table = np.asarray(block_table[: -(-num_tokens // bs)], dtype=np.int64)
         k = self.k_cache[layer][table].transpose(0, 3, 1, 2).reshape(-1, *self.v_cache[layer].shape[1:])
         vc = self.v_cache[layer]
         v = vc.reshape(-1, bs, *vc.shape[1:])[table].reshape(-1, *vc.shape[1:])
-        return k[:num_tokens].copy(), v[:num_tokens].copy()
+        return self.kv_dtype.widen(k[:num_tokens]), self.kv_dtype.widen(v[:num_tokens])
 
     def forward(self, batch: ScheduledBatch) -> np.ndarray:
         """float32 logits `[len(batch), vocab]` at each entry's last new token."""

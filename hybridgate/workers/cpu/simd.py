@@ -18,6 +18,8 @@ FMA from keys stored transposed within a cache block), `softmax_weights` (a
 vector exp after Cephes' expf), `pv_rows*` (the weighted sum of values), and
 `silu_mul16` for the MLP gate. Each has a 4-row form that loads a key or value
 vector once for four query rows and gives each row the bits of the 1-row form.
+The key and value loads widen a 16-bit cache (`kvdtype`) to float32 exactly, by
+the cache array's type; `kv_encode` rounds a float32 to the cache's type.
 
 Block formats: ggml's ggml-common.h (`block_q4_1`, `block_q8_0`).
 """
@@ -54,6 +56,98 @@ def _load_vec(builder, ptr, vec_ty, align):
 def _splat(builder, scalar):
     vec = builder.insert_element(ir.Constant(_V16F, ir.Undefined), scalar, ir.Constant(_I32, 0))
     return builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_I32, LANES), [0] * LANES))
+
+
+_V16I32 = ir.VectorType(_I32, LANES)
+_V16I16 = ir.VectorType(ir.IntType(16), LANES)
+
+
+def _ivec(value):
+    return ir.Constant(_V16I32, [value] * LANES)
+
+
+def _widen_bf16(builder, bits):
+    """<16 x i16> bfloat16 → <16 x float>: the bits are a float32's top half."""
+    return builder.bitcast(builder.shl(builder.zext(bits, _V16I32), _ivec(16)), _V16F)
+
+
+def _widen_fp16(builder, bits):
+    """<16 x i16> binary16 → <16 x float>, exact for every value: the exponent and mantissa
+    shifted into float32's places and rescaled by 2^112 (the bias difference; subnormals
+    come out right through the multiply), infinities and NaNs given float32's all-ones exponent."""
+    h = builder.zext(bits, _V16I32)
+    em = builder.and_(h, _ivec(0x7FFF))
+    sign = builder.shl(builder.and_(h, _ivec(0x8000)), _ivec(16))
+    scaled = builder.fmul(builder.bitcast(builder.shl(em, _ivec(13)), _V16F), ir.Constant(_V16F, [2.0**112] * LANES))
+    mag = builder.bitcast(scaled, _V16I32)
+    mag = builder.select(builder.icmp_unsigned(">=", em, _ivec(0x7C00)), builder.or_(mag, _ivec(0x7F800000)), mag)
+    return builder.bitcast(builder.or_(mag, sign), _V16F)
+
+
+def _fpext_fp16(builder, bits):
+    """<16 x i16> binary16 → <16 x float> by LLVM's fpext: one vcvtph2ps per 8 or 16 lanes where the
+    target has F16C (the avx2 and avx512 paths); elsewhere LLVM would call a runtime helper."""
+    return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), LANES)), _V16F)
+
+
+# binary16 → float32 on this path: F16C's conversion where the path has it, integer operations elsewhere.
+_widen_fp16_here = _widen_fp16 if isa.selected().isa == "generic" else _fpext_fp16
+
+# The cache's element type (see `kvdtype`) → how 16 consecutive elements become <16 x float>.
+_KV_LOADS = {
+    types.float32: lambda builder, ptr: _load_vec(builder, ptr, _V16F, 4),
+    types.uint16: lambda builder, ptr: _widen_bf16(builder, _load_vec(builder, ptr, _V16I16, 2)),
+    types.int16: lambda builder, ptr: _widen_fp16_here(builder, _load_vec(builder, ptr, _V16I16, 2)),
+}
+
+
+def _i32(value):
+    """An i32 constant written as an unsigned bit pattern."""
+    return ir.Constant(_I32, value - 2**32 if value >= 2**31 else value)
+
+
+def _round_bf16(builder, bits):
+    """float32 bits → bfloat16 bits (i32), to nearest even; a NaN stays a (quiet) NaN."""
+    odd = builder.and_(builder.lshr(bits, _i32(16)), _i32(1))
+    rounded = builder.lshr(builder.add(builder.add(bits, _i32(0x7FFF)), odd), _i32(16))
+    nan = builder.icmp_unsigned(">", builder.and_(bits, _i32(0x7FFFFFFF)), _i32(0x7F800000))
+    return builder.select(nan, builder.or_(builder.lshr(bits, _i32(16)), _i32(0x40)), rounded)
+
+
+def _round_fp16(builder, bits):
+    """float32 bits → binary16 bits (i32), to nearest even, overflow to infinity, subnormals
+    rounded by one float add (F. Giesen, "float->half variants", 2012: float_to_half_fast3_rtne)."""
+    sign = builder.and_(bits, _i32(0x80000000))
+    a = builder.xor(bits, sign)
+    inf_nan = builder.select(builder.icmp_unsigned(">", a, _i32(0x7F800000)), _i32(0x7E00), _i32(0x7C00))
+    magic = ir.Constant(_F32, 0.5)  # 2^-1: its ulp is binary16's smallest subnormal, 2^-24
+    sub = builder.sub(builder.bitcast(builder.fadd(builder.bitcast(a, _F32), magic), _I32), _i32(0x3F000000))
+    odd = builder.and_(builder.lshr(a, _i32(13)), _i32(1))
+    # rebias the exponent (-112 · 2^23, wrapping) and add half an ulp less one, plus the odd bit
+    normal = builder.lshr(builder.add(builder.add(a, _i32(0xC8000FFF)), odd), _i32(13))
+    out = builder.select(builder.icmp_unsigned(">=", a, _i32(0x47800000)), inf_nan,
+                         builder.select(builder.icmp_unsigned("<", a, _i32(0x38800000)), sub, normal))
+    return builder.or_(out, builder.lshr(sign, _i32(16)))
+
+
+# The cache's element type → how a float32 is rounded to it (identity for float32).
+_KV_ROUNDS = {types.uint16: _round_bf16, types.int16: _round_fp16}
+
+
+@intrinsic
+def kv_encode(typingctx, x, cache):
+    """x (float32) as an element of the KV array `cache`: unchanged for float32, rounded to nearest
+    even for a 16-bit cache (int16: binary16 bits, uint16: bfloat16 bits; see `kvdtype`)."""
+    dtype = cache.dtype
+    sig = dtype(types.float32, cache)
+
+    def codegen(context, builder, signature, args):
+        if dtype == types.float32:
+            return args[0]
+        bits = _KV_ROUNDS[dtype](builder, builder.bitcast(args[0], _I32))
+        return builder.trunc(bits, ir.IntType(16))
+
+    return sig, codegen
 
 
 def _tree_sum(builder, vec):
@@ -329,11 +423,14 @@ def _make_attention_rows(rows: int):
     pv(p, p_off, p_stride, v, v_off, v_stride, count, acc, a_off, a_stride, dim): for row r,
       acc[a_off + r·a_stride + i] += Σ_{j < count} p[p_off + r·p_stride + j] · v[v_off + j·v_stride + i],
       one fma per term in j order (one value vector load serves every row); dim a multiple of 16.
+    kt and v are KV cache arrays of float32 or 16-bit bit patterns (see `kvdtype`), widened to
+    float32 as they are loaded.
     """
     ip = types.intp
 
     def qk(typingctx, q, q_off, q_stride, kt, kt_off, kt_stride, dim, out, o_off, o_stride, scale):
         sig = types.void(q, ip, ip, kt, ip, ip, ip, out, ip, ip, types.float32)
+        load = _KV_LOADS[kt.dtype]
 
         def codegen(context, builder, signature, args):
             qa, qo, qs, ka, ko, kstr, n, oa, oo, ostr, sc = args
@@ -342,8 +439,7 @@ def _make_attention_rows(rows: int):
             accs = [cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * LANES)) for _ in range(rows)]
             with cgutils.for_range(builder, n) as loop:
                 i = loop.index
-                kv = _load_vec(builder, _ptr(context, builder, ty[3], ka, builder.add(ko, builder.mul(i, kstr))),
-                               _V16F, 4)
+                kv = load(builder, _ptr(context, builder, ty[3], ka, builder.add(ko, builder.mul(i, kstr))))
                 for r in range(rows):
                     qp = _ptr(context, builder, ty[0], qa, builder.add(builder.add(qo, builder.mul(qs, c(r))), i))
                     builder.store(_fma(builder, _splat(builder, builder.load(qp)), kv, builder.load(accs[r])), accs[r])
@@ -357,6 +453,7 @@ def _make_attention_rows(rows: int):
 
     def pv(typingctx, p, p_off, p_stride, v, v_off, v_stride, count, acc, a_off, a_stride, dim):
         sig = types.void(p, ip, ip, v, ip, ip, ip, acc, ip, ip, ip)
+        load = _KV_LOADS[v.dtype]
 
         def codegen(context, builder, signature, args):
             pa, po, ps, va, vo, vs, cnt, aa, ao, astr, n = args
@@ -373,7 +470,7 @@ def _make_attention_rows(rows: int):
                 with cgutils.for_range(builder, cnt) as loop:
                     j = loop.index
                     vp = _ptr(context, builder, ty[3], va, builder.add(builder.add(vo, builder.mul(j, vs)), d))
-                    vv = _load_vec(builder, vp, _V16F, 4)
+                    vv = load(builder, vp)
                     for r in range(rows):
                         pp = _ptr(context, builder, ty[0], pa, builder.add(builder.add(po, builder.mul(ps, c(r))), j))
                         builder.store(_fma(builder, _splat(builder, builder.load(pp)), vv, builder.load(accs[r])),
