@@ -97,10 +97,12 @@ class EngineConfig:
                 "about 2e-5 relative error), auto (the faster of the two per weight type on this ISA path)",
         choices=("auto", "f32", "i16"))
     kv_cache_dtype: str = setting(
-        "fp32", "CPU worker: the KV cache's element format; fp16 and bf16 round K and V to nearest even as they "
+        "fp16", "CPU worker: the KV cache's element format; fp16 and bf16 round K and V to nearest even as they "
                 "are stored and widen them to float32 as attention reads them, for half the bytes per token (twice "
-                "the blocks in --kv-cache-memory) and less to read per step. GPU workers ignore it: their cache "
-                "has the compute dtype (bf16 on CUDA, fp32 on a CPU torch device)",
+                "the blocks in --kv-cache-memory) and less to read per step; fp32 stores them exactly. fp16 is the "
+                "default: it held top-1 100% and mean KL 6e-7 against the fp32 reference (bf16: 99.8%, 4e-5) and "
+                "decoded 1.4x faster than fp32 at 1,024 tokens of context. GPU workers ignore it: their cache has "
+                "the compute dtype (bf16 on CUDA, fp32 on a CPU torch device)",
         choices=tuple(KV_DTYPES))
 
     def __post_init__(self) -> None:

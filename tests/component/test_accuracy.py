@@ -50,7 +50,7 @@ def test_cpu_runner_accuracy_and_token_file(gguf_model, reference):
     masked = reference.copy()
     masked[:, gguf_model.config.eos_token_id] = -np.inf
     assert (masked.argmax(1) == committed).mean() >= 0.99
-    got = accuracy.teacher_forced_logits(NumbaRunner(gguf_model, kv_cache_memory="128MiB"), cases)
+    got = accuracy.teacher_forced_logits(NumbaRunner(gguf_model, kv_cache_memory="128MiB"), cases)  # defaults: fp16 KV
     figures = accuracy.compare(reference, got)
     assert figures["positions"] == 512
     assert figures["top1_agreement"] >= TOP1_FLOOR and figures["kl_mean"] <= KL_CEILING, figures

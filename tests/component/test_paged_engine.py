@@ -35,7 +35,7 @@ def torch_runner(gguf_model):
 def cpu_runner(gguf_model):
     from hybridgate.workers.cpu.runner import NumbaRunner
 
-    r = NumbaRunner(gguf_model, kv_cache_memory="256MiB", threads=1)
+    r = NumbaRunner(gguf_model, kv_cache_memory="256MiB", threads=1, kv_cache_dtype="fp32")  # as the reference's
     r.warm_up(progress=False)
     return r
 

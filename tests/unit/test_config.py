@@ -200,7 +200,7 @@ def test_kv_cache_dtype_is_listed_and_reaches_the_worker_and_the_cpu_benches(cap
     for argv in (["worker", "--endpoint", "ipc:///x"], ["bench", "engine"], ["bench", "accuracy"]):
         assert resolve(parse(*argv, "--kv-cache-dtype", "fp16"), environ={}).settings.worker.engine.kv_cache_dtype \
             == "fp16"
-    assert resolve(parse("serve"), environ={}).settings.worker.engine.kv_cache_dtype == "fp32"
+    assert resolve(parse("serve"), environ={}).settings.worker.engine.kv_cache_dtype == "fp16"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -55,7 +55,7 @@ class NumbaRunner:
 
     def __init__(self, model: GGUFModel, kv_cache_memory: str | float | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE, max_num_blocks: int | None = None, threads: int | None = None,
-                 activations: str = "auto", kv_cache_dtype: str = "fp32"):
+                 activations: str = "auto", kv_cache_dtype: str = "fp16"):
         self.kv_dtype = kv_dtype(kv_cache_dtype)
         if threads:
             numba.set_num_threads(threads)
