@@ -31,7 +31,7 @@ from procs import HYBRIDGATE, Proc, stub
 from hybridgate.wire import AddRequest, SamplingParams
 
 SEED = 20261201
-CPU_KV = "47MiB"  # 0.7 MiB per 16-token block (fp32, 30 layers, 3 KV heads of 64): 66 blocks, 1,056 tokens
+CPU_KV = "24MiB"  # 0.35 MiB per 16-token block (fp16, 30 layers, 3 KV heads of 64): 68 blocks, 1,088 tokens
 STORY = ("The lighthouse keeper climbed the spiral stairs each evening, counting the steps aloud while the sea "
          "below turned from green to grey. Nobody in the village remembered when the lamp had last failed, "
          "but everyone agreed that the keeper would notice first. ")
