@@ -512,6 +512,11 @@ def _bind_error(endpoint: str, exc: zmq.ZMQError) -> str:
     return f"--endpoint {endpoint}: cannot bind: {zmq.strerror(exc.errno)} (give ipc://PATH or tcp://HOST:PORT)"
 
 
+def _request_stop(stop: threading.Event, signum: int) -> None:
+    """A signal handler's whole work: set the flag (the engine loop ends at its next pass)."""
+    stop.set()
+
+
 def _exit_if_raises(target, what: str, stopping: threading.Event | None = None):
     """`target` wrapped so that an exception escaping it ends the process (supervision restarts it).
 
@@ -551,9 +556,10 @@ def run_worker(config: WorkerConfig, build: Callable[[WorkerConfig], tuple] = bu
     _die_with_parent(config.parent_pid)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda signum, _frame: _request_stop(stop, signum))
     # Under `serve`, Ctrl-C reaches the whole process group; the parent decides when we stop.
-    signal.signal(signal.SIGINT, signal.SIG_IGN if config.parent_pid else (lambda *_: stop.set()))
+    signal.signal(signal.SIGINT, signal.SIG_IGN if config.parent_pid else (
+        lambda signum, _frame: _request_stop(stop, signum)))
 
     from hybridgate.models import model_fingerprint
 
@@ -617,6 +623,8 @@ def run_worker(config: WorkerConfig, build: Callable[[WorkerConfig], tuple] = bu
         registration.start()
     threading.Thread(target=lambda: (stop.wait(), loop.stopping.set()), daemon=True).start()
     _exit_if_raises(loop.run, "engine loop")()
+    log.info("%s worker on %s stopping (%s)", config.kind, config.endpoint,
+             "signal" if stop.is_set() else "engine loop ended")
     if registration is not None:
         registration.stop()
     if exporter is not None:

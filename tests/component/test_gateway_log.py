@@ -49,7 +49,7 @@ async def test_every_cancelled_call_is_counted_and_logged_as_abort(gguf_model, t
     # grpc.aio cancels a call wherever its task waits: in the router's queue (CancelledError inside
     # the handler) or in its own write of a response (the handler's generator is closed later, with
     # GeneratorExit). A scripted worker that streams without pause puts many cancels in the second.
-    script = tokenizer.encode(" word" * 400)
+    script = tokenizer.encode(" word" * 2000)
     client = ScriptedClient(model_fingerprint(gguf_model), script, finish=FinishReason.LENGTH)
     calls = 12
     async with Router(gguf_model, [client]) as router:
@@ -72,8 +72,14 @@ async def test_every_cancelled_call_is_counted_and_logged_as_abort(gguf_model, t
         finally:
             await gateway.stop()
     lines = [r.getMessage() for r in caplog.records if r.name == "hybridgate.requests"]
-    assert all("finish_reason=abort status=CANCELLED" in line for line in lines), lines
-    assert aborted == calls
+    # A stream can still end whole before the cancel reaches the server (the gateway coalesces queued ids,
+    # so the client's third message may hold most of them): that call was not cancelled there.
+    whole = f"completion_tokens={len(script)} "
+    cancelled = [line for line in lines if "finish_reason=abort status=CANCELLED" in line]
+    finished = [line for line in lines if whole in line and "finish_reason=length status=OK" in line]
+    assert len(lines) == calls and len(cancelled) + len(finished) == calls, lines
+    assert len(cancelled) >= calls // 2, lines
+    assert aborted == len(cancelled)
 
 
 async def wait_for_lines(caplog, count: int, timeout: float = 10.0) -> None:
