@@ -188,16 +188,6 @@ def silu_mul(gate_up, out):
             out[t, i] = g / (np.float32(1.0) + np.float32(math.exp(-g))) * gate_up[t, ffn + i]
 
 
-# Serial twins of the per-token kernels, for steps of few tokens (decode). A parallel region costs a
-# wake-up and a join of the thread team; at batch 1 these kernels have one token of work (hundreds of
-# floats) and a decode step would open about 120 such regions. The twins run the same loop body, so a
-# token's values are the same bits either way.
-PARALLEL_MIN_TOKENS = 16
-rms_norm_serial = nb.njit(**_JIT)(rms_norm.py_func)
-rope_and_store_serial = nb.njit(**_JIT)(rope_and_store.py_func)
-silu_mul_serial = nb.njit(**_JIT)(silu_mul.py_func)
-
-
 def _matrix(model: GGUFModel, names: list[str], activations: str) -> QuantMatrix:
     parts = [(int(model.tensors[n].ggml_type), model.tensors[n].data, model.tensors[n].shape) for n in names]
     fused = concat_rows("+".join(names), parts, activations) if len(parts) > 1 else None
@@ -261,25 +251,21 @@ class CpuLlama:
         attn = np.empty((tokens, heads, dim), dtype=np.float32)
         q = np.empty((tokens, heads, dim), dtype=np.float32)
         self.kernel_calls = 0
-        parallel = tokens >= PARALLEL_MIN_TOKENS
-        rms_norm_ = rms_norm if parallel else rms_norm_serial
-        rope_and_store_ = rope_and_store if parallel else rope_and_store_serial
-        silu_mul_ = silu_mul if parallel else silu_mul_serial
         for i, layer in enumerate(self.layers):
-            rms_norm_(x, layer["attn_norm"], c.rms_norm_eps, normed)
+            rms_norm(x, layer["attn_norm"], c.rms_norm_eps, normed)
             qkv = layer["qkv"].matmul(normed).reshape(tokens, heads + 2 * kv_heads, dim)
-            rope_and_store_(qkv, h.positions, self.cos, self.sin, h.slots, k_cache[i], v_cache[i], q)
+            rope_and_store(qkv, h.positions, self.cos, self.sin, h.slots, k_cache[i], v_cache[i], q)
             paged_attention(q, k_cache[i], v_cache[i], ctx_offset, ctx_len, ctx_slots, tiles, attn)
             x += layer["wo"].matmul(attn.reshape(tokens, heads * dim))
-            rms_norm_(x, layer["ffn_norm"], c.rms_norm_eps, normed)
+            rms_norm(x, layer["ffn_norm"], c.rms_norm_eps, normed)
             gate_up = layer["gate_up"].matmul(normed)
             act = np.empty((tokens, gate_up.shape[1] // 2), dtype=np.float32)
-            silu_mul_(gate_up, act)
+            silu_mul(gate_up, act)
             x += layer["down"].matmul(act)
             self.kernel_calls += 8
         last = np.ascontiguousarray(x[h.last])
         out = np.empty_like(last)
-        rms_norm_serial(last, self.out_norm, c.rms_norm_eps, out)  # rows: sequences, not tokens
+        rms_norm(last, self.out_norm, c.rms_norm_eps, out)
         self.kernel_calls += 2
         return self.lm_head.matmul(out)
 

@@ -33,8 +33,7 @@ KERNELS = [
     ("matmul_blocks", simd.matmul_blocks), ("matmul_i16", intdot.matmul_i16),
     ("matmul_rows", quant.matmul_rows), ("rms_norm", cpu_model.rms_norm), ("rope_and_store", cpu_model.rope_and_store),
     ("paged_attention", cpu_model.paged_attention), ("silu_mul", cpu_model.silu_mul),
-    ("import_kv_layer", cpu_model.import_kv_layer), ("rms_norm_serial", cpu_model.rms_norm_serial),
-    ("rope_and_store_serial", cpu_model.rope_and_store_serial), ("silu_mul_serial", cpu_model.silu_mul_serial),
+    ("import_kv_layer", cpu_model.import_kv_layer),
 ]
 
 
@@ -176,15 +175,13 @@ class NumbaRunner:
         from hybridgate.wire import AddRequest, SamplingParams
 
         start = time.monotonic()
-        # A prefill of PARALLEL_MIN_TOKENS, then a decode: both forms of the per-token kernels.
-        ids = list(range(1, cpu_model.PARALLEL_MIN_TOKENS + 1))
-        seq = Sequence(AddRequest("warm-up", ids, SamplingParams(temperature=0), 0, 2, -1))
-        seq.block_table = [0, 1]
+        seq = Sequence(AddRequest("warm-up", [1, 2, 3, 4], SamplingParams(temperature=0), 0, 2, -1))
+        seq.block_table = [0]
         if progress:
             print("hybridgate: preparing CPU kernels (the first start compiles them; later starts load them "
                   "from the cache)...", file=sys.stderr, flush=True)
-        self.execute(ScheduledBatch([(seq, len(ids))]))
-        seq.num_computed = len(ids)
+        self.execute(ScheduledBatch([(seq, 4)]))
+        seq.num_computed = 4
         seq.append(5)
         self.execute(ScheduledBatch([(seq, 1)]))
         kv = np.zeros((4, *self.v_cache[0].shape[1:]), np.float32)  # the hand-off import kernel, into block 0:
