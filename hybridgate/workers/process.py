@@ -512,8 +512,12 @@ def _bind_error(endpoint: str, exc: zmq.ZMQError) -> str:
     return f"--endpoint {endpoint}: cannot bind: {zmq.strerror(exc.errno)} (give ipc://PATH or tcp://HOST:PORT)"
 
 
+_STOP_SIGNALS: list[int] = []  # the signals that asked this worker to stop, for its last log line
+
+
 def _request_stop(stop: threading.Event, signum: int) -> None:
-    """A signal handler's whole work: set the flag (the engine loop ends at its next pass)."""
+    """A signal handler's whole work: note the signal and set the flag (the engine loop ends at its next pass)."""
+    _STOP_SIGNALS.append(signum)
     stop.set()
 
 
@@ -624,7 +628,8 @@ def run_worker(config: WorkerConfig, build: Callable[[WorkerConfig], tuple] = bu
     threading.Thread(target=lambda: (stop.wait(), loop.stopping.set()), daemon=True).start()
     _exit_if_raises(loop.run, "engine loop")()
     log.info("%s worker on %s stopping (%s)", config.kind, config.endpoint,
-             "signal" if stop.is_set() else "engine loop ended")
+             "signal " + ", ".join(signal.Signals(n).name for n in _STOP_SIGNALS) if stop.is_set()
+             else "engine loop ended")
     if registration is not None:
         registration.stop()
     if exporter is not None:
