@@ -44,7 +44,7 @@ from hybridgate.wire import (
     Ready,
     RequestError,
 )
-from hybridgate.workers.cpu.kvdtype import KV_DTYPES
+from hybridgate.workers.cpu.kvdtype import DEFAULT_KV_DTYPE, KV_DTYPES
 from hybridgate.workers.engine import ClientCongested, ClientGone, EngineCore, EngineLoop, Inbox
 from hybridgate.workers.guard import WireErrors
 from hybridgate.workers.memory import parse_memory
@@ -97,7 +97,7 @@ class EngineConfig:
                 "about 2e-5 relative error), auto (the faster of the two per weight type on this ISA path)",
         choices=("auto", "f32", "i16"))
     kv_cache_dtype: str = setting(
-        "fp16", "CPU worker: the KV cache's element format; fp16 and bf16 round K and V to nearest even as they "
+        DEFAULT_KV_DTYPE, "CPU worker: the KV cache's element format; fp16 and bf16 round K and V to nearest even as they "
                 "are stored and widen them to float32 as attention reads them, for half the bytes per token (twice "
                 "the blocks in --kv-cache-memory) and less to read per step; fp32 stores them exactly. fp16 is the "
                 "default: it held top-1 100% and mean KL 6e-7 against the fp32 reference (bf16: 99.8%, 4e-5) and "
@@ -512,15 +512,6 @@ def _bind_error(endpoint: str, exc: zmq.ZMQError) -> str:
     return f"--endpoint {endpoint}: cannot bind: {zmq.strerror(exc.errno)} (give ipc://PATH or tcp://HOST:PORT)"
 
 
-_STOP_SIGNALS: list[int] = []  # the signals that asked this worker to stop, for its last log line
-
-
-def _request_stop(stop: threading.Event, signum: int) -> None:
-    """A signal handler's whole work: note the signal and set the flag (the engine loop ends at its next pass)."""
-    _STOP_SIGNALS.append(signum)
-    stop.set()
-
-
 def _exit_if_raises(target, what: str, stopping: threading.Event | None = None):
     """`target` wrapped so that an exception escaping it ends the process (supervision restarts it).
 
@@ -560,10 +551,15 @@ def run_worker(config: WorkerConfig, build: Callable[[WorkerConfig], tuple] = bu
     _die_with_parent(config.parent_pid)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda signum, _frame: _request_stop(stop, signum))
+    stop_signals: list[int] = []  # which signals asked us to stop, for the last log line
+
+    def request_stop(signum, _frame) -> None:
+        stop_signals.append(signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, request_stop)
     # Under `serve`, Ctrl-C reaches the whole process group; the parent decides when we stop.
-    signal.signal(signal.SIGINT, signal.SIG_IGN if config.parent_pid else (
-        lambda signum, _frame: _request_stop(stop, signum)))
+    signal.signal(signal.SIGINT, signal.SIG_IGN if config.parent_pid else request_stop)
 
     from hybridgate.models import model_fingerprint
 
@@ -628,7 +624,7 @@ def run_worker(config: WorkerConfig, build: Callable[[WorkerConfig], tuple] = bu
     threading.Thread(target=lambda: (stop.wait(), loop.stopping.set()), daemon=True).start()
     _exit_if_raises(loop.run, "engine loop")()
     log.info("%s worker on %s stopping (%s)", config.kind, config.endpoint,
-             "signal " + ", ".join(signal.Signals(n).name for n in _STOP_SIGNALS) if stop.is_set()
+             "signal " + ", ".join(signal.Signals(n).name for n in stop_signals) if stop.is_set()
              else "engine loop ended")
     if registration is not None:
         registration.stop()

@@ -275,4 +275,3 @@ def matmul_i16(x, qs, scale, minimum, out):
                 _irows(xq, xs, xsum, qs, scale, minimum, out, 4 * g, 4, b0, b1)
         for r in range(4 * groups, qs.shape[0]):
             _irows(xq, xs, xsum, qs, scale, minimum, out, r, 1, b0, b1)
-

@@ -48,6 +48,9 @@ KV_DTYPES = {
 }
 
 
+DEFAULT_KV_DTYPE = "fp16"  # the setting's default (see its help in workers/process.py for why)
+
+
 def kv_dtype(name: str) -> KvDtype:
     """The format named `name`; ValueError naming `--kv-cache-dtype` for any other."""
     try:

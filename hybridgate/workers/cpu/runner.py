@@ -17,7 +17,7 @@ from hybridgate.mempool import DEFAULT_BLOCK_SIZE, PinnedPool, PoolStats  # noqa
 from hybridgate.models import GGUFModel  # noqa: E402
 from hybridgate.workers.cpu import model as cpu_model  # noqa: E402
 from hybridgate.workers.cpu import intdot, quant, simd  # noqa: E402
-from hybridgate.workers.cpu.kvdtype import kv_dtype  # noqa: E402
+from hybridgate.workers.cpu.kvdtype import DEFAULT_KV_DTYPE, kv_dtype  # noqa: E402
 from hybridgate.workers.cpu.model import CpuLlama  # noqa: E402
 from hybridgate.workers.faults import FaultHook  # noqa: E402
 from hybridgate.workers.memory import host_available_bytes, num_blocks_for  # noqa: E402
@@ -55,7 +55,7 @@ class NumbaRunner:
 
     def __init__(self, model: GGUFModel, kv_cache_memory: str | float | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE, max_num_blocks: int | None = None, threads: int | None = None,
-                 activations: str = "auto", kv_cache_dtype: str = "fp16"):
+                 activations: str = "auto", kv_cache_dtype: str = DEFAULT_KV_DTYPE):
         self.kv_dtype = kv_dtype(kv_cache_dtype)
         if threads:
             numba.set_num_threads(threads)
