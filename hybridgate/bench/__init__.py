@@ -141,7 +141,8 @@ def _add_load_args(p, serve: bool) -> None:
                    help='JSON lines, one request a line: {"prompt_tokens": N, "max_tokens": M, "class": "name"} '
                         "(default: the built-in mix of short chats, 1,000-4,000-token summaries and long generations)")
     p.add_argument("--mix", default=None, metavar="W",
-                   help="weights of the built-in mix's classes, e.g. short=0.7,summary=0.15,long=0.15 (the default)")
+                   help="weights of the built-in mix's classes, e.g. short=0.7,summary=0.15,long=0.15 (the default); "
+                        "a fourth, document (6,000-10,000 prompt and output tokens), weighs 0 unless named")
     p.add_argument("--seed", type=bounded(int, 0), default=0, help="seed of the workload and the arrivals (default 0)")
     p.add_argument("--rates", default=None, metavar="R",
                    help="offered loads of the sweep, requests/s or multiples of the first policy's capacity under "

@@ -37,11 +37,14 @@ from hybridgate.router.policy import SLO_FACTOR
 ATTAINMENT_TARGET = 0.9  # capacity under SLO: at least 90% of requests meet both (DistServe)
 SHORT_PROMPT_TOKENS = 256  # a request of at most this many prompt tokens counts as short
 
-# class → (weight, prompt tokens range, max tokens range): short chats, long-prompt summaries, long generations.
+# class → (weight, prompt tokens range, max tokens range): short chats, long-prompt summaries, long generations,
+# and (weight 0 unless `--mix` names it) documents written from long contexts, the regime where a GPU worker's
+# KV cache, not its speed, caps the requests it holds (README, Placement).
 BUILTIN_MIX: dict[str, tuple[float, tuple[int, int], tuple[int, int]]] = {
     "short": (0.7, (16, 96), (16, 48)),
     "summary": (0.15, (1000, 4000), (16, 32)),
     "long": (0.15, (16, 96), (128, 256)),
+    "document": (0.0, (6000, 10000), (6000, 10000)),
 }
 
 
