@@ -40,8 +40,9 @@ def fingerprint(gguf_model):
 
 @pytest.fixture(scope="module")
 def numba_runner(gguf_model):
-    # fp32 KV: the imported KV is held to the runner's own within 1e-4; the 16-bit caches have their own case.
-    r = NumbaRunner(gguf_model, kv_cache_memory="96MiB", threads=1, kv_cache_dtype="fp32")
+    # fp32 KV and float32 activations, as the torch sender's: the imported KV is held to the runner's own
+    # within 1e-4 (`auto` takes int16 activations on the avx2 path); the 16-bit caches have their own case.
+    r = NumbaRunner(gguf_model, kv_cache_memory="96MiB", threads=1, kv_cache_dtype="fp32", activations="f32")
     r.warm_up(progress=False)
     return r
 

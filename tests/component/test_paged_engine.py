@@ -35,7 +35,8 @@ def torch_runner(gguf_model):
 def cpu_runner(gguf_model):
     from hybridgate.workers.cpu.runner import NumbaRunner
 
-    r = NumbaRunner(gguf_model, kv_cache_memory="256MiB", threads=1, kv_cache_dtype="fp32")  # as the reference's
+    # fp32 KV and float32 activations, as the reference's (`auto` takes int16 activations on the avx2 path).
+    r = NumbaRunner(gguf_model, kv_cache_memory="256MiB", threads=1, kv_cache_dtype="fp32", activations="f32")
     r.warm_up(progress=False)
     return r
 

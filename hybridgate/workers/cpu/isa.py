@@ -106,13 +106,13 @@ def select(forced: str | None = None) -> Target:
     isa = forced or best(features)
     if isa not in ISAS:
         raise ValueError(f"cpu_isa: expected one of {', '.join(ISAS)}, got {isa!r}")
+    if ISAS.index(isa) < ISAS.index(best(features)):  # before the check below: a new process would not help
+        raise ValueError(f"cpu_isa: this CPU cannot run {isa} (it runs at most {best(features)})")
     if _selected is not None:
         if forced and isa != _selected.isa:
             raise RuntimeError(f"cpu_isa: {_selected.isa} was already selected in this process; "
                                f"{isa} needs a new process")
         return _selected
-    if ISAS.index(isa) < ISAS.index(best(features)):
-        raise ValueError(f"cpu_isa: this CPU cannot run {isa} (it runs at most {best(features)})")
     target = _target(isa, features, Path.home() / ".cache" / "hybridgate" / "numba")
     os.environ["NUMBA_CPU_NAME"] = target.cpu_name
     os.environ["NUMBA_CPU_FEATURES"] = target.features
