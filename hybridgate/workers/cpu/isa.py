@@ -103,11 +103,12 @@ def select(forced: str | None = None) -> Target:
     if not forced:
         forced = os.environ.get(ENV) or None
     features = host_features()
-    isa = forced or best(features)
+    runnable = best(features)
+    isa = forced or runnable
     if isa not in ISAS:
         raise ValueError(f"cpu_isa: expected one of {', '.join(ISAS)}, got {isa!r}")
-    if ISAS.index(isa) < ISAS.index(best(features)):  # before the check below: a new process would not help
-        raise ValueError(f"cpu_isa: this CPU cannot run {isa} (it runs at most {best(features)})")
+    if ISAS.index(isa) < ISAS.index(runnable):  # before the check below: a new process would not help
+        raise ValueError(f"cpu_isa: this CPU cannot run {isa} (it runs at most {runnable})")
     if _selected is not None:
         if forced and isa != _selected.isa:
             raise RuntimeError(f"cpu_isa: {_selected.isa} was already selected in this process; "
