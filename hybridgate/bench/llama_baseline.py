@@ -39,7 +39,9 @@ class LlamaCppBaseline:
         try:
             import llama_cpp
         except ImportError as exc:  # pragma: no cover - the extra is optional
-            raise RuntimeError("--baseline llama-cpp needs the bench extra: pip install -e '.[bench]'") from exc
+            raise RuntimeError(f"--baseline llama-cpp could not import llama_cpp ({exc}): it needs the bench extra, "
+                               "pip install -e '.[bench]' (a --llama-cpp-path build installed with --no-deps "
+                               "takes its dependencies from there)") from exc
         self.lib = lib = llama_cpp
         lib.llama_backend_init()
         lib.llama_log_set(_quiet_log, ctypes.c_void_p(0))

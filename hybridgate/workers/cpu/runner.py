@@ -33,7 +33,9 @@ KERNELS = [
     ("matmul_blocks", simd.matmul_blocks), ("matmul_i16", intdot.matmul_i16),
     ("matmul_rows", quant.matmul_rows), ("rms_norm", cpu_model.rms_norm), ("rope_and_store", cpu_model.rope_and_store),
     ("paged_attention", cpu_model.paged_attention), ("silu_mul", cpu_model.silu_mul),
-    ("import_kv_layer", cpu_model.import_kv_layer),
+    ("import_kv_layer", cpu_model.import_kv_layer), ("rms_norm_serial", cpu_model.rms_norm_serial),
+    ("rope_and_store_serial", cpu_model.rope_and_store_serial),
+    ("paged_attention_serial", cpu_model.paged_attention_serial), ("silu_mul_serial", cpu_model.silu_mul_serial),
 ]
 
 

@@ -183,6 +183,26 @@ def prefetch(builder, ptr):
     builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
 
 
+@intrinsic
+def prefetch_span(typingctx, arr, offset, count):
+    """Read prefetches of the cache lines holding arr[offset : offset + count] (a contiguous 1-D
+    span of any element type; one `prefetch` per 64 bytes, a hint: addresses past the array's end
+    are not read)."""
+    sig = types.void(arr, types.intp, types.intp)
+
+    def codegen(context, builder, signature, args):
+        aa, off, cnt = args
+        i8p = ir.IntType(8).as_pointer()
+        start = builder.bitcast(_ptr(context, builder, signature.args[0], aa, off), i8p)
+        nbytes = builder.mul(cnt, ir.Constant(cnt.type, context.get_abi_sizeof(context.get_data_type(arr.dtype))))
+        lines = builder.sdiv(builder.add(nbytes, ir.Constant(cnt.type, 63)), ir.Constant(cnt.type, 64))
+        with cgutils.for_range(builder, lines) as loop:
+            prefetch(builder, builder.gep(start, [builder.mul(loop.index, ir.Constant(cnt.type, 64))]))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 def _make_tile(wrows: int, xrows: int):
     """An intrinsic multiplying `wrows` weight rows of GGUF blocks by `xrows` activation rows.
 
