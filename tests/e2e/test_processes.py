@@ -141,7 +141,10 @@ def test_default_layout_streams_the_cpu_runners_ids(tmp_path, gguf_model):
 
 def test_cpu_worker_compiles_once_then_starts_from_the_caches(tmp_path, model_path):
     # Fresh kernel and GGUF-header caches: the first start compiles (misses), the second loads
-    # everything (no misses) and reaches READY in under 0.3x the first's time.
+    # everything (no misses). Its kernels are ready in under 0.3x the first's time, by the worker's own
+    # clock, and it reaches READY sooner. The whole start is not held to 0.3x: it also holds the imports,
+    # the model load and the rate measurement, which no cache shortens (on one CI machine 6.5 s of
+    # a 21 s cold start).
     env = {"NUMBA_CACHE_DIR": str(tmp_path / "numba"), "HYBRIDGATE_CACHE_DIR": str(tmp_path / "cache")}
     times, counts = [], []
     for run in range(2):
@@ -157,7 +160,9 @@ def test_cpu_worker_compiles_once_then_starts_from_the_caches(tmp_path, model_pa
             assert server.stop() == 0, server.text()
     (cold_hits, cold_misses), (warm_hits, warm_misses) = counts
     assert cold_misses > 0 and warm_misses == 0 and warm_hits == cold_hits + cold_misses
-    assert times[1] < 0.3 * times[0], times
+    kernels = [float(re.search(r"CPU kernels ready in ([0-9.]+) s", (tmp_path / f"serve{run}.log").read_text())[1])
+               for run in range(2)]
+    assert kernels[1] < 0.3 * kernels[0] and times[1] < times[0], (kernels, times)
 
 
 def test_serve_sigint_finishes_streams_and_exits_zero_with_no_child_left(tmp_path, model_path):
