@@ -157,3 +157,13 @@ def test_silu_mul_against_numpy():
     silu_mul(gate_up, out)
     g, u = gate_up[:, :40].astype(np.float64), gate_up[:, 40:].astype(np.float64)
     np.testing.assert_allclose(out, g / (1 + np.exp(-g)) * u, rtol=1e-6, atol=1e-7)
+
+
+def test_every_kernel_has_its_own_cache_entries():
+    # Numba names a function's on-disk entries by qualified name and first line, not by its flags: the
+    # serial twins once shared the parallel kernels' entries, and a later start loaded one body for both.
+    from hybridgate.workers.cpu.runner import KERNELS
+
+    names = [kernel._cache._cache_file._index_name for _, kernel in KERNELS]
+    assert len(set(names)) == len(names), sorted(names)
+    assert all(name.split("-")[0].endswith(f".{short}") for (short, _), name in zip(KERNELS, names))

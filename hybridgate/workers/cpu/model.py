@@ -11,6 +11,7 @@ with the batch: `kernel_calls` counts them.
 from __future__ import annotations
 
 import math
+import types
 
 from hybridgate.workers.cpu import isa
 
@@ -194,10 +195,24 @@ def silu_mul(gate_up, out):
 # (prange runs as range), so the results are the same bits.
 SERIAL_TOKENS = 2  # steps of at most this many tokens run the per-token kernels serially
 SERIAL_CONTEXT = 1024  # ... and attention too, when the step reads at most this many context slots
-rms_norm_serial = nb.njit(**_JIT)(rms_norm.py_func)
-rope_and_store_serial = nb.njit(**_JIT)(rope_and_store.py_func)
-paged_attention_serial = nb.njit(**_JIT)(paged_attention.py_func)
-silu_mul_serial = nb.njit(**_JIT)(silu_mul.py_func)
+
+
+def _serial_twin(kernel):
+    """`kernel`'s Python function compiled without `parallel`, under its own name. Numba's on-disk cache
+    names a function's entries by its qualified name and first line, not by its flags: a twin of the same
+    function object shared the parallel kernel's entries, so a later process loaded one compiled body
+    for both (the serial twin launching a parallel region per call, 20-50 us, or the parallel kernel
+    running on one thread)."""
+    f = kernel.py_func
+    twin = types.FunctionType(f.__code__, f.__globals__, f.__name__ + "_serial", f.__defaults__, f.__closure__)
+    twin.__qualname__, twin.__doc__ = f.__qualname__ + "_serial", f.__doc__
+    return nb.njit(**_JIT)(twin)
+
+
+rms_norm_serial = _serial_twin(rms_norm)
+rope_and_store_serial = _serial_twin(rope_and_store)
+paged_attention_serial = _serial_twin(paged_attention)
+silu_mul_serial = _serial_twin(silu_mul)
 
 
 def _matrix(model: GGUFModel, names: list[str], activations: str) -> QuantMatrix:
