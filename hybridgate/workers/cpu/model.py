@@ -191,10 +191,11 @@ def silu_mul(gate_up, out):
 
 # Serial twins of the per-token kernels, for steps of few tokens: at batch 1 a parallel region's start
 # and join cost more than the work (rms_norm 3.7 us, silu_mul 8.6 us a call on two threads, AVX2 forced,
-# against about 1 us of work), and a decode step calls each once per layer. The same compiled loop body
-# (prange runs as range), so the results are the same bits.
+# against about 1 us of work), and a decode step calls each once per layer. The same loop body (prange
+# runs as range), compiled on its own: the batch-invariance tests hold the twins to the same bits. Attention
+# has none: its fast-math reductions were vectorized differently alone and in the parallel region (1e-5
+# apart in the logits on every path), so a request's logits would depend on its batch.
 SERIAL_TOKENS = 2  # steps of at most this many tokens run the per-token kernels serially
-SERIAL_CONTEXT = 1024  # ... and attention too, when the step reads at most this many context slots
 
 
 def _serial_twin(kernel):
@@ -211,7 +212,6 @@ def _serial_twin(kernel):
 
 rms_norm_serial = _serial_twin(rms_norm)
 rope_and_store_serial = _serial_twin(rope_and_store)
-paged_attention_serial = _serial_twin(paged_attention)
 silu_mul_serial = _serial_twin(silu_mul)
 
 
@@ -281,12 +281,11 @@ class CpuLlama:
         serial = tokens <= SERIAL_TOKENS
         norm, rope, silu = (rms_norm_serial, rope_and_store_serial, silu_mul_serial) if serial else (
             rms_norm, rope_and_store, silu_mul)
-        attention = paged_attention_serial if serial and int(ctx_len.sum()) <= SERIAL_CONTEXT else paged_attention
         for i, layer in enumerate(self.layers):
             norm(x, layer["attn_norm"], c.rms_norm_eps, normed)
             qkv = layer["qkv"].matmul(normed).reshape(tokens, heads + 2 * kv_heads, dim)
             rope(qkv, h.positions, self.cos, self.sin, h.slots, k_cache[i], v_cache[i], q)
-            attention(q, k_cache[i], v_cache[i], ctx_offset, ctx_len, ctx_slots, tiles, attn)
+            paged_attention(q, k_cache[i], v_cache[i], ctx_offset, ctx_len, ctx_slots, tiles, attn)
             x += layer["wo"].matmul(attn.reshape(tokens, heads * dim))
             norm(x, layer["ffn_norm"], c.rms_norm_eps, normed)
             gate_up = layer["gate_up"].matmul(normed)

@@ -35,7 +35,7 @@ KERNELS = [
     ("paged_attention", cpu_model.paged_attention), ("silu_mul", cpu_model.silu_mul),
     ("import_kv_layer", cpu_model.import_kv_layer), ("rms_norm_serial", cpu_model.rms_norm_serial),
     ("rope_and_store_serial", cpu_model.rope_and_store_serial),
-    ("paged_attention_serial", cpu_model.paged_attention_serial), ("silu_mul_serial", cpu_model.silu_mul_serial),
+    ("silu_mul_serial", cpu_model.silu_mul_serial),
 ]
 
 
