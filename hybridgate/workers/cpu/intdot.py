@@ -46,7 +46,7 @@ from numba import types  # noqa: E402
 from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
-from hybridgate.workers.cpu.simd import PREFETCH_ROWS, X_TILE, _load_vec, _ptr, load_scales, prefetch_span  # noqa: E402
+from hybridgate.workers.cpu.simd import PREFETCH_ROWS, X_TILE, _load_vec, _ptr, prefetch_span  # noqa: E402
 
 FORMATS = ("auto", "f32", "i16")  # the cpu_activations setting's choices
 # "auto": the faster format of each weight type on each path, measured on one thread with the default
@@ -150,8 +150,7 @@ def _make_itile(wrows: int, xrows: int, quad: bool, unpacked: bool):
       x_stride, xs, xsum, a_off, a_stride, out, o_off, o_stride) writes, for weight row i and
       activation row k,
       out[o_off + k·o_stride + i] = Σ_b d_ib · xs_kb · Σ_j q_ibj · xq_kbj + Σ_b m_ib · xsum_kb
-    (the m term for Q4_1 only) with d_ib, m_ib at scale/minimum[s_off + i·s_stride + b] (float32 or
-    binary16 bits as int16, `simd.load_scales`), xs_kb and
+    (the m term for Q4_1 only) with d_ib, m_ib at scale/minimum[s_off + i·s_stride + b], xs_kb and
     xsum_kb at xs/xsum[a_off + k·a_stride + b], xq int16 at x_off + k·x_stride + 32b. The codes
     come from qs (as in `simd._make_tile`, row i at q_off + i·q_stride) or, `unpacked`, from wq,
     the rows already widened to int16 in column order by `unpack_rows` (row i at w_off + i·w_stride).
@@ -204,17 +203,14 @@ def _make_itile(wrows: int, xrows: int, quad: bool, unpacked: bool):
 
             arrays = {"scale": sa, "minimum": ma, "xs": xsa, "xsum": xma}
 
-            def index(base, stride, i, b):
-                return builder.add(builder.add(base, builder.mul(stride, c(i))), b)
-
-            def scalar_at(arr, base, stride, i, b):  # scale and minimum may be binary16 bits (`load_scales`)
-                return load_scales(context, builder, ty[arr], arrays[arr], index(base, stride, i, b))
+            def at(arr, base, stride, i, b):
+                return _ptr(context, builder, ty[arr], arrays[arr], builder.add(builder.add(base, builder.mul(stride, c(i))), b))
 
             def splat_at(arr, base, stride, i, b):
-                return _splat(builder, scalar_at(arr, base, stride, i, b), _VACC)
+                return _splat(builder, builder.load(at(arr, base, stride, i, b)), _VACC)
 
             def dup4_at(arr, base, stride, i, b):
-                return _dup4(builder, load_scales(context, builder, ty[arr], arrays[arr], index(base, stride, i, b), 4))
+                return _dup4(builder, _load_vec(builder, at(arr, base, stride, i, b), ir.VectorType(_F32, 4), 4))
 
             zeros = ir.Constant(_VACC, [0.0] * ACC_LANES)
 
@@ -268,10 +264,10 @@ def _make_itile(wrows: int, xrows: int, quad: bool, unpacked: bool):
                     b = loop.index
                     totals = ir.Constant(vxt, ir.Undefined)
                     for k in range(xrows):
-                        totals = builder.insert_element(totals, scalar_at("xsum", ao, astr, k, b),
+                        totals = builder.insert_element(totals, builder.load(at("xsum", ao, astr, k, b)),
                                                         ir.Constant(_I32, k))
                     for i in range(wrows):
-                        m = _splat(builder, scalar_at("minimum", so, sstr, i, b), vxt)
+                        m = _splat(builder, builder.load(at("minimum", so, sstr, i, b)), vxt)
                         builder.store(_fma(builder, m, totals, builder.load(maccs[i])), maccs[i])
             for k in range(xrows):
                 for i in range(wrows):

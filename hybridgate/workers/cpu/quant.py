@@ -166,17 +166,6 @@ def matmul_rows(kind, x, w, out):
 _KERNELS = {"f32": matmul_blocks, "i16": matmul_i16}
 
 
-def _fp16_bits(pairs: np.ndarray) -> np.ndarray:
-    """The blocks' binary16 scales (bytes `[rows, blocks, 2]`) as int16 bit patterns `[rows, blocks]`:
-    kept at GGUF's 2 bytes and widened exactly by the kernels (`simd.load_scales`), 4 bytes a block
-    fewer to read per step than float32 for Q4_1's scale and min."""
-    return np.ascontiguousarray(pairs).view(np.int16)[..., 0].copy()
-
-
-def _widen(bits: np.ndarray) -> np.ndarray:
-    return bits.view(np.float16).astype(np.float32)
-
-
 class QuantMatrix:
     """A weight `[rows, cols]` in its GGUF blocks; `matmul(x)` → x @ W.T (float32)."""
 
@@ -204,8 +193,8 @@ class QuantMatrix:
 
 class Q41Matrix(QuantMatrix):
     """Q4_1 split: ggml's nibbles `[rows, cols / 2]` (16 bytes per block, byte j: columns j and
-    j + 16) plus binary16 scales and mins as int16 bits `[rows, cols / 32]`: 5 bits per weight,
-    GGUF's own; the GGUF bytes are not kept. Multiplied by `simd.matmul_blocks` (float32 activations) or
+    j + 16) plus float32 scales and mins `[rows, cols / 32]`: 6 bits per weight; the GGUF bytes
+    are not kept. Multiplied by `simd.matmul_blocks` (float32 activations) or
     `intdot.matmul_i16` (int16 activations), as `activations` resolves for this path."""
 
     def __init__(self, name: str, kind: int, data: np.ndarray, shape: tuple[int, int], activations: str = "auto"):
@@ -214,8 +203,8 @@ class Q41Matrix(QuantMatrix):
         self._kernel = _KERNELS[self.activations]
         rows, cols = shape
         blocks = np.ascontiguousarray(data).reshape(rows, cols // 32, 20)
-        self.scale = _fp16_bits(blocks[:, :, 0:2])
-        self.minimum = _fp16_bits(blocks[:, :, 2:4])
+        self.scale = blocks[:, :, 0:2].copy().view(np.float16)[:, :, 0].astype(np.float32)
+        self.minimum = blocks[:, :, 2:4].copy().view(np.float16)[:, :, 0].astype(np.float32)
         self.qs = np.ascontiguousarray(blocks[:, :, 4:]).reshape(rows, cols // 2)
         self.data = None
 
@@ -231,12 +220,11 @@ class Q41Matrix(QuantMatrix):
     def row(self, index: int) -> np.ndarray:
         q = self.qs[index].reshape(-1, 16)
         codes = np.concatenate([q & 15, q >> 4], axis=1).astype(np.float32)
-        return (codes * _widen(self.scale[index])[:, None] + _widen(self.minimum[index])[:, None]).ravel()
+        return (codes * self.scale[index][:, None] + self.minimum[index][:, None]).ravel()
 
 
 class Q80Matrix(QuantMatrix):
-    """Q8_0 split: int8 codes `[rows, cols]` and binary16 scales as int16 bits `[rows, cols / 32]`
-    (8.5 bits per weight, GGUF's own).
+    """Q8_0 split: int8 codes `[rows, cols]` and float32 scales `[rows, cols / 32]` (9 bits per weight).
     Multiplied by `simd.matmul_blocks` or `intdot.matmul_i16`, as for `Q41Matrix`."""
 
     def __init__(self, name: str, kind: int, data: np.ndarray, shape: tuple[int, int], activations: str = "auto"):
@@ -244,7 +232,7 @@ class Q80Matrix(QuantMatrix):
         self.activations = activation_format(activations, "q8_0")
         self._kernel = _KERNELS[self.activations]
         blocks = np.ascontiguousarray(data).reshape(shape[0], shape[1] // 32, 34)
-        self.scale = _fp16_bits(blocks[:, :, 0:2])
+        self.scale = blocks[:, :, 0:2].copy().view(np.float16)[:, :, 0].astype(np.float32)
         self.qs = np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(shape[0], shape[1])
         self.data = None
 
@@ -263,7 +251,7 @@ class Q80Matrix(QuantMatrix):
     def rows(self, index: np.ndarray) -> np.ndarray:
         """Dequantized rows float32 `[len(index), cols]` (the embedding lookup)."""
         q = self.qs[index].astype(np.float32).reshape(len(index), -1, 32)
-        return (q * _widen(self.scale[index])[:, :, None]).reshape(len(index), -1)
+        return (q * self.scale[index][:, :, None]).reshape(len(index), -1)
 
 
 _FAST = {Q4_1: Q41Matrix, Q8_0: Q80Matrix}

@@ -71,54 +71,27 @@ def _widen_bf16(builder, bits):
     return builder.bitcast(builder.shl(builder.zext(bits, _V16I32), _ivec(16)), _V16F)
 
 
-def _like(bits, elem, value):
-    """A constant of `elem` (an LLVM type) shaped as `bits`: a scalar, or a vector of its lanes."""
-    if isinstance(bits.type, ir.VectorType):
-        return ir.Constant(ir.VectorType(elem, bits.type.count), [value] * bits.type.count)
-    return ir.Constant(elem, value)
-
-
-def _shaped(bits, elem):
-    return ir.VectorType(elem, bits.type.count) if isinstance(bits.type, ir.VectorType) else elem
-
-
 def _widen_fp16(builder, bits):
-    """i16 or <N x i16> binary16 → float or <N x float>, exact for every value: the exponent and
-    mantissa shifted into float32's places and rescaled by 2^112 (the bias difference; subnormals
+    """<16 x i16> binary16 → <16 x float>, exact for every value: the exponent and mantissa
+    shifted into float32's places and rescaled by 2^112 (the bias difference; subnormals
     come out right through the multiply), infinities and NaNs given float32's all-ones exponent."""
-    i32, f32 = _shaped(bits, _I32), _shaped(bits, _F32)
-    h = builder.zext(bits, i32)
-    em = builder.and_(h, _like(bits, _I32, 0x7FFF))
-    sign = builder.shl(builder.and_(h, _like(bits, _I32, 0x8000)), _like(bits, _I32, 16))
-    scaled = builder.fmul(builder.bitcast(builder.shl(em, _like(bits, _I32, 13)), f32), _like(bits, _F32, 2.0**112))
-    mag = builder.bitcast(scaled, i32)
-    mag = builder.select(builder.icmp_unsigned(">=", em, _like(bits, _I32, 0x7C00)),
-                         builder.or_(mag, _like(bits, _I32, 0x7F800000)), mag)
-    return builder.bitcast(builder.or_(mag, sign), f32)
+    h = builder.zext(bits, _V16I32)
+    em = builder.and_(h, _ivec(0x7FFF))
+    sign = builder.shl(builder.and_(h, _ivec(0x8000)), _ivec(16))
+    scaled = builder.fmul(builder.bitcast(builder.shl(em, _ivec(13)), _V16F), ir.Constant(_V16F, [2.0**112] * LANES))
+    mag = builder.bitcast(scaled, _V16I32)
+    mag = builder.select(builder.icmp_unsigned(">=", em, _ivec(0x7C00)), builder.or_(mag, _ivec(0x7F800000)), mag)
+    return builder.bitcast(builder.or_(mag, sign), _V16F)
 
 
 def _fpext_fp16(builder, bits):
-    """i16 or <N x i16> binary16 → float or <N x float> by LLVM's fpext: vcvtph2ps where the target
-    has F16C (the avx2 and avx512 paths); elsewhere LLVM would call a runtime helper."""
-    return builder.fpext(builder.bitcast(bits, _shaped(bits, ir.HalfType())), _shaped(bits, _F32))
+    """<16 x i16> binary16 → <16 x float> by LLVM's fpext: one vcvtph2ps per 8 or 16 lanes where the
+    target has F16C (the avx2 and avx512 paths); elsewhere LLVM would call a runtime helper."""
+    return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), LANES)), _V16F)
 
 
 # binary16 → float32 on this path: F16C's conversion where the path has it, integer operations elsewhere.
 _widen_fp16_here = _widen_fp16 if isa.selected().isa == "generic" else _fpext_fp16
-
-
-def load_scales(context, builder, arr_ty, arr, index, lanes: int = 0):
-    """Element `index` of a weight-scale array as a float (`lanes` 0), or `lanes` consecutive ones
-    as <lanes x float>. The array holds float32, or binary16 bit patterns as int16 (GGUF's own
-    scales, kept at 2 bytes: `quant.Q41Matrix`), widened exactly."""
-    ptr = _ptr(context, builder, arr_ty, arr, index)
-    if arr_ty.dtype == types.float32:
-        return builder.load(ptr) if not lanes else _load_vec(builder, ptr, ir.VectorType(_F32, lanes), 4)
-    if arr_ty.dtype != types.int16:
-        raise TypeError(f"weight scales: float32 or int16 (binary16 bits), not {arr_ty.dtype}")
-    bits = builder.load(ptr) if not lanes else _load_vec(builder, ptr, ir.VectorType(ir.IntType(16), lanes), 2)
-    return _widen_fp16_here(builder, bits)
-
 
 # The cache's element type (see `kvdtype`) → how 16 consecutive elements become <16 x float>.
 _KV_LOADS = {
@@ -241,8 +214,8 @@ def _make_tile(wrows: int, xrows: int):
     with w_ibj = scale_ib · code_ibj + minimum_ib (Q4_1) or scale_ib · code_ibj (Q8_0), the codes
     read from qs at q_off + i·q_stride + block bytes · b and the scales at s_off + i·s_stride + b.
     qs: Q4_1 uint8, 16 bytes per block in ggml's order (byte j: column j in the low nibble, column
-    j + 16 in the high one); Q8_0 int8, 32 codes per block. scale, minimum float32 or binary16
-    bits as int16 (`load_scales`; minimum is ignored for Q8_0); x, out float32. Each weight block is dequantized once for the `xrows` activation
+    j + 16 in the high one); Q8_0 int8, 32 codes per block. scale, minimum, x, out float32
+    (minimum is ignored for Q8_0). Each weight block is dequantized once for the `xrows` activation
     rows and each activation block loaded once for the `wrows` weight rows. Every output's
     arithmetic is the same whatever the tile: per lane acc = fma(w_hi, x_hi, fma(w_lo, x_lo, acc))
     over the blocks in order, then a fixed tree over the 16 lanes.
@@ -268,7 +241,7 @@ def _make_tile(wrows: int, xrows: int):
                 for i in range(wrows):
                     row_q = builder.add(qo, builder.mul(qstr, c(i)))
                     sp = builder.add(builder.add(so, builder.mul(sstr, c(i))), b)
-                    d = _splat(builder, load_scales(context, builder, ty[3], sa, sp))
+                    d = _splat(builder, builder.load(_ptr(context, builder, ty[3], sa, sp)))
                     ahead_s = builder.add(sp, builder.mul(sstr, c(PREFETCH_ROWS)))
                     prefetch(builder, _ptr(context, builder, ty[3], sa, ahead_s))
                     if kind == "q4_1":
@@ -278,7 +251,7 @@ def _make_tile(wrows: int, xrows: int):
                         q = builder.zext(_load_vec(builder, qp, v16i8, 1), v16i32)
                         lo = builder.sitofp(builder.and_(q, ir.Constant(v16i32, [15] * LANES)), _V16F)
                         hi = builder.sitofp(builder.lshr(q, ir.Constant(v16i32, [4] * LANES)), _V16F)
-                        m = _splat(builder, load_scales(context, builder, ty[4], ma, sp))
+                        m = _splat(builder, builder.load(_ptr(context, builder, ty[4], ma, sp)))
                         w.append((_fma(builder, lo, d, m), _fma(builder, hi, d, m)))
                     else:
                         qp = _ptr(context, builder, ty[0], qa, builder.add(row_q, builder.mul(b, c(32))))
