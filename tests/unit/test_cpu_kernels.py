@@ -74,6 +74,27 @@ def test_q4_1_repack_is_six_bits_per_weight():
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_subnormal_and_large_scales_are_widened_exactly(kind):
+    # binary16 scales at the edges of the format (subnormal, the largest finite): both activation
+    # formats against gguf's dequantizer (float64 products), as for ordinary blocks.
+    rng = np.random.default_rng(3)
+    data = random_blocks(kind, 8, 64, rng).reshape(8, 2, -1)
+    edge = np.array([5.96e-8, 6.1e-5, -3.0e-6, 1.0e-7, 2.0, 0.5, 60000.0, -1.0e-5], dtype=np.float16)
+    for r in range(8):  # the scale, and Q4_1's min beside it (a flushed scale or min moves the row)
+        data[r, :, 0:2] = edge[r : r + 1].view(np.uint8)
+        if kind == "Q4_1":
+            data[r, :, 2:4] = edge[(r + 3) % 8 : (r + 3) % 8 + 1].view(np.uint8)
+    data = data.reshape(8, -1)
+    ref = gguf.dequantize(data, getattr(T, kind)).astype(np.float64)
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    want = x.astype(np.float64) @ ref.T
+    size = np.abs(x).max(axis=1, keepdims=True) * np.abs(ref).sum(axis=1)[None, :]
+    for activations, bound in (("f32", 1e-6), ("i16", 4e-5)):
+        got = quant.quant_matrix("w", int(getattr(T, kind)), data, (8, 64), activations).matmul(x)
+        np.testing.assert_array_less(np.abs(got - want), bound * size, err_msg=activations)
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
 def test_every_tile_shape_gives_the_bits_of_batch_one(kind):
     # 37 rows: 4-row tiles plus a 1-row tail; 70 activation rows: 4x4 and 4x1 tiles, two X_TILE passes.
     rng = np.random.default_rng(7)
