@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import os
+import sys
 import threading
 import time
 from dataclasses import replace
@@ -111,17 +112,32 @@ def test_large_chat_prompts_do_not_stall_running_streams(gateway, chat_template)
     deadline = time.monotonic() + 30 * TIME_FACTOR
     while min(map(len, arrivals)) < 150 and time.monotonic() < deadline:  # 1.5 s of steady streaming
         time.sleep(0.05)
-    lag_before = _lag_buckets(url)
-    start = time.monotonic()
     # Ten 1 MiB chats (certain to exceed the model length: refused by their size bound) and four of
     # 400 KiB (rendered and tokenized in the prompt processes, then refused by their token count).
-    # Sent from another process, each on its own connection, as from other clients.
+    # Sent from another process, each on its own connection, as from other clients. A burst whose ITL
+    # check fails is sent once more, after a second of steady streaming: a stall of the gateway's making
+    # shows in both bursts, where a shared host's noise showed in one run of four on a contended 2-core
+    # machine (ITL p99 +63 ms, then +3 to +46 ms in the other runs).
     sizes = [MIB - 64] * 10 + [400 << 10] * 4
-    answers = sender.apply(_send_big, (target, sizes, 120 * TIME_FACTOR))
+
+    def gaps(lo: float, hi: float) -> np.ndarray:
+        return np.concatenate([np.diff([t for t in ts if lo <= t <= hi]) for ts in arrivals])
+
+    for attempt in range(2):
+        lag_before = _lag_buckets(url)
+        start = time.monotonic()
+        answers = sender.apply(_send_big, (target, sizes, 120 * TIME_FACTOR))
+        end = time.monotonic()
+        time.sleep(0.3)  # the last of the window's gaps
+        lag_after = _lag_buckets(url)
+        before = np.percentile(gaps(start - 1.0, start), 99)
+        during = np.percentile(gaps(start, end + 0.3), 99)
+        print(f"ITL p99 before {before * 1e3:.1f} ms, during {during * 1e3:.1f} ms ({end - start:.1f} s)")
+        if during - before < 0.05 * TIME_FACTOR or attempt == 1:
+            break
+        print("warning: ITL p99 over the bound during the burst; sending it again", file=sys.stderr)
+        time.sleep(1.0)
     sender.close()
-    end = time.monotonic()
-    time.sleep(0.3)  # the last of the window's gaps
-    lag_after = _lag_buckets(url)
     for call in calls:
         call.cancel()
     for t in readers:
@@ -135,13 +151,6 @@ def test_large_chat_prompts_do_not_stall_running_streams(gateway, chat_template)
     content = _chat(sizes[10], 10).chat.messages[0].content
     expected = len(chat_template.encode([{"role": "user", "content": content}]))
     assert f"prompt: {expected} tokens, but the max model length is 8192" in answers[10][1], answers[10]
-
-    def gaps(lo: float, hi: float) -> np.ndarray:
-        return np.concatenate([np.diff([t for t in ts if lo <= t <= hi]) for ts in arrivals])
-
-    before = np.percentile(gaps(start - 1.0, start), 99)
-    during = np.percentile(gaps(start, end + 0.3), 99)
-    print(f"ITL p99 before {before * 1e3:.1f} ms, during {during * 1e3:.1f} ms ({end - start:.1f} s)")
     assert during - before < 0.05 * TIME_FACTOR, (before, during, end - start)
     # The lag metric agrees: its p97 over the window is within the limit (at least 97% of the probes; on a
     # 2-core AVX2 machine 5 of 297 and 5 of 316 probes, 1.6-1.7%, were over 50 ms while the ITL check held).
