@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "self-signed certificate); default: plaintext")
     gen.set_defaults(func=_cmd_generate)
 
-    bench = sub.add_parser("bench", help="benchmarks with side-by-side baselines (engine, accuracy, handoff, gateway, serve, sim)")
+    bench = sub.add_parser("bench", help="benchmarks with side-by-side baselines (engine, accuracy, handoff, gateway, cache, serve, sim)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     from hybridgate.bench import (  # argparse only
         add_accuracy_parser,

@@ -12,6 +12,7 @@ is b"I" + the ids as int32 bytes, or b"E" + the chat template's error message.
 from __future__ import annotations
 
 import os
+import signal
 
 NICE = 10
 
@@ -19,7 +20,10 @@ _state: dict = {}  # the model's tokenizer and chat template, built once per pro
 
 
 def init(model_path: str) -> None:
-    """Pool initializer: lower the priority, then build the tokenizer and chat template of `model_path`."""
+    """Pool initializer: ignore Ctrl-C, lower the priority, then build the tokenizer and chat template
+    of `model_path`. A terminal's Ctrl-C reaches the whole process group; the gateway decides when the
+    pool ends (a traceback from each pool process was all SIGINT gave)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         os.nice(NICE)
     except OSError:  # not permitted: encode at the same priority
