@@ -117,7 +117,7 @@ def test_large_chat_prompts_do_not_stall_running_streams(gateway, chat_template)
     # Sent from another process, each on its own connection, as from other clients. A burst whose ITL
     # check fails is sent once more, after a second of steady streaming: a stall of the gateway's making
     # shows in both bursts, where a shared host's noise showed in one run of four on a contended 2-core
-    # machine (ITL p99 +63 ms, then +3 to +46 ms in the other runs).
+    # machine (ITL p99 +63 ms, against -9 to +46 ms in the other three).
     sizes = [MIB - 64] * 10 + [400 << 10] * 4
 
     def gaps(lo: float, hi: float) -> np.ndarray:

@@ -224,7 +224,7 @@ def test_a_congested_router_gets_overload_once_it_reads(worker_io):
     big = wire.encode(Load(wire.EngineStats(batch_size_counts={n: n for n in range(4000)})))  # ~20 KB
     # Until the pipe (10 messages) and the kernel's socket buffers are full: sends refused for 0.2 s on end.
     # (The first refusal alone is not enough: ZeroMQ's I/O thread then moves the pipe into the kernel's
-    # buffers, and an overload queued next went out at once, unmerged, in 1 of some hundred runs.)
+    # buffers, and an overload queued next went out at once, unmerged: once in a full run of the suite.)
     refused_since, deadline = None, time.monotonic() + 10
     while refused_since is None or time.monotonic() - refused_since < 0.2:
         assert time.monotonic() < deadline
