@@ -244,6 +244,9 @@ class EngineStats(msgspec.Struct):
     queued_prefill_tokens: int = 0  # prompt tokens not yet computed: waiting sequences and prefills in progress
     decoding: int = 0  # running sequences past their prompt: one token each per step
     blocks_cached: int = 0  # free blocks that still hold a cached prefix (evicted on demand)
+    # Blocks held now plus those its sequences still need to reach max_tokens (a hand-off's: its first
+    # token): what the cache is promised; above blocks_total, running sequences will be preempted.
+    blocks_committed: int = 0
     max_num_seqs: int = 0  # the scheduler's batch cap
     max_num_batched_tokens: int = 0  # the scheduler's token budget per step
     # Measured rates, moving medians over recent steps, seeded by a warm-up measurement at start

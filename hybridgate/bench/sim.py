@@ -119,6 +119,11 @@ class _Seq:
     handoff_to: int | None = None  # the CPU worker a gpu->cpu plan moves it to after its first token
 
     @property
+    def final_tokens(self) -> int:
+        """Tokens it holds KV for at its end here: the whole sequence, or a hand-off's prompt and first token."""
+        return self.prompt + (1 if self.handoff_to is not None else self.outcome.item.max_tokens)
+
+    @property
     def remaining(self) -> int:
         return self.prompt + self.generated - self.computed
 
@@ -136,12 +141,19 @@ class _Worker:
     blocks_free: int = 0
     busy: bool = False
     incoming: int = 0  # gpu->cpu sequences placed here and not imported yet (the router counts them as decodes)
+    incoming_blocks: int = 0  # the blocks those will hold at their end
+    preemptions: int = 0
     batch: list = field(default_factory=list)  # (seq, tokens) of the step in flight
 
     def __post_init__(self) -> None:
         self.blocks_free = self.profile.blocks_total
         self._rates = WorkerLoad(0, self.profile.name, self.profile.kind, decode_step_s=self.profile.decode_step_s,
                                  prefill_tokens_per_s=self.profile.prefill_tokens_per_s)
+
+    @property
+    def committed(self) -> int:
+        """Blocks its sequences hold at their end, as the engine reports it (`EngineStats.blocks_committed`)."""
+        return sum(self.blocks_for(s.final_tokens) for s in (*self.waiting, *self.running)) + self.incoming_blocks
 
     def blocks_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.profile.block_size)
@@ -153,6 +165,7 @@ class _Worker:
             queued_prefill_tokens=sum(s.remaining for s in (*self.waiting, *self.running) if s.prefilling),
             waiting=len(self.waiting), decoding=sum(not s.prefilling for s in self.running) + self.incoming,
             blocks_free=self.blocks_free, blocks_total=p.blocks_total, block_size=p.block_size,
+            blocks_committed=self.committed,
             max_num_seqs=p.max_num_seqs, max_num_batched_tokens=p.max_num_batched_tokens,
             prefill_tokens_per_s=p.prefill_tokens_per_s, decode_step_s=p.decode_step_s,
             takes_handoff=p.kind == "cpu")
@@ -209,6 +222,7 @@ class _Worker:
         self.running.remove(seq)
         self.release(seq)
         seq.computed = 0
+        self.preemptions += 1
         self.waiting.appendleft(seq)
 
     def step_seconds(self, batch: list[tuple[_Seq, int]]) -> float:
@@ -256,6 +270,8 @@ class Simulation:
         if plan.route == "gpu->cpu":
             seq.handoff_to = plan.workers[1]
             self.workers[seq.handoff_to].incoming += 1
+            self.workers[seq.handoff_to].incoming_blocks += self.workers[seq.handoff_to].blocks_for(
+                item.prompt_tokens + item.max_tokens)
         worker = self.workers[plan.workers[0]]
         if not cm.fits(loads[plan.workers[0]], item.prompt_tokens + item.max_tokens):
             outcome.ended, outcome.error = True, "RESOURCE_EXHAUSTED"
@@ -300,6 +316,7 @@ class Simulation:
     def _import(self, index: int, seq: _Seq) -> None:
         # The CPU worker takes the sequence with its KV: nothing to prefill, its next step decodes it.
         self.workers[index].incoming -= 1
+        self.workers[index].incoming_blocks -= self.workers[index].blocks_for(seq.prompt + seq.outcome.item.max_tokens)
         self.workers[index].waiting.append(seq)
         self._kick(index)
 

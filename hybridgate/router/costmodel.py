@@ -45,6 +45,9 @@ class WorkerLoad:
     decoding: int = 0
     blocks_free: int = 1 << 30  # free blocks, cached ones included (they are evicted on demand)
     blocks_total: int = 1 << 30
+    # Blocks its sequences hold once each has run to its max_tokens (a hand-off's to its first token),
+    # those queued included: what the cache is promised, where `blocks_free` is only what it holds now.
+    blocks_committed: int = 0
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -130,3 +133,9 @@ def fits(w: WorkerLoad, tokens: int) -> bool:
 def fits_now(w: WorkerLoad, tokens: int) -> bool:
     """Whether its free blocks hold `tokens` now (else something is preempted to make room)."""
     return blocks_needed(w, tokens) <= w.blocks_free
+
+
+def fits_committed(w: WorkerLoad, tokens: int) -> bool:
+    """Whether `tokens` fit beside what its sequences will hold at their end (`blocks_committed`), so
+    that none of them is preempted on the way there."""
+    return blocks_needed(w, tokens) <= min(w.blocks_free, w.blocks_total - w.blocks_committed)

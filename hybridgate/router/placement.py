@@ -48,6 +48,7 @@ class _Pending:
 
     uncached_tokens: int
     started: bool = False  # its first token arrived
+    final_tokens: int = 0  # tokens of KV it holds there at its end (for `WorkerLoad.blocks_committed`)
 
 
 class Placer:
@@ -103,6 +104,7 @@ class Placer:
             waiting=max(s.waiting, sum(1 for p in pending if not p.started)), decoding=max(s.decoding, decoding),
             blocks_free=(s.blocks_total - s.blocks_used) if s.blocks_total else 1 << 30,
             blocks_total=s.blocks_total or 1 << 30, block_size=self.block_size,
+            blocks_committed=max(s.blocks_committed, sum(-(-p.final_tokens // self.block_size) for p in pending)),
             max_num_seqs=s.max_num_seqs or (hello.max_num_seqs if hello is not None else 64),
             max_num_batched_tokens=s.max_num_batched_tokens or 2048,
             prefill_tokens_per_s=s.prefill_tokens_per_s, decode_step_s=s.decode_step_s,

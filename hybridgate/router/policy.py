@@ -19,15 +19,19 @@ it, so every placement can be compared with what it observed.
   also goes to the least loaded).
 - `cost` (the default): predicts TTFT and TPOT of every plan on every
   eligible worker and takes, among the plans that meet both SLOs and fit the
-  worker's free KV blocks, the cheapest: the one that holds a GPU worker's
+  decoding worker's KV cache beside what its sequences are promised (each to
+  its max_tokens, `WorkerLoad.blocks_committed`: a plan that only fits the
+  blocks free now preempts running sequences later, as they grow), the
+  cheapest: the one that holds a GPU worker's
   decode slots for the fewest seconds (a `gpu` plan: TPOT × its remaining
   tokens; `cpu` and `gpu->cpu`: none), so the GPU keeps its batch and its
   steps for the work only it does fast, prefill, while the CPU tier decodes
   whatever it can within the SLOs (the division of labour of Splitwise and
   DistServe, with the CPU tier as the decode pool); among equally cheap plans
-  the one that finishes soonest (TTFT + TPOT × the remaining tokens). When none does, a CPU worker that can hold the request
-  takes it (a spill) rather than a rejection, and without one the plan with
-  the lowest TTFT. Default SLOs scale with the request, as Splitwise (Patel
+  the one that finishes soonest (TTFT + TPOT × the remaining tokens). When
+  none does, the plan that finishes soonest among those that keep every
+  cache's promises (among all when none does): on a CPU worker that is a
+  spill, never a rejection. Default SLOs scale with the request, as Splitwise (Patel
   et al., ISCA 2024) and Sarathi-Serve define theirs: TTFT SLO = 3 × the
   unloaded TTFT of the fastest worker for this prompt, TPOT SLO = 3 × the
   fastest unloaded decode step. Until every worker has reported measured
@@ -180,6 +184,15 @@ class CostPolicy:
         tpot = self.tpot_slo_s or SLO_FACTOR * min(cm.unloaded_tpot_s(w) for w in workers)
         return ttft, tpot
 
+    @staticmethod
+    def _fits(request: PlacementRequest, workers: Sequence[WorkerLoad], plan: Plan) -> bool:
+        """The decoding worker's cache can take the whole sequence beside what it has promised; a
+        hand-off's GPU worker needs free blocks for the prompt only, held until the copy."""
+        total = request.prompt_tokens + request.max_tokens
+        if not cm.fits_committed(workers[plan.workers[-1]], total):
+            return False
+        return plan.route != "gpu->cpu" or cm.fits_now(workers[plan.workers[0]], request.prompt_tokens + 1)
+
     def place(self, request: PlacementRequest, workers: Sequence[WorkerLoad]) -> Plan:
         if not all(w.prefill_tokens_per_s and w.decode_step_s for w in workers):
             # A worker without figures yet (started with rate measurement off, or an in-process
@@ -192,11 +205,13 @@ class CostPolicy:
         ttft_slo, tpot_slo = self.slos(request, workers)
         decodes = request.max_tokens > 1  # a one-token request has no TPOT to meet
         good = [p for p in plans if p.ttft_s <= ttft_slo and (not decodes or p.tpot_s <= TPOT_HEADROOM * tpot_slo)
-                and cm.fits_now(workers[p.workers[-1]], total)]
+                and self._fits(request, workers, p)]
         if good:
             return min(good, key=lambda p: (gpu_decode_s(p, request.max_tokens), p.e2e_s(request.max_tokens),
                                             p.route != "cpu"))
-        # Nothing meets the SLOs: no rejection; the plan that finishes soonest, the CPU tier first on ties.
+        # Nothing meets the SLOs: no rejection; the plan that finishes soonest, the CPU tier first on ties, among
+        # those that fit beside what each cache has promised (overcommitting a cache preempts what runs there).
+        plans = [p for p in plans if self._fits(request, workers, p)] or plans
         best = min(plans, key=lambda p: (p.e2e_s(request.max_tokens), p.route != "cpu"))
         return replace(best, spilled=best.route == "cpu", meets_slo=False)
 

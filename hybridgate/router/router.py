@@ -397,12 +397,14 @@ class Router:
         pending: dict[int, list[_Pending]] = {}
         for stream in self._streams.values():
             if stream.client is not None and not stream.done:
-                pending.setdefault(id(stream.client), []).append(
-                    _Pending(stream.uncached_tokens, bool(stream.received)))
-                placed = stream.placement
-                if placed is not None and placed.route == "gpu->cpu" and stream.client is placed.clients[0]:
+                placed, whole = stream.placement, len(stream.prompt_ids) + stream.max_tokens
+                handing_off = placed is not None and placed.route == "gpu->cpu" and stream.client is placed.clients[0]
+                pending.setdefault(id(stream.client), []).append(_Pending(
+                    stream.uncached_tokens, bool(stream.received),
+                    len(stream.prompt_ids) + 1 if handing_off else whole))
+                if handing_off:
                     # Still on its GPU worker: a decode the CPU worker will have, counted there already.
-                    pending.setdefault(id(placed.clients[1]), []).append(_Pending(0, True))
+                    pending.setdefault(id(placed.clients[1]), []).append(_Pending(0, True, whole))
         return self.placer.place(ready, self._inflight, pending, prompt_ids, max_tokens, deadline_s)
 
     def register(self, stream: GenerationStream, client: WorkerClient | None) -> None:

@@ -283,9 +283,15 @@ class EngineCore:
             q.num_tokens - q.num_computed for q in sched.running if q.num_tokens - q.num_computed > 1)
         s.decoding = sum(1 for q in sched.running if q.num_tokens - q.num_computed == 1)
         s.blocks_cached = self.allocator.stats().cached
+        s.blocks_committed = s.blocks_used + sum(self._blocks_to_finish(q) for q in (*sched.waiting, *sched.running))
         s.max_num_seqs, s.max_num_batched_tokens = sched.config.max_num_seqs, sched.config.max_num_batched_tokens
         s.prefill_tokens_per_s, s.decode_step_s = self.rates.prefill.medians, self.rates.decode.medians
         return s
+
+    def _blocks_to_finish(self, seq: Sequence) -> int:
+        """Blocks `seq` still needs to reach its end: max_tokens, or a hand-off's first token."""
+        final = min(len(seq.prompt_ids) + (1 if seq.handoff else seq.max_tokens), self.runner.max_model_len)
+        return max(0, -(-final // self.allocator.block_size) - len(seq.block_table))
 
     def measure_rates(self, prefill_lens: tuple[int, ...] = (32, 256),
                       decode_batches: tuple[int, ...] = (1, 8), decode_steps: int = 2) -> None:

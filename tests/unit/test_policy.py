@@ -164,3 +164,36 @@ def test_cost_keeps_a_cpu_decode_only_with_room_below_the_tpot_slo():
     # At 75 ms the CPU tier takes the decode, and the GPU worker only prefills (no GPU decode slot held).
     faster = [workers[0], replace(workers[1], decode_step_s={1: 0.075})]
     assert CostPolicy(ttft_slo_s=1.0, tpot_slo_s=0.1).place(req, faster).route in ("cpu", "gpu->cpu")
+
+
+def test_cost_keeps_a_sequence_off_a_gpu_cache_its_running_sequences_are_promised():
+    # The CPU worker decodes at 90 ms a step, outside 80% of the 100 ms TPOT SLO, so only the `gpu` plan meets
+    # the SLOs. 4,000 + 4,000 tokens need 500 blocks: 800 of the GPU worker's 1,000 are free now.
+    gpu = WorkerLoad(0, "gpu-0", "gpu", blocks_free=800, blocks_total=1000, **FAST_PREFILL)
+    cpu = WorkerLoad(1, "cpu-0", "cpu", blocks_free=5000, blocks_total=5000, takes_handoff=True,
+                     prefill_tokens_per_s={512: 200.0}, decode_step_s={1: 0.09})
+    req = PlacementRequest(4000, 4000, (4000, 4000))
+    policy = CostPolicy(ttft_slo_s=10.0, tpot_slo_s=0.1)
+    assert policy.place(req, [gpu, cpu]).route == "gpu"
+    # Its running sequences will hold 900 blocks at their ends (200 are still to be written): 500 more would
+    # preempt them on the way. No plan meets the SLOs now, and the one that fits every cache's promises takes it:
+    # the GPU worker prefills into free blocks it gets back at the hand-off, the CPU worker decodes.
+    promised = replace(gpu, blocks_committed=900)
+    plan = policy.place(req, [promised, cpu])
+    assert (plan.route, plan.workers, plan.meets_slo) == ("gpu->cpu", (0, 1), False)
+    # Without 250 free blocks for the prompt on the GPU worker, the CPU worker prefills it as well.
+    full = replace(promised, blocks_free=200)
+    assert policy.place(req, [full, cpu]).route == "cpu"
+    # The GPU worker alone: it takes the request anyway (its scheduler preempts or queues), never a rejection.
+    assert policy.place(request(4000, 4000, n=1), [promised]).route == "gpu"
+
+
+def test_placer_counts_the_blocks_its_own_requests_are_promised():
+    gpu = FakeClient("gpu-0", "gpu", prefill_tokens_per_s={512: 1000.0}, decode_step_s={1: 0.02},
+                     blocks_committed=100)
+    placer = Placer(make_policy("cost"), "fp", kv_bytes_per_token=0)
+    # The report says 100 blocks; this router's two requests not yet reported hold 1,000 + 600 tokens at their
+    # ends: 63 + 38 = 101 blocks, the larger figure.
+    loads = placer._load(0, gpu, 2, [_Pending(500, False, 1000), _Pending(300, False, 600)])
+    assert loads.blocks_committed == 101
+    assert placer._load(0, gpu, 0, []).blocks_committed == 100

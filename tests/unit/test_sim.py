@@ -101,3 +101,19 @@ def test_bench_sim_json_holds_every_figure(tmp_path):
     report = json.loads(out.read_text())
     check_report(report, ["cost", "least_loaded"])
     assert (tmp_path / "sim.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cost_hands_off_rather_than_overcommit_a_gpu_cache():
+    # The GPU worker's cache holds 40 blocks of 16: one 200 + 200-token sequence (25 blocks) at a time. The CPU
+    # worker's 90 ms step is outside 80% of the 100 ms TPOT SLO, so a CPU decode never meets the SLOs.
+    gpu = Profile("gpu", "gpu", decode_step_s={1: 0.01}, prefill_tokens_per_s={16: 10_000.0}, blocks_total=40)
+    cpu = Profile("cpu", "cpu", decode_step_s={1: 0.09}, prefill_tokens_per_s={16: 200.0}, blocks_total=1000)
+    items = [wl.WorkItem("x", 200, 200)] * 2
+    simulation = Simulation([gpu, cpu], make_policy("cost", ttft_slo_s=10.0, tpot_slo_s=0.1))
+    first, second = simulation.run(items, [0.0, 0.05], 100.0)
+    # At 0.05 s the first holds 13 blocks (204 tokens) and 27 are free: room for the second's 25 now, but
+    # not for both sequences at their ends. The second is prefilled there and decoded on the CPU worker.
+    assert (first.plan, second.plan) == ("gpu", "gpu->cpu")
+    assert simulation.workers[0].preemptions == 0 and first.ended and second.ended
+    # The first's 200 tokens at one 10 ms step each after its 20 ms prefill: nothing preempted it.
+    assert first.e2e_s == pytest.approx(0.02 + 199 * 0.01, rel=0.02)

@@ -260,3 +260,18 @@ def test_a_dead_worker_thread_ends_the_process():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == EXIT_THREAD_DIED and time.monotonic() - start < 20
     assert "I/O thread died" in proc.stderr and "ZeroDivisionError" in proc.stderr
+
+
+def test_the_load_report_counts_the_blocks_each_sequence_is_promised():
+    class Roomy(FakeRunner):
+        num_blocks = 16
+
+    engine = EngineCore(Roomy(), SchedulerConfig())
+    engine.add(add("chat", ids=[5] * 20, max_tokens=13), b"c1")  # 33 tokens at its end: 3 blocks of 16
+    engine.add(add("long", ids=[5] * 3, max_tokens=61), b"c1")  # 64 tokens: 4 blocks
+    # A hand-off holds its KV here up to its first token only: 21 tokens, 2 blocks.
+    handoff = AddRequest("h", [5] * 20, SamplingParams(temperature=0), 0, 40, 2,
+                         handoff=wire.HandoffTarget("ipc:///nowhere", "t"))
+    engine.add(handoff, b"c1")
+    stats = engine.refresh_stats()
+    assert (stats.blocks_used, stats.blocks_committed) == (0, 3 + 4 + 2)
