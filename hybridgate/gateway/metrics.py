@@ -119,6 +119,9 @@ class _EngineCollector:
         kv = GaugeMetricFamily("hybridgate:kv_cache_bytes", "KV-cache bytes held by live sequences.", labels=["worker"])
         blocks = GaugeMetricFamily("hybridgate:kv_cache_blocks_used", "KV blocks held by live sequences (free "
                                    "cached blocks excluded); 0 on an idle worker that leaks none.", labels=["worker"])
+        committed = GaugeMetricFamily("hybridgate:kv_cache_blocks_committed", "KV blocks held now plus those the "
+                                      "worker's sequences still need to reach max_tokens, as it last reported; above "
+                                      "its cache's blocks, running sequences will be preempted.", labels=["worker"])
         pinned = GaugeMetricFamily("hybridgate:pinned_bytes_in_use", "The runner's pinned host buffer bytes held "
                                    "now (hand-off buffers are kv_handoff_pinned_bytes_in_use).", labels=["worker"])
         running = GaugeMetricFamily("hybridgate:num_requests_running", "Sequences running.", labels=["worker"])
@@ -150,6 +153,7 @@ class _EngineCollector:
             after.add_metric([name], s.tokens_after_abort)
             kv.add_metric([name], s.kv_cache_bytes)
             blocks.add_metric([name], s.blocks_used)
+            committed.add_metric([name], s.blocks_committed)
             pinned.add_metric([name], s.pinned_bytes_in_use)
             running.add_metric([name], s.running)
             waiting.add_metric([name], s.waiting)
@@ -165,7 +169,7 @@ class _EngineCollector:
             batch.add_metric([name], buckets, sum(n * c for n, c in s.batch_size_counts.items()))
         if self._wire_errors is not None:  # the router's own refusals of worker messages, in the same family
             wire_errors.add_metric(["", "router"], self._wire_errors())
-        yield from (steps, after, kv, blocks, pinned, running, waiting, queued, prefill, by_size, batch, hits, misses, wire_errors)
+        yield from (steps, after, kv, blocks, committed, pinned, running, waiting, queued, prefill, by_size, batch, hits, misses, wire_errors)
         yield from handoff.families()
 
 

@@ -95,6 +95,9 @@ def test_a_short_request_avoids_the_worker_busy_with_a_long_prefill(served):
         busy = [name for name, tokens in queued.items() if tokens >= 1000]
         time.sleep(0.02)
     busy_kind = busy[0].split("-")[0]
+    # Its cache is promised the whole prompt and the one token asked for, beside whatever it holds now.
+    committed = worker_gauge(served.metrics_url, "hybridgate:kv_cache_blocks_committed")[busy[0]]
+    assert committed >= -(-(queued[busy[0]] + 1) // 16), (committed, queued)
     other = "cpu" if busy_kind == "gpu" else "gpu"
     responses, meta = generate_with_metadata(served.target, prompt(2, 20), 4)
     long_call.join(120 * TIME_FACTOR)
