@@ -235,7 +235,13 @@ def add_sim_parser(sub) -> None:
                    help="layouts, comma-separated, each a sum of profiles with counts, e.g. "
                         "h200-llama8b*1+epyc32-llama8b*8; a profile is a JSON file (bench engine --profile-out) or the "
                         "name of a shipped one: smollm2-gpu-t1, smollm2-cpu-t1, smollm2-gpu-t2, smollm2-cpu-t2, "
+                        "smollm2-gpu-t1-xeon, smollm2-cpu-t1-xeon, "
                         "h200-llama8b, epyc32-llama8b")
+    p.add_argument("--frontend-latency", default="0", metavar="S|auto",
+                   help="seconds added to every request's TTFT for what a worker profile does not hold: the client, "
+                        "gateway and sockets on the way to the worker's first step and back; 'auto' takes, per layout, "
+                        "the median of the --slo-from report's unloaded TTFTs less the layout's own at the same "
+                        "prompt lengths (default 0)")
     p.set_defaults(func=_run_sim)
 
 

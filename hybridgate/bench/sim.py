@@ -233,9 +233,10 @@ class _Worker:
 class Simulation:
     """One run: `workers` (profiles), the policy, the outcomes of the items placed at their arrival offsets."""
 
-    def __init__(self, profiles: list[Profile], policy: Policy):
+    def __init__(self, profiles: list[Profile], policy: Policy, frontend_s: float = 0.0):
         self.workers = [_Worker(p) for p in profiles]
         self.policy = policy
+        self.frontend_s = frontend_s  # client and gateway time on the way of every request (`frontend_latency`)
         self._events: list = []
         self._order = itertools.count()
         self.now = 0.0
@@ -298,10 +299,10 @@ class Simulation:
             seq.generated += 1  # the step sampled the next token
             o = seq.outcome
             if o.ttft_s is None:
-                o.ttft_s = self.now - o.arrival_s
+                o.ttft_s = self.now - o.arrival_s + self.frontend_s
             o.tokens = seq.generated
             if seq.generated >= o.item.max_tokens:
-                o.e2e_s, o.ended = self.now - o.arrival_s, True
+                o.e2e_s, o.ended = self.now - o.arrival_s + self.frontend_s, True
                 w.running.remove(seq)
                 w.release(seq)
             elif seq.handoff_to is not None:
@@ -338,14 +339,37 @@ def unloaded_slo(profiles: list[Profile], prompt_lengths: list[int], ttft_s: flo
     return Slo(ttft_s, tpot_s, ttft, min(cm.unloaded_tpot_s(w) for w in loads))
 
 
+def frontend_latency(text: str, profiles: list[Profile], report: dict | None) -> float:
+    """`--frontend-latency`: seconds, or "auto": the report's unloaded TTFT at its shortest probe (`bench serve
+    --json`, its "unloaded" TTFTs by prompt length) less the layout's own unloaded TTFT there, at least 0: the
+    shortest prompt, where the prefill is least of it and a profile's prefill rate errs least in seconds.
+    Raises ValueError naming the flag."""
+    if text != "auto":
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError(f"--frontend-latency: seconds or 'auto', got {text!r}") from None
+        if not value >= 0:
+            raise ValueError(f"--frontend-latency: must be >= 0 seconds, got {text!r}")
+        return value
+    probes = ((report or {}).get("unloaded") or {}).get("ttft_s")
+    if not probes:
+        raise ValueError("--frontend-latency auto: needs --slo-from a bench serve report with its unloaded probes")
+    loads = [_Worker(p).load(i) for i, p in enumerate(profiles)]
+    shortest = min(probes, key=int)
+    return max(0.0, probes[shortest] - min(cm.unloaded_ttft_s(w, int(shortest)) for w in loads))
+
+
 def simulate(profiles: list[Profile], policy_name: str, items: list[WorkItem], rate: float, seed: int,
-             slo: Slo, time_limit_s: float, ttft_slo_s: float | None = None, tpot_slo_s: float | None = None) -> dict:
-    """The figures (`workload.summarize`) of one simulated run at `rate` with a fresh policy object."""
+             slo: Slo, time_limit_s: float, ttft_slo_s: float | None = None, tpot_slo_s: float | None = None,
+             frontend_s: float = 0.0) -> dict:
+    """The figures (`workload.summarize`) of one simulated run at `rate` with a fresh policy object;
+    `frontend_s` is added to every TTFT and e2e latency."""
     from hybridgate.bench.workload import arrivals, summarize
     from hybridgate.router.policy import make_policy
 
     policy = make_policy(policy_name, ttft_slo_s, tpot_slo_s, seed=seed)
-    outcomes = Simulation(profiles, policy).run(items, arrivals(len(items), rate, seed), time_limit_s)
+    outcomes = Simulation(profiles, policy, frontend_s).run(items, arrivals(len(items), rate, seed), time_limit_s)
     return summarize(outcomes, rate, slo)
 
 
@@ -361,22 +385,26 @@ def run(args) -> dict:
     profiles = {name: parse_layout(name) for name in layouts}
     items = wl.file_items(args.workload) if args.workload else wl.builtin_items(args.max_requests, args.seed,
                                                                                wl.parse_mix(args.mix))
-    if args.slo_from:
-        slo = wl.Slo.from_json(json.loads(Path(args.slo_from).read_text())["slo"])
+    source = json.loads(Path(args.slo_from).read_text()) if args.slo_from else None
+    if source is not None:
+        slo = wl.Slo.from_json(source["slo"])
     else:
         slo = unloaded_slo(profiles[layouts[0]], [i.prompt_tokens for i in items], router.ttft_slo_s, router.tpot_slo_s)
     policies = args.compare_policies.split(",") if args.compare_policies else [router.policy]
     rates = wl.parse_rates(args.rates) if args.rates else []
 
+    frontend = {name: frontend_latency(getattr(args, "frontend_latency", "0"), ps, source)
+                for name, ps in profiles.items()}
+
     def one(layout: str, policy: str, rate: float) -> dict:
         n = wl.requests_at(rate, args.duration, args.min_requests, args.max_requests)
         chosen = [items[i % len(items)] for i in range(n)]
         return simulate(profiles[layout], policy, chosen, rate, args.seed, slo, args.time_limit,
-                        router.ttft_slo_s, router.tpot_slo_s)
+                        router.ttft_slo_s, router.tpot_slo_s, frontend[layout])
 
     start = 1.0 / statistics.mean(slo.ttft_for(i.prompt_tokens) / wl.SLO_FACTOR
                                   + slo.tpot() / wl.SLO_FACTOR * (i.max_tokens - 1) for i in items)
-    report: dict = {"slo": slo.to_json(), "seed": args.seed, "layouts": {},
+    report: dict = {"slo": slo.to_json(), "seed": args.seed, "layouts": {}, "frontend_latency_s": frontend,
                     "profiles": {p.name: p.source for ps in profiles.values() for p in ps}}
     first_capacity, absolute = None, None
     for layout in layouts:

@@ -117,3 +117,19 @@ def test_cost_hands_off_rather_than_overcommit_a_gpu_cache():
     assert simulation.workers[0].preemptions == 0 and first.ended and second.ended
     # The first's 200 tokens at one 10 ms step each after its 20 ms prefill: nothing preempted it.
     assert first.e2e_s == pytest.approx(0.02 + 199 * 0.01, rel=0.02)
+
+
+def test_the_frontend_latency_adds_to_ttft_and_e2e_and_auto_takes_it_from_the_shortest_probe():
+    (o,) = Simulation([FLAT], make_policy("cost"), frontend_s=0.03).run([wl.WorkItem("x", 1000, 5)], [0.0], 100.0)
+    # The 1.0 s prefill and 4 decode steps of 20 ms, 30 ms later at both ends; TPOT unchanged.
+    assert o.ttft_s == pytest.approx(1.03) and o.e2e_s == pytest.approx(1.03 + 4 * 0.02)
+    assert o.tpot_s == pytest.approx(0.02)
+    # A serve report measured 0.05 s unloaded at 20 prompt tokens, where FLAT prefills in 0.02 s; the long
+    # probe (2,000 tokens: 4.1 s measured against 2.0 s here) is not where the front end shows.
+    report = {"unloaded": {"ttft_s": {"2000": 4.1, "20": 0.05}}}
+    assert sim.frontend_latency("auto", [FLAT], report) == pytest.approx(0.03)
+    assert sim.frontend_latency("0.25", [FLAT], None) == 0.25
+    with pytest.raises(ValueError, match="--frontend-latency auto: needs --slo-from"):
+        sim.frontend_latency("auto", [FLAT], None)
+    with pytest.raises(ValueError, match="--frontend-latency: must be >= 0"):
+        sim.frontend_latency("-1", [FLAT], None)
