@@ -240,8 +240,8 @@ def add_sim_parser(sub) -> None:
     p.add_argument("--frontend-latency", default="0", metavar="S|auto",
                    help="seconds added to every request's TTFT for what a worker profile does not hold: the client, "
                         "gateway and sockets on the way to the worker's first step and back; 'auto' takes, per layout, "
-                        "the median of the --slo-from report's unloaded TTFTs less the layout's own at the same "
-                        "prompt lengths (default 0)")
+                        "the --slo-from report's unloaded TTFT at its shortest probe less the layout's own at that "
+                        "prompt length (default 0)")
     p.set_defaults(func=_run_sim)
 
 

@@ -119,9 +119,14 @@ class _Seq:
     handoff_to: int | None = None  # the CPU worker a gpu->cpu plan moves it to after its first token
 
     @property
+    def whole_tokens(self) -> int:
+        """Prompt and every token it may generate."""
+        return self.prompt + self.outcome.item.max_tokens
+
+    @property
     def final_tokens(self) -> int:
         """Tokens it holds KV for at its end here: the whole sequence, or a hand-off's prompt and first token."""
-        return self.prompt + (1 if self.handoff_to is not None else self.outcome.item.max_tokens)
+        return self.prompt + 1 if self.handoff_to is not None else self.whole_tokens
 
     @property
     def remaining(self) -> int:
@@ -270,9 +275,9 @@ class Simulation:
         seq = _Seq(outcome, item.prompt_tokens)
         if plan.route == "gpu->cpu":
             seq.handoff_to = plan.workers[1]
-            self.workers[seq.handoff_to].incoming += 1
-            self.workers[seq.handoff_to].incoming_blocks += self.workers[seq.handoff_to].blocks_for(
-                item.prompt_tokens + item.max_tokens)
+            target = self.workers[seq.handoff_to]
+            target.incoming += 1
+            target.incoming_blocks += target.blocks_for(seq.whole_tokens)
         worker = self.workers[plan.workers[0]]
         if not cm.fits(loads[plan.workers[0]], item.prompt_tokens + item.max_tokens):
             outcome.ended, outcome.error = True, "RESOURCE_EXHAUSTED"
@@ -316,9 +321,10 @@ class Simulation:
 
     def _import(self, index: int, seq: _Seq) -> None:
         # The CPU worker takes the sequence with its KV: nothing to prefill, its next step decodes it.
-        self.workers[index].incoming -= 1
-        self.workers[index].incoming_blocks -= self.workers[index].blocks_for(seq.prompt + seq.outcome.item.max_tokens)
-        self.workers[index].waiting.append(seq)
+        w = self.workers[index]
+        w.incoming -= 1
+        w.incoming_blocks -= w.blocks_for(seq.whole_tokens)
+        w.waiting.append(seq)
         self._kick(index)
 
 
@@ -393,8 +399,7 @@ def run(args) -> dict:
     policies = args.compare_policies.split(",") if args.compare_policies else [router.policy]
     rates = wl.parse_rates(args.rates) if args.rates else []
 
-    frontend = {name: frontend_latency(getattr(args, "frontend_latency", "0"), ps, source)
-                for name, ps in profiles.items()}
+    frontend = {name: frontend_latency(args.frontend_latency, ps, source) for name, ps in profiles.items()}
 
     def one(layout: str, policy: str, rate: float) -> dict:
         n = wl.requests_at(rate, args.duration, args.min_requests, args.max_requests)

@@ -291,7 +291,7 @@ class EngineCore:
     def _blocks_to_finish(self, seq: Sequence) -> int:
         """Blocks `seq` still needs to reach its end: max_tokens, or a hand-off's first token."""
         final = min(len(seq.prompt_ids) + (1 if seq.handoff else seq.max_tokens), self.runner.max_model_len)
-        return max(0, -(-final // self.allocator.block_size) - len(seq.block_table))
+        return self.allocator.blocks_needed(seq.block_table, final)
 
     def measure_rates(self, prefill_lens: tuple[int, ...] = (32, 256),
                       decode_batches: tuple[int, ...] = (1, 8), decode_steps: int = 2) -> None:
