@@ -69,9 +69,15 @@ async def compare(clients: dict, pid: int, streams: int, pairs: int, max_tokens:
     keys = runs[order[0]][0].keys()
     out: dict = {name: {k: statistics.median(r[k] for r in rs) for k in keys} for name, rs in runs.items()}
     out["runs"] = runs
-    out["ratio_openai_over_grpc"] = {
-        k: statistics.median(h[k] / g[k] for g, h in zip(runs["grpc"], runs["openai"])) for k in keys}
+    # A short run can use less gateway CPU than one clock tick (10 ms): such a pair has no ratio of that figure,
+    # and a figure no pair has a ratio of is None.
+    out["ratio_openai_over_grpc"] = {k: _median_or_none([h[k] / g[k] for g, h in zip(runs["grpc"], runs["openai"])
+                                                          if g[k] > 0]) for k in keys}
     return out
+
+
+def _median_or_none(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
 
 
 async def run_compare(bench, proc, clients: dict) -> dict:
