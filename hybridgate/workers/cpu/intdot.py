@@ -424,3 +424,7 @@ def matmul_i16(x, qs, scale, minimum, out):
         wq = np.empty(0, dtype=np.int16)
         for r in range(TILE_W * groups, qs.shape[0]):
             _irows(xq, xs, xsum, qs, scale, minimum, out, r, 1, b0, b1, wq)
+
+
+if _ISA == "avx2":  # in-lane widening and one float step per block (see `avx2`)
+    from hybridgate.workers.cpu.avx2 import matmul_i16  # noqa: E402, F811
