@@ -109,6 +109,20 @@ def _check(model_file: str) -> dict:
             y = m.matmul(x)
             pairs[fmt][0].append((kind, y, x.astype(np.float64) @ dense.T))
             invariant[fmt] &= all(np.array_equal(m.matmul(x[b : b + 1])[0], y[b]) for b in (0, 4, 8))
+    for kind in ("Q4_1", "Q8_0"):  # the integer sums at their limits: every code at its extreme, every
+        # activation at ±its block's largest value (int16 ±32767), so a pair sum or a lane that lost a
+        # bit (the avx2 path's Q4_1 lanes hold 16 times their codes) shows far past the format's error
+        rows, cols = 8, 128
+        data = random_blocks(kind, rows, cols, rng).reshape(rows, cols // 32, -1)
+        if kind == "Q4_1":
+            data[:, :, 4:] = 0xFF  # codes 15 (the min stays random)
+        else:
+            data[:, :, 2:] = np.where(rng.random(data[:, :, 2:].shape) < 0.5, 0x80, 0x7F)  # codes -128 and 127
+        data = data.reshape(rows, -1)
+        dense = np.asarray(gguf.quants.dequantize(data, T[kind]), np.float64).reshape(rows, cols)
+        x = np.where(rng.random((5, cols)) < 0.5, -3.0, 3.0).astype(np.float32)
+        m = quant.quant_matrix("w", int(T[kind]), data, (rows, cols), "i16")
+        pairs["i16"][0].append((kind + " extremes", m.matmul(x), x.astype(np.float64) @ dense.T))
     for kind in ("Q4_1", "Q8_0"):  # every tile shape: 4-row tiles and a 1-row tail, 4x4 and 4x1, two X_TILE passes
         m = quant.quant_matrix("w", int(T[kind]), random_blocks(kind, 37, 96, rng), (37, 96), "i16")
         x = rng.standard_normal((70, 96)).astype(np.float32)
