@@ -26,7 +26,7 @@ step one convert, one multiply by the scale vector and one FMA with the weight
 block's scale, into 8 lanes per pair: acc = fma(float(P) · S_kb, d_ib, acc)
 over the blocks in order. The Q4_1 min term, Σ_b m_ib · xsum_kb, is a separate
 8-block-wide FMA chain over the blocks (then its tail one by one), added after
-the 8 lanes' fixed tree. From 4 activation rows on, a row group's codes are
+the 8 lanes' fixed tree (`_min_terms`). From 4 activation rows on, a row group's codes are
 widened once into a scratch (`unpack_rows`) in exactly the lanes the packed
 tiles compute, so every tile gives a pair the same integers and the same float
 operations: a row's result does not depend on its batch.
@@ -186,11 +186,12 @@ def _make_tile(wrows: int, xrows: int, unpacked: bool):
 
             with cgutils.for_range(builder, n) as loop:
                 one_block(loop.index)
+            mterms = _min_terms(context, builder, ty, ma, xma, so, sstr, ao, astr, wrows, xrows, n) if kind == "q4_1" else {}
             for k in range(xrows):
                 for i in range(wrows):
                     value = _tree8(builder, builder.load(accs[k][i]))
                     if kind == "q4_1":
-                        value = builder.fadd(value, _min_term(context, builder, ty, ma, xma, so, sstr, ao, astr, i, k, n))
+                        value = builder.fadd(value, mterms[i, k])
                     op = builder.add(builder.add(oo, builder.mul(ostr, c(k))), c(i))
                     builder.store(value, at("out", oa, op))
             return context.get_dummy_value()
@@ -201,26 +202,33 @@ def _make_tile(wrows: int, xrows: int, unpacked: bool):
     return intrinsic(generic)
 
 
-def _min_term(context, builder, ty, ma, xma, so, sstr, ao, astr, i, k, n):
-    """Σ_b minimum[so + i·sstr + b] · xsum[ao + k·astr + b]: an 8-lane FMA chain over the blocks in
-    order, its fixed tree, then the last n % 8 blocks one by one."""
+def _min_terms(context, builder, ty, ma, xma, so, sstr, ao, astr, wrows, xrows, n):
+    """{(i, k): Σ_b minimum[so + i·sstr + b] · xsum[ao + k·astr + b]} for the tile's pairs: per pair an
+    8-lane FMA chain over the blocks in order, its fixed tree, then the last n % 8 blocks one by one;
+    the pairs' chains interleaved in one loop (one pair at a time, their latency made the m terms
+    cost more than the products on 18-block rows)."""
     c = lambda v: ir.Constant(n.type, v)  # noqa: E731
-    mrow = builder.add(so, builder.mul(sstr, c(i)))
-    xrow = builder.add(ao, builder.mul(astr, c(k)))
-    vacc = cgutils.alloca_once_value(builder, ir.Constant(_V8F, [0.0] * 8))
+    pairs = [(i, k) for k in range(xrows) for i in range(wrows)]
+    mrow = {i: builder.add(so, builder.mul(sstr, c(i))) for i in range(wrows)}
+    xrow = {k: builder.add(ao, builder.mul(astr, c(k))) for k in range(xrows)}
+    vacc = {p: cgutils.alloca_once_value(builder, ir.Constant(_V8F, [0.0] * 8)) for p in pairs}
     eights = builder.sdiv(n, c(8))
     with cgutils.for_range(builder, eights) as loop:
         b = builder.mul(loop.index, c(8))
-        m = _load_vec(builder, _ptr(context, builder, ty["minimum"], ma, builder.add(mrow, b)), _V8F, 4)
-        t = _load_vec(builder, _ptr(context, builder, ty["xsum"], xma, builder.add(xrow, b)), _V8F, 4)
-        builder.store(_fma(builder, m, t, builder.load(vacc)), vacc)
-    sacc = cgutils.alloca_once_value(builder, _tree8(builder, builder.load(vacc)))
+        m = {i: _load_vec(builder, _ptr(context, builder, ty["minimum"], ma, builder.add(mrow[i], b)), _V8F, 4)
+             for i in range(wrows)}
+        t = {k: _load_vec(builder, _ptr(context, builder, ty["xsum"], xma, builder.add(xrow[k], b)), _V8F, 4)
+             for k in range(xrows)}
+        for i, k in pairs:
+            builder.store(_fma(builder, m[i], t[k], builder.load(vacc[i, k])), vacc[i, k])
+    sacc = {p: cgutils.alloca_once_value(builder, _tree8(builder, builder.load(vacc[p]))) for p in pairs}
     with cgutils.for_range(builder, builder.sub(n, builder.mul(eights, c(8)))) as loop:
         b = builder.add(builder.mul(eights, c(8)), loop.index)
-        m = builder.load(_ptr(context, builder, ty["minimum"], ma, builder.add(mrow, b)))
-        t = builder.load(_ptr(context, builder, ty["xsum"], xma, builder.add(xrow, b)))
-        builder.store(_fma(builder, m, t, builder.load(sacc)), sacc)
-    return builder.load(sacc)
+        m = {i: builder.load(_ptr(context, builder, ty["minimum"], ma, builder.add(mrow[i], b))) for i in range(wrows)}
+        t = {k: builder.load(_ptr(context, builder, ty["xsum"], xma, builder.add(xrow[k], b))) for k in range(xrows)}
+        for i, k in pairs:
+            builder.store(_fma(builder, m[i], t[k], builder.load(sacc[i, k])), sacc[i, k])
+    return {p: builder.load(sacc[p]) for p in pairs}
 
 
 @intrinsic
