@@ -50,7 +50,16 @@ from numba import types  # noqa: E402
 from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
-from hybridgate.workers.cpu.simd import PREFETCH_ROWS, X_TILE, _load_vec, _ptr, prefetch, prefetch_span  # noqa: E402
+from hybridgate.workers.cpu.simd import (  # noqa: E402
+    PREFETCH_ROWS,
+    X_TILE,
+    _load_vec,
+    _ptr,
+    _tree_sum,
+    prefetch,
+    prefetch_span,
+    reduce_halves,
+)
 
 XQ_MAX = 32767.0  # as intdot: int16 activations in ±32767, so no pair product meets vpmaddwd's overflow
 _F32 = ir.FloatType()
@@ -81,17 +90,6 @@ def _fma(builder, a, b, c):
 def _splat8(builder, scalar):
     vec = builder.insert_element(ir.Constant(_V8F, ir.Undefined), scalar, ir.Constant(_I32, 0))
     return builder.shuffle_vector(vec, vec, ir.Constant(_V8I, [0] * 8))
-
-
-def _tree8(builder, vec):
-    """Sum of 8 lanes, pairwise halves (fixed order)."""
-    width = 8
-    while width > 1:
-        width //= 2
-        lo = builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_I32, width), list(range(width))))
-        hi = builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_I32, width), list(range(width, 2 * width))))
-        vec = builder.fadd(lo, hi)
-    return builder.extract_element(vec, ir.Constant(_I32, 0))
 
 
 def _codes(builder, kind, ptr):
@@ -189,7 +187,7 @@ def _make_tile(wrows: int, xrows: int, unpacked: bool):
             mterms = _min_terms(context, builder, ty, ma, xma, so, sstr, ao, astr, wrows, xrows, n) if kind == "q4_1" else {}
             for k in range(xrows):
                 for i in range(wrows):
-                    value = _tree8(builder, builder.load(accs[k][i]))
+                    value = _tree_sum(builder, builder.load(accs[k][i]))
                     if kind == "q4_1":
                         value = builder.fadd(value, mterms[i, k])
                     op = builder.add(builder.add(oo, builder.mul(ostr, c(k))), c(i))
@@ -221,7 +219,7 @@ def _min_terms(context, builder, ty, ma, xma, so, sstr, ao, astr, wrows, xrows, 
              for k in range(xrows)}
         for i, k in pairs:
             builder.store(_fma(builder, m[i], t[k], builder.load(vacc[i, k])), vacc[i, k])
-    sacc = {p: cgutils.alloca_once_value(builder, _tree8(builder, builder.load(vacc[p]))) for p in pairs}
+    sacc = {p: cgutils.alloca_once_value(builder, _tree_sum(builder, builder.load(vacc[p]))) for p in pairs}
     with cgutils.for_range(builder, builder.sub(n, builder.mul(eights, c(8)))) as loop:
         b = builder.add(builder.mul(eights, c(8)), loop.index)
         m = {i: builder.load(_ptr(context, builder, ty["minimum"], ma, builder.add(mrow[i], b))) for i in range(wrows)}
@@ -287,13 +285,8 @@ def quantize_block(typingctx, x, x_off, xq, q_off, xs8, s_off, xsum, m_off, hi_s
         vals = _load_vec(builder, _ptr(context, builder, ty[0], xa, xo), v32, 4)
         fabs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v32, [v32]), "llvm.fabs.v32f32")
         mags = builder.call(fabs, [vals])
-        width = 32
-        while width > 1:  # the max is exact: any order gives the same value
-            width //= 2
-            lo = builder.shuffle_vector(mags, mags, ir.Constant(ir.VectorType(_I32, width), list(range(width))))
-            up = builder.shuffle_vector(mags, mags, ir.Constant(ir.VectorType(_I32, width), list(range(width, 2 * width))))
-            mags = builder.select(builder.fcmp_ordered(">", up, lo), up, lo)
-        top = builder.extract_element(mags, ir.Constant(_I32, 0))
+        # the max is exact: any order gives the same value
+        top = reduce_halves(builder, mags, lambda lo, up: builder.select(builder.fcmp_ordered(">", up, lo), up, lo))
         positive = builder.fcmp_ordered(">", top, ir.Constant(_F32, 0.0))
         inv = builder.select(positive, builder.fdiv(ir.Constant(_F32, XQ_MAX), top), ir.Constant(_F32, 0.0))
         splat = builder.shuffle_vector(builder.insert_element(ir.Constant(v32, ir.Undefined), inv, ir.Constant(_I32, 0)),
@@ -303,20 +296,14 @@ def quantize_block(typingctx, x, x_off, xq, q_off, xs8, s_off, xsum, m_off, hi_s
         order = ir.Constant(ir.VectorType(_I32, 32), [int(j) for j in _EVEN_ODD])
         q16 = builder.trunc(builder.shuffle_vector(q, q, order), ir.VectorType(_I16, 32))
         builder.store(q16, builder.bitcast(_ptr(context, builder, ty[2], qa, qo), q16.type.as_pointer()), align=2)
-        total = q
-        width = 32
-        while width > 1:
-            width //= 2
-            lo = builder.shuffle_vector(total, total, ir.Constant(ir.VectorType(_I32, width), list(range(width))))
-            up = builder.shuffle_vector(total, total, ir.Constant(ir.VectorType(_I32, width), list(range(width, 2 * width))))
-            total = builder.add(lo, up)
+        total = reduce_halves(builder, q, builder.add)
         xs = builder.fdiv(top, ir.Constant(_F32, XQ_MAX))
         xs_hi = builder.fmul(xs, hi)
         lanes = ir.Constant(_V8F, ir.Undefined)
         for j in range(8):
             lanes = builder.insert_element(lanes, xs if j < 4 else xs_hi, ir.Constant(_I32, j))
         builder.store(lanes, builder.bitcast(_ptr(context, builder, ty[4], sa, so), _V8F.as_pointer()), align=4)
-        total = builder.sitofp(builder.extract_element(total, ir.Constant(_I32, 0)), _F32)
+        total = builder.sitofp(total, _F32)
         builder.store(builder.fmul(total, xs), _ptr(context, builder, ty[6], ma, mo))
         return context.get_dummy_value()
 

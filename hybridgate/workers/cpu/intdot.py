@@ -43,7 +43,7 @@ from numba import types  # noqa: E402
 from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
-from hybridgate.workers.cpu.simd import PREFETCH_ROWS, X_TILE, _load_vec, _ptr, prefetch_span  # noqa: E402
+from hybridgate.workers.cpu.simd import PREFETCH_ROWS, X_TILE, _load_vec, _ptr, _tree_sum, prefetch_span  # noqa: E402
 
 FORMATS = ("auto", "f32", "i16")  # the cpu_activations setting's choices
 # "auto": the faster format of each weight type on each path, measured on one thread with the default
@@ -93,14 +93,6 @@ def _pair_products(builder, w, x):
     p = builder.add(builder.shuffle_vector(p, p, ir.Constant(ir.VectorType(_I32, 16), list(range(0, 32, 2)))),
                     builder.shuffle_vector(p, p, ir.Constant(ir.VectorType(_I32, 16), list(range(1, 32, 2)))))
     return builder.add(_lanes(builder, p, 0, 8), _lanes(builder, p, 8, 8))
-
-
-def _tree_sum(builder, vec):
-    width = vec.type.count
-    while width > 1:
-        width //= 2
-        vec = builder.fadd(_lanes(builder, vec, 0, width), _lanes(builder, vec, width, width))
-    return builder.extract_element(vec, ir.Constant(_I32, 0))
 
 
 def _fma(builder, a, b, c):

@@ -150,15 +150,21 @@ def kv_encode(typingctx, x, cache):
     return sig, codegen
 
 
-def _tree_sum(builder, vec):
-    """Sum of 16 lanes, pairwise: (0..7 + 8..15), then halves again (fixed order)."""
-    width = LANES
+def reduce_halves(builder, vec, combine):
+    """Lane 0 of vec's lanes combined down to one, `combine(lo, hi)` on its first half and its second,
+    then on the halves of that, and so on: a fixed order, whatever the vector's width."""
+    width = vec.type.count
     while width > 1:
         width //= 2
         lo = builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_I32, width), list(range(width))))
         hi = builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_I32, width), list(range(width, 2 * width))))
-        vec = builder.fadd(lo, hi)
+        vec = combine(lo, hi)
     return builder.extract_element(vec, ir.Constant(_I32, 0))
+
+
+def _tree_sum(builder, vec):
+    """Sum of the lanes, pairwise: (0..7 + 8..15) for 16, then halves again (fixed order)."""
+    return reduce_halves(builder, vec, builder.fadd)
 
 
 def _fma(builder, a, b, c):
@@ -389,15 +395,9 @@ def softmax_weights(typingctx, scores, base, n):
             v = builder.select(mask, _load_vec(builder, ptr, _V16F, 4), neg_inf)
             old = builder.load(top)
             builder.store(builder.select(builder.fcmp_ordered(">", v, old), v, old), top)
-        vec = builder.load(top)
-        width = LANES
-        while width > 1:  # max is exact: any order gives the same value
-            width //= 2
-            lo = builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_I32, width), list(range(width))))
-            hi = builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_I32, width),
-                                                              list(range(width, 2 * width))))
-            vec = builder.select(builder.fcmp_ordered(">", lo, hi), lo, hi)
-        peak = _splat(builder, builder.extract_element(vec, ir.Constant(_I32, 0)))
+        # max is exact: any order gives the same value
+        peak = _splat(builder, reduce_halves(builder, builder.load(top),
+                                             lambda lo, hi: builder.select(builder.fcmp_ordered(">", lo, hi), lo, hi)))
         total = cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * LANES))
         with cgutils.for_range(builder, chunks) as loop:
             ptr, mask = chunk(loop.index)
