@@ -19,7 +19,7 @@ are stored in the order those produce instead:
   (arithmetic) give the even and the odd columns, sign-extended.
 
 So each 32-column activation block is stored as its 16 even columns, then its
-16 odd ones (`quantize_rows`), with a scale vector of 8 lanes per block
+16 odd ones (`quantize_block`), with a scale vector of 8 lanes per block
 ([xs ×4, xs/16 ×4] for Q4_1, [xs ×8] for Q8_0). Per block and pair of rows the
 integer product is two `vpmaddwd` and one add, exact in int32, and the float
 step one convert, one multiply by the scale vector and one FMA with the weight
@@ -254,8 +254,10 @@ def unpack_rows(typingctx, qs, q_off, q_stride, nblocks, rows, wq):
     return sig, codegen
 
 
-# Weight rows × activation rows per tile: the accumulators, a tile's codes and two activation vectors stay
-# in AVX2's 16 registers. At batch 1, 4 rows share each activation load.
+# Weight rows × activation rows per tile. At batch 1, 4 weight rows share each activation load (4
+# accumulators, 2 activation vectors and a row's codes fit AVX2's 16 registers). From UNPACK_MIN rows, 2 x 4:
+# LLVM spills some of its 8 accumulators, yet 2x2, 2x3 and 4x2 measured no better (1 thread, the default
+# model's 3072 x 576 gate/up at batch 16 and 64, within this host's run-to-run noise).
 TILE_W, TILE_X = 2, 4
 GEMV_W = 4
 UNPACK_MIN = 4  # activation rows from which a row group's codes are widened once first
@@ -273,7 +275,8 @@ def quantize_block(typingctx, x, x_off, xq, q_off, xs8, s_off, xsum, m_off, hi_s
     """One 32-column block of float32 activations x[x_off : x_off + 32] → xq[q_off : q_off + 32] int16
     (the block's even columns, then its odd ones), xs8[s_off : s_off + 8] = [xs ×4, xs · hi_scale ×4]
     and xsum[m_off] = xs · Σ xq, with xs = max|x| / 32767 and xq = rint(x / xs) (all zero for a zero
-    block): 8 lanes at a time, the max exact in any order, the sum of the integers exact."""
+    block): one 32-lane vector (four AVX2 registers), the max exact in any order, the sum of the
+    integers exact."""
     ip = types.intp
     sig = types.void(x, ip, xq, ip, xs8, ip, xsum, ip, types.float32)
 
