@@ -67,6 +67,18 @@ def _check_bytes(value: str) -> None:
         raise ValueError(f"must be a size in bytes such as 256MiB, got {value!r}")
 
 
+def _check_cpu_isa(value: str) -> None:
+    """Refuse, before any worker starts, a path this CPU cannot run (a worker would only die of it)."""
+    from hybridgate.workers.cpu import isa  # stdlib and llvmlite only: no Numba
+
+    try:
+        runnable = isa.best(isa.host_features())
+    except ImportError:  # no llvmlite (no cpu extra): no CPU worker to start here either
+        return
+    if value in isa.ISAS and isa.ISAS.index(value) < isa.ISAS.index(runnable):
+        raise ValueError(f"this CPU cannot run {value} (it runs at most {runnable})")
+
+
 def _check_endpoint(value: str) -> None:
     if not value.startswith(("ipc://", "tcp://", "inproc://")):
         raise ValueError(f"must start with ipc://, tcp:// or inproc://, got {value!r}")
@@ -90,7 +102,7 @@ class EngineConfig:
               "(1-3 s on 2 cores); off: the first placements use no figures until real steps have run")
     cpu_isa: str | None = setting(
         None, "CPU worker: the instruction set its kernels are compiled for (default: the best this CPU runs)",
-        choices=("avx512", "avx2", "generic"))
+        choices=("avx512", "avx2", "generic"), check=_check_cpu_isa)
     cpu_activations: str = setting(
         "auto", "CPU worker: the activation format of the quantized matmuls: f32 (float32 activations times "
                 "dequantized weights), i16 (activations quantized to int16 per 32-block, integer multiply-adds, "

@@ -78,6 +78,16 @@ def test_a_path_the_cpu_cannot_run_or_an_unknown_name_is_refused():
             isa.select("avx512")
 
 
+def test_a_worker_setting_for_a_path_the_cpu_cannot_run_is_refused_before_any_worker_starts(monkeypatch):
+    from hybridgate.workers.process import EngineConfig
+
+    assert EngineConfig(cpu_isa=RUNNABLE[0]).cpu_isa == RUNNABLE[0]
+    monkeypatch.setattr(isa, "host_features", lambda: set())  # a CPU with no vector extensions: generic only
+    with pytest.raises(ValueError, match=r"cpu_isa: this CPU cannot run avx2 \(it runs at most generic\)"):
+        EngineConfig(cpu_isa="avx2")
+    assert EngineConfig(cpu_isa="generic").cpu_isa == "generic"
+
+
 # ---- the child ----
 
 def _worst(pairs):
