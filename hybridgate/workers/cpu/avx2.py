@@ -328,7 +328,7 @@ def _quantize_row(x, k, xq, xs8, xsum, hi_scale):
 def _gemv_rows(xq, xs8, xsum, qs, scale, minimum, out, r0, r1, b0, b1):
     """Weight rows r0 .. r1 against activation rows b0 .. b1 (fewer than UNPACK_MIN), GEMV_W rows a tile."""
     rows, nblocks, cols, qw = qs.shape[0], scale.shape[1], xq.shape[1], qs.shape[1]
-    r = r0
+    r = r0  # the packed tiles read no unpacked codes: xq stands in for their wq argument
     while r < r1:
         w = GEMV_W if r + GEMV_W <= r1 else 1
         for b in range(b0, b1):

@@ -18,10 +18,11 @@ FMA on the int32 lanes, whatever the weight type.
 Paths: `avx512` calls `llvm.x86.avx512.pmaddw.d.512` (32 products into 16
 lanes) and accumulates in 16 float lanes; `generic` writes the same products
 as portable IR (sign-extend, multiply, add lane pairs) into 8 float lanes.
-The `avx2` path has kernels of its own (`avx2`: the codes widened in-lane,
-the activations stored in the order that gives), which `matmul_i16` is there. The integer sums are exact, so lane layouts differ between paths
-only in the float accumulation order, which is fixed within a path: a row's
-result does not depend on the batch or tile it is computed in.
+On the `avx2` path `matmul_i16` is `avx2.matmul_i16` (the codes widened
+in-lane, the activations stored in the order that gives). The integer sums
+are exact, so lane layouts differ between paths only in the float
+accumulation order, which is fixed within a path: a row's result does not
+depend on the batch or tile it is computed in.
 
 Sources: ggml's block formats (ggml-common.h `block_q4_1`, `block_q8_0`), the
 activation-quantized dot products of ggml-cpu (`ggml_vec_dot_q4_1_q8_1`, which
