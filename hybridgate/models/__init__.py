@@ -1,5 +1,6 @@
 """Model formats without torch: GGUF reading, config, tokenizer, chat template, fingerprint."""
 
+from hybridgate.models.architectures import ARCHITECTURES, Activation, Architecture, RopeLayout
 from hybridgate.models.chat import ChatTemplate, ChatTemplateError
 from hybridgate.models.detokenizer import IncrementalDetokenizer
 from hybridgate.models.fingerprint import model_fingerprint
@@ -8,6 +9,10 @@ from hybridgate.models.paths import DEFAULT_MODEL_ID, default_model_path
 from hybridgate.models.tokenizer import Tokenizer
 
 __all__ = [
+    "ARCHITECTURES",
+    "Activation",
+    "Architecture",
+    "RopeLayout",
     "ChatTemplate",
     "ChatTemplateError",
     "DEFAULT_MODEL_ID",

@@ -1,4 +1,4 @@
-"""Read a Llama-architecture GGUF file: its `ModelConfig` and a table of tensor views.
+"""Read a GGUF model file: its `ModelConfig` and a table of tensor views.
 
 Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md. Parsing is
 done by the `gguf` package (`GGUFReader`, a memory map); nothing here copies
@@ -23,6 +23,8 @@ import gguf
 import msgspec
 import numpy as np
 
+from hybridgate.models.architectures import ARCHITECTURES, Architecture, RopeLayout
+
 log = logging.getLogger("hybridgate.models")
 
 HEADER_CACHE_FORMAT = 1
@@ -32,7 +34,9 @@ SUPPORTED_TENSOR_TYPES = frozenset(
     gguf.GGMLQuantizationType[name]
     for name in ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 )
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
+# rope.scaling.type values served; llama.cpp writes "linear" (position / factor), "yarn", "longrope".
+SUPPORTED_ROPE_SCALING = ("none", "linear")
 
 
 _POSITIVE_FIELDS = (
@@ -47,7 +51,15 @@ class ModelLoadError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Hyperparameters of a Llama-architecture model, read from GGUF metadata."""
+    """Hyperparameters of a decoder-only model, read from GGUF metadata.
+
+    `arch` is the family's row (`hybridgate.models.architectures`); the fields
+    after it are derived from the row and the file, per layer where they vary
+    (tuples indexed by layer), so runners read data and never a family's name.
+    Attention widths: Q is `num_heads * head_dim`, K and V `num_kv_heads *
+    head_dim` each; `hidden_size` may differ from `num_heads * head_dim`
+    (qwen3, gemma).
+    """
 
     architecture: str
     name: str
@@ -56,24 +68,29 @@ class ModelConfig:
     intermediate_size: int
     num_heads: int
     num_kv_heads: int
-    head_dim: int
+    head_dim: int  # key_length = value_length
     max_model_len: int
-    rope_theta: float
+    rope_theta: float  # the file's rope.freq_base (global layers)
     rms_norm_eps: float
     vocab_size: int
     bos_token_id: int
     eos_token_id: int
     tie_word_embeddings: bool
+    arch: Architecture = ARCHITECTURES["llama"]
+    attention_scale: float = 0.0  # multiplies Q.K; 0 means 1/sqrt(head_dim)
+    attn_softcap: float = 0.0  # scores -> cap * tanh(scores / cap) after scaling; 0: none
+    final_softcap: float = 0.0  # the same on the final logits; 0: none
+    embedding_scale: float = 1.0  # token embeddings are multiplied by it (gemma: sqrt(hidden))
+    layer_windows: tuple[int, ...] = ()  # per layer: sliding window in tokens, 0 = full causal attention
+    layer_rope_theta: tuple[float, ...] = ()  # per layer: RoPE base
+    layer_rope_scale: tuple[float, ...] = ()  # per layer: position multiplier (linear scaling: 1/factor)
+    rope_freq_factors: tuple[float, ...] = ()  # [head_dim / 2] divisors of RoPE frequencies; () = none
+    rope_attn_factor: float = 1.0  # cos and sin multiplied by it (LongRoPE's attention factor)
 
     def __post_init__(self) -> None:
         for name in _POSITIVE_FIELDS:
             if getattr(self, name) <= 0:
                 raise ModelLoadError(f"model config: {name} must be > 0, got {getattr(self, name)}")
-        if self.hidden_size != self.num_heads * self.head_dim:
-            raise ModelLoadError(
-                f"model config: embedding_length {self.hidden_size} != head_count {self.num_heads}"
-                f" x head dim {self.head_dim}"
-            )
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(
                 f"model config: head_count {self.num_heads} is not a multiple of head_count_kv {self.num_kv_heads}"
@@ -81,6 +98,30 @@ class ModelConfig:
         for name in ("bos_token_id", "eos_token_id"):
             if not 0 <= getattr(self, name) < self.vocab_size:
                 raise ModelLoadError(f"model config: {name} {getattr(self, name)} outside vocab of {self.vocab_size}")
+        defaults = {"layer_windows": 0, "layer_rope_theta": self.rope_theta, "layer_rope_scale": 1.0}
+        for name, value in defaults.items():
+            if not getattr(self, name):
+                object.__setattr__(self, name, (value,) * self.num_layers)
+            if len(getattr(self, name)) != self.num_layers:
+                raise ModelLoadError(f"model config: {name} has {len(getattr(self, name))} entries, "
+                                     f"expected block_count {self.num_layers}")
+        if not self.attention_scale:
+            object.__setattr__(self, "attention_scale", self.head_dim ** -0.5)
+        if self.rope_freq_factors and len(self.rope_freq_factors) != self.head_dim // 2:
+            raise ModelLoadError(f"model config: {len(self.rope_freq_factors)} RoPE frequency factors, "
+                                 f"expected head_dim / 2 = {self.head_dim // 2}")
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def rope_layout(self) -> RopeLayout:
+        return self.arch.rope_layout
 
 
 @dataclass(frozen=True)
@@ -153,63 +194,140 @@ def _require(meta: dict[str, Any], key: str) -> Any:
 
 def _config(meta: dict[str, Any], tensors: dict[str, TensorView]) -> ModelConfig:
     arch = _require(meta, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(f"general.architecture {arch!r} is not supported (supported: {SUPPORTED_ARCHITECTURES})")
+    row = ARCHITECTURES.get(arch)
+    if row is None:
+        raise ModelLoadError(f"general.architecture {arch!r} is not supported "
+                             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
     key = lambda name: _require(meta, f"{arch}.{name}")  # noqa: E731
-    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", None):
-        raise ModelLoadError(f"GGUF metadata {arch}.rope.scaling.type={scaling!r} is not supported")
+    opt = lambda name, default: meta.get(f"{arch}.{name}", default)  # noqa: E731
     heads = int(key("attention.head_count"))
     hidden = int(key("embedding_length"))
-    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
-    rope_dim = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
+    head_dim = int(opt("attention.key_length", hidden // heads))
+    if int(opt("attention.value_length", head_dim)) != head_dim:
+        raise ModelLoadError(f"GGUF metadata {arch}.attention.value_length={opt('attention.value_length', 0)} "
+                             f"differs from key_length {head_dim} (not supported)")
+    rope_dim = int(opt("rope.dimension_count", head_dim))
     if rope_dim != head_dim:
         raise ModelLoadError(f"GGUF metadata {arch}.rope.dimension_count={rope_dim} (partial RoPE) is not supported")
     if "token_embd.weight" not in tensors:
         raise ModelLoadError("tensor 'token_embd.weight' is missing")
-    vocab = int(meta.get(f"{arch}.vocab_size", tensors["token_embd.weight"].shape[0]))
+    layers = int(key("block_count"))
+    factors, context, attn_factor = _rope_factors(row, meta, tensors, int(key("context_length")))
+    hidden_scaled = layers in row.hidden_scale_block_counts
+    caps = {name: float(opt(name, default)) for name, default in
+            (("attn_logit_softcapping", row.attn_softcap), ("final_logit_softcapping", row.final_softcap))
+            if name in row.softcap_keys or default}
     return ModelConfig(
         architecture=arch,
         name=str(meta.get("general.name", "")),
-        num_layers=int(key("block_count")),
+        num_layers=layers,
         hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length")),
         num_heads=heads,
-        num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+        num_kv_heads=int(opt("attention.head_count_kv", heads)),
         head_dim=head_dim,
-        max_model_len=int(key("context_length")),
-        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        max_model_len=context,
+        rope_theta=float(opt("rope.freq_base", 10000.0)),
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
-        vocab_size=vocab,
+        vocab_size=int(opt("vocab_size", tensors["token_embd.weight"].shape[0])),
         bos_token_id=int(_require(meta, "tokenizer.ggml.bos_token_id")),
         eos_token_id=int(_require(meta, "tokenizer.ggml.eos_token_id")),
         tie_word_embeddings="output.weight" not in tensors,
+        arch=row,
+        attention_scale=float(hidden // heads if hidden_scaled else head_dim) ** -0.5,
+        attn_softcap=caps.get("attn_logit_softcapping", 0.0),
+        final_softcap=caps.get("final_logit_softcapping", 0.0),
+        embedding_scale=float(np.sqrt(np.float32(hidden))) if row.scale_embeddings else 1.0,
+        **_layer_values(row, meta, layers),
+        rope_freq_factors=factors,
+        rope_attn_factor=attn_factor,
     )
 
 
-def _check_tensors(config: ModelConfig, tensors: dict[str, TensorView]) -> None:
-    h, kv = config.hidden_size, config.num_kv_heads * config.head_dim
-    expected = {"token_embd.weight": (config.vocab_size, h), "output_norm.weight": (h,)}
-    for i in range(config.num_layers):
-        p = f"blk.{i}."
-        expected |= {
-            p + "attn_norm.weight": (h,),
-            p + "attn_q.weight": (h, h),
-            p + "attn_k.weight": (kv, h),
-            p + "attn_v.weight": (kv, h),
-            p + "attn_output.weight": (h, h),
-            p + "ffn_norm.weight": (h,),
-            p + "ffn_gate.weight": (config.intermediate_size, h),
-            p + "ffn_up.weight": (config.intermediate_size, h),
-            p + "ffn_down.weight": (h, config.intermediate_size),
-        }
+def _layer_values(row: Architecture, meta: dict[str, Any], layers: int) -> dict[str, tuple]:
+    """Per-layer window, RoPE base and RoPE position scale (llama.cpp's swa pattern and swa RoPE)."""
+    arch = row.name
+    theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none") or "none"
+    if scaling not in SUPPORTED_ROPE_SCALING:
+        raise ModelLoadError(f"GGUF metadata {arch}.rope.scaling.type={scaling!r} is not supported "
+                             f"(supported: {', '.join(SUPPORTED_ROPE_SCALING)})")
+    scale = 1.0 / float(_require(meta, f"{arch}.rope.scaling.factor")) if scaling == "linear" else 1.0
+    window = int(meta.get(f"{arch}.attention.sliding_window", row.default_window)) if row.swa_pattern else 0
+    sliding = [window > 0 and row.is_sliding(i) for i in range(layers)]
+    local = (row.swa_rope_theta, 1.0) if row.swa_rope_theta else (theta, scale)
+    return {
+        "layer_windows": tuple(window if s else 0 for s in sliding),
+        "layer_rope_theta": tuple(local[0] if s else theta for s in sliding),
+        "layer_rope_scale": tuple(local[1] if s else scale for s in sliding),
+    }
+
+
+def _rope_factors(row: Architecture, meta: dict[str, Any], tensors: dict[str, TensorView],
+                  context: int) -> tuple[tuple[float, ...], int, float]:
+    """(RoPE frequency divisors, served context, cos/sin factor).
+
+    Llama 3's `rope_freqs.weight` (its converter's llama3 scaling, applied as
+    llama.cpp's `freq_factors`). Phi-3 LongRoPE: served up to
+    `rope.scaling.original_context_length` with `rope_factors_short` (the
+    factors llama.cpp and transformers use at that length) and the file's
+    `rope.scaling.attn_factor`.
+    """
+    arch = row.name
+    name, attn_factor = "rope_freqs.weight", 1.0
+    if row.long_rope and "rope_factors_short.weight" in tensors:
+        name = "rope_factors_short.weight"
+        original = int(_require(meta, f"{arch}.rope.scaling.original_context_length"))
+        if original < context:
+            log.info("%s: LongRoPE file served up to its original context %d (of %d)", arch, original, context)
+        context = min(context, original)
+        attn_factor = float(meta.get(f"{arch}.rope.scaling.attn_factor", 1.0))
+    if name not in tensors:
+        return (), context, attn_factor
+    return tuple(float(f) for f in tensors[name].dequantize().reshape(-1)), context, attn_factor
+
+
+# Tensors a file may hold beyond the layout's own (read by `_rope_factors`, or the untied LM head).
+OPTIONAL_TENSORS = ("output.weight", "rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight")
+
+
+def expected_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> row-major shape of every tensor `config`'s architecture reads (`[out, in]` for matrices)."""
+    row, h, f, d = config.arch, config.hidden_size, config.intermediate_size, config.head_dim
+    q, kv = config.q_dim, config.kv_dim
+    qkv = {"attn_q": (q, h), "attn_k": (kv, h), "attn_v": (kv, h), "attn_qkv": (q + 2 * kv, h)}
+    layer = {"attn_norm.weight": (h,), "attn_output.weight": (h, q), "ffn_norm.weight": (h,),
+             "ffn_down.weight": (h, f)}
+    layer |= {n + ".weight": qkv[n] for n in row.qkv_tensors}
+    if row.qkv_bias:
+        layer |= {n + ".bias": qkv[n][:1] for n in row.qkv_tensors}
+    layer |= {n + ".weight": (f * 2 // len(row.gate_up_tensors), h) for n in row.gate_up_tensors}
+    if row.qk_norm:
+        layer |= {"attn_q_norm.weight": (d,), "attn_k_norm.weight": (d,)}
+    if row.post_norms:
+        layer |= {"post_attention_norm.weight": (h,), "post_ffw_norm.weight": (h,)}
+    out = {"token_embd.weight": (config.vocab_size, h), "output_norm.weight": (h,)}
+    out |= {f"blk.{i}.{n}": shape for i in range(config.num_layers) for n, shape in layer.items()}
     if not config.tie_word_embeddings:
-        expected["output.weight"] = (config.vocab_size, h)
+        out["output.weight"] = (config.vocab_size, h)
+    return out
+
+
+def _check_tensors(config: ModelConfig, tensors: dict[str, TensorView]) -> None:
+    expected = expected_tensors(config)
     for name, shape in expected.items():
         if name not in tensors:
-            raise ModelLoadError(f"tensor {name!r} is missing")
+            raise ModelLoadError(f"tensor {name!r} is missing (architecture {config.architecture!r} reads it)")
         if tensors[name].shape != shape:
             raise ModelLoadError(f"tensor {name!r} has shape {list(tensors[name].shape)}, expected {list(shape)}")
+    for name in ("rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight"):
+        if name in tensors and tensors[name].shape != (config.head_dim // 2,):
+            raise ModelLoadError(f"tensor {name!r} has shape {list(tensors[name].shape)}, "
+                                 f"expected [{config.head_dim // 2}] (head_dim / 2)")
+    unused = sorted(set(tensors) - set(expected) - set(OPTIONAL_TENSORS))
+    if unused:
+        raise ModelLoadError(f"tensor {unused[0]!r} is not read by architecture {config.architecture!r}"
+                             f" ({len(unused)} such tensors); this file's layout is not supported")
 
 
 def header_cache_dir() -> Path:

@@ -124,3 +124,18 @@ def test_header_cache_gives_the_same_model_and_follows_the_file(tmp_path, monkey
     write_tiny_llama(path, heads=4, kv_heads=2, pre="qwen9")  # a new file at the same path
     os.utime(path, ns=(before + 10**9, before + 10**9))
     assert load_gguf(path).metadata["tokenizer.ggml.pre"] == "qwen9"
+
+
+def test_gemma3_270m_config_follows_llama_cpp(gemma3_path):
+    # Values: FACTS.md (the file's metadata) and llama.cpp src/llama-model.cpp for gemma3:
+    # set_swa_pattern(6) (layer il slides iff il % 6 < 5), sliding layers' RoPE base 10000,
+    # attention scale 1/sqrt(key_length), embeddings times sqrt(hidden).
+    c = load_gguf(gemma3_path).config
+    assert (c.architecture, c.num_layers, c.hidden_size, c.intermediate_size) == ("gemma3", 18, 640, 2048)
+    assert (c.num_heads, c.num_kv_heads, c.head_dim, c.q_dim, c.max_model_len) == (4, 1, 256, 1024, 32768)
+    assert c.layer_windows == tuple(0 if i in (5, 11, 17) else 512 for i in range(18))
+    assert c.layer_rope_theta == tuple(1e6 if i in (5, 11, 17) else 1e4 for i in range(18))
+    assert c.layer_rope_scale == (1.0,) * 18 and c.rope_freq_factors == ()
+    assert c.attention_scale == pytest.approx(1 / 16) and c.embedding_scale == pytest.approx(640 ** 0.5)
+    assert (c.attn_softcap, c.final_softcap, c.rope_layout.value) == (0.0, 0.0, "halves")
+    assert c.tie_word_embeddings is True

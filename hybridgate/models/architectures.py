@@ -1,0 +1,111 @@
+"""Model families as data: one frozen row per GGUF `general.architecture`.
+
+What differs between the decoder-only families both runners serve is written
+here once, as llama.cpp's `llm_arch` tables (src/llama-arch.cpp, the hparams
+of src/llama-model.cpp) and transformers' per-model config classes do it; the
+forward passes read the row (through `ModelConfig`) and never test a name.
+
+Sources, per field:
+- RoPE layout: llama.cpp `llama_model_rope_type`: LLAMA is `LLAMA_ROPE_TYPE_NORM`
+  (adjacent pairs (x[2i], x[2i+1]); its converter permuted Q/K rows so that this
+  equals Hugging Face's rotate-half on the original weights), QWEN2, QWEN3,
+  GEMMA2, GEMMA3 and PHI3 are `LLAMA_ROPE_TYPE_NEOX` (x[i], x[i + d/2]; weights
+  not permuted).
+- Sliding windows: llama.cpp `hparams.set_swa_pattern(n)`: layer `il` slides when
+  `il % n < n - 1` (gemma2: n = 2, even layers slide; gemma3: n = 6, five
+  sliding then one global). A token attends to itself and the `window - 1`
+  before it (`LLAMA_SWA_TYPE_STANDARD`; transformers' `sliding_window_overlay`).
+  gemma3's sliding layers use RoPE base 10000 and scale 1
+  (`rope_freq_base_train_swa`); its global layers the file's `rope.freq_base`
+  and `rope.scaling`. llama.cpp disables Phi-3's window (ggml-org/llama.cpp#13676),
+  so `phi3` has none here either.
+- Softcaps: gemma2 `f_attn_logit_softcapping` 50 and `f_final_logit_softcapping`
+  30 unless the file says otherwise (`gemma2.attn_logit_softcapping`,
+  `gemma2.final_logit_softcapping`); gemma3 only a final cap when the file has one.
+- Attention scale: 1/sqrt(key_length), except Gemma 2/3 27B (46 and 62 blocks),
+  where llama.cpp (after gemma_pytorch's config) uses 1/sqrt(hidden / heads).
+- Gemma: embeddings scaled by sqrt(hidden); norms before and after attention and
+  the FFN; GELU (tanh approximation) gated FFN. The GGUF converter already added
+  1 to Gemma's norm weights, so every norm here is plain `w * x / rms(x)`.
+- Phi-3: Q, K, V fused in `attn_qkv` (rows Q then K then V); `ffn_up` holds the
+  gate rows then the up rows (llama.cpp `LLM_FFN_SWIGLU` on one tensor;
+  transformers' `Phi3MLP` chunks it the same way).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class RopeLayout(str, Enum):
+    """Which elements of a head RoPE rotates together."""
+
+    PAIRS = "pairs"  # (x[2i], x[2i+1]): llama.cpp LLAMA_ROPE_TYPE_NORM
+    HALVES = "halves"  # (x[i], x[i + d/2]): llama.cpp LLAMA_ROPE_TYPE_NEOX, HF rotate_half
+
+
+class Activation(str, Enum):
+    """The gate's nonlinearity of the gated FFN: act(gate) * up."""
+
+    SILU = "silu"  # SwiGLU (Shazeer 2020)
+    GELU_TANH = "gelu_tanh"  # GeGLU with GELU's tanh approximation (ggml_gelu; HF gelu_pytorch_tanh)
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One model family's layout, read by every runner.
+
+    Tensor names are GGUF's (`blk.{i}.` + name + `.weight`/`.bias`).
+    """
+
+    name: str
+    rope_layout: RopeLayout
+    activation: Activation = Activation.SILU
+    qkv_tensors: tuple[str, ...] = ("attn_q", "attn_k", "attn_v")  # one name: fused Q|K|V rows
+    gate_up_tensors: tuple[str, ...] = ("ffn_gate", "ffn_up")  # one name: fused gate|up rows
+    qkv_bias: bool = False  # `.bias` of each qkv tensor (qwen2)
+    qk_norm: bool = False  # per-head RMSNorm of Q and K before RoPE: attn_q_norm, attn_k_norm [head_dim]
+    post_norms: bool = False  # post_attention_norm and post_ffw_norm on the sublayers' outputs (gemma2/3)
+    scale_embeddings: bool = False  # token embeddings times sqrt(hidden) (gemma)
+    swa_pattern: int = 0  # 0: no window; n: layer il slides iff il % n < n - 1 (llama.cpp set_swa_pattern)
+    default_window: int = 0  # window when the file names none (gemma2: 4096); 0: the file must name it
+    swa_rope_theta: float = 0.0  # RoPE base of sliding layers (gemma3: 10000); 0: the file's freq_base
+    attn_softcap: float = 0.0  # default attention-logit cap (0: none)
+    final_softcap: float = 0.0  # default final-logit cap (0: none)
+    softcap_keys: tuple[str, ...] = ()  # `{arch}.` metadata keys read over those defaults
+    hidden_scale_block_counts: tuple[int, ...] = ()  # block counts whose scale is 1/sqrt(hidden/heads)
+    long_rope: bool = False  # rope_factors_long/short tensors and original_context_length (phi3 LongRoPE)
+
+    @property
+    def fused_qkv(self) -> bool:
+        return len(self.qkv_tensors) == 1
+
+    @property
+    def fused_gate_up(self) -> bool:
+        return len(self.gate_up_tensors) == 1
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether `layer` uses the sliding window (llama.cpp `llama_hparams::set_swa_pattern`)."""
+        n = self.swa_pattern
+        return n > 0 and layer % n < n - 1
+
+
+_GEMMA = dict(rope_layout=RopeLayout.HALVES, activation=Activation.GELU_TANH, post_norms=True,
+              scale_embeddings=True)
+
+ARCHITECTURES: dict[str, Architecture] = {
+    a.name: a
+    for a in (
+        Architecture("llama", RopeLayout.PAIRS),
+        Architecture("qwen2", RopeLayout.HALVES, qkv_bias=True),
+        Architecture("qwen3", RopeLayout.HALVES, qk_norm=True),
+        Architecture("gemma2", **_GEMMA, swa_pattern=2, default_window=4096, attn_softcap=50.0,
+                     final_softcap=30.0, hidden_scale_block_counts=(46,),
+                     softcap_keys=("attn_logit_softcapping", "final_logit_softcapping")),
+        Architecture("gemma3", **_GEMMA, qk_norm=True, swa_pattern=6, swa_rope_theta=10000.0,
+                     hidden_scale_block_counts=(62,), softcap_keys=("final_logit_softcapping",)),
+        Architecture("phi3", RopeLayout.HALVES, qkv_tensors=("attn_qkv",), gate_up_tensors=("ffn_up",),
+                     long_rope=True),
+    )
+}
