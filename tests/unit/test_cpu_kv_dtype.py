@@ -86,7 +86,7 @@ def test_rope_and_store_rounds_k_and_v_as_numpy_does(name):
     slots = np.array([17, 18, 3, 40, 41], np.int64)
     k_blocks, v_cache = cache(name, 3)
     q = np.empty((tokens, HEADS, DIM), np.float32)
-    cpu_model.rope_and_store(qkv, np.arange(tokens, dtype=np.int64), cos, sin, slots, k_blocks, v_cache, q)
+    cpu_model.rope_and_store(qkv, np.arange(tokens, dtype=np.int64), cos, sin, 2, 1, slots, k_blocks, v_cache, q)
     np.testing.assert_array_equal(q, qkv[:, :HEADS])  # queries stay float32
     for t, slot in enumerate(slots):
         np.testing.assert_array_equal(k_blocks[slot // BS, :, :, slot % BS], stored_bits(qkv[t, HEADS:HEADS + 2], name))
@@ -127,7 +127,8 @@ def test_attention_over_a_16_bit_cache_is_attention_over_the_rounded_kv(name):
         for s in range(2):
             cpu_model.import_kv_layer(ks[s], vs[s], tables[s], k_blocks, v_cache)
         out = np.empty_like(q)
-        cpu_model.paged_attention(q, k_blocks, v_cache, ctx_offset, ctx_len, ctx_slots, tiles, out)
+        cpu_model.paged_attention(q, k_blocks, v_cache, ctx_offset, np.zeros_like(ctx_len), ctx_len, ctx_slots, tiles,
+                                  np.float32(1 / math.sqrt(DIM)), np.float32(0), out)
         return out
 
     got = attend(name, k, v)

@@ -18,7 +18,7 @@ from hybridgate.models import GGUFModel  # noqa: E402
 from hybridgate.workers.cpu import model as cpu_model  # noqa: E402
 from hybridgate.workers.cpu import blocks, intdot, quant, simd  # noqa: E402
 from hybridgate.workers.cpu.kvdtype import DEFAULT_KV_DTYPE, kv_dtype  # noqa: E402
-from hybridgate.workers.cpu.model import CpuLlama  # noqa: E402
+from hybridgate.workers.cpu.model import CpuModel  # noqa: E402
 from hybridgate.workers.faults import FaultHook  # noqa: E402
 from hybridgate.workers.memory import host_available_bytes, num_blocks_for  # noqa: E402
 from hybridgate.workers.sampling import sample, token_logprobs  # noqa: E402
@@ -36,7 +36,9 @@ KERNELS = [
     ("paged_attention", cpu_model.paged_attention), ("silu_mul", cpu_model.silu_mul),
     ("import_kv_layer", cpu_model.import_kv_layer), ("rms_norm_serial", cpu_model.rms_norm_serial),
     ("rope_and_store_serial", cpu_model.rope_and_store_serial),
-    ("silu_mul_serial", cpu_model.silu_mul_serial),
+    ("silu_mul_serial", cpu_model.silu_mul_serial), ("qkv_prologue", cpu_model.qkv_prologue),
+    ("qkv_prologue_serial", cpu_model.qkv_prologue_serial), ("gelu_tanh_mul", cpu_model.gelu_tanh_mul),
+    ("gelu_tanh_mul_serial", cpu_model.gelu_tanh_mul_serial),
 ]
 
 
@@ -48,7 +50,7 @@ def kernel_cache_stats() -> tuple[int, int]:
 
 
 class NumbaRunner:
-    """Runs `CpuLlama` over a paged host KV cache and samples with the numpy sampler.
+    """Runs `CpuModel` over a paged host KV cache and samples with the numpy sampler.
 
     kv_cache_dtype: the cache's element format, fp32, fp16 or bf16 (`kvdtype`); a 16-bit
     cache holds twice the blocks in the same kv_cache_memory. Raises ValueError naming the
@@ -62,7 +64,7 @@ class NumbaRunner:
         self.kv_dtype = kv_dtype(kv_cache_dtype)
         if threads:
             numba.set_num_threads(threads)
-        self.model = CpuLlama(model, activations=activations)
+        self.model = CpuModel(model, activations=activations)
         # e.g. "i16", or "auto: q4_1 f32, q8_0 i16"
         self.cpu_activations = activations if activations != "auto" else "auto: " + ", ".join(
             f"{k} {v}" for k, v in intdot.AUTO[isa.selected().isa].items())
