@@ -195,3 +195,25 @@ def gemma3_path() -> Path:
         return testdata.gemma3_270m()
     except testdata.TestDataMissing as exc:
         missing(f"the Gemma 3 270M file ({exc})")
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, llama_vocab_dir):
+    """`tiny_models(name, ggml_type="F32", window=None, seed=0) -> Path`: a tiny random-weight GGUF of
+    `tiny_gguf.TINY_SPECS[name]` (or `"quant"`: `QUANT_SPEC`, rows of 256 for every quant type) with
+    its real llama.cpp vocabulary, written once per session and arguments into one tmp folder."""
+    import tiny_gguf
+
+    folder = tmp_path_factory.mktemp("tiny-models")
+    written: dict[tuple, Path] = {}
+
+    def get(name: str, ggml_type: str = "F32", window: int | None = None, seed: int = 0) -> Path:
+        key = (name, ggml_type, window, seed)
+        if key not in written:
+            spec = tiny_gguf.QUANT_SPEC if name == "quant" else tiny_gguf.TINY_SPECS[name]
+            path = folder / f"{name}-{ggml_type}-w{window}-s{seed}.gguf"
+            written[key] = tiny_gguf.write_tiny_model(path, spec, llama_vocab_dir / f"ggml-vocab-{spec.vocab}.gguf",
+                                                      ggml_type=ggml_type, seed=seed, window=window)
+        return written[key]
+
+    return get

@@ -254,8 +254,12 @@ def _layer_values(row: Architecture, meta: dict[str, Any], layers: int) -> dict[
                              f"(supported: {', '.join(SUPPORTED_ROPE_SCALING)})")
     scale = 1.0 / float(_require(meta, f"{arch}.rope.scaling.factor")) if scaling == "linear" else 1.0
     window = int(meta.get(f"{arch}.attention.sliding_window", row.default_window)) if row.swa_pattern else 0
-    sliding = [window > 0 and row.is_sliding(i) for i in range(layers)]
-    local = (row.swa_rope_theta, 1.0) if row.swa_rope_theta else (theta, scale)
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", row.swa_pattern)  # newer files: int or per layer
+    slides = [bool(pattern[i]) for i in range(layers)] if isinstance(pattern, list) else \
+        [dataclasses.replace(row, swa_pattern=int(pattern)).is_sliding(i) for i in range(layers)]
+    sliding = [window > 0 and s for s in slides]
+    swa_theta = float(meta.get(f"{arch}.rope.freq_base_swa", row.swa_rope_theta))
+    local = (swa_theta, 1.0) if swa_theta else (theta, scale)
     return {
         "layer_windows": tuple(window if s else 0 for s in sliding),
         "layer_rope_theta": tuple(local[0] if s else theta for s in sliding),

@@ -1,14 +1,22 @@
-"""Write small random-weight Llama GGUF files with `gguf.GGUFWriter`.
+"""Write small random-weight GGUF files with `gguf.GGUFWriter`.
 
-Used by `make_golden.py` (the committed tiny files are its output) and by tests
-that need a malformed file (unknown pre-tokenizer, unknown tensor type).
+`write_tiny_llama`: byte-level vocabulary, used by `make_golden.py` (the committed
+tiny files are its output) and by tests that need a malformed file.
+`write_tiny_model`: one family of `hybridgate.models.architectures` (`TINY_SPECS`)
+with a real vocabulary copied from llama.cpp's test files and its matrices in any
+quant type, for the architecture tests of both runners.
 """
 
 from __future__ import annotations
 
+import functools
+import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import gguf
+import msgspec
 import numpy as np
 
 
@@ -141,3 +149,202 @@ def write_default_shaped(path: Path, seed: int = 0) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# ---- tiny random models per architecture, with real vocabularies ----------------------------------
+
+@dataclass(frozen=True)
+class TinySpec:
+    """Shapes and extras of one tiny model (4 heads over 2 KV heads: a head-mapping bug shows)."""
+
+    arch: str
+    vocab: str  # llama.cpp test vocabulary whose tokenizer metadata is copied (`testdata.llama_vocab`)
+    hidden: int = 64
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 16
+    ffn: int = 128
+    layers: int = 3
+    tied: bool = True
+    window: int = 0  # sliding window written for families that have one (0: none written)
+    rope_base: float = 10000.0
+    rope_freqs: bool = False  # a Llama 3 `rope_freqs.weight` of frequency divisors
+    softcaps: tuple[float, float] = (0.0, 0.0)  # (attention, final) written when non-zero
+    explicit_head_dim: bool = False  # write attention.key_length / value_length
+
+
+TINY_SPECS = {
+    "llama": TinySpec("llama", "llama-spm", tied=False),  # Llama 2 / Mistral: SPM, separate output
+    # Llama 3.2's layout (tied, rope_freqs); SPM vocabulary, as the BPE one of 128,256 tokens and
+    # 280,000 merges costs every GGUF parse (ours, transformers') seconds and changes no logits.
+    "llama3": TinySpec("llama", "llama-spm", rope_freqs=True, rope_base=500000.0),
+    "qwen2": TinySpec("qwen2", "qwen2", rope_base=1000000.0),
+    "qwen3": TinySpec("qwen3", "qwen2", head_dim=32, tied=False, explicit_head_dim=True),
+    "gemma2": TinySpec("gemma2", "llama-spm", head_dim=32, explicit_head_dim=True, window=16,
+                       softcaps=(20.0, 15.0)),
+    "gemma3": TinySpec("gemma3", "llama-spm", head_dim=32, layers=7, explicit_head_dim=True, window=16,
+                       rope_base=1000000.0),
+    "phi3": TinySpec("phi3", "phi-3", tied=False),
+}
+# K-quants need rows of 256: every matrix's input width a multiple of it.
+QUANT_SPEC = TinySpec("llama", "llama-spm", hidden=256, heads=8, kv_heads=2, head_dim=32, ffn=256, layers=2)
+
+
+@functools.lru_cache(maxsize=8)
+def _vocab_fields(vocab_path: str) -> tuple[tuple[str, Any, int, int | None], ...]:
+    """(key, value, GGUFValueType, array item type) of every `tokenizer.*` field of a vocabulary file.
+
+    GGUFReader takes seconds (tens under load) on a 150,000-token vocabulary, so what it read is
+    kept as JSON next to the vocabulary in the test-data cache, keyed by the file's size and mtime.
+    """
+    path = Path(vocab_path)
+    st = path.stat()
+    cache = path.with_name(f"{path.name}.{st.st_size}.{st.st_mtime_ns}.tokenizer.json")
+    try:
+        return tuple(tuple(f) for f in msgspec.json.decode(cache.read_bytes()))
+    except (OSError, msgspec.DecodeError):
+        pass
+    reader = gguf.GGUFReader(path)
+    out = []
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer."):
+            kind = int(field.types[0])
+            sub = int(field.types[-1]) if kind == gguf.GGUFValueType.ARRAY else None
+            out.append((key, field.contents(), kind, sub))
+    try:
+        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(msgspec.json.encode(out))
+        tmp.replace(cache)
+    except OSError:  # a read-only cache works, only slower
+        pass
+    return tuple(tuple(f) for f in out)
+
+
+def _k_quant_blocks(rng: np.random.Generator, rows: int, cols: int, kind: gguf.GGMLQuantizationType,
+                    std: float) -> np.ndarray:
+    """Random K-quant blocks (uint8 `[rows, bytes]`) whose weights have about `std` and mean ~0.
+
+    Codes and sub-scales are random bytes; the fp16 super-block scales `d` (and `dmin`) are set so
+    the dequantized weights (gguf's dequantizer, the reference) are centred and of the wanted size.
+    Layouts (ggml-common.h): Q4_K/Q5_K start with d, dmin; Q6_K ends with d.
+    """
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    blocks = rng.integers(0, 256, size=(rows * cols // block, size), dtype=np.uint8)
+    at = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (size - 2, None)}[kind.name]
+
+    def dequant(d: float, dmin: float) -> np.ndarray:
+        b = blocks.copy()
+        b[:, at[0] : at[0] + 2] = np.frombuffer(np.float16(d).tobytes(), np.uint8)
+        if at[1] is not None:
+            b[:, at[1] : at[1] + 2] = np.frombuffer(np.float16(dmin).tobytes(), np.uint8)
+        return gguf.quants.dequantize(b.reshape(rows, -1), kind)
+
+    ratio = float(dequant(1.0, 0.0).mean() / -dequant(0.0, 1.0).mean()) if at[1] is not None else 0.0
+    d = std / float((dequant(1.0, ratio)).std())
+    jitter = rng.uniform(0.5, 1.5, size=len(blocks)).astype(np.float32)
+    blocks[:, at[0] : at[0] + 2] = (d * jitter).astype(np.float16)[:, None].view(np.uint8)
+    if at[1] is not None:
+        blocks[:, at[1] : at[1] + 2] = (d * ratio * jitter).astype(np.float16)[:, None].view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def _typed(rng: np.random.Generator, values: np.ndarray, kind: gguf.GGMLQuantizationType):
+    """(data, raw type) of a float32 matrix stored as `kind`, or as F32 when its rows do not fit the blocks."""
+    block = gguf.GGML_QUANT_SIZES[kind][0]
+    if kind == gguf.GGMLQuantizationType.F32 or values.ndim < 2 or values.shape[-1] % block:
+        return values, None
+    if kind.name in ("Q4_K", "Q5_K", "Q6_K"):
+        return _k_quant_blocks(rng, *values.shape, kind, float(values.std())), kind
+    if kind == gguf.GGMLQuantizationType.F16:
+        return values.astype(np.float16), None
+    return gguf.quants.quantize(values, kind), kind
+
+
+def write_tiny_model(path: Path, spec: TinySpec | str, vocab_path: Path, *,
+                     ggml_type: str = "F32", seed: int = 0, window: int | None = None) -> Path:
+    """A random-weight GGUF of `spec`'s family with the real vocabulary of `vocab_path`.
+
+    Matrices (token embedding, linear weights, LM head) are stored as `ggml_type` (F32, F16, BF16,
+    Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 quantized by gguf; Q4_K, Q5_K, Q6_K as random blocks) where their
+    rows fit its blocks, else F32 (as llama.cpp's own fallback); norms and biases stay F32.
+    `window` overrides the spec's sliding window.
+    """
+    spec = TINY_SPECS[spec] if isinstance(spec, str) else spec
+    rng = np.random.default_rng(seed)
+    kind = gguf.GGMLQuantizationType[ggml_type]
+    fields = _vocab_fields(str(vocab_path))
+    vocab = len(next(v for k, v, _, _ in fields if k == "tokenizer.ggml.tokens"))
+    writer = gguf.GGUFWriter(str(path), spec.arch)
+    _write_hparams(writer, spec, vocab, spec.window if window is None else window)
+    for key, value, vtype, sub in fields:
+        writer.add_key_value(key, value, gguf.GGUFValueType(vtype),
+                             sub_type=None if sub is None else gguf.GGUFValueType(sub))
+
+    def add(name: str, values: np.ndarray) -> None:
+        data, raw = _typed(rng, values.astype(np.float32), kind)
+        writer.add_tensor(name, data, raw_dtype=raw)
+
+    for name, values in _tiny_tensors(rng, spec, vocab).items():
+        (add if values.ndim == 2 else writer.add_tensor)(name, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _write_hparams(writer: gguf.GGUFWriter, spec: TinySpec, vocab: int, window: int) -> None:
+    for add, value in [(writer.add_block_count, spec.layers), (writer.add_context_length, 4096),
+                       (writer.add_embedding_length, spec.hidden), (writer.add_feed_forward_length, spec.ffn),
+                       (writer.add_head_count, spec.heads), (writer.add_head_count_kv, spec.kv_heads),
+                       (writer.add_rope_freq_base, spec.rope_base), (writer.add_rope_dimension_count, spec.head_dim),
+                       (writer.add_layer_norm_rms_eps, 1e-6), (writer.add_vocab_size, vocab)]:
+        add(value)
+    if spec.explicit_head_dim:
+        writer.add_key_length(spec.head_dim)
+        writer.add_value_length(spec.head_dim)
+    if window:
+        writer.add_sliding_window(window)
+    if spec.softcaps[0]:
+        writer.add_attn_logit_softcapping(spec.softcaps[0])
+    if spec.softcaps[1]:
+        writer.add_final_logit_softcapping(spec.softcaps[1])
+
+
+def _tiny_tensors(rng: np.random.Generator, spec: TinySpec, vocab: int) -> dict[str, np.ndarray]:
+    """Name -> float32 values, in GGUF's names and row-major `[out, in]` shapes, per family layout."""
+    from hybridgate.models import ARCHITECTURES
+
+    row, h, f = ARCHITECTURES[spec.arch], spec.hidden, spec.ffn
+    q, kv = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
+
+    def mat(rows: int, cols: int, scale: float = 1.0) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) * scale / np.sqrt(cols)).astype(np.float32)
+
+    def vec(n: int, mean: float = 1.0, std: float = 0.1) -> np.ndarray:
+        return (mean + std * rng.standard_normal(n)).astype(np.float32)
+
+    out = {"token_embd.weight": mat(vocab, h, 4.0)}
+    if spec.rope_freqs:  # Llama 3's factors: 1 for high frequencies up to 8 for low ones
+        out["rope_freqs.weight"] = np.geomspace(1.0, 8.0, spec.head_dim // 2).astype(np.float32)
+    for i in range(spec.layers):
+        p = f"blk.{i}."
+        wq, wk, wv = mat(q, h, 2.0), mat(kv, h, 2.0), mat(kv, h)
+        qkv = {"attn_q": wq, "attn_k": wk, "attn_v": wv, "attn_qkv": np.concatenate([wq, wk, wv])}
+        layer = {n + ".weight": qkv[n] for n in row.qkv_tensors}
+        if row.qkv_bias:
+            layer |= {n + ".bias": vec(len(qkv[n]), 0.0, 0.5) for n in row.qkv_tensors}
+        if row.qk_norm:
+            layer |= {"attn_q_norm.weight": vec(spec.head_dim), "attn_k_norm.weight": vec(spec.head_dim)}
+        gate, up = mat(f, h), mat(f, h)
+        layer |= {"ffn_up.weight": np.concatenate([gate, up])} if row.fused_gate_up else \
+            {"ffn_gate.weight": gate, "ffn_up.weight": up}
+        layer |= {"attn_norm.weight": vec(h), "attn_output.weight": mat(h, q), "ffn_norm.weight": vec(h),
+                  "ffn_down.weight": mat(h, f)}
+        if row.post_norms:
+            layer |= {"post_attention_norm.weight": vec(h), "post_ffw_norm.weight": vec(h)}
+        out |= {p + n: v for n, v in layer.items()}
+    out["output_norm.weight"] = vec(h)
+    if not spec.tied:
+        out["output.weight"] = mat(vocab, h, 4.0)
+    return out

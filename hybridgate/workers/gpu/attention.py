@@ -6,6 +6,13 @@ New keys and values go to their slots (`slot_mapping`); single-token entries
 (decodes) gather their context by block table into a padded batch and run
 one masked SDPA call; multi-token entries (prefill chunks) each run a causal
 SDPA over their gathered context.
+
+Sliding-window layers (`config.layer_windows`) keep every key in the cache (so
+the prefix cache, preemption and the hand-off see one layout for all layers)
+and limit what a query reads: a prefill chunk gathers only the slots its
+window reaches, and a decode adds `position >= length - window` to its padding
+mask, computed on the device from the step's lengths, so a captured CUDA graph
+covers it with no Python branch per token.
 """
 
 from __future__ import annotations
@@ -13,17 +20,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from hybridgate.models import ModelConfig
-from hybridgate.workers.gpu.model import causal_sdpa
+from hybridgate.workers.gpu.layers import causal_sdpa, sdpa, window_start
 
 
 class PagedKVCache:
     """K and V slots for every layer on `device`."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype):
-        self.num_blocks, self.block_size = num_blocks, block_size
+        self.config, self.num_blocks, self.block_size = config, num_blocks, block_size
         shape = (num_blocks * block_size, config.num_kv_heads, config.head_dim)
         self.k = [torch.empty(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
         self.v = [torch.empty(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
@@ -54,42 +60,65 @@ class PagedStep:
     # mask over `max_blocks * block_size` positions; whole blocks are copied instead of single slots.
     decode_blocks: torch.Tensor | None = None
     decode_block_mask: torch.Tensor | None = None
+    # Context length of each decode, int64 `[num_decodes]`: sliding-window layers mask from it.
+    decode_lengths: torch.Tensor | None = None
 
 
 class PagedAttention:
+    """Stores a step's K/V in the paged cache and attends, per layer, with the cache config's window,
+    scale and attention softcap."""
+
     def __init__(self, cache: PagedKVCache, step: PagedStep):
         self.cache, self.step = cache, step
+        self._masks: dict[tuple[int, int], torch.Tensor | None] = {}  # (window, width) -> decode mask
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        kc, vc, step = self.cache.k[layer], self.cache.v[layer], self.step
+        kc, vc, step, c = self.cache.k[layer], self.cache.v[layer], self.step, self.cache.config
+        window = c.layer_windows[layer]
         kc.index_copy_(0, step.slots, k)
         vc.index_copy_(0, step.slots, v)
         if step.decode_rows is not None and not step.prefills and step.decode_rows.shape[0] == q.shape[0]:
-            return self._decode(q, kc, vc)  # all decodes: rows are 0..n-1 in order
+            return self._decode(q, kc, vc, window)  # all decodes: rows are 0..n-1 in order
         out = torch.empty_like(q)  # [num_tokens, heads, head_dim]
         if step.decode_rows is not None:
-            out[step.decode_rows] = self._decode(q[step.decode_rows], kc, vc)
+            out[step.decode_rows] = self._decode(q[step.decode_rows], kc, vc, window)
         for start, n, context in step.prefills:
-            k, v = kc.index_select(0, context), vc.index_select(0, context)
-            out[start : start + n] = causal_sdpa(q[start : start + n], k, v, context.shape[0] - n)
+            skip = window_start(context.shape[0] - n, window)  # slots no query of the chunk can see
+            k, v = kc.index_select(0, context[skip:]), vc.index_select(0, context[skip:])
+            out[start : start + n] = causal_sdpa(q[start : start + n], k, v, k.shape[0] - n, window,
+                                                 c.attention_scale, c.attn_softcap)
         return out
 
-    def _decode(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+    def _mask(self, window: int, width: int, padding: torch.Tensor | None) -> torch.Tensor | None:
+        """bool `[batch, 1, 1, width]` decode mask: the padding mask, and for a window the positions
+        `length - window ..` only (one per distinct window and width per step)."""
+        if not window:
+            return padding
+        key = (window, width)
+        if key not in self._masks:
+            lengths = self.step.decode_lengths
+            if lengths is None:
+                raise ValueError(f"a sliding window of {window} needs the step's decode_lengths")
+            pos = torch.arange(width, device=lengths.device)[None, :]
+            seen = (pos < lengths[:, None]) & (pos >= lengths[:, None] - window)  # [batch, width]
+            self._masks[key] = seen[:, None, None, :]
+        return self._masks[key]
+
+    def _decode(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, window: int) -> torch.Tensor:
         """One query per sequence: q `[batch, heads, head_dim]` → `[batch, heads, head_dim]`.
 
         `index_select` gathers the context 2.5x faster than advanced indexing on the CPU.
         """
         if self.step.decode_blocks is not None:
-            return self._decode_blocks(q, kc, vc)
+            return self._decode_blocks(q, kc, vc, window)
         ctx = self.step.decode_context  # [batch, width]
         batch, width = ctx.shape
         flat = ctx.reshape(-1)
         k = kc.index_select(0, flat).view(batch, width, *kc.shape[1:]).transpose(1, 2)  # [batch, kv_heads, width, dim]
         v = vc.index_select(0, flat).view(batch, width, *vc.shape[1:]).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=self.step.decode_mask, enable_gqa=True)
-        return out[:, :, 0, :]
+        return self._attend(q, k, v, self._mask(window, width, self.step.decode_mask))
 
-    def _decode_blocks(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+    def _decode_blocks(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, window: int) -> torch.Tensor:
         """Decode attention gathering whole blocks: one contiguous `block_size x kv_heads x head_dim`
         copy per block instead of one per token; positions past each context are masked."""
         tables = self.step.decode_blocks  # [batch, max_blocks]
@@ -100,6 +129,8 @@ class PagedAttention:
         vb = vc.view(-1, bs, *vc.shape[1:]).index_select(0, flat)
         k = kb.view(batch, blocks * bs, *kc.shape[1:]).transpose(1, 2)  # [batch, kv_heads, blocks * bs, dim]
         v = vb.view(batch, blocks * bs, *vc.shape[1:]).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=self.step.decode_block_mask,
-                                             enable_gqa=True)
-        return out[:, :, 0, :]
+        return self._attend(q, k, v, self._mask(window, blocks * bs, self.step.decode_block_mask))
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        c = self.cache.config
+        return sdpa(q[:, :, None, :], k, v, mask, c.attention_scale, c.attn_softcap)[:, :, 0, :]

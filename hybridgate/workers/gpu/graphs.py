@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from hybridgate.workers.gpu.attention import PagedAttention, PagedKVCache, PagedStep
-from hybridgate.workers.gpu.model import LlamaModel
+from hybridgate.workers.gpu.model import DecoderModel
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 CONTEXT_BUCKETS = (256, 512, 1024, 2048, 4096, 8192)
@@ -37,7 +37,7 @@ class _Static:
 
 
 class DecodeGraphs:
-    def __init__(self, model: LlamaModel, cache: PagedKVCache, scratch_slot: int, max_batch: int,
+    def __init__(self, model: DecoderModel, cache: PagedKVCache, scratch_slot: int, max_batch: int,
                  max_context: int, capture: bool = True):
         self.model, self.cache, self.scratch = model, cache, scratch_slot
         self.capture = capture and model.device.type == "cuda"
@@ -71,7 +71,8 @@ class DecodeGraphs:
     def _step(self, s: _Static) -> torch.Tensor:
         width = s.context.shape[1]
         mask = (torch.arange(width, device=s.context.device)[None, :] < s.lengths[:, None])[:, None, None, :]
-        step = PagedStep(slots=s.slots, decode_rows=s.rows, decode_context=s.context, decode_mask=mask, prefills=[])
+        step = PagedStep(slots=s.slots, decode_rows=s.rows, decode_context=s.context, decode_mask=mask, prefills=[],
+                         decode_lengths=s.lengths)
         return self.model.forward_tokens(s.ids, s.positions, PagedAttention(self.cache, step), s.rows)
 
     def _capture(self, b: int, w: int) -> None:

@@ -1,14 +1,20 @@
-"""The Llama forward pass in PyTorch over GGUF weights dequantized once at load.
+"""The decoder forward pass in PyTorch over GGUF weights dequantized once at load.
 
+One forward for every family of `hybridgate.models.architectures`: what differs
+(biases, Q/K norms, post-sublayer norms, RoPE layout, activation, softcaps,
+sliding windows, embedding scale) is read from `ModelConfig` and its row.
 Architecture: Touvron et al. 2023 (RMSNorm, SwiGLU, RoPE, grouped-query
-attention, Ainslie et al. 2023). RoPE keeps GGUF's Q/K row order and rotates
-adjacent pairs (x[2i], x[2i+1]), as llama.cpp does: llama.cpp's converter
-permuted the rows so that this equals Hugging Face's rotate-half RoPE on the
-original weights. Keys in every KV cache are in that basis.
+attention, Ainslie et al. 2023), with Gemma 2's additions (Gemma Team 2024:
+sandwich norms, GeGLU, logit softcaps, local/global attention). RoPE keeps the
+file's Q/K row order and rotates in the family's layout, as llama.cpp does
+(`llama_model_rope_type`): adjacent pairs for `llama` (whose converter permuted
+Q/K rows so that this equals Hugging Face's rotate-half on the original
+weights), halves for the others. Keys in every KV cache are in that basis.
 
 Attention is a strategy handed to `forward_tokens`: `ContiguousAttention`
 (one growing tensor per sequence, the reference) or the paged one in
-`hybridgate.workers.gpu.attention`.
+`hybridgate.workers.gpu.attention`; both read each layer's window, the scale and
+the attention softcap from the config of the cache they hold.
 """
 
 from __future__ import annotations
@@ -21,6 +27,9 @@ import torch
 import torch.nn.functional as F
 
 from hybridgate.models import GGUFModel, ModelConfig
+from hybridgate.workers.gpu.layers import ACTIVATIONS, ROTATIONS, causal_sdpa, rms_norm, softcap
+
+__all__ = ["DecoderModel", "LlamaModel", "causal_sdpa", "default_device", "default_dtype"]
 
 
 def default_device() -> torch.device:
@@ -43,6 +52,10 @@ class LayerWeights:
     ffn_norm: torch.Tensor  # [hidden]
     w_gate_up: torch.Tensor  # [hidden, 2 * ffn]: gate columns then up columns, one GEMM
     w_down: torch.Tensor  # [ffn, hidden]
+    b_qkv: torch.Tensor | None = None  # [(heads + 2 * kv_heads) * head_dim] (qwen2)
+    qk_norm: torch.Tensor | None = None  # [heads + kv_heads, head_dim]: each Q head's norm, then each K head's
+    post_attn_norm: torch.Tensor | None = None  # [hidden] (gemma2/3)
+    post_ffn_norm: torch.Tensor | None = None  # [hidden] (gemma2/3)
 
 
 class Attention(Protocol):
@@ -54,6 +67,7 @@ class ContiguousKVCache:
     """One sequence's keys and values: `[layers, capacity, kv_heads, head_dim]`, grown by doubling."""
 
     def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype, capacity: int = 64):
+        self.config = config
         shape = (config.num_layers, capacity, config.num_kv_heads, config.head_dim)
         self.k = torch.empty(shape, device=device, dtype=dtype)
         self.v = torch.empty(shape, device=device, dtype=dtype)
@@ -83,51 +97,77 @@ class ContiguousAttention:
         out = torch.empty_like(q)  # [num_tokens, heads, head_dim]
         start = 0
         for n, cache in zip(self.seq_lens, self.caches):
-            past, end = cache.length, start + n
+            c, past, end = cache.config, cache.length, start + n
             cache.k[layer, past : past + n] = k[start:end]
             cache.v[layer, past : past + n] = v[start:end]
-            out[start:end] = causal_sdpa(q[start:end], cache.k[layer, : past + n], cache.v[layer, : past + n], past)
+            out[start:end] = causal_sdpa(q[start:end], cache.k[layer, : past + n], cache.v[layer, : past + n], past,
+                                         c.layer_windows[layer], c.attention_scale, c.attn_softcap)
             start = end
         return out
 
 
-class LlamaModel:
+class DecoderModel:
     """Batched forward over packed tokens; knows batches, not requests.
 
     Weights: dequantized once from the GGUF blocks (gguf's reference
-    dequantizer) to `dtype` on `device`.
+    dequantizer) to `dtype` on `device`; which tensors, fused how, per the
+    architecture row (`config.arch`).
     """
 
     def __init__(self, model: GGUFModel, device: torch.device | None = None, dtype: torch.dtype | None = None):
         self.config = config = model.config
         self.device = device or default_device()
         self.dtype = dtype or default_dtype(self.device)
-        load = lambda name: torch.from_numpy(model.tensors[name].dequantize())  # noqa: E731
-        put = lambda t: t.to(self.device, self.dtype).contiguous()  # noqa: E731
-        put_t = lambda t: put(t.t())  # noqa: E731  [out, in] -> [in, out]
-        self.embed = put(load("token_embd.weight"))  # [vocab, hidden]
-        self.lm_head = self.embed if config.tie_word_embeddings else put(load("output.weight"))
-        self.out_norm = put(load("output_norm.weight"))
-        self.layers = []
-        for i in range(config.num_layers):
-            w = lambda n: load(f"blk.{i}.{n}.weight")  # noqa: E731
-            self.layers.append(LayerWeights(
-                attn_norm=put(w("attn_norm")),
-                w_qkv=put_t(torch.cat([w("attn_q"), w("attn_k"), w("attn_v")])),
-                wo=put_t(w("attn_output")),
-                ffn_norm=put(w("ffn_norm")),
-                w_gate_up=put_t(torch.cat([w("ffn_gate"), w("ffn_up")])),
-                w_down=put_t(w("ffn_down")),
-            ))
-        self.inv_freq = 1.0 / (
-            config.rope_theta
-            ** (torch.arange(0, config.head_dim, 2, dtype=torch.int64, device=self.device).float() / config.head_dim)
-        )  # [head_dim / 2], float32 as transformers computes it
+        self._load = lambda name: torch.from_numpy(model.tensors[name].dequantize())  # noqa: E731
+        self.embed = self._put(self._load("token_embd.weight"))  # [vocab, hidden]
+        self.lm_head = self.embed if config.tie_word_embeddings else self._put(self._load("output.weight"))
+        self.out_norm = self._put(self._load("output_norm.weight"))
+        self.layers = [self._layer(i) for i in range(config.num_layers)]
+        del self._load
+        self._rotate = ROTATIONS[config.rope_layout]
+        self._act = ACTIVATIONS[config.arch.activation]
+        # One inverse-frequency table per distinct (base, position scale); each layer names its own.
+        ropes = list(dict.fromkeys(zip(config.layer_rope_theta, config.layer_rope_scale)))
+        self.layer_rope = tuple(ropes.index(r) for r in zip(config.layer_rope_theta, config.layer_rope_scale))
+        self.rope_tables = [(self._inv_freq(theta), scale) for theta, scale in ropes]
+
+    def _put(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device, self.dtype).contiguous()
+
+    def _layer(self, i: int) -> LayerWeights:
+        c, row = self.config, self.config.arch
+        w = lambda n, kind="weight": self._load(f"blk.{i}.{n}.{kind}")  # noqa: E731
+        put_t = lambda t: self._put(t.t())  # noqa: E731  [out, in] -> [in, out]
+        qk_norm = None
+        if row.qk_norm:  # per-head weights laid out as the joint Q|K heads they scale
+            qk_norm = self._put(torch.cat([w("attn_q_norm").expand(c.num_heads, -1),
+                                           w("attn_k_norm").expand(c.num_kv_heads, -1)]))
+        return LayerWeights(
+            attn_norm=self._put(w("attn_norm")),
+            w_qkv=put_t(torch.cat([w(n) for n in row.qkv_tensors])),
+            wo=put_t(w("attn_output")),
+            ffn_norm=self._put(w("ffn_norm")),
+            w_gate_up=put_t(torch.cat([w(n) for n in row.gate_up_tensors])),
+            w_down=put_t(w("ffn_down")),
+            b_qkv=self._put(torch.cat([w(n, "bias") for n in row.qkv_tensors])) if row.qkv_bias else None,
+            qk_norm=qk_norm,
+            post_attn_norm=self._put(w("post_attention_norm")) if row.post_norms else None,
+            post_ffn_norm=self._put(w("post_ffw_norm")) if row.post_norms else None,
+        )
+
+    def _inv_freq(self, theta: float) -> torch.Tensor:
+        """float32 `[head_dim / 2]`: theta^(-2i/d) as transformers computes it, over the file's frequency
+        divisors (Llama 3 `rope_freqs`, Phi-3 LongRoPE factors; llama.cpp's `freq_factors`)."""
+        d = self.config.head_dim
+        inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=self.device).float() / d))
+        if self.config.rope_freq_factors:
+            inv = inv / torch.tensor(self.config.rope_freq_factors, dtype=torch.float32, device=self.device)
+        return inv
 
     @property
     def weight_bytes(self) -> int:
         tensors = [self.embed, self.out_norm] + ([] if self.lm_head is self.embed else [self.lm_head])
-        tensors += [t for layer in self.layers for t in vars(layer).values()]
+        tensors += [t for layer in self.layers for t in vars(layer).values() if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def new_cache(self, capacity: int = 64) -> ContiguousKVCache:
@@ -172,57 +212,35 @@ class LlamaModel:
         token_ids, positions: int64 `[num_tokens]`; attention stores K/V and attends.
         """
         c = self.config
-        cos, sin = self._rope(positions.to(self.device, non_blocking=True))
-        x = self.embed[token_ids.to(self.device, non_blocking=True)]  # [num_tokens, hidden]
-        q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        positions = positions.to(self.device, non_blocking=True)
+        ropes = [self._rope(positions, inv, scale) for inv, scale in self.rope_tables]
+        x = self.embed[token_ids.to(self.device, non_blocking=True)] * c.embedding_scale  # [num_tokens, hidden]
+        q_dim, kv_dim, heads = c.q_dim, c.kv_dim, c.num_heads + c.num_kv_heads
         for i, layer in enumerate(self.layers):
-            h = _rms_norm(x, layer.attn_norm, c.rms_norm_eps)
+            h = rms_norm(x, layer.attn_norm, c.rms_norm_eps)
             qkv = h @ layer.w_qkv  # [num_tokens, q_dim + 2 * kv_dim]
-            qk = _rotate_pairs(qkv[:, : q_dim + kv_dim].reshape(-1, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
+            if layer.b_qkv is not None:
+                qkv = qkv + layer.b_qkv
+            qk = qkv[:, : q_dim + kv_dim].reshape(-1, heads, c.head_dim)  # [num_tokens, heads + kv_heads, head_dim]
+            if layer.qk_norm is not None:
+                qk = rms_norm(qk, layer.qk_norm, c.rms_norm_eps)
+            qk = self._rotate(qk, *ropes[self.layer_rope[i]])
             q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]  # [num_tokens, heads | kv_heads, head_dim]
             v = qkv[:, q_dim + kv_dim :].reshape(-1, c.num_kv_heads, c.head_dim)
-            x = x + attention(i, q, k, v).reshape(-1, q_dim) @ layer.wo
-            h = _rms_norm(x, layer.ffn_norm, c.rms_norm_eps)
+            out = attention(i, q, k, v).reshape(-1, q_dim) @ layer.wo
+            x = x + (out if layer.post_attn_norm is None else rms_norm(out, layer.post_attn_norm, c.rms_norm_eps))
+            h = rms_norm(x, layer.ffn_norm, c.rms_norm_eps)
             gate, up = (h @ layer.w_gate_up).chunk(2, dim=-1)
-            x = x + (F.silu(gate) * up) @ layer.w_down
-        h = _rms_norm(x[last_rows.to(self.device, non_blocking=True)], self.out_norm, c.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()  # [num_seqs, vocab]
+            out = (self._act(gate) * up) @ layer.w_down
+            x = x + (out if layer.post_ffn_norm is None else rms_norm(out, layer.post_ffn_norm, c.rms_norm_eps))
+        h = rms_norm(x[last_rows.to(self.device, non_blocking=True)], self.out_norm, c.rms_norm_eps)
+        return softcap(F.linear(h, self.lm_head).float(), c.final_softcap)  # [num_seqs, vocab]
 
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = positions.float()[:, None] * self.inv_freq[None, :]  # [num_tokens, head_dim / 2]
-        return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm (Zhang & Sennrich 2019), computed in float32 as transformers does."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, weight.shape, weight, eps)  # one fused op, same math in fp32
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    def _rope(self, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin `[num_tokens, head_dim / 2]` in the model's dtype, times the config's attention factor."""
+        angles = (positions.float() * scale)[:, None] * inv_freq[None, :]  # [num_tokens, head_dim / 2]
+        f = self.config.rope_attn_factor
+        return (angles.cos() * f).to(self.dtype), (angles.sin() * f).to(self.dtype)
 
 
-def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on adjacent pairs: x `[num_tokens, heads, head_dim]`, cos/sin `[num_tokens, head_dim / 2]`."""
-    pairs = x.reshape(*x.shape[:-1], -1, 2)
-    x0, x1 = pairs[..., 0], pairs[..., 1]  # [num_tokens, heads, head_dim / 2]
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
-
-
-def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:
-    """Causal GQA attention of n new queries over past + n keys.
-
-    q `[n, heads, head_dim]`, k and v `[past + n, kv_heads, head_dim]` → `[n, heads, head_dim]`.
-    Query head h reads KV head h // (heads / kv_heads), as transformers' repeat_kv.
-    """
-    n = q.shape[0]
-    qh, kh, vh = (t.transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, tokens, head_dim]
-    if n == 1:
-        out = F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=True)
-    elif past == 0:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
-    else:
-        mask = torch.ones(n, past + n, dtype=torch.bool, device=q.device).tril(diagonal=past)
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
-    return out[0].transpose(0, 1)
+LlamaModel = DecoderModel  # the name of its first family, kept for existing imports

@@ -22,7 +22,7 @@ from hybridgate.workers.gpu.attention import PagedAttention, PagedKVCache, Paged
 from hybridgate.workers.gpu.export import StepTimeline, dtype_name
 from hybridgate.workers.gpu.graphs import DecodeGraphs
 from hybridgate.workers.memory import host_available_bytes, num_blocks_for
-from hybridgate.workers.gpu.model import LlamaModel
+from hybridgate.workers.gpu.model import DecoderModel
 from hybridgate.workers.faults import FaultHook
 from hybridgate.workers.scheduler import ScheduledBatch, SchedulerConfig
 from hybridgate.workers.sequence import Sequence
@@ -46,7 +46,7 @@ def _pinned_slab(nbytes: int) -> np.ndarray:
 
 
 class TorchRunner:
-    """Runs `LlamaModel` over a `PagedKVCache` and samples on the device."""
+    """Runs `DecoderModel` over a `PagedKVCache` and samples on the device."""
 
     kind = "gpu"
 
@@ -55,7 +55,7 @@ class TorchRunner:
                  max_num_blocks: int | None = None, enforce_eager: bool = False,
                  max_num_seqs: int = SchedulerConfig.max_num_seqs,
                  block_gather: bool | None = None):
-        self.model = LlamaModel(model, device, dtype)
+        self.model = DecoderModel(model, device, dtype)
         dev = self.model.device
         self.max_model_len = model.config.max_model_len
         self.vocab_size = model.config.vocab_size
@@ -157,16 +157,18 @@ class TorchRunner:
     def _to_device(self, h: StepInputs):
         dev = self.model.device
         to = lambda a: torch.from_numpy(a).to(dev, non_blocking=True)  # noqa: E731
-        mask = None
+        mask = lens = None
         lengths = [h.contexts[i] for i in h.decodes]
+        if h.decodes:
+            lens = torch.tensor(lengths, device=dev)  # [num_decodes]
         if h.decodes and any(n != h.width for n in lengths):
-            mask = (torch.arange(h.width, device=dev)[None, :] < torch.tensor(lengths, device=dev)[:, None])[:, None, None, :]
+            mask = (torch.arange(h.width, device=dev)[None, :] < lens[:, None])[:, None, None, :]
         pctx = to(h.prefill_context)
         blocks = block_mask = None
         if self.block_gather and h.decodes:
             blocks = to(h.decode_tables)
             span = h.decode_tables.shape[1] * self.block_size
-            block_mask = (torch.arange(span, device=dev)[None, :] < torch.tensor(lengths, device=dev)[:, None])[:, None, None, :]
+            block_mask = (torch.arange(span, device=dev)[None, :] < lens[:, None])[:, None, None, :]
         step = PagedStep(
             slots=to(h.slots),
             decode_rows=to(h.last[h.decodes]) if h.decodes else None,
@@ -175,6 +177,7 @@ class TorchRunner:
             prefills=[(start, n, pctx[o : o + c]) for start, n, o, c in h.prefills],
             decode_blocks=blocks,
             decode_block_mask=block_mask,
+            decode_lengths=lens,
         )
         return to(h.ids), to(h.positions), step, to(h.last)
 

@@ -1,0 +1,90 @@
+"""transformers as the reference for GGUF files of every architecture, with its GGUF loader's known
+mistakes corrected by hand (FACTS.md, checked against llama.cpp on tiny F32 files):
+
+- Llama 3 `rope_freqs.weight` is ignored: the rotary embedding's inverse frequencies are divided by it
+  here (llama.cpp's `freq_factors`).
+- qwen3 `attention.key_length` is not mapped (head_dim defaults to 128): set from the file.
+- gemma2 `attn_logit_softcapping` / `final_logit_softcapping` are ignored (50/30 kept): set from the
+  file; and queries are scaled by `query_pre_attn_scalar` 256 where llama.cpp uses 1/sqrt(head_dim)
+  (gemma2 and gemma3 below 27B): set to head_dim.
+- gemma3 ignores `sliding_window_pattern`: `layer_types` set from llama.cpp's pattern (layer il slides
+  iff il % 6 < 5).
+
+Everything runs in fp32 with eager attention (the path that applies Gemma 2's softcap), one
+forward over the whole sequence per call (no KV cache to trust).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def _config_fixes(arch: str, meta: dict, config) -> dict:
+    """Hand corrections of the loaded config, from the file's metadata and llama.cpp's rules."""
+    fixes = {}
+    head_dim = meta.get(f"{arch}.attention.key_length")
+    if arch == "qwen3" and head_dim:
+        fixes["head_dim"] = int(head_dim)
+    if arch in ("gemma2", "gemma3"):
+        fixes["query_pre_attn_scalar"] = int(head_dim or config.hidden_size // config.num_attention_heads)
+    if arch == "gemma2":
+        fixes["attn_logit_softcapping"] = float(meta.get("gemma2.attn_logit_softcapping", 50.0))
+        fixes["final_logit_softcapping"] = float(meta.get("gemma2.final_logit_softcapping", 30.0))
+    if arch == "gemma3":
+        fixes["layer_types"] = ["sliding_attention" if i % 6 < 5 else "full_attention"
+                                for i in range(config.num_hidden_layers)]
+    return fixes
+
+
+def load_reference(path: Path, metadata: dict, rope_freqs: np.ndarray | None = None):
+    """transformers' causal LM of the GGUF at `path` (fp32, eager attention, eval), corrected as above.
+
+    metadata: the file's key-value metadata as gguf reads it (`GGUFModel.metadata`, so the file is
+    not parsed once more); rope_freqs: float32 `rope_freqs.weight` of the file, if it has one.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(path)
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    for key, value in _config_fixes(metadata["general.architecture"], metadata, config).items():
+        setattr(config, key, value)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config,
+                                                 dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    if rope_freqs is not None:
+        factors = torch.from_numpy(np.asarray(rope_freqs, dtype=np.float32))
+        for module in model.modules():
+            if hasattr(module, "inv_freq"):
+                module.inv_freq = module.inv_freq / factors
+                module.original_inv_freq = module.inv_freq
+    return model
+
+
+@torch.inference_mode()
+def last_logits(model, ids) -> np.ndarray:
+    """float32 `[vocab]` logits at the last position of `ids` (one sequence, whole forward)."""
+    return model(input_ids=torch.tensor([list(ids)])).logits[0, -1].float().numpy()
+
+
+def greedy(model, ids, steps: int) -> tuple[list[int], list[float]]:
+    """Greedy ids for `steps` tokens after `ids`, and the top-2 logit gap at each step."""
+    ids, out, gaps = list(ids), [], []
+    for _ in range(steps):
+        logits = last_logits(model, ids)
+        top2 = np.sort(logits)[-2:]
+        out.append(int(logits.argmax()))
+        gaps.append(float(top2[1] - top2[0]))
+        ids.append(out[-1])
+    return out, gaps
+
+
+def assert_greedy_matches(got: list[int], want: list[int], gaps: list[float], tie: float = 1e-3) -> None:
+    """Equal ids, or the first difference where the reference's top-2 gap is below `tie`."""
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            assert gaps[i] < tie, f"greedy ids differ at step {i} ({a} vs {b}); reference top-2 gap {gaps[i]:.2e}"
+            return
+    assert len(got) == len(want)
