@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from hf_reference import assert_greedy_matches, greedy, last_logits, load_reference
+from hf_reference import assert_greedy_matches, greedy, last_logits, load_reference, rope_tensors
 from hybridgate.models import load_gguf, model_fingerprint
 from hybridgate.wire import AddRequest, SamplingParams
 from hybridgate.workers.engine import EngineCore, output_of
@@ -54,8 +54,7 @@ class Case:
         vocab = self.gguf.config.vocab_size
         rng = np.random.default_rng(len(name))
         self.prompts = [rng.integers(0, vocab, size=n).tolist() for n in PROMPT_LENGTHS]
-        rope_freqs = self.gguf.tensors.get("rope_freqs.weight")
-        ref = load_reference(path, self.gguf.metadata, None if rope_freqs is None else rope_freqs.dequantize())
+        ref = load_reference(path, self.gguf.metadata, rope_tensors(self.gguf))
         self.want_logits = [last_logits(ref, p) for p in self.prompts]
         self.want_greedy, self.gaps = greedy(ref, self.prompts[-1], GREEDY_STEPS)
         del ref
