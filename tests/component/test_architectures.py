@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from hf_reference import assert_greedy_matches, greedy, last_logits, load_reference
+from hf_reference import assert_greedy_matches, greedy, last_logits, load_reference, rope_tensors
 from hybridgate.models import load_gguf, model_fingerprint
 from hybridgate.wire import AddRequest, SamplingParams
 from hybridgate.workers.engine import EngineCore, output_of
@@ -35,6 +35,16 @@ GREEDY_STEPS = 16
 QUANT_TYPES = ("F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    # Models this small gain nothing from a second thread, and on a shared, loaded machine two
+    # threads spinning at every op's barrier ran the paged engine 20x slower (0.45 s against 10 s).
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 class Case:
     """One family's file, our fp32 model on a CPU torch device, and transformers' answers on it."""
 
@@ -44,8 +54,7 @@ class Case:
         vocab = self.gguf.config.vocab_size
         rng = np.random.default_rng(len(name))
         self.prompts = [rng.integers(0, vocab, size=n).tolist() for n in PROMPT_LENGTHS]
-        rope_freqs = self.gguf.tensors.get("rope_freqs.weight")
-        ref = load_reference(path, self.gguf.metadata, None if rope_freqs is None else rope_freqs.dequantize())
+        ref = load_reference(path, self.gguf.metadata, rope_tensors(self.gguf))
         self.want_logits = [last_logits(ref, p) for p in self.prompts]
         self.want_greedy, self.gaps = greedy(ref, self.prompts[-1], GREEDY_STEPS)
         del ref

@@ -9,6 +9,9 @@ mistakes corrected by hand (FACTS.md, checked against llama.cpp on tiny F32 file
   (gemma2 and gemma3 below 27B): set to head_dim.
 - gemma3 ignores `sliding_window_pattern`: `layer_types` set from llama.cpp's pattern (layer il slides
   iff il % 6 < 5).
+- phi3 ignores LongRoPE (`rope_factors_short/long.weight`, `rope.scaling.original_context_length`,
+  `rope.scaling.attn_factor`; checked here on transformers 5.25): its `longrope` rope parameters are
+  set from them.
 
 Everything runs in fp32 with eager attention (the path that applies Gemma 2's softcap), one
 forward over the whole sequence per call (no KV cache to trust).
@@ -39,28 +42,50 @@ def _config_fixes(arch: str, meta: dict, config) -> dict:
     return fixes
 
 
-def load_reference(path: Path, metadata: dict, rope_freqs: np.ndarray | None = None):
+def _long_rope(arch: str, meta: dict, tensors: dict) -> dict:
+    """transformers' `longrope` parameters from a Phi-3 file's factors and metadata (none without them)."""
+    if "rope_factors_short.weight" not in tensors:
+        return {}
+    return {"rope_parameters": {
+        "rope_type": "longrope", "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        "short_factor": tensors["rope_factors_short.weight"].tolist(),
+        "long_factor": tensors["rope_factors_long.weight"].tolist(),
+        "original_max_position_embeddings": int(meta[f"{arch}.rope.scaling.original_context_length"]),
+        "attention_factor": float(meta.get(f"{arch}.rope.scaling.attn_factor", 1.0))}}
+
+
+def load_reference(path: Path, metadata: dict, rope_tensors: dict[str, np.ndarray] | None = None):
     """transformers' causal LM of the GGUF at `path` (fp32, eager attention, eval), corrected as above.
 
     metadata: the file's key-value metadata as gguf reads it (`GGUFModel.metadata`, so the file is
-    not parsed once more); rope_freqs: float32 `rope_freqs.weight` of the file, if it has one.
+    not parsed once more); rope_tensors: float32 values of the file's `rope_freqs.weight`,
+    `rope_factors_short.weight` and `rope_factors_long.weight`, those it has.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    path = Path(path)
+    path, tensors = Path(path), rope_tensors or {}
+    arch = metadata["general.architecture"]
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    for key, value in _config_fixes(metadata["general.architecture"], metadata, config).items():
+    for key, value in (_config_fixes(arch, metadata, config) | _long_rope(arch, metadata, tensors)).items():
         setattr(config, key, value)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config,
                                                  dtype=torch.float32, attn_implementation="eager")
     model.eval()
-    if rope_freqs is not None:
-        factors = torch.from_numpy(np.asarray(rope_freqs, dtype=np.float32))
+    if "rope_freqs.weight" in tensors:
+        factors = torch.from_numpy(np.asarray(tensors["rope_freqs.weight"], dtype=np.float32))
         for module in model.modules():
             if hasattr(module, "inv_freq"):
                 module.inv_freq = module.inv_freq / factors
                 module.original_inv_freq = module.inv_freq
     return model
+
+
+ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight")
+
+
+def rope_tensors(model) -> dict[str, np.ndarray]:
+    """The RoPE factor tensors a `GGUFModel` holds, float32 (gguf's dequantizer)."""
+    return {n: model.tensors[n].dequantize() for n in ROPE_TENSORS if n in model.tensors}
 
 
 @torch.inference_mode()

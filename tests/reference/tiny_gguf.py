@@ -171,6 +171,7 @@ class TinySpec:
     rope_freqs: bool = False  # a Llama 3 `rope_freqs.weight` of frequency divisors
     softcaps: tuple[float, float] = (0.0, 0.0)  # (attention, final) written when non-zero
     explicit_head_dim: bool = False  # write attention.key_length / value_length
+    long_rope_original: int = 0  # Phi-3 LongRoPE: original context (context_length is 4096) and factor tensors
 
 
 TINY_SPECS = {
@@ -178,13 +179,16 @@ TINY_SPECS = {
     # Llama 3.2's layout (tied, rope_freqs); SPM vocabulary, as the BPE one of 128,256 tokens and
     # 280,000 merges costs every GGUF parse (ours, transformers') seconds and changes no logits.
     "llama3": TinySpec("llama", "llama-spm", rope_freqs=True, rope_base=500000.0),
-    "qwen2": TinySpec("qwen2", "qwen2", rope_base=1000000.0),
-    "qwen3": TinySpec("qwen3", "qwen2", head_dim=32, tied=False, explicit_head_dim=True),
+    # Qwen's own vocabulary (151,936 tokens and 151,387 merges) costs every GGUF parse (ours and
+    # transformers' two per load) tens of seconds under load; a 32,000-token byte-level BPE stands in.
+    "qwen2": TinySpec("qwen2", "deepseek-coder", rope_base=1000000.0),
+    "qwen3": TinySpec("qwen3", "deepseek-coder", head_dim=32, tied=False, explicit_head_dim=True),
     "gemma2": TinySpec("gemma2", "llama-spm", head_dim=32, explicit_head_dim=True, window=16,
                        softcaps=(20.0, 15.0)),
     "gemma3": TinySpec("gemma3", "llama-spm", head_dim=32, layers=7, explicit_head_dim=True, window=16,
                        rope_base=1000000.0),
-    "phi3": TinySpec("phi3", "phi-3", tied=False),
+    # Phi-3-mini-128k's layout: LongRoPE factors, served up to the original context with the short ones.
+    "phi3": TinySpec("phi3", "phi-3", tied=False, long_rope_original=1024),
 }
 # K-quants need rows of 256: every matrix's input width a multiple of it.
 QUANT_SPEC = TinySpec("llama", "llama-spm", hidden=256, heads=8, kv_heads=2, head_dim=32, ffn=256, layers=2)
@@ -309,6 +313,10 @@ def _write_hparams(writer: gguf.GGUFWriter, spec: TinySpec, vocab: int, window: 
         writer.add_attn_logit_softcapping(spec.softcaps[0])
     if spec.softcaps[1]:
         writer.add_final_logit_softcapping(spec.softcaps[1])
+    if spec.long_rope_original:  # as llama.cpp's converter writes Phi-3 LongRoPE (Phi3MiniModel)
+        writer.add_rope_scaling_orig_ctx_len(spec.long_rope_original)
+        scale = 4096 / spec.long_rope_original
+        writer.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(scale) / np.log(spec.long_rope_original))))
 
 
 def _tiny_tensors(rng: np.random.Generator, spec: TinySpec, vocab: int) -> dict[str, np.ndarray]:
@@ -327,6 +335,9 @@ def _tiny_tensors(rng: np.random.Generator, spec: TinySpec, vocab: int) -> dict[
     out = {"token_embd.weight": mat(vocab, h, 4.0)}
     if spec.rope_freqs:  # Llama 3's factors: 1 for high frequencies up to 8 for low ones
         out["rope_freqs.weight"] = np.geomspace(1.0, 8.0, spec.head_dim // 2).astype(np.float32)
+    if spec.long_rope_original:  # Phi-3-mini-128k's factors run about 1-1.2 (short) and 1-40 (long)
+        out["rope_factors_short.weight"] = np.linspace(1.0, 1.5, spec.head_dim // 2).astype(np.float32)
+        out["rope_factors_long.weight"] = np.geomspace(1.0, 20.0, spec.head_dim // 2).astype(np.float32)
     for i in range(spec.layers):
         p = f"blk.{i}."
         wq, wk, wv = mat(q, h, 2.0), mat(kv, h, 2.0), mat(kv, h)

@@ -139,3 +139,32 @@ def test_gemma3_270m_config_follows_llama_cpp(gemma3_path):
     assert c.attention_scale == pytest.approx(1 / 16) and c.embedding_scale == pytest.approx(640 ** 0.5)
     assert (c.attn_softcap, c.final_softcap, c.rope_layout.value) == (0.0, 0.0, "halves")
     assert c.tie_word_embeddings is True
+
+
+def _rename(path, old: bytes, new: bytes) -> None:
+    """Replace a name of the same length everywhere in the file (metadata keys, values, tensor names)."""
+    assert len(old) == len(new)
+    raw = path.read_bytes()
+    assert old in raw
+    path.write_bytes(raw.replace(old, new))
+
+
+@pytest.mark.parametrize(("arch", "error"), [
+    ("mamba", r"general\.architecture 'mamba' is not supported \(supported: llama, qwen2, qwen3, gemma2, gemma3, phi3\)"),
+    ("qwen3", r"tensor 'blk\.0\.attn_q_norm\.weight' is missing \(architecture 'qwen3' reads it\)"),
+    ("qwen2", r"tensor 'blk\.0\.attn_q\.bias' is missing \(architecture 'qwen2' reads it\)"),
+])
+def test_a_layout_the_architecture_lacks_is_refused_by_name(tmp_path, arch, error):
+    # A Llama file relabelled: its tensors are not what the named family (llama.cpp's tensor lists) reads.
+    path = write_tiny_llama(tmp_path / "t.gguf", heads=4, kv_heads=2, head_dim=16)
+    _rename(path, b"llama", arch.encode())
+    with pytest.raises(ModelLoadError, match=error):
+        load_gguf(path)
+
+
+def test_a_tensor_no_runner_reads_is_refused_by_name(tmp_path):
+    path = write_tiny_llama(tmp_path / "t.gguf", heads=4, kv_heads=2, tied=False)
+    length = (13).to_bytes(8, "little")  # GGUF strings carry their length: not the tail of attn_output.weight
+    _rename(path, length + b"output.weight", length + b"outpux.weight")
+    with pytest.raises(ModelLoadError, match=r"tensor 'outpux\.weight' is not read by architecture 'llama'"):
+        load_gguf(path)
