@@ -106,7 +106,7 @@ def _check(model_file: str) -> dict:
 
     from hybridgate.workers.cpu import quant
     from hybridgate.workers.cpu.runner import NumbaRunner  # noqa: F401  (the runner's imports, as a worker has)
-    from tests.unit.test_cpu_kernels import ALL_TYPES, MIXES, T, edge_blocks, random_blocks
+    from tests.unit.test_cpu_kernels import ALL_TYPES, FAST_TYPES, MIXES, T, edge_blocks, random_blocks
 
     rng = np.random.default_rng(13)
     pairs = {"f32": ([], []), "i16": ([], [])}  # (random, model) per format
@@ -117,7 +117,7 @@ def _check(model_file: str) -> dict:
         data = random_blocks(kind, rows, cols, rng)
         dense = np.asarray(gguf.quants.dequantize(data, T[kind]), np.float64).reshape(rows, cols)
         x = rng.standard_normal((9, cols)).astype(np.float32)
-        for fmt in ("f32", "i16") if kind in ("Q4_1", "Q8_0") else ("f32",):
+        for fmt in ("f32", "i16") if kind in FAST_TYPES else ("f32",):
             for m in (quant.quant_matrix("w", int(T[kind]), data, (rows, cols), fmt),
                       quant.QuantMatrix("w", int(T[kind]), data, (rows, cols))):  # the row path of every type
                 y = m.matmul(x)
@@ -154,9 +154,16 @@ def _check(model_file: str) -> dict:
         x = np.where(rng.random((5, cols)) < 0.5, -3.0, 3.0).astype(np.float32)
         m = quant.quant_matrix("w", int(T[kind]), data, (rows, cols), "i16")
         pairs["i16"][0].append((kind + " extremes", m.matmul(x), x.astype(np.float64) @ dense.T))
-    for kind in ("Q4_1", "Q8_0"):  # every tile shape: 4-row tiles and a 1-row tail, 4x4 and 4x1, two X_TILE passes
-        m = quant.quant_matrix("w", int(T[kind]), random_blocks(kind, 37, 96, rng), (37, 96), "i16")
-        x = rng.standard_normal((70, 96)).astype(np.float32)
+    for kind in FAST_TYPES:  # at the formats' limits, int16 activations
+        data = edge_blocks(kind, 8, 256, rng)
+        dense = np.asarray(gguf.quants.dequantize(data, T[kind]), np.float64).reshape(8, 256)
+        x = rng.standard_normal((3, 256)).astype(np.float32)
+        m = quant.quant_matrix("w", int(T[kind]), data, (8, 256), "i16")
+        pairs["i16"][0].append((kind + " edges", m.matmul(x), x.astype(np.float64) @ dense.T))
+    for kind in FAST_TYPES:  # every tile shape: 4-row tiles and a 1-row tail, 4x4 and 4x1, two X_TILE passes
+        cols = 256 if kind == "Q4_K" else 96
+        m = quant.quant_matrix("w", int(T[kind]), random_blocks(kind, 37, cols, rng), (37, cols), "i16")
+        x = rng.standard_normal((70, cols)).astype(np.float32)
         batched = m.matmul(x)
         invariant["i16"] &= all(np.array_equal(m.matmul(x[b : b + 1])[0], batched[b]) for b in range(70))
     reader = gguf.GGUFReader(model_file)

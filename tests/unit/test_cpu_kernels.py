@@ -11,6 +11,7 @@ from hybridgate.workers.cpu import quant
 T = gguf.GGMLQuantizationType
 QUANTIZABLE = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]  # gguf.quants.quantize's types
 K_QUANTS = ["Q4_K", "Q5_K", "Q6_K"]
+FAST_TYPES = ["Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q8_0"]  # repacked onto the simd/intdot kernels
 ALL_TYPES = QUANTIZABLE + K_QUANTS
 # Where each block type keeps its fp16 super-scale d (and dmin / m beside it where it has one).
 D_AT = {"Q4_0": 0, "Q4_1": 0, "Q5_0": 0, "Q5_1": 0, "Q8_0": 0, "Q4_K": 0, "Q5_K": 0, "Q6_K": 208}
@@ -180,32 +181,30 @@ def test_q4_1_repack_is_six_bits_per_weight():
     assert m.nbytes * 8 / (64 * 512) <= 6.0
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
-def test_subnormal_and_large_scales_are_widened_exactly(kind):
-    # binary16 scales at the edges of the format (subnormal, the largest finite): both activation
-    # formats against gguf's dequantizer (float64 products), as for ordinary blocks.
+@pytest.mark.parametrize("kind", FAST_TYPES)
+def test_fast_paths_at_the_formats_limits(kind):
+    # The repacked types on the simd/intdot kernels, both activation formats, on `edge_blocks` (codes at
+    # their extremes, binary16 scales and mins subnormal or near the largest finite) against gguf's
+    # dequantizer (float64 products): a flushed scale, a lost code bit or a wrong nibble order shows.
     rng = np.random.default_rng(3)
-    data = random_blocks(kind, 8, 64, rng).reshape(8, 2, -1)
-    edge = np.array([5.96e-8, 6.1e-5, -3.0e-6, 1.0e-7, 2.0, 0.5, 60000.0, -1.0e-5], dtype=np.float16)
-    for r in range(8):  # the scale, and Q4_1's min beside it (a flushed scale or min moves the row)
-        data[r, :, 0:2] = edge[r : r + 1].view(np.uint8)
-        if kind == "Q4_1":
-            data[r, :, 2:4] = edge[(r + 3) % 8 : (r + 3) % 8 + 1].view(np.uint8)
-    data = data.reshape(8, -1)
-    ref = gguf.dequantize(data, getattr(T, kind)).astype(np.float64)
-    x = rng.standard_normal((3, 64)).astype(np.float32)
+    rows, cols = 8, 512
+    data = edge_blocks(kind, rows, cols, rng)
+    ref = dense_reference(kind, data, rows, cols)
+    x = rng.standard_normal((3, cols)).astype(np.float32)
     want = x.astype(np.float64) @ ref.T
     size = np.abs(x).max(axis=1, keepdims=True) * np.abs(ref).sum(axis=1)[None, :]
     for activations, bound in (("f32", 1e-6), ("i16", 4e-5)):
-        got = quant.quant_matrix("w", int(getattr(T, kind)), data, (8, 64), activations).matmul(x)
-        np.testing.assert_array_less(np.abs(got - want), bound * size, err_msg=activations)
+        m = quant.quant_matrix("w", int(getattr(T, kind)), data, (rows, cols), activations)
+        assert type(m) is not quant.QuantMatrix and m.activations == activations
+        np.testing.assert_array_less(np.abs(m.matmul(x) - want), bound * size, err_msg=activations)
+        np.testing.assert_allclose(m.row(5), ref[5], rtol=1e-6, atol=1e-6 * np.abs(ref[5]).max())
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kind", FAST_TYPES)
 def test_every_tile_shape_gives_the_bits_of_batch_one(kind):
     # 37 rows: 4-row tiles plus a 1-row tail; 70 activation rows: 4x4 and 4x1 tiles, two X_TILE passes.
     rng = np.random.default_rng(7)
-    rows, cols = 37, 96
+    rows, cols = 37, 256 if kind == "Q4_K" else 96
     m = quant.quant_matrix("w", int(T[kind]), random_blocks(kind, rows, cols, rng), (rows, cols))
     x = rng.standard_normal((70, cols)).astype(np.float32)
     batched = m.matmul(x)
