@@ -43,7 +43,7 @@ def encode(job: bytes) -> bytes:
 
     prompt = msgspec.msgpack.decode(job)
     try:
-        ids = _state["tokenizer"].encode(prompt) if isinstance(prompt, str) else _state["chat"].encode(prompt)
+        ids = _state["tokenizer"].encode_prompt(prompt) if isinstance(prompt, str) else _state["chat"].encode(prompt)
     except ChatTemplateError as exc:
         return b"E" + str(exc).encode()
     return b"I" + np.asarray(ids, dtype=np.int32).tobytes()

@@ -72,6 +72,7 @@ class PreTokenizer:
 
     steps: tuple[Split | Digits, ...]
     ignore_merges: bool = False  # a whole piece that is a token is taken as is (Llama 3's BPE `ignore_merges`)
+    add_bos: bool = False  # llama.cpp's default for `tokenizer.ggml.add_bos_token` when the file has none
 
     def build(self) -> pre_tokenizers.PreTokenizer:
         """A `tokenizers` pre-tokenizer: the steps, then `ByteLevel` without a regex of its own."""
@@ -85,7 +86,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "default": PreTokenizer((Split(r"[\p{P}\$\+<=>\^~\|]+"), Split(GPT2_SPLIT), Split(r"\p{N}+"),
                              Split("[0-9][0-9][0-9]"))),
     "gpt-2": GPT2,
-    "llama-bpe": PreTokenizer((Split(LLAMA3_SPLIT),), ignore_merges=True),
+    "llama-bpe": PreTokenizer((Split(LLAMA3_SPLIT),), ignore_merges=True, add_bos=True),
     "qwen2": PreTokenizer((Split(QWEN2_SPLIT),)),
     "qwen35": PreTokenizer((Split(QWEN35_SPLIT),)),
     "deepseek-llm": PreTokenizer((Split(r"[\r\n]"), Split(DEEPSEEK_LLM_LETTERS), Split(DEEPSEEK_LLM_PUNCT),

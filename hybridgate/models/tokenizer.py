@@ -64,6 +64,7 @@ class _Parts:
     decoder: decoders.Decoder
     token_bytes: list[bytes]
     vocab: set[str]
+    add_bos: bool  # llama.cpp's default when the file has no `tokenizer.ggml.add_bos_token`
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -103,7 +104,7 @@ def _byte_level(meta: dict[str, Any], tokens: list[str], types: list[int]) -> _P
     table = _byte_decoder()
     token_bytes = [t.encode("utf-8") if k in (_CONTROL, _USER_DEFINED) or not all(c in table for c in t)
                    else bytes(table[c] for c in t) for t, k in zip(tokens, types)]
-    return _Parts(model, None, rules.build(), decoders.ByteLevel(), token_bytes, set(vocab))
+    return _Parts(model, None, rules.build(), decoders.ByteLevel(), token_bytes, set(vocab), rules.add_bos)
 
 
 def _spm_merges(pieces: list[str], ranks: list[float], types: list[int]) -> list[tuple[str, str]]:
@@ -151,7 +152,11 @@ def _sentencepiece(meta: dict[str, Any], tokens: list[str], types: list[int]) ->
     vocab = _vocab(pieces)
     unk_id = meta.get("tokenizer.ggml.unknown_token_id")
     unk = pieces[int(unk_id)] if unk_id is not None and 0 <= int(unk_id) < len(pieces) else None
-    model = models.BPE(vocab, _spm_merges(pieces, ranks, types), unk_token=unk, fuse_unk=True, byte_fallback=True)
+    if "tokenizer.ggml.merges" in meta:  # a BPE-trained SentencePiece-style vocabulary (`gemma4`) lists its merges
+        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    else:
+        merges = _spm_merges(pieces, ranks, types)
+    model = models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
     space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
     steps = [normalizers.Replace(" ", SPACE)]
     decode = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
@@ -159,12 +164,11 @@ def _sentencepiece(meta: dict[str, Any], tokens: list[str], types: list[int]) ->
         steps.insert(0, normalizers.Prepend(SPACE))
         decode.append(decoders.Strip(" ", 1, 0))
     return _Parts(model, normalizers.Sequence(steps), None, decoders.Sequence(decode),
-                  _token_bytes_spm(tokens, types), set(vocab))
+                  _token_bytes_spm(tokens, types), set(vocab), add_bos=True)
 
 
 # `tokenizer.ggml.model` -> builder; anything else (bert, t5, rwkv, ...) is refused.
-TOKENIZER_MODELS = {"gpt2": _byte_level, "llama": _sentencepiece}
-_ADD_BOS_DEFAULT = {"gpt2": False, "llama": True}  # llama.cpp's defaults when the file does not say
+TOKENIZER_MODELS = {"gpt2": _byte_level, "llama": _sentencepiece, "gemma4": _sentencepiece}
 
 
 def _optional_id(meta: dict[str, Any], key: str, vocab_size: int) -> int:
@@ -179,7 +183,8 @@ class Tokenizer:
     Attributes: `vocab_size`; `bos_token_id`, `eos_token_id`, `eot_token_id`,
     `eom_token_id` (-1 when the file has none); `add_bos_token`,
     `add_eos_token` (the file's flags, else llama.cpp's defaults: BOS for
-    SentencePiece, none for byte-level BPE); `special_tokens` (control token
+    SentencePiece and `llama-bpe`, none for other byte-level BPE; only
+    `encode_prompt` adds it); `special_tokens` (control token
     string -> id); `stop_token_ids` (EOS, EOT, EOM and every control token of
     `END_OF_TURN_TOKENS` the vocabulary has); `token_bytes` (the bytes each id
     decodes to); `chat_template`.
@@ -203,7 +208,7 @@ class Tokenizer:
         self.model = kind
         self.vocab_size = len(tokens)
         self._read_special_ids(metadata, tokens, types)
-        self.add_bos_token = bool(metadata.get("tokenizer.ggml.add_bos_token", _ADD_BOS_DEFAULT[kind]))
+        self.add_bos_token = bool(metadata.get("tokenizer.ggml.add_bos_token", parts.add_bos))
         self.add_eos_token = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
         self.chat_template: str | None = metadata.get("tokenizer.chat_template")
         self._tokens = tokens
@@ -251,6 +256,12 @@ class Tokenizer:
         """
         tok = self._with_special if special_tokens else self._as_text
         return tok.encode(text, add_special_tokens=False).ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Ids of a raw-text prompt: BOS first when the vocabulary asks for it (`add_bos_token`), as
+        llama.cpp's `llama_tokenize(add_special=true)` does; special-token strings are parsed."""
+        ids = self.encode(text)
+        return [self.bos_token_id, *ids] if self.add_bos_token and self.bos_token_id >= 0 else ids
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         """Text of `ids`; invalid UTF-8 becomes U+FFFD (one per maximal invalid subpart).
