@@ -263,18 +263,6 @@ def _tensor_views(infos, mapping: np.ndarray) -> dict[str, TensorView]:
     return views
 
 
-def read_metadata(path: str | Path) -> dict[str, Any]:
-    """The metadata of a GGUF file, unvalidated: for vocabulary-only files and tokenizers.
-
-    Uses the same header cache as `load_gguf`. Raises:
-        ModelLoadError: the file is missing or not GGUF, or a tensor has an unknown or unsupported type.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise ModelLoadError(f"model file {str(path)!r} does not exist")
-    return _read_header(path)[0]
-
-
 def load_gguf(path: str | Path) -> GGUFModel:
     """Open a GGUF file: validated `ModelConfig`, metadata and tensor views.
 

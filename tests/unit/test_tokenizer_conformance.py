@@ -140,3 +140,19 @@ def test_gemma3_metadata_and_stop_tokens(gemma3):
     assert (gemma3.model, gemma3.vocab_size, gemma3.bos_token_id, gemma3.add_bos_token) == ("llama", 262_144, 2, True)
     assert {gemma3.id_to_token(i) for i in gemma3.stop_token_ids} == {"<eos>", "<end_of_turn>"}
     assert gemma3.encode_prompt("Hi")[0] == 2
+
+
+def test_read_metadata_equals_gguf_readers_contents(llama_vocab_dir, tmp_path):
+    import gguf
+
+    path = llama_vocab_dir / "ggml-vocab-llama-spm.gguf"  # strings, float scores, int types, bools, ids
+    reader = gguf.GGUFReader(path)
+    reference = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    assert read_metadata(path) == reference
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:100_000])
+    with pytest.raises(ModelLoadError, match="malformed GGUF metadata at key 'tokenizer.ggml.tokens'"):
+        read_metadata(cut)
+    cut.write_bytes(b"GGML" + bytes(100))
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        read_metadata(cut)
