@@ -157,7 +157,7 @@ class OpenAIApp:
                 except ChatTemplateError as exc:
                     raise InvalidFieldError("messages", str(exc)) from None
             elif body.prompt is not None:
-                ids = self.router.tokenizer.encode(body.prompt)
+                ids = self.router.tokenizer.encode_prompt(body.prompt)  # the ids a completion of it starts from
             else:
                 raise InvalidFieldError("prompt", "give prompt or messages")
         except InvalidFieldError as exc:
