@@ -15,6 +15,8 @@ kind (llama.cpp, src/llama-vocab.cpp, `llama_vocab::impl::load`):
   the text and every fragment after a special token). Gemma's files differ
   (`SPM_VARIANTS`): runs of spaces are stored as spaces and merges follow the
   file's token order, not the scores (transformers' `gemma_tokenizer`).
+- `gemma4`: the same SentencePiece-style text steps over a BPE vocabulary
+  whose merges the file lists (llama.cpp's `gemma4` tokenizer model).
 
 Anything else is refused with `ModelLoadError`.
 """
@@ -147,14 +149,14 @@ def _sentencepiece(meta: dict[str, Any], tokens: list[str], types: list[int]) ->
     pieces = tokens
     if variant.respell_space_runs:
         pieces = [SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
-    ranks = ([-float(i) for i in range(len(pieces))] if variant.merges_by_file_order
-             else [float(s) for s in meta["tokenizer.ggml.scores"]])
     vocab = _vocab(pieces)
     unk_id = meta.get("tokenizer.ggml.unknown_token_id")
     unk = pieces[int(unk_id)] if unk_id is not None and 0 <= int(unk_id) < len(pieces) else None
     if "tokenizer.ggml.merges" in meta:  # a BPE-trained SentencePiece-style vocabulary (`gemma4`) lists its merges
         merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
     else:
+        ranks = ([-float(i) for i in range(len(pieces))] if variant.merges_by_file_order
+                 else [float(s) for s in meta["tokenizer.ggml.scores"]])
         merges = _spm_merges(pieces, ranks, types)
     model = models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
     space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
@@ -249,10 +251,12 @@ class Tokenizer:
         return cls(model.metadata)
 
     def encode(self, text: str, *, special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; nothing is prepended (BOS comes from the template).
+        """Token ids of `text`; no BOS is prepended (it comes from the template, or `encode_prompt`).
 
         With `special_tokens=False`, a special-token string such as
-        `<|im_end|>` in `text` is encoded as plain text.
+        `<|im_end|>` in `text` is encoded as plain text. A SentencePiece
+        vocabulary with `add_space_prefix` puts a space before the text and
+        after every special token in it, as llama.cpp does.
         """
         tok = self._with_special if special_tokens else self._as_text
         return tok.encode(text, add_special_tokens=False).ids
