@@ -17,7 +17,7 @@ from tokenizers import Regex, pre_tokenizers
 
 # GPT-2's split (openai/gpt-2 encoder.py; what `ByteLevel(use_regex=True)` applies).
 GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-# Llama 3's tokenizer.json (meta-llama/Meta-Llama-3-8B), also DBRX and Smaug.
+# Llama 3's tokenizer.json (meta-llama/Meta-Llama-3-8B).
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 # Qwen2's tokenizer.json (Qwen/Qwen2-7B): Llama 3's with single digits.
@@ -103,8 +103,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
 PRE_TOKENIZER_NAMES: dict[str, str] = {
     "default": "default",
     "gpt-2": "gpt-2", "gpt2": "gpt-2", "mpt": "gpt-2", "phi-2": "gpt-2", "olmo": "gpt-2",
-    "llama-bpe": "llama-bpe", "llama3": "llama-bpe", "llama-v3": "llama-bpe", "dbrx": "llama-bpe",
-    "smaug-bpe": "llama-bpe",
+    "llama-bpe": "llama-bpe", "llama3": "llama-bpe", "llama-v3": "llama-bpe",
     "qwen2": "qwen2", "deepseek-r1-qwen": "qwen2", "stablelm2": "qwen2",
     "qwen35": "qwen35",
     "deepseek-llm": "deepseek-llm",

@@ -322,3 +322,14 @@ async def test_end_of_turn_ids_of_the_vocabulary_stop_unless_eos_is_ignored(gguf
             await collect(router, "x", SamplingParams(max_tokens=5, stop_token_ids=(5,), ignore_eos=ignore_eos))
         assert client.requests[0].params.stop_token_ids == expected
         assert client.requests[0].eos_token_id == tokenizer.eos_token_id
+
+
+async def test_a_raw_prompt_starts_with_bos_when_the_vocabulary_asks(gguf_model, tokenizer):
+    # llama.cpp's llama_tokenize(add_special=true): BOS first when tokenizer.ggml.add_bos_token (SmolLM2's is false).
+    fp = model_fingerprint(gguf_model)
+    for add_bos, expected in ((False, tokenizer.encode("Hi there")), (True, [1, *tokenizer.encode("Hi there")])):
+        client = ScriptedClient(fp, tokenizer.encode("fine"))
+        async with Router(gguf_model, [client]) as router:
+            router.tokenizer.add_bos_token = add_bos
+            await collect(router, "Hi there", SamplingParams(max_tokens=5))
+        assert client.requests[0].prompt_ids == expected
