@@ -23,6 +23,7 @@ Anything else is refused with `ModelLoadError`.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,8 @@ from tokenizers import decoders, models, normalizers
 
 from hybridgate.models.gguf_file import GGUFModel, ModelLoadError
 from hybridgate.models.pretokenizers import PRE_TOKENIZER_NAMES, pre_tokenizer
+
+log = logging.getLogger("hybridgate.models")
 
 # llama.cpp's token types (llama_token_type in gguf-py's constants).
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
@@ -95,6 +98,9 @@ def _byte_level(meta: dict[str, Any], tokens: list[str], types: list[int]) -> _P
     A file without `tokenizer.ggml.pre` gets llama.cpp's choice, `default` (it warns of degraded output).
     """
     name = meta.get("tokenizer.ggml.pre", "default")
+    if "tokenizer.ggml.pre" not in meta:
+        log.warning("GGUF has no tokenizer.ggml.pre: using llama.cpp's 'default' pre-tokenizer (regenerate the file "
+                    "with a current convert_hf_to_gguf.py for its model's own)")
     if name not in PRE_TOKENIZER_NAMES:
         raise ModelLoadError(f"tokenizer.ggml.pre {name!r} is not supported (supported: {sorted(PRE_TOKENIZER_NAMES)})")
     if "tokenizer.ggml.merges" not in meta:
