@@ -10,6 +10,8 @@ a SentencePiece space prefix, the concatenated token bytes are the string after 
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import testdata
 from conftest import golden_json
@@ -156,3 +158,21 @@ def test_read_metadata_equals_gguf_readers_contents(llama_vocab_dir, tmp_path):
     cut.write_bytes(b"GGML" + bytes(100))
     with pytest.raises(ModelLoadError, match="not a GGUF file"):
         read_metadata(cut)
+
+
+@pytest.fixture(scope="module")
+def gpt2(llama_vocab_dir):
+    return Tokenizer(read_metadata(llama_vocab_dir / "ggml-vocab-gpt-2.gguf"))
+
+
+_TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=40)
+
+
+@given(text=_TEXT)
+@settings(max_examples=300)
+def test_any_text_round_trips(llama_spm, gpt2, text):
+    # Both models are lossless (byte fallback / byte-level alphabet), as llama.cpp's test-tokenizer-1 checks.
+    for tok in (llama_spm, gpt2):
+        ids = tok.encode(text, special_tokens=False)
+        assert tok.decode(ids) == text
+        assert b"".join(tok.token_bytes[i] for i in ids).decode() == (" " + text if tok is llama_spm and text else text)
