@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
-import os
 import signal
 import sys
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from hybridgate.config import environment
 from hybridgate.serveconf import SupervisorConfig
 from hybridgate.workerconf import WorkerConfig
 
@@ -37,7 +37,7 @@ POLL_S = 0.05
 def worker_main(config: WorkerConfig, error_path: str) -> None:
     """Entry of a supervised worker process: the worker, with its last error written to `error_path`."""
     try:
-        if os.environ.get(CRASH_AT_START_ENV) == "1":
+        if environment(CRASH_AT_START_ENV) == "1":
             raise RuntimeError(f"crashing at start as {CRASH_AT_START_ENV}=1 asks (a test-only setting)")
         from hybridgate.workers.process import run_worker  # in the worker process only
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import secrets
 import time
 import uuid
@@ -123,7 +122,7 @@ class Router:
                           HandoffExportFailed: self._on_handoff, HandoffImported: self._on_handoff,
                           HandoffRefused: self._on_handoff}
         self.handoff_metrics = HandoffMetrics()
-        self.handoff_pause = PauseHook.from_env(os.environ)
+        self.handoff_pause = PauseHook.from_env()
         self._was_ready = False
         self._recent: dict[str, None] = {}  # ended request ids, oldest first
         self._unknown_ids = 0

@@ -14,7 +14,6 @@ KV frames) followed by HANDOFF_KV_PART messages, each carrying whole layers
 from __future__ import annotations
 
 import logging
-import os
 import random
 import secrets
 import threading
@@ -24,6 +23,7 @@ from dataclasses import dataclass, field
 import msgspec
 import numpy as np
 
+from hybridgate.config import environment
 from hybridgate.wire import (
     HANDOFF_DTYPES, ROPE_BASIS, AddRequest, HandoffExported, HandoffExportFailed, HandoffHeader, HandoffImported,
     HandoffOutcome, HandoffPart, HandoffRefused, HandoffRelease, HandoffReservation, HandoffReserve, HandoffResume,
@@ -191,8 +191,8 @@ class PauseHooks:
     STATES = ("reserved", "exporting", "exported", "importing", "imported")
 
     def __init__(self, spec: str | None = None, seed: str | None = None):
-        spec = os.environ.get("HYBRIDGATE_TEST_HANDOFF_PAUSE", "") if spec is None else spec
-        seed = os.environ.get("HYBRIDGATE_TEST_HANDOFF_PAUSE_SEED") if seed is None else seed
+        spec = environment("HYBRIDGATE_TEST_HANDOFF_PAUSE", "") if spec is None else spec
+        seed = environment("HYBRIDGATE_TEST_HANDOFF_PAUSE_SEED") if seed is None else seed
         self.seconds: dict[str, float] = {}
         for item in filter(None, (s.strip() for s in spec.split(","))):
             state, _, secs = item.partition(":")
