@@ -1,0 +1,141 @@
+"""The HTTP door's edges, on the ASGI app itself (no server, no worker): the bearer token in front of every
+route, the 4 MiB body limit before FastAPI reads a body, admission per choice, the label's limit, and
+/tokenize and /detokenize through generation's prompt path and limits (the long-prompt pool included)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+
+import pytest
+
+from hybridgate.gateway.admission import Admission
+from hybridgate.gateway.http import OpenAIApp
+from hybridgate.gateway.http_guard import MAX_BODY_BYTES
+from hybridgate.gateway.metrics import GatewayMetrics
+from hybridgate.router import Router, RouterConfig
+from hybridgate.router.prompts import INLINE_CHARS
+from hybridgate.router.router import MAX_PROMPT_BYTES
+
+TOKEN = "edge-token"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}ANSWER:{% endif %}"
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def door(tmp_path_factory, gguf_model):
+    template = tmp_path_factory.mktemp("template") / "plain.jinja"
+    template.write_text(TEMPLATE)
+    router = Router(gguf_model, [], RouterConfig(chat_template=str(template), prompt_processes=1))
+    yield OpenAIApp(router, GatewayMetrics(), Admission(2), ("m",), auth_token=TOKEN)
+    router.prompts.close()
+
+
+def call(app, method: str, path: str, body: bytes | dict | None = None, headers: dict | None = None,
+         chunk: int | None = None) -> tuple[int, dict, dict]:
+    """One request straight to the ASGI app: (status, headers, JSON body). `chunk`: send the body in
+    pieces of that size without a Content-Length (as a chunked upload). Fails if the app reads a body
+    it was given a Content-Length over the limit for."""
+    raw = json.dumps(body).encode() if isinstance(body, dict) else (body or b"")
+    hdrs = [(k.encode(), v.encode()) for k, v in {"content-type": "application/json", **(headers or {})}.items()]
+    if chunk is None:
+        hdrs.append((b"content-length", str(len(raw)).encode()))
+        pieces = [raw]
+    else:
+        pieces = [raw[i:i + chunk] for i in range(0, len(raw), chunk)] or [b""]
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "path": path,
+             "raw_path": path.encode(), "query_string": b"", "headers": hdrs, "scheme": "http",
+             "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 1234), "root_path": ""}
+    read = {"n": 0}
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        if chunk is None and len(raw) > MAX_BODY_BYTES:
+            raise AssertionError("the body was read although its Content-Length is over the limit")
+        if read["n"] < len(pieces):
+            read["n"] += 1
+            return {"type": "http.request", "body": pieces[read["n"] - 1], "more_body": read["n"] < len(pieces)}
+        await asyncio.sleep(3600)  # the client stays; a disconnect watcher waits
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    asyncio.run(asyncio.wait_for(app(scope, receive, send), 120))
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    data = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    headers = {k.decode().lower(): v.decode() for k, v in start["headers"]}
+    return start["status"], headers, (json.loads(data) if headers.get("content-type") == "application/json" else {})
+
+
+@pytest.mark.parametrize("path", ["/openapi.json", "/v1/models", "/metrics", "/no-such-route"])
+def test_every_route_but_health_wants_the_token(door, path):
+    status, headers, body = call(door.app, "GET", path)
+    assert status == 401 and headers["www-authenticate"] == "Bearer", (path, status)
+    assert body["error"]["code"] == "invalid_api_key"
+    assert call(door.app, "GET", path, headers={"authorization": "Bearer wrong"})[0] == 401
+    assert call(door.app, "GET", path, headers=AUTH)[0] == (404 if path == "/no-such-route" else 200)
+    assert call(door.app, "GET", "/health")[0] == 503  # open, and no worker is READY here
+
+
+def test_a_body_over_4_mib_is_413_before_it_is_read(door):
+    big = {"model": "m", "messages": [{"role": "user", "content": "x" * MAX_BODY_BYTES}]}
+    status, headers, body = call(door.app, "POST", "/v1/chat/completions", big, AUTH)
+    assert status == 413 and body["error"]["type"] == "invalid_request_error", body
+    assert str(MAX_BODY_BYTES) in body["error"]["message"]
+    status, _, body = call(door.app, "POST", "/v1/chat/completions", big, AUTH, chunk=1 << 16)  # no Content-Length
+    assert status == 413, body
+    small = {"model": "m", "prompt": "hello"}  # a chunked body under the limit is served
+    assert call(door.app, "POST", "/tokenize", small, AUTH, chunk=3)[2]["tokens"] == \
+        door.router.tokenizer.encode("hello")
+
+
+def test_admission_counts_each_choice(door):
+    """Two slots: a request for three choices is refused at once (429), not taken as one slot."""
+    status, headers, body = call(door.app, "POST", "/v1/chat/completions",
+                                 {"model": "m", "messages": CHAT, "n": 3, "max_tokens": 2}, AUTH)
+    assert status == 429 and "retry-after" in headers, body
+    assert "--max-inflight-requests" in body["error"]["message"]
+    assert door.admission.inflight == 0
+
+
+def test_the_label_is_at_most_256_bytes(door):
+    status, _, body = call(door.app, "POST", "/v1/chat/completions",
+                           {"model": "m", "messages": CHAT, "user": "é" * 129, "max_tokens": 2}, AUTH)
+    assert status == 400 and body["error"]["param"] == "user" and "256" in body["error"]["message"], body
+
+
+def test_tokenize_takes_generations_limits(door):
+    status, _, body = call(door.app, "POST", "/tokenize", {"model": "m", "prompt": "a" * (MAX_PROMPT_BYTES + 1)}, AUTH)
+    assert status == 400 and body["error"]["param"] == "prompt" and str(MAX_PROMPT_BYTES) in body["error"]["message"]
+    limit = door.router.max_model_len
+    status, _, body = call(door.app, "POST", "/detokenize", {"model": "m", "tokens": [0] * (limit + 1)}, AUTH)
+    assert status == 400 and body["error"]["param"] == "tokens" and str(limit) in body["error"]["message"], body
+
+
+def test_a_long_chat_is_rendered_with_the_chat_template_file(door, tokenizer):
+    """Over INLINE_CHARS the chat goes to the pool, which must render with --chat-template too."""
+    content = "Paris is lovely. " * (INLINE_CHARS // 16)
+    for generation_prompt, tail in ((True, "ANSWER:"), (False, "")):
+        status, _, body = call(door.app, "POST", "/tokenize", {"model": "m", "add_generation_prompt": generation_prompt,
+                                                               "messages": [{"role": "user", "content": content}]}, AUTH)
+        assert status == 200, body
+        assert body["tokens"] == tokenizer.encode(f"<user>{content}\n{tail}")
+    ids = asyncio.run(door.router.prompts.encode([{"role": "user", "content": content}]))  # generation's path
+    assert list(ids) == tokenizer.encode(f"<user>{content}\nANSWER:")
+
+
+def test_the_prompt_pool_is_started_afresh_after_a_process_dies(door, tokenizer):
+    """A killed pool process used to break every later long prompt (BrokenProcessPool) until restart."""
+    prompts = door.router.prompts
+    text = "Lyon and Marseille. " * (INLINE_CHARS // 16)
+    expected = tokenizer.encode(text)
+    assert list(asyncio.run(prompts.encode(text))) == expected
+    for pid in list(prompts._pool._processes):
+        os.kill(pid, signal.SIGKILL)
+    for _ in range(2):  # the one that meets the broken pool, and the next
+        assert list(asyncio.run(prompts.encode(text))) == expected
+    status, _, body = call(door.app, "POST", "/tokenize", {"model": "m", "prompt": text}, AUTH)
+    assert status == 200 and body["tokens"] == expected
