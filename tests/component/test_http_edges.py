@@ -18,6 +18,7 @@ from hybridgate.gateway.metrics import GatewayMetrics
 from hybridgate.router import Router, RouterConfig
 from hybridgate.router.prompts import INLINE_CHARS
 from hybridgate.router.router import MAX_PROMPT_BYTES
+from hybridgate.wire import InvalidFieldError
 
 TOKEN = "edge-token"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
@@ -105,6 +106,10 @@ def test_the_label_is_at_most_256_bytes(door):
     status, _, body = call(door.app, "POST", "/v1/chat/completions",
                            {"model": "m", "messages": CHAT, "user": "é" * 129, "max_tokens": 2}, AUTH)
     assert status == 400 and body["error"]["param"] == "user" and "256" in body["error"]["message"], body
+    with pytest.raises(InvalidFieldError, match="256 bytes") as e:  # the gRPC door's INVALID_ARGUMENT
+        door.router.generate("hello", label="x" * 257)
+    assert e.value.field == "label"
+    door.router.generate("hello", label="x" * 256)
 
 
 def test_tokenize_takes_generations_limits(door):
@@ -139,3 +144,20 @@ def test_the_prompt_pool_is_started_afresh_after_a_process_dies(door, tokenizer)
         assert list(asyncio.run(prompts.encode(text))) == expected
     status, _, body = call(door.app, "POST", "/tokenize", {"model": "m", "prompt": text}, AUTH)
     assert status == 200 and body["tokens"] == expected
+
+
+def test_health_says_not_serving_after_stop_whatever_was_pending(gguf_model):
+    """A ready change the router reported just before shutdown must not turn health back to SERVING."""
+    from grpc_health.v1 import health_pb2
+
+    from hybridgate.gateway.server import Gateway, GatewayConfig
+
+    async def main():
+        gateway = Gateway(Router(gguf_model, []), GatewayConfig(port=0, http_port=None))
+        await gateway.start()
+        gateway.on_ready_change(True)  # e.g. a worker became READY as SIGTERM came
+        await gateway.stop()
+        await asyncio.sleep(0.05)  # anything still scheduled runs now
+        return gateway.health._server_status[""]
+
+    assert asyncio.run(main()) == health_pb2.HealthCheckResponse.NOT_SERVING
