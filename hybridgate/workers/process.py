@@ -50,6 +50,7 @@ from hybridgate.workers.guard import WireErrors
 from hybridgate.workers.memory import parse_memory
 from hybridgate.workers.handoff import DEFAULT_RESERVATION_TIMEOUT_S, HandoffConfig, HandoffIncoming
 from hybridgate.workers.scheduler import SchedulerConfig
+from hybridgate.workers.threads import EXIT_THREAD_DIED, exit_if_raises, worker_thread  # noqa: F401 (re-exported)
 
 log = logging.getLogger("hybridgate.worker")
 
@@ -494,7 +495,7 @@ def _die_with_parent(parent_pid: int | None) -> None:
                 os._exit(0)
             time.sleep(0.2)
 
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+    worker_thread(watch, "parent-watch", "parent watch").start()
 
 
 def check_bindable(endpoint: str) -> None:
@@ -524,30 +525,6 @@ def _bind_error(endpoint: str, exc: zmq.ZMQError) -> str:
     return f"--endpoint {endpoint}: cannot bind: {zmq.strerror(exc.errno)} (give ipc://PATH or tcp://HOST:PORT)"
 
 
-def _exit_if_raises(target, what: str, stopping: threading.Event | None = None):
-    """`target` wrapped so that an exception escaping it ends the process (supervision restarts it).
-
-    A worker whose I/O thread or engine loop has died is useless while alive:
-    no heartbeat or no progress. Exiting lets `serve` (or any supervisor) start
-    a fresh one; os._exit because the other threads cannot be joined. Once
-    `stopping` is set the worker is shutting down and an exception (a socket
-    closed under the thread) ends only the thread.
-    """
-
-    def run() -> None:
-        try:
-            target()
-        except BaseException:
-            if stopping is not None and stopping.is_set():
-                return
-            log.critical("the worker's %s died; exiting so that it can be restarted", what, exc_info=True)
-            logging.shutdown()
-            os._exit(EXIT_THREAD_DIED)
-
-    return run
-
-
-EXIT_THREAD_DIED = 70  # EX_SOFTWARE: an internal error ended a worker thread
 
 
 def run_worker(config: WorkerConfig, build: Callable[[WorkerConfig], tuple] = build_runner,
@@ -597,8 +574,7 @@ def run_worker(config: WorkerConfig, build: Callable[[WorkerConfig], tuple] = bu
     except zmq.ZMQError as exc:
         ctx.destroy(0)
         raise OSError(_bind_error(config.endpoint, exc)) from None
-    io_run = _exit_if_raises(io.run, "I/O thread", io.stopping)
-    io_thread = threading.Thread(target=io_run, name="worker-io", daemon=True)
+    io_thread = worker_thread(io.run, "worker-io", "I/O thread", io.stopping)
     io_thread.start()
     runner.warm_up()
     engine = EngineCore(runner, config.scheduler, hello.fingerprint, config.engine.prefix_caching, wire_errors,
@@ -633,8 +609,8 @@ def run_worker(config: WorkerConfig, build: Callable[[WorkerConfig], tuple] = bu
             capacity=config.max_num_seqs, boot_id=hello.boot_id, name=config.name,
             handoff_endpoint=config.resolved_handoff_endpoint))
         registration.start()
-    threading.Thread(target=lambda: (stop.wait(), loop.stopping.set()), daemon=True).start()
-    _exit_if_raises(loop.run, "engine loop")()
+    worker_thread(lambda: (stop.wait(), loop.stopping.set()), "stop-watch", "stop watch").start()
+    exit_if_raises(loop.run, "engine loop")()
     log.info("%s worker on %s stopping (%s)", config.kind, config.endpoint,
              "signal " + ", ".join(signal.Signals(n).name for n in stop_signals) if stop.is_set()
              else "engine loop ended")

@@ -8,6 +8,7 @@ import math
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -253,13 +254,38 @@ def test_a_congested_router_gets_overload_once_it_reads(worker_io):
 
 def test_a_dead_worker_thread_ends_the_process():
     code = ("import threading, time\n"
-            "from hybridgate.workers.process import _exit_if_raises\n"
-            "threading.Thread(target=_exit_if_raises(lambda: 1 / 0, 'I/O thread')).start()\n"
+            "from hybridgate.workers.threads import exit_if_raises\n"
+            "threading.Thread(target=exit_if_raises(lambda: 1 / 0, 'I/O thread')).start()\n"
             "time.sleep(30)\n")
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == EXIT_THREAD_DIED and time.monotonic() - start < 20
     assert "I/O thread died" in proc.stderr and "ZeroDivisionError" in proc.stderr
+
+
+def test_a_dead_registration_thread_ends_the_worker():
+    """It used to die quietly: the worker ran on while its registry entry expired."""
+    code = ("import time\n"
+            "from hybridgate.redisconf import RedisConfig, WorkerEntry\n"
+            "from hybridgate.workers.registration import Registration\n"
+            "entry = WorkerEntry('ipc:///nowhere', 'cpu', 1j, 1, 'boot')  # 1j: not JSON, the thread raises\n"
+            "Registration(RedisConfig(url='redis://127.0.0.1:1'), entry).start()\n"
+            "time.sleep(30)\n")
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == EXIT_THREAD_DIED and time.monotonic() - start < 20, proc.stderr
+    assert "registration thread died" in proc.stderr
+
+
+def test_every_worker_thread_runs_under_the_exit_on_death_wrapper():
+    """A thread of a worker process is made by `workers.threads.worker_thread` (or wrapped by
+    exit_if_raises); the in-process client's engine thread runs in the embedding service's own
+    process, which must not exit with it."""
+    root = Path(__file__).resolve().parents[2] / "hybridgate" / "workers"
+    bare = [f"{path.relative_to(root)}:{n}" for path in sorted(root.rglob("*.py"))
+            if path.name not in ("threads.py", "inprocess.py")
+            for n, line in enumerate(path.read_text().splitlines(), 1) if "threading.Thread(" in line]
+    assert bare == []
 
 
 def test_the_load_report_counts_the_blocks_each_sequence_is_promised():

@@ -37,6 +37,7 @@ from hybridgate.keys import Transport
 from hybridgate.mempool import PinnedPool, aligned_slab
 from hybridgate.wire import HandoffHeader, HandoffPart, HandoffRefused, MsgType
 from hybridgate.workers.handoff import PauseHooks
+from hybridgate.workers.threads import worker_thread
 
 log = logging.getLogger("hybridgate.worker")
 
@@ -171,7 +172,7 @@ class KVExporter:
         self.jobs: queue.Queue = queue.Queue()
         self.sockets: dict[str, zmq.Socket] = {}
         self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="kv-export", daemon=True)
+        self.thread = worker_thread(self._run, "kv-export", "KV export thread", self.stopping)
         self.thread.start()
 
     # --- engine thread -------------------------------------------------------
