@@ -39,6 +39,7 @@ from hybridgate.router.router import DEFAULT_MAX_TOKENS_CAP
 from hybridgate.wire import InvalidFieldError
 
 log = logging.getLogger("hybridgate.gateway")
+RUN_QUEUE_PER_CHOICE = 16  # deltas of one choice merged and not yet read by the client's response
 INLINE_IDS = 4096  # /detokenize decodes at most this many ids on the event loop (about a millisecond)
 request_log = logging.getLogger("hybridgate.requests")
 
@@ -295,13 +296,16 @@ class _EventStream(StreamingResponse):
 
 
 class _Run:
-    """The streams of one HTTP request's choices: entered together, read as one merged sequence of deltas."""
+    """The streams of one HTTP request's choices: entered together, read as one merged sequence of deltas.
+
+    The merged queue holds at most RUN_QUEUE_PER_CHOICE deltas per choice: a pump waits while it is full
+    (the client reads slowly), leaving the rest in its stream, rather than copying it all here."""
 
     def __init__(self, door: OpenAIApp, states: list[ChoiceState]):
         self.door, self.states = door, states
         self.cost = (0, 0)  # admission's (max_tokens, slots), given back by `release` (streams)
         self._released = False
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._queue: asyncio.Queue = asyncio.Queue(RUN_QUEUE_PER_CHOICE * len(states))
         self._tasks: list[asyncio.Task] = []
 
     async def release(self) -> None:
@@ -338,11 +342,9 @@ class _Run:
         try:
             async for delta in state.stream:
                 self._observe(state, delta)
-                self._queue.put_nowait((state, delta))
-        except BaseException as exc:
-            self._queue.put_nowait((state, exc))
-            if not isinstance(exc, Exception):
-                raise
+                await self._queue.put((state, delta))
+        except Exception as exc:  # a cancellation comes from `close` only: nobody reads any more
+            await self._queue.put((state, exc))
 
     async def deltas(self):
         """(state, delta) of every choice as they come, until each has finished; raises a choice's error."""

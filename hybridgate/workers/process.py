@@ -400,7 +400,8 @@ class WorkerIO:
 
     def _on_add(self, client: bytes, msg: AddRequest) -> None:
         self.clients.add(client)
-        self.inbox.requests.put((client, msg))
+        if not self.inbox.offer_add(client, msg):  # the engine is far behind: another worker may take it
+            self._send(client, self.inbox.refusal(msg.request_id))
 
     def _on_abort(self, client: bytes, msg: Abort) -> None:
         self.inbox.put_abort(client, msg)  # the fast path: the engine applies it before its next step
@@ -562,7 +563,7 @@ def run_worker(config: WorkerConfig, build: Callable[[WorkerConfig], tuple] = bu
     del model  # the runners copy what they keep: the GGUF file can be unmapped
     ctx = zmq.Context()
     secure.authenticate(ctx)  # the ZAP handler admits only clients holding the deployment's key
-    inbox = Inbox()
+    inbox = Inbox(config.scheduler.max_num_waiting)  # as many ADDs again as the scheduler queues
     wire_errors = WireErrors()  # counted by both threads, reported in every LOAD and OUTPUTS
     hello = Hello(kind=config.kind, fingerprint=fingerprint, max_num_seqs=config.max_num_seqs,
                   max_model_len=runner.max_model_len, pid=os.getpid(), ready=False,
@@ -579,6 +580,7 @@ def run_worker(config: WorkerConfig, build: Callable[[WorkerConfig], tuple] = bu
     runner.warm_up()
     engine = EngineCore(runner, config.scheduler, hello.fingerprint, config.engine.prefix_caching, wire_errors,
                         HandoffConfig(config.cache_imported_kv, config.handoff_reservation_timeout_s))
+    engine.refusals = inbox.refusals  # one count of the worker's queue refusals, in its LOAD reports
     if config.measure_rates:
         started = time.monotonic()
         engine.measure_rates()
@@ -592,7 +594,7 @@ def run_worker(config: WorkerConfig, build: Callable[[WorkerConfig], tuple] = bu
 
         exporter = engine.handoffs.exporter = KVExporter(
             runner, ctx, lambda ev: inbox.requests.put((b"", ev)), buffer_memory=config.handoff_buffer_bytes,
-            transport=secure)
+            transport=secure, refusals=inbox.refusals)
     loop = EngineLoop(engine, inbox, io.engine_sender(ctx), io.engine_handoff_sender())
     io.stats = engine.stats  # read by the heartbeat; the engine refreshes it every pass
     io.set_ready()  # the I/O thread sends READY on its next pass

@@ -18,7 +18,8 @@ from hybridgate.gateway.metrics import GatewayMetrics
 from hybridgate.router import Router, RouterConfig
 from hybridgate.router.prompts import INLINE_CHARS
 from hybridgate.router.router import MAX_PROMPT_BYTES
-from hybridgate.wire import InvalidFieldError
+from hybridgate.router.stream import Delta
+from hybridgate.wire import FinishReason, InvalidFieldError
 
 TOKEN = "edge-token"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
@@ -161,3 +162,48 @@ def test_health_says_not_serving_after_stop_whatever_was_pending(gguf_model):
         return gateway.health._server_status[""]
 
     assert asyncio.run(main()) == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class _Stream:
+    """A stream of `n` one-token deltas, the last one finished."""
+
+    def __init__(self, n: int):
+        self.n, self.read = n, 0
+
+    async def __aenter__(self):
+        return self
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.read == self.n:
+            raise StopAsyncIteration
+        self.read += 1
+        finish = FinishReason.LENGTH if self.read == self.n else None
+        return Delta(request_id="r", token_index=self.read - 1, text="x", token_ids=[7], finish_reason=finish)
+
+
+def test_the_merged_queue_of_several_choices_is_bounded():
+    """A client that reads slowly holds at most RUN_QUEUE_PER_CHOICE deltas a choice in the merged queue
+    (it used to copy every delta of every choice there as they came)."""
+    from types import SimpleNamespace
+
+    from hybridgate.gateway.http import RUN_QUEUE_PER_CHOICE, _Run
+    from hybridgate.gateway.openai_format import ChoiceState
+
+    async def main():
+        door = SimpleNamespace(metrics=GatewayMetrics(), admission=Admission(4), log_requests=False)
+        streams = [_Stream(500), _Stream(500)]
+        run = _Run(door, [ChoiceState(i, s) for i, s in enumerate(streams)])
+        await run.enter()
+        for _ in range(50):
+            await asyncio.sleep(0)
+        held = run._queue.qsize()
+        got = [delta async for _, delta in run.deltas()]
+        await run.close()
+        return held, got
+
+    held, got = asyncio.run(main())
+    assert held <= 2 * RUN_QUEUE_PER_CHOICE
+    assert len(got) == 1000 and sum(d.finish_reason is not None for d in got) == 2

@@ -162,3 +162,27 @@ def test_imported_sequences_are_preempted_last_and_counted_when_recomputed():
     assert sched.stats.recomputed_imports == 0 and sched.allocator.by_hash == {}  # imported KV never cached
     sched.preempt(imp)
     assert sched.stats.recomputed_imports == 1
+
+
+def test_the_export_queue_is_bounded_and_one_more_export_fails_at_once():
+    """An export past the queue's bound fails at once (the sequence decodes where it is), counted."""
+    import torch
+    import zmq
+
+    from hybridgate.workers.gpu.export import ExportJob, KVExporter
+
+    cache = SimpleNamespace(k=[torch.zeros(4, 16, 3, 64)], block_size=16)
+    runner = SimpleNamespace(cache=cache, model=SimpleNamespace(device=torch.device("cpu")), max_model_len=64)
+    events, ctx = [], zmq.Context()
+    exporter = KVExporter(runner, ctx, events.append, buffer_memory=1 << 20, max_jobs=2)
+    exporter.stopping.set()  # the sender thread takes nothing from here on
+    exporter.thread.join(5)
+    try:
+        for rid in ("a", "b", "c"):
+            exporter.submit(ExportJob((b"c", rid), "ipc:///nowhere", header(request_id=rid), [0]))
+        assert [(e.key, e.kind) for e in events] == [((b"c", "c"), "failed")]
+        assert "2 exports are queued" in events[0].reason
+        assert exporter.refusals.counts() == {"kv_export": 1}
+    finally:
+        exporter.close()
+        ctx.term()

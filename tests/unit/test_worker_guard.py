@@ -301,3 +301,43 @@ def test_the_load_report_counts_the_blocks_each_sequence_is_promised():
     engine.add(handoff, b"c1")
     stats = engine.refresh_stats()
     assert (stats.blocks_used, stats.blocks_committed) == (0, 3 + 4 + 2)
+
+
+def test_the_inbox_refuses_adds_past_its_bound_with_queue_full_and_counts_them(tmp_path):
+    """It used to grow without end while a busy engine took nothing."""
+    from prometheus_client import generate_latest
+
+    from hybridgate.gateway.metrics import GatewayMetrics
+
+    ctx = zmq.Context()
+    inbox = Inbox(max_adds=2)
+    io = WorkerIO(ctx, f"ipc://{tmp_path}/w.sock", Hello("cpu", "fp", 8, MAX_LEN, 1, True), inbox, 0.1)
+    d = ctx.socket(zmq.DEALER)
+    d.setsockopt(zmq.LINGER, 0)
+    d.connect(f"ipc://{tmp_path}/w.sock")
+    try:
+        d.send_multipart(wire.encode(Connect("router-1")))
+        assert io.socket.poll(5000)
+        io._recv_from_router()
+        assert isinstance(recv(d), Hello) and isinstance(recv(d), wire.Ready)
+        client = next(iter(io.clients))
+        for rid in ("a", "b", "c"):
+            io._on_frames(client, [zmq.Frame(f) for f in wire.encode(add(rid))])
+        err = recv(d)
+        assert isinstance(err, RequestError) and err.request_id == "c" and err.code == "queue_full", err
+        assert "--max-num-waiting" in err.message and inbox.refusals.counts() == {"inbox": 1}
+        engine = EngineCore(FakeRunner(), SchedulerConfig())
+        engine.refusals = inbox.refusals
+        loop = EngineLoop(engine, inbox, lambda *_: None)
+        loop._drain(block=False)  # the engine takes a and b: room for two more
+        io._on_frames(client, [zmq.Frame(f) for f in wire.encode(add("d"))])
+        assert inbox.requests.get_nowait() == (client, add("d")) and not d.poll(100)
+        stats = engine.refresh_stats()
+        assert stats.queue_refusals == {"inbox": 1}
+        worker = type("W", (), {"stats": stats, "name": "cpu-0", "kind": "cpu", "endpoint": ""})()
+        text = generate_latest(GatewayMetrics(lambda: [worker]).registry).decode()
+        assert 'hybridgate:worker_queue_refusals_total{queue="inbox",worker="cpu-0"} 1.0' in text
+    finally:
+        d.close(0)
+        io.close()
+        ctx.term()
