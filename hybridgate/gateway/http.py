@@ -240,8 +240,9 @@ class OpenAIApp:
 
     async def _sse(self, run: _Run, kind: str, body):
         """The event stream; leaving it early (the client went away) aborts every choice on its worker."""
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = self.format.chunks(kind, run.states, include_usage)
+        options = body.stream_options
+        chunks = self.format.chunks(kind, run.states, bool(options and options.include_usage),
+                                    bool(options and options.continuous_usage_stats))
         try:
             for chunk in chunks.opening():
                 yield chunk

@@ -28,6 +28,7 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's extension: each chunk carries its choice's usage so far
 
 
 class ContentPart(_Body):

@@ -207,3 +207,23 @@ def test_the_merged_queue_of_several_choices_is_bounded():
     held, got = asyncio.run(main())
     assert held <= 2 * RUN_QUEUE_PER_CHOICE
     assert len(got) == 1000 and sum(d.finish_reason is not None for d in got) == 2
+
+
+def test_continuous_usage_gives_every_chunk_its_count_of_ids(door):
+    """vLLM's stream_options.continuous_usage_stats: a client times the ids themselves (bench serve's
+    --compare-protocols does), also those of a delta with no text yet."""
+    from types import SimpleNamespace
+
+    from hybridgate.gateway.openai_format import ChoiceState
+
+    state = ChoiceState(0, SimpleNamespace(prompt_ids=[1, 2, 3]))
+    chunks = door.format.chunks("text", [state], include_usage=True, continuous_usage=True)
+    got = []
+    for delta in (Delta("r", 0, "", [5, 6]), Delta("r", 2, "Paris", [7], FinishReason.LENGTH)):
+        state.add(delta)
+        got += [json.loads(c.removeprefix(b"data: ")) for c in chunks.delta(state, delta)]
+    assert [c["usage"] for c in got] == [{"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+                                         {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}]
+    plain = door.format.chunks("text", [state], include_usage=True)
+    assert json.loads(plain.delta(state, Delta("r", 2, "Paris", [7]))[0].removeprefix(b"data: "))["usage"] is None
+    assert plain.delta(state, Delta("r", 0, "", [5, 6])) == []
