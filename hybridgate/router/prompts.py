@@ -26,11 +26,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import multiprocessing
 import threading
 from collections.abc import Callable, Mapping, Sequence
-
-import logging
 from concurrent.futures.process import BrokenProcessPool
 
 import msgspec

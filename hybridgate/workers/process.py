@@ -50,7 +50,7 @@ from hybridgate.workers.guard import WireErrors
 from hybridgate.workers.memory import parse_memory
 from hybridgate.workers.handoff import DEFAULT_RESERVATION_TIMEOUT_S, HandoffConfig, HandoffIncoming
 from hybridgate.workers.scheduler import SchedulerConfig
-from hybridgate.workers.threads import EXIT_THREAD_DIED, exit_if_raises, worker_thread  # noqa: F401 (re-exported)
+from hybridgate.workers.threads import EXIT_THREAD_DIED, exit_if_raises, worker_thread  # noqa: F401 (the exit code, re-exported)
 
 log = logging.getLogger("hybridgate.worker")
 
@@ -524,8 +524,6 @@ def check_bindable(endpoint: str) -> None:
 
 def _bind_error(endpoint: str, exc: zmq.ZMQError) -> str:
     return f"--endpoint {endpoint}: cannot bind: {zmq.strerror(exc.errno)} (give ipc://PATH or tcp://HOST:PORT)"
-
-
 
 
 def run_worker(config: WorkerConfig, build: Callable[[WorkerConfig], tuple] = build_runner,

@@ -143,6 +143,7 @@ def test_the_prompt_pool_is_started_afresh_after_a_process_dies(door, tokenizer)
         os.kill(pid, signal.SIGKILL)
     for _ in range(2):  # the one that meets the broken pool, and the next
         assert list(asyncio.run(prompts.encode(text))) == expected
+    assert prompts.restarts == 1
     status, _, body = call(door.app, "POST", "/tokenize", {"model": "m", "prompt": text}, AUTH)
     assert status == 200 and body["tokens"] == expected
 
