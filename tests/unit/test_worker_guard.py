@@ -321,6 +321,11 @@ def test_the_inbox_refuses_adds_past_its_bound_with_queue_full_and_counts_them(t
         io._recv_from_router()
         assert isinstance(recv(d), Hello) and isinstance(recv(d), wire.Ready)
         client = next(iter(io.clients))
+        for rid in ("x", "y", "z"):  # hand-off messages share the ADD handler but not its bound
+            io._on_frames(client, [zmq.Frame(f) for f in wire.encode(wire.HandoffRelease(rid))])
+        assert not d.poll(100) and inbox.refusals.counts() == {}
+        for _ in range(3):
+            inbox.requests.get_nowait()
         for rid in ("a", "b", "c"):
             io._on_frames(client, [zmq.Frame(f) for f in wire.encode(add(rid))])
         err = recv(d)
