@@ -6,6 +6,9 @@ each restart within the last `restart_window_s` (capped at
 within the window and exits again stays down: the reason (exit code or
 signal, and its last error) is printed and exported as metrics
 (`hybridgate:worker_restarts_total{worker}`, `hybridgate:worker_up{worker}`).
+Once every worker stays down, `run()` returns and `serve` exits non-zero with
+their last errors (`gave_up()`): a gateway that can never serve again must not
+answer 503 forever; while another worker serves, `serve` stays up.
 The restarted worker binds the same ipc path, so the gateway's client finds
 it by probing; its new boot id tells the client it is a new worker.
 """
@@ -94,9 +97,17 @@ class Supervisor:
             self._start(slot)
 
     async def run(self) -> None:
-        while not self.stopping:
+        """Poll until stopped, or until every worker has been given up on (see `gave_up`)."""
+        while not self.stopping and not self.gave_up():
             self.poll(time.monotonic())
             await asyncio.sleep(POLL_S)
+
+    def gave_up(self) -> str | None:
+        """Once every worker stays down after its restarts: one line naming each and why it last exited
+        (its exit code or signal and last error); None while any worker runs or will be restarted."""
+        if not self.slots or not all(slot.given_up for slot in self.slots):
+            return None
+        return "; ".join(f"worker {slot.name}: {slot.reason}" for slot in self.slots)
 
     def poll(self, now: float) -> None:
         if self.stopping:
