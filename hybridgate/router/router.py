@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import secrets
 import time
 import uuid
@@ -53,6 +52,7 @@ from hybridgate.wire import (
 log = logging.getLogger("hybridgate.router")
 
 MAX_PROMPT_BYTES = 1 << 20
+MAX_LABEL_BYTES = 256  # a request's label goes into logs and metrics' exemplars: short
 RECENT_IDS = 4096  # ended request ids remembered, so late outputs for them are not counted as errors
 DEFAULT_MAX_TOKENS_CAP = 4096
 
@@ -101,10 +101,11 @@ class Router:
         self.model = model if isinstance(model, GGUFModel) else load_gguf(model)
         self.config = config or RouterConfig()
         self.tokenizer = Tokenizer.from_model(self.model)
-        self.chat_template = ChatTemplate(self.tokenizer, read_chat_template(self.config.chat_template))
+        template = read_chat_template(self.config.chat_template)
+        self.chat_template = ChatTemplate(self.tokenizer, template)
         self.fingerprint = model_fingerprint(self.model)
         self.prompts = PromptEncoder(str(self.model.path), self.tokenize, lambda m: InvalidRequestError("messages", m),
-                                     self.config.prompt_processes)
+                                     self.config.prompt_processes, template)
         self._longest_token = max(map(len, self.tokenizer.token_bytes), default=1)
         self.max_model_len = min(self.config.max_model_len or 1 << 62, self.model.config.max_model_len)
         self.clients = [ZmqWorkerClient(c, dead_after_s=self.config.dead_after_s) if isinstance(c, str) else c
@@ -124,7 +125,7 @@ class Router:
                           HandoffExportFailed: self._on_handoff, HandoffImported: self._on_handoff,
                           HandoffRefused: self._on_handoff}
         self.handoff_metrics = HandoffMetrics()
-        self.handoff_pause = PauseHook.from_env(os.environ)
+        self.handoff_pause = PauseHook.from_env()
         self._was_ready = False
         self._recent: dict[str, None] = {}  # ended request ids, oldest first
         self._unknown_ids = 0
@@ -265,6 +266,9 @@ class Router:
                                       f"got {bad[0]}")
         params = self._with_end_of_turn(params)
         self._check_prompt(prompt)
+        label_bytes = len(label.encode("utf-8", "replace"))
+        if label_bytes > MAX_LABEL_BYTES:
+            raise InvalidRequestError("label", f"at most {MAX_LABEL_BYTES} bytes, got {label_bytes} bytes")
         if route not in ROUTES:
             raise InvalidRequestError("route", f"must be one of {', '.join(ROUTES)}, got {route!r}")
         if deadline_s is not None and not deadline_s >= 0:
@@ -321,11 +325,17 @@ class Router:
                                       f"is longer than {self._longest_token} bytes), but the max model length is "
                                       f"{self.max_model_len} tokens (prompt and output together)")
 
-    def tokenize(self, prompt: Prompt) -> list[int]:
+    async def encode_prompt(self, prompt: Prompt, add_generation_prompt: bool = True) -> Sequence[int]:
+        """The prompt's ids as a generation would have them: the same checks (`InvalidRequestError`
+        naming the field and the limit), and a large prompt encoded off the event loop (`prompts`)."""
+        self._check_prompt(prompt)
+        return await self.prompts.encode(prompt, add_generation_prompt)
+
+    def tokenize(self, prompt: Prompt, add_generation_prompt: bool = True) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode_prompt(prompt)
         try:
-            return self.chat_template.encode(prompt)
+            return self.chat_template.encode(prompt, add_generation_prompt)
         except ChatTemplateError as exc:
             raise InvalidRequestError("messages", str(exc)) from exc
 
