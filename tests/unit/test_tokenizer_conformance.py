@@ -56,7 +56,8 @@ def test_vocab_file_matches_llama_cpp_test_data(llama_vocab_dir, name):
     assert not wrong, f"{len(wrong)}/{len(cases)} strings differ, first: {wrong[0]}"
     assert [text for text, ids in cases if tok.decode(ids) != text] == []
     # token_bytes (what the streaming detokenizer emits): SentencePiece's prefix space is one more byte.
-    prefix = b" " if meta["tokenizer.ggml.model"] != "gpt2" and meta.get("tokenizer.ggml.add_space_prefix", True) else b""
+    spm = meta["tokenizer.ggml.model"] != "gpt2"
+    prefix = b" " if spm and meta.get("tokenizer.ggml.add_space_prefix", True) else b""
     streamed = {t: b"".join(tok.token_bytes[i] for i in ids) for t, ids in cases}
     assert [t for t, b in streamed.items() if b != (prefix + t.encode() if t else b"")] == []
     assert {tok.id_to_token(i) for i in tok.stop_token_ids} == SUPPORTED[name]
@@ -110,7 +111,8 @@ def llama_spm(llama_vocab_dir):
 
 def test_spm_token_bytes_and_special_ids(llama_spm):
     tok = llama_spm
-    assert tok.token_bytes[3 + 0x41] == b"A" and tok.id_to_token(3 + 0x41) == "<0x41>"  # llama's byte tokens: ids 3..258
+    # Llama's byte tokens are ids 3..258.
+    assert tok.token_bytes[3 + 0x41] == b"A" and tok.id_to_token(3 + 0x41) == "<0x41>"
     assert tok.token_bytes[tok.encode("the", special_tokens=False)[0]] == b" the"
     assert (tok.bos_token_id, tok.eos_token_id, tok.add_bos_token, tok.add_eos_token) == (1, 2, True, False)
     assert tok.encode_prompt("the") == [1, *tok.encode("the")]
@@ -135,7 +137,8 @@ def test_gemma3_encodes_and_decodes_as_transformers(gemma3):
     assert len(GEMMA3["strings"]) >= 90
     wrong = [(s, ids) for s, ids in zip(GEMMA3["strings"], GEMMA3["ids"]) if gemma3.encode(s) != ids]
     assert not wrong, f"{len(wrong)} differ, first: {wrong[0]}"
-    assert [s for s, ids, d in zip(GEMMA3["strings"], GEMMA3["ids"], GEMMA3["decoded"]) if gemma3.decode(ids) != d] == []
+    decoded = zip(GEMMA3["strings"], GEMMA3["ids"], GEMMA3["decoded"])
+    assert [s for s, ids, d in decoded if gemma3.decode(ids) != d] == []
 
 
 def test_gemma3_metadata_and_stop_tokens(gemma3):
