@@ -52,10 +52,10 @@ def test_numba_runner_on_a_mix_of_types_meets_the_accuracy_floor(mixed_model):
 
     kinds = {t.ggml_type.name for t in mixed_model.tensors.values()}
     assert set(TYPES) <= kinds
-    # 4 of bench accuracy's cases, 32 committed ids each: 128 positions in 32 steps (the whole file's
+    # 4 of bench accuracy's cases, 16 committed ids each: 64 positions in 16 steps (the whole file's
     # 512 in 64 steps is test_accuracy's, on the default model); an fp32 KV cache, so that the two
-    # runners differ only in their kernels' arithmetic
-    cases = [dict(c, ids=c["ids"][:32]) for c in accuracy.load_cases()[:4]]
+    # runners differ only in their kernels' arithmetic (top-1 1.0 and mean KL 1.2e-8 on 128 positions)
+    cases = [dict(c, ids=c["ids"][:16]) for c in accuracy.load_cases()[:4]]
     reference = accuracy.teacher_forced_logits(
         TorchRunner(mixed_model, torch.device("cpu"), torch.float32, kv_cache_memory="128MiB"), cases)
     runner = NumbaRunner(mixed_model, kv_cache_memory="128MiB", kv_cache_dtype="fp32")
@@ -63,6 +63,5 @@ def test_numba_runner_on_a_mix_of_types_meets_the_accuracy_floor(mixed_model):
     assert isinstance(layer["qkv"], FusedMatrix) and isinstance(layer["gate_up"], FusedMatrix)
     assert [p.kind for p in layer["qkv"].parts] == [int(gguf.GGMLQuantizationType[k]) for k in TYPES[:3]]
     figures = accuracy.compare(reference, accuracy.teacher_forced_logits(runner, cases))
-    assert figures["positions"] == 128
+    assert figures["positions"] == 64
     assert figures["top1_agreement"] >= TOP1_FLOOR and figures["kl_mean"] <= KL_CEILING, figures
-    print(figures)
