@@ -116,13 +116,16 @@ class Q41Matrix(QuantMatrix):
     `intdot.matmul_i16` (int16 activations), as `activations` resolves for this path."""
 
     def __init__(self, name: str, kind: int, data: np.ndarray, shape: tuple[int, int], activations: str = "auto"):
-        super().__init__(name, kind, data, shape)
+        super().__init__(name, kind, data, shape)  # scale and minimum: unpacked by QuantMatrix
         self.activations = activation_format(activations, "q4_1")
         self._kernel = _KERNELS[self.activations]
-        rows, cols = shape
-        blocks = self.data.reshape(rows, cols // 32, 20)  # scale and minimum: unpacked by QuantMatrix
-        self.qs = np.ascontiguousarray(blocks[:, :, 4:]).reshape(rows, cols // 2)
+        self.qs = self._nibbles()
         self.data = None
+
+    def _nibbles(self) -> np.ndarray:
+        """Codes 0..15 in Q4_1's byte order, uint8 `[rows, cols / 2]`, from the GGUF bytes."""
+        rows, cols = self.shape
+        return np.ascontiguousarray(self.data.reshape(rows, cols // 32, 20)[:, :, 4:]).reshape(rows, cols // 2)
 
     @property
     def nbytes(self) -> int:
@@ -144,12 +147,16 @@ class Q80Matrix(QuantMatrix):
     Multiplied by `simd.matmul_blocks` or `intdot.matmul_i16`, as for `Q41Matrix`."""
 
     def __init__(self, name: str, kind: int, data: np.ndarray, shape: tuple[int, int], activations: str = "auto"):
-        super().__init__(name, kind, data, shape)
+        super().__init__(name, kind, data, shape)  # scale: unpacked by QuantMatrix
         self.activations = activation_format(activations, "q8_0")
         self._kernel = _KERNELS[self.activations]
-        blocks = self.data.reshape(shape[0], shape[1] // 32, 34)  # scale: unpacked by QuantMatrix
-        self.qs = np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(shape[0], shape[1])
+        self.qs = self._codes()
         self.data = None
+
+    def _codes(self) -> np.ndarray:
+        """Signed codes int8 `[rows, cols]` (weight = scale · code), from the GGUF bytes."""
+        blocks = self.data.reshape(self.shape[0], self.shape[1] // 32, 34)
+        return np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -169,13 +176,53 @@ class Q80Matrix(QuantMatrix):
         return (q * self.scale[index][:, :, None]).reshape(len(index), -1)
 
 
-_FAST = {Q4_1: Q41Matrix, Q8_0: Q80Matrix}
+class Q40Matrix(Q41Matrix):
+    """Q4_0 on the Q4_1 kernels: the same nibbles, minimum = -8 · scale (w = d·c - 8d, which the
+    kernels' fused multiply-add rounds once, as d·(c - 8)); 6 bits per weight."""
+
+    def __init__(self, name: str, kind: int, data: np.ndarray, shape: tuple[int, int], activations: str = "auto"):
+        super().__init__(name, kind, data, shape, activations)
+        self.minimum = np.float32(-8.0) * self.scale
+
+    def _nibbles(self) -> np.ndarray:
+        rows, cols = self.shape
+        return np.ascontiguousarray(self.data.reshape(rows, cols // 32, 18)[:, :, 2:]).reshape(rows, cols // 2)
+
+
+class Q4KMatrix(Q41Matrix):
+    """Q4_K on the Q4_1 kernels: each 32-column sub-block becomes a Q4_1 block with scale d·sc and
+    minimum -dmin·m (widened at load), its nibbles reordered from Q4_K's (a 64-column pair shares 32
+    bytes, low nibbles the first sub-block) to Q4_1's; 6 bits per weight instead of 4.5."""
+
+    def _nibbles(self) -> np.ndarray:
+        rows, cols = self.shape
+        qs = self.data.reshape(rows, cols // 256, 144)[:, :, 16:].reshape(rows, cols // 256, 4, 1, 32)
+        codes = np.concatenate([qs & 15, qs >> 4], axis=3)  # [rows, blocks, pair, sub-block, column]
+        return np.ascontiguousarray(codes[..., :16] | (codes[..., 16:] << 4)).reshape(rows, cols // 2)
+
+
+class Q50Matrix(Q80Matrix):
+    """Q5_0 on the Q8_0 kernels: codes c - 16 (-16..15) as int8, the fp16 scale widened; 9 bits per
+    weight instead of 5.5, for the fast kernels' integer and float paths (Q5_0 is most of a Q4_K_M
+    file whose rows are not a multiple of 256). Exact: w = d·(c - 16) as gguf computes it."""
+
+    def _codes(self) -> np.ndarray:
+        rows, cols = self.shape
+        blocks = self.data.reshape(rows, cols // 32, 22)
+        qh = blocks[:, :, 2:6].copy().view("<u4")  # [rows, blocks, 1]: bit j is column j's fifth bit
+        high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
+        low = np.concatenate([blocks[:, :, 6:] & 15, blocks[:, :, 6:] >> 4], axis=2)
+        return ((low | high).astype(np.int16) - 16).astype(np.int8).reshape(self.shape)
+
+
+# Types with a repacked fast path (`simd`, `intdot`, `avx2` kernels); the others dequantize rows.
+_FAST = {Q4_0: Q40Matrix, Q4_1: Q41Matrix, Q4_K: Q4KMatrix, Q5_0: Q50Matrix, Q8_0: Q80Matrix}
 
 
 def quant_matrix(name: str, kind: int, data: np.ndarray, shape: tuple[int, int],
                  activations: str = "auto") -> QuantMatrix:
-    """The matrix class for `kind`: repacked fast paths for Q4_1 and Q8_0 (their activation format
-    from `activations`, see `intdot.activation_format`), row dequantization otherwise."""
+    """The matrix class for `kind`: repacked fast paths for Q4_0, Q4_1, Q4_K, Q5_0 and Q8_0 (their
+    activation format from `activations`, see `intdot.activation_format`), row dequantization otherwise."""
     return _FAST.get(kind, QuantMatrix)(name, kind, data, shape, activations)
 
 
