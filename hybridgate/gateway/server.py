@@ -21,6 +21,7 @@ from hybridgate.gateway.auth import check_token
 from hybridgate.gateway.http import OpenAIApp
 from hybridgate.gateway.http_server import HttpDoor
 from hybridgate.keys import check_secret_mode, read_secret_file
+from hybridgate.models import model_name
 from hybridgate.gateway.metrics import GatewayMetrics
 from hybridgate.gateway.security import BearerInterceptor, server_credentials
 from hybridgate.gateway.service import GenerationService
@@ -52,7 +53,8 @@ class GatewayConfig:
         8000, "port of the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health, "
               "/metrics) on --host; 0 picks a free one; an empty value turns it off", low=0, high=65535)
     served_model_name: tuple[str, ...] = setting(
-        (), "the model name(s) the HTTP API answers to and reports (default: the model's id); repeat for aliases")
+        (), "the model name(s) the APIs answer to and report (GetModelInfo, /v1/models, the metrics' model_info; "
+            "the first is the name): default the GGUF's general.name, else the file's stem; repeat for aliases")
     allow_client_routes: bool = setting(
         False, "honour a request's `route` field (gpu, cpu, gpu->cpu): an operator's tool and the tests' handle; "
                "without it a route other than auto is INVALID_ARGUMENT")
@@ -97,9 +99,11 @@ class Gateway:
 
     def __init__(self, router: Router, config: GatewayConfig, reuse_port: bool = False):
         self.router, self.config = router, config
+        self.model_names = config.served_model_name or (model_name(router.model),)
         self.metrics = GatewayMetrics(lambda: router.clients, wire_errors=lambda: router.wire_errors,
                                       handoff=lambda: router.handoff_metrics, redis_up=router.redis_up,
-                                      response_cache=router.response_cache)
+                                      response_cache=router.response_cache,
+                                      model=(self.model_names[0], router.fingerprint))
         self.health = health.aio.HealthServicer()
         credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca) \
             if config.tls_cert else None  # read before anything binds: a bad file fails at once
@@ -113,13 +117,12 @@ class Gateway:
         ])
         service = GenerationService(router, self.metrics, log_requests=config.log_requests,
                                     log_request_text=config.log_request_text,
-                                    allow_client_routes=config.allow_client_routes,
+                                    allow_client_routes=config.allow_client_routes, model_id=self.model_names[0],
                                     max_inflight_requests=config.max_inflight_requests)
         pb_grpc.add_GenerationServicer_to_server(service, self.server)
         self.http: HttpDoor | None = None
         if config.http_port is not None:  # bound now, so a taken port fails before anything starts
-            names = config.served_model_name or (service.model_id,)
-            self.openai = OpenAIApp(router, self.metrics, service.admission, names, config.auth_token,
+            self.openai = OpenAIApp(router, self.metrics, service.admission, self.model_names, config.auth_token,
                                     config.log_requests)
             tls = (config.tls_cert, config.tls_key, config.tls_client_ca) if config.tls_cert else None
             self.http = HttpDoor(self.openai.app, config.host, config.http_port, config.grace_s, reuse_port, tls)

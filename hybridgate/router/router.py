@@ -25,7 +25,7 @@ import msgspec
 
 from hybridgate.config import check_settings, setting
 from hybridgate.models import ChatTemplate, GGUFModel, Tokenizer, load_gguf, model_fingerprint
-from hybridgate.models.chat import ROLES, ChatTemplateError
+from hybridgate.models.chat import ROLES, ChatTemplateError, template_token_ids
 from hybridgate.router.client import RateLimitedLog, StateChange, WorkerClient, WorkerDead, ZmqWorkerClient
 from hybridgate.router.errors import ContextLengthError, FingerprintMismatchError, InvalidRequestError, UnavailableError
 from hybridgate.router.handoff import HandoffMetrics, PauseHook
@@ -105,7 +105,7 @@ class RouterConfig:
 
     chat_template: str | None = setting(
         None, "a file holding a Jinja chat template to render chats with instead of the model's own "
-              "(tokenizer.chat_template)")
+              "(tokenizer.chat_template); a model without one (a base model) serves chats only with it")
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -150,7 +150,8 @@ class Router:
         self.model = model if isinstance(model, GGUFModel) else load_gguf(model)
         self.config = config or RouterConfig()
         self.tokenizer = Tokenizer.from_model(self.model)
-        self.chat_template = ChatTemplate(self.tokenizer, read_chat_template(self.config.chat_template))
+        self.chat_template = ChatTemplate(self.tokenizer, read_chat_template(self.config.chat_template),
+                                          template_token_ids(self.model.metadata))  # without one: completions only
         self.fingerprint = model_fingerprint(self.model)
         self.prompts = PromptEncoder(str(self.model.path), self.tokenize, lambda m: InvalidRequestError("messages", m),
                                      self.config.prompt_processes)
