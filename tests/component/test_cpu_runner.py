@@ -39,6 +39,15 @@ def test_logits_match_the_reference(runner):
         assert np.abs(got[i] - LOGITS[f"short{i}_logits"]).max() < 2e-3
 
 
+def weight_matrices(model) -> list:
+    """The matrices a forward pass multiplies by: each layer's (a dict or a dataclass of parts), the LM head."""
+    out = []
+    for layer in model.layers:
+        parts = layer.values() if isinstance(layer, dict) else [getattr(layer, f) for f in layer.__dataclass_fields__]
+        out += [p for p in parts if hasattr(p, "matmul")]
+    return out + [model.lm_head]
+
+
 def test_greedy_france_and_one_pass_over_the_weights_per_step(runner, gguf_model, monkeypatch):
     """Greedy ids equal the reference's among 8 other requests, and every step multiplies by each weight
     matrix once whatever its batch: (4 per layer: fused QKV, output, fused gate-up, down) + the LM head."""
@@ -48,8 +57,7 @@ def test_greedy_france_and_one_pass_over_the_weights_per_step(runner, gguf_model
     for k in range(8):
         engine.add(AddRequest(f"x{k}", france["prompt_ids"][:10 + k], SamplingParams(temperature=0, ignore_eos=True),
                               0, 6, 2))
-    matrices = {id(m): m for layer in runner.model.layers for m in layer.values() if hasattr(m, "matmul")}
-    matrices[id(runner.model.lm_head)] = runner.model.lm_head
+    matrices = {id(m): m for m in weight_matrices(runner.model)}
     calls: list[int] = []
     for m in matrices.values():
         monkeypatch.setattr(m, "matmul", lambda x, f=m.matmul: (calls.append(x.shape[0]), f(x))[1])
