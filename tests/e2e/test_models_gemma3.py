@@ -35,7 +35,9 @@ def server(request, tmp_path_factory, gemma3_path):
         template = folder / "gemma.jinja"
         template.write_text(GOLDEN["chat"]["template"])
         extra = ("--chat-template", str(template))
-    proc = Serve(folder / "serve.log", "--model", str(gemma3_path), *LAYOUTS[request.param], *extra)
+    # A first start compiles the CPU kernels of gemma3's forward (minutes on a busy 2-core machine).
+    proc = Serve(folder / "serve.log", "--model", str(gemma3_path), *LAYOUTS[request.param], *extra,
+                 "--worker-startup-timeout", str(600 * TIME_FACTOR))
     proc.kind, proc.has_template = request.param, bool(extra)
     yield proc
     assert proc.stop() == 0, proc.text()
