@@ -122,7 +122,7 @@ class ChatTemplate:
 
     def _render(self, messages, add_generation_prompt: bool) -> str:
         if self._template is None:
-            raise ChatTemplateError(f"messages: {NO_TEMPLATE}")
+            raise ChatTemplateError(NO_TEMPLATE)  # every caller names the field (messages)
         tok = self._tokenizer
         tokens = {var: self._specials_by_id.get(i) or tok.id_to_token(i) for var, i in self._token_ids.items()}
         try:
