@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import grpc
 
 from hybridgate.gateway.admission import Admission
+from hybridgate.gateway.config import GatewayConfig
 from hybridgate.gateway.convert import delta_to_proto, request_to_native
 from hybridgate.gateway.metrics import GatewayMetrics
 from hybridgate.models import model_name
@@ -48,7 +49,7 @@ class GenerationService(pb_grpc.GenerationServicer):
 
     def __init__(self, router: Router, metrics: GatewayMetrics, model_id: str | None = None,
                  log_requests: bool = False, log_request_text: bool = False,
-                 allow_client_routes: bool = False, max_inflight_requests: int = 1024):
+                 allow_client_routes: bool = False, max_inflight_requests: int = GatewayConfig.max_inflight_requests):
         self.router, self.metrics = router, metrics
         self.model_id = model_id or model_name(router.model)  # what GetModelInfo reports
         self.log_requests, self.log_request_text = log_requests, log_request_text

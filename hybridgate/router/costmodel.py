@@ -22,6 +22,9 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from hybridgate.mempool import DEFAULT_BLOCK_SIZE
+from hybridgate.workerconf import SchedulerConfig
+
 UNMEASURED_PREFILL_TOKENS_PER_S = 100.0
 UNMEASURED_DECODE_STEP_S = 0.1
 HANDOFF_BYTES_PER_S = 2e9  # host-to-host copy of KV through the pinned slab; a conservative figure
@@ -48,9 +51,9 @@ class WorkerLoad:
     # Blocks its sequences hold once each has run to its max_tokens (a hand-off's to its first token),
     # those queued included: what the cache is promised, where `blocks_free` is only what it holds now.
     blocks_committed: int = 0
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    block_size: int = DEFAULT_BLOCK_SIZE
+    max_num_seqs: int = SchedulerConfig.max_num_seqs  # until the worker reports its own
+    max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
     prefill_tokens_per_s: Mapping[int, float] = field(default_factory=dict)
     decode_step_s: Mapping[int, float] = field(default_factory=dict)
     takes_handoff: bool = False  # a CPU worker with a hand-off socket

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from hybridgate.mempool import DEFAULT_BLOCK_SIZE, prefix_block_hashes
 from hybridgate.router.costmodel import WorkerLoad
 from hybridgate.router.policy import Plan, PlacementRequest, Policy, all_plans
+from hybridgate.workerconf import SchedulerConfig
 
 HASHES_PER_WORKER = 1 << 16  # block hashes remembered per worker (LRU); ~1M tokens of prefixes
 
@@ -105,7 +106,7 @@ class Placer:
             blocks_free=(s.blocks_total - s.blocks_used) if s.blocks_total else 1 << 30,
             blocks_total=s.blocks_total or 1 << 30, block_size=self.block_size,
             blocks_committed=max(s.blocks_committed, sum(-(-p.final_tokens // self.block_size) for p in pending)),
-            max_num_seqs=s.max_num_seqs or (hello.max_num_seqs if hello is not None else 64),
-            max_num_batched_tokens=s.max_num_batched_tokens or 2048,
+            max_num_seqs=s.max_num_seqs or (hello.max_num_seqs if hello is not None else SchedulerConfig.max_num_seqs),
+            max_num_batched_tokens=s.max_num_batched_tokens or SchedulerConfig.max_num_batched_tokens,
             prefill_tokens_per_s=s.prefill_tokens_per_s, decode_step_s=s.decode_step_s,
             takes_handoff=bool(getattr(hello, "handoff_endpoint", "")) and client.kind == "cpu")

@@ -13,24 +13,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import secrets
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
 
-from hybridgate.config import check_settings, setting
 from hybridgate.models import ChatTemplate, GGUFModel, Tokenizer, load_gguf, model_fingerprint
 from hybridgate.models.chat import ROLES, ChatTemplateError, template_token_ids
 from hybridgate.router.client import RateLimitedLog, StateChange, WorkerClient, WorkerDead, ZmqWorkerClient
+from hybridgate.router.config import RouterConfig
 from hybridgate.router.errors import ContextLengthError, FingerprintMismatchError, InvalidRequestError, UnavailableError
 from hybridgate.router.handoff import HandoffMetrics, PauseHook
 from hybridgate.router.placement import Placement, Placer, _Pending
-from hybridgate.router.policy import POLICIES, make_policy
+from hybridgate.router.policy import make_policy
 from hybridgate.router.prompts import PromptEncoder
 from hybridgate.router.registry import RedisRegistry
 from hybridgate.router.response_cache import ResponseCache
@@ -53,6 +51,7 @@ from hybridgate.wire import (
 log = logging.getLogger("hybridgate.router")
 
 MAX_PROMPT_BYTES = 1 << 20
+MAX_LABEL_BYTES = 256  # a request's label goes into logs and metrics' exemplars: short
 RECENT_IDS = 4096  # ended request ids remembered, so late outputs for them are not counted as errors
 DEFAULT_MAX_TOKENS_CAP = 4096
 
@@ -60,55 +59,6 @@ Prompt = str | Sequence[Mapping[str, str]]
 # Where a request runs: "auto" is the placement policy's choice; "gpu->cpu" prefills on a
 # GPU worker and hands the KV to a CPU worker that decodes (DESIGN.md, "KV hand-off").
 ROUTES = ("auto", "gpu", "cpu", "gpu->cpu")
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    max_model_len: int | None = setting(None, "most tokens per sequence (default: the model's context)", low=2)
-    startup_timeout_s: float = setting(120.0, "seconds to wait for a READY worker before giving up",
-                                       flag="--worker-startup-timeout", low=0, low_open=True)
-    dead_after_s: float = setting(1.0, "seconds of worker silence after which it counts as dead",
-                                  flag="--worker-timeout", low=0, low_open=True)
-    queue_size: int = setting(4096, "deltas buffered per request before it is aborted as too slow",
-                              flag="--stream-queue-size", low=1)
-    wait_for_workers: bool = setting(
-        False, "keep waiting (up to the worker start-up timeout) for a worker whose ipc socket file does not "
-               "exist yet, instead of exiting after saying so", flag="--wait-for-workers")
-    resume_on_worker_loss: bool = setting(
-        True, "resume a stream whose worker dies (or restarts) on another READY worker, or on the same one "
-        "when it is back within the stall timeout, by prefilling the prompt plus the ids already streamed "
-        "with the same seed; off: such a stream ends with UNAVAILABLE", flag="--resume-on-worker-loss")
-    request_stall_timeout_s: float = setting(
-        60.0, "seconds without progress (no token, no prefill chunk) after which a request is aborted on "
-        "its worker and resumed elsewhere, or failed with UNAVAILABLE", low=0, low_open=True,
-        flag="--request-stall-timeout")
-    handoff_stall_s: float = setting(
-        2.0, "seconds a gap in a hand-off's token indexes may stay open before its worker counts as lost",
-        low=0, low_open=True)
-    prompt_processes: int = setting(
-        2, "processes that render and tokenize prompts over 8192 characters off the event loop, started on "
-           "first use at a lower priority; 0: a thread instead (which still stalls the loop about 150 ms per MiB)",
-        low=0)
-    handoff_answer_s: float = setting(
-        10.0, "seconds a hand-off waits for the CPU worker's answer to a reservation or an import before it runs "
-              "on the GPU worker instead", low=0, low_open=True)
-
-    policy: str = setting(
-        "cost", "placement policy: cost (predicted TTFT and TPOT against the SLOs, spilling to the CPU tier), "
-        "least_loaded, round_robin, power_of_two or prefix_affinity", choices=POLICIES)
-    ttft_slo_s: float | None = setting(
-        None, "TTFT objective of the cost policy, seconds (default: 3 x the unloaded TTFT of the fastest worker "
-              "for each prompt's length)", flag="--ttft-slo", low=0, low_open=True)
-    tpot_slo_s: float | None = setting(
-        None, "TPOT objective of the cost policy, seconds (default: 3 x the fastest unloaded decode step)",
-        flag="--tpot-slo", low=0, low_open=True)
-
-    chat_template: str | None = setting(
-        None, "a file holding a Jinja chat template to render chats with instead of the model's own "
-              "(tokenizer.chat_template); a model without one (a base model) serves chats only with it")
-
-    def __post_init__(self) -> None:
-        check_settings(self)
 
 
 def read_chat_template(path: str | None) -> str | None:
@@ -150,11 +100,12 @@ class Router:
         self.model = model if isinstance(model, GGUFModel) else load_gguf(model)
         self.config = config or RouterConfig()
         self.tokenizer = Tokenizer.from_model(self.model)
-        self.chat_template = ChatTemplate(self.tokenizer, read_chat_template(self.config.chat_template),
-                                          template_token_ids(self.model.metadata))  # without one: completions only
+        template = read_chat_template(self.config.chat_template)
+        # Without a template (a base model): completions only; a chat names --chat-template.
+        self.chat_template = ChatTemplate(self.tokenizer, template, template_token_ids(self.model.metadata))
         self.fingerprint = model_fingerprint(self.model)
         self.prompts = PromptEncoder(str(self.model.path), self.tokenize, lambda m: InvalidRequestError("messages", m),
-                                     self.config.prompt_processes)
+                                     self.config.prompt_processes, template)
         self._longest_token = max(map(len, self.tokenizer.token_bytes), default=1)
         self.max_model_len = min(self.config.max_model_len or 1 << 62, self.model.config.max_model_len)
         self.clients = [ZmqWorkerClient(c, dead_after_s=self.config.dead_after_s) if isinstance(c, str) else c
@@ -174,7 +125,7 @@ class Router:
                           HandoffExportFailed: self._on_handoff, HandoffImported: self._on_handoff,
                           HandoffRefused: self._on_handoff}
         self.handoff_metrics = HandoffMetrics()
-        self.handoff_pause = PauseHook.from_env(os.environ)
+        self.handoff_pause = PauseHook.from_env()
         self._was_ready = False
         self._recent: dict[str, None] = {}  # ended request ids, oldest first
         self._unknown_ids = 0
@@ -314,6 +265,9 @@ class Router:
             raise InvalidRequestError("stop_token_ids", f"every id must be in [0, {self.tokenizer.vocab_size}), "
                                       f"got {bad[0]}")
         self._check_prompt(prompt)
+        label_bytes = len(label.encode("utf-8", "replace"))
+        if label_bytes > MAX_LABEL_BYTES:
+            raise InvalidRequestError("label", f"at most {MAX_LABEL_BYTES} bytes, got {label_bytes} bytes")
         if route not in ROUTES:
             raise InvalidRequestError("route", f"must be one of {', '.join(ROUTES)}, got {route!r}")
         if deadline_s is not None and not deadline_s >= 0:
@@ -358,11 +312,17 @@ class Router:
                                       f"is longer than {self._longest_token} bytes), but the max model length is "
                                       f"{self.max_model_len} tokens (prompt and output together)")
 
-    def tokenize(self, prompt: Prompt) -> list[int]:
+    async def encode_prompt(self, prompt: Prompt, add_generation_prompt: bool = True) -> Sequence[int]:
+        """The prompt's ids as a generation would have them: the same checks (`InvalidRequestError`
+        naming the field and the limit), and a large prompt encoded off the event loop (`prompts`)."""
+        self._check_prompt(prompt)
+        return await self.prompts.encode(prompt, add_generation_prompt)
+
+    def tokenize(self, prompt: Prompt, add_generation_prompt: bool = True) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
         try:
-            return self.chat_template.encode(prompt)
+            return self.chat_template.encode(prompt, add_generation_prompt)
         except ChatTemplateError as exc:
             raise InvalidRequestError("messages", str(exc)) from exc
 
