@@ -46,7 +46,7 @@ def encode(job: bytes) -> bytes:
 
     prompt, add_generation_prompt = msgspec.msgpack.decode(job)
     try:
-        ids = _state["tokenizer"].encode(prompt) if isinstance(prompt, str) else \
+        ids = _state["tokenizer"].encode_prompt(prompt) if isinstance(prompt, str) else \
             _state["chat"].encode(prompt, add_generation_prompt)
     except ChatTemplateError as exc:
         return b"E" + str(exc).encode()

@@ -34,6 +34,7 @@ from hybridgate.router.registry import RedisRegistry
 from hybridgate.router.response_cache import ResponseCache
 from hybridgate.router.stream import GenerationStream, Stalled, WorkerAvailable
 from hybridgate.wire import (
+    MAX_STOP_TOKEN_IDS,
     HandoffExported,
     HandoffExportFailed,
     HandoffImported,
@@ -264,6 +265,7 @@ class Router:
         if bad:
             raise InvalidRequestError("stop_token_ids", f"every id must be in [0, {self.tokenizer.vocab_size}), "
                                       f"got {bad[0]}")
+        params = self._with_end_of_turn(params)
         self._check_prompt(prompt)
         label_bytes = len(label.encode("utf-8", "replace"))
         if label_bytes > MAX_LABEL_BYTES:
@@ -275,6 +277,18 @@ class Router:
         stream = GenerationStream(self, prompt, params, label, request_id=uuid.uuid4().hex, route=route,
                                   deadline_s=deadline_s)
         return self.response_cache.wrap(stream) if self.response_cache is not None else stream
+
+    def _with_end_of_turn(self, params: SamplingParams) -> SamplingParams:
+        """`params` with the vocabulary's end-of-turn ids (`Tokenizer.stop_token_ids` less EOS, which the worker
+        stops on already: `<|eot_id|>`, `<end_of_turn>`, ...) among its stop token ids, unless it ignores EOS."""
+        extra = self.tokenizer.stop_token_ids - {self.tokenizer.eos_token_id} - set(params.stop_token_ids)
+        if params.ignore_eos or not extra:
+            return params
+        ids = params.stop_token_ids + tuple(sorted(extra))
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS - len(extra)} ids with this "
+                                      f"model's {len(extra)} end-of-turn ids, got {len(params.stop_token_ids)}")
+        return msgspec.structs.replace(params, stop_token_ids=ids)
 
     def _check_prompt(self, prompt: Prompt) -> None:
         if isinstance(prompt, str):
@@ -320,7 +334,7 @@ class Router:
 
     def tokenize(self, prompt: Prompt, add_generation_prompt: bool = True) -> list[int]:
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode_prompt(prompt)
         try:
             return self.chat_template.encode(prompt, add_generation_prompt)
         except ChatTemplateError as exc:
