@@ -164,7 +164,6 @@ class Router:
         self._streams: dict[str, GenerationStream] = {}  # by the request id on its worker
         self._waiting: dict[str, GenerationStream] = {}  # moved streams waiting for a READY worker
         self._stall_task: asyncio.Task | None = None
-        self._inflight: dict[int, int] = {id(c): 0 for c in self.clients}
         self._changed = asyncio.Event()
         self._handlers = {Hello: self._on_hello, Ready: self._on_ready, Outputs: self._on_outputs,
                           RequestError: self._on_request_error, Overload: self._on_overload,
@@ -180,7 +179,8 @@ class Router:
         self._unknown_log = RateLimitedLog(log)
         mc = self.model.config
         self.placer = Placer(make_policy(self.config.policy, self.config.ttft_slo_s, self.config.tpot_slo_s),
-                             self.fingerprint, kv_bytes_per_token=2 * 4 * mc.num_layers * mc.num_kv_heads * mc.head_dim)
+                             self.fingerprint, kv_values_per_token=2 * mc.num_layers * mc.num_kv_heads * mc.head_dim,
+                             handoff_rate=self.handoff_metrics.rate)
 
     async def __aenter__(self) -> Router:
         for client in self.clients:
@@ -220,7 +220,6 @@ class Router:
     async def add_client(self, client: WorkerClient) -> None:
         """A worker joins while the router runs (the registry found it); placement sees it once READY."""
         self.clients.append(client)
-        self._inflight[id(client)] = 0
         await client.start(self._on_message)
 
     async def drop_client(self, client: WorkerClient, reason: str) -> None:
@@ -229,12 +228,12 @@ class Router:
         if client not in self.clients:
             return
         self.clients.remove(client)
-        self._inflight.pop(id(client), None)
         for stream in list(self._streams.values()):
             if stream.client is client or (stream.handoff is not None and stream.handoff.active
                                           and stream.handoff.involves(client)):
                 self._on_dead(client, WorkerDead(reason))
                 break
+        self.placer.drop(client)
         await client.close()
         self._changed.set()
         if self.ready != self._was_ready:
@@ -259,17 +258,12 @@ class Router:
         return self._unknown_ids + sum(getattr(c, "wire_errors", 0) for c in self.clients)
 
     async def _wait_usable(self) -> None:
-        # A client with a lifecycle keeps probing a dead worker (it may be restarted); only a
-        # refused one, or a dead one without a lifecycle, is given up on here.
-        def lost(c: WorkerClient) -> bool:
-            return c.state == WorkerState.REFUSED or (c.state == WorkerState.DEAD and not hasattr(c, "lifecycle"))
-
+        # A dead worker may come back (restarted, or a false death): only refused ones are given up on here.
         while not self.ready:
-            if all(lost(c) for c in self.clients):
-                refused = [c for c in self.clients if c.state == WorkerState.REFUSED]
-                if refused:
-                    raise FingerprintMismatchError(self._mismatch(refused[0]))
-                raise UnavailableError("every worker died during start-up")
+            if not self.clients:
+                raise UnavailableError("no worker to wait for (none was given)")
+            if all(c.state == WorkerState.REFUSED for c in self.clients):
+                raise FingerprintMismatchError(self._mismatch(self.clients[0]))
             self._changed.clear()
             await self._changed.wait()
 
@@ -378,34 +372,28 @@ class Router:
         seed = params.seed if params.seed is not None else secrets.randbits(64)
         return max_tokens, seed
 
-    def place(self, exclude: Sequence[WorkerClient] = (), kind: str | None = None) -> WorkerClient:
-        """The READY worker (of `kind`, when given) with the fewest sequences in flight; GPU first on ties."""
-        ready = [c for c in self.clients if c.state == WorkerState.READY and c not in exclude
-                 and (kind is None or c.kind == kind)]
-        if not ready:
-            raise UnavailableError(f"no {kind} worker is ready" if kind else "no worker is ready")
-        return min(ready, key=lambda c: (self._inflight[id(c)], c.kind != "gpu"))
+    def plan(self, prompt_ids: list[int], max_tokens: int, deadline_s: float | None = None, *,
+             exclude: Sequence[WorkerClient] = (), streamed: Sequence[int] = (), kind: str | None = None,
+             handoff: bool = True) -> Placement:
+        """The placement policy's plan (RouterConfig.policy) over the READY workers not in `exclude` (and of
+        `kind`, when given), for every placement of a request, first or later (`Placer.place`: `streamed`
+        ids already sent to the caller, `handoff` whether a gpu->cpu plan may be chosen).
 
-    def plan(self, prompt_ids: list[int], max_tokens: int, deadline_s: float | None = None) -> Placement:
-        """The placement policy's plan for a request over the READY workers (RouterConfig.policy).
-
-        Raises UnavailableError when no worker is READY.
+        Raises UnavailableError when no such worker is READY.
         """
-        ready = [c for c in self.clients if c.state == WorkerState.READY]
-        if not ready:
-            raise UnavailableError("no worker is ready")
-        pending: dict[int, list[_Pending]] = {}
+        pending: dict[WorkerClient, list[_Pending]] = {}
         for stream in self._streams.values():
             if stream.client is not None and not stream.done:
                 placed, whole = stream.placement, len(stream.prompt_ids) + stream.max_tokens
                 handing_off = placed is not None and placed.route == "gpu->cpu" and stream.client is placed.clients[0]
-                pending.setdefault(id(stream.client), []).append(_Pending(
+                pending.setdefault(stream.client, []).append(_Pending(
                     stream.uncached_tokens, bool(stream.received),
                     len(stream.prompt_ids) + 1 if handing_off else whole))
                 if handing_off:
                     # Still on its GPU worker: a decode the CPU worker will have, counted there already.
-                    pending.setdefault(id(placed.clients[1]), []).append(_Pending(0, True, whole))
-        return self.placer.place(ready, self._inflight, pending, prompt_ids, max_tokens, deadline_s)
+                    pending.setdefault(placed.clients[1], []).append(_Pending(0, True, whole))
+        return self.placer.place(self.clients, pending, prompt_ids, max_tokens, deadline_s, exclude=exclude,
+                                 streamed=streamed, kind=kind, handoff=handoff)
 
     def register(self, stream: GenerationStream, client: WorkerClient | None) -> None:
         """Route outputs for `stream.worker_request_id` to `stream`; None: it waits for a READY worker."""
@@ -413,12 +401,12 @@ class Router:
         if client is None:
             self._waiting[stream.worker_request_id] = stream
         else:
-            self._inflight[id(client)] += 1
+            self.placer.sent(client)
 
     def unregister(self, stream: GenerationStream, client: WorkerClient | None) -> None:
         self._waiting.pop(stream.worker_request_id, None)
-        if self._streams.pop(stream.worker_request_id, None) is not None and id(client) in self._inflight:
-            self._inflight[id(client)] -= 1
+        if self._streams.pop(stream.worker_request_id, None) is not None and client is not None:
+            self.placer.ended(client)
         self._recent[stream.worker_request_id] = None
         if len(self._recent) > RECENT_IDS:
             del self._recent[next(iter(self._recent))]
@@ -445,9 +433,8 @@ class Router:
     def reassign(self, stream: GenerationStream, old: WorkerClient, new: WorkerClient) -> None:
         """The stream's sequence moved from `old` to `new` (a hand-off's import)."""
         if stream.request_id in self._streams:
-            if id(old) in self._inflight:
-                self._inflight[id(old)] -= 1
-            self._inflight[id(new)] += 1
+            self.placer.ended(old)
+            self.placer.sent(new)
 
     # --- worker messages (the output pump) ---------------------------------
 
@@ -472,9 +459,7 @@ class Router:
             log.error("refusing %s", self._mismatch(client))
 
     def _on_ready(self, client: WorkerClient, msg: Ready) -> None:
-        if not hasattr(client, "lifecycle") and client.state == WorkerState.CONNECTING:
-            client.state = WorkerState.READY  # a client without a lifecycle (in-process, tests)
-            log.info("%s worker %s is READY", client.kind, client.endpoint)
+        pass  # the client's lifecycle made it READY (a StateChange follows)
 
     def _on_state_change(self, client: WorkerClient, msg: StateChange) -> None:
         back = msg.new == WorkerState.READY and msg.old in (WorkerState.SUSPECT, WorkerState.DEAD, WorkerState.PROBING)
@@ -531,10 +516,6 @@ class Router:
 
     def _on_dead(self, client: WorkerClient, msg: WorkerDead) -> None:
         """The worker's sequences are gone: the single signal its streams act on (fail or move)."""
-        if not hasattr(client, "lifecycle"):
-            if client.state == WorkerState.DEAD:
-                return
-            client.state = WorkerState.DEAD
         log.error("%s", msg.reason)
         self.placer.forget(client)
         for stream in list(self._streams.values()):
