@@ -14,10 +14,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import secrets
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,13 +24,19 @@ import msgspec
 
 from hybridgate.config import check_settings, setting
 from hybridgate.models import ChatTemplate, GGUFModel, Tokenizer, load_gguf, model_fingerprint
-from hybridgate.models.chat import ROLES, ChatTemplateError
 from hybridgate.router.client import RateLimitedLog, StateChange, WorkerClient, WorkerDead, ZmqWorkerClient
-from hybridgate.router.errors import ContextLengthError, FingerprintMismatchError, InvalidRequestError, UnavailableError
+from hybridgate.router.errors import InvalidRequestError, UnavailableError
 from hybridgate.router.handoff import HandoffMetrics, PauseHook
+from hybridgate.router.membership import Membership
 from hybridgate.router.placement import Placement, Placer, _Pending
 from hybridgate.router.policy import POLICIES, make_policy
-from hybridgate.router.prompts import PromptEncoder
+from hybridgate.router.prompts import (  # noqa: F401 (MAX_PROMPT_BYTES and DEFAULT_MAX_TOKENS_CAP re-exported)
+    DEFAULT_MAX_TOKENS_CAP,
+    MAX_PROMPT_BYTES,
+    Prompt,
+    Prompts,
+    read_chat_template,
+)
 from hybridgate.router.registry import RedisRegistry
 from hybridgate.router.response_cache import ResponseCache
 from hybridgate.router.stream import GenerationStream, Stalled, WorkerAvailable
@@ -52,11 +57,8 @@ from hybridgate.wire import (
 
 log = logging.getLogger("hybridgate.router")
 
-MAX_PROMPT_BYTES = 1 << 20
 RECENT_IDS = 4096  # ended request ids remembered, so late outputs for them are not counted as errors
-DEFAULT_MAX_TOKENS_CAP = 4096
 
-Prompt = str | Sequence[Mapping[str, str]]
 # Where a request runs: "auto" is the placement policy's choice; "gpu->cpu" prefills on a
 # GPU worker and hands the KV to a CPU worker that decodes (DESIGN.md, "KV hand-off").
 ROUTES = ("auto", "gpu", "cpu", "gpu->cpu")
@@ -111,16 +113,6 @@ class RouterConfig:
         check_settings(self)
 
 
-def read_chat_template(path: str | None) -> str | None:
-    """The text of the --chat-template file (None: the model's own). Raises ValueError naming the flag."""
-    if path is None:
-        return None
-    try:
-        return Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"--chat-template: cannot read {path}: {exc}") from None
-
-
 class Router:
     """Tokenizes, places, and streams; an async context manager over worker clients.
 
@@ -152,28 +144,24 @@ class Router:
         self.tokenizer = Tokenizer.from_model(self.model)
         self.chat_template = ChatTemplate(self.tokenizer, read_chat_template(self.config.chat_template))
         self.fingerprint = model_fingerprint(self.model)
-        self.prompts = PromptEncoder(str(self.model.path), self.tokenize, lambda m: InvalidRequestError("messages", m),
-                                     self.config.prompt_processes)
-        self._longest_token = max(map(len, self.tokenizer.token_bytes), default=1)
         self.max_model_len = min(self.config.max_model_len or 1 << 62, self.model.config.max_model_len)
-        self.clients = [ZmqWorkerClient(c, dead_after_s=self.config.dead_after_s) if isinstance(c, str) else c
-                        for c in clients]
-        self.on_ready_change = on_ready_change or (lambda ready: None)
+        self.prompts = Prompts(str(self.model.path), self.tokenizer, self.chat_template, self.max_model_len,
+                               self.config.prompt_processes)
+        self.members = Membership([ZmqWorkerClient(c, dead_after_s=self.config.dead_after_s) if isinstance(c, str)
+                                   else c for c in clients], self.fingerprint, on_ready_change)
         self.registry = registry  # workers found in Redis join and leave `clients` while the router runs
         self.response_cache = response_cache  # deterministic requests: replayed answers, shared generations
         self._streams: dict[str, GenerationStream] = {}  # by the request id on its worker
         self._waiting: dict[str, GenerationStream] = {}  # moved streams waiting for a READY worker
         self._stall_task: asyncio.Task | None = None
-        self._changed = asyncio.Event()
-        self._handlers = {Hello: self._on_hello, Ready: self._on_ready, Outputs: self._on_outputs,
+        self._handlers = {Hello: self.members.on_hello, Ready: lambda client, msg: None, Outputs: self._on_outputs,
                           RequestError: self._on_request_error, Overload: self._on_overload,
-                          WorkerDead: self._on_dead, StateChange: self._on_state_change,
+                          WorkerDead: self._on_dead, StateChange: self.members.on_state_change,
                           HandoffReservation: self._on_handoff, HandoffExported: self._on_handoff,
                           HandoffExportFailed: self._on_handoff, HandoffImported: self._on_handoff,
                           HandoffRefused: self._on_handoff}
         self.handoff_metrics = HandoffMetrics()
         self.handoff_pause = PauseHook.from_env(os.environ)
-        self._was_ready = False
         self._recent: dict[str, None] = {}  # ended request ids, oldest first
         self._unknown_ids = 0
         self._unknown_log = RateLimitedLog(log)
@@ -191,7 +179,7 @@ class Router:
                 await self.registry.start(self)
                 if not self.clients:  # workers join later; health says NOT_SERVING until one is READY
                     return self
-            await asyncio.wait_for(self._wait_usable(), self.config.startup_timeout_s)
+            await asyncio.wait_for(self.members.wait_usable(), self.config.startup_timeout_s)
         except asyncio.TimeoutError:
             await self.close()
             raise UnavailableError(f"no worker became READY within startup_timeout_s="
@@ -219,15 +207,14 @@ class Router:
 
     async def add_client(self, client: WorkerClient) -> None:
         """A worker joins while the router runs (the registry found it); placement sees it once READY."""
-        self.clients.append(client)
+        self.members.add(client)
         await client.start(self._on_message)
 
     async def drop_client(self, client: WorkerClient, reason: str) -> None:
         """A worker leaves (its registry entry expired): its streams get WorkerDead (moved or failed), then
         the client is closed. Placement never sees it again."""
-        if client not in self.clients:
+        if not self.members.remove(client):
             return
-        self.clients.remove(client)
         for stream in list(self._streams.values()):
             if stream.client is client or (stream.handoff is not None and stream.handoff.active
                                           and stream.handoff.involves(client)):
@@ -235,10 +222,7 @@ class Router:
                 break
         self.placer.drop(client)
         await client.close()
-        self._changed.set()
-        if self.ready != self._was_ready:
-            self._was_ready = self.ready
-            self.on_ready_change(self._was_ready)
+        self.members.changed()
 
     def redis_up(self) -> bool | None:
         """Whether the last Redis calls of the registry and the response cache succeeded (False when either
@@ -249,36 +233,21 @@ class Router:
         return all(known) if known else None
 
     @property
+    def clients(self) -> list[WorkerClient]:
+        return self.members.clients
+
+    @property
     def ready(self) -> bool:
-        return any(c.state == WorkerState.READY for c in self.clients)
+        return self.members.ready
 
     @property
     def wire_errors(self) -> int:
         """Frames from workers dropped: undecodable, unexpected, or for request ids this router never sent."""
         return self._unknown_ids + sum(getattr(c, "wire_errors", 0) for c in self.clients)
 
-    async def _wait_usable(self) -> None:
-        # A dead worker may come back (restarted, or a false death): only refused ones are given up on here.
-        while not self.ready:
-            if not self.clients:
-                raise UnavailableError("no worker to wait for (none was given)")
-            if all(c.state == WorkerState.REFUSED for c in self.clients):
-                raise FingerprintMismatchError(self._mismatch(self.clients[0]))
-            self._changed.clear()
-            await self._changed.wait()
-
     async def wait_settled(self, timeout_s: float) -> None:
         """Wait until no worker is still CONNECTING (each READY, DEAD or REFUSED), at most timeout_s."""
-
-        async def settled():
-            while any(c.state == WorkerState.CONNECTING for c in self.clients):
-                self._changed.clear()
-                await self._changed.wait()
-
-        try:
-            await asyncio.wait_for(settled(), timeout_s)
-        except asyncio.TimeoutError:
-            pass
+        await self.members.wait_settled(timeout_s)
 
     # --- requests -----------------------------------------------------------
 
@@ -306,7 +275,7 @@ class Router:
         if bad:
             raise InvalidRequestError("stop_token_ids", f"every id must be in [0, {self.tokenizer.vocab_size}), "
                                       f"got {bad[0]}")
-        self._check_prompt(prompt)
+        self.prompts.check(prompt)
         if route not in ROUTES:
             raise InvalidRequestError("route", f"must be one of {', '.join(ROUTES)}, got {route!r}")
         if deadline_s is not None and not deadline_s >= 0:
@@ -315,62 +284,13 @@ class Router:
                                   deadline_s=deadline_s)
         return self.response_cache.wrap(stream) if self.response_cache is not None else stream
 
-    def _check_prompt(self, prompt: Prompt) -> None:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt", "must not be empty")
-            size = len(prompt.encode("utf-8"))
-            if size > MAX_PROMPT_BYTES:
-                raise InvalidRequestError("prompt", f"at most 1 MiB ({MAX_PROMPT_BYTES} bytes), got {size} bytes")
-            self._check_bound(size)
-            return
-        if not prompt:
-            raise InvalidRequestError("messages", "at least one message is required")
-        if not any(isinstance(m.get("content"), str) and m["content"].strip() for m in prompt):
-            raise InvalidRequestError("messages", "every message content is empty")
-        total = 0
-        for i, m in enumerate(prompt):
-            if m.get("role") not in ROLES:
-                raise InvalidRequestError(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {m.get('role')!r}")
-            content = m.get("content")
-            if not isinstance(content, str):
-                raise InvalidRequestError(f"messages[{i}].content", "must be a string")
-            size = len(content.encode("utf-8"))
-            if size > MAX_PROMPT_BYTES:
-                raise InvalidRequestError(f"messages[{i}].content", f"at most 1 MiB ({MAX_PROMPT_BYTES} bytes), got {size} bytes")
-            total += size
-        self._check_bound(total)
-
-    def _check_bound(self, size: int) -> None:
-        """A prompt of `size` bytes has at least size / (the longest token's bytes) tokens, since a
-        byte-level BPE token stands for at most that many bytes: one certain to exceed the model
-        length is refused before seconds of tokenizing."""
-        fewest = -(-size // self._longest_token)
-        if fewest >= self.max_model_len:
-            raise InvalidRequestError("prompt", f"{size} bytes are at least {fewest} tokens (no token of this model "
-                                      f"is longer than {self._longest_token} bytes), but the max model length is "
-                                      f"{self.max_model_len} tokens (prompt and output together)")
-
     def tokenize(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        try:
-            return self.chat_template.encode(prompt)
-        except ChatTemplateError as exc:
-            raise InvalidRequestError("messages", str(exc)) from exc
+        """The prompt's ids, on this thread (`Prompts.tokenize`). Raises InvalidRequestError."""
+        return self.prompts.tokenize(prompt)
 
     def resolve(self, prompt_ids: list[int], params: SamplingParams) -> tuple[int, int]:
-        """(max_tokens, seed) for this request, checked against the model length."""
-        n, limit = len(prompt_ids), self.max_model_len
-        if n >= limit:
-            raise ContextLengthError("prompt", f"{n} tokens, but the max model length is {limit} tokens "
-                                      "(prompt and output together)")
-        max_tokens = params.max_tokens or min(limit - n, DEFAULT_MAX_TOKENS_CAP)
-        if n + max_tokens > limit:
-            raise ContextLengthError("max_tokens", f"prompt ({n} tokens) + max_tokens ({max_tokens}) = "
-                                      f"{n + max_tokens} exceeds the max model length of {limit} tokens")
-        seed = params.seed if params.seed is not None else secrets.randbits(64)
-        return max_tokens, seed
+        """(max_tokens, seed) for this request, checked against the model length (`Prompts.resolve`)."""
+        return self.prompts.resolve(prompt_ids, params)
 
     def plan(self, prompt_ids: list[int], max_tokens: int, deadline_s: float | None = None, *,
              exclude: Sequence[WorkerClient] = (), streamed: Sequence[int] = (), kind: str | None = None,
@@ -441,32 +361,10 @@ class Router:
     def _on_message(self, client: WorkerClient, msg: msgspec.Struct) -> None:
         """Every message and lifecycle event of every client; health follows readiness both ways."""
         self._handlers[type(msg)](client, msg)
-        self._changed.set()
         if self._waiting and self.ready:
             for stream in list(self._waiting.values()):
                 stream.put(WorkerAvailable())
-        if self.ready != self._was_ready:
-            self._was_ready = self.ready
-            self.on_ready_change(self._was_ready)
-
-    def _mismatch(self, client: WorkerClient) -> str:
-        return (f"worker {client.endpoint} serves model fingerprint {client.hello.fingerprint}, "
-                f"but this router's model has fingerprint {self.fingerprint}")
-
-    def _on_hello(self, client: WorkerClient, msg: Hello) -> None:
-        if msg.fingerprint != self.fingerprint:
-            client.state = WorkerState.REFUSED
-            log.error("refusing %s", self._mismatch(client))
-
-    def _on_ready(self, client: WorkerClient, msg: Ready) -> None:
-        pass  # the client's lifecycle made it READY (a StateChange follows)
-
-    def _on_state_change(self, client: WorkerClient, msg: StateChange) -> None:
-        back = msg.new == WorkerState.READY and msg.old in (WorkerState.SUSPECT, WorkerState.DEAD, WorkerState.PROBING)
-        # Losing a worker is a warning; so is getting it back, so that recovery shows at the default level.
-        level = logging.INFO if msg.new in (WorkerState.READY, WorkerState.CONNECTING) and not back else logging.WARNING
-        log.log(level, "%s worker %s: %s → %s", client.kind or "", getattr(client, "name", client.endpoint),
-                msg.old.name, msg.new.name)
+        self.members.changed()
 
     def _stream_of(self, client: WorkerClient, request_id: str) -> GenerationStream | None:
         stream = self._streams.get(request_id)

@@ -5,68 +5,27 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
 
 from hybridgate.models import IncrementalDetokenizer
 from hybridgate.router.client import WorkerClient, WorkerDead
-from hybridgate.router.errors import DeadlineExceededError, ResourceExhaustedError, UnavailableError, WorkerRequestError
+from hybridgate.router.deltas import REPLACEABLE_CODES, Delta, Timings, Usage, error_of
+from hybridgate.router.errors import DeadlineExceededError, UnavailableError
 from hybridgate.router.handoff import Handoff, worker_name
 from hybridgate.router.stop import StopMatcher
 from hybridgate.router.streamstate import StreamAction as A
 from hybridgate.router.streamstate import StreamEvent, StreamFacts, StreamState, transition
-from hybridgate.wire import (
-    ERROR_DEADLINE_EXCEEDED,
-    ERROR_NO_KV_BLOCKS,
-    ERROR_QUEUE_FULL,
-    ERROR_RESOURCE_EXHAUSTED,
-    AddRequest,
-    FinishReason,
-    Overload,
-    RequestError,
-    SamplingParams,
-    SeqOutput,
-    TokenLogprobs,
-    WorkerState,
-)
+from hybridgate.wire import AddRequest, FinishReason, Overload, RequestError, SamplingParams, SeqOutput, TokenLogprobs
+
+__all__ = ["REPLACEABLE_CODES", "Delta", "GenerationStream", "Stalled", "Timings", "Usage", "WorkerAvailable"]
 
 if TYPE_CHECKING:
     from hybridgate.router.router import Prompt, Router
 
 log = logging.getLogger("hybridgate.router")
 
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-
-
-@dataclass(frozen=True)
-class Timings:
-    queue_ms: float
-    ttft_ms: float
-    total_ms: float
-
-
-@dataclass(frozen=True)
-class Delta:
-    """New text and ids of one step; the last delta has finish_reason, usage, timings and route.
-    `logprobs`: one per id of `token_ids` when the request asked for them (SamplingParams.logprobs), else empty."""
-
-    request_id: str
-    token_index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: FinishReason | None = None
-    usage: Usage | None = None
-    timings: Timings | None = None
-    route: str = ""
-    logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 class Stalled(msgspec.Struct, frozen=True):
@@ -79,9 +38,7 @@ class WorkerAvailable(msgspec.Struct, frozen=True):
     """Synthetic event: a worker is READY and this stream is waiting for one."""
 
 
-# Refusals that another worker may not give: its cache may be larger or emptier.
 MAX_MOVES = 8  # placements of one request (retries and resumes together) before it fails
-REPLACEABLE_CODES = frozenset({ERROR_NO_KV_BLOCKS, ERROR_RESOURCE_EXHAUSTED, ERROR_QUEUE_FULL})
 
 
 class GenerationStream:
@@ -404,7 +361,7 @@ class GenerationStream:
                     return delta
             else:
                 self._fire(StreamEvent.READ_ERROR)
-                raise _error_of(item)
+                raise error_of(item)
         raise StopAsyncIteration
 
     def _coalesce(self, out: SeqOutput) -> SeqOutput:
@@ -486,16 +443,3 @@ class GenerationStream:
     @staticmethod
     def _name(client: WorkerClient | None) -> str:
         return "none" if client is None else worker_name(client)
-
-
-def _error_of(item) -> BaseException:
-    if isinstance(item, WorkerDead):
-        return UnavailableError(item.reason)
-    if isinstance(item, RequestError):
-        if item.code == ERROR_DEADLINE_EXCEEDED:
-            return DeadlineExceededError(item.message)
-        if item.code in REPLACEABLE_CODES:  # memory ran out, or the request needs more KV than any worker holds
-            reason = "worker_queue_full" if item.code == ERROR_QUEUE_FULL else "worker_memory"
-            return ResourceExhaustedError(item.message, reason)
-        return WorkerRequestError(item.message)
-    return item if isinstance(item, BaseException) else RuntimeError(f"unexpected stream item {item!r}")

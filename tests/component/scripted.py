@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from hybridgate.router.client import LocalWorkerClient
+from hybridgate.router.local import LocalWorkerClient
 from hybridgate.wire import EngineStats, FinishReason, Hello, Outputs, SeqOutput
 
 
