@@ -115,12 +115,14 @@ class GenerationStream:
 
     def _fire(self, event: StreamEvent, item=None, reason: str = "") -> None:
         """One event: the table's next state, then its action (`item`: the output or error it is about)."""
-        facts = StreamFacts(bool(self.received), self.router.config.resume_on_worker_loss,
-                            len(self._hops) < MAX_MOVES, self._cause)
-        self.state, action = transition(self.state, event, facts)
+        self.state, action = transition(self.state, event, self._facts)
         if self.state == StreamState.MOVING and event != StreamEvent.NO_WORKER:
             self._cause = event
         self._actions[action](item, reason)
+
+    def _facts(self) -> StreamFacts:
+        return StreamFacts(bool(self.received), self.router.config.resume_on_worker_loss, len(self._hops) < MAX_MOVES,
+                           self._cause)
 
     async def __aenter__(self) -> GenerationStream:
         await self.prepare()

@@ -49,6 +49,7 @@ an earlier one never reaches the stream (the router drops it as unknown).
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -61,39 +62,39 @@ class StreamState(enum.IntEnum):
     CLOSED = 5  # the caller read the end or left; the router forgot it
 
 
-class StreamEvent(enum.Enum):
-    PLACED = "placed"  # a placement's request went out
-    NO_WORKER = "no_worker"  # no READY worker to place it on
-    OUTPUT = "output"  # ids or progress from its worker
-    LAST_OUTPUT = "last_output"  # an output with a finish reason
-    FAILED = "failed"  # a RequestError no other worker would answer otherwise
-    WORKER_LOST = "worker_lost"  # WorkerDead: its sequences are gone
-    REFUSED = "refused"  # a RequestError another worker may not give (REPLACEABLE_CODES)
-    DROPPED = "dropped"  # Overload: the worker could not send to this router
-    STALLED = "stalled"  # no progress for request_stall_timeout_s
-    WORKER_AVAILABLE = "worker_available"  # a worker is READY
-    READ_TOO_SLOWLY = "read_too_slowly"  # the caller's queue is full
-    SHUT_DOWN = "shut_down"  # the router closes, or failed the stream itself
-    STOPPED = "stopped"  # the caller's side matched a stop string
-    READ_LAST = "read_last"  # the caller got the last delta
-    READ_ERROR = "read_error"  # the caller got the error
-    LEFT = "left"  # the caller left the `async with` before the end
+class StreamEvent(enum.IntEnum):
+    PLACED = 1  # a placement's request went out
+    NO_WORKER = 2  # no READY worker to place it on
+    OUTPUT = 3  # ids or progress from its worker
+    LAST_OUTPUT = 4  # an output with a finish reason
+    FAILED = 5  # a RequestError no other worker would answer otherwise
+    WORKER_LOST = 6  # WorkerDead: its sequences are gone
+    REFUSED = 7  # a RequestError another worker may not give (REPLACEABLE_CODES)
+    DROPPED = 8  # Overload: the worker could not send to this router
+    STALLED = 9  # no progress for request_stall_timeout_s
+    WORKER_AVAILABLE = 10  # a worker is READY
+    READ_TOO_SLOWLY = 11  # the caller's queue is full
+    SHUT_DOWN = 12  # the router closes, or failed the stream itself
+    STOPPED = 13  # the caller's side matched a stop string
+    READ_LAST = 14  # the caller got the last delta
+    READ_ERROR = 15  # the caller got the error
+    LEFT = 16  # the caller left the `async with` before the end
 
 
-class StreamAction(enum.Enum):
-    NONE = "none"
-    QUEUE = "queue"  # hand the output to the caller
-    ANSWER = "answer"  # hand the worker's error to the caller: it is the answer
-    MOVE = "move"  # place it again, the worker it left tried last
-    MOVE_ELSEWHERE = "move_elsewhere"  # place it again, never on the worker it left
-    ABORT_AND_MOVE = "abort_and_move"  # abort it on its worker, then MOVE
-    PLACE = "place"  # a waiting stream tries to place itself
-    WAIT = "wait"  # register as waiting for a READY worker
-    FAIL = "fail"  # end with UNAVAILABLE (or the error given)
-    ABORT_AND_FAIL = "abort_and_fail"
-    ABORT = "abort"  # abort it on its worker
-    FINISH = "finish"  # the router forgets it; a hand-off frees what either worker may still hold of it
-    ABORT_AND_FORGET = "abort_and_forget"
+class StreamAction(enum.IntEnum):
+    NONE = 1
+    QUEUE = 2  # hand the output to the caller
+    ANSWER = 3  # hand the worker's error to the caller: it is the answer
+    MOVE = 4  # place it again, the worker it left tried last
+    MOVE_ELSEWHERE = 5  # place it again, never on the worker it left
+    ABORT_AND_MOVE = 6  # abort it on its worker, then MOVE
+    PLACE = 7  # a waiting stream tries to place itself
+    WAIT = 8  # register as waiting for a READY worker
+    FAIL = 9  # end with UNAVAILABLE (or the error given)
+    ABORT_AND_FAIL = 10
+    ABORT = 11  # abort it on its worker
+    FINISH = 12  # the router forgets it; a hand-off frees what either worker may still hold of it
+    ABORT_AND_FORGET = 13
 
 
 @dataclass(frozen=True)
@@ -109,38 +110,7 @@ class StreamFacts:
 
 
 S, E, A = StreamState, StreamEvent, StreamAction
-_MOVES = {E.WORKER_LOST: A.MOVE, E.REFUSED: A.MOVE, E.DROPPED: A.MOVE_ELSEWHERE, E.STALLED: A.ABORT_AND_MOVE}
-_RUNNING = {E.OUTPUT: (S.RUNNING, A.QUEUE), E.LAST_OUTPUT: (S.DONE, A.QUEUE), E.FAILED: (S.DONE, A.ANSWER),
-            E.STOPPED: (S.DONE, A.ABORT)}
-_ANY_LIVE = {E.READ_TOO_SLOWLY: (S.DONE, A.ABORT_AND_FAIL), E.SHUT_DOWN: (S.DONE, A.FAIL)}
-_ENDS = {E.READ_LAST: (S.CLOSED, A.FINISH), E.READ_ERROR: (S.CLOSED, A.ABORT_AND_FORGET),
-         E.LEFT: (S.CLOSED, A.ABORT_AND_FORGET)}
-
-
-def transition(state: StreamState, event: StreamEvent,
-               facts: StreamFacts = StreamFacts()) -> tuple[StreamState, StreamAction]:
-    """(next state, action) for `event` in `state` (the table in this module's docstring)."""
-    if state == S.CLOSED:
-        return state, A.NONE
-    if event in _ENDS:
-        return _ENDS[event]
-    if state == S.DONE:
-        return (S.DONE, A.ABORT) if event == E.STOPPED else (S.DONE, A.NONE)
-    if event in _ANY_LIVE and not (state == S.NEW and event == E.READ_TOO_SLOWLY):
-        return _ANY_LIVE[event]
-    if state == S.NEW:
-        return (S.RUNNING, A.NONE) if event == E.PLACED else (state, A.NONE)
-    if state == S.RUNNING:
-        if event in _MOVES:
-            return _move(event, facts)
-        return _RUNNING.get(event, (state, A.NONE))
-    if state == S.MOVING:
-        if event == E.PLACED:
-            return S.RUNNING, A.NONE
-        return _no_worker(facts) if event == E.NO_WORKER else (state, A.NONE)
-    if event == E.WORKER_AVAILABLE:  # WAITING
-        return S.MOVING, A.PLACE
-    return (S.DONE, A.FAIL) if event == E.STALLED else (state, A.NONE)
+Row = tuple[StreamState, StreamAction] | Callable[[StreamEvent, StreamFacts], tuple[StreamState, StreamAction]]
 
 
 def _move(event: StreamEvent, facts: StreamFacts) -> tuple[StreamState, StreamAction]:
@@ -149,7 +119,7 @@ def _move(event: StreamEvent, facts: StreamFacts) -> tuple[StreamState, StreamAc
     return S.MOVING, _MOVES[event]
 
 
-def _no_worker(facts: StreamFacts) -> tuple[StreamState, StreamAction]:
+def _no_worker(event: StreamEvent, facts: StreamFacts) -> tuple[StreamState, StreamAction]:
     if facts.cause == E.REFUSED:
         return S.DONE, A.ANSWER
     if facts.cause == E.WORKER_AVAILABLE:
@@ -157,3 +127,44 @@ def _no_worker(facts: StreamFacts) -> tuple[StreamState, StreamAction]:
     if facts.cause == E.DROPPED or not facts.resume:
         return S.DONE, A.FAIL
     return S.WAITING, A.WAIT
+
+
+_MOVES = {E.WORKER_LOST: A.MOVE, E.REFUSED: A.MOVE, E.DROPPED: A.MOVE_ELSEWHERE, E.STALLED: A.ABORT_AND_MOVE}
+
+
+def _rows() -> list[list[Row]]:
+    """The table as rows[state][event]: (next, action), or a function of the facts."""
+    rows: list[list[Row]] = [[(state, A.NONE)] * (max(E) + 1) for state in S]
+    for state in (S.NEW, S.RUNNING, S.MOVING, S.WAITING, S.DONE):
+        rows[state][E.READ_LAST] = (S.CLOSED, A.FINISH)
+        rows[state][E.READ_ERROR] = rows[state][E.LEFT] = (S.CLOSED, A.ABORT_AND_FORGET)
+        if state != S.DONE:
+            rows[state][E.SHUT_DOWN] = (S.DONE, A.FAIL)
+        if state not in (S.NEW, S.DONE):
+            rows[state][E.READ_TOO_SLOWLY] = (S.DONE, A.ABORT_AND_FAIL)
+    rows[S.NEW][E.PLACED] = (S.RUNNING, A.NONE)
+    running = rows[S.RUNNING]
+    running[E.OUTPUT], running[E.LAST_OUTPUT] = (S.RUNNING, A.QUEUE), (S.DONE, A.QUEUE)
+    running[E.FAILED] = (S.DONE, A.ANSWER)
+    running[E.STOPPED] = rows[S.DONE][E.STOPPED] = (S.DONE, A.ABORT)
+    for event in _MOVES:
+        running[event] = _move
+    rows[S.MOVING][E.PLACED] = (S.RUNNING, A.NONE)
+    rows[S.MOVING][E.NO_WORKER] = _no_worker
+    rows[S.WAITING][E.WORKER_AVAILABLE] = (S.MOVING, A.PLACE)
+    rows[S.WAITING][E.STALLED] = (S.DONE, A.FAIL)
+    return rows
+
+
+_ROWS = _rows()
+
+
+def transition(state: StreamState, event: StreamEvent,
+               facts: StreamFacts | Callable[[], StreamFacts] = StreamFacts()) -> tuple[StreamState, StreamAction]:
+    """(next state, action) for `event` in `state` (the table in this module's docstring). `facts` may be
+    a function that makes them, called only for the rows that depend on them (the hot path, an output
+    while RUNNING, needs none)."""
+    row = _ROWS[state][event]
+    if type(row) is tuple:
+        return row
+    return row(event, facts() if callable(facts) else facts)
