@@ -87,8 +87,8 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hybridgate.config import add_command_settings
-    from hybridgate.gateway.server import GatewayConfig
+    from hybridgate.settings import add_command_settings
+    from hybridgate.gateway.config import GatewayConfig
 
     parser = argparse.ArgumentParser(prog="hybridgate", description=__doc__)
     parser.add_argument("--log-level", default=os.environ.get("HYBRIDGATE_LOG_LEVEL", "WARNING"),

@@ -77,10 +77,10 @@ def gateway_group(config: Settings, endpoints: list[str]) -> Iterator[tuple[Sett
 
 def gateway_main(config: Settings, endpoints: list[str], index: int, parent_pid: int) -> None:
     """Entry of gateway `index` >= 1 (spawned): serve until SIGTERM/SIGINT; exit with `serve`."""
+    from hybridgate.children import die_with_parent
     from hybridgate.serve import _run, run_gateway
-    from hybridgate.workers.process import _die_with_parent
 
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s gateway-{index} %(levelname)s %(message)s")
     sys.exit(_run(run_gateway(config, endpoints, reuse_port=True, index=index)))
 

@@ -9,45 +9,25 @@ import shutil
 import signal
 import sys
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hybridgate.config import check_settings, setting
 from hybridgate.gateway.server import Gateway
 from hybridgate.keys import Transport
 from hybridgate.redisconf import redacted
 from hybridgate.router import Router, ZmqWorkerClient
 from hybridgate.router.client import missing_ipc_socket
 from hybridgate.scaleout import ExtraGateways, gateway_group
+from hybridgate.serveconf import LayoutConfig
 from hybridgate.supervise import Supervisor
 from hybridgate.wire import WorkerState
-from hybridgate.workers.process import WorkerConfig
+from hybridgate.workerconf import WorkerConfig
 
 if TYPE_CHECKING:
     from hybridgate.settings import Settings
 
 log = logging.getLogger("hybridgate")
-
-
-@dataclass(frozen=True)
-class LayoutConfig:
-    """Which workers the gateway talks to: those `serve` starts, or running ones (`gateway`)."""
-
-    gpu_workers: int | None = setting(
-        None, "GPU workers (the PyTorch runner; on a CPU torch device where there is no CUDA); "
-              "default: 1 where CUDA is present, else 0", low=0)
-    cpu_workers: int = setting(1, "CPU workers (Numba kernels on the GGUF blocks); the workers that compute "
-                                  "on the CPU share its cores unless --threads is given", low=0)
-    worker_endpoints: tuple[str, ...] = setting(
-        (), "a running worker's endpoint (ipc://PATH or tcp://HOST:PORT); repeat for several", flag="--worker")
-    gateways: int = setting(
-        1, "gateway processes serving the one gRPC port (SO_REUSEPORT among themselves only: a port another "
-           "program holds is still refused), each with its own router, all sharing the workers; with "
-           "--metrics-port P, gateway i serves its metrics on P+i", low=1, high=64)
-
-    def __post_init__(self) -> None:
-        check_settings(self)
 
 
 def cuda_present() -> bool:

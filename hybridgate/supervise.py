@@ -25,8 +25,8 @@ from pathlib import Path
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from hybridgate.config import check_settings, setting
-from hybridgate.workers.process import WorkerConfig, run_worker
+from hybridgate.serveconf import SupervisorConfig
+from hybridgate.workerconf import WorkerConfig
 
 # Test-only: a worker started with this variable set to 1 raises at once, so the tests can
 # watch the supervisor give up. Never set it in production.
@@ -34,27 +34,13 @@ CRASH_AT_START_ENV = "HYBRIDGATE_TEST_CRASH_AT_START"
 POLL_S = 0.05
 
 
-@dataclass(frozen=True)
-class SupervisorConfig:
-    restart_backoff_s: float = setting(
-        0.5, "seconds before restarting a worker that exited; doubles with each restart within the window",
-        low=0, flag="--worker-restart-backoff")
-    restart_backoff_max_s: float = setting(10.0, "longest wait before a worker restart, seconds", low=0,
-                                           flag="--worker-restart-backoff-max")
-    max_restarts: int = setting(5, "restarts of one worker within --worker-restart-window after which it stays down",
-                                low=0, flag="--worker-max-restarts")
-    restart_window_s: float = setting(60.0, "seconds over which --worker-max-restarts counts restarts", low=0,
-                                      low_open=True, flag="--worker-restart-window")
-
-    def __post_init__(self) -> None:
-        check_settings(self)
-
-
 def worker_main(config: WorkerConfig, error_path: str) -> None:
     """Entry of a supervised worker process: the worker, with its last error written to `error_path`."""
     try:
         if os.environ.get(CRASH_AT_START_ENV) == "1":
             raise RuntimeError(f"crashing at start as {CRASH_AT_START_ENV}=1 asks (a test-only setting)")
+        from hybridgate.workers.process import run_worker  # in the worker process only
+
         run_worker(config)
     except BaseException as exc:
         Path(error_path).write_text(f"{type(exc).__name__}: {exc}")

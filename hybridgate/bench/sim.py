@@ -38,6 +38,7 @@ from hybridgate.bench.workload import Outcome, Slo, WorkItem
 from hybridgate.router import costmodel as cm
 from hybridgate.router.costmodel import WorkerLoad
 from hybridgate.router.policy import PlacementRequest, Policy
+from hybridgate.workerconf import SchedulerConfig
 
 PROFILE_FIELDS = ("kind", "decode_step_s", "prefill_tokens_per_s", "blocks_total", "block_size", "max_num_seqs",
                   "max_num_batched_tokens")
@@ -56,8 +57,8 @@ class Profile:
     prefill_tokens_per_s: dict[int, float]
     blocks_total: int
     block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = SchedulerConfig.max_num_seqs
+    max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
     kv_bytes_per_token: int = 0
     source: str = ""
 

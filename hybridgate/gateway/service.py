@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import grpc
 
 from hybridgate.gateway.admission import Admission
+from hybridgate.gateway.config import GatewayConfig
 from hybridgate.gateway.convert import delta_to_proto, request_to_native
 from hybridgate.gateway.metrics import GatewayMetrics
 from hybridgate.models import DEFAULT_MODEL_ID
@@ -47,7 +48,7 @@ class GenerationService(pb_grpc.GenerationServicer):
 
     def __init__(self, router: Router, metrics: GatewayMetrics, model_id: str = DEFAULT_MODEL_ID,
                  log_requests: bool = False, log_request_text: bool = False,
-                 allow_client_routes: bool = False, max_inflight_requests: int = 1024):
+                 allow_client_routes: bool = False, max_inflight_requests: int = GatewayConfig.max_inflight_requests):
         self.router, self.metrics, self.model_id = router, metrics, model_id
         self.log_requests, self.log_request_text = log_requests, log_request_text
         self.allow_client_routes = allow_client_routes

@@ -28,6 +28,7 @@ import zmq.asyncio
 
 from hybridgate import wire
 from hybridgate.keys import Transport
+from hybridgate.router.config import RouterConfig
 from hybridgate.router.lifecycle import (
     PROBE_FIRST_S,
     Exited,
@@ -156,8 +157,8 @@ class ZmqWorkerClient:
     a tcp:// endpoint (hybridgate.keys.Transport; None: plain sockets, the embedder's choice).
     """
 
-    def __init__(self, endpoint: str, *, dead_after_s: float = 1.0, suspect_after_s: float | None = None,
-                 name: str = "", ctx: zmq.asyncio.Context | None = None, transport: Transport | None = None):
+    def __init__(self, endpoint: str, *, dead_after_s: float = RouterConfig.dead_after_s,
+                 suspect_after_s: float | None = None, name: str = "", ctx: zmq.asyncio.Context | None = None, transport: Transport | None = None):
         self.endpoint = endpoint
         self.transport = transport
         self.kind: str | None = None

@@ -31,6 +31,8 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from hybridgate.mempool import DEFAULT_BLOCK_SIZE
+
 UNMEASURED_PREFILL_TOKENS_PER_S = 100.0
 UNMEASURED_DECODE_STEP_S = 0.1
 HANDOFF_BYTES_PER_S = 2e9  # host-to-host copy of KV through the pinned slab; the seed of HandoffRate
@@ -88,7 +90,7 @@ class WorkerLoad:
     # Blocks its sequences hold once each has run to its max_tokens (a hand-off's to its first token),
     # those queued included: what the cache is promised, where `blocks_free` is only what it holds now.
     blocks_committed: int = 0
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     max_num_seqs: int = 0  # the scheduler's batch cap, as reported (0: not reported, no cap)
     max_num_batched_tokens: int = 0  # its token budget per step, as reported (0: not reported, one step)
     prefill_tokens_per_s: Mapping[int, float] = field(default_factory=dict)

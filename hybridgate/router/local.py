@@ -7,6 +7,7 @@ import time
 import uuid
 
 from hybridgate.router.client import MessageHandler, StateChange, WorkerDead
+from hybridgate.router.config import RouterConfig
 from hybridgate.router.lifecycle import (
     Exited,
     HelloSeen,
@@ -32,7 +33,7 @@ class LocalWorkerClient:
     and `stats`, and call `_start_lifecycle(on_message)` from `start`.
     """
 
-    def _start_lifecycle(self, on_message: MessageHandler, dead_after_s: float = 1.0) -> None:
+    def _start_lifecycle(self, on_message: MessageHandler, dead_after_s: float = RouterConfig.dead_after_s) -> None:
         self.lifecycle = Lifecycle(getattr(self, "name", "") or self.endpoint, dead_after_s=dead_after_s)
         self.boot_id = uuid.uuid4().hex
         self._on_message = on_message

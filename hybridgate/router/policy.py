@@ -47,6 +47,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from hybridgate.router import costmodel as cm
+from hybridgate.router.config import POLICIES
 from hybridgate.router.costmodel import WorkerLoad
 
 SLO_FACTOR = 3.0
@@ -220,9 +221,6 @@ class CostPolicy:
         plans = [p for p in plans if self._fits(request, workers, p)] or plans
         best = min(plans, key=lambda p: (p.e2e_s(request.max_tokens), p.route != "cpu"))
         return replace(best, spilled=best.route == "cpu", meets_slo=False)
-
-
-POLICIES = ("cost", "least_loaded", "round_robin", "power_of_two", "prefix_affinity")
 
 
 def make_policy(name: str, ttft_slo_s: float | None = None, tpot_slo_s: float | None = None,

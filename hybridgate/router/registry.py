@@ -30,6 +30,7 @@ import msgspec
 from hybridgate.redisconf import RedisConfig, WorkerEntry, bounded, connect, redacted, redis_errors, worker_pattern
 from hybridgate.keys import Transport
 from hybridgate.router.client import WorkerClient, ZmqWorkerClient
+from hybridgate.router.config import RouterConfig
 
 if TYPE_CHECKING:
     from hybridgate.router.router import Router
@@ -46,7 +47,7 @@ class RedisRegistry:
     whether the last call to Redis succeeded (None before the first).
     """
 
-    def __init__(self, config: RedisConfig, *, dead_after_s: float = 1.0, poll_s: float = POLL_S,
+    def __init__(self, config: RedisConfig, *, dead_after_s: float = RouterConfig.dead_after_s, poll_s: float = POLL_S,
                  make_client: Callable[[WorkerEntry], WorkerClient] | None = None, transport: Transport | None = None):
         if not config.url:
             raise ValueError("--redis-url: the registry needs a Redis URL")

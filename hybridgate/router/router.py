@@ -17,19 +17,18 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
 
-from hybridgate.config import check_settings, setting
 from hybridgate.models import ChatTemplate, GGUFModel, Tokenizer, load_gguf, model_fingerprint
 from hybridgate.router.client import RateLimitedLog, StateChange, WorkerClient, WorkerDead, ZmqWorkerClient
+from hybridgate.router.config import RouterConfig
 from hybridgate.router.errors import InvalidRequestError, UnavailableError
 from hybridgate.router.handoff import HandoffMetrics, PauseHook
 from hybridgate.router.membership import Membership
 from hybridgate.router.placement import Placement, Placer, _Pending
-from hybridgate.router.policy import POLICIES, make_policy
+from hybridgate.router.policy import make_policy
 from hybridgate.router.prompts import (  # noqa: F401 (MAX_PROMPT_BYTES and DEFAULT_MAX_TOKENS_CAP re-exported)
     DEFAULT_MAX_TOKENS_CAP,
     MAX_PROMPT_BYTES,
@@ -64,53 +63,6 @@ RECENT_IDS = 4096  # ended request ids remembered, so late outputs for them are 
 ROUTES = ("auto", "gpu", "cpu", "gpu->cpu")
 
 
-@dataclass(frozen=True)
-class RouterConfig:
-    max_model_len: int | None = setting(None, "most tokens per sequence (default: the model's context)", low=2)
-    startup_timeout_s: float = setting(120.0, "seconds to wait for a READY worker before giving up",
-                                       flag="--worker-startup-timeout", low=0, low_open=True)
-    dead_after_s: float = setting(1.0, "seconds of worker silence after which it counts as dead",
-                                  flag="--worker-timeout", low=0, low_open=True)
-    queue_size: int = setting(4096, "deltas buffered per request before it is aborted as too slow",
-                              flag="--stream-queue-size", low=1)
-    wait_for_workers: bool = setting(
-        False, "keep waiting (up to the worker start-up timeout) for a worker whose ipc socket file does not "
-               "exist yet, instead of exiting after saying so", flag="--wait-for-workers")
-    resume_on_worker_loss: bool = setting(
-        True, "resume a stream whose worker dies (or restarts) on another READY worker, or on the same one "
-        "when it is back within the stall timeout, by prefilling the prompt plus the ids already streamed "
-        "with the same seed; off: such a stream ends with UNAVAILABLE", flag="--resume-on-worker-loss")
-    request_stall_timeout_s: float = setting(
-        60.0, "seconds without progress (no token, no prefill chunk) after which a request is aborted on "
-        "its worker and resumed elsewhere, or failed with UNAVAILABLE", low=0, low_open=True,
-        flag="--request-stall-timeout")
-    handoff_stall_s: float = setting(
-        2.0, "seconds a gap in a hand-off's token indexes may stay open before its worker counts as lost",
-        low=0, low_open=True)
-    prompt_processes: int = setting(
-        2, "processes that render and tokenize prompts over 8192 characters off the event loop, started on "
-           "first use at a lower priority; 0: a thread instead (which still stalls the loop about 150 ms per MiB)",
-        low=0)
-    handoff_answer_s: float = setting(
-        10.0, "seconds a hand-off waits for the CPU worker's answer to a reservation or an import before it runs "
-              "on the GPU worker instead", low=0, low_open=True)
-
-    policy: str = setting(
-        "cost", "placement policy: cost (predicted TTFT and TPOT against the SLOs, spilling to the CPU tier), "
-        "least_loaded, round_robin, power_of_two or prefix_affinity", choices=POLICIES)
-    ttft_slo_s: float | None = setting(
-        None, "TTFT objective of the cost policy, seconds (default: 3 x the unloaded TTFT of the fastest worker "
-              "for each prompt's length)", flag="--ttft-slo", low=0, low_open=True)
-    tpot_slo_s: float | None = setting(
-        None, "TPOT objective of the cost policy, seconds (default: 3 x the fastest unloaded decode step)",
-        flag="--tpot-slo", low=0, low_open=True)
-
-    chat_template: str | None = setting(
-        None, "a file holding a Jinja chat template to render chats with instead of the model's own "
-              "(tokenizer.chat_template)")
-
-    def __post_init__(self) -> None:
-        check_settings(self)
 
 
 class Router:

@@ -29,11 +29,11 @@ from hybridgate.wire import (
     HandoffOutcome, HandoffPart, HandoffRefused, HandoffRelease, HandoffReservation, HandoffReserve, HandoffResume,
     MsgType,
 )
+from hybridgate.workerconf import WorkerConfig
 from hybridgate.workers.sequence import SequenceStatus
 
 log = logging.getLogger("hybridgate.worker")
 
-DEFAULT_RESERVATION_TIMEOUT_S = 30.0
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 _HEADER_DECODER = msgspec.msgpack.Decoder(HandoffHeader)
 _PART_DECODER = msgspec.msgpack.Decoder(HandoffPart)
@@ -151,7 +151,7 @@ class Reservation:
 class Reservations:
     """Live reservations by request id (ids are the router's: unique per request)."""
 
-    timeout_s: float = DEFAULT_RESERVATION_TIMEOUT_S
+    timeout_s: float = WorkerConfig.handoff_reservation_timeout_s
     by_id: dict[str, Reservation] = field(default_factory=dict)
 
     def add(self, client: bytes, request_id: str, num_tokens: int, table: list[int]) -> Reservation:
@@ -220,8 +220,8 @@ class PauseHooks:
 class HandoffConfig:
     """The worker's hand-off settings (from WorkerConfig)."""
 
-    cache_imported_kv: bool = False
-    reservation_timeout_s: float = DEFAULT_RESERVATION_TIMEOUT_S
+    cache_imported_kv: bool = WorkerConfig.cache_imported_kv  # the defaults are the settings'
+    reservation_timeout_s: float = WorkerConfig.handoff_reservation_timeout_s
 
 
 @dataclass
