@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
 
@@ -87,11 +86,12 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from hybridgate.config import environment
     from hybridgate.settings import add_command_settings
     from hybridgate.gateway.config import GatewayConfig
 
     parser = argparse.ArgumentParser(prog="hybridgate", description=__doc__)
-    parser.add_argument("--log-level", default=os.environ.get("HYBRIDGATE_LOG_LEVEL", "WARNING"),
+    parser.add_argument("--log-level", default=environment("HYBRIDGATE_LOG_LEVEL", "WARNING"),
                         help="logging level (default WARNING, or $HYBRIDGATE_LOG_LEVEL)")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="where the request runs: auto, gpu, cpu or gpu->cpu (GPU prefill, KV hand-off, CPU decode); "
                           "the gateway honours it only with --allow-client-routes (default: auto)")
     gen.add_argument("--json", action="store_true", help="print each response message as one JSON object per line")
-    gen.add_argument("--auth-token", default=os.environ.get("HYBRIDGATE_AUTH_TOKEN"), metavar="TOKEN",
+    gen.add_argument("--auth-token", default=environment("HYBRIDGATE_AUTH_TOKEN"), metavar="TOKEN",
                      help="send `authorization: Bearer TOKEN` (default: $HYBRIDGATE_AUTH_TOKEN; a flag shows in "
                           "the process list, the variable does not)")
     gen.add_argument("--tls-ca", default=None, metavar="PEM",

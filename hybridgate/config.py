@@ -45,6 +45,30 @@ CONFIG_ENV = "HYBRIDGATE_CONFIG"  # the --config FILE when no flag gives one
 SOURCES = ("flag", "env", "file", "default")  # highest precedence first
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
+# The HYBRIDGATE_* variables that are not settings, each read through `environment()`: with the settings'
+# own (read by `resolve`) and CONFIG_ENV, every variable hybridgate reads is named in this module. Each is
+# one a setting field cannot serve: read before any command's settings are parsed, by a function called
+# without settings, or a test-only hook armed in child processes through their environment.
+ENVIRONMENT = {
+    "HYBRIDGATE_LOG_LEVEL": "every command's --log-level (read before the command's settings are parsed)",
+    "HYBRIDGATE_AUTH_TOKEN": "generate's --auth-token, the client's (the gateway's is the setting of the same name)",
+    "HYBRIDGATE_CACHE_DIR": "the cache folder of GGUF headers (default ~/.cache/hybridgate)",
+    "HYBRIDGATE_CPU_ISA": "the CPU kernels' ISA path when no settings chose one (the cpu_isa setting's variable)",
+    "HYBRIDGATE_TEST_CRASH_AT_START": "test-only: a supervised worker raises at once",
+    "HYBRIDGATE_TEST_FAULT": "test-only: faults the model runner injects (workers.faults)",
+    "HYBRIDGATE_TEST_HANDOFF_PAUSE": "test-only: pauses in the workers' hand-off states (workers.handoff)",
+    "HYBRIDGATE_TEST_HANDOFF_PAUSE_SEED": "test-only: the seed of those pauses",
+    "HYBRIDGATE_TEST_ROUTER_HANDOFF_PAUSE": "test-only: pauses in the router's hand-off states (router.handoff)",
+}
+
+
+def environment(name: str, default: str | None = None) -> str | None:
+    """The value of the environment variable `name`, or `default` when it is unset.
+    Raises KeyError for a name not in ENVIRONMENT (a new variable is declared there first)."""
+    if name not in ENVIRONMENT:
+        raise KeyError(f"{name}: not a variable hybridgate reads; declare it in hybridgate.config.ENVIRONMENT")
+    return os.environ.get(name, default)
+
 
 def setting(default: Any, help: str, *, flag: str | None = None, low: float | None = None,
             high: float | None = None, low_open: bool = False, choices: tuple | None = None,

@@ -9,6 +9,7 @@ import shutil
 import signal
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -95,12 +96,20 @@ async def run_gateway(config: Settings, endpoints: list[str], supervisor: Superv
     router.on_ready_change = gateway.on_ready_change
     await gateway.start()
     background = []
+    stop = asyncio.Event()
+    code = 0
+
+    def fail() -> None:
+        nonlocal code
+        code = 1
+        stop.set()
+
     if supervisor is not None:
         by_name = dict(zip(names, clients))
         supervisor.on_exit = lambda name, reason: by_name[name].worker_exited(reason)
         supervisor.start_all()
         gateway.metrics.registry.register(supervisor)
-        background.append(asyncio.create_task(supervisor.run()))
+        background.append(asyncio.create_task(supervise(supervisor, fail)))
     say = (lambda line: print(f"hybridgate: {line}", flush=True)) if index == 0 else \
         (lambda line: log.info("gateway %d: %s", index, line))
     say(f"gRPC on {config.gateway.host}:{gateway.port} (health NOT_SERVING until a worker is up)")
@@ -116,17 +125,9 @@ async def run_gateway(config: Settings, endpoints: list[str], supervisor: Superv
         extra.start_all()
         background.append(asyncio.create_task(extra.watch(config.supervisor.restart_window_s,
                                                           config.supervisor.max_restarts)))
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    code = 0
-
-    def fail() -> None:
-        nonlocal code
-        code = 1
-        stop.set()
-
     if supervisor is None:
         background.append(asyncio.create_task(check_sockets(clients, config.router.wait_for_workers, fail)))
     entered = asyncio.create_task(router.__aenter__())
@@ -162,6 +163,17 @@ async def run_gateway(config: Settings, endpoints: list[str], supervisor: Superv
         task.cancel()
     await router.close()
     return code
+
+
+async def supervise(supervisor: Supervisor, fail: Callable[[], None]) -> None:
+    """Run the supervisor; once every worker stays down after its restarts, say why and `fail()`
+    (serve exits 1) rather than answer 503 forever."""
+    await supervisor.run()
+    reason = supervisor.gave_up()
+    if reason is not None:
+        print(f"hybridgate: error: every worker stays down after its restarts (--worker-max-restarts); {reason}",
+              file=sys.stderr, flush=True)
+        fail()
 
 
 def _run(coro) -> int:

@@ -6,6 +6,9 @@ each restart within the last `restart_window_s` (capped at
 within the window and exits again stays down: the reason (exit code or
 signal, and its last error) is printed and exported as metrics
 (`hybridgate:worker_restarts_total{worker}`, `hybridgate:worker_up{worker}`).
+Once every worker stays down, `run()` returns and `serve` exits non-zero with
+their last errors (`gave_up()`): a gateway that can never serve again must not
+answer 503 forever; while another worker serves, `serve` stays up.
 The restarted worker binds the same ipc path, so the gateway's client finds
 it by probing; its new boot id tells the client it is a new worker.
 """
@@ -14,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
-import os
 import signal
 import sys
 import time
@@ -25,6 +27,7 @@ from pathlib import Path
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from hybridgate.config import environment
 from hybridgate.serveconf import SupervisorConfig
 from hybridgate.workerconf import WorkerConfig
 
@@ -37,7 +40,7 @@ POLL_S = 0.05
 def worker_main(config: WorkerConfig, error_path: str) -> None:
     """Entry of a supervised worker process: the worker, with its last error written to `error_path`."""
     try:
-        if os.environ.get(CRASH_AT_START_ENV) == "1":
+        if environment(CRASH_AT_START_ENV) == "1":
             raise RuntimeError(f"crashing at start as {CRASH_AT_START_ENV}=1 asks (a test-only setting)")
         from hybridgate.workers.process import run_worker  # in the worker process only
 
@@ -94,9 +97,17 @@ class Supervisor:
             self._start(slot)
 
     async def run(self) -> None:
-        while not self.stopping:
+        """Poll until stopped, or until every worker has been given up on (see `gave_up`)."""
+        while not self.stopping and not self.gave_up():
             self.poll(time.monotonic())
             await asyncio.sleep(POLL_S)
+
+    def gave_up(self) -> str | None:
+        """Once every worker stays down after its restarts: one line naming each and why it last exited
+        (its exit code or signal and last error); None while any worker runs or will be restarted."""
+        if not self.slots or not all(slot.given_up for slot in self.slots):
+            return None
+        return "; ".join(f"worker {slot.name}: {slot.reason}" for slot in self.slots)
 
     def poll(self, now: float) -> None:
         if self.stopping:

@@ -144,6 +144,10 @@ class _EngineCollector:
         wire_errors = CounterMetricFamily("hybridgate:wire_decode_errors",
                                           "Messages refused as malformed or inconsistent, by the side that refused them.",
                                           labels=["worker", "side"])
+        refusals = CounterMetricFamily("hybridgate:worker_queue_refusals", "Messages a worker refused because one "
+                                       "of its queues was at its bound (inbox: ADDs, answered queue_full and placed "
+                                       "elsewhere; kv_export: hand-offs decoded where they are).",
+                                       labels=["worker", "queue"])
         handoff = _HandoffFamilies()
         for client in self._clients():
             # The worker's stable name (HELLO, or kind-index under serve); the endpoint may be a temporary path.
@@ -162,6 +166,8 @@ class _EngineCollector:
             hits.add_metric([name], s.kernel_cache_hits)
             misses.add_metric([name], s.kernel_cache_misses)
             wire_errors.add_metric([name, "worker"], s.wire_decode_errors)
+            for queue, count in sorted(s.queue_refusals.items()):
+                refusals.add_metric([name, queue], count)
             for n, c in sorted(s.batch_size_counts.items()):
                 by_size.add_metric([name, str(n)], c)
             buckets = [(str(b), sum(c for n, c in s.batch_size_counts.items() if n <= b)) for b in _BATCH_BUCKETS]
@@ -169,7 +175,8 @@ class _EngineCollector:
             batch.add_metric([name], buckets, sum(n * c for n, c in s.batch_size_counts.items()))
         if self._wire_errors is not None:  # the router's own refusals of worker messages, in the same family
             wire_errors.add_metric(["", "router"], self._wire_errors())
-        yield from (steps, after, kv, blocks, committed, pinned, running, waiting, queued, prefill, by_size, batch, hits, misses, wire_errors)
+        yield from (steps, after, kv, blocks, committed, pinned, running, waiting, queued, prefill, by_size, batch, hits, misses, wire_errors,
+                    refusals)
         yield from handoff.families()
 
 

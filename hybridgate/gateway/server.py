@@ -89,6 +89,7 @@ class Gateway:
         self.metrics_port: int | None = None
         self._httpd = None
         self._lag_task: asyncio.Task | None = None
+        self._health_tasks: set[asyncio.Task] = set()  # health changes under way; stop() cancels them
 
     async def start(self) -> None:
         """Serve metrics, then gRPC. Raises OSError naming the flag when the metrics port is taken
@@ -119,11 +120,17 @@ class Gateway:
             await self.health.set(name, status)
 
     def on_ready_change(self, ready: bool) -> None:
-        """For `Router(on_ready_change=...)`: health follows the workers."""
-        asyncio.get_running_loop().create_task(self.set_serving(ready))
+        """For `Router(on_ready_change=...)`: health follows the workers (a task the gateway holds
+        until it is done, so that `stop` can cancel it: none may say SERVING after stop)."""
+        task = asyncio.get_running_loop().create_task(self.set_serving(ready))
+        self._health_tasks.add(task)
+        task.add_done_callback(self._health_tasks.discard)
 
     async def stop(self) -> None:
         """Health NOT_SERVING, then in-flight streams get `grace_s` to finish."""
+        for task in list(self._health_tasks):
+            task.cancel()
+        await asyncio.gather(*self._health_tasks, return_exceptions=True)
         await self.set_serving(False)
         if self.http is not None:
             self.openai.draining = True

@@ -4,6 +4,7 @@ from hybridgate.models.chat import ChatTemplate, ChatTemplateError
 from hybridgate.models.detokenizer import IncrementalDetokenizer
 from hybridgate.models.fingerprint import model_fingerprint
 from hybridgate.models.gguf_file import GGUFModel, ModelConfig, ModelLoadError, TensorView, load_gguf
+from hybridgate.models.gguf_metadata import read_metadata
 from hybridgate.models.paths import DEFAULT_MODEL_ID, default_model_path
 from hybridgate.models.tokenizer import Tokenizer
 
@@ -20,4 +21,5 @@ __all__ = [
     "default_model_path",
     "load_gguf",
     "model_fingerprint",
+    "read_metadata",
 ]

@@ -23,6 +23,8 @@ import gguf
 import msgspec
 import numpy as np
 
+from hybridgate.config import environment
+
 log = logging.getLogger("hybridgate.models")
 
 HEADER_CACHE_FORMAT = 1
@@ -214,7 +216,7 @@ def _check_tensors(config: ModelConfig, tensors: dict[str, TensorView]) -> None:
 
 def header_cache_dir() -> Path:
     """$HYBRIDGATE_CACHE_DIR/gguf, default ~/.cache/hybridgate/gguf."""
-    root = os.environ.get("HYBRIDGATE_CACHE_DIR") or Path.home() / ".cache" / "hybridgate"
+    root = environment("HYBRIDGATE_CACHE_DIR") or Path.home() / ".cache" / "hybridgate"
     return Path(root) / "gguf"
 
 

@@ -7,7 +7,6 @@ router's settings (`hybridgate.router.config`) loads none of its behaviour.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
 _HOMES = {
@@ -41,6 +40,8 @@ def __getattr__(name: str) -> Any:
     module = _HOME_OF.get(name)
     if module is None:
         raise AttributeError(f"module 'hybridgate.router' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    # __import__, not importlib.import_module: the latter bypasses the interpreter's import statement,
+    # so `python -X importtime` would not list the modules it loads.
+    value = getattr(__import__(module, fromlist=(name,)), name)
     globals()[name] = value  # the next lookup skips this function
     return value

@@ -65,6 +65,7 @@ from typing import Protocol
 
 import msgspec
 
+from hybridgate.config import environment
 from hybridgate.router.client import WorkerClient, WorkerDead
 from hybridgate.router.costmodel import HandoffRate
 from hybridgate.router.reorder import Reorder
@@ -127,9 +128,10 @@ class PauseHook:
     rng: random.Random = field(default_factory=random.Random, compare=False)
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str]) -> PauseHook:
-        """Raises ValueError naming the variable when its value does not parse."""
-        text = environ.get(PAUSE_ENV, "")
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> PauseHook:
+        """From `environ` (tests), else the process's environment. Raises ValueError naming the variable
+        when its value does not parse."""
+        text = environ.get(PAUSE_ENV, "") if environ is not None else environment(PAUSE_ENV, "")
         if not text:
             return cls()
         parts = text.split(":")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -40,6 +39,7 @@ from hybridgate.router.registry import RedisRegistry
 from hybridgate.router.response_cache import ResponseCache
 from hybridgate.router.stream import GenerationStream, Stalled, WorkerAvailable
 from hybridgate.wire import (
+    MAX_STOP_TOKEN_IDS,
     HandoffExported,
     HandoffExportFailed,
     HandoffImported,
@@ -56,6 +56,7 @@ from hybridgate.wire import (
 
 log = logging.getLogger("hybridgate.router")
 
+MAX_LABEL_BYTES = 256  # a request's label goes into logs and metrics' exemplars: short
 RECENT_IDS = 4096  # ended request ids remembered, so late outputs for them are not counted as errors
 
 # Where a request runs: "auto" is the placement policy's choice; "gpu->cpu" prefills on a
@@ -94,11 +95,12 @@ class Router:
         self.model = model if isinstance(model, GGUFModel) else load_gguf(model)
         self.config = config or RouterConfig()
         self.tokenizer = Tokenizer.from_model(self.model)
-        self.chat_template = ChatTemplate(self.tokenizer, read_chat_template(self.config.chat_template))
+        template = read_chat_template(self.config.chat_template)
+        self.chat_template = ChatTemplate(self.tokenizer, template)
         self.fingerprint = model_fingerprint(self.model)
         self.max_model_len = min(self.config.max_model_len or 1 << 62, self.model.config.max_model_len)
         self.prompts = Prompts(str(self.model.path), self.tokenizer, self.chat_template, self.max_model_len,
-                               self.config.prompt_processes)
+                               self.config.prompt_processes, template)
         self.members = Membership([ZmqWorkerClient(c, dead_after_s=self.config.dead_after_s) if isinstance(c, str)
                                    else c for c in clients], self.fingerprint, on_ready_change)
         self.registry = registry  # workers found in Redis join and leave `clients` while the router runs
@@ -113,7 +115,7 @@ class Router:
                           HandoffExportFailed: self._on_handoff, HandoffImported: self._on_handoff,
                           HandoffRefused: self._on_handoff}
         self.handoff_metrics = HandoffMetrics()
-        self.handoff_pause = PauseHook.from_env(os.environ)
+        self.handoff_pause = PauseHook.from_env()
         self._recent: dict[str, None] = {}  # ended request ids, oldest first
         self._unknown_ids = 0
         self._unknown_log = RateLimitedLog(log)
@@ -227,7 +229,11 @@ class Router:
         if bad:
             raise InvalidRequestError("stop_token_ids", f"every id must be in [0, {self.tokenizer.vocab_size}), "
                                       f"got {bad[0]}")
+        params = self._with_end_of_turn(params)
         self.prompts.check(prompt)
+        label_bytes = len(label.encode("utf-8", "replace"))
+        if label_bytes > MAX_LABEL_BYTES:
+            raise InvalidRequestError("label", f"at most {MAX_LABEL_BYTES} bytes, got {label_bytes} bytes")
         if route not in ROUTES:
             raise InvalidRequestError("route", f"must be one of {', '.join(ROUTES)}, got {route!r}")
         if deadline_s is not None and not deadline_s >= 0:
@@ -236,9 +242,27 @@ class Router:
                                   deadline_s=deadline_s)
         return self.response_cache.wrap(stream) if self.response_cache is not None else stream
 
-    def tokenize(self, prompt: Prompt) -> list[int]:
+    def tokenize(self, prompt: Prompt, add_generation_prompt: bool = True) -> list[int]:
         """The prompt's ids, on this thread (`Prompts.tokenize`). Raises InvalidRequestError."""
-        return self.prompts.tokenize(prompt)
+        return self.prompts.tokenize(prompt, add_generation_prompt)
+
+    def _with_end_of_turn(self, params: SamplingParams) -> SamplingParams:
+        """`params` with the vocabulary's end-of-turn ids (`Tokenizer.stop_token_ids` less EOS, which the worker
+        stops on already: `<|eot_id|>`, `<end_of_turn>`, ...) among its stop token ids, unless it ignores EOS."""
+        extra = self.tokenizer.stop_token_ids - {self.tokenizer.eos_token_id} - set(params.stop_token_ids)
+        if params.ignore_eos or not extra:
+            return params
+        ids = params.stop_token_ids + tuple(sorted(extra))
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS - len(extra)} ids with this "
+                                      f"model's {len(extra)} end-of-turn ids, got {len(params.stop_token_ids)}")
+        return msgspec.structs.replace(params, stop_token_ids=ids)
+
+    async def encode_prompt(self, prompt: Prompt, add_generation_prompt: bool = True) -> Sequence[int]:
+        """The prompt's ids as a generation would have them: the same checks (`InvalidRequestError`
+        naming the field and the limit), and a large prompt encoded off the event loop (`Prompts`)."""
+        self.prompts.check(prompt)
+        return await self.prompts.encode(prompt, add_generation_prompt)
 
     def resolve(self, prompt_ids: list[int], params: SamplingParams) -> tuple[int, int]:
         """(max_tokens, seed) for this request, checked against the model length (`Prompts.resolve`)."""

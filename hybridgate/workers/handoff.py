@@ -14,7 +14,6 @@ KV frames) followed by HANDOFF_KV_PART messages, each carrying whole layers
 from __future__ import annotations
 
 import logging
-import os
 import random
 import secrets
 import threading
@@ -24,12 +23,14 @@ from dataclasses import dataclass, field
 import msgspec
 import numpy as np
 
+from hybridgate.config import environment
 from hybridgate.wire import (
     HANDOFF_DTYPES, ROPE_BASIS, AddRequest, HandoffExported, HandoffExportFailed, HandoffHeader, HandoffImported,
     HandoffOutcome, HandoffPart, HandoffRefused, HandoffRelease, HandoffReservation, HandoffReserve, HandoffResume,
-    MsgType,
+    InvalidFieldError, MsgType,
 )
 from hybridgate.workerconf import WorkerConfig
+from hybridgate.workers.guard import check_add
 from hybridgate.workers.sequence import SequenceStatus
 
 log = logging.getLogger("hybridgate.worker")
@@ -78,8 +79,16 @@ class KVSpec:
         return num_tokens * self.num_kv_heads * self.head_dim * _ITEMSIZE[dtype or self.dtype]
 
 
-def check_header(header: HandoffHeader, spec: KVSpec, max_model_len: int) -> None:
-    """Raise HandoffRefusal naming the first field of `header` that does not match `spec`.
+def imported_request(header: HandoffHeader) -> AddRequest:
+    """The request a hand-off carries, as the ADD that would have started it on this worker."""
+    return AddRequest(header.request_id, list(header.prompt_ids), header.params, header.seed, header.max_tokens,
+                      header.eos_token_id, first_token_index=header.next_token_index - len(header.output_ids))
+
+
+def check_header(header: HandoffHeader, spec: KVSpec, max_model_len: int, vocab_size: int) -> None:
+    """Raise HandoffRefusal naming the first field of `header` that does not match `spec`, or that
+    an ADD could not carry: the request goes through the ADD guard (`workers.guard.check_add`: ids
+    in the vocabulary, sampling fields, seed, lengths), and its output ids must be in the vocabulary.
 
     The receiver's own dtype does not matter: any of HANDOFF_DTYPES converts.
     """
@@ -104,6 +113,13 @@ def check_header(header: HandoffHeader, spec: KVSpec, max_model_len: int) -> Non
     if header.num_tokens + 1 > max_model_len:
         raise HandoffRefusal("num_tokens", f"{header.num_tokens} + 1 exceeds this worker's max model length "
                              f"{max_model_len}")
+    try:
+        check_add(imported_request(header), vocab_size, max_model_len)
+    except InvalidFieldError as exc:
+        raise HandoffRefusal(exc.field, str(exc).removeprefix(f"{exc.field}: ")) from None
+    bad = [t for t in header.output_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise HandoffRefusal("output_ids", f"every id must be in [0, {vocab_size}), got {bad[0]}")
 
 
 def frames_to_float32(frames: list, header: HandoffHeader, spec: KVSpec) -> list[np.ndarray]:
@@ -191,8 +207,8 @@ class PauseHooks:
     STATES = ("reserved", "exporting", "exported", "importing", "imported")
 
     def __init__(self, spec: str | None = None, seed: str | None = None):
-        spec = os.environ.get("HYBRIDGATE_TEST_HANDOFF_PAUSE", "") if spec is None else spec
-        seed = os.environ.get("HYBRIDGATE_TEST_HANDOFF_PAUSE_SEED") if seed is None else seed
+        spec = environment("HYBRIDGATE_TEST_HANDOFF_PAUSE", "") if spec is None else spec
+        seed = environment("HYBRIDGATE_TEST_HANDOFF_PAUSE_SEED") if seed is None else seed
         self.seconds: dict[str, float] = {}
         for item in filter(None, (s.strip() for s in spec.split(","))):
             state, _, secs = item.partition(":")
@@ -484,7 +500,7 @@ class EngineHandoffs:
     def _accept_header(self, r: Reservation, header: HandoffHeader) -> None:
         if r.header is not None:
             raise HandoffRefusal("header", "a second header for the same reservation")
-        check_header(header, self.spec, self.engine.runner.max_model_len)
+        check_header(header, self.spec, self.engine.runner.max_model_len, self.engine.runner.vocab_size)
         if not self.engine.allocator.ensure(r.block_table, header.num_tokens + 1):
             raise HandoffRefusal("num_tokens", f"{header.num_tokens} + 1 tokens need more blocks than the "
                                  f"{len(r.block_table)} reserved and {self.engine.allocator.num_free} free")
@@ -516,8 +532,7 @@ class EngineHandoffs:
 
         h, engine = r.header, self.engine
         self.reservations.by_id.pop(r.request_id, None)
-        seq = Sequence(AddRequest(h.request_id, list(h.prompt_ids), h.params, h.seed, h.max_tokens, h.eos_token_id,
-                                  first_token_index=h.next_token_index - len(h.output_ids)), r.client)
+        seq = Sequence(imported_request(h), r.client)  # checked as an ADD with its header
         seq.output_ids = list(h.output_ids)
         if h.params.logprobs is not None:  # the GPU worker streamed these ids with their logprobs
             seq.output_logprobs = [None] * len(seq.output_ids)

@@ -31,7 +31,7 @@ class InProcessClient(LocalWorkerClient):
                            cpu_isa=getattr(runner, "cpu_isa", ""),
                            kv_dtype=runner.kv_layout()[3] if hasattr(runner, "kv_layout") else "")
         self.engine = EngineCore(runner, scheduler, fingerprint, prefix_caching)
-        self.inbox = Inbox()
+        self.inbox = Inbox(scheduler.max_num_waiting, self.engine.refusals)
         self._loop_thread: threading.Thread | None = None
         self._engine_loop: EngineLoop | None = None
 
@@ -59,7 +59,8 @@ class InProcessClient(LocalWorkerClient):
         self.come_up()
 
     def add(self, request: AddRequest) -> None:
-        self.inbox.requests.put((b"", request))
+        if not self.inbox.offer_add(b"", request):
+            self._engine_loop.send(b"", self.inbox.refusal(request.request_id))
 
     def abort(self, request_ids: list[str]) -> None:
         if request_ids:

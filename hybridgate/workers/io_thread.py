@@ -224,9 +224,14 @@ class WorkerIO:
         if self.hello.ready:
             self._send(client, Ready(self.hello.kind))
 
-    def _on_add(self, client: bytes, msg: AddRequest) -> None:
+    def _on_add(self, client: bytes, msg) -> None:
+        """An ADD (bounded: past the inbox's bound it is refused, for another worker to take), or a
+        hand-off message (bounded by the reservations it answers)."""
         self.clients.add(client)
-        self.inbox.requests.put((client, msg))
+        if not isinstance(msg, AddRequest):
+            self.inbox.requests.put((client, msg))
+        elif not self.inbox.offer_add(client, msg):  # the engine is far behind: another worker may take it
+            self._send(client, self.inbox.refusal(msg.request_id))
 
     def _on_abort(self, client: bytes, msg: Abort) -> None:
         self.inbox.put_abort(client, msg)  # the fast path: the engine applies it before its next step

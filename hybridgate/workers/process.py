@@ -28,6 +28,7 @@ from hybridgate.workers.engine import EngineCore, EngineLoop, Inbox
 from hybridgate.workers.guard import WireErrors
 from hybridgate.workers.handoff import HandoffConfig
 from hybridgate.workers.io_thread import WorkerIO, max_frame_bytes  # noqa: F401 (max_frame_bytes: its old home)
+from hybridgate.workers.threads import EXIT_THREAD_DIED, exit_if_raises, worker_thread  # noqa: F401 (its old home)
 
 log = logging.getLogger("hybridgate.worker")
 
@@ -83,32 +84,6 @@ def _bind_error(endpoint: str, exc: zmq.ZMQError) -> str:
     return f"--endpoint {endpoint}: cannot bind: {zmq.strerror(exc.errno)} (give ipc://PATH or tcp://HOST:PORT)"
 
 
-def _exit_if_raises(target, what: str, stopping: threading.Event | None = None):
-    """`target` wrapped so that an exception escaping it ends the process (supervision restarts it).
-
-    A worker whose I/O thread or engine loop has died is useless while alive:
-    no heartbeat or no progress. Exiting lets `serve` (or any supervisor) start
-    a fresh one; os._exit because the other threads cannot be joined. Once
-    `stopping` is set the worker is shutting down and an exception (a socket
-    closed under the thread) ends only the thread.
-    """
-
-    def run() -> None:
-        try:
-            target()
-        except BaseException:
-            if stopping is not None and stopping.is_set():
-                return
-            log.critical("the worker's %s died; exiting so that it can be restarted", what, exc_info=True)
-            logging.shutdown()
-            os._exit(EXIT_THREAD_DIED)
-
-    return run
-
-
-EXIT_THREAD_DIED = 70  # EX_SOFTWARE: an internal error ended a worker thread
-
-
 def run_worker(config: WorkerConfig, build: Callable[[WorkerConfig], tuple] = build_runner,
                redis: RedisConfig | None = None, transport: TransportConfig | None = None) -> None:
     """Process entry point: load, bind, warm up, READY, then serve until SIGTERM.
@@ -128,19 +103,20 @@ def run_worker(config: WorkerConfig, build: Callable[[WorkerConfig], tuple] = bu
     del model  # the runners copy what they keep: the GGUF file can be unmapped
     ctx = zmq.Context()
     secure.authenticate(ctx)  # the ZAP handler admits only clients holding the deployment's key
-    inbox = Inbox()
+    inbox = Inbox(config.scheduler.max_num_waiting)  # as many ADDs again as the scheduler queues
     wire_errors = WireErrors()  # counted by both threads, reported in every LOAD and OUTPUTS
     io, io_thread = _start_io(ctx, config, hello, inbox, wire_errors, secure)
     runner.warm_up()
     engine = _engine(config, runner, hello, wire_errors)
+    engine.refusals = inbox.refusals  # one count of the worker's queue refusals, in its LOAD reports
     exporter = _exporter(config, engine, runner, ctx, inbox, secure)
     loop = EngineLoop(engine, inbox, io.engine_sender(ctx), io.engine_handoff_sender())
     io.stats = engine.stats  # read by the heartbeat; the engine refreshes it every pass
     io.set_ready()  # the I/O thread sends READY on its next pass
     _say_ready(config)
     registration = _register(config, redis, hello)
-    threading.Thread(target=lambda: (stop.wait(), loop.stopping.set()), daemon=True).start()
-    _exit_if_raises(loop.run, "engine loop")()
+    worker_thread(lambda: (stop.wait(), loop.stopping.set()), "stop-watch", "stop watch").start()
+    exit_if_raises(loop.run, "engine loop")()
     log.info("%s worker on %s stopping (%s)", config.kind, config.endpoint,
              "signal " + ", ".join(signal.Signals(n).name for n in stop_signals) if stop.is_set()
              else "engine loop ended")
@@ -200,8 +176,7 @@ def _start_io(ctx: zmq.Context, config: WorkerConfig, hello: Hello, inbox: Inbox
     except zmq.ZMQError as exc:
         ctx.destroy(0)
         raise OSError(_bind_error(config.endpoint, exc)) from None
-    io_thread = threading.Thread(target=_exit_if_raises(io.run, "I/O thread", io.stopping), name="worker-io",
-                                 daemon=True)
+    io_thread = worker_thread(io.run, "worker-io", "I/O thread", io.stopping)
     io_thread.start()
     return io, io_thread
 
@@ -228,7 +203,7 @@ def _exporter(config: WorkerConfig, engine: EngineCore, runner, ctx: zmq.Context
 
     exporter = engine.handoffs.exporter = KVExporter(
         runner, ctx, lambda ev: inbox.requests.put((b"", ev)), buffer_memory=config.handoff_buffer_bytes,
-        transport=secure)
+        transport=secure, refusals=inbox.refusals)
     return exporter
 
 

@@ -105,3 +105,26 @@ def test_secrets_stay_out_of_repr():
     for spec in config.specs(Settings):
         if spec.meta["secret"]:
             assert not spec.field.repr, spec.path
+
+
+READ = re.compile(r"os\.environ\.get\(|os\.getenv\(|os\.environ\[[^\]]+\](?!\s*=)|os\.environ\.setdefault\(")
+
+
+def test_environment_variables_are_read_only_by_the_settings_machinery():
+    """Every HYBRIDGATE_* variable is a setting's (read by config.resolve) or declared in
+    config.ENVIRONMENT and read through config.environment(); Numba's own variables, which the
+    CPU runner sets for Numba, are the one exception."""
+    found = [f"{path}:{n}: {line.strip()}" for path, text in SOURCES.items() if path != "hybridgate/config.py"
+             for n, line in enumerate(text.splitlines(), 1) if READ.search(line) and "NUMBA_" not in line]
+    assert found == []
+    assert READ.search('x = os.environ.get("HYBRIDGATE_X")') and not READ.search('os.environ["NUMBA_A"] = b')
+    with pytest.raises(KeyError, match="HYBRIDGATE_NOT_DECLARED: not a variable hybridgate reads"):
+        config.environment("HYBRIDGATE_NOT_DECLARED")
+
+
+def test_every_declared_variable_is_used_somewhere():
+    """The table holds no stale name: each variable is named in the module that reads it."""
+    for name in config.ENVIRONMENT:
+        assert name.startswith(config.ENV_PREFIX)
+        constant = re.compile(rf'"{name}"|\b\w+ = "{name}"')
+        assert any(constant.search(text) for path, text in SOURCES.items() if path != "hybridgate/config.py"), name
