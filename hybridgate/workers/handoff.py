@@ -273,7 +273,7 @@ class Parked:
     refused: bool = False  # a refusal was already forwarded to the router
 
 
-class HandoffState:
+class EngineHandoffs:
     """Everything hand-off in one engine: parked exports (GPU worker), reservations and
     imports (CPU worker), the messages to send, and the counters.
 
