@@ -168,10 +168,14 @@ def load_layer(model: GGUFModel, i: int, activations: str, rope: dict) -> CpuLay
 class CpuModel:
     """Weights in GGUF blocks (Q4_1 and Q8_0 repacked), float32 norms, biases and RoPE tables.
 
-    activations: the quantized matmuls' activation format (`intdot.FORMATS`; "auto" by path)."""
+    activations: the quantized matmuls' activation format (`intdot.FORMATS`; "auto" by path).
+    Raises ValueError naming the value when the head size is not a multiple of 16 (the attention
+    kernels' vector width), or a tensor's type or shape has no kernel."""
 
     def __init__(self, model: GGUFModel, max_model_len: int | None = None, activations: str = "auto"):
         c = self.config = model.config
+        if c.head_dim % 16:
+            raise ValueError(f"model head_dim {c.head_dim}: the CPU runner needs a multiple of 16 (its vector width)")
         if c.head_dim % 16:  # checked before any weight is copied (hybridgate info builds this to ask)
             raise ValueError(f"model head_dim {c.head_dim}: the CPU runner needs a multiple of 16 (its vector width)")
         self.max_model_len = max_model_len or c.max_model_len
