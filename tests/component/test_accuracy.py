@@ -86,5 +86,5 @@ if __name__ == "__main__":  # the child: the CPU runner's logits on the path HYB
 
     runner = NumbaRunner(load_gguf(sys.argv[1]), kv_cache_memory="128MiB")
     np.save(sys.argv[2], accuracy.teacher_forced_logits(runner, accuracy.load_cases()).astype(np.float32))
-    formats = {m.activations for layer in runner.model.layers for m in layer.values() if hasattr(m, "activations")}
+    formats = {m.activations for layer in runner.model.layers for m in layer.arrays() if hasattr(m, "activations")}
     print(runner.cpu_isa, " ".join(sorted(formats | {runner.model.lm_head.activations})))

@@ -60,8 +60,8 @@ def test_numba_runner_on_a_mix_of_types_meets_the_accuracy_floor(mixed_model):
         TorchRunner(mixed_model, torch.device("cpu"), torch.float32, kv_cache_memory="128MiB"), cases)
     runner = NumbaRunner(mixed_model, kv_cache_memory="128MiB", kv_cache_dtype="fp32")
     layer = runner.model.layers[0]
-    assert isinstance(layer["qkv"], FusedMatrix) and isinstance(layer["gate_up"], FusedMatrix)
-    assert [p.kind for p in layer["qkv"].parts] == [int(gguf.GGMLQuantizationType[k]) for k in TYPES[:3]]
+    assert isinstance(layer.qkv, FusedMatrix) and isinstance(layer.gate_up, FusedMatrix)
+    assert [p.kind for p in layer.qkv.parts] == [int(gguf.GGMLQuantizationType[k]) for k in TYPES[:3]]
     figures = accuracy.compare(reference, accuracy.teacher_forced_logits(runner, cases))
     assert figures["positions"] == 64
     assert figures["top1_agreement"] >= TOP1_FLOOR and figures["kl_mean"] <= KL_CEILING, figures
