@@ -30,9 +30,11 @@ def init(model_path: str, template: str | None = None) -> None:
     except OSError:  # not permitted: encode at the same priority
         pass
     from hybridgate.models import ChatTemplate, Tokenizer, load_gguf
+    from hybridgate.models.chat import template_token_ids
 
-    tokenizer = Tokenizer.from_model(load_gguf(model_path))
-    _state.update(tokenizer=tokenizer, chat=ChatTemplate(tokenizer, template))
+    model = load_gguf(model_path)
+    tokenizer = Tokenizer.from_model(model)
+    _state.update(tokenizer=tokenizer, chat=ChatTemplate(tokenizer, template, template_token_ids(model.metadata)))
 
 
 def encode(job: bytes) -> bytes:

@@ -14,6 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hybridgate.children import die_with_parent
 from hybridgate.gateway.server import Gateway
 from hybridgate.keys import Transport
 from hybridgate.redisconf import redacted
@@ -226,11 +227,19 @@ def serve(config: Settings) -> int:
                for name, kind, endpoint in zip(names, kinds, endpoints)}
     supervisor = Supervisor(configs, config.supervisor, private)  # its workers bind once loaded: no socket check
     try:
-        with gateway_group(config, endpoints) as (config, extra):
+        with gateway_group(config, endpoints, gateway_main) as (config, extra):
             return _run(run_gateway(config, endpoints, supervisor, extra, reuse_port=extra is not None))
     finally:
         supervisor.stop_all()
         shutil.rmtree(private, ignore_errors=True)
+
+
+def gateway_main(config: Settings, endpoints: list[str], index: int, parent_pid: int) -> None:
+    """Entry of gateway `index` >= 1 (spawned by scaleout.ExtraGateways): serve until SIGTERM/SIGINT;
+    exit with `serve`."""
+    die_with_parent(parent_pid)
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s gateway-{index} %(levelname)s %(message)s")
+    sys.exit(_run(run_gateway(config, endpoints, reuse_port=True, index=index)))
 
 
 def gateway_only(config: Settings) -> int:
@@ -238,5 +247,5 @@ def gateway_only(config: Settings) -> int:
         raise ValueError("--worker: give at least one worker endpoint (ipc://... or tcp://...), "
                          "or --redis-url to find workers in the registry")
     endpoints = list(config.layout.worker_endpoints)
-    with gateway_group(config, endpoints) as (config, extra):
+    with gateway_group(config, endpoints, gateway_main) as (config, extra):
         return _run(run_gateway(config, endpoints, extra=extra, reuse_port=extra is not None))

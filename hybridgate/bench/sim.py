@@ -174,7 +174,7 @@ class _Worker:
             blocks_committed=self.committed,
             max_num_seqs=p.max_num_seqs, max_num_batched_tokens=p.max_num_batched_tokens,
             prefill_tokens_per_s=p.prefill_tokens_per_s, decode_step_s=p.decode_step_s,
-            takes_handoff=p.kind == "cpu")
+            takes_handoff=p.kind == "cpu", kv_bytes_per_token=p.kv_bytes_per_token)
 
     def _ensure(self, seq: _Seq, tokens: int) -> bool:
         need = self.blocks_for(tokens) - seq.blocks
@@ -269,8 +269,7 @@ class Simulation:
     def _arrive(self, outcome: Outcome) -> None:
         item = outcome.item
         loads = [w.load(i) for i, w in enumerate(self.workers)]
-        kv = max(w.profile.kv_bytes_per_token for w in self.workers)
-        request = PlacementRequest(item.prompt_tokens, item.max_tokens, (item.prompt_tokens,) * len(loads), None, kv)
+        request = PlacementRequest(item.prompt_tokens, item.max_tokens, (item.prompt_tokens,) * len(loads))
         plan = self.policy.place(request, loads)
         outcome.plan = plan.route
         seq = _Seq(outcome, item.prompt_tokens)

@@ -32,7 +32,8 @@ class GatewayConfig:
         8000, "port of the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health, "
               "/metrics) on --host; 0 picks a free one; an empty value turns it off", low=0, high=65535)
     served_model_name: tuple[str, ...] = setting(
-        (), "the model name(s) the HTTP API answers to and reports (default: the model's id); repeat for aliases")
+        (), "the model name(s) the APIs answer to and report (GetModelInfo, /v1/models, the metrics' model_info; "
+            "the first is the name): default the GGUF's general.name, else the file's stem; repeat for aliases")
     allow_client_routes: bool = setting(
         False, "honour a request's `route` field (gpu, cpu, gpu->cpu): an operator's tool and the tests' handle; "
                "without it a route other than auto is INVALID_ARGUMENT")

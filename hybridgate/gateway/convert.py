@@ -45,12 +45,12 @@ def request_to_native(req: pb.GenerateRequest) -> tuple[Prompt, SamplingParams]:
 
 
 def delta_to_proto(delta: Delta) -> pb.GenerateResponse:
-    msg = pb.GenerateResponse(
-        request_id=delta.request_id, token_index=delta.token_index, text=delta.text, token_ids=delta.token_ids,
-        logprobs=[pb.TokenLogprob(logprob=lp.logprob, top=[pb.TopLogprob(token_id=i, logprob=v)
-                                                            for i, v in zip(lp.top_ids, lp.top_logprobs)])
-                  for lp in delta.logprobs],
-    )
+    msg = pb.GenerateResponse(request_id=delta.request_id, token_index=delta.token_index, text=delta.text,
+                              token_ids=delta.token_ids)
+    if delta.logprobs:  # most requests ask for none: no empty list built and converted per message
+        msg.logprobs.extend(pb.TokenLogprob(logprob=lp.logprob, top=[pb.TopLogprob(token_id=i, logprob=v)
+                                                                     for i, v in zip(lp.top_ids, lp.top_logprobs)])
+                            for lp in delta.logprobs)
     if delta.finish_reason is not None:
         msg.finish_reason = int(delta.finish_reason)
         msg.route = delta.route

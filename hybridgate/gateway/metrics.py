@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from hybridgate.router.handoff import SECONDS_BUCKETS
@@ -22,8 +22,12 @@ class GatewayMetrics:
 
     def __init__(self, clients: Callable[[], Iterable] | None = None, wire_errors: Callable[[], int] | None = None,
                  handoff: Callable[[], object] | None = None, redis_up: Callable[[], bool | None] | None = None,
-                 response_cache=None):
+                 response_cache=None, model: tuple[str, str] | None = None):
+        """`model`: (served name, fingerprint) of the model, exported as `hybridgate:model_info`."""
         self.registry = CollectorRegistry()
+        if model is not None:
+            Info("hybridgate:model", "The served model: its name and fingerprint.",
+                 registry=self.registry).info({"model_name": model[0], "fingerprint": model[1]})
         self.ttft = Histogram("hybridgate:time_to_first_token_seconds", "Time to first token (TTFT), seconds.",
                               buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.itl = Histogram("hybridgate:inter_token_latency_seconds", "Inter-token latency (ITL), seconds.",

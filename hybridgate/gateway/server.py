@@ -18,6 +18,7 @@ from prometheus_client import start_http_server
 from hybridgate.gateway.config import GatewayConfig
 from hybridgate.gateway.http import OpenAIApp
 from hybridgate.gateway.http_server import HttpDoor
+from hybridgate.models import model_name
 from hybridgate.gateway.metrics import GatewayMetrics
 from hybridgate.gateway.security import BearerInterceptor, server_credentials
 from hybridgate.gateway.service import GenerationService
@@ -41,9 +42,11 @@ class Gateway:
 
     def __init__(self, router: Router, config: GatewayConfig, reuse_port: bool = False):
         self.router, self.config = router, config
+        self.model_names = config.served_model_name or (model_name(router.model),)
         self.metrics = GatewayMetrics(lambda: router.clients, wire_errors=lambda: router.wire_errors,
                                       handoff=lambda: router.handoff_metrics, redis_up=router.redis_up,
-                                      response_cache=router.response_cache)
+                                      response_cache=router.response_cache,
+                                      model=(self.model_names[0], router.fingerprint))
         self.health = health.aio.HealthServicer()
         credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca) \
             if config.tls_cert else None  # read before anything binds: a bad file fails at once
@@ -57,13 +60,12 @@ class Gateway:
         ])
         service = GenerationService(router, self.metrics, log_requests=config.log_requests,
                                     log_request_text=config.log_request_text,
-                                    allow_client_routes=config.allow_client_routes,
+                                    allow_client_routes=config.allow_client_routes, model_id=self.model_names[0],
                                     max_inflight_requests=config.max_inflight_requests)
         pb_grpc.add_GenerationServicer_to_server(service, self.server)
         self.http: HttpDoor | None = None
         if config.http_port is not None:  # bound now, so a taken port fails before anything starts
-            names = config.served_model_name or (service.model_id,)
-            self.openai = OpenAIApp(router, self.metrics, service.admission, names, config.auth_token,
+            self.openai = OpenAIApp(router, self.metrics, service.admission, self.model_names, config.auth_token,
                                     config.log_requests)
             tls = (config.tls_cert, config.tls_key, config.tls_client_ca) if config.tls_cert else None
             self.http = HttpDoor(self.openai.app, config.host, config.http_port, config.grace_s, reuse_port, tls)

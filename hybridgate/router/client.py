@@ -89,8 +89,11 @@ MessageHandler = Callable[["WorkerClient", msgspec.Struct], None]
 
 
 class WorkerClient(Protocol):
-    """What the router needs of a worker. A client with a `lifecycle` attribute runs its own
-    states; for one without, the router moves CONNECTING → READY on READY and → DEAD on WorkerDead."""
+    """What the router needs of a worker. Every client runs its states as a
+    `hybridgate.router.lifecycle.Lifecycle` (`ZmqWorkerClient` over a socket,
+    `hybridgate.router.local.LocalWorkerClient` for a worker in this process) and tells the router
+    of each change (StateChange) and loss (WorkerDead); the router sets one state itself, REFUSED,
+    on a HELLO with another model."""
 
     endpoint: str
     kind: str | None

@@ -58,7 +58,7 @@ class RouterConfig:
 
     chat_template: str | None = setting(
         None, "a file holding a Jinja chat template to render chats with instead of the model's own "
-              "(tokenizer.chat_template)")
+              "(tokenizer.chat_template); a model without one (a base model) serves chats only with it")
 
     def __post_init__(self) -> None:
         check_settings(self)

@@ -43,7 +43,7 @@ from hybridgate.wire import (
 )
 from hybridgate.workers.faults import InjectedFault
 from hybridgate.workers.guard import Refusals, WireErrors, check_add
-from hybridgate.workers.handoff import HandoffConfig, HandoffState, KVSpec
+from hybridgate.workers.handoff import EngineHandoffs, HandoffConfig, KVSpec
 from hybridgate.workers.rates import StepRates
 from hybridgate.workers.scheduler import ScheduledBatch, Scheduler, SchedulerConfig, SchedulerStats
 from hybridgate.workers.sequence import FINISH_OF_STATUS, Sequence, SequenceStatus
@@ -103,7 +103,7 @@ class EngineCore:
         self._take_logprobs = getattr(runner, "take_logprobs", None)
         layout = getattr(runner, "kv_layout", None)
         spec = KVSpec(fingerprint, runner.block_size, *layout()) if layout is not None else None
-        self.handoffs = HandoffState(self, handoff or HandoffConfig(), spec)
+        self.handoffs = EngineHandoffs(self, handoff or HandoffConfig(), spec)
 
     def add(self, request: AddRequest, client: bytes = b"") -> RequestError | None:
         """Queue a request; the error to answer when it is refused, else None.

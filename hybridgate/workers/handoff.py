@@ -229,6 +229,19 @@ class PauseHooks:
         time.sleep(secs)
 
 
+@dataclass
+class ExportJob:
+    """One sequence's export: where, what, and the event after which its blocks are final."""
+
+    key: tuple[bytes, str]  # (router identity, request id) on the GPU worker
+    endpoint: str
+    header: HandoffHeader
+    block_table: list[int]
+    ready: object = None  # torch.cuda.Event on CUDA
+    started: float = field(default_factory=time.monotonic)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
 # --- the engine's side ---------------------------------------------------------
 
 
@@ -260,7 +273,7 @@ class Parked:
     refused: bool = False  # a refusal was already forwarded to the router
 
 
-class HandoffState:
+class EngineHandoffs:
     """Everything hand-off in one engine: parked exports (GPU worker), reservations and
     imports (CPU worker), the messages to send, and the counters.
 
@@ -343,8 +356,6 @@ class HandoffState:
             self._export(seq, target)
 
     def _export(self, seq, target) -> None:
-        from hybridgate.workers.gpu.export import ExportJob  # the exporter exists only where torch does
-
         spec, key = self.spec, (seq.client, seq.request_id)
         header = HandoffHeader(
             request_id=seq.request_id, token=target.token, fingerprint=spec.fingerprint,

@@ -135,7 +135,7 @@ def test_a_long_chat_is_rendered_with_the_chat_template_file(door, tokenizer):
 
 def test_the_prompt_pool_is_started_afresh_after_a_process_dies(door, tokenizer):
     """A killed pool process used to break every later long prompt (BrokenProcessPool) until restart."""
-    prompts = door.router.prompts
+    prompts = door.router.prompts.encoder  # the pool behind the router's Prompts
     text = "Lyon and Marseille. " * (INLINE_CHARS // 16)
     expected = tokenizer.encode(text)
     assert list(asyncio.run(prompts.encode(text))) == expected

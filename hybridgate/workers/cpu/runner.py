@@ -78,8 +78,6 @@ class NumbaRunner:
             self.num_blocks = min(self.num_blocks, max_num_blocks)
         if block_size % 16:
             raise ValueError(f"block_size: the CPU runner needs a multiple of 16, got {block_size}")
-        if c.head_dim % 16:
-            raise ValueError(f"model head_dim {c.head_dim}: the CPU runner needs a multiple of 16 (its vector width)")
         blocks = self.num_blocks + 1  # the last block is scratch for padding reads
         # Keys transposed within each block (16 keys per vector in the score kernel), values by slot.
         store = self.kv_dtype.storage

@@ -38,7 +38,7 @@ from hybridgate.keys import Transport
 from hybridgate.mempool import PinnedPool, aligned_slab
 from hybridgate.wire import HandoffHeader, HandoffPart, HandoffRefused, MsgType
 from hybridgate.workers.guard import Refusals
-from hybridgate.workers.handoff import PauseHooks
+from hybridgate.workers.handoff import ExportJob, PauseHooks  # noqa: F401 (ExportJob: its old home)
 from hybridgate.workers.threads import worker_thread
 
 log = logging.getLogger("hybridgate.worker")
@@ -111,19 +111,6 @@ class StepTimeline:
             a, b = start, end
             spans = [(s, e if e is not None else time.monotonic()) for s, e in steps]
         return sum(max(0.0, min(b, e) - max(a, s)) for s, e in spans)
-
-
-@dataclass
-class ExportJob:
-    """One sequence's export: where, what, and the event after which its blocks are final."""
-
-    key: tuple[bytes, str]  # (router identity, request id) on the GPU worker
-    endpoint: str
-    header: HandoffHeader
-    block_table: list[int]
-    ready: object = None  # torch.cuda.Event on CUDA
-    started: float = field(default_factory=time.monotonic)
-    cancelled: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass(frozen=True)
