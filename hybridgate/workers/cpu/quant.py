@@ -150,6 +150,7 @@ class Q80Matrix(QuantMatrix):
         super().__init__(name, kind, data, shape)  # scale: unpacked by QuantMatrix
         self.activations = activation_format(activations, "q8_0")
         self._kernel = _KERNELS[self.activations]
+        self.minimum = self.scale  # no min: the kernels ignore it for int8 codes (one array, not two)
         self.qs = self._codes()
         self.data = None
 
