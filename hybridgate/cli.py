@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
 
@@ -76,22 +75,37 @@ def _cmd_keys_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    from hybridgate.models import load_gguf, model_fingerprint
+    """Print what the model file holds and which runners can serve it; exit 2 when none can."""
+    from hybridgate.models import model_fingerprint
+    from hybridgate.models.info import describe, report_lines
 
-    model = load_gguf(_settings(args).model_path)
-    print(f"{'model:':<20} {model.path}")
-    for key, value in vars(model.config).items():
-        print(f"{key + ':':<20} {value}")
-    print(f"{'fingerprint:':<20} {model_fingerprint(model)}")
-    return 0
+    report = describe(_settings(args).model_path)
+    lines = report_lines(report)
+    if report.model is not None:
+        lines.append(("fingerprint", model_fingerprint(report.model)))
+        from hybridgate.workers.support import RUNNER_MODELS, runner_refusal
+
+        served = 0
+        for runner in RUNNER_MODELS:
+            refusal = runner_refusal(runner, report.model)
+            served += not refusal
+            lines.append((f"runner {runner.kind}", f"{runner.description}: " + (f"no: {refusal}" if refusal else "yes")))
+    else:
+        served = 0
+        lines.append(("runners", "none (the file is refused above)"))
+    width = max(len(label) for label, _ in lines) + 2
+    for label, value in lines:
+        print(f"{label + ':':<{width}}{value}")
+    return 0 if served and not report.tokenizer_refusal else 2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hybridgate.config import add_command_settings
-    from hybridgate.gateway.server import GatewayConfig
+    from hybridgate.config import environment
+    from hybridgate.settings import add_command_settings
+    from hybridgate.gateway.config import GatewayConfig
 
     parser = argparse.ArgumentParser(prog="hybridgate", description=__doc__)
-    parser.add_argument("--log-level", default=os.environ.get("HYBRIDGATE_LOG_LEVEL", "WARNING"),
+    parser.add_argument("--log-level", default=environment("HYBRIDGATE_LOG_LEVEL", "WARNING"),
                         help="logging level (default WARNING, or $HYBRIDGATE_LOG_LEVEL)")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -133,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="where the request runs: auto, gpu, cpu or gpu->cpu (GPU prefill, KV hand-off, CPU decode); "
                           "the gateway honours it only with --allow-client-routes (default: auto)")
     gen.add_argument("--json", action="store_true", help="print each response message as one JSON object per line")
-    gen.add_argument("--auth-token", default=os.environ.get("HYBRIDGATE_AUTH_TOKEN"), metavar="TOKEN",
+    gen.add_argument("--auth-token", default=environment("HYBRIDGATE_AUTH_TOKEN"), metavar="TOKEN",
                      help="send `authorization: Bearer TOKEN` (default: $HYBRIDGATE_AUTH_TOKEN; a flag shows in "
                           "the process list, the variable does not)")
     gen.add_argument("--tls-ca", default=None, metavar="PEM",
@@ -176,7 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
                                "refusing: for an init container that runs at every start of a deployment")
     keys_gen.set_defaults(func=_cmd_keys_generate)
 
-    info = sub.add_parser("info", help="print a GGUF model's config and fingerprint")
+    info = sub.add_parser("info", help="print a GGUF model's architecture, parameters, quant mix, tokenizer, chat "
+                                       "template, context and fingerprint, and which runners can serve it or why not")
     add_command_settings(info, "info")
     info.set_defaults(func=_cmd_info)
     return parser

@@ -1,9 +1,12 @@
-"""The root settings: the parts' frozen configs composed into one, with one precedence.
+"""Settings machinery: `setting()` fields, and the flags, environment and file of any root, with one precedence.
 
 Every setting is a field of a part's frozen dataclass declared with `setting()`,
 which carries its help text and bounds; command-line flags, `HYBRIDGATE_*`
 environment variables and the `--config FILE` TOML keys are derived from those
-fields here, with the precedence flag > environment > file > default.
+fields here, for whichever root dataclass the caller hands in, with the
+precedence flag > environment > file > default. This module imports no part of
+hybridgate: the parts' config modules import it, and the root that composes
+them (`hybridgate.settings`) is an argument here, never an import.
 
 One name per setting, in three spellings: the flag `--max-num-seqs`, the
 environment variable `HYBRIDGATE_MAX_NUM_SEQS` and the TOML key `max-num-seqs`
@@ -13,7 +16,7 @@ one name anyway). The root itself (`hybridgate.settings.Settings`) and which
 parts each command uses live in `hybridgate.settings`.
 
     parser = argparse.ArgumentParser()
-    add_settings(parser, include=("gateway", "router"))    # flags; defaults stay unset
+    add_settings(parser, include=("gateway", "router"), root=Settings)    # flags; defaults stay unset
     resolved = resolve(parser.parse_args())                 # + environment + file + defaults
     resolved.settings.gateway.port, resolved.sources["gateway.port"]   # 50051, "default"
 
@@ -42,6 +45,30 @@ CONFIG_ENV = "HYBRIDGATE_CONFIG"  # the --config FILE when no flag gives one
 SOURCES = ("flag", "env", "file", "default")  # highest precedence first
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
+# The HYBRIDGATE_* variables that are not settings, each read through `environment()`: with the settings'
+# own (read by `resolve`) and CONFIG_ENV, every variable hybridgate reads is named in this module. Each is
+# one a setting field cannot serve: read before any command's settings are parsed, by a function called
+# without settings, or a test-only hook armed in child processes through their environment.
+ENVIRONMENT = {
+    "HYBRIDGATE_LOG_LEVEL": "every command's --log-level (read before the command's settings are parsed)",
+    "HYBRIDGATE_AUTH_TOKEN": "generate's --auth-token, the client's (the gateway's is the setting of the same name)",
+    "HYBRIDGATE_CACHE_DIR": "the cache folder of GGUF headers (default ~/.cache/hybridgate)",
+    "HYBRIDGATE_CPU_ISA": "the CPU kernels' ISA path when no settings chose one (the cpu_isa setting's variable)",
+    "HYBRIDGATE_TEST_CRASH_AT_START": "test-only: a supervised worker raises at once",
+    "HYBRIDGATE_TEST_FAULT": "test-only: faults the model runner injects (workers.faults)",
+    "HYBRIDGATE_TEST_HANDOFF_PAUSE": "test-only: pauses in the workers' hand-off states (workers.handoff)",
+    "HYBRIDGATE_TEST_HANDOFF_PAUSE_SEED": "test-only: the seed of those pauses",
+    "HYBRIDGATE_TEST_ROUTER_HANDOFF_PAUSE": "test-only: pauses in the router's hand-off states (router.handoff)",
+}
+
+
+def environment(name: str, default: str | None = None) -> str | None:
+    """The value of the environment variable `name`, or `default` when it is unset.
+    Raises KeyError for a name not in ENVIRONMENT (a new variable is declared there first)."""
+    if name not in ENVIRONMENT:
+        raise KeyError(f"{name}: not a variable hybridgate reads; declare it in hybridgate.config.ENVIRONMENT")
+    return os.environ.get(name, default)
+
 
 def setting(default: Any, help: str, *, flag: str | None = None, low: float | None = None,
             high: float | None = None, low_open: bool = False, choices: tuple | None = None,
@@ -51,13 +78,13 @@ def setting(default: Any, help: str, *, flag: str | None = None, low: float | No
     `help` is the flag's help text (the default is appended where the flag is
     derived). `flag` overrides the derived `--field-name`; `low`/`high` bound a
     number (`low_open` excludes `low`); `choices` limits a string; `secret`
-    keeps the value out of `hybridgate config` and logs; `cli=False` keeps a
+    keeps the value out of `hybridgate config`, logs and the dataclass's repr; `cli=False` keeps a
     field that is plumbing (set by `serve`, not by users) off the command line,
     the environment and the file. `check(value)` validates what bounds cannot
     (raising ValueError with the limit in its message). A mutable default
     (a list) is not allowed: use a tuple.
     """
-    return dataclasses.field(default=default, metadata={
+    return dataclasses.field(default=default, repr=not secret, metadata={
         "help": help, "flag": flag, "low": low, "high": high, "low_open": low_open,
         "choices": choices, "secret": secret, "cli": cli, "check": check,
     })
@@ -215,11 +242,10 @@ def parse_text(spec: Spec, text: str) -> Any:
 
 
 def _root(root: type | None) -> type:
-    if root is not None:
-        return root
-    from hybridgate.settings import Settings  # the parts' modules import this one
-
-    return Settings
+    if root is None:  # no default: this module imports no root (hybridgate.settings imports it)
+        raise TypeError("no settings root: pass root= (hybridgate.settings.Settings), or parse arguments "
+                        "from a parser that add_settings filled")
+    return root
 
 
 def select(root: type | None, include: Iterable[str] = ("",), exclude: Iterable[str] = ()) -> tuple[Spec, ...]:
@@ -295,14 +321,6 @@ def add_settings(parser: argparse.ArgumentParser, include: Iterable[str] = ("",)
     group.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
                        help=f"TOML file of settings, flat keys named like the flags [{CONFIG_ENV}]")
     parser.set_defaults(settings_selection=(include, exclude, required, root))
-
-
-def add_command_settings(parser: argparse.ArgumentParser, command: str) -> None:
-    """`add_settings` for one of the commands in `hybridgate.settings.COMMANDS` ("serve", "bench engine", ...)."""
-    from hybridgate.settings import COMMANDS
-
-    chosen = COMMANDS[command]
-    add_settings(parser, chosen.include, chosen.exclude, required=chosen.required)
 
 
 # --- resolution ----------------------------------------------------------------------------------

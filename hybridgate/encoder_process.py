@@ -5,7 +5,8 @@ process lowers its priority (nice +10) before it imports numpy, tokenizers and
 gguf and builds the tokenizer: even starting up, it yields the cores to the
 worker's decode steps and the gateway's event loop.
 
-A job is one msgspec-msgpack bytes object (the text, or the messages); the answer
+A job is one msgspec-msgpack bytes object ([the text or the messages,
+add_generation_prompt]); the answer
 is b"I" + the ids as int32 bytes, or b"E" + the chat template's error message.
 """
 
@@ -19,9 +20,9 @@ NICE = 10
 _state: dict = {}  # the model's tokenizer and chat template, built once per process
 
 
-def init(model_path: str) -> None:
-    """Pool initializer: ignore Ctrl-C, lower the priority, then build the tokenizer and chat template
-    of `model_path`. A terminal's Ctrl-C reaches the whole process group; the gateway decides when the
+def init(model_path: str, template: str | None = None) -> None:
+    """Pool initializer: ignore Ctrl-C, lower the priority, then build the tokenizer of `model_path`
+    and its chat template (`template`'s source, the router's --chat-template; None: the model's). A terminal's Ctrl-C reaches the whole process group; the gateway decides when the
     pool ends (a traceback from each pool process was all SIGINT gave)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
@@ -29,9 +30,11 @@ def init(model_path: str) -> None:
     except OSError:  # not permitted: encode at the same priority
         pass
     from hybridgate.models import ChatTemplate, Tokenizer, load_gguf
+    from hybridgate.models.chat import template_token_ids
 
-    tokenizer = Tokenizer.from_model(load_gguf(model_path))
-    _state.update(tokenizer=tokenizer, chat=ChatTemplate(tokenizer))
+    model = load_gguf(model_path)
+    tokenizer = Tokenizer.from_model(model)
+    _state.update(tokenizer=tokenizer, chat=ChatTemplate(tokenizer, template, template_token_ids(model.metadata)))
 
 
 def encode(job: bytes) -> bytes:
@@ -41,9 +44,10 @@ def encode(job: bytes) -> bytes:
 
     from hybridgate.models.chat import ChatTemplateError
 
-    prompt = msgspec.msgpack.decode(job)
+    prompt, add_generation_prompt = msgspec.msgpack.decode(job)
     try:
-        ids = _state["tokenizer"].encode(prompt) if isinstance(prompt, str) else _state["chat"].encode(prompt)
+        ids = _state["tokenizer"].encode_prompt(prompt) if isinstance(prompt, str) else \
+            _state["chat"].encode(prompt, add_generation_prompt)
     except ChatTemplateError as exc:
         return b"E" + str(exc).encode()
     return b"I" + np.asarray(ids, dtype=np.int32).tobytes()

@@ -58,7 +58,7 @@ async def worker_state(endpoint: str, timeout_s: float, curve_key: str | None = 
 
 
 def add_health_parser(sub) -> None:
-    from hybridgate.gateway.server import GatewayConfig
+    from hybridgate.gateway.config import GatewayConfig
 
     health = sub.add_parser("health", help="exit 0 when a gateway is SERVING (gRPC health) or a worker is READY")
     target = f"{GatewayConfig.host}:{GatewayConfig.port}"  # serve's defaults, declared once there

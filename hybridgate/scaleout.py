@@ -24,7 +24,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -51,10 +51,12 @@ def hold_port(host: str, port: int, flag: str = "--port") -> socket.socket:
 
 
 @contextlib.contextmanager
-def gateway_group(config: Settings, endpoints: list[str]) -> Iterator[tuple[Settings, ExtraGateways | None]]:
+def gateway_group(config: Settings, endpoints: list[str], main: Callable[[Settings, list[str], int, int], None],
+                  ) -> Iterator[tuple[Settings, ExtraGateways | None]]:
     """(the settings to serve with, the other gateways) for `config.layout.gateways`: with more than
     one, the port is held (and a port 0 resolved) before any gateway or worker starts, and on the way
-    out the other gateways are drained and joined (they have drained already after a clean stop)."""
+    out the other gateways are drained and joined (they have drained already after a clean stop).
+    `main(config, endpoints, index, parent_pid)` runs each other gateway in its spawned process."""
     if config.layout.gateways == 1:
         yield config, None
         return
@@ -64,7 +66,7 @@ def gateway_group(config: Settings, endpoints: list[str]) -> Iterator[tuple[Sett
     if config.gateway.http_port is not None:
         held_http = hold_port(config.gateway.host, config.gateway.http_port, "--http-port")
         config = replace(config, gateway=replace(config.gateway, http_port=held_http.getsockname()[1]))
-    extra = ExtraGateways(config, endpoints, config.gateway.port)
+    extra = ExtraGateways(config, endpoints, config.gateway.port, main)
     try:
         yield config, extra
     finally:
@@ -75,21 +77,12 @@ def gateway_group(config: Settings, endpoints: list[str]) -> Iterator[tuple[Sett
             held_http.close()
 
 
-def gateway_main(config: Settings, endpoints: list[str], index: int, parent_pid: int) -> None:
-    """Entry of gateway `index` >= 1 (spawned): serve until SIGTERM/SIGINT; exit with `serve`."""
-    from hybridgate.serve import _run, run_gateway
-    from hybridgate.workers.process import _die_with_parent
-
-    _die_with_parent(parent_pid)
-    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s gateway-{index} %(levelname)s %(message)s")
-    sys.exit(_run(run_gateway(config, endpoints, reuse_port=True, index=index)))
-
-
 class ExtraGateways:
     """Gateways 1..N-1 as child processes: started, restarted when one exits (at most the
     workers' restart limits), told to drain on shutdown, and joined."""
 
-    def __init__(self, config: Settings, endpoints: list[str], port: int):
+    def __init__(self, config: Settings, endpoints: list[str], port: int,
+                 main: Callable[[Settings, list[str], int, int], None]):
         count = config.layout.gateways - 1
         gw = config.gateway
         # The workers may still be loading: a gateway of serve waits for their sockets, never exits for them.
@@ -98,6 +91,7 @@ class ExtraGateways:
             gw, port=port, metrics_port=None if gw.metrics_port is None else (gw.metrics_port and gw.metrics_port + i)))
             for i in range(1, count + 1)]
         self.endpoints = endpoints
+        self.main = main  # main(config, endpoints, index, parent_pid) in a spawned process: serve.gateway_main
         self.procs: list[mp.Process | None] = [None] * count
         self.restarts: list[list[float]] = [[] for _ in range(count)]
         self.stopping = False
@@ -108,7 +102,7 @@ class ExtraGateways:
             self._start(i)
 
     def _start(self, i: int) -> None:
-        proc = self._ctx.Process(target=gateway_main, name=f"hybridgate-gateway-{i + 1}",
+        proc = self._ctx.Process(target=self.main, name=f"hybridgate-gateway-{i + 1}",
                                  args=(self.configs[i], self.endpoints, i + 1, os.getpid()))
         proc.start()
         self.procs[i] = proc

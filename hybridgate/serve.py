@@ -9,45 +9,27 @@ import shutil
 import signal
 import sys
 import tempfile
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hybridgate.config import check_settings, setting
+from hybridgate.children import die_with_parent
 from hybridgate.gateway.server import Gateway
 from hybridgate.keys import Transport
 from hybridgate.redisconf import redacted
 from hybridgate.router import Router, ZmqWorkerClient
 from hybridgate.router.client import missing_ipc_socket
 from hybridgate.scaleout import ExtraGateways, gateway_group
+from hybridgate.serveconf import LayoutConfig
 from hybridgate.supervise import Supervisor
 from hybridgate.wire import WorkerState
-from hybridgate.workers.process import WorkerConfig
+from hybridgate.workerconf import WorkerConfig
 
 if TYPE_CHECKING:
     from hybridgate.settings import Settings
 
 log = logging.getLogger("hybridgate")
-
-
-@dataclass(frozen=True)
-class LayoutConfig:
-    """Which workers the gateway talks to: those `serve` starts, or running ones (`gateway`)."""
-
-    gpu_workers: int | None = setting(
-        None, "GPU workers (the PyTorch runner; on a CPU torch device where there is no CUDA); "
-              "default: 1 where CUDA is present, else 0", low=0)
-    cpu_workers: int = setting(1, "CPU workers (Numba kernels on the GGUF blocks); the workers that compute "
-                                  "on the CPU share its cores unless --threads is given", low=0)
-    worker_endpoints: tuple[str, ...] = setting(
-        (), "a running worker's endpoint (ipc://PATH or tcp://HOST:PORT); repeat for several", flag="--worker")
-    gateways: int = setting(
-        1, "gateway processes serving the one gRPC port (SO_REUSEPORT among themselves only: a port another "
-           "program holds is still refused), each with its own router, all sharing the workers; with "
-           "--metrics-port P, gateway i serves its metrics on P+i", low=1, high=64)
-
-    def __post_init__(self) -> None:
-        check_settings(self)
 
 
 def cuda_present() -> bool:
@@ -115,12 +97,20 @@ async def run_gateway(config: Settings, endpoints: list[str], supervisor: Superv
     router.on_ready_change = gateway.on_ready_change
     await gateway.start()
     background = []
+    stop = asyncio.Event()
+    code = 0
+
+    def fail() -> None:
+        nonlocal code
+        code = 1
+        stop.set()
+
     if supervisor is not None:
         by_name = dict(zip(names, clients))
         supervisor.on_exit = lambda name, reason: by_name[name].worker_exited(reason)
         supervisor.start_all()
         gateway.metrics.registry.register(supervisor)
-        background.append(asyncio.create_task(supervisor.run()))
+        background.append(asyncio.create_task(supervise(supervisor, fail)))
     say = (lambda line: print(f"hybridgate: {line}", flush=True)) if index == 0 else \
         (lambda line: log.info("gateway %d: %s", index, line))
     say(f"gRPC on {config.gateway.host}:{gateway.port} (health NOT_SERVING until a worker is up)")
@@ -136,17 +126,9 @@ async def run_gateway(config: Settings, endpoints: list[str], supervisor: Superv
         extra.start_all()
         background.append(asyncio.create_task(extra.watch(config.supervisor.restart_window_s,
                                                           config.supervisor.max_restarts)))
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    code = 0
-
-    def fail() -> None:
-        nonlocal code
-        code = 1
-        stop.set()
-
     if supervisor is None:
         background.append(asyncio.create_task(check_sockets(clients, config.router.wait_for_workers, fail)))
     entered = asyncio.create_task(router.__aenter__())
@@ -182,6 +164,17 @@ async def run_gateway(config: Settings, endpoints: list[str], supervisor: Superv
         task.cancel()
     await router.close()
     return code
+
+
+async def supervise(supervisor: Supervisor, fail: Callable[[], None]) -> None:
+    """Run the supervisor; once every worker stays down after its restarts, say why and `fail()`
+    (serve exits 1) rather than answer 503 forever."""
+    await supervisor.run()
+    reason = supervisor.gave_up()
+    if reason is not None:
+        print(f"hybridgate: error: every worker stays down after its restarts (--worker-max-restarts); {reason}",
+              file=sys.stderr, flush=True)
+        fail()
 
 
 def _run(coro) -> int:
@@ -234,11 +227,19 @@ def serve(config: Settings) -> int:
                for name, kind, endpoint in zip(names, kinds, endpoints)}
     supervisor = Supervisor(configs, config.supervisor, private)  # its workers bind once loaded: no socket check
     try:
-        with gateway_group(config, endpoints) as (config, extra):
+        with gateway_group(config, endpoints, gateway_main) as (config, extra):
             return _run(run_gateway(config, endpoints, supervisor, extra, reuse_port=extra is not None))
     finally:
         supervisor.stop_all()
         shutil.rmtree(private, ignore_errors=True)
+
+
+def gateway_main(config: Settings, endpoints: list[str], index: int, parent_pid: int) -> None:
+    """Entry of gateway `index` >= 1 (spawned by scaleout.ExtraGateways): serve until SIGTERM/SIGINT;
+    exit with `serve`."""
+    die_with_parent(parent_pid)
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s gateway-{index} %(levelname)s %(message)s")
+    sys.exit(_run(run_gateway(config, endpoints, reuse_port=True, index=index)))
 
 
 def gateway_only(config: Settings) -> int:
@@ -246,5 +247,5 @@ def gateway_only(config: Settings) -> int:
         raise ValueError("--worker: give at least one worker endpoint (ipc://... or tcp://...), "
                          "or --redis-url to find workers in the registry")
     endpoints = list(config.layout.worker_endpoints)
-    with gateway_group(config, endpoints) as (config, extra):
+    with gateway_group(config, endpoints, gateway_main) as (config, extra):
         return _run(run_gateway(config, endpoints, extra=extra, reuse_port=extra is not None))

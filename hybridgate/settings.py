@@ -7,21 +7,26 @@ A part adds a setting by declaring a `setting()` field on its own config class;
 the flag, the `HYBRIDGATE_*` variable, the TOML key, the bounds check and the
 `hybridgate config` line follow from it with no edit here. A new part's class
 joins the root as one more section field below.
+
+This module imports the parts' config modules and nothing else of hybridgate:
+no behaviour, so reading the settings loads no router, engine or worker
+(`tests/unit/test_imports.py` holds it to that). The worker's settings live
+in `hybridgate.workerconf`, outside the `hybridgate.workers` package, so that
+a gateway process, which composes this whole root, loads no module of it.
 """
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
 
-from hybridgate.config import check_settings, setting
-from hybridgate.gateway.server import GatewayConfig
+from hybridgate.config import add_settings, check_settings, setting
+from hybridgate.gateway.config import GatewayConfig
 from hybridgate.keys import TransportConfig
 from hybridgate.redisconf import RedisConfig
-from hybridgate.router.response_cache import ResponseCacheConfig
-from hybridgate.router.router import RouterConfig
-from hybridgate.serve import LayoutConfig
-from hybridgate.supervise import SupervisorConfig
-from hybridgate.workers.process import WorkerConfig
+from hybridgate.router.config import ResponseCacheConfig, RouterConfig
+from hybridgate.serveconf import LayoutConfig, SupervisorConfig
+from hybridgate.workerconf import WorkerConfig
 
 
 @dataclass(frozen=True)
@@ -84,3 +89,9 @@ COMMANDS: dict[str, Selection] = {
                                  "worker.engine.cpu_isa", "worker.engine.cpu_activations",
                                  "worker.engine.kv_cache_dtype")),
 }
+
+
+def add_command_settings(parser: argparse.ArgumentParser, command: str) -> None:
+    """`config.add_settings` on this root for one of COMMANDS ("serve", "bench engine", ...)."""
+    chosen = COMMANDS[command]
+    add_settings(parser, chosen.include, chosen.exclude, root=Settings, required=chosen.required)

@@ -6,6 +6,9 @@ each restart within the last `restart_window_s` (capped at
 within the window and exits again stays down: the reason (exit code or
 signal, and its last error) is printed and exported as metrics
 (`hybridgate:worker_restarts_total{worker}`, `hybridgate:worker_up{worker}`).
+Once every worker stays down, `run()` returns and `serve` exits non-zero with
+their last errors (`gave_up()`): a gateway that can never serve again must not
+answer 503 forever; while another worker serves, `serve` stays up.
 The restarted worker binds the same ipc path, so the gateway's client finds
 it by probing; its new boot id tells the client it is a new worker.
 """
@@ -14,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
-import os
 import signal
 import sys
 import time
@@ -25,8 +27,9 @@ from pathlib import Path
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from hybridgate.config import check_settings, setting
-from hybridgate.workers.process import WorkerConfig, run_worker
+from hybridgate.config import environment
+from hybridgate.serveconf import SupervisorConfig
+from hybridgate.workerconf import WorkerConfig
 
 # Test-only: a worker started with this variable set to 1 raises at once, so the tests can
 # watch the supervisor give up. Never set it in production.
@@ -34,27 +37,13 @@ CRASH_AT_START_ENV = "HYBRIDGATE_TEST_CRASH_AT_START"
 POLL_S = 0.05
 
 
-@dataclass(frozen=True)
-class SupervisorConfig:
-    restart_backoff_s: float = setting(
-        0.5, "seconds before restarting a worker that exited; doubles with each restart within the window",
-        low=0, flag="--worker-restart-backoff")
-    restart_backoff_max_s: float = setting(10.0, "longest wait before a worker restart, seconds", low=0,
-                                           flag="--worker-restart-backoff-max")
-    max_restarts: int = setting(5, "restarts of one worker within --worker-restart-window after which it stays down",
-                                low=0, flag="--worker-max-restarts")
-    restart_window_s: float = setting(60.0, "seconds over which --worker-max-restarts counts restarts", low=0,
-                                      low_open=True, flag="--worker-restart-window")
-
-    def __post_init__(self) -> None:
-        check_settings(self)
-
-
 def worker_main(config: WorkerConfig, error_path: str) -> None:
     """Entry of a supervised worker process: the worker, with its last error written to `error_path`."""
     try:
-        if os.environ.get(CRASH_AT_START_ENV) == "1":
+        if environment(CRASH_AT_START_ENV) == "1":
             raise RuntimeError(f"crashing at start as {CRASH_AT_START_ENV}=1 asks (a test-only setting)")
+        from hybridgate.workers.process import run_worker  # in the worker process only
+
         run_worker(config)
     except BaseException as exc:
         Path(error_path).write_text(f"{type(exc).__name__}: {exc}")
@@ -108,9 +97,17 @@ class Supervisor:
             self._start(slot)
 
     async def run(self) -> None:
-        while not self.stopping:
+        """Poll until stopped, or until every worker has been given up on (see `gave_up`)."""
+        while not self.stopping and not self.gave_up():
             self.poll(time.monotonic())
             await asyncio.sleep(POLL_S)
+
+    def gave_up(self) -> str | None:
+        """Once every worker stays down after its restarts: one line naming each and why it last exited
+        (its exit code or signal and last error); None while any worker runs or will be restarted."""
+        if not self.slots or not all(slot.given_up for slot in self.slots):
+            return None
+        return "; ".join(f"worker {slot.name}: {slot.reason}" for slot in self.slots)
 
     def poll(self, now: float) -> None:
         if self.stopping:

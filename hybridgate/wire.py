@@ -227,6 +227,7 @@ class EngineStats(msgspec.Struct):
     # Messages the worker dropped or refused as malformed or inconsistent (bad frames, unknown
     # types, oversized bodies, ADDs that fail validation, duplicate ADDs); cumulative.
     wire_decode_errors: int = 0
+    queue_refusals: dict[str, int] = msgspec.field(default_factory=dict)  # queue → messages refused at its bound
     # KV hand-off (gpu->cpu). Counters are cumulative; "handoff_" gauges are now.
     handoff_bytes_total: int = 0  # K and V bytes exported (GPU worker) or imported (CPU worker)
     handoff_export_seconds_total: float = 0.0  # GPU worker: export start to the send queued, summed

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 
 def add_engine_parser(sub) -> None:
-    from hybridgate.config import add_command_settings, bounded
+    from hybridgate.config import bounded
+    from hybridgate.settings import add_command_settings
 
     p = sub.add_parser("engine", help="drive the engine in-process; decode, prefill and TTFT against a baseline")
     add_command_settings(p, "bench engine")
@@ -55,7 +56,7 @@ def _run_engine(args) -> int:
 
 
 def add_accuracy_parser(sub) -> None:
-    from hybridgate.config import add_command_settings
+    from hybridgate.settings import add_command_settings
 
     p = sub.add_parser("accuracy", help="teacher-forced next-token distributions against the fp32 reference")
     add_command_settings(p, "bench accuracy")
@@ -71,7 +72,8 @@ def _run_accuracy(args) -> int:
 
 
 def add_handoff_parser(sub) -> None:
-    from hybridgate.config import add_command_settings, bounded
+    from hybridgate.config import bounded
+    from hybridgate.settings import add_command_settings
 
     p = sub.add_parser("handoff", help="GPU prefill, KV hand-off, CPU decode in real worker processes; where the "
                                        "time goes")
@@ -95,7 +97,8 @@ def _run_handoff(args) -> int:
 
 
 def add_gateway_parser(sub) -> None:
-    from hybridgate.config import add_command_settings, bounded
+    from hybridgate.config import bounded
+    from hybridgate.settings import add_command_settings
 
     p = sub.add_parser("gateway", help="the gateway's CPU per streamed token and its tokens/s, against an instant "
                                        "worker (no model compute) over the real wire and real gRPC")
@@ -170,7 +173,8 @@ def _add_load_args(p, serve: bool) -> None:
 
 
 def add_serve_parser(sub) -> None:
-    from hybridgate.config import add_command_settings, bounded
+    from hybridgate.config import bounded
+    from hybridgate.settings import add_command_settings
 
     p = sub.add_parser("serve", help="open-loop Poisson load on a real gateway: goodput under SLOs, TTFT/TPOT/e2e "
                                      "percentiles, plan mix, capacity under SLO, per policy and layout")
@@ -227,7 +231,7 @@ def _run_serve(args) -> int:
 def add_sim_parser(sub) -> None:
     p = sub.add_parser("sim", help="discrete-event simulation of a worker layout driving the real policy objects, "
                                    "worker models from calibration profiles; bench serve's figures")
-    from hybridgate.config import add_command_settings
+    from hybridgate.settings import add_command_settings
 
     add_command_settings(p, "bench sim")
     _add_load_args(p, serve=False)
@@ -253,7 +257,8 @@ def _run_sim(args) -> int:
 
 
 def add_cache_parser(sub) -> None:
-    from hybridgate.config import add_command_settings, bounded
+    from hybridgate.config import bounded
+    from hybridgate.settings import add_command_settings
 
     p = sub.add_parser("cache", help="the response cache over gRPC: a hit's TTFT beside one round trip, a long "
                                      "answer replayed against generated, single-flight against one request")

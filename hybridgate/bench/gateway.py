@@ -38,6 +38,7 @@ from hybridgate.bench import safety
 from hybridgate.bench.instant import run_instant_worker
 from hybridgate.bench.machine import describe, summary
 from hybridgate.bench.workload import percentile
+from hybridgate.serveconf import LayoutConfig
 
 PROMPT = "Write a long story about a lighthouse keeper."
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -197,8 +198,8 @@ def _run_client(target: str, concurrency: int, requests: int, max_tokens: int, t
 class _Gateway:
     """`hybridgate gateway` as a child process; `target` once it says READY."""
 
-    def __init__(self, model: str, endpoint: str, timeout_s: float, gateways: int = 1, extra: tuple = (),
-                 env: dict | None = None, tls_ca: str | None = None, token: str | None = None):
+    def __init__(self, model: str, endpoint: str, timeout_s: float, gateways: int = LayoutConfig.gateways,
+                 extra: tuple = (), env: dict | None = None, tls_ca: str | None = None, token: str | None = None):
         cmd = [sys.executable, "-m", "hybridgate.cli", "gateway", "--model", model, "--port", "0", "--http-port", "0",
                "--worker", endpoint, "--worker-startup-timeout", str(timeout_s), "--gateways", str(gateways),
                "--metrics-port", "0", *extra]

@@ -174,8 +174,9 @@ class BenchRouter:
 def start_worker(kind: str, endpoint: str, args, log: Path) -> subprocess.Popen:
     """One worker process with the settings of this command line (the configuration root's)."""
     from hybridgate.config import resolve
+    from hybridgate.settings import Settings
 
-    settings = resolve(args).settings
+    settings = resolve(args, root=Settings).settings  # args may be a plain namespace (tests), not a parser's
     engine = settings.worker.engine
     cmd = [sys.executable, "-m", "hybridgate.cli", "worker", "--kind", kind, "--endpoint", endpoint,
            "--max-num-seqs", "8", "--model", settings.model_path]

@@ -5,9 +5,14 @@ alternates the protocol run by run (and which goes first, pair by pair), so a
 drift of the machine's speed falls on both alike. Two cases:
 
 - one stream: one request at a time (`--compare-max-tokens` ids, `ignore_eos`);
-  per request its decode tokens/s, 1 / TPOT, where TPOT = (e2e − TTFT) /
-  (tokens − 1) (the figure a streaming client sees between tokens; TTFT, where
-  HTTP's per-request connection cost lands, is reported on its own);
+  per request its decode tokens/s from the token counts of its messages and
+  their arrival times (`workload.Outcome.decode_tokens_per_s`: the ids after
+  the first message's over the time to the message with the last id; gRPC
+  counts by token_index, HTTP by each chunk's usage), never from how many
+  messages came: ids coalesce into fewer messages when a door falls behind, and
+  (tokens − 1) / (e2e − TTFT) then credited a first message holding most ids
+  with a near-zero decode time (a 463x HTTP/gRPC ratio on a busy machine).
+  TTFT, where HTTP's per-request connection cost lands, is reported on its own;
 - N streams at once (`--compare-concurrency`): aggregate tokens/s, streamed ids
   over the time from the first send to the last final message.
 
@@ -48,7 +53,7 @@ async def _one_run(client, pid: int, streams: int, max_tokens: int, time_limit: 
     end = max(o.arrival_s + o.e2e_s for o in outcomes)
     start = min(o.arrival_s for o in outcomes)
     return {"tokens_per_s": tokens / (end - start),
-            "decode_tokens_per_s": statistics.median(1.0 / o.tpot_s for o in outcomes),
+            "decode_tokens_per_s": _median_or_none([r for o in outcomes if (r := o.decode_tokens_per_s) is not None]),
             "ttft_s": statistics.median(o.ttft_s for o in outcomes),
             "gateway_cpu_us_per_token": cpu / tokens * 1e6, "wall_s": wall}
 
@@ -64,20 +69,26 @@ async def compare(clients: dict, pid: int, streams: int, pairs: int, max_tokens:
             r = await _one_run(clients[name], pid, streams, max_tokens, time_limit)
             runs[name].append(r)
             progress(f"  {streams} stream(s), pair {i + 1}/{pairs}, {name}: {r['tokens_per_s']:.1f} tokens/s, "
-                     f"decode {r['decode_tokens_per_s']:.1f} tokens/s, TTFT {r['ttft_s'] * 1e3:.0f} ms, "
+                     f"decode {_fmt(r['decode_tokens_per_s'])} tokens/s, TTFT {r['ttft_s'] * 1e3:.0f} ms, "
                      f"gateway CPU {r['gateway_cpu_us_per_token']:.0f} us/token")
     keys = runs[order[0]][0].keys()
-    out: dict = {name: {k: statistics.median(r[k] for r in rs) for k in keys} for name, rs in runs.items()}
+    out: dict = {name: {k: _median_or_none([r[k] for r in rs if r[k] is not None]) for k in keys}
+                 for name, rs in runs.items()}
     out["runs"] = runs
-    # A short run can use less gateway CPU than one clock tick (10 ms): such a pair has no ratio of that figure,
-    # and a figure no pair has a ratio of is None.
+    # A short run can use less gateway CPU than one clock tick (10 ms), and a run whose ids all came in one
+    # message has no decode rate: such a pair has no ratio of that figure, and a figure no pair has a ratio of
+    # is None.
     out["ratio_openai_over_grpc"] = {k: _median_or_none([h[k] / g[k] for g, h in zip(runs["grpc"], runs["openai"])
-                                                          if g[k] > 0]) for k in keys}
+                                                          if g[k] and h[k] is not None]) for k in keys}
     return out
 
 
 def _median_or_none(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
+
+
+def _fmt(value: float | None, spec: str = ".1f") -> str:
+    return "-" if value is None else format(value, spec)
 
 
 async def run_compare(bench, proc, clients: dict) -> dict:
@@ -92,8 +103,8 @@ async def run_compare(bench, proc, clients: dict) -> dict:
         r.update(streams=streams, max_tokens=max_tokens, prompt_tokens=PROMPT_TOKENS)
         report[label] = r
         ratio = r["ratio_openai_over_grpc"]
-        print(f"{label}: HTTP/gRPC tokens/s {ratio['tokens_per_s']:.3f}, decode tokens/s "
-              f"{ratio['decode_tokens_per_s']:.3f}, TTFT {ratio['ttft_s']:.2f}; gateway CPU per token "
-              f"{r['grpc']['gateway_cpu_us_per_token']:.0f} us (gRPC), {r['openai']['gateway_cpu_us_per_token']:.0f} "
-              f"us (HTTP)", flush=True)
+        print(f"{label}: HTTP/gRPC tokens/s {_fmt(ratio['tokens_per_s'], '.3f')}, decode tokens/s "
+              f"{_fmt(ratio['decode_tokens_per_s'], '.3f')}, TTFT {_fmt(ratio['ttft_s'], '.2f')}; gateway CPU per "
+              f"token {_fmt(r['grpc']['gateway_cpu_us_per_token'], '.0f')} us (gRPC), "
+              f"{_fmt(r['openai']['gateway_cpu_us_per_token'], '.0f')} us (HTTP)", flush=True)
     return report

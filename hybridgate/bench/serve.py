@@ -168,6 +168,8 @@ class Client:
                         if msg.token_ids and o.ttft_s is None:
                             o.ttft_s = now - sent
                         o.tokens += len(msg.token_ids)
+                        if msg.token_ids:
+                            o.marks.append((now - sent, msg.token_index + len(msg.token_ids)))
                         if msg.finish_reason:
                             o.e2e_s, o.ended = now - sent, True
                     o.plan = dict(await call.trailing_metadata()).get("hybridgate-plan", "")
@@ -200,7 +202,8 @@ class Client:
 
 class OpenAIClient(Client):
     """The HTTP side (--protocol openai): /v1/completions streamed as server-sent events over plain asyncio
-    streams (no client library's own cost in the figures); tokens counted from the usage chunk."""
+    streams (no client library's own cost in the figures); tokens counted from the usage of every chunk
+    (vLLM's continuous_usage_stats), so each chunk's ids are timed as gRPC's are."""
 
     async def run(self, items: list[wl.WorkItem], arrivals: list[float], limit_s: float,
                   progress: str = "") -> list[wl.Outcome]:
@@ -217,7 +220,8 @@ class OpenAIClient(Client):
             o, sent = outcomes[i], time.perf_counter()
             o.arrival_s = sent - start
             body = json.dumps({"prompt": texts[i], "max_tokens": items[i].max_tokens, "temperature": 0.0,
-                               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+                               "ignore_eos": True, "stream": True,
+                               "stream_options": {"include_usage": True, "continuous_usage_stats": True},
                                "user": "bench-serve"}).encode()
             try:
                 async for event in _sse_post(host, int(port), "/v1/completions", body):
@@ -232,7 +236,10 @@ class OpenAIClient(Client):
                     if chunk.get("choices") and chunk["choices"][0]["text"] and o.ttft_s is None:
                         o.ttft_s = now - sent
                     if chunk.get("usage"):
-                        o.tokens = chunk["usage"]["completion_tokens"]
+                        n = chunk["usage"]["completion_tokens"]
+                        if chunk.get("choices") and n > o.tokens:
+                            o.marks.append((now - sent, n))
+                        o.tokens = n
             except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
                 o.ended, o.error = True, type(exc).__name__
             finally:

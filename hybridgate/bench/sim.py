@@ -38,6 +38,7 @@ from hybridgate.bench.workload import Outcome, Slo, WorkItem
 from hybridgate.router import costmodel as cm
 from hybridgate.router.costmodel import WorkerLoad
 from hybridgate.router.policy import PlacementRequest, Policy
+from hybridgate.workerconf import SchedulerConfig
 
 PROFILE_FIELDS = ("kind", "decode_step_s", "prefill_tokens_per_s", "blocks_total", "block_size", "max_num_seqs",
                   "max_num_batched_tokens")
@@ -56,8 +57,8 @@ class Profile:
     prefill_tokens_per_s: dict[int, float]
     blocks_total: int
     block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = SchedulerConfig.max_num_seqs
+    max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
     kv_bytes_per_token: int = 0
     source: str = ""
 
@@ -173,7 +174,7 @@ class _Worker:
             blocks_committed=self.committed,
             max_num_seqs=p.max_num_seqs, max_num_batched_tokens=p.max_num_batched_tokens,
             prefill_tokens_per_s=p.prefill_tokens_per_s, decode_step_s=p.decode_step_s,
-            takes_handoff=p.kind == "cpu")
+            takes_handoff=p.kind == "cpu", kv_bytes_per_token=p.kv_bytes_per_token)
 
     def _ensure(self, seq: _Seq, tokens: int) -> bool:
         need = self.blocks_for(tokens) - seq.blocks
@@ -268,8 +269,7 @@ class Simulation:
     def _arrive(self, outcome: Outcome) -> None:
         item = outcome.item
         loads = [w.load(i) for i, w in enumerate(self.workers)]
-        kv = max(w.profile.kv_bytes_per_token for w in self.workers)
-        request = PlacementRequest(item.prompt_tokens, item.max_tokens, (item.prompt_tokens,) * len(loads), None, kv)
+        request = PlacementRequest(item.prompt_tokens, item.max_tokens, (item.prompt_tokens,) * len(loads))
         plan = self.policy.place(request, loads)
         outcome.plan = plan.route
         seq = _Seq(outcome, item.prompt_tokens)

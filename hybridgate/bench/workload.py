@@ -70,12 +70,26 @@ class Outcome:
     plan: str = ""
     error: str = ""  # the gRPC status name, or "" when it finished
     ended: bool = False
+    # (seconds from its arrival, ids received so far) for each message that brought ids, when the
+    # client can count them (gRPC's token_index; HTTP's continuous usage)
+    marks: list[tuple[float, int]] = field(default_factory=list)
 
     @property
     def tpot_s(self) -> float | None:
         if self.ttft_s is None or self.e2e_s is None or self.tokens < 2:
             return None
         return (self.e2e_s - self.ttft_s) / (self.tokens - 1)
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """The ids that came after the first message's, over the time from that message to the one that
+        brought the last id. Tokens coalesced into one message arrive together, so a first message that
+        holds several (a slow reader) neither counts them as decoded after it nor shrinks the time, as
+        (tokens - 1) / (e2e - TTFT) does. None with fewer than two messages that brought ids."""
+        if len(self.marks) < 2:
+            return None
+        (t0, n0), (t1, n1) = self.marks[0], self.marks[-1]
+        return (n1 - n0) / (t1 - t0) if n1 > n0 and t1 > t0 else None
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,8 @@
 """Admission control: at most N requests in flight per gateway, and the retry pushback of a refusal.
 
+A request counts once per choice it asks for (an HTTP call with `n` choices, or
+several prompts, takes as many slots: each is a sequence on a worker).
+
 A request over the limit is refused at once (RESOURCE_EXHAUSTED) rather than
 queued, so that a load balancer in front learns to go elsewhere. The refusal
 carries `grpc-retry-pushback-ms`, the trailer gRPC's retry policy reads
@@ -44,20 +47,22 @@ class Admission:
         self._tokens: deque[tuple[float, int]] = deque(maxlen=4 * window)  # (time, ids streamed)
         self._refused: deque[float] = deque(maxlen=4 * window)  # refusal times
 
-    def try_enter(self, max_tokens: int) -> bool:
-        """Take a slot for a request of up to `max_tokens` ids; False when all `limit` are taken."""
-        if self.inflight >= self.limit:
+    def try_enter(self, max_tokens: int, slots: int = 1) -> bool:
+        """Take `slots` slots (one per choice) for choices of up to `max_tokens` ids each; False, taking
+        none, when fewer than `slots` of the `limit` are free."""
+        if self.inflight + slots > self.limit:
             self._refused.append(self.clock())
             return False
-        self.inflight += 1
-        self._max_tokens_sum += max_tokens
+        self.inflight += slots
+        self._max_tokens_sum += max_tokens * slots
         return True
 
-    def leave(self, max_tokens: int) -> None:
-        """Give back a slot taken by `try_enter` (however the request ended)."""
-        self.inflight -= 1
-        self._max_tokens_sum -= max_tokens
-        self._done.append(self.clock())
+    def leave(self, max_tokens: int, slots: int = 1) -> None:
+        """Give back what `try_enter(max_tokens, slots)` took (however the request ended)."""
+        self.inflight -= slots
+        self._max_tokens_sum -= max_tokens * slots
+        now = self.clock()
+        self._done.extend([now] * slots)
 
     def streamed(self, n: int) -> None:
         """`n` ids went out to a client (feeds the token-rate estimate)."""

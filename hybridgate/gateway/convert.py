@@ -8,6 +8,22 @@ from hybridgate.v1 import generation_pb2 as pb
 from hybridgate.wire import InvalidFieldError, SamplingParams
 
 
+# The request's fields that are SamplingParams fields: one loop copies them (see _sampling_params).
+_PARAM_FIELDS = tuple(f for f in pb.GenerateRequest.DESCRIPTOR.fields if f.name in SamplingParams.__struct_fields__)
+
+
+def _sampling_params(req: pb.GenerateRequest) -> SamplingParams:
+    """The request's sampling fields as SamplingParams: an `optional` field left unset is left out, so it
+    takes SamplingParams' default, written once there (the proto's doc comments name the same values)."""
+    given = {}
+    for field in _PARAM_FIELDS:
+        if field.is_repeated:
+            given[field.name] = tuple(getattr(req, field.name))
+        elif not field.has_presence or req.HasField(field.name):
+            given[field.name] = getattr(req, field.name)
+    return SamplingParams(**given)
+
+
 def request_to_native(req: pb.GenerateRequest) -> tuple[Prompt, SamplingParams]:
     """(prompt or messages, sampling params) of a request, as plain Python values.
 
@@ -25,32 +41,16 @@ def request_to_native(req: pb.GenerateRequest) -> tuple[Prompt, SamplingParams]:
         prompt: Prompt = req.prompt
     else:
         prompt = [{"role": m.role, "content": m.content} for m in req.chat.messages]
-    params = SamplingParams(
-        temperature=req.temperature if req.HasField("temperature") else 1.0,
-        top_p=req.top_p if req.HasField("top_p") else 1.0,
-        top_k=req.top_k if req.HasField("top_k") else 0,
-        repetition_penalty=req.repetition_penalty if req.HasField("repetition_penalty") else 1.0,
-        seed=req.seed if req.HasField("seed") else None,
-        max_tokens=req.max_tokens if req.HasField("max_tokens") else None,
-        stop=tuple(req.stop),
-        ignore_eos=req.ignore_eos,
-        skip_special_tokens=req.skip_special_tokens if req.HasField("skip_special_tokens") else True,
-        presence_penalty=req.presence_penalty if req.HasField("presence_penalty") else 0.0,
-        frequency_penalty=req.frequency_penalty if req.HasField("frequency_penalty") else 0.0,
-        min_p=req.min_p if req.HasField("min_p") else 0.0,
-        stop_token_ids=tuple(req.stop_token_ids),
-        logprobs=req.logprobs if req.HasField("logprobs") else None,
-    )
-    return prompt, params
+    return prompt, _sampling_params(req)
 
 
 def delta_to_proto(delta: Delta) -> pb.GenerateResponse:
-    msg = pb.GenerateResponse(
-        request_id=delta.request_id, token_index=delta.token_index, text=delta.text, token_ids=delta.token_ids,
-        logprobs=[pb.TokenLogprob(logprob=lp.logprob, top=[pb.TopLogprob(token_id=i, logprob=v)
-                                                            for i, v in zip(lp.top_ids, lp.top_logprobs)])
-                  for lp in delta.logprobs],
-    )
+    msg = pb.GenerateResponse(request_id=delta.request_id, token_index=delta.token_index, text=delta.text,
+                              token_ids=delta.token_ids)
+    if delta.logprobs:  # most requests ask for none: no empty list built and converted per message
+        msg.logprobs.extend(pb.TokenLogprob(logprob=lp.logprob, top=[pb.TopLogprob(token_id=i, logprob=v)
+                                                                     for i, v in zip(lp.top_ids, lp.top_logprobs)])
+                            for lp in delta.logprobs)
     if delta.finish_reason is not None:
         msg.finish_reason = int(delta.finish_reason)
         msg.route = delta.route

@@ -5,7 +5,8 @@ Endpoints: POST /v1/chat/completions and /v1/completions (JSON, or server-sent
 events with `stream`), GET /v1/models, GET /health (200 only while a worker is
 READY and the gateway is not draining), GET /metrics (the gateway's Prometheus
 registry), POST /tokenize and /detokenize (vLLM's shapes), and the schema at
-/openapi.json. Shapes follow the OpenAI API reference; errors are the envelope
+/openapi.json. Every route but /health wants the bearer token when one is set, and a body is at most
+4 MiB (hybridgate.gateway.http_guard, in front of the app). Shapes follow the OpenAI API reference; errors are the envelope
 {"error": {"message", "type", "param", "code"}} with the status from the one
 table in `hybridgate.gateway.errors`, never a traceback.
 """
@@ -19,9 +20,8 @@ import math
 import time
 
 import anyio
-import grpc
 import msgspec
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -29,18 +29,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybridgate.gateway import openai_api as api
 from hybridgate.gateway.admission import Admission
-from hybridgate.gateway.auth import HEADER as AUTH_HEADER
-from hybridgate.gateway.auth import bearer_ok
 from hybridgate.gateway.errors import HTTP_OF, ROUTER_ERRORS, status_of
+from hybridgate.gateway.http_guard import HttpGuard
 from hybridgate.gateway.metrics import GatewayMetrics
 from hybridgate.gateway.openai_format import ChoiceState, Formatter
-from hybridgate.models.chat import ChatTemplateError
 from hybridgate.router import ResourceExhaustedError, Router
 from hybridgate.router.errors import ContextLengthError
 from hybridgate.router.router import DEFAULT_MAX_TOKENS_CAP
 from hybridgate.wire import InvalidFieldError
 
 log = logging.getLogger("hybridgate.gateway")
+RUN_QUEUE_PER_CHOICE = 16  # deltas of one choice merged and not yet read by the client's response
+INLINE_IDS = 4096  # /detokenize decodes at most this many ids on the event loop (about a millisecond)
 request_log = logging.getLogger("hybridgate.requests")
 
 
@@ -81,11 +81,11 @@ class OpenAIApp:
         self.model_names = model_names
         self.draining = False
         self.format = Formatter(router, model_names[0])
-        self.app = self._build()
+        self.app = HttpGuard(self._build(), auth_token)  # token and body size before FastAPI reads anything
 
     def _build(self) -> FastAPI:
         app = FastAPI(title="hybridgate", summary="OpenAI-compatible API of a hybridgate gateway",
-                      docs_url=None, redoc_url=None, dependencies=[Depends(self._authenticate)])
+                      docs_url=None, redoc_url=None)
         app.add_exception_handler(ApiError, lambda request, exc: exc.response())
         app.add_exception_handler(RequestValidationError, self._on_validation_error)
         app.add_exception_handler(StarletteHTTPException, self._on_http_error)
@@ -121,14 +121,6 @@ class OpenAIApp:
         log.exception("HTTP %s %s failed", request.method, request.url.path)
         return ApiError(500, "server_error", f"internal error ({type(exc).__name__})").response()
 
-    async def _authenticate(self, request: Request) -> None:
-        """401 unless the bearer token is the configured one (hybridgate.gateway.auth); /health is open."""
-        if request.url.path != "/health" and not bearer_ok(self.auth_token, request.headers.get(AUTH_HEADER)):
-            status, kind = HTTP_OF[grpc.StatusCode.UNAUTHENTICATED]
-            raise ApiError(status, kind, "a valid `Authorization: Bearer <token>` header is required "
-                           "(the gateway's --auth-token)", code="invalid_api_key",
-                           headers={"WWW-Authenticate": "Bearer"})
-
     def _check_model(self, name: str | None) -> None:
         if name is not None and name not in self.model_names:
             raise ApiError(404, "invalid_request_error", f"The model `{name}` does not exist; this server serves "
@@ -148,30 +140,40 @@ class OpenAIApp:
     async def prometheus(self) -> Response:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    async def tokenize(self, body: api.TokenizeRequest) -> dict:
+    async def tokenize(self, body: api.TokenizeRequest) -> Response:
+        """The prompt's ids through generation's own path and limits (`Router.encode_prompt`: a large
+        prompt is encoded off the event loop, one over the limits refused naming the field); the answer
+        is encoded by msgspec, since FastAPI's encoder walks 100,000s of ids one by one."""
         self._check_model(body.model)
         try:
             if body.messages is not None:
-                try:
-                    ids = self.router.chat_template.encode(api.chat_messages(body), body.add_generation_prompt)
-                except ChatTemplateError as exc:
-                    raise InvalidFieldError("messages", str(exc)) from None
+                prompt = api.chat_messages(body)
             elif body.prompt is not None:
-                ids = self.router.tokenizer.encode(body.prompt)
+                prompt = body.prompt
             else:
                 raise InvalidFieldError("prompt", "give prompt or messages")
+            ids = await self.router.encode_prompt(prompt, body.add_generation_prompt)
         except InvalidFieldError as exc:
             raise api_error(exc) from None
-        return {"count": len(ids), "max_model_len": self.router.max_model_len, "tokens": ids}
+        tokens = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        return Response(msgspec.json.encode({"count": len(tokens), "max_model_len": self.router.max_model_len,
+                                             "tokens": tokens}), media_type="application/json")
 
     async def detokenize(self, body: api.DetokenizeRequest) -> dict:
+        """At most max_model_len ids (no sequence is longer), each in the vocabulary; many are decoded
+        off the event loop."""
         self._check_model(body.model)
-        vocab = self.router.tokenizer.vocab_size
+        vocab, limit = self.router.tokenizer.vocab_size, self.router.max_model_len
+        if len(body.tokens) > limit:
+            raise ApiError(400, "invalid_request_error", f"tokens: at most {limit} ids (the max model length), "
+                           f"got {len(body.tokens)}", "tokens")
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise ApiError(400, "invalid_request_error", f"tokens: every id must be in [0, {vocab}), got {bad[0]}",
                            "tokens")
-        return {"prompt": self.router.tokenizer.decode(body.tokens)}
+        if len(body.tokens) <= INLINE_IDS:
+            return {"prompt": self.router.tokenizer.decode(body.tokens)}
+        return {"prompt": await asyncio.to_thread(self.router.tokenizer.decode, body.tokens)}
 
     # --- generation ------------------------------------------------------------------------------
 
@@ -206,18 +208,19 @@ class OpenAIApp:
                     states.append(ChoiceState(p * body.n + i, stream, p, logprobs is not None, body.user or ""))
         except InvalidFieldError as exc:
             raise api_error(exc, body) from None
-        cost = len(states) * (base.max_tokens or DEFAULT_MAX_TOKENS_CAP)
-        if not self.admission.try_enter(cost):
+        cost = (base.max_tokens or DEFAULT_MAX_TOKENS_CAP, len(states))  # a slot per choice
+        if not self.admission.try_enter(*cost):
             self.metrics.rejected.labels("max_inflight_requests").inc()
             raise api_error(ResourceExhaustedError(
-                f"the gateway holds {self.admission.limit} requests, its limit (--max-inflight-requests)"),
-                retry_ms=self.admission.pushback_ms())
+                f"the gateway holds at most {self.admission.limit} requests, a choice counting as one "
+                f"(--max-inflight-requests); {self.admission.inflight} are in flight and this one asks for "
+                f"{len(states)}"), retry_ms=self.admission.pushback_ms())
         run = _Run(self, states)
         try:
             await run.enter()
         except BaseException as exc:
             await run.close()
-            self.admission.leave(cost)
+            self.admission.leave(*cost)
             if isinstance(exc, ResourceExhaustedError):
                 self.metrics.rejected.labels(exc.reason).inc()
             if isinstance(exc, ROUTER_ERRORS):
@@ -233,15 +236,16 @@ class OpenAIApp:
                 raise api_error(exc, body, self.admission.pushback_ms()) from None
             finally:
                 await run.close()
-                self.admission.leave(cost)
+                self.admission.leave(*cost)
         run.cost = cost
         return _EventStream(self._sse(run, kind, body), run.release, media_type="text/event-stream",
                             headers={"Cache-Control": "no-cache"})
 
     async def _sse(self, run: _Run, kind: str, body):
         """The event stream; leaving it early (the client went away) aborts every choice on its worker."""
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = self.format.chunks(kind, run.states, include_usage)
+        options = body.stream_options
+        chunks = self.format.chunks(kind, run.states, bool(options and options.include_usage),
+                                    bool(options and options.continuous_usage_stats))
         try:
             for chunk in chunks.opening():
                 yield chunk
@@ -296,13 +300,16 @@ class _EventStream(StreamingResponse):
 
 
 class _Run:
-    """The streams of one HTTP request's choices: entered together, read as one merged sequence of deltas."""
+    """The streams of one HTTP request's choices: entered together, read as one merged sequence of deltas.
+
+    The merged queue holds at most RUN_QUEUE_PER_CHOICE deltas per choice: a pump waits while it is full
+    (the client reads slowly), leaving the rest in its stream, rather than copying it all here."""
 
     def __init__(self, door: OpenAIApp, states: list[ChoiceState]):
         self.door, self.states = door, states
-        self.cost = 0  # admission slot's max_tokens, given back by `release` (streams)
+        self.cost = (0, 0)  # admission's (max_tokens, slots), given back by `release` (streams)
         self._released = False
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._queue: asyncio.Queue = asyncio.Queue(RUN_QUEUE_PER_CHOICE * len(states))
         self._tasks: list[asyncio.Task] = []
 
     async def release(self) -> None:
@@ -314,7 +321,7 @@ class _Run:
         self._released = True
         with anyio.CancelScope(shield=True):
             await self.close()
-        self.door.admission.leave(self.cost)
+        self.door.admission.leave(*self.cost)
 
     async def enter(self) -> None:
         """Tokenize, check and place every choice; raise the first error (nothing is left running then).
@@ -339,11 +346,9 @@ class _Run:
         try:
             async for delta in state.stream:
                 self._observe(state, delta)
-                self._queue.put_nowait((state, delta))
-        except BaseException as exc:
-            self._queue.put_nowait((state, exc))
-            if not isinstance(exc, Exception):
-                raise
+                await self._queue.put((state, delta))
+        except Exception as exc:  # a cancellation comes from `close` only: nobody reads any more
+            await self._queue.put((state, exc))
 
     async def deltas(self):
         """(state, delta) of every choice as they come, until each has finished; raises a choice's error."""

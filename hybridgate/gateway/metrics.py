@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from hybridgate.router.handoff import SECONDS_BUCKETS
@@ -22,8 +22,12 @@ class GatewayMetrics:
 
     def __init__(self, clients: Callable[[], Iterable] | None = None, wire_errors: Callable[[], int] | None = None,
                  handoff: Callable[[], object] | None = None, redis_up: Callable[[], bool | None] | None = None,
-                 response_cache=None):
+                 response_cache=None, model: tuple[str, str] | None = None):
+        """`model`: (served name, fingerprint) of the model, exported as `hybridgate:model_info`."""
         self.registry = CollectorRegistry()
+        if model is not None:
+            Info("hybridgate:model", "The served model: its name and fingerprint.",
+                 registry=self.registry).info({"model_name": model[0], "fingerprint": model[1]})
         self.ttft = Histogram("hybridgate:time_to_first_token_seconds", "Time to first token (TTFT), seconds.",
                               buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.itl = Histogram("hybridgate:inter_token_latency_seconds", "Inter-token latency (ITL), seconds.",
@@ -144,6 +148,10 @@ class _EngineCollector:
         wire_errors = CounterMetricFamily("hybridgate:wire_decode_errors",
                                           "Messages refused as malformed or inconsistent, by the side that refused them.",
                                           labels=["worker", "side"])
+        refusals = CounterMetricFamily("hybridgate:worker_queue_refusals", "Messages a worker refused because one "
+                                       "of its queues was at its bound (inbox: ADDs, answered queue_full and placed "
+                                       "elsewhere; kv_export: hand-offs decoded where they are).",
+                                       labels=["worker", "queue"])
         handoff = _HandoffFamilies()
         for client in self._clients():
             # The worker's stable name (HELLO, or kind-index under serve); the endpoint may be a temporary path.
@@ -162,6 +170,8 @@ class _EngineCollector:
             hits.add_metric([name], s.kernel_cache_hits)
             misses.add_metric([name], s.kernel_cache_misses)
             wire_errors.add_metric([name, "worker"], s.wire_decode_errors)
+            for queue, count in sorted(s.queue_refusals.items()):
+                refusals.add_metric([name, queue], count)
             for n, c in sorted(s.batch_size_counts.items()):
                 by_size.add_metric([name, str(n)], c)
             buckets = [(str(b), sum(c for n, c in s.batch_size_counts.items() if n <= b)) for b in _BATCH_BUCKETS]
@@ -169,7 +179,8 @@ class _EngineCollector:
             batch.add_metric([name], buckets, sum(n * c for n, c in s.batch_size_counts.items()))
         if self._wire_errors is not None:  # the router's own refusals of worker messages, in the same family
             wire_errors.add_metric(["", "router"], self._wire_errors())
-        yield from (steps, after, kv, blocks, committed, pinned, running, waiting, queued, prefill, by_size, batch, hits, misses, wire_errors)
+        yield from (steps, after, kv, blocks, committed, pinned, running, waiting, queued, prefill, by_size, batch, hits, misses, wire_errors,
+                    refusals)
         yield from handoff.families()
 
 

@@ -28,6 +28,7 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's extension: each chunk carries its choice's usage so far
 
 
 class ContentPart(_Body):
@@ -181,7 +182,9 @@ def chat_logprobs_count(body: ChatCompletionRequest) -> int | None:
 
 def param_of(field: str, body: _Sampling) -> str:
     """The API's name of a router field: the chat API calls the alternatives top_logprobs, and
-    max_completion_tokens when that was the field given."""
+    max_completion_tokens when that was the field given; the request's label is the API's `user`."""
+    if field == "label":
+        return "user"
     if isinstance(body, ChatCompletionRequest):
         if field == "logprobs":
             return "top_logprobs"

@@ -5,7 +5,10 @@ Shapes as the OpenAI API reference shows them: `chat.completion` and
 `role: "assistant"`, no later one does), `text_completion` for both forms of
 completions; each choice's last chunk carries its `finish_reason`, once; with
 `stream_options.include_usage` every chunk has `usage: null` and one last chunk
-has the usage and `choices: []`. Server-sent events are `data: {json}\\n\\n`,
+has the usage and `choices: []`; with vLLM's extension
+`stream_options.continuous_usage_stats` as well, every chunk carries its
+choice's usage so far instead of null (and a delta of ids without text gets a
+chunk too), so a client can time the tokens themselves. Server-sent events are `data: {json}\\n\\n`,
 the last `data: [DONE]\\n\\n`.
 """
 
@@ -46,11 +49,13 @@ class ChoiceState:
     texts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     offset: int = 0  # characters of text already streamed (completions' text_offset)
+    tokens: int = 0  # ids streamed so far
     finish: FinishReason | None = None
     usage: Usage | None = None
 
     def add(self, delta: Delta) -> None:
         self.texts.append(delta.text)
+        self.tokens += len(delta.token_ids)
         self.logprobs.extend(delta.logprobs)
         if delta.finish_reason is not None:
             self.finish, self.usage = delta.finish_reason, delta.usage
@@ -118,21 +123,28 @@ class Formatter:
         prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
         return {**self._head(kind, prefix + uuid.uuid4().hex, False), "choices": choices, "usage": self.usage(states)}
 
-    def chunks(self, kind: str, states: list[ChoiceState], include_usage: bool) -> Chunks:
-        return Chunks(self, kind, states, include_usage)
+    def chunks(self, kind: str, states: list[ChoiceState], include_usage: bool,
+               continuous_usage: bool = False) -> Chunks:
+        return Chunks(self, kind, states, include_usage, continuous_usage)
 
 
 class Chunks:
     """The server-sent events of one streamed request."""
 
-    def __init__(self, fmt: Formatter, kind: str, states: list[ChoiceState], include_usage: bool):
+    def __init__(self, fmt: Formatter, kind: str, states: list[ChoiceState], include_usage: bool,
+                 continuous_usage: bool = False):
         self.fmt, self.kind, self.states, self.include_usage = fmt, kind, states, include_usage
+        self.continuous = include_usage and continuous_usage
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
 
-    def _chunk(self, choices: list[dict]) -> bytes:
+    def _chunk(self, choices: list[dict], state: ChoiceState | None = None) -> bytes:
         obj = {**self.fmt._head(self.kind, self.id, True), "choices": choices}
         if self.include_usage:
             obj["usage"] = None
+            if self.continuous and state is not None:
+                prompt = len(state.stream.prompt_ids)
+                obj["usage"] = {"prompt_tokens": prompt, "completion_tokens": state.tokens,
+                                "total_tokens": prompt + state.tokens}
         return sse(obj)
 
     def opening(self) -> list[bytes]:
@@ -145,7 +157,7 @@ class Chunks:
     def delta(self, state: ChoiceState, delta: Delta) -> list[bytes]:
         finish = _FINISH.get(delta.finish_reason) if delta.finish_reason is not None else None
         want = state.logprobs_wanted
-        if not delta.text and finish is None and not (want and delta.token_ids):
+        if not delta.text and finish is None and not ((want or self.continuous) and delta.token_ids):
             return []
         ids = delta.token_ids[: len(delta.logprobs)]
         if self.kind == "chat":
@@ -157,7 +169,7 @@ class Chunks:
                       "logprobs": self.fmt.text_logprobs(ids, list(delta.logprobs), state.offset) if want else None,
                       "finish_reason": finish}
             state.offset += sum(len(self.fmt._token(t)[0]) for t in ids)
-        return [self._chunk([choice])]
+        return [self._chunk([choice], state)]
 
     def closing(self) -> list[bytes]:
         out = []

@@ -9,18 +9,16 @@ import logging
 import os
 import sys
 import tempfile
-from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from hybridgate.config import check_settings, setting
-from hybridgate.gateway.auth import check_token
+from hybridgate.gateway.config import GatewayConfig
 from hybridgate.gateway.http import OpenAIApp
 from hybridgate.gateway.http_server import HttpDoor
-from hybridgate.keys import check_secret_mode, read_secret_file
+from hybridgate.models import model_name
 from hybridgate.gateway.metrics import GatewayMetrics
 from hybridgate.gateway.security import BearerInterceptor, server_credentials
 from hybridgate.gateway.service import GenerationService
@@ -34,59 +32,6 @@ MAX_MESSAGE_BYTES = 4 << 20
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
-@dataclass(frozen=True)
-class GatewayConfig:
-    host: str = setting("127.0.0.1", "address to listen on (loopback only by default)")
-    port: int = setting(50051, "gRPC port (0 picks a free one)", low=0, high=65535)
-    metrics_port: int | None = setting(None, "serve Prometheus metrics on this port (default: off)",
-                                       low=0, high=65535)
-    grace_s: float = setting(10.0, "seconds in-flight streams get to finish on SIGINT/SIGTERM",
-                             flag="--grace-period", low=0)
-    log_requests: bool = setting(False, "log one line per finished request: id, label, route, prompt and "
-                                 "completion tokens, TTFT, total time, finish reason (never the prompt text)")
-    log_request_text: bool = setting(False, "with log_requests, add each request's prompt text to its line")
-    max_inflight_requests: int = setting(
-        1024, "requests this gateway holds at once (accepted, not finished); one more is refused at once with "
-              "RESOURCE_EXHAUSTED and a grpc-retry-pushback-ms trailer", low=1)
-    http_port: int | None = setting(
-        8000, "port of the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health, "
-              "/metrics) on --host; 0 picks a free one; an empty value turns it off", low=0, high=65535)
-    served_model_name: tuple[str, ...] = setting(
-        (), "the model name(s) the HTTP API answers to and reports (default: the model's id); repeat for aliases")
-    allow_client_routes: bool = setting(
-        False, "honour a request's `route` field (gpu, cpu, gpu->cpu): an operator's tool and the tests' handle; "
-               "without it a route other than auto is INVALID_ARGUMENT")
-    auth_token: str | None = setting(
-        None, "require `authorization: Bearer TOKEN` on every call but health (UNAUTHENTICATED otherwise); "
-              "prefer --auth-token-file or the variable, since a flag shows in the process list (default: off)",
-        secret=True, check=check_token)
-    auth_token_file: str | None = setting(
-        None, "read the bearer token from this file (mode 0600 or narrower; surrounding whitespace dropped)")
-    tls_cert: str | None = setting(None, "serve gRPC over TLS with this PEM certificate chain (with --tls-key)")
-    tls_key: str | None = setting(None, "the PEM private key of --tls-cert (mode 0600 or narrower)")
-    tls_client_ca: str | None = setting(
-        None, "mutual TLS: PEM CA certificates that clients' certificates must chain to; a client without "
-              "one is refused in the handshake (needs --tls-cert)")
-
-    def __post_init__(self) -> None:
-        check_settings(self)
-        if self.auth_token_file:
-            token = read_secret_file(self.auth_token_file, "--auth-token-file")
-            if self.auth_token not in (None, "", token):  # equal: a copy made by dataclasses.replace
-                raise ValueError("--auth-token and --auth-token-file: give one of them, not both")
-            try:
-                check_token(token)
-            except ValueError as exc:
-                raise ValueError(f"--auth-token-file: the token in {self.auth_token_file} {exc}") from None
-            object.__setattr__(self, "auth_token", token)  # resolved once here: every door reads auth_token
-        if bool(self.tls_cert) != bool(self.tls_key):
-            raise ValueError("--tls-cert and --tls-key: give both or neither")
-        if self.tls_key:
-            check_secret_mode(self.tls_key, "--tls-key")  # refused before anything starts
-        if self.tls_client_ca and not self.tls_cert:
-            raise ValueError("--tls-client-ca: mutual TLS needs TLS on the port (--tls-cert and --tls-key)")
-
-
 class Gateway:
     """A started gRPC server around a router; `port` is the bound port (0 picks a free one).
     `reuse_port`: bind with SO_REUSEPORT, beside this machine's other gateways of one `serve`.
@@ -97,9 +42,11 @@ class Gateway:
 
     def __init__(self, router: Router, config: GatewayConfig, reuse_port: bool = False):
         self.router, self.config = router, config
+        self.model_names = config.served_model_name or (model_name(router.model),)
         self.metrics = GatewayMetrics(lambda: router.clients, wire_errors=lambda: router.wire_errors,
                                       handoff=lambda: router.handoff_metrics, redis_up=router.redis_up,
-                                      response_cache=router.response_cache)
+                                      response_cache=router.response_cache,
+                                      model=(self.model_names[0], router.fingerprint))
         self.health = health.aio.HealthServicer()
         credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca) \
             if config.tls_cert else None  # read before anything binds: a bad file fails at once
@@ -113,13 +60,12 @@ class Gateway:
         ])
         service = GenerationService(router, self.metrics, log_requests=config.log_requests,
                                     log_request_text=config.log_request_text,
-                                    allow_client_routes=config.allow_client_routes,
+                                    allow_client_routes=config.allow_client_routes, model_id=self.model_names[0],
                                     max_inflight_requests=config.max_inflight_requests)
         pb_grpc.add_GenerationServicer_to_server(service, self.server)
         self.http: HttpDoor | None = None
         if config.http_port is not None:  # bound now, so a taken port fails before anything starts
-            names = config.served_model_name or (service.model_id,)
-            self.openai = OpenAIApp(router, self.metrics, service.admission, names, config.auth_token,
+            self.openai = OpenAIApp(router, self.metrics, service.admission, self.model_names, config.auth_token,
                                     config.log_requests)
             tls = (config.tls_cert, config.tls_key, config.tls_client_ca) if config.tls_cert else None
             self.http = HttpDoor(self.openai.app, config.host, config.http_port, config.grace_s, reuse_port, tls)
@@ -145,6 +91,7 @@ class Gateway:
         self.metrics_port: int | None = None
         self._httpd = None
         self._lag_task: asyncio.Task | None = None
+        self._health_tasks: set[asyncio.Task] = set()  # health changes under way; stop() cancels them
 
     async def start(self) -> None:
         """Serve metrics, then gRPC. Raises OSError naming the flag when the metrics port is taken
@@ -175,11 +122,17 @@ class Gateway:
             await self.health.set(name, status)
 
     def on_ready_change(self, ready: bool) -> None:
-        """For `Router(on_ready_change=...)`: health follows the workers."""
-        asyncio.get_running_loop().create_task(self.set_serving(ready))
+        """For `Router(on_ready_change=...)`: health follows the workers (a task the gateway holds
+        until it is done, so that `stop` can cancel it: none may say SERVING after stop)."""
+        task = asyncio.get_running_loop().create_task(self.set_serving(ready))
+        self._health_tasks.add(task)
+        task.add_done_callback(self._health_tasks.discard)
 
     async def stop(self) -> None:
         """Health NOT_SERVING, then in-flight streams get `grace_s` to finish."""
+        for task in list(self._health_tasks):
+            task.cancel()
+        await asyncio.gather(*self._health_tasks, return_exceptions=True)
         await self.set_serving(False)
         if self.http is not None:
             self.openai.draining = True

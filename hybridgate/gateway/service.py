@@ -10,9 +10,10 @@ from dataclasses import dataclass
 import grpc
 
 from hybridgate.gateway.admission import Admission
+from hybridgate.gateway.config import GatewayConfig
 from hybridgate.gateway.convert import delta_to_proto, request_to_native
 from hybridgate.gateway.metrics import GatewayMetrics
-from hybridgate.models import DEFAULT_MODEL_ID
+from hybridgate.models import model_name
 from hybridgate.router.router import DEFAULT_MAX_TOKENS_CAP
 from hybridgate.gateway.errors import ROUTER_ERRORS, status_of
 from hybridgate.router import ResourceExhaustedError, Router
@@ -42,13 +43,15 @@ PUSHBACK_KEY = "grpc-retry-pushback-ms"  # gRFC A6: the trailer gRPC's retry pol
 class GenerationService(pb_grpc.GenerationServicer):
     """`log_requests`: one line per finished request on the `hybridgate.requests` logger;
     `log_request_text` adds the prompt (off: prompts stay out of logs unless asked).
+    `model_id`: the served model's name (default: `hybridgate.models.model_name` of the router's model).
     `max_inflight_requests`: requests accepted and not yet finished; one more is refused at once
     with RESOURCE_EXHAUSTED and a `grpc-retry-pushback-ms` trailer (hybridgate.gateway.admission)."""
 
-    def __init__(self, router: Router, metrics: GatewayMetrics, model_id: str = DEFAULT_MODEL_ID,
+    def __init__(self, router: Router, metrics: GatewayMetrics, model_id: str | None = None,
                  log_requests: bool = False, log_request_text: bool = False,
-                 allow_client_routes: bool = False, max_inflight_requests: int = 1024):
-        self.router, self.metrics, self.model_id = router, metrics, model_id
+                 allow_client_routes: bool = False, max_inflight_requests: int = GatewayConfig.max_inflight_requests):
+        self.router, self.metrics = router, metrics
+        self.model_id = model_id or model_name(router.model)  # what GetModelInfo reports
         self.log_requests, self.log_request_text = log_requests, log_request_text
         self.allow_client_routes = allow_client_routes
         self.admission = Admission(max_inflight_requests)

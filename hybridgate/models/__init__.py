@@ -5,7 +5,8 @@ from hybridgate.models.chat import ChatTemplate, ChatTemplateError
 from hybridgate.models.detokenizer import IncrementalDetokenizer
 from hybridgate.models.fingerprint import model_fingerprint
 from hybridgate.models.gguf_file import GGUFModel, ModelConfig, ModelLoadError, TensorView, load_gguf
-from hybridgate.models.paths import DEFAULT_MODEL_ID, default_model_path
+from hybridgate.models.gguf_metadata import read_metadata
+from hybridgate.models.paths import default_model_path, model_name
 from hybridgate.models.tokenizer import Tokenizer
 
 __all__ = [
@@ -15,7 +16,6 @@ __all__ = [
     "RopeLayout",
     "ChatTemplate",
     "ChatTemplateError",
-    "DEFAULT_MODEL_ID",
     "GGUFModel",
     "IncrementalDetokenizer",
     "ModelConfig",
@@ -25,4 +25,6 @@ __all__ = [
     "default_model_path",
     "load_gguf",
     "model_fingerprint",
+    "model_name",
+    "read_metadata",
 ]

@@ -22,6 +22,25 @@ from hybridgate.models.tokenizer import Tokenizer
 
 ROLES = ("system", "user", "assistant", "tool")
 
+# The special-token variables transformers hands a template (`PreTrainedTokenizerBase.special_tokens_map`),
+# each with the GGUF key of its id (llama.cpp's gguf-py, `Keys.Tokenizer`; "seperator" is its spelling).
+TEMPLATE_TOKEN_KEYS = {
+    "bos_token": "tokenizer.ggml.bos_token_id",
+    "eos_token": "tokenizer.ggml.eos_token_id",
+    "unk_token": "tokenizer.ggml.unknown_token_id",
+    "pad_token": "tokenizer.ggml.padding_token_id",
+    "sep_token": "tokenizer.ggml.seperator_token_id",
+    "cls_token": "tokenizer.ggml.cls_token_id",
+    "mask_token": "tokenizer.ggml.mask_token_id",
+}
+NO_TEMPLATE = ("the model has no chat template (no GGUF key 'tokenizer.chat_template': a base model, which serves "
+               "completions); give one with --chat-template FILE to serve chats")
+
+
+def template_token_ids(metadata: Mapping[str, Any]) -> dict[str, int]:
+    """The ids of TEMPLATE_TOKEN_KEYS' variables that a GGUF's metadata names (absent ones left out)."""
+    return {var: int(metadata[key]) for var, key in TEMPLATE_TOKEN_KEYS.items() if key in metadata}
+
 
 class ChatTemplateError(ValueError):
     """The chat template failed for these `messages`."""
@@ -62,20 +81,28 @@ def _environment() -> ImmutableSandboxedEnvironment:
 class ChatTemplate:
     """A compiled chat template bound to a tokenizer.
 
+    `source`: the template text (default: the model's own, `tokenizer.chat_template`).
+    `token_ids`: the special-token variables the template is given, by id (`template_token_ids`
+    of the GGUF's metadata); default: `bos_token` and `eos_token` of the tokenizer. A model with
+    no template (a base model) builds one whose `present` is False: it serves no chat.
+
     Raises:
-        ChatTemplateError: the template does not compile (at construction) or
-            fails while rendering `messages`.
+        ChatTemplateError: the template does not compile (at construction); it fails while
+            rendering `messages`, or there is none (naming --chat-template) (at render/encode).
     """
 
-    def __init__(self, tokenizer: Tokenizer, source: str | None = None):
+    def __init__(self, tokenizer: Tokenizer, source: str | None = None, token_ids: Mapping[str, int] | None = None):
         source = source if source is not None else tokenizer.chat_template
-        if not source:
-            raise ChatTemplateError("the model has no chat template (GGUF key 'tokenizer.chat_template')")
-        try:
-            self._template = _environment().from_string(source)
-        except jinja2.TemplateError as exc:
-            raise ChatTemplateError(f"chat template does not compile: {exc}") from exc
+        self._template = None
+        if source:
+            try:
+                self._template = _environment().from_string(source)
+            except jinja2.TemplateError as exc:
+                raise ChatTemplateError(f"chat template does not compile: {exc}") from exc
         self._tokenizer = tokenizer
+        ids = dict(token_ids) if token_ids is not None else \
+            {"bos_token": tokenizer.bos_token_id, "eos_token": tokenizer.eos_token_id}
+        self._token_ids = {var: i for var, i in ids.items() if 0 <= i < tokenizer.vocab_size}
         names = sorted(tokenizer.special_tokens, key=len, reverse=True)
         self._special = re.compile("|".join(re.escape(n) for n in names)) if names else None
         # Private-use code points stand in for special-token strings inside content.
@@ -84,21 +111,27 @@ class ChatTemplate:
         self._unmask_re = re.compile("\U000f0000[0-9]+\U000f0001")
         self._specials_by_id = {i: t for t, i in tokenizer.special_tokens.items()}
 
+    @property
+    def present(self) -> bool:
+        """Whether there is a template to render (False for a base model given none)."""
+        return self._template is not None
+
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
         """The prompt text, exactly as transformers' `apply_chat_template(tokenize=False)`."""
         return self._render(messages, add_generation_prompt)
 
     def _render(self, messages, add_generation_prompt: bool) -> str:
+        if self._template is None:
+            raise ChatTemplateError(NO_TEMPLATE)  # every caller names the field (messages)
         tok = self._tokenizer
-        token = lambda i: self._specials_by_id.get(i) or (tok.id_to_token(i) if 0 <= i < tok.vocab_size else None)  # noqa: E731
+        tokens = {var: self._specials_by_id.get(i) or tok.id_to_token(i) for var, i in self._token_ids.items()}
         try:
             return self._template.render(
+                {"bos_token": None, "eos_token": None, **tokens},
                 messages=[dict(m) for m in messages],
                 tools=None,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
-                bos_token=token(tok.bos_token_id),
-                eos_token=token(tok.eos_token_id),
             )
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"messages: the chat template failed: {exc}") from exc

@@ -42,7 +42,12 @@ class IncrementalDetokenizer:
     character (a proper prefix of a well-formed sequence, Unicode Table 3-7)
     are held back; everything else is decoded at once, invalid bytes as
     U+FFFD per maximal subpart, as `tokenizer.decode` does. `flush()` emits the
-    held bytes as U+FFFD, so deltas + flush equal `tokenizer.decode(ids)`.
+    held bytes as U+FFFD, so deltas + flush equal `tokenizer.decode(ids)`;
+    except that on a SentencePiece vocabulary with a space prefix, `decode`
+    drops the leading space of the first `▁` piece (text that starts a
+    prompt) where the deltas keep it (text that continues one, as llama.cpp's
+    `token_to_piece` streams it). A SentencePiece token's bytes are as fixed
+    as a byte-level one's (`▁` is a space, `<0xNN>` its byte).
 
     With `skip_special_tokens`, special (control) tokens such as `<|im_end|>`
     add no bytes, as if absent from the ids, so deltas + flush equal

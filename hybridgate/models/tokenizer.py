@@ -1,39 +1,75 @@
-"""Byte-level BPE tokenizer built from GGUF metadata with the `tokenizers` library.
+"""Tokenizers built from GGUF metadata with the `tokenizers` library, as llama.cpp reads them.
 
-GGUF stores the vocabulary (already spelled in GPT-2's byte alphabet), the
-merges, token types and a pre-tokenizer name (`tokenizer.ggml.pre`) that
-llama.cpp maps to a regex list (llama.cpp, src/llama-vocab.cpp). Each name we
-accept maps to the pre-tokenizer of the model's published tokenizer.json.
+GGUF stores the vocabulary (`tokenizer.ggml.tokens`), token types, and either
+merges (`tokenizer.ggml.merges`, byte-level BPE) or scores
+(`tokenizer.ggml.scores`, SentencePiece). `tokenizer.ggml.model` names the
+kind (llama.cpp, src/llama-vocab.cpp, `llama_vocab::impl::load`):
+
+- `gpt2`: byte-level BPE, split first by the rules `tokenizer.ggml.pre` names
+  (hybridgate/models/pretokenizers.py).
+- `llama`: SentencePiece BPE. Merges are derived from the scores (a piece's
+  score ranks the merge that makes it, as transformers' GGUF converter and
+  `convert_slow_tokenizer` do), unknown characters fall back to `<0xNN>` byte
+  tokens, a space becomes `▁`, and with `tokenizer.ggml.add_space_prefix`
+  (default true) every run of text gets a leading `▁` (llama.cpp prefixes
+  the text and every fragment after a special token). Gemma's files differ
+  (`SPM_VARIANTS`): runs of spaces are stored as spaces and merges follow the
+  file's token order, not the scores (transformers' `gemma_tokenizer`).
+- `gemma4`: the same SentencePiece-style text steps over a BPE vocabulary
+  whose merges the file lists (llama.cpp's `gemma4` tokenizer model).
+
+Anything else is refused with `ModelLoadError`.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from tokenizers import AddedToken, Tokenizer as _HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers
+from tokenizers import decoders, models, normalizers
 
 from hybridgate.models.gguf_file import GGUFModel, ModelLoadError
+from hybridgate.models.pretokenizers import PRE_TOKENIZER_NAMES, pre_tokenizer
 
-_CONTROL, _USER_DEFINED = 3, 4
+log = logging.getLogger("hybridgate.models")
 
-
-def _smollm_pre() -> pre_tokenizers.PreTokenizer:
-    # SmolLM2's tokenizer.json: every digit alone, then GPT-2's regex split.
-    return pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ]
-    )
+# llama.cpp's token types (llama_token_type in gguf-py's constants).
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+SPACE = "\u2581"  # SentencePiece's space symbol
+# Control tokens that end a turn in the chat templates of the families served (llama.cpp's EOG list).
+END_OF_TURN_TOKENS = ("<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|im_end|>", "<|end|>")
 
 
-def _gpt2_pre() -> pre_tokenizers.PreTokenizer:
-    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+@dataclass(frozen=True)
+class SentencePieceVariant:
+    """How one family's GGUF files spell a SentencePiece vocabulary."""
+
+    merges_by_file_order: bool = False  # rank merges by token position, not by score
+    respell_space_runs: bool = False  # a token of 2+ spaces is stored as spaces: spell it with `▁`
 
 
-PRE_TOKENIZERS = {"smollm": _smollm_pre, "gpt2": _gpt2_pre}
+# By `general.architecture`; any other architecture reads as Llama's SentencePiece.
+SPM_VARIANTS = {
+    "gemma": SentencePieceVariant(merges_by_file_order=True, respell_space_runs=True),
+    "gemma2": SentencePieceVariant(merges_by_file_order=True, respell_space_runs=True),
+    "gemma3": SentencePieceVariant(merges_by_file_order=True, respell_space_runs=True),
+}
+
+
+@dataclass(frozen=True)
+class _Parts:
+    """What a tokenizer model contributes: the BPE model, text steps and the bytes of each id."""
+
+    model: models.Model
+    normalizer: normalizers.Normalizer | None
+    pre_tokenizer: Any
+    decoder: decoders.Decoder
+    token_bytes: list[bytes]
+    vocab: set[str]
+    add_bos: bool  # llama.cpp's default when the file has no `tokenizer.ggml.add_bos_token`
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -49,83 +85,199 @@ def _byte_decoder() -> dict[str, int]:
     return chars
 
 
+def _vocab(tokens: list[str]) -> dict[str, int]:
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)  # a duplicated string keeps its first id
+    return vocab
+
+
+def _byte_level(meta: dict[str, Any], tokens: list[str], types: list[int]) -> _Parts:
+    """`gpt2`: byte-level BPE with the file's merges and the pre-tokenizer `tokenizer.ggml.pre` names.
+
+    A file without `tokenizer.ggml.pre` gets llama.cpp's choice, `default` (it warns of degraded output).
+    """
+    name = meta.get("tokenizer.ggml.pre", "default")
+    if "tokenizer.ggml.pre" not in meta:
+        log.warning("GGUF has no tokenizer.ggml.pre: using llama.cpp's 'default' pre-tokenizer (regenerate the file "
+                    "with a current convert_hf_to_gguf.py for its model's own)")
+    if name not in PRE_TOKENIZER_NAMES:
+        raise ModelLoadError(f"tokenizer.ggml.pre {name!r} is not supported (supported: {sorted(PRE_TOKENIZER_NAMES)})")
+    if "tokenizer.ggml.merges" not in meta:
+        raise ModelLoadError("GGUF metadata key 'tokenizer.ggml.merges' is missing")
+    rules = pre_tokenizer(name)
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    vocab = _vocab(tokens)
+    model = models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False, ignore_merges=rules.ignore_merges)
+    table = _byte_decoder()
+    token_bytes = [t.encode("utf-8") if k in (_CONTROL, _USER_DEFINED) or not all(c in table for c in t)
+                   else bytes(table[c] for c in t) for t, k in zip(tokens, types)]
+    return _Parts(model, None, rules.build(), decoders.ByteLevel(), token_bytes, set(vocab), rules.add_bos)
+
+
+def _spm_merges(pieces: list[str], ranks: list[float], types: list[int]) -> list[tuple[str, str]]:
+    """Merges implied by a SentencePiece vocabulary: every split of a piece into two pieces, best rank first.
+
+    The order is transformers' `generate_merges` (tokenization_utils_base.py): by the merged piece's
+    rank, then the longer left part first.
+    """
+    vocab = {p for p, k in zip(pieces, types) if k in (_NORMAL, _USER_DEFINED)}
+    found = []
+    for piece, rank, kind in zip(pieces, ranks, types):
+        if kind not in (_NORMAL, _USER_DEFINED):
+            continue
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                found.append((rank, len(left), len(right), left, right))
+    found.sort(key=lambda m: (m[0], m[1], m[2]), reverse=True)
+    return [(m[3], m[4]) for m in found]
+
+
+def _token_bytes_spm(tokens: list[str], types: list[int]) -> list[bytes]:
+    """Bytes of each SentencePiece id: `▁` -> space, `<0xNN>` -> that byte, control text as is."""
+    out = []
+    for t, k in zip(tokens, types):
+        if k == _BYTE and len(t) == 6 and t.startswith("<0x") and t.endswith(">"):
+            out.append(bytes([int(t[3:5], 16)]))
+        elif k in (_NORMAL, _UNUSED):
+            out.append(t.replace(SPACE, " ").encode("utf-8"))
+        else:
+            out.append(t.encode("utf-8"))
+    return out
+
+
+def _sentencepiece(meta: dict[str, Any], tokens: list[str], types: list[int]) -> _Parts:
+    """`llama`: SentencePiece BPE with byte fallback (see the module docstring)."""
+    if "tokenizer.ggml.scores" not in meta:
+        raise ModelLoadError("GGUF metadata key 'tokenizer.ggml.scores' is missing (a SentencePiece vocabulary)")
+    variant = SPM_VARIANTS.get(meta.get("general.architecture"), SentencePieceVariant())
+    pieces = tokens
+    if variant.respell_space_runs:
+        pieces = [SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = _vocab(pieces)
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    unk = pieces[int(unk_id)] if unk_id is not None and 0 <= int(unk_id) < len(pieces) else None
+    if "tokenizer.ggml.merges" in meta:  # a BPE-trained SentencePiece-style vocabulary (`gemma4`) lists its merges
+        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    else:
+        ranks = ([-float(i) for i in range(len(pieces))] if variant.merges_by_file_order
+                 else [float(s) for s in meta["tokenizer.ggml.scores"]])
+        merges = _spm_merges(pieces, ranks, types)
+    model = models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
+    space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    steps = [normalizers.Replace(" ", SPACE)]
+    decode = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if space_prefix:
+        steps.insert(0, normalizers.Prepend(SPACE))
+        decode.append(decoders.Strip(" ", 1, 0))
+    return _Parts(model, normalizers.Sequence(steps), None, decoders.Sequence(decode),
+                  _token_bytes_spm(tokens, types), set(vocab), add_bos=True)
+
+
+# `tokenizer.ggml.model` -> builder; anything else (bert, t5, rwkv, ...) is refused.
+TOKENIZER_MODELS = {"gpt2": _byte_level, "llama": _sentencepiece, "gemma4": _sentencepiece}
+
+
+def _optional_id(meta: dict[str, Any], key: str, vocab_size: int) -> int:
+    """The id under `tokenizer.ggml.{key}`, or -1 when absent or outside the vocabulary."""
+    value = meta.get(f"tokenizer.ggml.{key}")
+    return int(value) if value is not None and 0 <= int(value) < vocab_size else -1
+
+
 class Tokenizer:
-    """Encode and decode text for a GGUF model with a byte-level BPE vocabulary.
+    """Encode and decode text for a GGUF model, from its `tokenizer.*` metadata.
+
+    Attributes: `vocab_size`; `bos_token_id`, `eos_token_id`, `eot_token_id`,
+    `eom_token_id` (-1 when the file has none); `add_bos_token`,
+    `add_eos_token` (the file's flags, else llama.cpp's defaults: BOS for
+    SentencePiece and `llama-bpe`, none for other byte-level BPE; only
+    `encode_prompt` adds it); `special_tokens` (control token
+    string -> id); `stop_token_ids` (EOS, EOT, EOM and every control token of
+    `END_OF_TURN_TOKENS` the vocabulary has); `token_bytes` (the bytes each id
+    decodes to); `chat_template`.
 
     Raises (at construction):
-        ModelLoadError: `tokenizer.ggml.model` is not `gpt2` (byte-level BPE), or
-            `tokenizer.ggml.pre` is not one of `PRE_TOKENIZERS`, or the
-            vocabulary or merges are missing.
+        ModelLoadError: `tokenizer.ggml.model` is not in `TOKENIZER_MODELS`, or
+            `tokenizer.ggml.pre` is not a supported pre-tokenizer (both named,
+            with the supported list), or a key the model needs is missing.
     """
 
     def __init__(self, metadata: dict[str, Any]):
         kind = metadata.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ModelLoadError(f"tokenizer.ggml.model {kind!r} is not supported (supported: 'gpt2', byte-level BPE)")
-        pre = metadata.get("tokenizer.ggml.pre", "gpt2")
-        if pre not in PRE_TOKENIZERS:
-            raise ModelLoadError(
-                f"tokenizer.ggml.pre {pre!r} is not supported (supported: {sorted(PRE_TOKENIZERS)})"
-            )
-        for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
-            if key not in metadata:
-                raise ModelLoadError(f"GGUF metadata key {key!r} is missing")
+        if kind not in TOKENIZER_MODELS:
+            raise ModelLoadError(f"tokenizer.ggml.model {kind!r} is not supported (supported: "
+                                 f"{sorted(TOKENIZER_MODELS)}: byte-level BPE and SentencePiece)")
+        if "tokenizer.ggml.tokens" not in metadata:
+            raise ModelLoadError("GGUF metadata key 'tokenizer.ggml.tokens' is missing")
         tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
-        types = list(metadata.get("tokenizer.ggml.token_type", [1] * len(tokens)))
-        merges = [tuple(m.split(" ", 1)) for m in metadata["tokenizer.ggml.merges"]]
+        types = [int(k) for k in metadata.get("tokenizer.ggml.token_type", [_NORMAL] * len(tokens))]
+        parts = TOKENIZER_MODELS[kind](metadata, tokens, types)
+        self.model = kind
         self.vocab_size = len(tokens)
-        self.bos_token_id = int(metadata.get("tokenizer.ggml.bos_token_id", -1))
-        self.eos_token_id = int(metadata.get("tokenizer.ggml.eos_token_id", -1))
-        self.add_bos_token = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
+        self._read_special_ids(metadata, tokens, types)
+        self.add_bos_token = bool(metadata.get("tokenizer.ggml.add_bos_token", parts.add_bos))
+        self.add_eos_token = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
         self.chat_template: str | None = metadata.get("tokenizer.chat_template")
-        self.special_tokens = {t: i for i, (t, k) in enumerate(zip(tokens, types)) if k == _CONTROL}
         self._tokens = tokens
-        self._with_special = self._build(tokens, types, merges, PRE_TOKENIZERS[pre]())
-        self._as_text = self._build(tokens, types, merges, PRE_TOKENIZERS[pre]())
+        self._with_special = self._build(parts, tokens, types)
+        self._as_text = self._build(parts, tokens, types)
         self._as_text.encode_special_tokens = True
-        self.token_bytes = self._token_bytes(tokens, types)
+        self.token_bytes = parts.token_bytes
+
+    def _read_special_ids(self, meta: dict[str, Any], tokens: list[str], types: list[int]) -> None:
+        n = len(tokens)
+        self.bos_token_id = _optional_id(meta, "bos_token_id", n)
+        self.eos_token_id = _optional_id(meta, "eos_token_id", n)
+        self.eot_token_id = _optional_id(meta, "eot_token_id", n)
+        self.eom_token_id = _optional_id(meta, "eom_token_id", n)
+        self.special_tokens = {t: i for i, (t, k) in enumerate(zip(tokens, types)) if k == _CONTROL}
+        ends = {self.special_tokens[t] for t in END_OF_TURN_TOKENS if t in self.special_tokens}
+        ids = {self.eos_token_id, self.eot_token_id, self.eom_token_id} | ends
+        self.stop_token_ids: frozenset[int] = frozenset(i for i in ids if i >= 0)
 
     @staticmethod
-    def _build(tokens, types, merges, pre) -> _HFTokenizer:
-        vocab = {t: i for i, t in enumerate(tokens)}
-        tok = _HFTokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
-        tok.pre_tokenizer = pre
-        tok.decoder = decoders.ByteLevel()
+    def _build(parts: _Parts, tokens: list[str], types: list[int]) -> _HFTokenizer:
+        tok = _HFTokenizer(parts.model)
+        if parts.normalizer is not None:
+            tok.normalizer = parts.normalizer
+        if parts.pre_tokenizer is not None:
+            tok.pre_tokenizer = parts.pre_tokenizer
+        tok.decoder = parts.decoder
         tok.add_special_tokens(
             [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == _CONTROL]
         )
-        tok.add_tokens(
-            [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == _USER_DEFINED]
-        )
+        # User-defined tokens (e.g. `<think>`) are matched whole in text, as llama.cpp does.
+        tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, k in zip(tokens, types) if k == _USER_DEFINED and t in parts.vocab])
         return tok
-
-    @staticmethod
-    def _token_bytes(tokens: list[str], types: list[int]) -> list[bytes]:
-        """The bytes each id decodes to (what the ByteLevel decoder yields for it)."""
-        table = _byte_decoder()
-        out = []
-        for t, k in zip(tokens, types):
-            if k in (_CONTROL, _USER_DEFINED) or not all(c in table for c in t):
-                out.append(t.encode("utf-8"))
-            else:
-                out.append(bytes(table[c] for c in t))
-        return out
 
     @classmethod
     def from_model(cls, model: GGUFModel) -> Tokenizer:
         return cls(model.metadata)
 
     def encode(self, text: str, *, special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; nothing is prepended (BOS comes from the template).
+        """Token ids of `text`; no BOS is prepended (it comes from the template, or `encode_prompt`).
 
         With `special_tokens=False`, a special-token string such as
-        `<|im_end|>` in `text` is encoded as plain text.
+        `<|im_end|>` in `text` is encoded as plain text. A SentencePiece
+        vocabulary with `add_space_prefix` puts a space before the text and
+        after every special token in it, as llama.cpp does.
         """
         tok = self._with_special if special_tokens else self._as_text
         return tok.encode(text, add_special_tokens=False).ids
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """Ids of a raw-text prompt: BOS first when the vocabulary asks for it (`add_bos_token`), as
+        llama.cpp's `llama_tokenize(add_special=true)` does; special-token strings are parsed."""
+        ids = self.encode(text)
+        return [self.bos_token_id, *ids] if self.add_bos_token and self.bos_token_id >= 0 else ids
+
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
-        """Text of `ids`; invalid UTF-8 becomes U+FFFD (one per maximal invalid subpart)."""
+        """Text of `ids`; invalid UTF-8 becomes U+FFFD (one per maximal invalid subpart).
+
+        A SentencePiece vocabulary with `add_space_prefix` drops the one leading
+        space its encoding added, as llama.cpp's detokenizer does."""
         return self._with_special.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def id_to_token(self, token_id: int) -> str:

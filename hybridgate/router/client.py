@@ -28,6 +28,7 @@ import zmq.asyncio
 
 from hybridgate import wire
 from hybridgate.keys import Transport
+from hybridgate.router.config import RouterConfig
 from hybridgate.router.lifecycle import (
     PROBE_FIRST_S,
     Exited,
@@ -88,8 +89,11 @@ MessageHandler = Callable[["WorkerClient", msgspec.Struct], None]
 
 
 class WorkerClient(Protocol):
-    """What the router needs of a worker. A client with a `lifecycle` attribute runs its own
-    states; for one without, the router moves CONNECTING → READY on READY and → DEAD on WorkerDead."""
+    """What the router needs of a worker. Every client runs its states as a
+    `hybridgate.router.lifecycle.Lifecycle` (`ZmqWorkerClient` over a socket,
+    `hybridgate.router.local.LocalWorkerClient` for a worker in this process) and tells the router
+    of each change (StateChange) and loss (WorkerDead); the router sets one state itself, REFUSED,
+    on a HELLO with another model."""
 
     endpoint: str
     kind: str | None
@@ -153,8 +157,8 @@ class ZmqWorkerClient:
     a tcp:// endpoint (hybridgate.keys.Transport; None: plain sockets, the embedder's choice).
     """
 
-    def __init__(self, endpoint: str, *, dead_after_s: float = 1.0, suspect_after_s: float | None = None,
-                 name: str = "", ctx: zmq.asyncio.Context | None = None, transport: Transport | None = None):
+    def __init__(self, endpoint: str, *, dead_after_s: float = RouterConfig.dead_after_s,
+                 suspect_after_s: float | None = None, name: str = "", ctx: zmq.asyncio.Context | None = None, transport: Transport | None = None):
         self.endpoint = endpoint
         self.transport = transport
         self.kind: str | None = None

@@ -12,19 +12,61 @@ its queue is admitted. A `gpu->cpu` plan has the GPU worker's TTFT and the CPU
 worker's TPOT plus the hand-off's copy time spread over the output.
 
 All times in seconds. A worker that has reported no figures yet is priced with
-`UNMEASURED_*` (a slow guess, so measured workers are preferred).
+`UNMEASURED_*` (a slow guess, so measured workers are preferred); one that has
+reported no scheduler limits (`max_num_seqs`, `max_num_batched_tokens` 0) is
+priced without them (one step per prefill, no batch cap): the limits come only
+from the workers' reports, never from a default written here.
+
+A hand-off's copy time is its bytes (the exporting worker's KV per token, from
+its reported `kv_dtype`) over the rate measured on this router's recent imports
+(`HandoffRate`: a moving median, seeded by `HANDOFF_BYTES_PER_S`).
 """
 
 from __future__ import annotations
 
 import bisect
 import math
+import statistics
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from hybridgate.mempool import DEFAULT_BLOCK_SIZE
+
 UNMEASURED_PREFILL_TOKENS_PER_S = 100.0
 UNMEASURED_DECODE_STEP_S = 0.1
-HANDOFF_BYTES_PER_S = 2e9  # host-to-host copy of KV through the pinned slab; a conservative figure
+HANDOFF_BYTES_PER_S = 2e9  # host-to-host copy of KV through the pinned slab; the seed of HandoffRate
+HANDOFF_RATE_WINDOW = 32  # imports the hand-off rate is the median of
+# Bytes per KV value by the `kv_dtype` a worker reports (wire.HANDOFF_DTYPES); a worker that reports
+# none is priced at the widest, float32.
+KV_BYTES_PER_VALUE = {"float32": 4, "bfloat16": 2, "float16": 2, "": 4}
+
+
+def kv_bytes_per_value(kv_dtype: str) -> int:
+    """Bytes of one K or V element in a cache of `kv_dtype`. Raises ValueError naming the dtype."""
+    try:
+        return KV_BYTES_PER_VALUE[kv_dtype]
+    except KeyError:
+        raise ValueError(f"kv_dtype: must be one of {', '.join(k for k in KV_BYTES_PER_VALUE if k)}, "
+                         f"got {kv_dtype!r}") from None
+
+
+class HandoffRate:
+    """Bytes per second of this router's recent KV hand-offs: the median of the last
+    `HANDOFF_RATE_WINDOW` imports (each its bytes over the seconds from the export's start to the
+    import's confirmation), `HANDOFF_BYTES_PER_S` before the first."""
+
+    def __init__(self, seed_bytes_per_s: float = HANDOFF_BYTES_PER_S, window: int = HANDOFF_RATE_WINDOW):
+        self.seed = seed_bytes_per_s
+        self._samples: deque[float] = deque(maxlen=window)
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        """One import of `nbytes` bytes in `seconds`; ignored without both (nothing was measured)."""
+        if nbytes > 0 and seconds > 0:
+            self._samples.append(nbytes / seconds)
+
+    def bytes_per_s(self) -> float:
+        return statistics.median(self._samples) if self._samples else self.seed
 
 
 @dataclass(frozen=True)
@@ -48,12 +90,13 @@ class WorkerLoad:
     # Blocks its sequences hold once each has run to its max_tokens (a hand-off's to its first token),
     # those queued included: what the cache is promised, where `blocks_free` is only what it holds now.
     blocks_committed: int = 0
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    block_size: int = DEFAULT_BLOCK_SIZE
+    max_num_seqs: int = 0  # the scheduler's batch cap, as reported (0: not reported, no cap)
+    max_num_batched_tokens: int = 0  # its token budget per step, as reported (0: not reported, one step)
     prefill_tokens_per_s: Mapping[int, float] = field(default_factory=dict)
     decode_step_s: Mapping[int, float] = field(default_factory=dict)
     takes_handoff: bool = False  # a CPU worker with a hand-off socket
+    kv_bytes_per_token: int = 0  # K and V of one token in its cache (its reported kv_dtype): what it exports
 
 
 def _interpolate(table: Mapping[int, float], x: float, extrapolate_up: bool) -> float:
@@ -88,7 +131,7 @@ def prefill_s(w: WorkerLoad, tokens: int, decoding: int) -> float:
     """Seconds to prefill `tokens` prompt tokens in budget-sized chunks beside `decoding` decodes."""
     if tokens <= 0:
         return 0.0
-    chunk = max(1, w.max_num_batched_tokens - decoding)
+    chunk = max(1, w.max_num_batched_tokens - decoding) if w.max_num_batched_tokens else tokens
     full, rest = divmod(tokens, chunk)
     t = full * step_s(w, decoding + chunk, decoding + 1)
     return t + (step_s(w, decoding + rest, decoding + 1) if rest else 0.0)
@@ -102,7 +145,8 @@ def ttft_s(w: WorkerLoad, uncached_tokens: int) -> float:
 
 def tpot_s(w: WorkerLoad) -> float:
     """Predicted TPOT: a decode step at the batch the worker has once its queue is admitted."""
-    batch = min(w.max_num_seqs, w.decoding + w.waiting + 1)
+    batch = w.decoding + w.waiting + 1
+    batch = min(w.max_num_seqs, batch) if w.max_num_seqs else batch
     return step_s(w, batch, batch)
 
 
@@ -116,9 +160,9 @@ def unloaded_tpot_s(w: WorkerLoad) -> float:
     return step_s(w, 1, 1)
 
 
-def handoff_s(kv_bytes_per_token: int, tokens: int) -> float:
-    """Copy time of a sequence's KV in a gpu->cpu hand-off."""
-    return kv_bytes_per_token * tokens / HANDOFF_BYTES_PER_S
+def handoff_s(kv_bytes_per_token: int, tokens: int, bytes_per_s: float = HANDOFF_BYTES_PER_S) -> float:
+    """Copy time of a sequence's KV in a gpu->cpu hand-off at `bytes_per_s` (HandoffRate's figure)."""
+    return kv_bytes_per_token * tokens / bytes_per_s
 
 
 def blocks_needed(w: WorkerLoad, tokens: int) -> int:

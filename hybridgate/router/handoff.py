@@ -65,7 +65,9 @@ from typing import Protocol
 
 import msgspec
 
+from hybridgate.config import environment
 from hybridgate.router.client import WorkerClient, WorkerDead
+from hybridgate.router.costmodel import HandoffRate
 from hybridgate.router.reorder import Reorder
 from hybridgate.wire import (
     Abort,
@@ -126,9 +128,10 @@ class PauseHook:
     rng: random.Random = field(default_factory=random.Random, compare=False)
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str]) -> PauseHook:
-        """Raises ValueError naming the variable when its value does not parse."""
-        text = environ.get(PAUSE_ENV, "")
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> PauseHook:
+        """From `environ` (tests), else the process's environment. Raises ValueError naming the variable
+        when its value does not parse."""
+        text = environ.get(PAUSE_ENV, "") if environ is not None else environment(PAUSE_ENV, "")
         if not text:
             return cls()
         parts = text.split(":")
@@ -158,15 +161,19 @@ class HandoffMetrics:
 
     outcomes: hand-offs by outcome (done, refused, aborted, resumed).
     seconds: HandoffExported's arrival to HandoffImported's arrival, in a
-    histogram with upper bounds `SECONDS_BUCKETS` (cumulative counts made at export).
+    histogram with upper bounds `SECONDS_BUCKETS` (cumulative counts made at export);
+    rate: the bytes of each over those seconds, whose moving median prices the next
+    hand-offs (`costmodel.HandoffRate`).
     """
 
     outcomes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
     bucket_counts: list[int] = field(default_factory=lambda: [0] * len(SECONDS_BUCKETS))
     seconds_sum: float = 0.0
     seconds_count: int = 0
+    rate: HandoffRate = field(default_factory=HandoffRate)
 
-    def observe(self, seconds: float) -> None:
+    def observe(self, seconds: float, nbytes: int = 0) -> None:
+        self.rate.observe(nbytes, seconds)
         for i, bound in enumerate(SECONDS_BUCKETS):
             if seconds <= bound:
                 self.bucket_counts[i] += 1
@@ -206,6 +213,7 @@ class Handoff:
         self._cpu_failed: str | None = None  # C refused or was lost while G prefilled
         self._gpu_lost = False
         self._export_started: float | None = None  # monotonic, from G's HandoffExported
+        self._export_bytes = 0  # K and V bytes G sent (HandoffExported.nbytes)
         self._imported_at: float | None = None  # set when C's confirmation came before G's HandoffExported
         self._early: list[SeqOutput] = []  # C's outputs before its import was confirmed here
         self._held: list[tuple[WorkerClient, msgspec.Struct]] | None = None  # control events during a pause
@@ -310,9 +318,9 @@ class Handoff:
         if client is not self.gpu:
             return
         # G sends this once the KV send is queued, so the export started export_ms before.
-        self._export_started = time.monotonic() - msg.export_ms / 1e3
+        self._export_started, self._export_bytes = time.monotonic() - msg.export_ms / 1e3, msg.nbytes
         if self._imported_at is not None:  # C's confirmation overtook this message
-            self.metrics.observe(max(0.0, self._imported_at - self._export_started))
+            self.metrics.observe(max(0.0, self._imported_at - self._export_started), msg.nbytes)
         if self.state != HandoffState.PREFILLING:
             return
         if self._cpu_failed is not None:
@@ -339,7 +347,7 @@ class Handoff:
                 self._held.append((client, msg))
                 return
         if self._export_started is not None:
-            self.metrics.observe(time.monotonic() - self._export_started)
+            self.metrics.observe(time.monotonic() - self._export_started, self._export_bytes)
         else:
             self._imported_at = time.monotonic()
         self._count("done")

@@ -47,6 +47,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from hybridgate.router import costmodel as cm
+from hybridgate.router.config import POLICIES
 from hybridgate.router.costmodel import WorkerLoad
 
 SLO_FACTOR = 3.0
@@ -59,14 +60,16 @@ TPOT_HEADROOM = 0.8
 @dataclass(frozen=True)
 class PlacementRequest:
     """What a policy knows of a request. `uncached_tokens[i]`: prompt tokens not cached on workers[i]
-    (the router's estimate); `deadline_s`: seconds left, None for none; `kv_bytes_per_token`:
-    what a gpu->cpu hand-off copies per token."""
+    (the router's estimate); `deadline_s`: seconds left, None for none; `handoff_bytes_per_s`: the
+    rate a gpu->cpu hand-off copies at (costmodel.HandoffRate); `handoff`: whether gpu->cpu plans
+    may be made (a request moved after its first placement runs on one worker)."""
 
     prompt_tokens: int
     max_tokens: int
     uncached_tokens: tuple[int, ...]
     deadline_s: float | None = None
-    kv_bytes_per_token: int = 0
+    handoff_bytes_per_s: float = cm.HANDOFF_BYTES_PER_S
+    handoff: bool = True
 
 
 @dataclass(frozen=True)
@@ -99,17 +102,21 @@ def predict(request: PlacementRequest, workers: Sequence[WorkerLoad], i: int) ->
 
 
 def all_plans(request: PlacementRequest, workers: Sequence[WorkerLoad]) -> list[Plan]:
-    """Every one-worker plan, and gpu->cpu from each GPU worker to its best hand-off target."""
+    """Every one-worker plan, and (when `request.handoff`) gpu->cpu from each GPU worker to its best
+    hand-off target, the copy priced at that GPU worker's KV bytes per token."""
     plans = [predict(request, workers, i) for i in range(len(workers))]
     cpus = [i for i, w in enumerate(workers) if w.kind == "cpu" and w.takes_handoff]
-    if cpus:
+    if cpus and request.handoff:
         target = min(cpus, key=lambda i: cm.tpot_s(workers[i]))
         cpu, steps = workers[target], max(1, request.max_tokens - 1)
-        copy = cm.handoff_s(request.kv_bytes_per_token, request.prompt_tokens)
         drain = cm.prefill_s(cpu, cpu.queued_prefill_tokens, cpu.decoding)  # the CPU's queue runs first
-        plans += [Plan("gpu->cpu", (p.workers[0], target), p.ttft_s,
-                       cm.tpot_s(cpu) + (copy + max(0.0, drain - p.ttft_s)) / steps)
-                  for p in plans[: len(workers)] if workers[p.workers[0]].kind == "gpu" and request.max_tokens > 1]
+        for p in plans[: len(workers)]:
+            gpu = workers[p.workers[0]]
+            if gpu.kind != "gpu" or request.max_tokens <= 1:
+                continue
+            copy = cm.handoff_s(gpu.kv_bytes_per_token, request.prompt_tokens, request.handoff_bytes_per_s)
+            plans.append(Plan("gpu->cpu", (p.workers[0], target), p.ttft_s,
+                              cm.tpot_s(cpu) + (copy + max(0.0, drain - p.ttft_s)) / steps))
     return plans
 
 
@@ -214,9 +221,6 @@ class CostPolicy:
         plans = [p for p in plans if self._fits(request, workers, p)] or plans
         best = min(plans, key=lambda p: (p.e2e_s(request.max_tokens), p.route != "cpu"))
         return replace(best, spilled=best.route == "cpu", meets_slo=False)
-
-
-POLICIES = ("cost", "least_loaded", "round_robin", "power_of_two", "prefix_affinity")
 
 
 def make_policy(name: str, ttft_slo_s: float | None = None, tpot_slo_s: float | None = None,

@@ -30,6 +30,7 @@ import msgspec
 from hybridgate.redisconf import RedisConfig, WorkerEntry, bounded, connect, redacted, redis_errors, worker_pattern
 from hybridgate.keys import Transport
 from hybridgate.router.client import WorkerClient, ZmqWorkerClient
+from hybridgate.router.config import RouterConfig
 
 if TYPE_CHECKING:
     from hybridgate.router.router import Router
@@ -46,7 +47,7 @@ class RedisRegistry:
     whether the last call to Redis succeeded (None before the first).
     """
 
-    def __init__(self, config: RedisConfig, *, dead_after_s: float = 1.0, poll_s: float = POLL_S,
+    def __init__(self, config: RedisConfig, *, dead_after_s: float = RouterConfig.dead_after_s, poll_s: float = POLL_S,
                  make_client: Callable[[WorkerEntry], WorkerClient] | None = None, transport: Transport | None = None):
         if not config.url:
             raise ValueError("--redis-url: the registry needs a Redis URL")
@@ -56,7 +57,7 @@ class RedisRegistry:
         self.transport = transport
         self.up: bool | None = None
         self.known: dict[str, tuple[WorkerClient, WorkerEntry]] = {}  # by endpoint
-        self._refused: set[tuple[str, str]] = set()  # (endpoint, boot id) logged once
+        self._refused: set[tuple[str, str]] = set()  # (endpoint, boot id) logged once, while in Redis
         self._router: Router | None = None
         self._redis = None
         self._task: asyncio.Task | None = None
@@ -151,6 +152,9 @@ class RedisRegistry:
                     lifecycle.next_probe_at = 0.0  # probe at the next tick; HELLO brings the new boot
         for endpoint in [e for e in self.known if e not in entries]:
             await self._drop(endpoint, "its registry entry expired or was removed")
+        # Only entries still in Redis are remembered, so the set is bounded by the registry itself
+        # (a stream of refused boots, each expiring, used to grow it for the gateway's lifetime).
+        self._refused &= {(endpoint, entry.boot_id) for endpoint, entry in entries.items()}
 
     async def _drop(self, endpoint: str, why: str) -> None:
         client, entry = self.known.pop(endpoint)

@@ -38,13 +38,13 @@ import collections
 import hashlib
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import msgspec
 
-from hybridgate.config import check_settings, setting
 from hybridgate.redisconf import RedisConfig, bounded, connect, redacted, redis_errors
+from hybridgate.router.config import CACHE_MODES, ResponseCacheConfig  # noqa: F401 (CACHE_MODES: its old home)
 from hybridgate.router.errors import UnavailableError
 from hybridgate.router.stream import Delta, Timings, Usage
 from hybridgate.wire import FinishReason, SamplingParams
@@ -54,27 +54,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("hybridgate.router")
 
-CACHE_MODES = ("off", "memory", "redis")
 KEY_VERSION = 1  # bump when the record or key layout changes, so old Redis entries are never read
 RETRY_S = 0.5  # while Redis is down, it is probed this often; requests meanwhile skip it
-
-
-@dataclass(frozen=True)
-class ResponseCacheConfig:
-    """Whether answers of deterministic requests are cached, where, for how long, and how many bytes."""
-
-    mode: str = setting(
-        "off", "response cache of deterministic requests (temperature 0 or a seed): off, memory (an LRU in this "
-               "gateway) or redis (shared through --redis-url); identical requests in flight share one generation "
-               "whenever it is on", flag="--response-cache", choices=CACHE_MODES)
-    ttl_s: float = setting(3600.0, "seconds a cached answer lives", flag="--response-cache-ttl", low=0,
-                           low_open=True)
-    max_bytes: int = setting(
-        64 << 20, "bytes of cached answers held (memory: this gateway's LRU; redis: no one answer larger is "
-                  "stored, and Redis's own maxmemory bounds the total)", flag="--response-cache-max-bytes", low=1)
-
-    def __post_init__(self) -> None:
-        check_settings(self)
 
 
 def deterministic(params: SamplingParams) -> bool:

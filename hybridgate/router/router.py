@@ -13,29 +13,34 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import secrets
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import msgspec
 
-from hybridgate.config import check_settings, setting
 from hybridgate.models import ChatTemplate, GGUFModel, Tokenizer, load_gguf, model_fingerprint
-from hybridgate.models.chat import ROLES, ChatTemplateError
+from hybridgate.models.chat import template_token_ids
 from hybridgate.router.client import RateLimitedLog, StateChange, WorkerClient, WorkerDead, ZmqWorkerClient
-from hybridgate.router.errors import ContextLengthError, FingerprintMismatchError, InvalidRequestError, UnavailableError
+from hybridgate.router.config import RouterConfig
+from hybridgate.router.errors import InvalidRequestError, UnavailableError
 from hybridgate.router.handoff import HandoffMetrics, PauseHook
+from hybridgate.router.membership import Membership
 from hybridgate.router.placement import Placement, Placer, _Pending
-from hybridgate.router.policy import POLICIES, make_policy
-from hybridgate.router.prompts import PromptEncoder
+from hybridgate.router.policy import make_policy
+from hybridgate.router.prompts import (  # noqa: F401 (MAX_PROMPT_BYTES and DEFAULT_MAX_TOKENS_CAP re-exported)
+    DEFAULT_MAX_TOKENS_CAP,
+    MAX_PROMPT_BYTES,
+    Prompt,
+    Prompts,
+    read_chat_template,
+)
 from hybridgate.router.registry import RedisRegistry
 from hybridgate.router.response_cache import ResponseCache
 from hybridgate.router.stream import GenerationStream, Stalled, WorkerAvailable
 from hybridgate.wire import (
+    MAX_STOP_TOKEN_IDS,
     HandoffExported,
     HandoffExportFailed,
     HandoffImported,
@@ -52,73 +57,14 @@ from hybridgate.wire import (
 
 log = logging.getLogger("hybridgate.router")
 
-MAX_PROMPT_BYTES = 1 << 20
+MAX_LABEL_BYTES = 256  # a request's label goes into logs and metrics' exemplars: short
 RECENT_IDS = 4096  # ended request ids remembered, so late outputs for them are not counted as errors
-DEFAULT_MAX_TOKENS_CAP = 4096
 
-Prompt = str | Sequence[Mapping[str, str]]
 # Where a request runs: "auto" is the placement policy's choice; "gpu->cpu" prefills on a
 # GPU worker and hands the KV to a CPU worker that decodes (DESIGN.md, "KV hand-off").
 ROUTES = ("auto", "gpu", "cpu", "gpu->cpu")
 
 
-@dataclass(frozen=True)
-class RouterConfig:
-    max_model_len: int | None = setting(None, "most tokens per sequence (default: the model's context)", low=2)
-    startup_timeout_s: float = setting(120.0, "seconds to wait for a READY worker before giving up",
-                                       flag="--worker-startup-timeout", low=0, low_open=True)
-    dead_after_s: float = setting(1.0, "seconds of worker silence after which it counts as dead",
-                                  flag="--worker-timeout", low=0, low_open=True)
-    queue_size: int = setting(4096, "deltas buffered per request before it is aborted as too slow",
-                              flag="--stream-queue-size", low=1)
-    wait_for_workers: bool = setting(
-        False, "keep waiting (up to the worker start-up timeout) for a worker whose ipc socket file does not "
-               "exist yet, instead of exiting after saying so", flag="--wait-for-workers")
-    resume_on_worker_loss: bool = setting(
-        True, "resume a stream whose worker dies (or restarts) on another READY worker, or on the same one "
-        "when it is back within the stall timeout, by prefilling the prompt plus the ids already streamed "
-        "with the same seed; off: such a stream ends with UNAVAILABLE", flag="--resume-on-worker-loss")
-    request_stall_timeout_s: float = setting(
-        60.0, "seconds without progress (no token, no prefill chunk) after which a request is aborted on "
-        "its worker and resumed elsewhere, or failed with UNAVAILABLE", low=0, low_open=True,
-        flag="--request-stall-timeout")
-    handoff_stall_s: float = setting(
-        2.0, "seconds a gap in a hand-off's token indexes may stay open before its worker counts as lost",
-        low=0, low_open=True)
-    prompt_processes: int = setting(
-        2, "processes that render and tokenize prompts over 8192 characters off the event loop, started on "
-           "first use at a lower priority; 0: a thread instead (which still stalls the loop about 150 ms per MiB)",
-        low=0)
-    handoff_answer_s: float = setting(
-        10.0, "seconds a hand-off waits for the CPU worker's answer to a reservation or an import before it runs "
-              "on the GPU worker instead", low=0, low_open=True)
-
-    policy: str = setting(
-        "cost", "placement policy: cost (predicted TTFT and TPOT against the SLOs, spilling to the CPU tier), "
-        "least_loaded, round_robin, power_of_two or prefix_affinity", choices=POLICIES)
-    ttft_slo_s: float | None = setting(
-        None, "TTFT objective of the cost policy, seconds (default: 3 x the unloaded TTFT of the fastest worker "
-              "for each prompt's length)", flag="--ttft-slo", low=0, low_open=True)
-    tpot_slo_s: float | None = setting(
-        None, "TPOT objective of the cost policy, seconds (default: 3 x the fastest unloaded decode step)",
-        flag="--tpot-slo", low=0, low_open=True)
-
-    chat_template: str | None = setting(
-        None, "a file holding a Jinja chat template to render chats with instead of the model's own "
-              "(tokenizer.chat_template)")
-
-    def __post_init__(self) -> None:
-        check_settings(self)
-
-
-def read_chat_template(path: str | None) -> str | None:
-    """The text of the --chat-template file (None: the model's own). Raises ValueError naming the flag."""
-    if path is None:
-        return None
-    try:
-        return Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"--chat-template: cannot read {path}: {exc}") from None
 
 
 class Router:
@@ -150,37 +96,35 @@ class Router:
         self.model = model if isinstance(model, GGUFModel) else load_gguf(model)
         self.config = config or RouterConfig()
         self.tokenizer = Tokenizer.from_model(self.model)
-        self.chat_template = ChatTemplate(self.tokenizer, read_chat_template(self.config.chat_template))
+        template = read_chat_template(self.config.chat_template)
+        # Without a template (a base model): completions only; a chat names --chat-template.
+        self.chat_template = ChatTemplate(self.tokenizer, template, template_token_ids(self.model.metadata))
         self.fingerprint = model_fingerprint(self.model)
-        self.prompts = PromptEncoder(str(self.model.path), self.tokenize, lambda m: InvalidRequestError("messages", m),
-                                     self.config.prompt_processes)
-        self._longest_token = max(map(len, self.tokenizer.token_bytes), default=1)
         self.max_model_len = min(self.config.max_model_len or 1 << 62, self.model.config.max_model_len)
-        self.clients = [ZmqWorkerClient(c, dead_after_s=self.config.dead_after_s) if isinstance(c, str) else c
-                        for c in clients]
-        self.on_ready_change = on_ready_change or (lambda ready: None)
+        self.prompts = Prompts(str(self.model.path), self.tokenizer, self.chat_template, self.max_model_len,
+                               self.config.prompt_processes, template)
+        self.members = Membership([ZmqWorkerClient(c, dead_after_s=self.config.dead_after_s) if isinstance(c, str)
+                                   else c for c in clients], self.fingerprint, on_ready_change)
         self.registry = registry  # workers found in Redis join and leave `clients` while the router runs
         self.response_cache = response_cache  # deterministic requests: replayed answers, shared generations
         self._streams: dict[str, GenerationStream] = {}  # by the request id on its worker
         self._waiting: dict[str, GenerationStream] = {}  # moved streams waiting for a READY worker
         self._stall_task: asyncio.Task | None = None
-        self._inflight: dict[int, int] = {id(c): 0 for c in self.clients}
-        self._changed = asyncio.Event()
-        self._handlers = {Hello: self._on_hello, Ready: self._on_ready, Outputs: self._on_outputs,
+        self._handlers = {Hello: self.members.on_hello, Ready: lambda client, msg: None, Outputs: self._on_outputs,
                           RequestError: self._on_request_error, Overload: self._on_overload,
-                          WorkerDead: self._on_dead, StateChange: self._on_state_change,
+                          WorkerDead: self._on_dead, StateChange: self.members.on_state_change,
                           HandoffReservation: self._on_handoff, HandoffExported: self._on_handoff,
                           HandoffExportFailed: self._on_handoff, HandoffImported: self._on_handoff,
                           HandoffRefused: self._on_handoff}
         self.handoff_metrics = HandoffMetrics()
-        self.handoff_pause = PauseHook.from_env(os.environ)
-        self._was_ready = False
+        self.handoff_pause = PauseHook.from_env()
         self._recent: dict[str, None] = {}  # ended request ids, oldest first
         self._unknown_ids = 0
         self._unknown_log = RateLimitedLog(log)
         mc = self.model.config
         self.placer = Placer(make_policy(self.config.policy, self.config.ttft_slo_s, self.config.tpot_slo_s),
-                             self.fingerprint, kv_bytes_per_token=2 * 4 * mc.num_layers * mc.num_kv_heads * mc.head_dim)
+                             self.fingerprint, kv_values_per_token=2 * mc.num_layers * mc.num_kv_heads * mc.head_dim,
+                             handoff_rate=self.handoff_metrics.rate)
 
     async def __aenter__(self) -> Router:
         for client in self.clients:
@@ -191,7 +135,7 @@ class Router:
                 await self.registry.start(self)
                 if not self.clients:  # workers join later; health says NOT_SERVING until one is READY
                     return self
-            await asyncio.wait_for(self._wait_usable(), self.config.startup_timeout_s)
+            await asyncio.wait_for(self.members.wait_usable(), self.config.startup_timeout_s)
         except asyncio.TimeoutError:
             await self.close()
             raise UnavailableError(f"no worker became READY within startup_timeout_s="
@@ -219,27 +163,22 @@ class Router:
 
     async def add_client(self, client: WorkerClient) -> None:
         """A worker joins while the router runs (the registry found it); placement sees it once READY."""
-        self.clients.append(client)
-        self._inflight[id(client)] = 0
+        self.members.add(client)
         await client.start(self._on_message)
 
     async def drop_client(self, client: WorkerClient, reason: str) -> None:
         """A worker leaves (its registry entry expired): its streams get WorkerDead (moved or failed), then
         the client is closed. Placement never sees it again."""
-        if client not in self.clients:
+        if not self.members.remove(client):
             return
-        self.clients.remove(client)
-        self._inflight.pop(id(client), None)
         for stream in list(self._streams.values()):
             if stream.client is client or (stream.handoff is not None and stream.handoff.active
                                           and stream.handoff.involves(client)):
                 self._on_dead(client, WorkerDead(reason))
                 break
+        self.placer.drop(client)
         await client.close()
-        self._changed.set()
-        if self.ready != self._was_ready:
-            self._was_ready = self.ready
-            self.on_ready_change(self._was_ready)
+        self.members.changed()
 
     def redis_up(self) -> bool | None:
         """Whether the last Redis calls of the registry and the response cache succeeded (False when either
@@ -250,41 +189,21 @@ class Router:
         return all(known) if known else None
 
     @property
+    def clients(self) -> list[WorkerClient]:
+        return self.members.clients
+
+    @property
     def ready(self) -> bool:
-        return any(c.state == WorkerState.READY for c in self.clients)
+        return self.members.ready
 
     @property
     def wire_errors(self) -> int:
         """Frames from workers dropped: undecodable, unexpected, or for request ids this router never sent."""
         return self._unknown_ids + sum(getattr(c, "wire_errors", 0) for c in self.clients)
 
-    async def _wait_usable(self) -> None:
-        # A client with a lifecycle keeps probing a dead worker (it may be restarted); only a
-        # refused one, or a dead one without a lifecycle, is given up on here.
-        def lost(c: WorkerClient) -> bool:
-            return c.state == WorkerState.REFUSED or (c.state == WorkerState.DEAD and not hasattr(c, "lifecycle"))
-
-        while not self.ready:
-            if all(lost(c) for c in self.clients):
-                refused = [c for c in self.clients if c.state == WorkerState.REFUSED]
-                if refused:
-                    raise FingerprintMismatchError(self._mismatch(refused[0]))
-                raise UnavailableError("every worker died during start-up")
-            self._changed.clear()
-            await self._changed.wait()
-
     async def wait_settled(self, timeout_s: float) -> None:
         """Wait until no worker is still CONNECTING (each READY, DEAD or REFUSED), at most timeout_s."""
-
-        async def settled():
-            while any(c.state == WorkerState.CONNECTING for c in self.clients):
-                self._changed.clear()
-                await self._changed.wait()
-
-        try:
-            await asyncio.wait_for(settled(), timeout_s)
-        except asyncio.TimeoutError:
-            pass
+        await self.members.wait_settled(timeout_s)
 
     # --- requests -----------------------------------------------------------
 
@@ -312,7 +231,11 @@ class Router:
         if bad:
             raise InvalidRequestError("stop_token_ids", f"every id must be in [0, {self.tokenizer.vocab_size}), "
                                       f"got {bad[0]}")
-        self._check_prompt(prompt)
+        params = self._with_end_of_turn(params)
+        self.prompts.check(prompt)
+        label_bytes = len(label.encode("utf-8", "replace"))
+        if label_bytes > MAX_LABEL_BYTES:
+            raise InvalidRequestError("label", f"at most {MAX_LABEL_BYTES} bytes, got {label_bytes} bytes")
         if route not in ROUTES:
             raise InvalidRequestError("route", f"must be one of {', '.join(ROUTES)}, got {route!r}")
         if deadline_s is not None and not deadline_s >= 0:
@@ -321,91 +244,54 @@ class Router:
                                   deadline_s=deadline_s)
         return self.response_cache.wrap(stream) if self.response_cache is not None else stream
 
-    def _check_prompt(self, prompt: Prompt) -> None:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt", "must not be empty")
-            size = len(prompt.encode("utf-8"))
-            if size > MAX_PROMPT_BYTES:
-                raise InvalidRequestError("prompt", f"at most 1 MiB ({MAX_PROMPT_BYTES} bytes), got {size} bytes")
-            self._check_bound(size)
-            return
-        if not prompt:
-            raise InvalidRequestError("messages", "at least one message is required")
-        if not any(isinstance(m.get("content"), str) and m["content"].strip() for m in prompt):
-            raise InvalidRequestError("messages", "every message content is empty")
-        total = 0
-        for i, m in enumerate(prompt):
-            if m.get("role") not in ROLES:
-                raise InvalidRequestError(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {m.get('role')!r}")
-            content = m.get("content")
-            if not isinstance(content, str):
-                raise InvalidRequestError(f"messages[{i}].content", "must be a string")
-            size = len(content.encode("utf-8"))
-            if size > MAX_PROMPT_BYTES:
-                raise InvalidRequestError(f"messages[{i}].content", f"at most 1 MiB ({MAX_PROMPT_BYTES} bytes), got {size} bytes")
-            total += size
-        self._check_bound(total)
+    def tokenize(self, prompt: Prompt, add_generation_prompt: bool = True) -> list[int]:
+        """The prompt's ids, on this thread (`Prompts.tokenize`). Raises InvalidRequestError."""
+        return self.prompts.tokenize(prompt, add_generation_prompt)
 
-    def _check_bound(self, size: int) -> None:
-        """A prompt of `size` bytes has at least size / (the longest token's bytes) tokens, since a
-        byte-level BPE token stands for at most that many bytes: one certain to exceed the model
-        length is refused before seconds of tokenizing."""
-        fewest = -(-size // self._longest_token)
-        if fewest >= self.max_model_len:
-            raise InvalidRequestError("prompt", f"{size} bytes are at least {fewest} tokens (no token of this model "
-                                      f"is longer than {self._longest_token} bytes), but the max model length is "
-                                      f"{self.max_model_len} tokens (prompt and output together)")
+    def _with_end_of_turn(self, params: SamplingParams) -> SamplingParams:
+        """`params` with the vocabulary's end-of-turn ids (`Tokenizer.stop_token_ids` less EOS, which the worker
+        stops on already: `<|eot_id|>`, `<end_of_turn>`, ...) among its stop token ids, unless it ignores EOS."""
+        extra = self.tokenizer.stop_token_ids - {self.tokenizer.eos_token_id} - set(params.stop_token_ids)
+        if params.ignore_eos or not extra:
+            return params
+        ids = params.stop_token_ids + tuple(sorted(extra))
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS - len(extra)} ids with this "
+                                      f"model's {len(extra)} end-of-turn ids, got {len(params.stop_token_ids)}")
+        return msgspec.structs.replace(params, stop_token_ids=ids)
 
-    def tokenize(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        try:
-            return self.chat_template.encode(prompt)
-        except ChatTemplateError as exc:
-            raise InvalidRequestError("messages", str(exc)) from exc
+    async def encode_prompt(self, prompt: Prompt, add_generation_prompt: bool = True) -> Sequence[int]:
+        """The prompt's ids as a generation would have them: the same checks (`InvalidRequestError`
+        naming the field and the limit), and a large prompt encoded off the event loop (`Prompts`)."""
+        self.prompts.check(prompt)
+        return await self.prompts.encode(prompt, add_generation_prompt)
 
     def resolve(self, prompt_ids: list[int], params: SamplingParams) -> tuple[int, int]:
-        """(max_tokens, seed) for this request, checked against the model length."""
-        n, limit = len(prompt_ids), self.max_model_len
-        if n >= limit:
-            raise ContextLengthError("prompt", f"{n} tokens, but the max model length is {limit} tokens "
-                                      "(prompt and output together)")
-        max_tokens = params.max_tokens or min(limit - n, DEFAULT_MAX_TOKENS_CAP)
-        if n + max_tokens > limit:
-            raise ContextLengthError("max_tokens", f"prompt ({n} tokens) + max_tokens ({max_tokens}) = "
-                                      f"{n + max_tokens} exceeds the max model length of {limit} tokens")
-        seed = params.seed if params.seed is not None else secrets.randbits(64)
-        return max_tokens, seed
+        """(max_tokens, seed) for this request, checked against the model length (`Prompts.resolve`)."""
+        return self.prompts.resolve(prompt_ids, params)
 
-    def place(self, exclude: Sequence[WorkerClient] = (), kind: str | None = None) -> WorkerClient:
-        """The READY worker (of `kind`, when given) with the fewest sequences in flight; GPU first on ties."""
-        ready = [c for c in self.clients if c.state == WorkerState.READY and c not in exclude
-                 and (kind is None or c.kind == kind)]
-        if not ready:
-            raise UnavailableError(f"no {kind} worker is ready" if kind else "no worker is ready")
-        return min(ready, key=lambda c: (self._inflight[id(c)], c.kind != "gpu"))
+    def plan(self, prompt_ids: list[int], max_tokens: int, deadline_s: float | None = None, *,
+             exclude: Sequence[WorkerClient] = (), streamed: Sequence[int] = (), kind: str | None = None,
+             handoff: bool = True) -> Placement:
+        """The placement policy's plan (RouterConfig.policy) over the READY workers not in `exclude` (and of
+        `kind`, when given), for every placement of a request, first or later (`Placer.place`: `streamed`
+        ids already sent to the caller, `handoff` whether a gpu->cpu plan may be chosen).
 
-    def plan(self, prompt_ids: list[int], max_tokens: int, deadline_s: float | None = None) -> Placement:
-        """The placement policy's plan for a request over the READY workers (RouterConfig.policy).
-
-        Raises UnavailableError when no worker is READY.
+        Raises UnavailableError when no such worker is READY.
         """
-        ready = [c for c in self.clients if c.state == WorkerState.READY]
-        if not ready:
-            raise UnavailableError("no worker is ready")
-        pending: dict[int, list[_Pending]] = {}
+        pending: dict[WorkerClient, list[_Pending]] = {}
         for stream in self._streams.values():
             if stream.client is not None and not stream.done:
                 placed, whole = stream.placement, len(stream.prompt_ids) + stream.max_tokens
                 handing_off = placed is not None and placed.route == "gpu->cpu" and stream.client is placed.clients[0]
-                pending.setdefault(id(stream.client), []).append(_Pending(
+                pending.setdefault(stream.client, []).append(_Pending(
                     stream.uncached_tokens, bool(stream.received),
                     len(stream.prompt_ids) + 1 if handing_off else whole))
                 if handing_off:
                     # Still on its GPU worker: a decode the CPU worker will have, counted there already.
-                    pending.setdefault(id(placed.clients[1]), []).append(_Pending(0, True, whole))
-        return self.placer.place(ready, self._inflight, pending, prompt_ids, max_tokens, deadline_s)
+                    pending.setdefault(placed.clients[1], []).append(_Pending(0, True, whole))
+        return self.placer.place(self.clients, pending, prompt_ids, max_tokens, deadline_s, exclude=exclude,
+                                 streamed=streamed, kind=kind, handoff=handoff)
 
     def register(self, stream: GenerationStream, client: WorkerClient | None) -> None:
         """Route outputs for `stream.worker_request_id` to `stream`; None: it waits for a READY worker."""
@@ -413,12 +299,12 @@ class Router:
         if client is None:
             self._waiting[stream.worker_request_id] = stream
         else:
-            self._inflight[id(client)] += 1
+            self.placer.sent(client)
 
     def unregister(self, stream: GenerationStream, client: WorkerClient | None) -> None:
         self._waiting.pop(stream.worker_request_id, None)
-        if self._streams.pop(stream.worker_request_id, None) is not None and id(client) in self._inflight:
-            self._inflight[id(client)] -= 1
+        if self._streams.pop(stream.worker_request_id, None) is not None and client is not None:
+            self.placer.ended(client)
         self._recent[stream.worker_request_id] = None
         if len(self._recent) > RECENT_IDS:
             del self._recent[next(iter(self._recent))]
@@ -445,43 +331,18 @@ class Router:
     def reassign(self, stream: GenerationStream, old: WorkerClient, new: WorkerClient) -> None:
         """The stream's sequence moved from `old` to `new` (a hand-off's import)."""
         if stream.request_id in self._streams:
-            if id(old) in self._inflight:
-                self._inflight[id(old)] -= 1
-            self._inflight[id(new)] += 1
+            self.placer.ended(old)
+            self.placer.sent(new)
 
     # --- worker messages (the output pump) ---------------------------------
 
     def _on_message(self, client: WorkerClient, msg: msgspec.Struct) -> None:
         """Every message and lifecycle event of every client; health follows readiness both ways."""
         self._handlers[type(msg)](client, msg)
-        self._changed.set()
         if self._waiting and self.ready:
             for stream in list(self._waiting.values()):
                 stream.put(WorkerAvailable())
-        if self.ready != self._was_ready:
-            self._was_ready = self.ready
-            self.on_ready_change(self._was_ready)
-
-    def _mismatch(self, client: WorkerClient) -> str:
-        return (f"worker {client.endpoint} serves model fingerprint {client.hello.fingerprint}, "
-                f"but this router's model has fingerprint {self.fingerprint}")
-
-    def _on_hello(self, client: WorkerClient, msg: Hello) -> None:
-        if msg.fingerprint != self.fingerprint:
-            client.state = WorkerState.REFUSED
-            log.error("refusing %s", self._mismatch(client))
-
-    def _on_ready(self, client: WorkerClient, msg: Ready) -> None:
-        if not hasattr(client, "lifecycle") and client.state == WorkerState.CONNECTING:
-            client.state = WorkerState.READY  # a client without a lifecycle (in-process, tests)
-            log.info("%s worker %s is READY", client.kind, client.endpoint)
-
-    def _on_state_change(self, client: WorkerClient, msg: StateChange) -> None:
-        back = msg.new == WorkerState.READY and msg.old in (WorkerState.SUSPECT, WorkerState.DEAD, WorkerState.PROBING)
-        # Losing a worker is a warning; so is getting it back, so that recovery shows at the default level.
-        level = logging.INFO if msg.new in (WorkerState.READY, WorkerState.CONNECTING) and not back else logging.WARNING
-        log.log(level, "%s worker %s: %s → %s", client.kind or "", getattr(client, "name", client.endpoint),
-                msg.old.name, msg.new.name)
+        self.members.changed()
 
     def _stream_of(self, client: WorkerClient, request_id: str) -> GenerationStream | None:
         stream = self._streams.get(request_id)
@@ -531,10 +392,6 @@ class Router:
 
     def _on_dead(self, client: WorkerClient, msg: WorkerDead) -> None:
         """The worker's sequences are gone: the single signal its streams act on (fail or move)."""
-        if not hasattr(client, "lifecycle"):
-            if client.state == WorkerState.DEAD:
-                return
-            client.state = WorkerState.DEAD
         log.error("%s", msg.reason)
         self.placer.forget(client)
         for stream in list(self._streams.values()):

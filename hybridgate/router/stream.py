@@ -5,66 +5,27 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
 
 from hybridgate.models import IncrementalDetokenizer
 from hybridgate.router.client import WorkerClient, WorkerDead
-from hybridgate.router.errors import DeadlineExceededError, ResourceExhaustedError, UnavailableError, WorkerRequestError
+from hybridgate.router.deltas import REPLACEABLE_CODES, Delta, Timings, Usage, error_of
+from hybridgate.router.errors import DeadlineExceededError, UnavailableError
 from hybridgate.router.handoff import Handoff, worker_name
 from hybridgate.router.stop import StopMatcher
-from hybridgate.wire import (
-    ERROR_DEADLINE_EXCEEDED,
-    ERROR_NO_KV_BLOCKS,
-    ERROR_QUEUE_FULL,
-    ERROR_RESOURCE_EXHAUSTED,
-    AddRequest,
-    FinishReason,
-    Overload,
-    RequestError,
-    SamplingParams,
-    SeqOutput,
-    TokenLogprobs,
-    WorkerState,
-)
+from hybridgate.router.streamstate import StreamAction as A
+from hybridgate.router.streamstate import StreamEvent, StreamFacts, StreamState, transition
+from hybridgate.wire import AddRequest, FinishReason, Overload, RequestError, SamplingParams, SeqOutput, TokenLogprobs
+
+__all__ = ["REPLACEABLE_CODES", "Delta", "GenerationStream", "Stalled", "Timings", "Usage", "WorkerAvailable"]
 
 if TYPE_CHECKING:
     from hybridgate.router.router import Prompt, Router
 
 log = logging.getLogger("hybridgate.router")
 
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-
-
-@dataclass(frozen=True)
-class Timings:
-    queue_ms: float
-    ttft_ms: float
-    total_ms: float
-
-
-@dataclass(frozen=True)
-class Delta:
-    """New text and ids of one step; the last delta has finish_reason, usage, timings and route.
-    `logprobs`: one per id of `token_ids` when the request asked for them (SamplingParams.logprobs), else empty."""
-
-    request_id: str
-    token_index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: FinishReason | None = None
-    usage: Usage | None = None
-    timings: Timings | None = None
-    route: str = ""
-    logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 class Stalled(msgspec.Struct, frozen=True):
@@ -77,9 +38,7 @@ class WorkerAvailable(msgspec.Struct, frozen=True):
     """Synthetic event: a worker is READY and this stream is waiting for one."""
 
 
-# Refusals that another worker may not give: its cache may be larger or emptier.
 MAX_MOVES = 8  # placements of one request (retries and resumes together) before it fails
-REPLACEABLE_CODES = frozenset({ERROR_NO_KV_BLOCKS, ERROR_RESOURCE_EXHAUSTED, ERROR_QUEUE_FULL})
 
 
 class GenerationStream:
@@ -90,26 +49,16 @@ class GenerationStream:
     deltas that `put()` queued. Where the request runs is decided in `put()`, so a
     stream is moved at once even while its caller is slow to read.
 
-    Placement, as a state machine (the pump's events on the left):
-
-        state    event                                  next      action
-        RUNNING  SeqOutput from its worker              RUNNING   ids past `received` queued (duplicates dropped)
-        RUNNING  SeqOutput with finish                  DONE      queued
-        RUNNING  WorkerDead, nothing streamed           RUNNING*  re-placed on a READY worker
-        RUNNING  WorkerDead, ids streamed, resume on    RUNNING*  resumed: prompt + received ids, next index
-        RUNNING  WorkerDead, ids streamed, resume off   DONE      UNAVAILABLE
-        RUNNING  RequestError code in REPLACEABLE_CODES RUNNING*  moved to a worker that has not refused it
-        RUNNING  RequestError (other)                   DONE      the error
-        RUNNING  Overload (the worker dropped it)       RUNNING*  moved (another worker first)
-        RUNNING  Stalled                                RUNNING*  aborted there, moved (another worker first)
-        WAITING  WorkerAvailable                        RUNNING   placed
-        WAITING  Stalled                                DONE      UNAVAILABLE
-        any      the caller reads too slowly            DONE      aborted, UNAVAILABLE
-
-    RUNNING* is WAITING when no worker is READY and resume is on (the stall timer
-    bounds the wait), DONE (UNAVAILABLE) when it is off. Each placement uses its
-    own worker-side request id (`request_id.hop`), so a late output of an earlier
-    placement is dropped as unknown and an ADD to the same worker is never a duplicate.
+    Its state is a `StreamState`, changed only by `streamstate.transition` (the
+    table of states, events and actions is in hybridgate/router/streamstate.py):
+    `put()` and the caller's side turn what happens into a `StreamEvent`, and
+    `_fire` carries out the action the table gives. A move (a lost worker, a
+    refusal for lack of KV blocks or a full queue, an Overload, a stall) places
+    the request again through the router's policy (`Router.plan`), resumed after
+    the ids already received (prompt + those ids, same seed, next token index).
+    Each placement uses its own worker-side request id (`request_id.hop`), so a
+    late output of an earlier placement is dropped as unknown and an ADD to the
+    same worker is never a duplicate.
     """
 
     def __init__(self, router: Router, prompt: Prompt, params: SamplingParams, label: str, request_id: str,
@@ -125,8 +74,8 @@ class GenerationStream:
         self._prepared = False
         self.ids: list[int] = []  # ids handed to the caller
         self.received: list[int] = []  # ids accepted from workers (the caller may not have read them yet)
-        self.finished = False
-        self.done = False  # the pump has queued the last item; nothing more moves this stream
+        self.state = StreamState.NEW
+        self._cause: StreamEvent | None = None  # the event that began the current move
         self.last_progress = time.monotonic()
         self.placement = None  # the policy's Placement of a route="auto" request (hybridgate/router/placement.py)
         self.uncached_tokens = 0  # prompt tokens its worker is expected to compute (for the router's load record)
@@ -144,10 +93,41 @@ class GenerationStream:
         self._events = {SeqOutput: self._on_output_event, WorkerDead: self._on_worker_dead,
                         RequestError: self._on_request_error, Overload: self._on_overload,
                         Stalled: self._on_stalled, WorkerAvailable: self._on_worker_available}
+        self._actions = {
+            A.NONE: lambda item, reason: None, A.QUEUE: lambda item, reason: self._queue.put_nowait(item),
+            A.ANSWER: lambda item, reason: self._answer(item), A.MOVE: self._move,
+            A.MOVE_ELSEWHERE: self._move_elsewhere, A.ABORT_AND_MOVE: self._abort_and_move,
+            A.PLACE: self._place_again, A.WAIT: self._wait, A.FAIL: self._fail,
+            A.ABORT_AND_FAIL: lambda item, reason: (self._abort(), self._fail(item, reason)),
+            A.ABORT: lambda item, reason: self._abort(), A.FINISH: self._finish,
+            A.ABORT_AND_FORGET: lambda item, reason: (self._abort(), self.router.unregister(self, self.client)),
+        }
+
+    @property
+    def done(self) -> bool:
+        """The pump queued the last item: nothing more moves this stream."""
+        return self.state >= StreamState.DONE
+
+    @property
+    def finished(self) -> bool:
+        """The caller read the end, or left."""
+        return self.state == StreamState.CLOSED
+
+    def _fire(self, event: StreamEvent, item=None, reason: str = "") -> None:
+        """One event: the table's next state, then its action (`item`: the output or error it is about)."""
+        self.state, action = transition(self.state, event, self._facts)
+        if self.state == StreamState.MOVING and event != StreamEvent.NO_WORKER:
+            self._cause = event
+        self._actions[action](item, reason)
+
+    def _facts(self) -> StreamFacts:
+        return StreamFacts(bool(self.received), self.router.config.resume_on_worker_loss, len(self._hops) < MAX_MOVES,
+                           self._cause)
 
     async def __aenter__(self) -> GenerationStream:
         await self.prepare()
         self._first_placement()
+        self._fire(StreamEvent.PLACED)
         return self
 
     async def prepare(self) -> None:
@@ -166,14 +146,11 @@ class GenerationStream:
 
     def leave(self) -> None:
         """What leaving the `async with` does: abort the request on its worker if unfinished, forget it."""
-        if not self.finished:
-            self.finished = self.done = True
-            self._abort()
-        self.router.unregister(self, self.client)
+        self._fire(StreamEvent.LEFT)
 
     def _submit(self, client: WorkerClient, how: str, exclude=()) -> None:
         """Send this request to `client`: in full, or resumed after the ids already received. A send
-        that fails (the worker is not connected) goes to the next READY worker not in `exclude`.
+        that fails (the worker is not connected) goes to the policy's next READY worker not in `exclude`.
 
         Raises UnavailableError when no READY worker is left.
         """
@@ -192,13 +169,24 @@ class GenerationStream:
             self.router.unregister(self, client)
             self.client = None
             tried.append(client)
-            client = self.router.place(tried, self._kind())
+            client = self._place(tried)
 
     def _time_left(self) -> float | None:
         """Seconds left of the caller's deadline (None: no deadline)."""
         if self.deadline_s is None:
             return None
         return self.deadline_s - (time.monotonic() - self._arrival)
+
+    def _place(self, exclude) -> WorkerClient:
+        """The policy's worker for a placement on one worker (an explicit route's, or any later one),
+        leaving out `exclude`, for the prompt plus the ids already received.
+
+        Raises UnavailableError when no READY worker is left.
+        """
+        placement = self.router.plan(self.prompt_ids, self.max_tokens, self._time_left(), exclude=exclude,
+                                     streamed=self.received, kind=self._kind(), handoff=False)
+        self.uncached_tokens = placement.uncached_tokens
+        return placement.clients[0]
 
     def _kind(self) -> str | None:
         """The worker kind a placement must have: a one-kind route keeps it through retries and resumes."""
@@ -220,10 +208,11 @@ class GenerationStream:
                 return
             gpu, cpu = self.placement.clients
         elif self.plan != "gpu->cpu":
-            self._submit(self.router.place((), self._kind()), "placed", ())
+            self._submit(self._place(()), "placed", ())
             return
         else:
-            gpu, cpu = self.router.place((), "gpu"), self.router.place((), "cpu")
+            gpu = self.router.plan(self.prompt_ids, self.max_tokens, kind="gpu", handoff=False).clients[0]
+            cpu = self.router.plan(self.prompt_ids, self.max_tokens, kind="cpu", handoff=False).clients[0]
         request = AddRequest(self.request_id, self.prompt_ids, self.params, self.seed, self.max_tokens, self._eos)
         self.client, self.last_progress = gpu, time.monotonic()
         self.router.register(self, gpu)
@@ -247,22 +236,12 @@ class GenerationStream:
 
     def put(self, item) -> None:
         """One event for this request (a wire message from its worker or a synthetic event)."""
-        if not self.done:
+        if self.state < StreamState.DONE:
             self._events[type(item)](item)
 
-    def _queue_item(self, item) -> None:
-        try:
-            self._queue.put_nowait(item)
-        except asyncio.QueueFull:
-            self._abort()
-            self.fail(UnavailableError(f"the client read too slowly: over {self._queue.maxsize} steps buffered"))
-
     def fail(self, exc: BaseException) -> None:
-        self.done = True
-        self._held = None
-        while not self._queue.empty():
-            self._queue.get_nowait()
-        self._queue.put_nowait(exc)
+        """End the stream with `exc` now (the router shuts down, or could not move it)."""
+        self._fire(StreamEvent.SHUT_DOWN, exc)
 
     def _on_output_event(self, out: SeqOutput) -> None:
         self.last_progress = time.monotonic()
@@ -274,53 +253,73 @@ class GenerationStream:
         new_ids = out.token_ids[skip:]
         if not new_ids and not out.finish:
             return  # progress only (a prefill chunk) or a duplicate
+        if self._queue.full():
+            self._fire(StreamEvent.READ_TOO_SLOWLY, reason=f"the client read too slowly: over {self._queue.maxsize} "
+                                                           "steps buffered")
+            return
         first = SeqOutput(self.request_id, len(self.received), new_ids, out.finish, out.queue_ms, out.cached_tokens,
                           out.logprobs[skip:])
         self.received += new_ids
-        self.done = bool(out.finish)
-        self._queue_item(first)
+        self._fire(StreamEvent.LAST_OUTPUT if out.finish else StreamEvent.OUTPUT, first)
 
     def _on_worker_dead(self, event: WorkerDead) -> None:
-        self._move(event.reason, avoid=None)
+        self._fire(StreamEvent.WORKER_LOST, reason=event.reason)
 
     def _on_request_error(self, error: RequestError) -> None:
         if error.code not in REPLACEABLE_CODES:
-            self.done = True
-            self._queue_item(error)
+            self._fire(StreamEvent.FAILED, error)
             return
         self._refused.append(self.client)
-        self._move(error.message, avoid=None, refusal=error)
+        self._fire(StreamEvent.REFUSED, error, error.message)
 
     def _on_overload(self, event: Overload) -> None:
-        # The worker could not send to this router: placing it there again would only repeat that.
-        self._move(f"worker {self._name(self.client)} dropped the request: {event.reason}", avoid=self.client,
-                   retry_avoided=False)
+        self._fire(StreamEvent.DROPPED, reason=f"worker {self._name(self.client)} dropped the request: {event.reason}")
 
     def _on_stalled(self, event: Stalled) -> None:
-        if self.client is None:
-            self.fail(UnavailableError(event.reason))
-            return
-        self.client.abort([self.worker_request_id])
-        self._move(event.reason, avoid=self.client)
+        self._fire(StreamEvent.STALLED, reason=event.reason)
 
     def _on_worker_available(self, event: WorkerAvailable) -> None:
-        if self.client is None:
-            self._place_or_wait("no worker is ready")
+        self._fire(StreamEvent.WORKER_AVAILABLE, reason="no worker is ready")
 
-    def _move(self, reason: str, avoid: WorkerClient | None, refusal: RequestError | None = None,
-              retry_avoided: bool = True) -> None:
-        """The request left its worker (`reason`): place it again, resumed after the ids received.
+    # --- the table's actions --------------------------------------------------
 
-        `avoid` is tried last (a stalled worker is still READY), or never when
-        not `retry_avoided` (then with no other worker the request fails);
-        workers that refused it for lack of memory are never tried again. A
-        request moved MAX_MOVES times fails, so no fault can bounce it forever.
-        """
-        resume = self.router.config.resume_on_worker_loss
-        if (self.received and not resume) or len(self._hops) >= MAX_MOVES:
-            moved = f" (moved {len(self._hops) - 1} times already)" if len(self._hops) >= MAX_MOVES else ""
-            self.fail(UnavailableError(reason + moved))
-            return
+    def _answer(self, item) -> None:
+        """The worker's error is the answer (after the outputs queued before it)."""
+        try:
+            self._queue.put_nowait(item)
+        except asyncio.QueueFull:
+            self._abort()
+            self._fail(None, f"the client read too slowly: over {self._queue.maxsize} steps buffered")
+
+    def _fail(self, item, reason: str) -> None:
+        """The caller gets `item` (an exception) or UNAVAILABLE with `reason`, before anything still queued."""
+        if len(self._hops) >= MAX_MOVES and not isinstance(item, BaseException):
+            reason += f" (moved {len(self._hops) - 1} times already)"
+        self._held = None
+        while not self._queue.empty():
+            self._queue.get_nowait()
+        self._queue.put_nowait(item if isinstance(item, BaseException) else UnavailableError(reason))
+
+    def _finish(self, item, reason: str) -> None:
+        self.router.unregister(self, self.client)
+        if self.handoff is not None:
+            self.handoff.finished()
+
+    def _move(self, item, reason: str) -> None:
+        self._relocate(reason, [self._refused], item)
+
+    def _move_elsewhere(self, item, reason: str) -> None:
+        # The worker could not send to this router: placing it there again would only repeat that.
+        self._relocate(reason, [self._refused + [self.client]], item)
+
+    def _abort_and_move(self, item, reason: str) -> None:
+        # A stalled worker is still READY: tried last.
+        self.client.abort([self.worker_request_id])
+        self._relocate(reason, [self._refused + [self.client], self._refused], item)
+
+    def _relocate(self, reason: str, excludes: list[list[WorkerClient]], item=None) -> None:
+        """The request left its worker (`reason`): place it again, resumed after the ids received,
+        leaving out each of `excludes` in turn; PLACED or NO_WORKER follows."""
         log.info("request %s: %s; %s", self.request_id, reason,
                  "resuming after %d ids" % len(self.received) if self.received else "placing it again")
         self.router.unregister(self, self.client)
@@ -328,37 +327,27 @@ class GenerationStream:
             self._handoff_route, self.handoff = self.handoff.route(), None
         self.client = None
         self.worker_request_id = f"{self.request_id}.{len(self._hops)}"
-        order = [self._refused + [avoid], self._refused] if avoid is not None else [self._refused]
-        if not retry_avoided:
-            order = order[:1]
-        for exclude in order:
-            try:
-                self._submit(self.router.place(exclude, self._kind()), "resumed" if self.received else "retried", exclude)
-                return
-            except UnavailableError:
-                pass
-        if refusal is not None:  # every READY worker refused it: the refusal is the answer
-            self.done = True
-            self._queue_item(refusal)
-            return
-        if not resume or not retry_avoided:
-            self.fail(UnavailableError(f"{reason}; no other worker is ready"))
-            return
-        self._wait(reason)
+        self._try_placing(excludes, item, f"{reason}; no other worker is ready")
 
-    def _wait(self, reason: str) -> None:
+    def _try_placing(self, excludes: list[list[WorkerClient]], item, reason: str) -> None:
+        for exclude in excludes:
+            try:
+                self._submit(self._place(exclude), "resumed" if self.received else "retried", exclude)
+            except UnavailableError:
+                continue
+            self._fire(StreamEvent.PLACED)
+            return
+        self._fire(StreamEvent.NO_WORKER, item, reason)
+
+    def _wait(self, item, reason: str) -> None:
         """No worker to go to now: wait for one (the router wakes us; its stall timer bounds the wait)."""
         self.last_progress = time.monotonic()
         self.router.register(self, None)
         log.info("request %s waits for a READY worker (%s)", self.request_id, reason)
 
-    def _place_or_wait(self, reason: str) -> None:
+    def _place_again(self, item, reason: str) -> None:
         self.router.unregister(self, None)
-        try:
-            self._submit(self.router.place(self._refused, self._kind()), "resumed" if self.received else "retried",
-                         self._refused)
-        except UnavailableError:
-            self.router.register(self, None)
+        self._try_placing([self._refused], None, reason)
 
     # --- consumed by the caller ---------------------------------------------
 
@@ -373,10 +362,8 @@ class GenerationStream:
                 if delta is not None:
                     return delta
             else:
-                self.finished = True
-                self._abort()
-                self.router.unregister(self, self.client)
-                raise _error_of(item)
+                self._fire(StreamEvent.READ_ERROR)
+                raise error_of(item)
         raise StopAsyncIteration
 
     def _coalesce(self, out: SeqOutput) -> SeqOutput:
@@ -419,8 +406,7 @@ class GenerationStream:
             parts.append(text)
             if matched:
                 finish, stopped = FinishReason.STOP, True
-                self.done = True
-                self._abort()
+                self._fire(StreamEvent.STOPPED)
                 break
         self.ids += taken
         if finish is not None and not stopped:  # (a stop token id from the worker finishes as STOP, flushed here)
@@ -436,10 +422,7 @@ class GenerationStream:
                logprobs: tuple[TokenLogprobs, ...] = ()) -> Delta:
         if finish is None:
             return Delta(self.request_id, index, text, ids, logprobs=logprobs)
-        self.finished = True
-        self.router.unregister(self, self.client)
-        if self.handoff is not None:
-            self.handoff.finished()
+        self._fire(StreamEvent.READ_LAST)
         now = time.monotonic()
         ttft = ((self._first_token_at or now) - self._arrival) * 1e3
         return Delta(
@@ -462,16 +445,3 @@ class GenerationStream:
     @staticmethod
     def _name(client: WorkerClient | None) -> str:
         return "none" if client is None else worker_name(client)
-
-
-def _error_of(item) -> BaseException:
-    if isinstance(item, WorkerDead):
-        return UnavailableError(item.reason)
-    if isinstance(item, RequestError):
-        if item.code == ERROR_DEADLINE_EXCEEDED:
-            return DeadlineExceededError(item.message)
-        if item.code in REPLACEABLE_CODES:  # memory ran out, or the request needs more KV than any worker holds
-            reason = "worker_queue_full" if item.code == ERROR_QUEUE_FULL else "worker_memory"
-            return ResourceExhaustedError(item.message, reason)
-        return WorkerRequestError(item.message)
-    return item if isinstance(item, BaseException) else RuntimeError(f"unexpected stream item {item!r}")

@@ -42,8 +42,8 @@ from hybridgate.wire import (
     SeqOutput,
 )
 from hybridgate.workers.faults import InjectedFault
-from hybridgate.workers.guard import WireErrors, check_add
-from hybridgate.workers.handoff import HandoffConfig, HandoffState, KVSpec
+from hybridgate.workers.guard import Refusals, WireErrors, check_add
+from hybridgate.workers.handoff import EngineHandoffs, HandoffConfig, KVSpec
 from hybridgate.workers.rates import StepRates
 from hybridgate.workers.scheduler import ScheduledBatch, Scheduler, SchedulerConfig, SchedulerStats
 from hybridgate.workers.sequence import FINISH_OF_STATUS, Sequence, SequenceStatus
@@ -84,6 +84,7 @@ class EngineCore:
                  handoff: HandoffConfig | None = None):
         self.runner = runner
         self.wire_errors = wire_errors or WireErrors()  # shared with the worker's I/O thread
+        self.refusals = Refusals()  # messages refused at a queue's bound (the worker shares its Inbox's)
         self.allocator = BlockAllocator(runner.num_blocks, runner.block_size, prefix_caching)
         self.scheduler = Scheduler(scheduler_config, self.allocator, fingerprint)
         self.stats = EngineStats(blocks_total=runner.num_blocks)
@@ -102,7 +103,7 @@ class EngineCore:
         self._take_logprobs = getattr(runner, "take_logprobs", None)
         layout = getattr(runner, "kv_layout", None)
         spec = KVSpec(fingerprint, runner.block_size, *layout()) if layout is not None else None
-        self.handoffs = HandoffState(self, handoff or HandoffConfig(), spec)
+        self.handoffs = EngineHandoffs(self, handoff or HandoffConfig(), spec)
 
     def add(self, request: AddRequest, client: bytes = b"") -> RequestError | None:
         """Queue a request; the error to answer when it is refused, else None.
@@ -278,6 +279,7 @@ class EngineCore:
         s.pinned_bytes_in_use, s.pinned_peak_bytes, s.pinned_fallbacks = (
             pool.bytes_in_use, pool.peak_bytes, pool.fallbacks)
         s.wire_decode_errors = self.wire_errors.total
+        s.queue_refusals = self.refusals.counts()
         self.handoffs.fill_stats(s)
         s.queued_prefill_tokens = sum(q.num_tokens - q.num_computed for q in sched.waiting) + sum(
             q.num_tokens - q.num_computed for q in sched.running if q.num_tokens - q.num_computed > 1)
@@ -363,14 +365,45 @@ class ClientCongested:
 class Inbox:
     """What the I/O side hands the engine: new requests on a queue, aborts on a fast path.
 
-    The queue holds (client, AddRequest | ClientGone | ClientCongested), or None
-    to wake an idle engine.
+    The queue holds (client, AddRequest | ClientGone | ClientCongested | a hand-off
+    message | an export event), or None to wake an idle engine. ADDs are bounded:
+    at most `max_adds` wait in it (`offer_add` refuses one more, counted in
+    `refusals` as "inbox"), so a router that sends faster than a busy engine takes
+    cannot grow it without end; the other messages are bounded by what they
+    answer (one per client, reservation or export).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_adds: int = 1024, refusals: Refusals | None = None) -> None:
+        if max_adds < 1:
+            raise ValueError(f"max_adds: must be >= 1, got {max_adds}")
         self.requests: queue.Queue = queue.Queue()
+        self.max_adds, self.refusals = max_adds, refusals or Refusals()
+        self._adds = 0  # ADDs in `requests`, not yet taken by the engine
         self._aborts: list[tuple[bytes, list[str]]] = []
         self._lock = threading.Lock()
+
+    def offer_add(self, client: bytes, msg: AddRequest) -> bool:
+        """Queue an ADD unless `max_adds` are waiting already (False: refused and counted)."""
+        with self._lock:
+            if self._adds >= self.max_adds:
+                full = True
+            else:
+                full, self._adds = False, self._adds + 1
+        if full:
+            self.refusals.add("inbox", self.max_adds)
+            return False
+        self.requests.put((client, msg))
+        return True
+
+    def took_add(self) -> None:
+        """The engine took an ADD (one put on `requests` directly, as tests do, was never counted)."""
+        with self._lock:
+            self._adds = max(0, self._adds - 1)
+
+    def refusal(self, request_id: str) -> RequestError:
+        """The answer to an ADD `offer_add` refused: queue_full, so the router places it elsewhere."""
+        return RequestError(request_id, f"the worker's inbox holds {self.max_adds} requests not yet taken by its "
+                            "engine (--max-num-waiting)", ERROR_QUEUE_FULL)
 
     def put_abort(self, client: bytes, msg: Abort) -> None:
         with self._lock:
@@ -458,6 +491,7 @@ class EngineLoop:
                 self.send(client, RequestError(msg.request_id, f"the worker failed to add the request: {exc}"))
 
     def _on_add(self, client: bytes, msg: AddRequest) -> None:
+        self.inbox.took_add()
         # Aborts that arrived before this ADD apply first: a router that aborts a request and
         # sends it again under the same id (a resumed stream) must not meet its old sequence.
         self._apply_aborts(set())

@@ -16,9 +16,9 @@ runners pay one `is None` check per step.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
+from hybridgate.config import environment
 from hybridgate.workers.scheduler import ScheduledBatch
 
 FAULT_ENV = "HYBRIDGATE_TEST_FAULT"
@@ -54,7 +54,7 @@ class FaultHook:
 
     @classmethod
     def from_env(cls) -> FaultHook | None:
-        return cls.parse(os.environ.get(FAULT_ENV, ""))
+        return cls.parse(environment(FAULT_ENV, ""))
 
     def check(self, batch: ScheduledBatch) -> None:
         """Raise the fault this batch triggers, if any (called before the runner touches the device)."""

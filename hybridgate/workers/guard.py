@@ -1,5 +1,10 @@
 """What a worker does with bad input: the checks an ADD must pass, and the count of what was refused.
 
+A worker's queues between its threads are bounded too: a message past a
+queue's bound is refused at once (an ADD with `queue_full`, which the router
+places elsewhere; an export that fails, so the sequence decodes where it is)
+and counted in `Refusals` (`hybridgate:worker_queue_refusals_total{worker,queue}`).
+
 Nothing a router sends may reach the kernels unchecked or end a worker thread
 (DESIGN.md, Errors and bad input): malformed or inconsistent messages are
 dropped or answered with a `RequestError`, counted in `WireErrors` (exported as
@@ -59,6 +64,30 @@ def check_add(request: AddRequest, vocab_size: int, max_model_len: int) -> None:
         raise InvalidFieldError("first_token_index", f"must be >= 0, got {request.first_token_index}")
     if not 0 <= request.deadline_s < float("inf"):  # NaN fails too
         raise InvalidFieldError("deadline_s", f"must be a finite number >= 0, got {request.deadline_s}")
+
+
+class Refusals:
+    """Messages refused because a worker queue was at its bound, by queue name (both threads add)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] = {}
+        self._logged: dict[str, float] = {}
+
+    def add(self, queue: str, bound: int) -> None:
+        """Count one refusal by `queue` (full at `bound`); a warning at most once a second per queue."""
+        now = time.monotonic()
+        with self._lock:
+            self._counts[queue] = self._counts.get(queue, 0) + 1
+            if now - self._logged.get(queue, -1e18) < 1.0:
+                return
+            self._logged[queue] = now
+            total = self._counts[queue]
+        log.warning("the worker's %s queue is full (%d); refused a message (%d so far)", queue, bound, total)
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
 
 
 class WireErrors:

@@ -14,7 +14,6 @@ KV frames) followed by HANDOFF_KV_PART messages, each carrying whole layers
 from __future__ import annotations
 
 import logging
-import os
 import random
 import secrets
 import threading
@@ -24,16 +23,18 @@ from dataclasses import dataclass, field
 import msgspec
 import numpy as np
 
+from hybridgate.config import environment
 from hybridgate.wire import (
     HANDOFF_DTYPES, ROPE_BASIS, AddRequest, HandoffExported, HandoffExportFailed, HandoffHeader, HandoffImported,
     HandoffOutcome, HandoffPart, HandoffRefused, HandoffRelease, HandoffReservation, HandoffReserve, HandoffResume,
-    MsgType,
+    InvalidFieldError, MsgType,
 )
+from hybridgate.workerconf import WorkerConfig
+from hybridgate.workers.guard import check_add
 from hybridgate.workers.sequence import SequenceStatus
 
 log = logging.getLogger("hybridgate.worker")
 
-DEFAULT_RESERVATION_TIMEOUT_S = 30.0
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 _HEADER_DECODER = msgspec.msgpack.Decoder(HandoffHeader)
 _PART_DECODER = msgspec.msgpack.Decoder(HandoffPart)
@@ -78,8 +79,16 @@ class KVSpec:
         return num_tokens * self.num_kv_heads * self.head_dim * _ITEMSIZE[dtype or self.dtype]
 
 
-def check_header(header: HandoffHeader, spec: KVSpec, max_model_len: int) -> None:
-    """Raise HandoffRefusal naming the first field of `header` that does not match `spec`.
+def imported_request(header: HandoffHeader) -> AddRequest:
+    """The request a hand-off carries, as the ADD that would have started it on this worker."""
+    return AddRequest(header.request_id, list(header.prompt_ids), header.params, header.seed, header.max_tokens,
+                      header.eos_token_id, first_token_index=header.next_token_index - len(header.output_ids))
+
+
+def check_header(header: HandoffHeader, spec: KVSpec, max_model_len: int, vocab_size: int) -> None:
+    """Raise HandoffRefusal naming the first field of `header` that does not match `spec`, or that
+    an ADD could not carry: the request goes through the ADD guard (`workers.guard.check_add`: ids
+    in the vocabulary, sampling fields, seed, lengths), and its output ids must be in the vocabulary.
 
     The receiver's own dtype does not matter: any of HANDOFF_DTYPES converts.
     """
@@ -104,6 +113,13 @@ def check_header(header: HandoffHeader, spec: KVSpec, max_model_len: int) -> Non
     if header.num_tokens + 1 > max_model_len:
         raise HandoffRefusal("num_tokens", f"{header.num_tokens} + 1 exceeds this worker's max model length "
                              f"{max_model_len}")
+    try:
+        check_add(imported_request(header), vocab_size, max_model_len)
+    except InvalidFieldError as exc:
+        raise HandoffRefusal(exc.field, str(exc).removeprefix(f"{exc.field}: ")) from None
+    bad = [t for t in header.output_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise HandoffRefusal("output_ids", f"every id must be in [0, {vocab_size}), got {bad[0]}")
 
 
 def frames_to_float32(frames: list, header: HandoffHeader, spec: KVSpec) -> list[np.ndarray]:
@@ -151,7 +167,7 @@ class Reservation:
 class Reservations:
     """Live reservations by request id (ids are the router's: unique per request)."""
 
-    timeout_s: float = DEFAULT_RESERVATION_TIMEOUT_S
+    timeout_s: float = WorkerConfig.handoff_reservation_timeout_s
     by_id: dict[str, Reservation] = field(default_factory=dict)
 
     def add(self, client: bytes, request_id: str, num_tokens: int, table: list[int]) -> Reservation:
@@ -191,8 +207,8 @@ class PauseHooks:
     STATES = ("reserved", "exporting", "exported", "importing", "imported")
 
     def __init__(self, spec: str | None = None, seed: str | None = None):
-        spec = os.environ.get("HYBRIDGATE_TEST_HANDOFF_PAUSE", "") if spec is None else spec
-        seed = os.environ.get("HYBRIDGATE_TEST_HANDOFF_PAUSE_SEED") if seed is None else seed
+        spec = environment("HYBRIDGATE_TEST_HANDOFF_PAUSE", "") if spec is None else spec
+        seed = environment("HYBRIDGATE_TEST_HANDOFF_PAUSE_SEED") if seed is None else seed
         self.seconds: dict[str, float] = {}
         for item in filter(None, (s.strip() for s in spec.split(","))):
             state, _, secs = item.partition(":")
@@ -213,6 +229,19 @@ class PauseHooks:
         time.sleep(secs)
 
 
+@dataclass
+class ExportJob:
+    """One sequence's export: where, what, and the event after which its blocks are final."""
+
+    key: tuple[bytes, str]  # (router identity, request id) on the GPU worker
+    endpoint: str
+    header: HandoffHeader
+    block_table: list[int]
+    ready: object = None  # torch.cuda.Event on CUDA
+    started: float = field(default_factory=time.monotonic)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
 # --- the engine's side ---------------------------------------------------------
 
 
@@ -220,8 +249,8 @@ class PauseHooks:
 class HandoffConfig:
     """The worker's hand-off settings (from WorkerConfig)."""
 
-    cache_imported_kv: bool = False
-    reservation_timeout_s: float = DEFAULT_RESERVATION_TIMEOUT_S
+    cache_imported_kv: bool = WorkerConfig.cache_imported_kv  # the defaults are the settings'
+    reservation_timeout_s: float = WorkerConfig.handoff_reservation_timeout_s
 
 
 @dataclass
@@ -244,7 +273,7 @@ class Parked:
     refused: bool = False  # a refusal was already forwarded to the router
 
 
-class HandoffState:
+class EngineHandoffs:
     """Everything hand-off in one engine: parked exports (GPU worker), reservations and
     imports (CPU worker), the messages to send, and the counters.
 
@@ -327,8 +356,6 @@ class HandoffState:
             self._export(seq, target)
 
     def _export(self, seq, target) -> None:
-        from hybridgate.workers.gpu.export import ExportJob  # the exporter exists only where torch does
-
         spec, key = self.spec, (seq.client, seq.request_id)
         header = HandoffHeader(
             request_id=seq.request_id, token=target.token, fingerprint=spec.fingerprint,
@@ -484,7 +511,7 @@ class HandoffState:
     def _accept_header(self, r: Reservation, header: HandoffHeader) -> None:
         if r.header is not None:
             raise HandoffRefusal("header", "a second header for the same reservation")
-        check_header(header, self.spec, self.engine.runner.max_model_len)
+        check_header(header, self.spec, self.engine.runner.max_model_len, self.engine.runner.vocab_size)
         if not self.engine.allocator.ensure(r.block_table, header.num_tokens + 1):
             raise HandoffRefusal("num_tokens", f"{header.num_tokens} + 1 tokens need more blocks than the "
                                  f"{len(r.block_table)} reserved and {self.engine.allocator.num_free} free")
@@ -516,8 +543,7 @@ class HandoffState:
 
         h, engine = r.header, self.engine
         self.reservations.by_id.pop(r.request_id, None)
-        seq = Sequence(AddRequest(h.request_id, list(h.prompt_ids), h.params, h.seed, h.max_tokens, h.eos_token_id,
-                                  first_token_index=h.next_token_index - len(h.output_ids)), r.client)
+        seq = Sequence(imported_request(h), r.client)  # checked as an ADD with its header
         seq.output_ids = list(h.output_ids)
         if h.params.logprobs is not None:  # the GPU worker streamed these ids with their logprobs
             seq.output_logprobs = [None] * len(seq.output_ids)

@@ -6,13 +6,15 @@ import asyncio
 import os
 import threading
 
-from hybridgate.wire import Abort, AddRequest, EngineStats, Hello, Ready, WorkerState
+from hybridgate.router.local import LocalWorkerClient
+from hybridgate.wire import Abort, AddRequest, EngineStats, Hello
 from hybridgate.workers.engine import EngineCore, EngineLoop, Inbox, ModelRunner
 from hybridgate.workers.scheduler import SchedulerConfig
 
 
-class InProcessClient:
-    """Same interface as the router's `ZmqWorkerClient`, over a thread instead of a socket.
+class InProcessClient(LocalWorkerClient):
+    """Same interface as the router's `ZmqWorkerClient`, over a thread instead of a socket, and the
+    same lifecycle (`LocalWorkerClient`): READY once started, DEAD should its engine thread end.
 
     `runner` is built by the caller (e.g. `TorchRunner(load_gguf(path))`);
     `fingerprint` is the model's, for the router's check.
@@ -22,7 +24,6 @@ class InProcessClient:
 
     def __init__(self, runner: ModelRunner, fingerprint: str, scheduler: SchedulerConfig | None = None,
                  prefix_caching: bool = True):
-        self.state = WorkerState.CONNECTING
         self.kind = runner.kind
         scheduler = scheduler or SchedulerConfig()
         self.hello = Hello(kind=runner.kind, fingerprint=fingerprint, max_num_seqs=scheduler.max_num_seqs,
@@ -30,7 +31,7 @@ class InProcessClient:
                            cpu_isa=getattr(runner, "cpu_isa", ""),
                            kv_dtype=runner.kv_layout()[3] if hasattr(runner, "kv_layout") else "")
         self.engine = EngineCore(runner, scheduler, fingerprint, prefix_caching)
-        self.inbox = Inbox()
+        self.inbox = Inbox(scheduler.max_num_waiting, self.engine.refusals)
         self._loop_thread: threading.Thread | None = None
         self._engine_loop: EngineLoop | None = None
 
@@ -44,14 +45,22 @@ class InProcessClient:
         def send(client: bytes, msg) -> None:
             loop.call_soon_threadsafe(on_message, self, msg)
 
+        def run() -> None:
+            try:
+                self._engine_loop.run()
+            finally:
+                if not self._engine_loop.stopping.is_set():  # an engine that ends by itself is a lost worker
+                    loop.call_soon_threadsafe(self.lost, "its engine thread ended")
+
+        self._start_lifecycle(on_message)
         self._engine_loop = EngineLoop(self.engine, self.inbox, send)
-        self._loop_thread = threading.Thread(target=self._engine_loop.run, name="inprocess-engine", daemon=True)
+        self._loop_thread = threading.Thread(target=run, name="inprocess-engine", daemon=True)
         self._loop_thread.start()
-        on_message(self, self.hello)
-        on_message(self, Ready(self.kind))
+        self.come_up()
 
     def add(self, request: AddRequest) -> None:
-        self.inbox.requests.put((b"", request))
+        if not self.inbox.offer_add(b"", request):
+            self._engine_loop.send(b"", self.inbox.refusal(request.request_id))
 
     def abort(self, request_ids: list[str]) -> None:
         if request_ids:

@@ -20,6 +20,7 @@ import threading
 import msgspec
 
 from hybridgate.redisconf import RedisConfig, WorkerEntry, bounded, connect, redacted, redis_errors, worker_key
+from hybridgate.workers.threads import worker_thread
 
 log = logging.getLogger("hybridgate.worker")
 
@@ -47,7 +48,7 @@ class Registration:
         self.period_s = config.registry_ttl_s / 3
         self.renewals = 0  # successful writes, for tests and logs
         self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="worker-registry", daemon=True)
+        self._thread = worker_thread(self._run, "worker-registry", "registration thread", self._stopping)
 
     def start(self) -> None:
         self._thread.start()

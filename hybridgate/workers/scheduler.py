@@ -16,22 +16,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from hybridgate.config import check_settings, setting
+from hybridgate.workerconf import SchedulerConfig
 from hybridgate.mempool import BlockAllocator, block_hash, prefix_block_hashes
 from hybridgate.workers.sequence import Sequence, SequenceStatus
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = setting(64, "most sequences a worker runs at once", low=1)
-    max_num_batched_tokens: int = setting(
-        2048, "token budget of one engine step; longer prompts are prefilled in chunks", low=1)
-    max_num_waiting: int = setting(
-        1024, "most requests a worker queues beyond those it runs; one more is refused (RESOURCE_EXHAUSTED "
-              "once every worker refuses it)", low=1)
-
-    def __post_init__(self) -> None:
-        check_settings(self)
 
 
 @dataclass

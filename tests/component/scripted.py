@@ -5,24 +5,23 @@ from __future__ import annotations
 
 import asyncio
 
-from hybridgate.router.client import WorkerDead
-from hybridgate.wire import EngineStats, FinishReason, Hello, Outputs, Ready, SeqOutput, WorkerState
+from hybridgate.router.local import LocalWorkerClient
+from hybridgate.wire import EngineStats, FinishReason, Hello, Outputs, SeqOutput
 
 
-class ScriptedClient:
+class ScriptedClient(LocalWorkerClient):
     def __init__(self, fingerprint: str, script: list[int], *, finish=FinishReason.LENGTH, die_after: int | None = None,
                  kind: str = "gpu", max_model_len: int = 8192):
         self.endpoint = f"scripted-{id(self)}"
-        self.kind, self.state, self.stats = kind, WorkerState.CONNECTING, EngineStats()
+        self.kind, self.stats = kind, EngineStats()
         self.hello = Hello(kind, fingerprint, 8, max_model_len, 0, True)
         self.script, self.finish, self.die_after = script, finish, die_after
         self.requests, self.aborted = [], []
         self._tasks = []
 
     async def start(self, on_message) -> None:
-        self._on_message = on_message
-        on_message(self, self.hello)
-        on_message(self, Ready(self.kind))
+        self._start_lifecycle(on_message)
+        self.come_up()
 
     def add(self, request) -> None:
         self.requests.append(request)
@@ -32,7 +31,7 @@ class ScriptedClient:
         for i, tid in enumerate(self.script):
             await asyncio.sleep(0)
             if self.die_after is not None and i >= self.die_after:
-                self._on_message(self, WorkerDead(f"worker {self.endpoint} silent for 1.0 s"))
+                self.lost("killed by signal SIGKILL")
                 return
             if request.request_id in self.aborted:
                 return

@@ -1,5 +1,5 @@
 """The Numba runner behind the shared engine: logits against transformers (golden), greedy ids,
-kernel calls per step independent of the batch."""
+one pass over each weight matrix per step whatever the batch."""
 
 from __future__ import annotations
 
@@ -39,22 +39,38 @@ def test_logits_match_the_reference(runner):
         assert np.abs(got[i] - LOGITS[f"short{i}_logits"]).max() < 2e-3
 
 
-def test_greedy_france_and_kernel_calls_per_step(runner, gguf_model, chat_template):
+def weight_matrices(model) -> list:
+    """The matrices a forward pass multiplies by: each layer's (a dict or a dataclass of parts), the LM head."""
+    out = []
+    for layer in model.layers:
+        parts = layer.values() if isinstance(layer, dict) else [getattr(layer, f) for f in layer.__dataclass_fields__]
+        out += [p for p in parts if hasattr(p, "matmul")]
+    return out + [model.lm_head]
+
+
+def test_greedy_france_and_one_pass_over_the_weights_per_step(runner, gguf_model, monkeypatch):
+    """Greedy ids equal the reference's among 8 other requests, and every step multiplies by each weight
+    matrix once whatever its batch: (4 per layer: fused QKV, output, fused gate-up, down) + the LM head."""
     engine = EngineCore(runner, SchedulerConfig(), model_fingerprint(gguf_model))
     france = golden_json("greedy.json")["france"]
     engine.add(AddRequest("fr", france["prompt_ids"], SamplingParams(temperature=0), 0, 16, 2))
-    out = []
-    calls = set()
     for k in range(8):
         engine.add(AddRequest(f"x{k}", france["prompt_ids"][:10 + k], SamplingParams(temperature=0, ignore_eos=True),
                               0, 6, 2))
+    matrices = {id(m): m for m in weight_matrices(runner.model)}
+    calls: list[int] = []
+    for m in matrices.values():
+        monkeypatch.setattr(m, "matmul", lambda x, f=m.matmul: (calls.append(x.shape[0]), f(x))[1])
+    out, per_step, batches = [], [], []
     while engine.has_work():
-        for s in engine.step():
-            if s.request_id == "fr":
-                out += output_of(s).token_ids
-        calls.add(runner.model.kernel_calls)
+        calls.clear()
+        stepped = engine.step()
+        per_step.append(len(calls))
+        batches.append(calls[-1])  # the LM head's rows: one per sequence of the step
+        out += [i for s in stepped if s.request_id == "fr" for i in output_of(s).token_ids]
     assert out == france["ids"]
-    assert len(calls) == 1  # one pass over the weights per step, whatever the batch
+    assert per_step == [4 * gguf_model.config.num_layers + 1] * len(per_step)
+    assert max(batches) == 9 and min(batches) >= 1  # all nine requests shared steps
 
 
 def test_logits_are_bitwise_equal_alone_and_in_a_batch_of_8(runner):

@@ -12,8 +12,17 @@ import pytest
 
 from conftest import TIME_FACTOR
 from hybridgate.models import model_fingerprint
-from hybridgate.router import ResourceExhaustedError, Router, RouterConfig, UnavailableError, WorkerDead, WorkerRequestError
-from hybridgate.wire import FinishReason, Outputs, Overload, Ready, RequestError, SamplingParams, SeqOutput, WorkerState
+from hybridgate.router import ResourceExhaustedError, Router, RouterConfig, UnavailableError, WorkerRequestError
+from hybridgate.wire import (
+    EngineStats,
+    FinishReason,
+    Outputs,
+    Overload,
+    RequestError,
+    SamplingParams,
+    SeqOutput,
+    WorkerState,
+)
 from scripted import ScriptedClient
 
 pytestmark = pytest.mark.asyncio
@@ -43,7 +52,7 @@ class Worker(ScriptedClient):
             n = i - request.first_token_index
             if first and self.die_after is not None and n >= self.die_after:
                 self.late.append(SeqOutput(request.request_id, i, [self.script[i]]))
-                self._on_message(self, WorkerDead(f"worker {self.endpoint} silent for 1.0 s"))
+                self.lost("killed by signal SIGKILL")
                 return
             if first and self.hang_after is not None and n >= self.hang_after:
                 return
@@ -92,7 +101,7 @@ async def test_death_mid_stream_resumes_on_another_worker(gguf_model, fp):
 async def test_resume_off_ends_with_unavailable(gguf_model, fp):
     a, b = Worker(fp, "a", die_after=3), Worker(fp, "b")
     async with Router(gguf_model, [a, b], RouterConfig(resume_on_worker_loss=False)) as router:
-        with pytest.raises(UnavailableError, match="silent"):
+        with pytest.raises(UnavailableError, match="worker a exited"):
             await collect(router)
         assert b.requests == []
 
@@ -105,8 +114,7 @@ async def test_the_same_worker_back_within_the_stall_timeout_takes_it(gguf_model
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.1)
         assert len(a.requests) == 1  # nowhere to go: it waits
-        a.state = WorkerState.READY  # re-admitted (the client's lifecycle does this on a new HELLO)
-        router._on_message(a, Ready("gpu"))
+        a.back()  # re-admitted: a HELLO of the same boot
         deltas = await asyncio.wait_for(task, 5 * TIME_FACTOR)
         assert_one_contiguous_stream(deltas)
         assert deltas[-1].route == "gpu (a), resumed at token 4 on gpu (a)" and a.requests[1].first_token_index == 4
@@ -178,3 +186,36 @@ async def test_prefill_progress_is_not_a_stall(gguf_model, fp):
         deltas = await collect(router)  # prefill twice the timeout, each chunk well within it
         assert_one_contiguous_stream(deltas)
         assert deltas[-1].route == "gpu (a)" and b.requests == [] and a.aborted == []
+
+
+def measured(worker, prefill_tokens_per_s: float, decode_step_s: float):
+    """A scripted worker with a load report the cost policy can price."""
+    worker.stats = EngineStats(blocks_total=1000, max_num_seqs=8, max_num_batched_tokens=512,
+                               prefill_tokens_per_s={512: prefill_tokens_per_s}, decode_step_s={1: decode_step_s})
+    return worker
+
+
+async def test_a_resume_is_placed_by_the_cost_policy_not_by_the_fewest_in_flight(gguf_model, fp):
+    # Only the GPU worker meets the default TTFT SLO, so it takes the request; once it is lost, neither CPU worker
+    # meets it, and the one that finishes soonest takes the resume: c (10 ms steps), not b (50 ms), which the
+    # fewest-in-flight rule would take (both idle, b first).
+    a = measured(Worker(fp, "a", die_after=3), 10_000.0, 0.001)
+    b = measured(Worker(fp, "b", kind="cpu"), 100.0, 0.05)
+    c = measured(Worker(fp, "c", kind="cpu"), 100.0, 0.01)
+    async with Router(gguf_model, [a, b, c]) as router:
+        deltas = await collect(router)
+        assert_one_contiguous_stream(deltas)
+        assert deltas[-1].route == "gpu (a), resumed at token 3 on cpu (c)" and not b.requests
+
+
+async def test_a_dropped_worker_leaves_nothing_in_the_placers_record(gguf_model, fp):
+    a, b = Worker(fp, "a"), Worker(fp, "b", kind="cpu")
+    async with Router(gguf_model, [a, b]) as router:
+        async with router.generate("x", PARAMS) as stream:
+            await stream.__anext__()
+            assert router.placer.inflight(stream.client) == 1
+            worker = stream.client
+            await router.drop_client(worker, "left the registry")
+            assert router.placer.inflight(worker) == 0 and worker not in router.placer._workers
+            rest = [d async for d in stream]
+        assert rest[-1].finish_reason == FinishReason.LENGTH

@@ -252,7 +252,7 @@ async def test_worker_death_mid_stream_is_unavailable_when_resume_is_off(gguf_mo
     config = RouterConfig(resume_on_worker_loss=False)
     async with Router(gguf_model, [ScriptedClient(fp, [5, 6, 7, 8], die_after=2)], config) as router:
         got = []
-        with pytest.raises(UnavailableError, match="silent"):
+        with pytest.raises(UnavailableError, match="exited"):
             async with router.generate("x", SamplingParams(max_tokens=5)) as stream:
                 async for d in stream:
                     got.append(d)
@@ -310,3 +310,26 @@ async def test_a_deadline_shorter_than_every_plans_predicted_ttft_is_refused_bef
         async with router.generate("Hello", SamplingParams(max_tokens=2), deadline_s=30.0) as stream:
             deltas = [d async for d in stream]
         assert sum(len(d.token_ids) for d in deltas) == 2 and len(gpu.requests) + len(cpu.requests) == 1
+
+
+async def test_end_of_turn_ids_of_the_vocabulary_stop_unless_eos_is_ignored(gguf_model, tokenizer):
+    # SmolLM2's EOS is its only end-of-turn token, so this router's vocabulary is given one more (id 7).
+    fp = model_fingerprint(gguf_model)
+    for ignore_eos, expected in ((False, (5, 7)), (True, (5,))):
+        client = ScriptedClient(fp, tokenizer.encode("fine"))
+        async with Router(gguf_model, [client]) as router:
+            router.tokenizer.stop_token_ids = frozenset({tokenizer.eos_token_id, 7})
+            await collect(router, "x", SamplingParams(max_tokens=5, stop_token_ids=(5,), ignore_eos=ignore_eos))
+        assert client.requests[0].params.stop_token_ids == expected
+        assert client.requests[0].eos_token_id == tokenizer.eos_token_id
+
+
+async def test_a_raw_prompt_starts_with_bos_when_the_vocabulary_asks(gguf_model, tokenizer):
+    # llama.cpp's llama_tokenize(add_special=true): BOS first when tokenizer.ggml.add_bos_token (SmolLM2's is false).
+    fp = model_fingerprint(gguf_model)
+    for add_bos, expected in ((False, tokenizer.encode("Hi there")), (True, [1, *tokenizer.encode("Hi there")])):
+        client = ScriptedClient(fp, tokenizer.encode("fine"))
+        async with Router(gguf_model, [client]) as router:
+            router.tokenizer.add_bos_token = add_bos
+            await collect(router, "Hi there", SamplingParams(max_tokens=5))
+        assert client.requests[0].prompt_ids == expected

@@ -7,7 +7,6 @@ import pytest
 
 from hybridgate.models import model_fingerprint
 from hybridgate.router import Router
-from hybridgate.router.client import StateChange, WorkerDead
 from hybridgate.wire import EngineStats, Outputs, RequestError, SamplingParams, SeqOutput, WorkerState
 from scripted import ScriptedClient
 
@@ -32,8 +31,7 @@ async def test_health_follows_readiness_both_ways(gguf_model):
     changes: list[bool] = []
     async with Router(gguf_model, [client], on_ready_change=changes.append) as router:
         assert changes == [True]
-        router._on_message(client, WorkerDead("gone"))  # a client without a lifecycle: the router marks it
+        client.lost("gone")  # its lifecycle: DEAD, and the router hears of it
         assert client.state == WorkerState.DEAD and changes == [True, False]
-        client.state = WorkerState.READY  # as a client with a lifecycle does on re-admission
-        router._on_message(client, StateChange(WorkerState.PROBING, WorkerState.READY))
-        assert changes == [True, False, True]
+        client.back()  # re-admitted: a HELLO of the same boot
+        assert client.state == WorkerState.READY and changes == [True, False, True]

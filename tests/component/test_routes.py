@@ -10,6 +10,7 @@ import pytest
 
 from hybridgate.models import model_fingerprint
 from hybridgate.router import InvalidRequestError, Router, UnavailableError
+from hybridgate.router.local import LocalWorkerClient
 from hybridgate.wire import (
     EngineStats,
     FinishReason,
@@ -22,21 +23,19 @@ from hybridgate.wire import (
     HandoffResume,
     Hello,
     Outputs,
-    Ready,
     SamplingParams,
     SeqOutput,
-    WorkerState,
 )
 
 SCRIPT = [101, 102, 103, 104, 105, 106]
 
 
-class Scripted:
+class Scripted(LocalWorkerClient):
     """A worker that plays SCRIPT; the GPU one exports after token 0 when asked, the CPU one imports."""
 
     def __init__(self, fp: str, kind: str, name: str, *, refuse_reserve: str = "", refuse_import: str = ""):
         self.kind, self.endpoint = kind, f"scripted://{name}"
-        self.state, self.stats = WorkerState.CONNECTING, EngineStats()
+        self.stats = EngineStats()
         self.hello = Hello(kind, fp, 8, 8192, 0, True, name=name,
                            handoff_endpoint=f"ipc:///tmp/{name}-h" if kind == "cpu" else "")
         self.refuse_reserve, self.refuse_import = refuse_reserve, refuse_import
@@ -46,8 +45,8 @@ class Scripted:
 
     async def start(self, on_message) -> None:
         self._on = on_message
-        on_message(self, self.hello)
-        on_message(self, Ready(self.kind))
+        self._start_lifecycle(on_message)
+        self.come_up()
 
     def _later(self, msg) -> None:
         asyncio.get_running_loop().call_soon(self._on, self, msg)
@@ -119,7 +118,7 @@ async def test_gpu_to_cpu_streams_token_0_from_the_gpu_and_the_rest_from_the_cpu
         assert [type(m) for m in gpu.got] == [HandoffRelease] and [type(m) for m in cpu.got] == [HandoffReserve]
         assert cpu.got[0].num_tokens == len(router.tokenize("x")) + 1
         assert router.handoff_metrics.outcomes["done"] == 1 and router.handoff_metrics.seconds_count == 1
-        assert router._inflight == {id(gpu): 0, id(cpu): 0}
+        assert router.placer.inflight(gpu) == router.placer.inflight(cpu) == 0
 
 
 async def test_a_refused_reservation_runs_as_gpu_and_the_route_says_so(gguf_model):
@@ -161,7 +160,7 @@ async def test_a_route_without_a_ready_worker_of_its_kind_is_unavailable(gguf_mo
     async with Router(gguf_model, [gpu]) as router:
         with pytest.raises(UnavailableError, match="no cpu worker is ready"):
             await run(router, route)
-        assert not gpu.added and router._inflight == {id(gpu): 0}
+        assert not gpu.added and router.placer.inflight(gpu) == 0
 
 
 async def test_abort_mid_hand_off_goes_to_both_workers(gguf_model):

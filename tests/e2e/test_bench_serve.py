@@ -69,11 +69,14 @@ def test_compare_protocols_runs_both_doors_alternately_with_every_figure(tmp_pat
         assert (r["streams"], r["max_tokens"]) == (streams, ids)
         for name in ("grpc", "openai"):
             assert set(r[name]) == figures and len(r["runs"][name]) == 2
-            # Every figure is the median of the two runs that were made (not a copy of one of them).
+            # Every figure is the median of the runs that have it (not a copy of one of them); a run has
+            # no decode rate only when all its ids came in one message.
             for k in figures:
-                assert r[name][k] == sum(run[k] for run in r["runs"][name]) / 2
+                values = [run[k] for run in r["runs"][name] if run[k] is not None]
+                assert r[name][k] == (sum(values) / len(values) if values else None)
         ratio = r["ratio_openai_over_grpc"]
         pairs = [h["tokens_per_s"] / g["tokens_per_s"] for g, h in zip(r["runs"]["grpc"], r["runs"]["openai"])]
         assert ratio["tokens_per_s"] == sum(pairs) / 2
-        # The same worker behind both doors: the two protocols' decode rates are within a factor of 3.
-        assert 1 / 3 < ratio["decode_tokens_per_s"] < 3
+        # The same worker behind both doors: the decode rates, timed from the ids' counts and arrival times
+        # (not from how many messages came), are within a factor of 3 (a busy machine's full suite read 463).
+        assert ratio["decode_tokens_per_s"] is not None and 1 / 3 < ratio["decode_tokens_per_s"] < 3

@@ -12,6 +12,7 @@ import urllib.parse
 import urllib.error
 import urllib.request
 
+import gguf
 import openai
 import pytest
 
@@ -62,8 +63,9 @@ def test_a_missing_or_wrong_token_is_401(server):
     assert urllib.request.urlopen(server.http_url + "/health", timeout=30, context=server.tls).status == 200  # open
 
 
-def test_the_right_token_is_served(server):
-    r = sdk(server, TOKEN).chat.completions.create(model="SmolLM2-135M-Instruct-Q4_1", temperature=0, max_tokens=3,
+def test_the_right_token_is_served(server, model_path):
+    name = gguf.GGUFReader(model_path).fields["general.name"].contents()  # the served name by default
+    r = sdk(server, TOKEN).chat.completions.create(model=name, temperature=0, max_tokens=3,
                                                   messages=[{"role": "user", "content": "What is the capital of France?"}])
     assert r.choices[0].message.content == "The capital of"
 

@@ -284,6 +284,7 @@ def test_models_health_metrics_openapi_tokenize(server):
 
     status, raw = get("/v1/models")
     assert status == 200 and [m["id"] for m in json.loads(raw)["data"]] == [MODEL, "alias"]
+    assert stub(server.target).GetModelInfo(pb.GetModelInfoRequest()).model_id == MODEL  # --served-model-name
     assert get("/health")[0] == 200
     status, raw = get("/metrics")
     assert status == 200 and b"hybridgate:time_to_first_token_seconds" in raw

@@ -111,13 +111,10 @@ def test_two_gateways_share_a_worker(tmp_path, model_path):
         worker.stop()
 
 
-def test_default_layout_streams_the_cpu_runners_ids(tmp_path, gguf_model):
-    from hybridgate.models import model_fingerprint
+def test_default_layout_streams_the_reference_answer(tmp_path, model_path):
+    """`serve` with no layout flags: its workers (one CPU worker here; a GPU worker too under CUDA)
+    answer the France chat with transformers' greedy ids (tests/golden/greedy.json), EOS included."""
     from hybridgate.serve import cuda_present
-    from hybridgate.wire import AddRequest, SamplingParams
-    from hybridgate.workers.cpu.runner import NumbaRunner
-    from hybridgate.workers.engine import EngineCore, output_of
-    from hybridgate.workers.scheduler import SchedulerConfig
 
     server = Serve(tmp_path / "serve.log")
     try:
@@ -125,16 +122,11 @@ def test_default_layout_streams_the_cpu_runners_ids(tmp_path, gguf_model):
         assert ready == ("gpu, cpu workers" if cuda_present() else "cpu worker")
         call = stub(server.target).Generate(pb.GenerateRequest(
             chat=pb.Chat(messages=[pb.ChatMessage(role="user", content=FRANCE)]), max_tokens=16, temperature=0))
-        streamed = [i for m in call for i in m.token_ids]
-        if cuda_present():
-            return  # the GPU worker takes it first; its ids are checked by the GPU tests
-        engine = EngineCore(NumbaRunner(gguf_model, kv_cache_memory="64MiB", threads=1), SchedulerConfig(),
-                            model_fingerprint(gguf_model))
-        engine.add(AddRequest("fr", GREEDY["france"]["prompt_ids"], SamplingParams(temperature=0), 0, 16, 2))
-        in_process = []
-        while engine.has_work():
-            in_process += [i for s in engine.step() for i in output_of(s).token_ids]
-        assert streamed == in_process and len(streamed) > 1
+        messages = list(call)
+        assert [i for m in messages for i in m.token_ids] == GREEDY["france"]["ids"]
+        assert messages[-1].finish_reason == pb.FINISH_REASON_EOS
+        if not cuda_present():
+            assert messages[-1].route.startswith("cpu ("), messages[-1].route
     finally:
         assert server.stop() == 0, server.text()
 

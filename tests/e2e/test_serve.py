@@ -9,6 +9,7 @@ import subprocess
 import threading
 import time
 
+import gguf
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -152,12 +153,13 @@ def test_size_limits(server, tokenizer):
     assert f"prompt: {n} tokens" in info.value.details() and "8192" in info.value.details()
 
 
-def test_health_reflection_and_model_info(server):
+def test_health_reflection_and_model_info(server, model_path):
     channel = grpc.insecure_channel(server.target)
     check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="hybridgate.v1.Generation"))
     assert check.status == health_pb2.HealthCheckResponse.SERVING
     info = stub(server.target).GetModelInfo(pb.GetModelInfoRequest())
     assert info.max_model_len == 8192 and len(info.fingerprint) == 64
+    assert info.model_id == gguf.GGUFReader(model_path).fields["general.name"].contents()  # no --served-model-name
     assert [(w.kind, w.ready) for w in info.workers] == [("gpu", True)]
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -166,13 +168,33 @@ def test_health_reflection_and_model_info(server):
     assert "hybridgate.v1.Generation" in [s.name for s in reply.list_services_response.service]
 
 
-def test_metrics_names(server):
-    list(stub(server.target).Generate(pb.GenerateRequest(prompt="hi", max_tokens=3, ignore_eos=True)))
-    names = set(metrics(server.metrics_url))
-    for name in ("hybridgate:time_to_first_token_seconds_count{}", "hybridgate:inter_token_latency_seconds_count{}",
-                 "hybridgate:e2e_request_latency_seconds_count{}", "hybridgate:request_success_total{finished_reason=length}",
-                 "hybridgate:engine_steps_total{}", AFTER_ABORT, KV_BYTES, "hybridgate:engine_batch_size_count{}"):
-        assert name in names, name
+def test_metrics_count_what_one_request_did(server, model_path):
+    """One request of known size (a prompt whose ids the reference tokenizer gave, 4 tokens out):
+    each counter moves by what that request did, and model_info names the model as its file does."""
+    golden = golden_json("tokenizer.json")
+    text, ids = max(((t, i) for t, i in zip(golden["strings"], golden["ids"]) if len(i) <= 64), key=lambda c: len(c[1]))
+    url, out = server.metrics_url, 4
+    wait_metric(url, "hybridgate:num_requests_running{}", lambda v: v == 0)
+    before = metrics(url)
+    messages = list(stub(server.target).Generate(pb.GenerateRequest(prompt=text, max_tokens=out, ignore_eos=True,
+                                                                    temperature=0)))
+    assert messages[-1].usage.prompt_tokens == len(ids) and messages[-1].usage.completion_tokens == out
+    wait_metric(url, KV_BYTES, lambda v: v == 0)
+    grew = {name: lambda v, name=name, n=n: v - before.get(name, 0) == n for name, n in {
+        "hybridgate:time_to_first_token_seconds_count{}": 1, "hybridgate:e2e_request_latency_seconds_count{}": 1,
+        "hybridgate:request_success_total{finished_reason=length}": 1,
+        "hybridgate:engine_prefill_tokens_total{}": len(ids),  # a prompt no earlier test sent: no cache hit
+        "hybridgate:engine_steps_total{}": out,  # one prefill step, then one decode step per further token
+        "hybridgate:engine_batch_size_count{}": out}.items()}
+    for name, check in grew.items():
+        wait_metric(url, name, check)
+    after = metrics(url)
+    assert after[AFTER_ABORT] == before[AFTER_ABORT]
+    assert 0 < after["hybridgate:time_to_first_token_seconds_sum{}"] - before["hybridgate:time_to_first_token_seconds_sum{}"] \
+        <= after["hybridgate:e2e_request_latency_seconds_sum{}"] - before["hybridgate:e2e_request_latency_seconds_sum{}"]
+    name = gguf.GGUFReader(model_path).fields["general.name"].contents()
+    info = stub(server.target).GetModelInfo(pb.GetModelInfoRequest())
+    assert after[f"hybridgate:model_info{{fingerprint={info.fingerprint},model_name={name}}}"] == 1
 
 
 def long_request() -> pb.GenerateRequest:

@@ -10,6 +10,7 @@ from hybridgate.config import report, resolve
 from hybridgate.gateway.auth import bearer_ok
 from hybridgate.gateway.server import GatewayConfig
 from hybridgate.keys import read_secret_file
+from hybridgate.settings import Settings
 
 TOKEN = "s3cret-Token-0123456789"
 
@@ -78,7 +79,7 @@ def test_bad_token_is_refused_without_showing_it():
 
 
 def test_config_printer_masks_the_token():
-    resolved = resolve(environ={"HYBRIDGATE_AUTH_TOKEN": TOKEN})
+    resolved = resolve(environ={"HYBRIDGATE_AUTH_TOKEN": TOKEN}, root=Settings)
     assert resolved.settings.gateway.auth_token == TOKEN and resolved.sources["gateway.auth_token"] == "env"
     for as_json in (False, True):
         text = report(resolved, as_json=as_json)

@@ -278,6 +278,6 @@ def test_no_default_is_defined_twice():
         given = {s.path for s in all_specs if hasattr(args, s.path)}
         assert given <= {"worker.endpoint"}, (command, given)
         defaults = resolve(args, environ={}).settings
-        for spec in config.select(None, COMMANDS[command].include, COMMANDS[command].exclude):
+        for spec in config.select(Settings, COMMANDS[command].include, COMMANDS[command].exclude):
             if spec.path != "worker.endpoint":
                 assert value_at(defaults, spec.path) == spec.default, (command, spec.path)

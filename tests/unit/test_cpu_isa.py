@@ -2,8 +2,9 @@
 
 Numba compiles for one target per process, so every path runs in a child
 (`python tests/unit/test_cpu_isa.py ISA MODEL`): each quant type on random
-blocks and every tensor of the default model against gguf's dequantizer times
-the activations in float64, in each activation format (float32, and int16 per
+blocks (codes at their extremes, subnormal and large fp16 scales too, and fused
+matrices of parts of different types) and every tensor of the default model
+against gguf's dequantizer times the activations in float64, in each activation format (float32, and int16 per
 32-block with integer multiply-adds, whose error is the activations'
 quantization), batch invariance, and the target LLVM was given.
 """
@@ -52,6 +53,8 @@ def test_each_path_matches_the_dequantizer_on_random_blocks_and_every_model_tens
     assert out["i16_model_tensors"] >= 211 and out["i16_model_worst"] <= I16_TOLERANCE, out["i16_model_worst_tensor"]
     assert out["i16_random_worst"] > 1e-7  # the int16 kernels ran (float32 activations are 1e5 times closer)
     assert out["i16_batch_invariant"]
+    assert out["edge_rows_exact"] and out["edge_worst"] <= 1e-6, out["edge_worst"]
+    assert out["i16_edge_worst"] <= 4e-5, out["i16_edge_worst"]  # test_cpu_kernels' bound for the format
 
 
 def test_one_cache_entry_per_path_compiled_once_and_avx2_has_no_zmm(tmp_path):
@@ -104,21 +107,40 @@ def _check(model_file: str) -> dict:
 
     from hybridgate.workers.cpu import quant
     from hybridgate.workers.cpu.runner import NumbaRunner  # noqa: F401  (the runner's imports, as a worker has)
-    from tests.unit.test_cpu_kernels import QUANTIZABLE, T, random_blocks
+    from tests.unit.test_cpu_kernels import ALL_TYPES, FAST_TYPES, MIXES, T, edge_blocks, random_blocks
 
     rng = np.random.default_rng(13)
     pairs = {"f32": ([], []), "i16": ([], [])}  # (random, model) per format
     invariant = {"f32": True, "i16": True}
-    for kind in QUANTIZABLE + ["Q4_K", "Q6_K"]:
+    edge_worst, edge_rows_exact = 0.0, True
+    for kind in ALL_TYPES:
         rows, cols = 37, 512
         data = random_blocks(kind, rows, cols, rng)
         dense = np.asarray(gguf.quants.dequantize(data, T[kind]), np.float64).reshape(rows, cols)
         x = rng.standard_normal((9, cols)).astype(np.float32)
-        for fmt in ("f32", "i16") if kind in ("Q4_1", "Q8_0") else ("f32",):
-            m = quant.quant_matrix("w", int(T[kind]), data, (rows, cols), fmt)
-            y = m.matmul(x)
-            pairs[fmt][0].append((kind, y, x.astype(np.float64) @ dense.T))
-            invariant[fmt] &= all(np.array_equal(m.matmul(x[b : b + 1])[0], y[b]) for b in (0, 4, 8))
+        for fmt in ("f32", "i16") if kind in FAST_TYPES else ("f32",):
+            for m in (quant.quant_matrix("w", int(T[kind]), data, (rows, cols), fmt),
+                      quant.QuantMatrix("w", int(T[kind]), data, (rows, cols))):  # the row path of every type
+                y = m.matmul(x)
+                pairs[m.activations][0].append((f"{kind} {type(m).__name__}", y, x.astype(np.float64) @ dense.T))
+                invariant[m.activations] &= all(np.array_equal(m.matmul(x[b : b + 1])[0], y[b]) for b in (0, 4, 8))
+        # codes at their extremes, subnormal and large fp16 scales: rows bit-exact, products within
+        # float32 rounding of the terms' size
+        data = edge_blocks(kind, 16, 256, rng)
+        dense = np.asarray(gguf.quants.dequantize(data, T[kind]), np.float64).reshape(16, 256)
+        m = quant.QuantMatrix("w", int(T[kind]), data, (16, 256))
+        edge_rows_exact &= all(np.array_equal(m.row(r), dense[r].astype(np.float32)) for r in range(16))
+        x = rng.standard_normal((3, 256)).astype(np.float32)
+        size = np.abs(x).max(axis=1, keepdims=True) * np.abs(dense).sum(axis=1)[None, :] + 1e-30
+        edge_worst = max(edge_worst, float((np.abs(m.matmul(x) - x.astype(np.float64) @ dense.T) / size).max()))
+    for kinds in MIXES:  # fused matrices of parts of different types
+        parts = [(int(T[k]), random_blocks(k, 11, 256, rng), (11, 256)) for k in kinds]
+        fused = quant.concat_rows("+".join(kinds), parts)
+        dense = np.concatenate([gguf.quants.dequantize(d, T[k]).reshape(11, 256) for k, (_, d, _) in zip(kinds, parts)])
+        x = rng.standard_normal((5, 256)).astype(np.float32)
+        y = fused.matmul(x)
+        pairs["i16"][0].append(("+".join(kinds), y, x.astype(np.float64) @ dense.astype(np.float64).T))
+        invariant["i16"] &= all(np.array_equal(fused.matmul(x[b : b + 1])[0], y[b]) for b in range(5))
     for kind in ("Q4_1", "Q8_0"):  # the integer sums at their limits: every code at its extreme, every
         # activation at ±its block's largest value (int16 ±32767), so a pair sum or a lane that lost a
         # bit (the avx2 path's Q4_1 lanes hold 16 times their codes) shows far past the format's error
@@ -133,9 +155,18 @@ def _check(model_file: str) -> dict:
         x = np.where(rng.random((5, cols)) < 0.5, -3.0, 3.0).astype(np.float32)
         m = quant.quant_matrix("w", int(T[kind]), data, (rows, cols), "i16")
         pairs["i16"][0].append((kind + " extremes", m.matmul(x), x.astype(np.float64) @ dense.T))
-    for kind in ("Q4_1", "Q8_0"):  # every tile shape: 4-row tiles and a 1-row tail, 4x4 and 4x1, two X_TILE passes
-        m = quant.quant_matrix("w", int(T[kind]), random_blocks(kind, 37, 96, rng), (37, 96), "i16")
-        x = rng.standard_normal((70, 96)).astype(np.float32)
+    i16_edge_worst = 0.0
+    for kind in FAST_TYPES:  # at the formats' limits, int16 activations: the error is relative to the size
+        data = edge_blocks(kind, 8, 256, rng)  # of the terms (the activations' quantization), not of the sum
+        dense = np.asarray(gguf.quants.dequantize(data, T[kind]), np.float64).reshape(8, 256)
+        x = rng.standard_normal((3, 256)).astype(np.float32)
+        m = quant.quant_matrix("w", int(T[kind]), data, (8, 256), "i16")
+        size = np.abs(x).max(axis=1, keepdims=True) * np.abs(dense).sum(axis=1)[None, :] + 1e-30
+        i16_edge_worst = max(i16_edge_worst, float((np.abs(m.matmul(x) - x.astype(np.float64) @ dense.T) / size).max()))
+    for kind in FAST_TYPES:  # every tile shape: 4-row tiles and a 1-row tail, 4x4 and 4x1, two X_TILE passes
+        cols = 256 if kind == "Q4_K" else 96
+        m = quant.quant_matrix("w", int(T[kind]), random_blocks(kind, 37, cols, rng), (37, cols), "i16")
+        x = rng.standard_normal((70, cols)).astype(np.float32)
         batched = m.matmul(x)
         invariant["i16"] &= all(np.array_equal(m.matmul(x[b : b + 1])[0], batched[b]) for b in range(70))
     reader = gguf.GGUFReader(model_file)
@@ -154,7 +185,8 @@ def _check(model_file: str) -> dict:
             invariant[fmt] &= np.array_equal(m.matmul(x[2:3])[0], y[2])
     from numba.core import config
 
-    out = {"isa": isa.selected().isa, "numba_cpu_name": config.CPU_NAME}
+    out = {"isa": isa.selected().isa, "numba_cpu_name": config.CPU_NAME, "edge_worst": edge_worst,
+           "edge_rows_exact": bool(edge_rows_exact), "i16_edge_worst": i16_edge_worst}
     for fmt, (random_pairs, model_pairs) in pairs.items():
         prefix = "" if fmt == "f32" else "i16_"
         rw, rn = _worst(random_pairs)

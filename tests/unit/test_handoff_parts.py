@@ -18,6 +18,9 @@ from hybridgate.workers.handoff import HandoffRefusal, KVSpec, PauseHooks, Reser
 SPEC = KVSpec("fp", 16, 2, 3, 64)
 
 
+VOCAB = 64
+
+
 def header(**changes) -> HandoffHeader:
     h = HandoffHeader(request_id="r", token="t", fingerprint="fp", block_size=16, num_layers=2, num_kv_heads=3,
                       head_dim=64, dtype="float32", num_tokens=5, rope_basis=wire.ROPE_BASIS, prompt_ids=[1, 2, 3, 4, 5],
@@ -44,11 +47,15 @@ def test_frames_convert_bf16_and_fp16_exactly():
     ({"fingerprint": "other"}, "fingerprint"), ({"num_layers": 3}, "num_layers"), ({"dtype": "float64"}, "dtype"),
     ({"rope_basis": "rotate-half"}, "rope_basis"), ({"num_tokens": 4}, "num_tokens"),
     ({"output_ids": [], "num_tokens": 4}, "output_ids"), ({"max_tokens": 1}, "output_ids"), ({"next_token_index": 0}, "next_token_index"),
+    # what the ADD guard refuses, a hand-off may not import either (it used to build the sequence unchecked)
+    ({"prompt_ids": [1, 2, 3, 4, VOCAB]}, "prompt_ids"), ({"output_ids": [VOCAB]}, "output_ids"),
+    ({"params": SamplingParams(temperature=-1.0)}, "temperature"), ({"eos_token_id": VOCAB}, "eos_token_id"),
+    ({"seed": -1}, "seed"),
 ])
 def test_header_checks_name_the_field_and_both_values(changes, field):
-    check_header(header(), SPEC, 100)
+    check_header(header(), SPEC, 100, VOCAB)
     with pytest.raises(HandoffRefusal) as exc:
-        check_header(header(**changes), SPEC, 100)
+        check_header(header(**changes), SPEC, 100, VOCAB)
     assert exc.value.field == field
     value = next(iter(changes.values()))
     if isinstance(value, str):
@@ -155,3 +162,27 @@ def test_imported_sequences_are_preempted_last_and_counted_when_recomputed():
     assert sched.stats.recomputed_imports == 0 and sched.allocator.by_hash == {}  # imported KV never cached
     sched.preempt(imp)
     assert sched.stats.recomputed_imports == 1
+
+
+def test_the_export_queue_is_bounded_and_one_more_export_fails_at_once():
+    """An export past the queue's bound fails at once (the sequence decodes where it is), counted."""
+    import torch
+    import zmq
+
+    from hybridgate.workers.gpu.export import ExportJob, KVExporter
+
+    cache = SimpleNamespace(k=[torch.zeros(4, 16, 3, 64)], block_size=16)
+    runner = SimpleNamespace(cache=cache, model=SimpleNamespace(device=torch.device("cpu")), max_model_len=64)
+    events, ctx = [], zmq.Context()
+    exporter = KVExporter(runner, ctx, events.append, buffer_memory=1 << 20, max_jobs=2)
+    exporter.stopping.set()  # the sender thread takes nothing from here on
+    exporter.thread.join(5)
+    try:
+        for rid in ("a", "b", "c"):
+            exporter.submit(ExportJob((b"c", rid), "ipc:///nowhere", header(request_id=rid), [0]))
+        assert [(e.key, e.kind) for e in events] == [((b"c", "c"), "failed")]
+        assert "2 exports are queued" in events[0].reason
+        assert exporter.refusals.counts() == {"kv_export": 1}
+    finally:
+        exporter.close()
+        ctx.term()

@@ -7,8 +7,16 @@ import pytest
 from hybridgate.serve import LayoutConfig, cuda_present, worker_layout
 
 
-def test_default_layout_follows_cuda():
-    assert worker_layout(LayoutConfig()) == (["gpu", "cpu"] if cuda_present() else ["cpu"])
+@pytest.mark.parametrize(("cuda", "kinds"), [(True, ["gpu", "cpu"]), (False, ["cpu"])])
+def test_default_layout_follows_cuda(monkeypatch, cuda, kinds):
+    # DESIGN.md: one CPU worker without CUDA; one GPU and one CPU worker with it.
+    monkeypatch.setattr("hybridgate.serve.cuda_present", lambda: cuda)
+    assert worker_layout(LayoutConfig()) == kinds
+
+
+def test_cuda_is_present_where_torch_finds_a_device():
+    torch = pytest.importorskip("torch")
+    assert cuda_present() == torch.cuda.is_available()
 
 
 @pytest.mark.parametrize(("gpu", "cpu", "kinds"), [(1, 0, ["gpu"]), (0, 2, ["cpu", "cpu"]), (2, 1, ["gpu", "gpu", "cpu"])])

@@ -67,3 +67,18 @@ async def test_registry_keeps_its_workers_through_an_outage_and_drops_expired_on
         assert registry.up is True and router.dropped == ["tcp://w:1"]
     finally:
         await registry.close()
+
+
+async def test_the_refused_workers_are_remembered_only_while_in_the_registry():
+    """Each refused boot was kept for the gateway's lifetime: a crash-looping worker of another
+    model (a new boot id every start) grew the set without end."""
+    from hybridgate.router.registry import RedisRegistry
+
+    registry = RedisRegistry(RedisConfig(url="redis://127.0.0.1:1"), make_client=lambda e: e.endpoint)
+    registry._router = router = _FakeRouter()
+    for boot in range(100):
+        other = WorkerEntry(endpoint="tcp://w:1", kind="cpu", fingerprint="0" * 64, capacity=8, boot_id=str(boot))
+        await registry._reconcile({other.endpoint: other})
+        assert len(registry._refused) == 1
+    await registry._reconcile({})
+    assert registry._refused == set() and router.added == []

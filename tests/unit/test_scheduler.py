@@ -7,7 +7,8 @@ import pytest
 from hybridgate.mempool import BlockAllocator
 from hybridgate.wire import AddRequest, SamplingParams
 from hybridgate.workers.scheduler import Scheduler, SchedulerConfig
-from hybridgate.workers.sequence import Sequence, SequenceStatus
+from hybridgate.v1 import generation_pb2 as pb
+from hybridgate.workers.sequence import FINISH_OF_STATUS, Sequence, SequenceStatus
 
 
 def seq(rid: str, prompt_len: int, max_tokens: int = 4, first: int = 10) -> Sequence:
@@ -32,9 +33,31 @@ def run_step(sched: Scheduler, token: int = 7):
     return batch
 
 
-def test_status_order():
-    assert not SequenceStatus.RUNNING.finished
-    assert all(s.finished for s in SequenceStatus if s >= SequenceStatus.FINISHED_STOPPED)
+# DESIGN.md: a sequence ends on EOS (unless ignore_eos), on a stop id, or at max_tokens; the reasons are
+# the proto's FinishReason (stop 1, length 2, eos 3, abort 4).
+@pytest.mark.parametrize(("appended", "params", "reason"), [
+    ([5, 2], SamplingParams(), pb.FINISH_REASON_EOS),
+    ([5, 2, 6, 7], SamplingParams(ignore_eos=True), pb.FINISH_REASON_LENGTH),
+    ([5, 9], SamplingParams(stop_token_ids=(9,)), pb.FINISH_REASON_STOP),
+    ([5, 6, 7, 8], SamplingParams(), pb.FINISH_REASON_LENGTH),
+])
+def test_a_sequence_finishes_on_eos_stop_id_or_max_tokens_and_not_before(appended, params, reason):
+    s = Sequence(AddRequest("r", [1, 2, 3], params, 0, 4, 2))
+    s.status = SequenceStatus.RUNNING
+    for i, token in enumerate(appended):
+        assert s.status == SequenceStatus.RUNNING and not s.status.finished, (i, s.status)
+        s.append(token)
+    assert s.status.finished and int(FINISH_OF_STATUS[s.status]) == reason and len(s.output_ids) == len(appended)
+
+
+def test_an_aborted_sequence_finishes_with_abort():
+    sched = make()
+    a = seq("a", 6)
+    sched.add(a)
+    run_step(sched)
+    sched.finish(a, SequenceStatus.FINISHED_ABORTED)
+    assert a.status.finished and int(FINISH_OF_STATUS[a.status]) == pb.FINISH_REASON_ABORT
+    assert sched.allocator.stats().used == 0
 
 
 def test_new_prompts_join_between_steps_and_finished_leave():

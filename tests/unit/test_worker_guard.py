@@ -8,6 +8,7 @@ import math
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -253,13 +254,38 @@ def test_a_congested_router_gets_overload_once_it_reads(worker_io):
 
 def test_a_dead_worker_thread_ends_the_process():
     code = ("import threading, time\n"
-            "from hybridgate.workers.process import _exit_if_raises\n"
-            "threading.Thread(target=_exit_if_raises(lambda: 1 / 0, 'I/O thread')).start()\n"
+            "from hybridgate.workers.threads import exit_if_raises\n"
+            "threading.Thread(target=exit_if_raises(lambda: 1 / 0, 'I/O thread')).start()\n"
             "time.sleep(30)\n")
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == EXIT_THREAD_DIED and time.monotonic() - start < 20
     assert "I/O thread died" in proc.stderr and "ZeroDivisionError" in proc.stderr
+
+
+def test_a_dead_registration_thread_ends_the_worker():
+    """It used to die quietly: the worker ran on while its registry entry expired."""
+    code = ("import time\n"
+            "from hybridgate.redisconf import RedisConfig, WorkerEntry\n"
+            "from hybridgate.workers.registration import Registration\n"
+            "entry = WorkerEntry('ipc:///nowhere', 'cpu', 1j, 1, 'boot')  # 1j: not JSON, the thread raises\n"
+            "Registration(RedisConfig(url='redis://127.0.0.1:1'), entry).start()\n"
+            "time.sleep(30)\n")
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == EXIT_THREAD_DIED and time.monotonic() - start < 20, proc.stderr
+    assert "registration thread died" in proc.stderr
+
+
+def test_every_worker_thread_runs_under_the_exit_on_death_wrapper():
+    """A thread of a worker process is made by `workers.threads.worker_thread` (or wrapped by
+    exit_if_raises); the in-process client's engine thread runs in the embedding service's own
+    process, which must not exit with it."""
+    root = Path(__file__).resolve().parents[2] / "hybridgate" / "workers"
+    bare = [f"{path.relative_to(root)}:{n}" for path in sorted(root.rglob("*.py"))
+            if path.name not in ("threads.py", "inprocess.py")
+            for n, line in enumerate(path.read_text().splitlines(), 1) if "threading.Thread(" in line]
+    assert bare == []
 
 
 def test_the_load_report_counts_the_blocks_each_sequence_is_promised():
@@ -275,3 +301,48 @@ def test_the_load_report_counts_the_blocks_each_sequence_is_promised():
     engine.add(handoff, b"c1")
     stats = engine.refresh_stats()
     assert (stats.blocks_used, stats.blocks_committed) == (0, 3 + 4 + 2)
+
+
+def test_the_inbox_refuses_adds_past_its_bound_with_queue_full_and_counts_them(tmp_path):
+    """It used to grow without end while a busy engine took nothing."""
+    from prometheus_client import generate_latest
+
+    from hybridgate.gateway.metrics import GatewayMetrics
+
+    ctx = zmq.Context()
+    inbox = Inbox(max_adds=2)
+    io = WorkerIO(ctx, f"ipc://{tmp_path}/w.sock", Hello("cpu", "fp", 8, MAX_LEN, 1, True), inbox, 0.1)
+    d = ctx.socket(zmq.DEALER)
+    d.setsockopt(zmq.LINGER, 0)
+    d.connect(f"ipc://{tmp_path}/w.sock")
+    try:
+        d.send_multipart(wire.encode(Connect("router-1")))
+        assert io.socket.poll(5000)
+        io._recv_from_router()
+        assert isinstance(recv(d), Hello) and isinstance(recv(d), wire.Ready)
+        client = next(iter(io.clients))
+        for rid in ("x", "y", "z"):  # hand-off messages share the ADD handler but not its bound
+            io._on_frames(client, [zmq.Frame(f) for f in wire.encode(wire.HandoffRelease(rid))])
+        assert not d.poll(100) and inbox.refusals.counts() == {}
+        for _ in range(3):
+            inbox.requests.get_nowait()
+        for rid in ("a", "b", "c"):
+            io._on_frames(client, [zmq.Frame(f) for f in wire.encode(add(rid))])
+        err = recv(d)
+        assert isinstance(err, RequestError) and err.request_id == "c" and err.code == "queue_full", err
+        assert "--max-num-waiting" in err.message and inbox.refusals.counts() == {"inbox": 1}
+        engine = EngineCore(FakeRunner(), SchedulerConfig())
+        engine.refusals = inbox.refusals
+        loop = EngineLoop(engine, inbox, lambda *_: None)
+        loop._drain(block=False)  # the engine takes a and b: room for two more
+        io._on_frames(client, [zmq.Frame(f) for f in wire.encode(add("d"))])
+        assert inbox.requests.get_nowait() == (client, add("d")) and not d.poll(100)
+        stats = engine.refresh_stats()
+        assert stats.queue_refusals == {"inbox": 1}
+        worker = type("W", (), {"stats": stats, "name": "cpu-0", "kind": "cpu", "endpoint": ""})()
+        text = generate_latest(GatewayMetrics(lambda: [worker]).registry).decode()
+        assert 'hybridgate:worker_queue_refusals_total{queue="inbox",worker="cpu-0"} 1.0' in text
+    finally:
+        d.close(0)
+        io.close()
+        ctx.term()

@@ -24,6 +24,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from hybridgate.config import environment
+
 ISAS = ("avx512", "avx2", "generic")
 ENV = "HYBRIDGATE_CPU_ISA"  # the cpu_isa setting's variable; read here only when no configuration chose
 
@@ -101,7 +103,7 @@ def select(forced: str | None = None) -> Target:
     """
     global _selected
     if not forced:
-        forced = os.environ.get(ENV) or None
+        forced = environment(ENV) or None
     features = host_features()
     runnable = best(features)
     isa = forced or runnable

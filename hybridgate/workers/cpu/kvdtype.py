@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hybridgate.workerconf import DEFAULT_KV_DTYPE  # noqa: F401 (the setting's default, written there)
+
 
 @dataclass(frozen=True)
 class KvDtype:
@@ -47,8 +49,6 @@ KV_DTYPES = {
     "bf16": KvDtype("bf16", "bfloat16", np.uint16, _bf16_to_f32),
 }
 
-
-DEFAULT_KV_DTYPE = "fp16"  # the setting's default (see its help in workers/process.py for why)
 
 
 def kv_dtype(name: str) -> KvDtype:

@@ -232,6 +232,8 @@ class CpuLlama:
 
     def __init__(self, model: GGUFModel, max_model_len: int | None = None, activations: str = "auto"):
         c = self.config = model.config
+        if c.head_dim % 16:  # checked before any weight is copied (hybridgate info builds this to ask)
+            raise ValueError(f"model head_dim {c.head_dim}: the CPU runner needs a multiple of 16 (its vector width)")
         self.max_model_len = max_model_len or c.max_model_len
         self.layers = []
         for i in range(c.num_layers):

@@ -1,16 +1,18 @@
-"""GGUF quant blocks in Numba: per-type row dequantizers and `[B, K] x W^T` matmuls.
+"""GGUF weights for the Numba runner: `[B, K] x W^T` matmuls per quant type, fused matrices of parts.
 
-Block layouts follow ggml (ggml/src/ggml-quants.c, ggml-common.h): each type
-packs a fixed number of weights with fp16 scales. Numba has no float16, so
-scales are decoded from their bits (`f16_to_f32`) or widened once at load.
+`QuantMatrix` keeps a weight `[rows, cols]` in its GGUF bytes (layouts and per-type
+row dequantizers in `blocks`) with its sub-block scales widened to float32 once at
+load; `matmul(x)` computes x @ W.T for activations x float32 `[batch, cols]`, reading
+each weight row once for the whole batch (one pass over the weights per step): the
+row is dequantized into a per-thread scratch of `cols` floats and dotted with every
+activation row. Every type of `blocks.LAYOUTS` runs there, on every path (the code is
+plain Numba, compiled for the process's instruction set). Q4_1 (the default model's
+linear layers) and Q8_0 (its embedding and LM head) have fast paths in `simd` and
+`intdot`/`avx2`, with the fp16 scales split out and widened to float32 at load.
 
-`QuantMatrix` keeps a weight `[rows, cols]` in its GGUF bytes; `matmul(x, w)`
-computes x @ w.T for activations x float32 `[batch, cols]`, reading each weight
-row once for the whole batch (one pass over the weights per step): the row is
-dequantized into a per-thread scratch of `cols` floats (L1-resident) and dotted
-with every activation row. Q4_1 (the default model's linear layers) and Q8_0
-(its embedding and LM head) have a fast path in `simd`, with the fp16 scales
-split out and widened to float32 at load (Q4_1: 6 bits per weight).
+A fused matrix (Q, K, V; gate and up) whose parts share type and columns is one
+matrix of stacked rows; parts of different types keep one matrix (and kernel) each
+(`FusedMatrix`), their outputs side by side.
 """
 
 from __future__ import annotations
@@ -23,139 +25,43 @@ import numba as nb  # noqa: E402
 import numpy as np  # noqa: E402
 from numba import prange  # noqa: E402
 
+from hybridgate.workers.cpu.blocks import (  # noqa: E402, F401  (the type ids, re-exported)
+    BF16,
+    BLOCK,
+    F16,
+    F32,
+    LAYOUTS,
+    Q4_0,
+    Q4_1,
+    Q4_K,
+    Q5_0,
+    Q5_1,
+    Q5_K,
+    Q6_K,
+    Q8_0,
+    dequant_row,
+    unpack_scales,
+)
 from hybridgate.workers.cpu.intdot import activation_format, matmul_i16  # noqa: E402
 from hybridgate.workers.cpu.simd import matmul_blocks  # noqa: E402
 
 _JIT = dict(nogil=True, fastmath=True, cache=True)
-
-# GGML type ids (gguf.GGMLQuantizationType) and (weights per block, bytes per block).
-F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K = 0, 1, 2, 3, 6, 7, 8, 12, 14
-BLOCK = {F32: (1, 4), F16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24),
-         Q8_0: (32, 34), Q4_K: (256, 144), Q6_K: (256, 210)}
-
-
-@nb.njit(**_JIT)
-def f16_to_f32(lo, hi):
-    """IEEE half (little-endian bytes lo, hi) to float32, subnormals and inf/nan included."""
-    h = np.uint32(lo) | (np.uint32(hi) << 8)
-    sign = (h >> 15) & 1
-    exp = (h >> 10) & 0x1F
-    frac = h & 0x3FF
-    if exp == 0:
-        v = np.float32(frac) * np.float32(5.960464477539063e-08)  # 2**-24
-    elif exp == 31:
-        v = np.float32(np.inf) if frac == 0 else np.float32(np.nan)
-    else:
-        v = np.float32(1.0 + frac / 1024.0) * np.float32(2.0 ** (np.int32(exp) - 15))
-    return -v if sign else v
-
-
-@nb.njit(**_JIT)
-def _u32(b, o):
-    return np.uint32(b[o]) | (np.uint32(b[o + 1]) << 8) | (np.uint32(b[o + 2]) << 16) | (np.uint32(b[o + 3]) << 24)
-
-
-@nb.njit(**_JIT)
-def dequant_row(kind, row, out):
-    """Dequantize one row of GGUF blocks (uint8 bytes) into out float32 `[cols]`."""
-    n = out.shape[0]
-    if kind == F32:
-        for i in range(n):
-            out[i] = row[4 * i : 4 * i + 4].view(np.float32)[0]
-    elif kind == F16:
-        for i in range(n):
-            out[i] = f16_to_f32(row[2 * i], row[2 * i + 1])
-    elif kind == Q4_0:
-        for blk in range(n // 32):
-            o, y = blk * 18, blk * 32
-            d = f16_to_f32(row[o], row[o + 1])
-            for j in range(16):
-                q = row[o + 2 + j]
-                out[y + j] = d * (np.int32(q & 15) - 8)
-                out[y + j + 16] = d * (np.int32(q >> 4) - 8)
-    elif kind == Q4_1:
-        for blk in range(n // 32):
-            o, y = blk * 20, blk * 32
-            d, m = f16_to_f32(row[o], row[o + 1]), f16_to_f32(row[o + 2], row[o + 3])
-            for j in range(16):
-                q = row[o + 4 + j]
-                out[y + j] = d * np.float32(q & 15) + m
-                out[y + j + 16] = d * np.float32(q >> 4) + m
-    elif kind == Q5_0 or kind == Q5_1:
-        size, off = (22, 2) if kind == Q5_0 else (24, 4)
-        for blk in range(n // 32):
-            o, y = blk * size, blk * 32
-            d = f16_to_f32(row[o], row[o + 1])
-            m = f16_to_f32(row[o + 2], row[o + 3]) if kind == Q5_1 else np.float32(0.0)
-            qh = _u32(row, o + off)
-            bias = 16 if kind == Q5_0 else 0
-            for j in range(16):
-                q = row[o + off + 4 + j]
-                lo = np.int32(q & 15) | np.int32(((qh >> j) & 1) << 4)
-                hi = np.int32(q >> 4) | np.int32(((qh >> (j + 12)) & 0x10))
-                out[y + j] = d * (lo - bias) + m
-                out[y + j + 16] = d * (hi - bias) + m
-    elif kind == Q8_0:
-        for blk in range(n // 32):
-            o, y = blk * 34, blk * 32
-            d = f16_to_f32(row[o], row[o + 1])
-            for j in range(32):
-                out[y + j] = d * np.float32(np.int8(row[o + 2 + j]))
-    elif kind == Q4_K:
-        for blk in range(n // 256):
-            o, y = blk * 144, blk * 256
-            d, dmin = f16_to_f32(row[o], row[o + 1]), f16_to_f32(row[o + 2], row[o + 3])
-            sc = row[o + 4 : o + 16]
-            qs = row[o + 16 : o + 144]
-            for j in range(4):  # pairs of 32-weight sub-blocks share 32 bytes of nibbles
-                s1, m1 = _scale_min_k4(2 * j, sc)
-                s2, m2 = _scale_min_k4(2 * j + 1, sc)
-                for l in range(32):
-                    q = qs[32 * j + l]
-                    out[y + 64 * j + l] = d * s1 * np.float32(q & 15) - dmin * m1
-                    out[y + 64 * j + 32 + l] = d * s2 * np.float32(q >> 4) - dmin * m2
-    elif kind == Q6_K:
-        for blk in range(n // 256):
-            o, y = blk * 210, blk * 256
-            d = f16_to_f32(row[o + 208], row[o + 209])
-            for half in range(2):
-                ql = row[o + 64 * half : o + 64 * half + 64]
-                qh = row[o + 128 + 32 * half : o + 128 + 32 * half + 32]
-                sc = o + 192 + 8 * half
-                yy = y + 128 * half
-                for l in range(32):
-                    i = l // 16
-                    q1 = np.int32((ql[l] & 15) | ((qh[l] & 3) << 4)) - 32
-                    q2 = np.int32((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4)) - 32
-                    q3 = np.int32((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32
-                    q4 = np.int32((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32
-                    out[yy + l] = d * np.float32(np.int8(row[sc + i])) * q1
-                    out[yy + l + 32] = d * np.float32(np.int8(row[sc + i + 2])) * q2
-                    out[yy + l + 64] = d * np.float32(np.int8(row[sc + i + 4])) * q3
-                    out[yy + l + 96] = d * np.float32(np.int8(row[sc + i + 6])) * q4
-
-
-@nb.njit(**_JIT)
-def _scale_min_k4(j, sc):
-    if j < 4:
-        return np.float32(sc[j] & 63), np.float32(sc[j + 4] & 63)
-    s = (sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4)
-    m = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4)
-    return np.float32(s), np.float32(m)
-
-
 _CHUNKS = 16  # row chunks per call: each thread allocates its scratch once per chunk, not per row
 
 
 @nb.njit(parallel=True, **_JIT)
-def matmul_rows(kind, x, w, out):
-    """out float32 `[batch, rows]` = x `[batch, cols]` @ dequant(w `[rows, row_bytes]`).T."""
+def matmul_rows(kind, x, w, scale, minimum, out):
+    """out float32 `[batch, rows]` = x float32 `[batch, cols]` @ dequant(w uint8 `[rows, row_bytes]`).T.
+
+    kind: a `blocks.LAYOUTS` key; scale, minimum: `blocks.unpack_scales` of w. Each weight row is
+    dequantized once into a per-thread scratch of `cols` floats (L1/L2-resident) and dotted with
+    every activation row, each dot the same loop whatever the batch (batch invariance)."""
     rows, batch, cols = w.shape[0], x.shape[0], x.shape[1]
     per = (rows + _CHUNKS - 1) // _CHUNKS
     for c in prange(_CHUNKS):
         scratch = np.empty(cols, dtype=np.float32)
         for r in range(c * per, min(rows, (c + 1) * per)):
-            dequant_row(kind, w[r], scratch)
+            dequant_row(kind, w[r], scale[r], minimum[r], scratch)
             for b in range(batch):
                 s = np.float32(0.0)
                 for i in range(cols):
@@ -167,28 +73,40 @@ _KERNELS = {"f32": matmul_blocks, "i16": matmul_i16}
 
 
 class QuantMatrix:
-    """A weight `[rows, cols]` in its GGUF blocks; `matmul(x)` → x @ W.T (float32)."""
+    """A weight `[rows, cols]` in its GGUF blocks; `matmul(x)` → x @ W.T (float32).
+
+    Raises ValueError naming the tensor for a type without a kernel (`blocks.LAYOUTS`) or columns
+    that are not a whole number of blocks."""
 
     activations = "f32"  # the row-dequantizing kernel multiplies float32 activations
 
     def __init__(self, name: str, kind: int, data: np.ndarray, shape: tuple[int, int], activations: str = "auto"):
-        if kind not in BLOCK:
-            raise ValueError(f"tensor {name!r}: GGUF type {kind} has no CPU kernel")
+        if kind not in LAYOUTS:
+            supported = ", ".join(v.name for v in LAYOUTS.values())
+            raise ValueError(f"tensor {name!r}: GGUF type {kind} has no CPU kernel (supported: {supported})")
         self.name, self.kind, self.data, self.shape = name, kind, np.ascontiguousarray(data), shape
+        try:
+            self.scale, self.minimum = unpack_scales(kind, self.data, shape)
+        except ValueError as exc:
+            raise ValueError(f"tensor {name!r}: {exc}") from None
 
     @property
     def nbytes(self) -> int:
-        return self.data.nbytes
+        return self.data.nbytes + self.scale.nbytes + self.minimum.nbytes
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
         out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
-        matmul_rows(self.kind, x, self.data, out)
+        matmul_rows(self.kind, x, self.data, self.scale, self.minimum, out)
         return out
 
     def row(self, index: int) -> np.ndarray:
         out = np.empty(self.shape[1], dtype=np.float32)
-        dequant_row(self.kind, self.data[index], out)
+        dequant_row(self.kind, self.data[index], self.scale[index], self.minimum[index], out)
         return out
+
+    def rows(self, index: np.ndarray) -> np.ndarray:
+        """Dequantized rows float32 `[len(index), cols]` (the embedding lookup)."""
+        return np.stack([self.row(int(i)) for i in index]) if len(index) else np.empty((0, self.shape[1]), np.float32)
 
 
 class Q41Matrix(QuantMatrix):
@@ -198,15 +116,16 @@ class Q41Matrix(QuantMatrix):
     `intdot.matmul_i16` (int16 activations), as `activations` resolves for this path."""
 
     def __init__(self, name: str, kind: int, data: np.ndarray, shape: tuple[int, int], activations: str = "auto"):
-        super().__init__(name, kind, data, shape)
+        super().__init__(name, kind, data, shape)  # scale and minimum: unpacked by QuantMatrix
         self.activations = activation_format(activations, "q4_1")
         self._kernel = _KERNELS[self.activations]
-        rows, cols = shape
-        blocks = np.ascontiguousarray(data).reshape(rows, cols // 32, 20)
-        self.scale = blocks[:, :, 0:2].copy().view(np.float16)[:, :, 0].astype(np.float32)
-        self.minimum = blocks[:, :, 2:4].copy().view(np.float16)[:, :, 0].astype(np.float32)
-        self.qs = np.ascontiguousarray(blocks[:, :, 4:]).reshape(rows, cols // 2)
+        self.qs = self._nibbles()
         self.data = None
+
+    def _nibbles(self) -> np.ndarray:
+        """Codes 0..15 in Q4_1's byte order, uint8 `[rows, cols / 2]`, from the GGUF bytes."""
+        rows, cols = self.shape
+        return np.ascontiguousarray(self.data.reshape(rows, cols // 32, 20)[:, :, 4:]).reshape(rows, cols // 2)
 
     @property
     def nbytes(self) -> int:
@@ -228,13 +147,17 @@ class Q80Matrix(QuantMatrix):
     Multiplied by `simd.matmul_blocks` or `intdot.matmul_i16`, as for `Q41Matrix`."""
 
     def __init__(self, name: str, kind: int, data: np.ndarray, shape: tuple[int, int], activations: str = "auto"):
-        super().__init__(name, kind, data, shape)
+        super().__init__(name, kind, data, shape)  # scale: unpacked by QuantMatrix
         self.activations = activation_format(activations, "q8_0")
         self._kernel = _KERNELS[self.activations]
-        blocks = np.ascontiguousarray(data).reshape(shape[0], shape[1] // 32, 34)
-        self.scale = blocks[:, :, 0:2].copy().view(np.float16)[:, :, 0].astype(np.float32)
-        self.qs = np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(shape[0], shape[1])
+        self.minimum = self.scale  # no min: the kernels ignore it for int8 codes (one array, not two)
+        self.qs = self._codes()
         self.data = None
+
+    def _codes(self) -> np.ndarray:
+        """Signed codes int8 `[rows, cols]` (weight = scale · code), from the GGUF bytes."""
+        blocks = self.data.reshape(self.shape[0], self.shape[1] // 32, 34)
+        return np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -254,22 +177,95 @@ class Q80Matrix(QuantMatrix):
         return (q * self.scale[index][:, :, None]).reshape(len(index), -1)
 
 
-_FAST = {Q4_1: Q41Matrix, Q8_0: Q80Matrix}
+class Q40Matrix(Q41Matrix):
+    """Q4_0 on the Q4_1 kernels: the same nibbles, minimum = -8 · scale (w = d·c - 8d, which the
+    kernels' fused multiply-add rounds once, as d·(c - 8)); 6 bits per weight."""
+
+    def __init__(self, name: str, kind: int, data: np.ndarray, shape: tuple[int, int], activations: str = "auto"):
+        super().__init__(name, kind, data, shape, activations)
+        self.minimum = np.float32(-8.0) * self.scale
+
+    def _nibbles(self) -> np.ndarray:
+        rows, cols = self.shape
+        return np.ascontiguousarray(self.data.reshape(rows, cols // 32, 18)[:, :, 2:]).reshape(rows, cols // 2)
+
+
+class Q4KMatrix(Q41Matrix):
+    """Q4_K on the Q4_1 kernels: each 32-column sub-block becomes a Q4_1 block with scale d·sc and
+    minimum -dmin·m (widened at load), its nibbles reordered from Q4_K's (a 64-column pair shares 32
+    bytes, low nibbles the first sub-block) to Q4_1's; 6 bits per weight instead of 4.5."""
+
+    def _nibbles(self) -> np.ndarray:
+        rows, cols = self.shape
+        qs = self.data.reshape(rows, cols // 256, 144)[:, :, 16:].reshape(rows, cols // 256, 4, 1, 32)
+        codes = np.concatenate([qs & 15, qs >> 4], axis=3)  # [rows, blocks, pair, sub-block, column]
+        return np.ascontiguousarray(codes[..., :16] | (codes[..., 16:] << 4)).reshape(rows, cols // 2)
+
+
+class Q50Matrix(Q80Matrix):
+    """Q5_0 on the Q8_0 kernels: codes c - 16 (-16..15) as int8, the fp16 scale widened; 9 bits per
+    weight instead of 5.5, for the fast kernels' integer and float paths (Q5_0 is most of a Q4_K_M
+    file whose rows are not a multiple of 256). Exact: w = d·(c - 16) as gguf computes it."""
+
+    def _codes(self) -> np.ndarray:
+        rows, cols = self.shape
+        blocks = self.data.reshape(rows, cols // 32, 22)
+        qh = blocks[:, :, 2:6].copy().view("<u4")  # [rows, blocks, 1]: bit j is column j's fifth bit
+        high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
+        low = np.concatenate([blocks[:, :, 6:] & 15, blocks[:, :, 6:] >> 4], axis=2)
+        return ((low | high).astype(np.int16) - 16).astype(np.int8).reshape(self.shape)
+
+
+# Types with a repacked fast path (`simd`, `intdot`, `avx2` kernels); the others dequantize rows.
+_FAST = {Q4_0: Q40Matrix, Q4_1: Q41Matrix, Q4_K: Q4KMatrix, Q5_0: Q50Matrix, Q8_0: Q80Matrix}
 
 
 def quant_matrix(name: str, kind: int, data: np.ndarray, shape: tuple[int, int],
                  activations: str = "auto") -> QuantMatrix:
-    """The matrix class for `kind`: repacked fast paths for Q4_1 and Q8_0 (their activation format
-    from `activations`, see `intdot.activation_format`), row dequantization otherwise."""
+    """The matrix class for `kind`: repacked fast paths for Q4_0, Q4_1, Q4_K, Q5_0 and Q8_0 (their
+    activation format from `activations`, see `intdot.activation_format`), row dequantization otherwise."""
     return _FAST.get(kind, QuantMatrix)(name, kind, data, shape, activations)
 
 
+class FusedMatrix:
+    """Weights of different types (or layouts) multiplied as one: `matmul(x)` → `[batch, Σ rows]`,
+    each part by its own kernel into its own output columns, in order. A row's result is its
+    part's, so batch invariance holds as it does for each part."""
+
+    def __init__(self, name: str, parts: list[QuantMatrix]):
+        self.name, self.parts = name, parts
+        self.shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
+        self.activations = "+".join(p.activations for p in parts)
+        self._starts = np.cumsum([0] + [p.shape[0] for p in parts])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def matmul(self, x: np.ndarray) -> np.ndarray:
+        out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
+        for part, start in zip(self.parts, self._starts):
+            out[:, start : start + part.shape[0]] = part.matmul(x)
+        return out
+
+    def row(self, index: int) -> np.ndarray:
+        at = int(np.searchsorted(self._starts, index, side="right")) - 1
+        return self.parts[at].row(index - int(self._starts[at]))
+
+
 def concat_rows(name: str, parts: list[tuple[int, np.ndarray, tuple[int, int]]],
-                activations: str = "auto") -> QuantMatrix | None:
-    """One matrix of several weights with the same type and columns, rows stacked (fused Q/K/V, gate/up)."""
-    kinds = {k for k, _, _ in parts}
+                activations: str = "auto") -> QuantMatrix | FusedMatrix:
+    """One matrix of several weights `(kind, data, (rows, cols))` multiplying the same activations
+    (fused Q/K/V, gate/up): rows stacked into one matrix when they share a type, a `FusedMatrix`
+    of one matrix per part otherwise. name: the parts' names joined by "+". Raises ValueError
+    naming the parts when their column counts differ (they cannot take the same activations)."""
+    names = name.split("+") if name.count("+") == len(parts) - 1 else [f"{name}[{i}]" for i in range(len(parts))]
     cols = {s[1] for _, _, s in parts}
-    if len(kinds) != 1 or len(cols) != 1:
-        return None
-    data = np.concatenate([np.ascontiguousarray(d) for _, d, _ in parts], axis=0)
-    return quant_matrix(name, kinds.pop(), data, (sum(s[0] for _, _, s in parts), cols.pop()), activations)
+    if len(cols) != 1:
+        shapes = ", ".join(f"{n} {s[0]}x{s[1]}" for n, (_, _, s) in zip(names, parts))
+        raise ValueError(f"fused matrix {name!r}: parts differ in columns ({shapes}); they must share the input")
+    kinds = {k for k, _, _ in parts}
+    if len(kinds) == 1:
+        data = np.concatenate([np.ascontiguousarray(d) for _, d, _ in parts], axis=0)
+        return quant_matrix(name, kinds.pop(), data, (sum(s[0] for _, _, s in parts), cols.pop()), activations)
+    return FusedMatrix(name, [quant_matrix(n, k, d, s, activations) for n, (k, d, s) in zip(names, parts)])

@@ -16,7 +16,7 @@ import numpy as np  # noqa: E402
 from hybridgate.mempool import DEFAULT_BLOCK_SIZE, PinnedPool, PoolStats  # noqa: E402
 from hybridgate.models import GGUFModel  # noqa: E402
 from hybridgate.workers.cpu import model as cpu_model  # noqa: E402
-from hybridgate.workers.cpu import intdot, quant, simd  # noqa: E402
+from hybridgate.workers.cpu import blocks, intdot, quant, simd  # noqa: E402
 from hybridgate.workers.cpu.kvdtype import DEFAULT_KV_DTYPE, kv_dtype  # noqa: E402
 from hybridgate.workers.cpu.model import CpuLlama  # noqa: E402
 from hybridgate.workers.faults import FaultHook  # noqa: E402
@@ -31,7 +31,8 @@ log = logging.getLogger("hybridgate.worker")
 
 KERNELS = [
     ("matmul_blocks", simd.matmul_blocks), ("matmul_i16", intdot.matmul_i16),
-    ("matmul_rows", quant.matmul_rows), ("rms_norm", cpu_model.rms_norm), ("rope_and_store", cpu_model.rope_and_store),
+    ("matmul_rows", quant.matmul_rows), ("dequant_row", blocks.dequant_row),
+    ("rms_norm", cpu_model.rms_norm), ("rope_and_store", cpu_model.rope_and_store),
     ("paged_attention", cpu_model.paged_attention), ("silu_mul", cpu_model.silu_mul),
     ("import_kv_layer", cpu_model.import_kv_layer), ("rms_norm_serial", cpu_model.rms_norm_serial),
     ("rope_and_store_serial", cpu_model.rope_and_store_serial),
@@ -77,8 +78,6 @@ class NumbaRunner:
             self.num_blocks = min(self.num_blocks, max_num_blocks)
         if block_size % 16:
             raise ValueError(f"block_size: the CPU runner needs a multiple of 16, got {block_size}")
-        if c.head_dim % 16:
-            raise ValueError(f"model head_dim {c.head_dim}: the CPU runner needs a multiple of 16 (its vector width)")
         blocks = self.num_blocks + 1  # the last block is scratch for padding reads
         # Keys transposed within each block (16 keys per vector in the score kernel), values by slot.
         store = self.kv_dtype.storage

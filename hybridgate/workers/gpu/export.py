@@ -21,6 +21,7 @@ CPU (`StepTimeline`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -36,7 +37,9 @@ from hybridgate import wire
 from hybridgate.keys import Transport
 from hybridgate.mempool import PinnedPool, aligned_slab
 from hybridgate.wire import HandoffHeader, HandoffPart, HandoffRefused, MsgType
-from hybridgate.workers.handoff import PauseHooks
+from hybridgate.workers.guard import Refusals
+from hybridgate.workers.handoff import ExportJob, PauseHooks  # noqa: F401 (ExportJob: its old home)
+from hybridgate.workers.threads import worker_thread
 
 log = logging.getLogger("hybridgate.worker")
 
@@ -110,19 +113,6 @@ class StepTimeline:
         return sum(max(0.0, min(b, e) - max(a, s)) for s, e in spans)
 
 
-@dataclass
-class ExportJob:
-    """One sequence's export: where, what, and the event after which its blocks are final."""
-
-    key: tuple[bytes, str]  # (router identity, request id) on the GPU worker
-    endpoint: str
-    header: HandoffHeader
-    block_table: list[int]
-    ready: object = None  # torch.cuda.Event on CUDA
-    started: float = field(default_factory=time.monotonic)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-
-
 @dataclass(frozen=True)
 class ExportEvent:
     """Sender thread → engine: an export finished ("sent"), failed ("failed"), was cancelled
@@ -138,12 +128,20 @@ class ExportEvent:
     refused: HandoffRefused | None = None
 
 
+MAX_QUEUED_EXPORTS = 64  # exports waiting for the sender thread; one more fails at once (decoded where it is)
+
+
 class KVExporter:
-    """Gathers, copies and sends KV hand-offs on its own thread; `notify(event)` reaches the engine."""
+    """Gathers, copies and sends KV hand-offs on its own thread; `notify(event)` reaches the engine.
+
+    At most `max_jobs` exports wait for the thread: one more fails at once ("failed", so the
+    sequence decodes on this worker) and is counted in `refusals` as "kv_export".
+    """
 
     def __init__(self, runner, ctx: zmq.Context, notify: Callable[[ExportEvent], None],
                  buffer_memory: int = DEFAULT_BUFFER_MEMORY, pauses: PauseHooks | None = None,
-                 wait_s: float = BUFFER_WAIT_S, buffer_bytes: int | None = None, transport: Transport | None = None):
+                 wait_s: float = BUFFER_WAIT_S, buffer_bytes: int | None = None, transport: Transport | None = None,
+                 max_jobs: int = MAX_QUEUED_EXPORTS, refusals: Refusals | None = None):
         """buffer_memory: the slab (the `handoff_buffer_memory` setting). buffer_bytes: one
         buffer, by default the larger of slab / MAX_BUFFERS and one layer's K and V at the
         model's length (so every hand-off fits, layer by layer); tests pass a smaller one.
@@ -168,10 +166,11 @@ class KVExporter:
         self.pool = PinnedPool(buffer_bytes, num_buffers, slab)
         self.pool.slab.fill(0)  # touch every page now, not during the first hand-offs
         self.copy_stream = torch.cuda.Stream(dev) if self.cuda else None
-        self.jobs: queue.Queue = queue.Queue()
+        self.jobs: queue.Queue = queue.Queue(max_jobs)
+        self.refusals = refusals or Refusals()
         self.sockets: dict[str, zmq.Socket] = {}
         self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="kv-export", daemon=True)
+        self.thread = worker_thread(self._run, "kv-export", "KV export thread", self.stopping)
         self.thread.start()
 
     # --- engine thread -------------------------------------------------------
@@ -181,11 +180,16 @@ class KVExporter:
         if self.cuda:
             job.ready = torch.cuda.Event()
             job.ready.record()  # after the step that wrote the sequence's last blocks
-        self.jobs.put(job)
+        try:
+            self.jobs.put_nowait(job)
+        except queue.Full:
+            self.refusals.add("kv_export", self.jobs.maxsize)
+            self.notify(ExportEvent(job.key, "failed", reason=f"{self.jobs.maxsize} exports are queued already"))
 
     def close(self) -> None:
         self.stopping.set()
-        self.jobs.put(None)
+        with contextlib.suppress(queue.Full):  # a full queue wakes the thread anyway
+            self.jobs.put_nowait(None)
         self.thread.join(timeout=5)
 
     # --- sender thread -------------------------------------------------------

@@ -1,0 +1,7 @@
+"""`python -m hybridgate`: the `hybridgate` command."""
+
+import sys
+
+from hybridgate.cli import main
+
+sys.exit(main())

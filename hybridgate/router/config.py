@@ -1,0 +1,82 @@
+"""The router's settings: worker timeouts, placement, prompts, and the response cache.
+
+Data only (the settings root composes it): the names of the policies and cache
+modes are declared here, and `router.policy` and `router.response_cache`
+import them from here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridgate.config import check_settings, setting
+
+POLICIES = ("cost", "least_loaded", "round_robin", "power_of_two", "prefix_affinity")
+CACHE_MODES = ("off", "memory", "redis")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    max_model_len: int | None = setting(None, "most tokens per sequence (default: the model's context)", low=2)
+    startup_timeout_s: float = setting(120.0, "seconds to wait for a READY worker before giving up",
+                                       flag="--worker-startup-timeout", low=0, low_open=True)
+    dead_after_s: float = setting(1.0, "seconds of worker silence after which it counts as dead",
+                                  flag="--worker-timeout", low=0, low_open=True)
+    queue_size: int = setting(4096, "deltas buffered per request before it is aborted as too slow",
+                              flag="--stream-queue-size", low=1)
+    wait_for_workers: bool = setting(
+        False, "keep waiting (up to the worker start-up timeout) for a worker whose ipc socket file does not "
+               "exist yet, instead of exiting after saying so", flag="--wait-for-workers")
+    resume_on_worker_loss: bool = setting(
+        True, "resume a stream whose worker dies (or restarts) on another READY worker, or on the same one "
+        "when it is back within the stall timeout, by prefilling the prompt plus the ids already streamed "
+        "with the same seed; off: such a stream ends with UNAVAILABLE", flag="--resume-on-worker-loss")
+    request_stall_timeout_s: float = setting(
+        60.0, "seconds without progress (no token, no prefill chunk) after which a request is aborted on "
+        "its worker and resumed elsewhere, or failed with UNAVAILABLE", low=0, low_open=True,
+        flag="--request-stall-timeout")
+    handoff_stall_s: float = setting(
+        2.0, "seconds a gap in a hand-off's token indexes may stay open before its worker counts as lost",
+        low=0, low_open=True)
+    prompt_processes: int = setting(
+        2, "processes that render and tokenize prompts over 8192 characters off the event loop, started on "
+           "first use at a lower priority; 0: a thread instead (which still stalls the loop about 150 ms per MiB)",
+        low=0)
+    handoff_answer_s: float = setting(
+        10.0, "seconds a hand-off waits for the CPU worker's answer to a reservation or an import before it runs "
+              "on the GPU worker instead", low=0, low_open=True)
+
+    policy: str = setting(
+        "cost", "placement policy: cost (predicted TTFT and TPOT against the SLOs, spilling to the CPU tier), "
+        "least_loaded, round_robin, power_of_two or prefix_affinity", choices=POLICIES)
+    ttft_slo_s: float | None = setting(
+        None, "TTFT objective of the cost policy, seconds (default: 3 x the unloaded TTFT of the fastest worker "
+              "for each prompt's length)", flag="--ttft-slo", low=0, low_open=True)
+    tpot_slo_s: float | None = setting(
+        None, "TPOT objective of the cost policy, seconds (default: 3 x the fastest unloaded decode step)",
+        flag="--tpot-slo", low=0, low_open=True)
+
+    chat_template: str | None = setting(
+        None, "a file holding a Jinja chat template to render chats with instead of the model's own "
+              "(tokenizer.chat_template); a model without one (a base model) serves chats only with it")
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+
+
+@dataclass(frozen=True)
+class ResponseCacheConfig:
+    """Whether answers of deterministic requests are cached, where, for how long, and how many bytes."""
+
+    mode: str = setting(
+        "off", "response cache of deterministic requests (temperature 0 or a seed): off, memory (an LRU in this "
+               "gateway) or redis (shared through --redis-url); identical requests in flight share one generation "
+               "whenever it is on", flag="--response-cache", choices=CACHE_MODES)
+    ttl_s: float = setting(3600.0, "seconds a cached answer lives", flag="--response-cache-ttl", low=0,
+                           low_open=True)
+    max_bytes: int = setting(
+        64 << 20, "bytes of cached answers held (memory: this gateway's LRU; redis: no one answer larger is "
+                  "stored, and Redis's own maxmemory bounds the total)", flag="--response-cache-max-bytes", low=1)
+
+    def __post_init__(self) -> None:
+        check_settings(self)

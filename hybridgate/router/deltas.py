@@ -1,0 +1,65 @@
+"""What a request stream hands its caller: `Delta`s (the last with `Usage`, `Timings` and the route),
+or the error a worker's answer maps to (`error_of`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridgate.router.client import WorkerDead
+from hybridgate.router.errors import DeadlineExceededError, ResourceExhaustedError, UnavailableError, WorkerRequestError
+from hybridgate.wire import (
+    ERROR_DEADLINE_EXCEEDED,
+    ERROR_NO_KV_BLOCKS,
+    ERROR_QUEUE_FULL,
+    ERROR_RESOURCE_EXHAUSTED,
+    FinishReason,
+    RequestError,
+    TokenLogprobs,
+)
+
+# Refusals that another worker may not give: its cache may be larger or emptier.
+REPLACEABLE_CODES = frozenset({ERROR_NO_KV_BLOCKS, ERROR_RESOURCE_EXHAUSTED, ERROR_QUEUE_FULL})
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
+class Timings:
+    queue_ms: float
+    ttft_ms: float
+    total_ms: float
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New text and ids of one step; the last delta has finish_reason, usage, timings and route.
+    `logprobs`: one per id of `token_ids` when the request asked for them (SamplingParams.logprobs), else empty."""
+
+    request_id: str
+    token_index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    timings: Timings | None = None
+    route: str = ""
+    logprobs: tuple[TokenLogprobs, ...] = ()
+
+
+def error_of(item) -> BaseException:
+    """The exception the caller gets for a stream's last item (a worker's error, a loss, or an exception)."""
+    if isinstance(item, WorkerDead):
+        return UnavailableError(item.reason)
+    if isinstance(item, RequestError):
+        if item.code == ERROR_DEADLINE_EXCEEDED:
+            return DeadlineExceededError(item.message)
+        if item.code in REPLACEABLE_CODES:  # memory ran out, or the request needs more KV than any worker holds
+            reason = "worker_queue_full" if item.code == ERROR_QUEUE_FULL else "worker_memory"
+            return ResourceExhaustedError(item.message, reason)
+        return WorkerRequestError(item.message)
+    return item if isinstance(item, BaseException) else RuntimeError(f"unexpected stream item {item!r}")

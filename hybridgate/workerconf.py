@@ -1,0 +1,191 @@
+"""The worker's settings: `WorkerConfig` with its `scheduler` and `engine` sections.
+
+Data only, outside the `hybridgate.workers` package on purpose: the settings
+root composes these classes, and a gateway process, which reads the whole
+root, must load no module of `hybridgate.workers` (issue 29). The worker
+modules import their settings from here (`workers.process`, `workers.scheduler`
+and `workers.memory` re-export them under their old names).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hybridgate.config import check_settings, setting
+
+KV_CACHE_DTYPES = ("fp32", "fp16", "bf16")  # the rows of workers.cpu.kvdtype.KV_DTYPES
+DEFAULT_KV_DTYPE = "fp16"  # see --kv-cache-dtype's help for why
+
+
+def parse_memory(value: str | float | int | None, gpu: bool) -> float:
+    """Bytes ("2GiB", "512MiB", "1e9") or a fraction in (0, 1] of free device memory after
+    weights (GPU) or of available memory (CPU). Default: 0.9 on a GPU; 1 GiB on a CPU
+    (about 23,000 tokens of the default model), which `num_blocks_for` caps at 0.2 of available.
+
+    Raises:
+        ValueError: naming `--kv-cache-memory` and what it accepts.
+    """
+    if value is None:
+        return 0.9 if gpu else float(1 << 30)
+    if isinstance(value, (int, float)):
+        number = float(value)
+    else:
+        text = value.strip()
+        units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "KB": 1e3, "MB": 1e6, "GB": 1e9}
+        scale = next((u for u in units if text.endswith(u)), None)
+        try:
+            number = float(text[: -len(scale)] if scale else text) * (units[scale] if scale else 1)
+        except ValueError:
+            raise ValueError(f"--kv-cache-memory: expected bytes (e.g. 2GiB) or a fraction in (0, 1], got {value!r}") from None
+    if number <= 0 or (1 < number < 1 << 20):
+        raise ValueError(f"--kv-cache-memory: expected bytes (at least 1 MiB) or a fraction in (0, 1], got {value!r}")
+    return number
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = setting(64, "most sequences a worker runs at once", low=1)
+    max_num_batched_tokens: int = setting(
+        2048, "token budget of one engine step; longer prompts are prefilled in chunks", low=1)
+    max_num_waiting: int = setting(
+        1024, "most requests a worker queues beyond those it runs; one more is refused (RESOURCE_EXHAUSTED "
+              "once every worker refuses it)", low=1)
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+
+
+def _check_memory(value: str) -> None:
+    parse_memory(value, gpu=False)
+
+
+def _check_bytes(value: str) -> None:
+    try:
+        size = parse_memory(value, gpu=False)
+    except ValueError:
+        size = 0
+    if size <= 1:  # a fraction parses to <= 1: this setting takes bytes only
+        raise ValueError(f"must be a size in bytes such as 256MiB, got {value!r}")
+
+
+def _check_cpu_isa(value: str) -> None:
+    """Refuse, before any worker starts, a path this CPU cannot run (a worker would only die of it)."""
+    from hybridgate.workers.cpu import isa  # stdlib and llvmlite only: no Numba
+
+    try:
+        runnable = isa.best(isa.host_features())
+    except ImportError:  # no llvmlite (no cpu extra): no CPU worker to start here either
+        return
+    if value in isa.ISAS and isa.ISAS.index(value) < isa.ISAS.index(runnable):
+        raise ValueError(f"this CPU cannot run {value} (it runs at most {runnable})")
+
+
+def _check_endpoint(value: str) -> None:
+    if not value.startswith(("ipc://", "tcp://", "inproc://")):
+        raise ValueError(f"must start with ipc://, tcp:// or inproc://, got {value!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How a worker's runner uses its device: the settings `build_runner` passes on."""
+
+    threads: int | None = setting(
+        None, "CPU threads per worker (default: all cores; under serve, the workers computing on the CPU split them)", low=1)
+    device: str | None = setting(None, "torch device of the GPU worker (default: cuda if present, else cpu)")
+    kv_cache_memory: str | None = setting(
+        None, "KV cache size: bytes (e.g. 2GiB) or a fraction of free device memory after weights (GPU) "
+              "or of available memory (CPU); default 0.9 on a GPU, 1GiB on a CPU", check=_check_memory)
+    prefix_caching: bool = setting(True, "reuse the KV blocks of cached prompt prefixes")
+    enforce_eager: bool = setting(False, "on CUDA, run decode steps eagerly instead of replaying captured CUDA graphs")
+    measure_rates: bool = setting(
+        True, "before READY, time prefill steps of 32 and 256 tokens and decode steps of 1 and 8 "
+              "sequences, so the router's cost model places the first requests on this worker's own figures "
+              "(1-3 s on 2 cores); off: the first placements use no figures until real steps have run")
+    cpu_isa: str | None = setting(
+        None, "CPU worker: the instruction set its kernels are compiled for (default: the best this CPU runs)",
+        choices=("avx512", "avx2", "generic"), check=_check_cpu_isa)
+    cpu_activations: str = setting(
+        "auto", "CPU worker: the activation format of the quantized matmuls: f32 (float32 activations times "
+                "dequantized weights), i16 (activations quantized to int16 per 32-block, integer multiply-adds, "
+                "about 2e-5 relative error), auto (the faster of the two per weight type on this ISA path)",
+        choices=("auto", "f32", "i16"))
+    kv_cache_dtype: str = setting(
+        DEFAULT_KV_DTYPE, "CPU worker: the KV cache's element format; fp16 and bf16 round K and V to nearest even as they "
+                "are stored and widen them to float32 as attention reads them, for half the bytes per token (twice "
+                "the blocks in --kv-cache-memory) and less to read per step; fp32 stores them exactly. fp16 is the "
+                "default: it held top-1 100% and mean KL 6e-7 against the fp32 reference (bf16: 99.8%, 4e-5) and "
+                "decoded 1.4x faster than fp32 at 1,024 tokens of context. GPU workers ignore it: their cache has "
+                "the compute dtype (bf16 on CUDA, fp32 on a CPU torch device)",
+        choices=KV_CACHE_DTYPES)
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything a worker process needs; plain values, so it crosses `spawn`."""
+
+    model_path: str = setting("", "GGUF file (set from --model)", cli=False)
+    endpoint: str | None = setting(None, "where to bind: ipc://PATH or tcp://127.0.0.1:PORT", check=_check_endpoint)
+    kind: str = setting("cpu", "cpu: the Numba runner on the GGUF blocks; gpu: the PyTorch runner "
+                               "(on a CPU torch device without CUDA)", choices=("cpu", "gpu"))
+    heartbeat_s: float = setting(0.1, "seconds between LOAD heartbeats", low=0, low_open=True, cli=False)
+    parent_pid: int | None = setting(None, "exit when this process dies (set by serve)", cli=False)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    name: str = setting("", "this worker's stable name in the gateway's metrics (default: its endpoint; "
+                            "serve names its workers kind-index, e.g. gpu-0)", flag="--worker-name")
+
+    advertise: str = setting(
+        "", "with --redis-url: the endpoint routers on other hosts connect to, tcp://HOST:PORT (default: this "
+            "host's name and the bound port for a tcp:// endpoint, the endpoint itself for ipc://)",
+        flag="--advertise", check=lambda v: v and _check_endpoint(v))
+    handoff_endpoint: str = setting(
+        "", "CPU workers: where to bind the socket for incoming KV hand-offs (ipc://PATH or tcp://HOST:PORT); "
+        "default: ENDPOINT.handoff for an ipc:// endpoint, none for tcp://", flag="--handoff-endpoint")
+    handoff_buffer_memory: str = setting(
+        "256MiB", "GPU workers: the pinned host slab KV hand-offs stream through (bytes, e.g. 256MiB); "
+        "hand-offs larger than it stream layer by layer", flag="--handoff-buffer-memory", check=_check_bytes)
+    cache_imported_kv: bool = setting(
+        False, "CPU workers: register KV imported by hand-offs in the prefix cache (off: a worker's outputs "
+        "never depend on which hand-offs came before)", flag="--cache-imported-kv")
+    handoff_reservation_timeout_s: float = setting(
+        30.0, "CPU workers: seconds a KV hand-off reservation waits for its KV",
+        low=0, low_open=True)
+
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+        if self.handoff_endpoint and not self.handoff_endpoint.startswith(("ipc://", "tcp://", "inproc://")):
+            raise ValueError(f"handoff_endpoint: must start with ipc://, tcp:// or inproc://, got "
+                             f"{self.handoff_endpoint!r}")
+        self.handoff_buffer_bytes  # raises on a bad size
+
+    # The flat names of before the split into sections, for readers.
+    max_num_seqs = property(lambda self: self.scheduler.max_num_seqs)
+    max_num_batched_tokens = property(lambda self: self.scheduler.max_num_batched_tokens)
+    threads = property(lambda self: self.engine.threads)
+    device = property(lambda self: self.engine.device)
+    kv_cache_memory = property(lambda self: self.engine.kv_cache_memory)
+    prefix_caching = property(lambda self: self.engine.prefix_caching)
+    enforce_eager = property(lambda self: self.engine.enforce_eager)
+    measure_rates = property(lambda self: self.engine.measure_rates)
+
+    @property
+    def handoff_buffer_bytes(self) -> int:
+        value = parse_memory(self.handoff_buffer_memory, gpu=False)
+        if value <= 1:
+            raise ValueError(f"handoff_buffer_memory: expected bytes (e.g. 256MiB), got {self.handoff_buffer_memory!r}")
+        return int(value)
+
+    @property
+    def resolved_handoff_endpoint(self) -> str:
+        """CPU workers: the hand-off socket's endpoint ("" = none): the setting, else derived from `endpoint`."""
+        if self.kind != "cpu":
+            return ""
+        if self.handoff_endpoint:
+            return self.handoff_endpoint
+        return "" if not self.endpoint or self.endpoint.startswith("tcp://") else self.endpoint + ".handoff"
+
+

@@ -1,0 +1,230 @@
+"""The HTTP door's edges, on the ASGI app itself (no server, no worker): the bearer token in front of every
+route, the 4 MiB body limit before FastAPI reads a body, admission per choice, the label's limit, and
+/tokenize and /detokenize through generation's prompt path and limits (the long-prompt pool included)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+
+import pytest
+
+from hybridgate.gateway.admission import Admission
+from hybridgate.gateway.http import OpenAIApp
+from hybridgate.gateway.http_guard import MAX_BODY_BYTES
+from hybridgate.gateway.metrics import GatewayMetrics
+from hybridgate.router import Router, RouterConfig
+from hybridgate.router.prompts import INLINE_CHARS
+from hybridgate.router.router import MAX_PROMPT_BYTES
+from hybridgate.router.stream import Delta
+from hybridgate.wire import FinishReason, InvalidFieldError
+
+TOKEN = "edge-token"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}ANSWER:{% endif %}"
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def door(tmp_path_factory, gguf_model):
+    template = tmp_path_factory.mktemp("template") / "plain.jinja"
+    template.write_text(TEMPLATE)
+    router = Router(gguf_model, [], RouterConfig(chat_template=str(template), prompt_processes=1))
+    yield OpenAIApp(router, GatewayMetrics(), Admission(2), ("m",), auth_token=TOKEN)
+    router.prompts.close()
+
+
+def call(app, method: str, path: str, body: bytes | dict | None = None, headers: dict | None = None,
+         chunk: int | None = None) -> tuple[int, dict, dict]:
+    """One request straight to the ASGI app: (status, headers, JSON body). `chunk`: send the body in
+    pieces of that size without a Content-Length (as a chunked upload). Fails if the app reads a body
+    it was given a Content-Length over the limit for."""
+    raw = json.dumps(body).encode() if isinstance(body, dict) else (body or b"")
+    hdrs = [(k.encode(), v.encode()) for k, v in {"content-type": "application/json", **(headers or {})}.items()]
+    if chunk is None:
+        hdrs.append((b"content-length", str(len(raw)).encode()))
+        pieces = [raw]
+    else:
+        pieces = [raw[i:i + chunk] for i in range(0, len(raw), chunk)] or [b""]
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "path": path,
+             "raw_path": path.encode(), "query_string": b"", "headers": hdrs, "scheme": "http",
+             "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 1234), "root_path": ""}
+    read = {"n": 0}
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        if chunk is None and len(raw) > MAX_BODY_BYTES:
+            raise AssertionError("the body was read although its Content-Length is over the limit")
+        if read["n"] < len(pieces):
+            read["n"] += 1
+            return {"type": "http.request", "body": pieces[read["n"] - 1], "more_body": read["n"] < len(pieces)}
+        await asyncio.sleep(3600)  # the client stays; a disconnect watcher waits
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    asyncio.run(asyncio.wait_for(app(scope, receive, send), 120))
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    data = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    headers = {k.decode().lower(): v.decode() for k, v in start["headers"]}
+    return start["status"], headers, (json.loads(data) if headers.get("content-type") == "application/json" else {})
+
+
+@pytest.mark.parametrize("path", ["/openapi.json", "/v1/models", "/metrics", "/no-such-route"])
+def test_every_route_but_health_wants_the_token(door, path):
+    status, headers, body = call(door.app, "GET", path)
+    assert status == 401 and headers["www-authenticate"] == "Bearer", (path, status)
+    assert body["error"]["code"] == "invalid_api_key"
+    assert call(door.app, "GET", path, headers={"authorization": "Bearer wrong"})[0] == 401
+    assert call(door.app, "GET", path, headers=AUTH)[0] == (404 if path == "/no-such-route" else 200)
+    assert call(door.app, "GET", "/health")[0] == 503  # open, and no worker is READY here
+
+
+def test_a_body_over_4_mib_is_413_before_it_is_read(door):
+    big = {"model": "m", "messages": [{"role": "user", "content": "x" * MAX_BODY_BYTES}]}
+    status, headers, body = call(door.app, "POST", "/v1/chat/completions", big, AUTH)
+    assert status == 413 and body["error"]["type"] == "invalid_request_error", body
+    assert str(MAX_BODY_BYTES) in body["error"]["message"]
+    status, _, body = call(door.app, "POST", "/v1/chat/completions", big, AUTH, chunk=1 << 16)  # no Content-Length
+    assert status == 413, body
+    small = {"model": "m", "prompt": "hello"}  # a chunked body under the limit is served
+    assert call(door.app, "POST", "/tokenize", small, AUTH, chunk=3)[2]["tokens"] == \
+        door.router.tokenizer.encode("hello")
+
+
+def test_admission_counts_each_choice(door):
+    """Two slots: a request for three choices is refused at once (429), not taken as one slot."""
+    status, headers, body = call(door.app, "POST", "/v1/chat/completions",
+                                 {"model": "m", "messages": CHAT, "n": 3, "max_tokens": 2}, AUTH)
+    assert status == 429 and "retry-after" in headers, body
+    assert "--max-inflight-requests" in body["error"]["message"]
+    assert door.admission.inflight == 0
+
+
+def test_the_label_is_at_most_256_bytes(door):
+    status, _, body = call(door.app, "POST", "/v1/chat/completions",
+                           {"model": "m", "messages": CHAT, "user": "é" * 129, "max_tokens": 2}, AUTH)
+    assert status == 400 and body["error"]["param"] == "user" and "256" in body["error"]["message"], body
+    with pytest.raises(InvalidFieldError, match="256 bytes") as e:  # the gRPC door's INVALID_ARGUMENT
+        door.router.generate("hello", label="x" * 257)
+    assert e.value.field == "label"
+    door.router.generate("hello", label="x" * 256)
+
+
+def test_tokenize_takes_generations_limits(door):
+    status, _, body = call(door.app, "POST", "/tokenize", {"model": "m", "prompt": "a" * (MAX_PROMPT_BYTES + 1)}, AUTH)
+    assert status == 400 and body["error"]["param"] == "prompt" and str(MAX_PROMPT_BYTES) in body["error"]["message"]
+    limit = door.router.max_model_len
+    status, _, body = call(door.app, "POST", "/detokenize", {"model": "m", "tokens": [0] * (limit + 1)}, AUTH)
+    assert status == 400 and body["error"]["param"] == "tokens" and str(limit) in body["error"]["message"], body
+
+
+def test_a_long_chat_is_rendered_with_the_chat_template_file(door, tokenizer):
+    """Over INLINE_CHARS the chat goes to the pool, which must render with --chat-template too."""
+    content = "Paris is lovely. " * (INLINE_CHARS // 16)
+    for generation_prompt, tail in ((True, "ANSWER:"), (False, "")):
+        status, _, body = call(door.app, "POST", "/tokenize", {"model": "m", "add_generation_prompt": generation_prompt,
+                                                               "messages": [{"role": "user", "content": content}]}, AUTH)
+        assert status == 200, body
+        assert body["tokens"] == tokenizer.encode(f"<user>{content}\n{tail}")
+    ids = asyncio.run(door.router.prompts.encode([{"role": "user", "content": content}]))  # generation's path
+    assert list(ids) == tokenizer.encode(f"<user>{content}\nANSWER:")
+
+
+def test_the_prompt_pool_is_started_afresh_after_a_process_dies(door, tokenizer):
+    """A killed pool process used to break every later long prompt (BrokenProcessPool) until restart."""
+    prompts = door.router.prompts.encoder  # the pool behind the router's Prompts
+    text = "Lyon and Marseille. " * (INLINE_CHARS // 16)
+    expected = tokenizer.encode(text)
+    assert list(asyncio.run(prompts.encode(text))) == expected
+    for pid in list(prompts._pool._processes):
+        os.kill(pid, signal.SIGKILL)
+    for _ in range(2):  # the one that meets the broken pool, and the next
+        assert list(asyncio.run(prompts.encode(text))) == expected
+    assert prompts.restarts == 1
+    status, _, body = call(door.app, "POST", "/tokenize", {"model": "m", "prompt": text}, AUTH)
+    assert status == 200 and body["tokens"] == expected
+
+
+def test_health_says_not_serving_after_stop_whatever_was_pending(gguf_model):
+    """A ready change the router reported just before shutdown must not turn health back to SERVING."""
+    from grpc_health.v1 import health_pb2
+
+    from hybridgate.gateway.server import Gateway, GatewayConfig
+
+    async def main():
+        gateway = Gateway(Router(gguf_model, []), GatewayConfig(port=0, http_port=None))
+        await gateway.start()
+        gateway.on_ready_change(True)  # e.g. a worker became READY as SIGTERM came
+        await gateway.stop()
+        await asyncio.sleep(0.05)  # anything still scheduled runs now
+        return gateway.health._server_status[""]
+
+    assert asyncio.run(main()) == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class _Stream:
+    """A stream of `n` one-token deltas, the last one finished."""
+
+    def __init__(self, n: int):
+        self.n, self.read = n, 0
+
+    async def __aenter__(self):
+        return self
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.read == self.n:
+            raise StopAsyncIteration
+        self.read += 1
+        finish = FinishReason.LENGTH if self.read == self.n else None
+        return Delta(request_id="r", token_index=self.read - 1, text="x", token_ids=[7], finish_reason=finish)
+
+
+def test_the_merged_queue_of_several_choices_is_bounded():
+    """A client that reads slowly holds at most RUN_QUEUE_PER_CHOICE deltas a choice in the merged queue
+    (it used to copy every delta of every choice there as they came)."""
+    from types import SimpleNamespace
+
+    from hybridgate.gateway.http import RUN_QUEUE_PER_CHOICE, _Run
+    from hybridgate.gateway.openai_format import ChoiceState
+
+    async def main():
+        door = SimpleNamespace(metrics=GatewayMetrics(), admission=Admission(4), log_requests=False)
+        streams = [_Stream(500), _Stream(500)]
+        run = _Run(door, [ChoiceState(i, s) for i, s in enumerate(streams)])
+        await run.enter()
+        for _ in range(50):
+            await asyncio.sleep(0)
+        held = run._queue.qsize()
+        got = [delta async for _, delta in run.deltas()]
+        await run.close()
+        return held, got
+
+    held, got = asyncio.run(main())
+    assert held <= 2 * RUN_QUEUE_PER_CHOICE
+    assert len(got) == 1000 and sum(d.finish_reason is not None for d in got) == 2
+
+
+def test_continuous_usage_gives_every_chunk_its_count_of_ids(door):
+    """vLLM's stream_options.continuous_usage_stats: a client times the ids themselves (bench serve's
+    --compare-protocols does), also those of a delta with no text yet."""
+    from types import SimpleNamespace
+
+    from hybridgate.gateway.openai_format import ChoiceState
+
+    state = ChoiceState(0, SimpleNamespace(prompt_ids=[1, 2, 3]))
+    chunks = door.format.chunks("text", [state], include_usage=True, continuous_usage=True)
+    got = []
+    for delta in (Delta("r", 0, "", [5, 6]), Delta("r", 2, "Paris", [7], FinishReason.LENGTH)):
+        state.add(delta)
+        got += [json.loads(c.removeprefix(b"data: ")) for c in chunks.delta(state, delta)]
+    assert [c["usage"] for c in got] == [{"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+                                         {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}]
+    plain = door.format.chunks("text", [state], include_usage=True)
+    assert json.loads(plain.delta(state, Delta("r", 2, "Paris", [7]))[0].removeprefix(b"data: "))["usage"] is None
+    assert plain.delta(state, Delta("r", 0, "", [5, 6])) == []

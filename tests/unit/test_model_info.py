@@ -1,0 +1,130 @@
+"""Issue 26: the served model's name, `hybridgate info`, a model without a chat template, and the
+refusals at start-up (one line naming what is refused, exit 2, no worker started)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import gguf
+import pytest
+from malformed_gguf import FAULTS, write_malformed
+from tiny_gguf import write_tiny_llama
+
+from hybridgate.cli import main
+from hybridgate.models import ChatTemplate, Tokenizer, load_gguf, model_name
+from hybridgate.models.info import describe
+from hybridgate.router import Router
+from hybridgate.router.router import RouterConfig
+from hybridgate.wire import InvalidFieldError
+
+CHAT = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="module")
+def base(folder):
+    """A tiny Llama base model: no general.name, no chat template; head_dim 16 (both runners)."""
+    return write_tiny_llama(folder / "tiny-base.gguf", heads=4, kv_heads=2, head_dim=16)
+
+
+@pytest.fixture(scope="module")
+def malformed(folder):
+    return {fault: write_malformed(folder / f"{fault}.gguf", fault) for fault in FAULTS}
+
+
+def info_lines(capsys, path) -> tuple[int, dict[str, list[str]]]:
+    code = main(["info", "--model", str(path)])
+    lines: dict[str, list[str]] = {}
+    for line in capsys.readouterr().out.splitlines():
+        label, _, value = line.partition(":")
+        lines.setdefault(label, []).append(value.strip())
+    return code, lines
+
+
+def test_served_name_is_general_name_else_the_file_stem(model_path, gguf_model, base):
+    reference = gguf.GGUFReader(model_path).fields["general.name"].contents()
+    assert model_name(gguf_model) == reference.strip() and reference
+    assert "general.name" not in gguf.GGUFReader(base).fields
+    assert model_name(load_gguf(base)) == "tiny-base"
+
+
+def test_info_counts_tensors_and_parameters_as_gguf_reads_them(capsys, base):
+    reader = gguf.GGUFReader(base)
+    mix = Counter(t.tensor_type.name for t in reader.tensors)
+    params = sum(int(t.n_elements) for t in reader.tensors)
+    code, lines = info_lines(capsys, base)
+    assert code == 0
+    assert lines["architecture"] == ["llama"]
+    assert lines["parameters"][0].startswith(f"{params:,} ")
+    assert lines["quant mix"] == [", ".join(f"{k} {v}" for k, v in mix.most_common())]
+    assert lines["tokenizer"][0].startswith("gpt2 (byte-level BPE), pre-tokenizer smollm, 260 tokens")
+    assert "--chat-template" in lines["chat template"][0]
+    assert lines["context"] == [str(reader.fields["llama.context_length"].contents())]
+    assert lines["runner gpu"] == ["PyTorch runner: yes"] and lines["runner cpu"] == ["Numba runner: yes"]
+
+
+def test_info_says_which_runner_refuses_and_why(capsys, folder):
+    narrow = write_tiny_llama(folder / "narrow.gguf", heads=4, kv_heads=2, head_dim=8)
+    code, lines = info_lines(capsys, narrow)
+    assert code == 0  # the torch runner serves it
+    assert lines["runner gpu"] == ["PyTorch runner: yes"]
+    assert lines["runner cpu"][0].startswith("Numba runner: no:") and "head_dim 8" in lines["runner cpu"][0]
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_info_prints_the_refusal_and_what_it_could_read(capsys, malformed, fault):
+    code, lines = info_lines(capsys, malformed[fault])
+    assert code == 2
+    assert len(lines["refused"]) == 1 and FAULTS[fault] in lines["refused"][0]
+    reader = gguf.GGUFReader(malformed[fault])
+    assert lines["parameters"][0].startswith(f"{sum(int(t.n_elements) for t in reader.tensors):,} ")
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_serve_refuses_at_start_up_in_one_line_before_any_worker(capsys, monkeypatch, malformed, fault):
+    started = []
+    monkeypatch.setattr("hybridgate.supervise.Supervisor._start", lambda self, slot: started.append(slot.name))
+    code = main(["serve", "--model", str(malformed[fault]), "--gpu-workers", "1", "--cpu-workers", "1",
+                 "--port", "0"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and started == []
+    assert len(err) == 1 and err[0].startswith("hybridgate serve: error: ") and FAULTS[fault] in err[0]
+
+
+def test_describe_names_the_refused_part_only(malformed):
+    for fault, path in malformed.items():
+        report = describe(path)
+        refusals = [r for r in (report.model_refusal, report.tokenizer_refusal) if r]
+        assert len(refusals) == 1 and FAULTS[fault] in refusals[0], (fault, refusals)
+        assert (report.model is None) == (fault in ("architecture", "tensor_type", "missing_tensor"))
+
+
+def test_a_model_without_template_serves_completions_and_chats_only_with_one(tmp_path, base):
+    model = load_gguf(base)
+    router = Router(model, [], RouterConfig())
+    assert not router.chat_template.present
+    assert router.tokenize("Hi") == Tokenizer.from_model(model).encode("Hi")
+    with pytest.raises(InvalidFieldError, match="--chat-template") as refused:
+        router.tokenize(CHAT)
+    assert refused.value.field == "messages"
+    template = tmp_path / "plain.jinja"
+    template.write_text("{{ bos_token }}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
+    ids = Router(model, [], RouterConfig(chat_template=str(template))).tokenize(CHAT)
+    assert Tokenizer.from_model(model).decode(ids) == "<|im_start|>user: Hi\n"
+
+
+def test_template_gets_every_special_token_the_file_names(base, folder):
+    """unk/pad tokens come from their GGUF keys (transformers passes its special_tokens_map)."""
+    reader = gguf.GGUFReader(base)
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    meta = {k: f.contents() for k, f in reader.fields.items()}
+    meta |= {"tokenizer.ggml.unknown_token_id": 0, "tokenizer.ggml.padding_token_id": 2}
+    from hybridgate.models.chat import template_token_ids
+
+    chat = ChatTemplate(Tokenizer(meta), "{{ bos_token }}|{{ eos_token }}|{{ unk_token }}|{{ pad_token }}",
+                        template_token_ids(meta))
+    assert chat.render(CHAT) == "|".join(tokens[i] for i in (1, 2, 0, 2))

@@ -1,0 +1,181 @@
+"""Tokenizers from GGUF metadata against llama.cpp's tokenizer test data and transformers (Gemma 3 270M).
+
+llama.cpp's `ggml-vocab-*.gguf` files carry only metadata; their `.inp`/`.out` pairs give, for each
+test string, the ids of the model's Hugging Face tokenizer (without BOS, special-token strings as
+text). Each file is loaded once, in its own test. llama.cpp's test-tokenizer-0 checks the ids only;
+the round trip is checked here too: decoding those ids gives the string back for every file (with
+a SentencePiece space prefix, the concatenated token bytes are the string after one space).
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import testdata
+from conftest import golden_json
+from hybridgate.models import ModelLoadError, Tokenizer, read_metadata
+
+# Vocabulary file -> the strings of its stop tokens: EOS and the end-of-turn tokens of each model's
+# published generation config / chat template (Llama 3: <|eot_id|>; Qwen: <|im_end|>; Phi-3: <|end|>).
+SUPPORTED = {
+    "gpt-2": {"<|endoftext|>"},
+    "llama-bpe": {"<|end_of_text|>", "<|eot_id|>"},
+    "qwen2": {"<|endoftext|>", "<|im_end|>"},
+    "qwen35": {"<|endoftext|>", "<|im_end|>"},
+    "deepseek-llm": {"<｜end▁of▁sentence｜>"},
+    "deepseek-coder": {"<｜end▁of▁sentence｜>"},
+    "falcon": {"<|endoftext|>"},
+    "starcoder": {"<|endoftext|>"},
+    "refact": {"<|endoftext|>"},
+    "command-r": {"<|END_OF_TURN_TOKEN|>"},
+    "mpt": {"<|endoftext|>"},
+    "llama-spm": {"</s>"},
+    "phi-3": {"<|endoftext|>", "<|end|>"},
+    "gemma-4": {"<eos>"},
+}
+# Refused at load: llama.cpp's WordPiece (bert) and Unigram (t5) models are not built here.
+REFUSED = {"bert-bge": "tokenizer.ggml.model 'bert'", "nomic-bert-moe": "tokenizer.ggml.model 't5'"}
+# Vocabulary files without test strings: they must load (no tokenizer.ggml.pre on the gpt2 ones).
+WITHOUT_CASES = ("aquila", "baichuan", "gpt-neox")
+
+
+def test_every_vocab_file_is_classified(llama_vocab_dir):
+    names = {p.name.removeprefix("ggml-vocab-").removesuffix(".gguf") for p in llama_vocab_dir.glob("*.gguf")}
+    assert names == set(SUPPORTED) | set(REFUSED) | set(WITHOUT_CASES)
+
+
+@pytest.mark.parametrize("name", sorted(SUPPORTED))
+def test_vocab_file_matches_llama_cpp_test_data(llama_vocab_dir, name):
+    meta = read_metadata(llama_vocab_dir / f"ggml-vocab-{name}.gguf")
+    tok = Tokenizer(meta)
+    cases = testdata.vocab_cases(name)
+    assert len(cases) >= 46
+    wrong = [(text, ids, got) for text, ids in cases if (got := tok.encode(text, special_tokens=False)) != ids]
+    assert not wrong, f"{len(wrong)}/{len(cases)} strings differ, first: {wrong[0]}"
+    assert [text for text, ids in cases if tok.decode(ids) != text] == []
+    # token_bytes (what the streaming detokenizer emits): SentencePiece's prefix space is one more byte.
+    spm = meta["tokenizer.ggml.model"] != "gpt2"
+    prefix = b" " if spm and meta.get("tokenizer.ggml.add_space_prefix", True) else b""
+    streamed = {t: b"".join(tok.token_bytes[i] for i in ids) for t, ids in cases}
+    assert [t for t, b in streamed.items() if b != (prefix + t.encode() if t else b"")] == []
+    assert {tok.id_to_token(i) for i in tok.stop_token_ids} == SUPPORTED[name]
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_unsupported_vocab_file_is_refused_naming_its_model(llama_vocab_dir, name):
+    with pytest.raises(ModelLoadError, match=REFUSED[name]) as info:
+        Tokenizer(read_metadata(llama_vocab_dir / f"ggml-vocab-{name}.gguf"))
+    assert "'gpt2'" in str(info.value) and "'llama'" in str(info.value)
+
+
+@pytest.mark.parametrize("name", WITHOUT_CASES)
+def test_vocab_files_without_cases_load_and_round_trip(llama_vocab_dir, name):
+    tok = Tokenizer(read_metadata(llama_vocab_dir / f"ggml-vocab-{name}.gguf"))
+    for text in ("Hello world", "  two  spaces\n\ttab 12345 ½ 你好 🦙"):
+        assert tok.decode(tok.encode(text, special_tokens=False)) == text
+
+
+def _tiny_bpe(**extra) -> dict:
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b", "ab"],
+            "tokenizer.ggml.merges": ["a b"], **extra}
+
+
+def test_unknown_pre_tokenizer_is_refused_with_the_supported_names():
+    with pytest.raises(ModelLoadError, match=r"tokenizer.ggml.pre 'bloom' is not supported") as info:
+        Tokenizer(_tiny_bpe(**{"tokenizer.ggml.pre": "bloom"}))
+    for name in ("default", "gpt-2", "llama-bpe", "qwen2", "deepseek-llm", "deepseek-coder", "falcon", "starcoder",
+                 "refact", "command-r", "mpt", "smollm", "gpt2"):
+        assert f"'{name}'" in str(info.value)
+
+
+def test_unknown_tokenizer_model_is_refused_with_the_supported_names():
+    with pytest.raises(ModelLoadError, match=r"tokenizer.ggml.model 'rwkv' is not supported .*'gpt2'.*'llama'"):
+        Tokenizer(_tiny_bpe(**{"tokenizer.ggml.model": "rwkv"}))
+
+
+def test_missing_pre_tokenizer_reads_as_llama_cpp_default():
+    # llama.cpp (llama-vocab.cpp): an empty pre-tokenizer type is LLAMA_VOCAB_PRE_TYPE_DEFAULT, whose first
+    # rule isolates punctuation runs, so "a ," is three pieces where GPT-2's rules keep " ," whole.
+    tokens = ["a", "\u0120", ",", "\u0120,"]
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": ["\u0120 ,"]}
+    assert Tokenizer(meta).encode("a ,") == [0, 1, 2]
+    assert Tokenizer({**meta, "tokenizer.ggml.pre": "gpt-2"}).encode("a ,") == [0, 3]
+
+
+@pytest.fixture(scope="module")
+def llama_spm(llama_vocab_dir):
+    return Tokenizer(read_metadata(llama_vocab_dir / "ggml-vocab-llama-spm.gguf"))
+
+
+def test_spm_token_bytes_and_special_ids(llama_spm):
+    tok = llama_spm
+    # Llama's byte tokens are ids 3..258.
+    assert tok.token_bytes[3 + 0x41] == b"A" and tok.id_to_token(3 + 0x41) == "<0x41>"
+    assert tok.token_bytes[tok.encode("the", special_tokens=False)[0]] == b" the"
+    assert (tok.bos_token_id, tok.eos_token_id, tok.add_bos_token, tok.add_eos_token) == (1, 2, True, False)
+    assert tok.encode_prompt("the") == [1, *tok.encode("the")]
+
+
+def test_spm_text_after_a_special_token_gets_the_space_prefix(llama_spm):
+    # llama.cpp's SPM tokenize: every text fragment after a special token is prefixed with a space.
+    tok = llama_spm
+    assert tok.encode("</s>Hello") == [2, *tok.encode("Hello")]
+    assert tok.encode("</s>", special_tokens=False) != [2]
+
+
+GEMMA3 = golden_json("gemma3_tokenizer.json")
+
+
+@pytest.fixture(scope="module")
+def gemma3(gemma3_path):
+    return Tokenizer(read_metadata(gemma3_path))
+
+
+def test_gemma3_encodes_and_decodes_as_transformers(gemma3):
+    assert len(GEMMA3["strings"]) >= 90
+    wrong = [(s, ids) for s, ids in zip(GEMMA3["strings"], GEMMA3["ids"]) if gemma3.encode(s) != ids]
+    assert not wrong, f"{len(wrong)} differ, first: {wrong[0]}"
+    decoded = zip(GEMMA3["strings"], GEMMA3["ids"], GEMMA3["decoded"])
+    assert [s for s, ids, d in decoded if gemma3.decode(ids) != d] == []
+
+
+def test_gemma3_metadata_and_stop_tokens(gemma3):
+    assert (gemma3.model, gemma3.vocab_size, gemma3.bos_token_id, gemma3.add_bos_token) == ("llama", 262_144, 2, True)
+    assert {gemma3.id_to_token(i) for i in gemma3.stop_token_ids} == {"<eos>", "<end_of_turn>"}
+    assert gemma3.encode_prompt("Hi")[0] == 2
+
+
+def test_read_metadata_equals_gguf_readers_contents(llama_vocab_dir, tmp_path):
+    import gguf
+
+    path = llama_vocab_dir / "ggml-vocab-llama-spm.gguf"  # strings, float scores, int types, bools, ids
+    reader = gguf.GGUFReader(path)
+    reference = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    assert read_metadata(path) == reference
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:100_000])
+    with pytest.raises(ModelLoadError, match="malformed GGUF metadata at key 'tokenizer.ggml.tokens'"):
+        read_metadata(cut)
+    cut.write_bytes(b"GGML" + bytes(100))
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        read_metadata(cut)
+
+
+@pytest.fixture(scope="module")
+def gpt2(llama_vocab_dir):
+    return Tokenizer(read_metadata(llama_vocab_dir / "ggml-vocab-gpt-2.gguf"))
+
+
+_TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=40)
+
+
+@given(text=_TEXT)
+@settings(max_examples=300)
+def test_any_text_round_trips(llama_spm, gpt2, text):
+    # Both models are lossless (byte fallback / byte-level alphabet), as llama.cpp's test-tokenizer-1 checks.
+    for tok in (llama_spm, gpt2):
+        ids = tok.encode(text, special_tokens=False)
+        assert tok.decode(ids) == text
+        assert b"".join(tok.token_bytes[i] for i in ids).decode() == (" " + text if tok is llama_spm and text else text)
