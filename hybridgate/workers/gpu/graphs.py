@@ -11,6 +11,7 @@ same static-shape step runs eagerly (CPU tests, `--enforce-eager`).
 
 from __future__ import annotations
 
+import gc
 import itertools
 from dataclasses import dataclass
 
@@ -57,8 +58,15 @@ class DecodeGraphs:
         if not self.capture:
             return
         self._pool = torch.cuda.graph_pool_handle()
-        for b, w in sorted(itertools.product(self.batch_sizes, self.buckets), reverse=True):
-            self._capture(b, w)
+        # A cyclic-garbage pass inside a capture can free pinned host memory of dead objects
+        # (cudaFreeHost synchronizes), which invalidates the capture: collect first, none during.
+        gc.collect()
+        gc.disable()
+        try:
+            for b, w in sorted(itertools.product(self.batch_sizes, self.buckets), reverse=True):
+                self._capture(b, w)
+        finally:
+            gc.enable()
         torch.cuda.synchronize()
 
     def _buffers(self, b: int, w: int) -> _Static:
