@@ -1,8 +1,8 @@
 """The Numba runner on every architecture row, against the torch runner on the same tiny random GGUF.
 
 Reference: the torch runner (fp32, CPU device), which test_architectures.py holds to transformers
-within 1e-3 on these same files (transformers' GGUF loader takes minutes here on the 151,936-token
-Qwen vocabularies, so it is loaded once, there). Per family (`tiny_gguf.TINY_SPECS`: 4 heads over 2 KV
+within 1e-3 on these same files (transformers' GGUF loader costs tens of seconds a file on a busy
+2-core machine, so it is loaded once, there). Per family (`tiny_gguf.TINY_SPECS`: 4 heads over 2 KV
 heads, real llama.cpp vocabularies, sliding windows shrunk to 16 tokens): last-position logits of three
 prompts in one batch (two longer than the window) within 1e-3; greedy ids for 16 tokens equal (or the
 first difference where the reference's top-2 gap is below 1e-3) through the paged cache with chunked
