@@ -23,9 +23,10 @@ fi
 export HYBRIDGATE_GPU_CHECK_MODEL="$MODEL"
 $PY -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))" | tee "$OUT/device.txt"
 status=0
-timeout 180 $PY -m pytest -q -s -m gpu tests/component/test_gpu.py tests/component/test_handoff_gpu.py -p no:cacheprovider \
+timeout 240 $PY -m pytest -q -s -m gpu tests/component/test_gpu.py tests/component/test_handoff_gpu.py \
+  tests/component/test_architectures_gpu.py -p no:cacheprovider \
   --junitxml "$OUT/gpu-tests.xml" || status=$?
-timeout 150 $PY -m hybridgate.cli bench engine --device cuda --model "$MODEL" --concurrency 1,4,16,64 \
+timeout 150 $PY -m hybridgate.cli bench engine --kind gpu --device cuda --model "$MODEL" --concurrency 1,4,16,64 \
   --prefill-prompts 16 --prefill-lens 128,512,2048 --repeats 3 --compare-eager --json "$OUT/gpu-check.json" || status=$?
 # The KV hand-off end to end (GPU worker on CUDA, CPU worker on Numba) where numba is installed.
 if $PY -c "import numba" 2>/dev/null; then
