@@ -197,6 +197,15 @@ class Router:
         return self.members.ready
 
     @property
+    def on_ready_change(self) -> Callable[[bool], None]:
+        """Called with the new readiness whenever "some worker is READY" flips (the gateway's health)."""
+        return self.members.on_ready_change
+
+    @on_ready_change.setter
+    def on_ready_change(self, callback: Callable[[bool], None]) -> None:
+        self.members.on_ready_change = callback
+
+    @property
     def wire_errors(self) -> int:
         """Frames from workers dropped: undecodable, unexpected, or for request ids this router never sent."""
         return self._unknown_ids + sum(getattr(c, "wire_errors", 0) for c in self.clients)

@@ -333,3 +333,14 @@ async def test_a_raw_prompt_starts_with_bos_when_the_vocabulary_asks(gguf_model,
             router.tokenizer.add_bos_token = add_bos
             await collect(router, "Hi there", SamplingParams(max_tokens=5))
         assert client.requests[0].prompt_ids == expected
+
+
+async def test_readiness_callback_set_after_construction_is_called(gguf_model):
+    # serve builds the Router first and hands it the gateway's health callback afterwards: that
+    # callback must hear the flip to READY (a gateway whose gRPC health never said SERVING).
+    seen = []
+    router = Router(gguf_model, [ScriptedClient(model_fingerprint(gguf_model), [5, 6])])
+    router.on_ready_change = seen.append
+    async with router:
+        assert seen and seen[-1] is True
+    assert router.on_ready_change == seen.append
