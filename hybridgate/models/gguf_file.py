@@ -362,7 +362,9 @@ def _read_header(path: Path) -> tuple[dict[str, Any], list[tuple[str, int, list[
     except ModelLoadError:
         raise
     except (ValueError, KeyError, IndexError) as exc:
-        raise ModelLoadError(f"{path}: not a readable GGUF file ({exc})") from exc
+        # Past a valid magic, what GGUFReader trips on is a file cut short (its arrays do not fit).
+        why = "" if "magic" in str(exc) else "truncated or corrupt: "
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({why}{exc})") from exc
     metadata = _read_metadata(reader)
     infos = [(t.name, int(t.tensor_type), [int(d) for d in reversed(t.shape.tolist())], int(t.data_offset),
               int(t.n_bytes)) for t in reader.tensors]
@@ -379,6 +381,9 @@ def _read_header(path: Path) -> tuple[dict[str, Any], list[tuple[str, int, list[
 def _tensor_views(infos, mapping: np.ndarray) -> dict[str, TensorView]:
     views = {}
     for name, kind, shape, offset, nbytes in infos:
+        if offset + nbytes > mapping.shape[0]:
+            raise ModelLoadError(f"the file is truncated: tensor {name!r} ends at byte {offset + nbytes:,}, "
+                                 f"the file has {mapping.shape[0]:,} (an incomplete download or copy?)")
         shape = tuple(shape)
         rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
         views[name] = TensorView(name, gguf.GGMLQuantizationType(kind), shape,
@@ -396,7 +401,8 @@ def load_gguf(path: str | Path) -> GGUFModel:
     """
     path = Path(path)
     if not path.is_file():
-        raise ModelLoadError(f"model file {str(path)!r} does not exist")
+        what = "is a directory, not a GGUF file" if path.is_dir() else "does not exist"
+        raise ModelLoadError(f"model file {str(path)!r} {what}")
     metadata, infos, mapping = _read_header(path)
     tensors = _tensor_views(infos, mapping)
     config = _config(metadata, tensors)

@@ -53,6 +53,21 @@ def test_missing_file_is_a_load_error(tmp_path):
         load_gguf(tmp_path / "nope.gguf")
 
 
+def test_a_directory_is_named_as_one(tmp_path):
+    with pytest.raises(ModelLoadError, match="is a directory, not a GGUF file"):
+        load_gguf(tmp_path)
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.999])
+def test_a_truncated_file_says_so(tmp_path, keep):
+    whole = write_tiny_llama(tmp_path / "whole.gguf", heads=4, kv_heads=2)
+    cut = tmp_path / "cut.gguf"
+    data = whole.read_bytes()
+    cut.write_bytes(data[: int(len(data) * keep)])
+    with pytest.raises(ModelLoadError, match="truncated"):
+        load_gguf(cut)
+
+
 def _patch_tensor_type(path, name: str, new_type: int) -> None:
     raw = bytearray(path.read_bytes())
     at = raw.index(name.encode()) + len(name)
