@@ -87,6 +87,24 @@ def test_last_position_logits_match_transformers(case):
         assert np.abs(row - want).max() < TOL, (case.name, n)
 
 
+def test_numba_runner_logits_match_transformers(case):
+    # The Numba runner held to the same reference directly (test_cpu_architectures.py holds it to the
+    # torch runner): fp32 cache and float32 activations, the kernels' exact path.
+    from hybridgate.workers.cpu.runner import NumbaRunner
+    from hybridgate.workers.scheduler import ScheduledBatch
+    from hybridgate.workers.sequence import Sequence
+
+    runner = NumbaRunner(case.gguf, kv_cache_memory="4MiB", threads=1, kv_cache_dtype="fp32", activations="f32")
+    seqs = []
+    for i, ids in enumerate(case.prompts):
+        seq = Sequence(AddRequest(str(i), ids, SamplingParams(temperature=0), 0, 4, -1))
+        seq.block_table = list(range(3 * i, 3 * i + 3))
+        seqs.append(seq)
+    got = runner.forward(ScheduledBatch([(seq, seq.num_tokens) for seq in seqs]))
+    for row, want, n in zip(got, case.want_logits, PROMPT_LENGTHS):
+        assert np.abs(np.asarray(row) - want).max() < TOL, (case.name, n, np.abs(np.asarray(row) - want).max())
+
+
 def test_greedy_ids_match_transformers(case):
     got = contiguous_greedy(case.model, case.prompts[-1], GREEDY_STEPS)
     assert_greedy_matches(got, case.want_greedy, case.gaps)
