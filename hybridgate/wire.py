@@ -28,6 +28,22 @@ class InvalidFieldError(ValueError):
         self.field = field
 
 
+CONSTRAINT_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar", "tools")  # Constraint.kind
+
+
+class Constraint(msgspec.Struct, frozen=True, kw_only=True):
+    """A structured-output constraint, normalized at the edge into one llguidance grammar.
+
+    kind: what the request asked for, one of CONSTRAINT_KINDS (metrics and errors name it).
+    grammar: the llguidance grammar the worker compiles (Lark syntax, JSON schemas inlined
+    with `%json { ... }`; llguidance's docs/syntax.md); equal texts are the same constraint,
+    so compiled grammars are cached by a hash of this text.
+    """
+
+    kind: str
+    grammar: str
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """How to pick each next token (DESIGN.md, Sampling; defaults as vLLM and OpenAI).
 
@@ -43,7 +59,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     stop_token_ids: ids that end generation like EOS (finish reason stop; the
     id is streamed, its text shown unless it is a skipped special token, as
     vLLM). logprobs: None asks for none; k in [0, 20]: each sampled id's raw
-    log-probability and the k most likely ids with theirs.
+    log-probability and the k most likely ids with theirs. constraint: None, or
+    the grammar every sampled token must keep satisfiable (EOS only where it accepts).
     """
 
     temperature: float = 1.0
@@ -60,6 +77,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     min_p: float = 0.0
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
+    constraint: Constraint | None = None
 
     def validate(self) -> SamplingParams:
         """Return self if every field is within its limit.
