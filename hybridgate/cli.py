@@ -58,6 +58,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_keys_generate(args: argparse.Namespace) -> int:
     from hybridgate.keys import generate_keys
 
+    if args.auth_token:
+        _write_token(args.auth_token, args.keep_existing)
     try:
         keys = generate_keys(args.path)
     except FileExistsError:
@@ -72,6 +74,21 @@ def _cmd_keys_generate(args: argparse.Namespace) -> int:
     print(f"wrote {args.path} (mode 0600: the key pair, for --curve-key on every process) and "
           f"{args.path}.pub (public key {keys.public.decode()})")
     return 0
+
+
+def _write_token(path: str, keep_existing: bool) -> None:
+    from hybridgate.keys import generate_token, read_secret_file
+
+    try:
+        generate_token(path)
+    except FileExistsError:
+        if not keep_existing:
+            raise OSError(f"{path} exists; a token file is never overwritten (remove it first, or pass "
+                          "--keep-existing to keep it)") from None
+        read_secret_file(path, "keys generate --auth-token")  # the kept file must be a secret of mode 0600
+        print(f"kept {path}")
+        return
+    print(f"wrote {path} (mode 0600: a bearer token, for --auth-token-file on the gateway)")
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -188,6 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
     keys_gen.add_argument("--keep-existing", action="store_true",
                           help="when PATH already holds a key pair (mode 0600), keep it and exit 0 instead of "
                                "refusing: for an init container that runs at every start of a deployment")
+    keys_gen.add_argument("--auth-token", metavar="FILE", default=None,
+                          help="also write a new random bearer token (256 bits, mode 0600) to FILE, for the "
+                               "gateway's --auth-token-file and its clients (kept like PATH with --keep-existing)")
     keys_gen.set_defaults(func=_cmd_keys_generate)
 
     info = sub.add_parser("info", help="print a GGUF model's architecture, parameters, quant mix, tokenizer, chat "

@@ -80,6 +80,17 @@ def generate_keys(path: str | Path) -> CurveKeys:
     return CurveKeys(public, secret)
 
 
+def generate_token(path: str | Path) -> None:
+    """Write a new bearer token for --auth-token-file to `path`: 256 random bits, URL-safe base64
+    (Python's `secrets.token_urlsafe`), created with mode 0600; an existing file is never
+    overwritten (FileExistsError)."""
+    import secrets
+
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_urlsafe(32) + "\n")
+
+
 def load_keys(path: str, flag: str = "--curve-key") -> CurveKeys:
     """The key pair in `path` (written by `generate_keys`). Raises ValueError naming `flag` when the
     mode is wider than 0600 or the file holds no secret key; OSError when unreadable."""

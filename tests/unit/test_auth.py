@@ -111,3 +111,21 @@ def test_curve_keys_round_trip_and_refusals(tmp_path):
     with pytest.raises(ValueError, match=r"--endpoint tcp://127\.0\.0\.1:5: a tcp endpoint needs CURVE keys"):
         plain.check("tcp://127.0.0.1:5", "--endpoint")
     Transport(TransportConfig(insecure_tcp=True)).check("tcp://127.0.0.1:5", "--endpoint")
+
+
+def test_keys_generate_writes_a_bearer_token_the_gateway_reads_and_keeps_it(tmp_path, capsys):
+    import base64
+
+    from hybridgate.cli import main
+    from hybridgate.gateway.config import GatewayConfig
+
+    token, key = tmp_path / "auth-token", tmp_path / "deploy.key"
+    assert main(["keys", "generate", "--auth-token", str(token), str(key)]) == 0
+    assert token.stat().st_mode & 0o777 == 0o600
+    text = token.read_text().strip()
+    assert len(base64.urlsafe_b64decode(text + "=")) == 32  # 256 random bits
+    assert GatewayConfig(auth_token_file=str(token)).auth_token == text
+    assert main(["keys", "generate", "--keep-existing", "--auth-token", str(token), str(key)]) == 0
+    assert token.read_text().strip() == text and "kept " + str(token) in capsys.readouterr().out
+    assert main(["keys", "generate", "--auth-token", str(token), str(tmp_path / "other.key")]) != 0
+    assert "a token file is never overwritten" in capsys.readouterr().err
