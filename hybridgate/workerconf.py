@@ -143,7 +143,9 @@ class WorkerConfig:
         flag="--advertise", check=lambda v: v and _check_endpoint(v))
     handoff_endpoint: str = setting(
         "", "CPU workers: where to bind the socket for incoming KV hand-offs (ipc://PATH or tcp://HOST:PORT); "
-        "default: ENDPOINT.handoff for an ipc:// endpoint, none for tcp://", flag="--handoff-endpoint")
+        "default: ENDPOINT.handoff for an ipc:// endpoint, none for tcp://; bound on every interface "
+        "(tcp://0.0.0.0:PORT) it is advertised under the host of --advertise (or this host's name)",
+        flag="--handoff-endpoint")
     handoff_buffer_memory: str = setting(
         "256MiB", "GPU workers: the pinned host slab KV hand-offs stream through (bytes, e.g. 256MiB); "
         "hand-offs larger than it stream layer by layer", flag="--handoff-buffer-memory", check=_check_bytes)

@@ -70,7 +70,8 @@ class WorkerIO:
     """
 
     def __init__(self, ctx: zmq.Context, endpoint: str, hello: Hello, inbox: Inbox, heartbeat_s: float,
-                 wire_errors: WireErrors | None = None, send_hwm: int = 100_000, transport: Transport | None = None):
+                 wire_errors: WireErrors | None = None, send_hwm: int = 100_000, transport: Transport | None = None,
+                 handoff_bind: str = ""):
         self.max_frame_bytes = max_frame_bytes(hello.max_model_len)
         transport = transport or Transport(TransportConfig(insecure_tcp=True))  # tests' and benchmarks' sockets
         self.handoff_socket = None
@@ -78,8 +79,9 @@ class WorkerIO:
             self.handoff_socket = ctx.socket(zmq.ROUTER)
             self.handoff_socket.setsockopt(zmq.LINGER, 0)
             self.handoff_socket.setsockopt(zmq.RCVBUF, 4 << 20)  # fewer, larger kernel copies (capped by rmem_max)
-            transport.server(self.handoff_socket, hello.handoff_endpoint, "--handoff-endpoint")
-            self.handoff_socket.bind(hello.handoff_endpoint)
+            bind = handoff_bind or hello.handoff_endpoint  # HELLO carries the advertised endpoint
+            transport.server(self.handoff_socket, bind, "--handoff-endpoint")
+            self.handoff_socket.bind(bind)
         self.socket = ctx.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)

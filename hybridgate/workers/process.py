@@ -158,13 +158,18 @@ def _checked_transport(config: WorkerConfig, transport: TransportConfig | None) 
 
 
 def _hello(config: WorkerConfig, runner, model) -> Hello:
-    """What this worker tells each router on CONNECT; a new boot id on every start."""
+    """What this worker tells each router on CONNECT; a new boot id on every start. Its hand-off
+    endpoint is the advertised one (`advertised_handoff_endpoint`): GPU workers connect to it."""
     from hybridgate.models import model_fingerprint
+    from hybridgate.workers.registration import advertised_endpoint, advertised_handoff_endpoint
+
+    handoff = advertised_handoff_endpoint(config.resolved_handoff_endpoint,
+                                          advertised_endpoint(config.endpoint, config.advertise))
 
     return Hello(kind=config.kind, fingerprint=model_fingerprint(model), max_num_seqs=config.max_num_seqs,
                  max_model_len=runner.max_model_len, pid=os.getpid(), ready=False,
                  boot_id=uuid.uuid4().hex, name=config.name,
-                 handoff_endpoint=config.resolved_handoff_endpoint, cpu_isa=getattr(runner, "cpu_isa", ""),
+                 handoff_endpoint=handoff, cpu_isa=getattr(runner, "cpu_isa", ""),
                  kv_dtype=runner.kv_layout()[3] if hasattr(runner, "kv_layout") else "")
 
 
@@ -172,7 +177,8 @@ def _start_io(ctx: zmq.Context, config: WorkerConfig, hello: Hello, inbox: Inbox
               secure: Transport) -> tuple[WorkerIO, threading.Thread]:
     """The I/O thread, started on its bound sockets (OSError naming --endpoint if a bind fails)."""
     try:
-        io = WorkerIO(ctx, config.endpoint, hello, inbox, config.heartbeat_s, wire_errors, transport=secure)
+        io = WorkerIO(ctx, config.endpoint, hello, inbox, config.heartbeat_s, wire_errors, transport=secure,
+                      handoff_bind=config.resolved_handoff_endpoint)
     except zmq.ZMQError as exc:
         ctx.destroy(0)
         raise OSError(_bind_error(config.endpoint, exc)) from None
@@ -223,7 +229,7 @@ def _register(config: WorkerConfig, redis: RedisConfig | None, hello: Hello):
     registration = Registration(redis, WorkerEntry(
         endpoint=advertised_endpoint(config.endpoint, config.advertise), kind=config.kind,
         fingerprint=hello.fingerprint, capacity=config.max_num_seqs, boot_id=hello.boot_id, name=config.name,
-        handoff_endpoint=config.resolved_handoff_endpoint))
+        handoff_endpoint=hello.handoff_endpoint))
     registration.start()
     return registration
 

@@ -39,6 +39,22 @@ def advertised_endpoint(endpoint: str, advertise: str) -> str:
     return endpoint
 
 
+_ANY_INTERFACE = ("0.0.0.0", "*", "[::]", "::")
+
+
+def advertised_handoff_endpoint(handoff: str, advertised: str) -> str:
+    """Where GPU workers on other hosts reach this CPU worker's hand-off socket, bound at `handoff`: the
+    bound endpoint itself, unless it binds every interface (`tcp://0.0.0.0:PORT`, `tcp://*:PORT`,
+    `tcp://[::]:PORT`); then the host of `advertised` (this worker's advertised request endpoint, see
+    `advertised_endpoint`) with the hand-off's port, so both sockets are reached under one address."""
+    if not handoff.startswith("tcp://"):
+        return handoff
+    host, port = handoff.removeprefix("tcp://").rsplit(":", 1)
+    if host not in _ANY_INTERFACE:
+        return handoff
+    return f"tcp://{advertised.removeprefix('tcp://').rsplit(':', 1)[0]}:{port}"
+
+
 class Registration:
     """Keeps `entry` in Redis while the worker runs: `start()` after READY, `stop()` before exit."""
 

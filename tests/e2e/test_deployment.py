@@ -141,6 +141,8 @@ def _loopback_env(service: str, redis_url: str, ports: dict[str, int], key: Path
         # Two "containers" share one host name here, so each advertises its own loopback port.
         endpoint = env["HYBRIDGATE_ENDPOINT"].replace("0.0.0.0:5555", f"127.0.0.1:{ports['endpoint']}")
         env["HYBRIDGATE_ENDPOINT"] = env["HYBRIDGATE_ADVERTISE"] = endpoint
+    if "HYBRIDGATE_HANDOFF_ENDPOINT" in env:  # kept on every interface: advertised under the endpoint's host
+        env["HYBRIDGATE_HANDOFF_ENDPOINT"] = env["HYBRIDGATE_HANDOFF_ENDPOINT"].replace(":5556", f":{ports['handoff']}")
     for key in ("HYBRIDGATE_PORT", "HYBRIDGATE_METRICS_PORT"):
         if key in env:
             env[key] = str(ports[key])
@@ -167,7 +169,7 @@ def test_compose_topology_serves_a_chat_on_loopback(tmp_path, model_path):
     try:
         workers = []
         for k in range(2):
-            ports = {"endpoint": free_port()}
+            ports = {"endpoint": free_port(), "handoff": free_port()}
             env = _loopback_env("cpu-worker", redis.url, ports, key) | {"HYBRIDGATE_THREADS": "1"}
             procs.append(Proc(_argv("cpu-worker", key), tmp_path / f"cpu-worker-{k}.log", env=env))
             workers.append(env["HYBRIDGATE_ENDPOINT"])
@@ -203,6 +205,44 @@ def test_compose_topology_serves_a_chat_on_loopback(tmp_path, model_path):
         redis.stop()
     out = subprocess.run([HYBRIDGATE, "health", "--target", target, "--timeout", "1"], capture_output=True, text=True)
     assert out.returncode == 1 and out.stdout.strip() == f"gateway {target}: UNAVAILABLE"
+
+
+def test_compose_gpu_profile_hands_off_to_a_cpu_worker_over_tcp_with_curve(tmp_path, model_path):
+    # The `gpu` profile's topology on loopback (the GPU worker's torch runner on this CPU): a gpu->cpu request
+    # is prefilled on the GPU worker, whose KV goes to the CPU worker's hand-off socket, bound on every
+    # interface and reached at the address the CPU worker advertised, under the deployment's CURVE key.
+    redis = RedisServer(tmp_path)
+    key = tmp_path / "deploy.key"
+    subprocess.run([HYBRIDGATE, *_argv("keys", key)], capture_output=True, text=True, timeout=60, check=True)
+    procs = []
+    try:
+        cpu_ports = {"endpoint": free_port(), "handoff": free_port()}
+        cpu_env = _loopback_env("cpu-worker", redis.url, cpu_ports, key) | {"HYBRIDGATE_THREADS": "1"}
+        assert cpu_env["HYBRIDGATE_HANDOFF_ENDPOINT"].startswith("tcp://0.0.0.0:")
+        gpu_env = _loopback_env("gpu-worker", redis.url, {"endpoint": free_port()}, key) | {
+            "HYBRIDGATE_THREADS": "1", "HYBRIDGATE_DEVICE": "cpu"}
+        procs += [Proc(_argv("cpu-worker", key), tmp_path / "cpu-worker.log", env=cpu_env),
+                  Proc(_argv("gpu-worker", key), tmp_path / "gpu-worker.log", env=gpu_env)]
+        ports = {"HYBRIDGATE_PORT": free_port(), "HYBRIDGATE_METRICS_PORT": free_port()}
+        gateway = Proc(_argv("gateway", key), tmp_path / "gateway.log",
+                       env=_loopback_env("gateway", redis.url, ports, key) | {"HYBRIDGATE_ALLOW_CLIENT_ROUTES": "true",
+                                                                             "HYBRIDGATE_RESPONSE_CACHE": "off"})
+        procs.append(gateway)
+        for proc in procs[:2]:
+            proc.wait_for(r"hybridgate worker: READY", 180)
+        for kind, env in (("cpu", cpu_env), ("gpu", gpu_env)):
+            gateway.wait_for(rf"{kind} worker {re.escape(env['HYBRIDGATE_ENDPOINT'])}: \w+ → READY", 60)
+        target = f"127.0.0.1:{ports['HYBRIDGATE_PORT']}"
+        request = pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="user", content=FRANCE["question"])]),
+                                     max_tokens=len(FRANCE["ids"]), temperature=0, route="gpu->cpu")
+        messages = list(stub(target).Generate(request, timeout=120 * TIME_FACTOR))
+        assert [i for m in messages for i in m.token_ids] == FRANCE["ids"]
+        assert messages[-1].route.startswith("gpu->cpu"), messages[-1].route
+        assert cpu_env["HYBRIDGATE_ENDPOINT"] in messages[-1].route, messages[-1].route
+    finally:
+        for proc in procs:
+            proc.stop()
+        redis.stop()
 
 
 def test_health_of_a_worker_that_is_not_there():

@@ -11,7 +11,7 @@ import pytest
 from hybridgate.cli import build_parser
 from hybridgate.config import report, resolve
 from hybridgate.redisconf import RedisConfig, WorkerEntry, redacted, worker_key
-from hybridgate.workers.registration import advertised_endpoint
+from hybridgate.workers.registration import advertised_endpoint, advertised_handoff_endpoint
 
 
 def test_the_password_is_redacted_everywhere():
@@ -30,6 +30,15 @@ def test_advertised_endpoint_defaults_to_the_host_name_and_bound_port():
     assert advertised_endpoint("tcp://0.0.0.0:5555", "") == f"tcp://{socket.gethostname()}:5555"
     assert advertised_endpoint("tcp://0.0.0.0:5555", "tcp://w1:6000") == "tcp://w1:6000"
     assert advertised_endpoint("ipc:///run/w.sock", "") == "ipc:///run/w.sock"
+
+
+def test_a_handoff_socket_on_every_interface_is_advertised_under_the_workers_host():
+    assert advertised_handoff_endpoint("tcp://0.0.0.0:5556", "tcp://10.1.2.3:5555") == "tcp://10.1.2.3:5556"
+    assert advertised_handoff_endpoint("tcp://*:5556", "tcp://cpu-worker-1:5555") == "tcp://cpu-worker-1:5556"
+    assert advertised_handoff_endpoint("tcp://[::]:5556", "tcp://[fd00::7]:5555") == "tcp://[fd00::7]:5556"
+    assert advertised_handoff_endpoint("tcp://10.9.9.9:5556", "tcp://10.1.2.3:5555") == "tcp://10.9.9.9:5556"
+    assert advertised_handoff_endpoint("ipc:///run/w.handoff", "ipc:///run/w") == "ipc:///run/w.handoff"
+    assert advertised_handoff_endpoint("", "tcp://10.1.2.3:5555") == ""
 
 
 class _FakeRouter:
