@@ -53,6 +53,10 @@ class GatewayMetrics:
                                   buckets=_LAG_BUCKETS, registry=self.registry)
         if clients is not None:
             self.registry.register(_EngineCollector(clients, wire_errors))
+        if clients is not None and model is not None:  # the same figures under vLLM's names (vllm_metrics.py)
+            from hybridgate.gateway.vllm_metrics import VllmCollector
+
+            self.registry.register(VllmCollector(model[0], clients, (self.ttft, self.itl, self.e2e, self.success)))
         if handoff is not None:
             self.registry.register(_HandoffRouterCollector(handoff))
         if redis_up is not None:

@@ -195,6 +195,16 @@ def test_metrics_count_what_one_request_did(server, model_path):
     name = gguf.GGUFReader(model_path).fields["general.name"].contents()
     info = stub(server.target).GetModelInfo(pb.GetModelInfoRequest())
     assert after[f"hybridgate:model_info{{fingerprint={info.fingerprint},model_name={name}}}"] == 1
+    # The same observations under vLLM's names, labelled by the served model's name.
+    vllm = f"model_name={name}"
+    assert after[f"vllm:time_to_first_token_seconds_count{{{vllm}}}"] - before[f"vllm:time_to_first_token_seconds_count{{{vllm}}}"] == 1
+    for series in ("time_to_first_token_seconds_sum", "e2e_request_latency_seconds_sum", "inter_token_latency_seconds_count"):
+        assert after[f"vllm:{series}{{{vllm}}}"] == after[f"hybridgate:{series}{{}}"]
+    assert after[f"vllm:request_success_total{{finished_reason=length,{vllm}}}"] == \
+        after["hybridgate:request_success_total{finished_reason=length}"]
+    assert after[f"vllm:num_requests_running{{{vllm}}}"] == 0 and after[f"vllm:kv_cache_usage_perc{{{vllm}}}"] == 0
+    config = next(k for k in after if k.startswith("vllm:cache_config_info{"))
+    assert "block_size=16," in config and after[config] == 1
 
 
 def long_request() -> pb.GenerateRequest:

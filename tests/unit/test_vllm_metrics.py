@@ -1,0 +1,46 @@
+"""The vLLM-named series that Kubernetes inference schedulers read, from known worker reports."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from hybridgate.gateway.metrics import GatewayMetrics
+from hybridgate.wire import EngineStats
+
+
+def samples(metrics: GatewayMetrics) -> dict[str, float]:
+    text = generate_latest(metrics.registry).decode()
+    return {s.name + "{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}": s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def test_vllm_series_sum_the_workers_and_share_the_gateways_observations():
+    workers = [SimpleNamespace(kind="gpu", name="gpu-0", endpoint="e0",
+                               stats=EngineStats(running=3, waiting=1, blocks_used=30, blocks_total=100)),
+               SimpleNamespace(kind="cpu", name="cpu-0", endpoint="e1",
+                               stats=EngineStats(running=2, waiting=4, blocks_used=10, blocks_total=60)),
+               SimpleNamespace(kind="cpu", name="cpu-1", endpoint="e2",
+                               stats=EngineStats(running=0, waiting=0, blocks_used=0, blocks_total=40))]
+    metrics = GatewayMetrics(lambda: workers, model=("tiny", "f" * 64))
+    for ttft in (0.03, 0.2):
+        metrics.ttft.observe(ttft)
+    metrics.success.labels("stop").inc(2)
+    got = samples(metrics)
+    m = "model_name=tiny"
+    assert got[f"vllm:num_requests_running{{{m}}}"] == 5
+    assert got[f"vllm:num_requests_waiting{{{m}}}"] == 5
+    assert got[f"vllm:kv_cache_usage_perc{{{m}}}"] == 40 / 200
+    assert got[f"vllm:cache_config_info{{block_size=16,{m},num_cpu_blocks=100,num_gpu_blocks=100}}"] == 1
+    assert got[f"vllm:time_to_first_token_seconds_count{{{m}}}"] == 2
+    assert abs(got[f"vllm:time_to_first_token_seconds_sum{{{m}}}"] - 0.23) < 1e-12
+    assert got[f"vllm:time_to_first_token_seconds_bucket{{le=0.04,{m}}}"] == 1
+    assert got[f"vllm:request_success_total{{finished_reason=stop,{m}}}"] == 2
+
+
+def test_no_workers_means_an_empty_cache_not_a_division_by_zero():
+    got = samples(GatewayMetrics(lambda: [], model=("tiny", "f" * 64)))
+    assert got["vllm:kv_cache_usage_perc{model_name=tiny}"] == 0
+    assert got["vllm:num_requests_running{model_name=tiny}"] == 0
