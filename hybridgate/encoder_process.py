@@ -6,7 +6,7 @@ gguf and builds the tokenizer: even starting up, it yields the cores to the
 worker's decode steps and the gateway's event loop.
 
 A job is one msgspec-msgpack bytes object ([the text or the messages,
-add_generation_prompt]); the answer
+add_generation_prompt, the template's tools or None]); the answer
 is b"I" + the ids as int32 bytes, or b"E" + the chat template's error message.
 """
 
@@ -44,10 +44,10 @@ def encode(job: bytes) -> bytes:
 
     from hybridgate.models.chat import ChatTemplateError
 
-    prompt, add_generation_prompt = msgspec.msgpack.decode(job)
+    prompt, add_generation_prompt, tools = msgspec.msgpack.decode(job)
     try:
         ids = _state["tokenizer"].encode_prompt(prompt) if isinstance(prompt, str) else \
-            _state["chat"].encode(prompt, add_generation_prompt)
+            _state["chat"].encode(prompt, add_generation_prompt, tools)
     except ChatTemplateError as exc:
         return b"E" + str(exc).encode()
     return b"I" + np.asarray(ids, dtype=np.int32).tobytes()

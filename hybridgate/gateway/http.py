@@ -182,7 +182,7 @@ class OpenAIApp:
             messages = api.chat_messages(body)
             return [messages], api.chat_logprobs_count(body)
 
-        return await self._generate(body, request, prepare, chat=True)
+        return await self._generate(body, request, prepare, chat=True, tools=lambda: api.tool_request(body))
 
     async def completions(self, body: api.CompletionRequest, request: Request) -> Response:
         def prepare():
@@ -193,18 +193,19 @@ class OpenAIApp:
 
         return await self._generate(body, request, prepare, chat=False)
 
-    async def _generate(self, body, request: Request, prepare, chat: bool) -> Response:
+    async def _generate(self, body, request: Request, prepare, chat: bool, tools=lambda: None) -> Response:
         api.unknown_fields.note(body)
         self._check_model(body.model)
         try:
             api.refuse_unsupported(body)
             prompts, logprobs = prepare()
             base = api.sampling_params(body, logprobs)
+            tool_request = tools()
             states = []
             for p, prompt in enumerate(prompts):
                 for i in range(body.n):
                     params = base if base.seed is None else _with_seed(base, base.seed + i)
-                    stream = self.router.generate(prompt, params, label=body.user or "")
+                    stream = self.router.generate(prompt, params, label=body.user or "", tools=tool_request)
                     states.append(ChoiceState(p * body.n + i, stream, p, logprobs is not None, body.user or ""))
         except InvalidFieldError as exc:
             raise api_error(exc, body) from None

@@ -4,8 +4,10 @@ Fields follow the OpenAI API reference (Chat Completions, Completions) and the
 extensions vLLM users rely on (top_k, min_p, repetition_penalty,
 stop_token_ids, ignore_eos, skip_special_tokens). A field outside the API is
 ignored, as vLLM does (and logged once per name); a field of the API that is
-not supported here (tools, functions, logit_bias, response_format other than
-text, echo, suffix) is refused naming it, never silently ignored.
+not supported here (functions, logit_bias, response_format other than
+text, echo, suffix) is refused naming it, never silently ignored. Chat takes
+`tools`, `tool_choice` and `parallel_tool_calls`, and a history with an
+assistant's `tool_calls` and `tool` messages (hybridgate.router.tools).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from hybridgate.router.tools import ToolRequest
 from hybridgate.wire import MAX_SEED, InvalidFieldError, SamplingParams
 
 log = logging.getLogger("hybridgate.gateway")
@@ -40,6 +43,8 @@ class ChatMessage(_Body):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls: {id, type, function: {name, arguments}}
+    tool_call_id: str | None = None  # a tool message's: the call it answers
 
 
 class _Sampling(_Body):
@@ -72,6 +77,8 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
@@ -120,9 +127,8 @@ def refuse_unsupported(body: _Sampling) -> None:
     if body.logit_bias:
         raise InvalidFieldError("logit_bias", "is not supported by this server")
     if isinstance(body, ChatCompletionRequest):
-        for name in ("tools", "functions"):
-            if getattr(body, name):
-                raise InvalidFieldError(name, "tool and function calling are not supported by this server")
+        if body.functions:
+            raise InvalidFieldError("functions", "the deprecated function calling is not supported: use tools")
         kind = (body.response_format or {}).get("type", "text")
         if kind != "text":
             raise InvalidFieldError("response_format", f"only type 'text' is supported, got {kind!r}")
@@ -147,8 +153,32 @@ def chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
             content = "\n".join(texts)
         else:
             content = m.content or ""
-        out.append({"role": m.role, "content": content})
+        out.append(_with_tool_fields(i, m, {"role": m.role, "content": content}))
     return out
+
+
+def _with_tool_fields(i: int, m: ChatMessage, out: dict) -> dict:
+    """`out` with the message's calls (an assistant's) or the call it answers (a tool's), checked."""
+    if m.tool_calls:
+        if m.role != "assistant":
+            raise InvalidFieldError(f"messages[{i}].tool_calls", "only an assistant message has tool calls")
+        for j, call in enumerate(m.tool_calls):
+            fn = call.get("function")
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise InvalidFieldError(f"messages[{i}].tool_calls[{j}].function", "must be an object with a name")
+        out["tool_calls"] = m.tool_calls
+    if m.role == "tool":
+        if m.tool_call_id is None:
+            raise InvalidFieldError(f"messages[{i}].tool_call_id", "a tool message needs the id of its call")
+        out["tool_call_id"] = m.tool_call_id
+    if m.name is not None:
+        out["name"] = m.name
+    return out
+
+
+def tool_request(body: ChatCompletionRequest) -> ToolRequest | None:
+    """The chat's tools, tool_choice and parallel_tool_calls (None: no tools). Raises InvalidFieldError."""
+    return ToolRequest.from_openai(body.tools, body.tool_choice, body.parallel_tool_calls)
 
 
 def sampling_params(body: _Sampling, logprobs: int | None) -> SamplingParams:

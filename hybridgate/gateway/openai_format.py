@@ -52,13 +52,53 @@ class ChoiceState:
     tokens: int = 0  # ids streamed so far
     finish: FinishReason | None = None
     usage: Usage | None = None
+    calls: dict[int, dict] = field(default_factory=dict)  # index -> the call's OpenAI object, as streamed
 
     def add(self, delta: Delta) -> None:
+        if delta.tool_calls:
+            self._add_calls(delta.tool_calls)
         self.texts.append(delta.text)
         self.tokens += len(delta.token_ids)
         self.logprobs.extend(delta.logprobs)
         if delta.finish_reason is not None:
             self.finish, self.usage = delta.finish_reason, delta.usage
+
+    def _add_calls(self, deltas) -> None:
+        for d in deltas:
+            call = self.calls.get(d.index)
+            if call is None:
+                self.calls[d.index] = {"id": d.id, "type": "function", "function": {"name": d.name,
+                                                                                    "arguments": d.arguments}}
+            else:
+                call["function"]["arguments"] += d.arguments
+
+    @property
+    def finish_reason(self) -> str:
+        """The API's finish reason: `tool_calls` when the model stopped after calling tools."""
+        if self.calls and self.finish in (FinishReason.STOP, FinishReason.EOS):
+            return "tool_calls"
+        return _FINISH.get(self.finish, "stop")
+
+    def message(self) -> dict:
+        """The chat message: content null when empty beside calls; `tool_calls` when there are any."""
+        text = "".join(self.texts)
+        if not self.calls:
+            return {"role": "assistant", "content": text}
+        return {"role": "assistant", "content": text or None,
+                "tool_calls": [self.calls[i] for i in sorted(self.calls)]}
+
+
+def tool_call_deltas(deltas) -> list[dict]:
+    """A chunk's `delta.tool_calls`: a call's first carries index, id, type and name; later ones its index and
+    the next fragment of its arguments."""
+    out = []
+    for d in deltas:
+        if d.name is not None:
+            out.append({"index": d.index, "id": d.id, "type": "function",
+                        "function": {"name": d.name, "arguments": d.arguments}})
+        else:
+            out.append({"index": d.index, "function": {"arguments": d.arguments}})
+    return out
 
 
 class Formatter:
@@ -113,9 +153,9 @@ class Formatter:
             text = "".join(s.texts)
             want = s.logprobs_wanted
             if kind == "chat":
-                choices.append({"index": s.index, "message": {"role": "assistant", "content": text},
+                choices.append({"index": s.index, "message": s.message(),
                                 "logprobs": self.chat_logprobs(ids, s.logprobs) if want else None,
-                                "finish_reason": _FINISH.get(s.finish, "stop")})
+                                "finish_reason": s.finish_reason})
             else:
                 choices.append({"index": s.index, "text": text,
                                 "logprobs": self.text_logprobs(ids, s.logprobs, 0) if want else None,
@@ -155,13 +195,17 @@ class Chunks:
                               "finish_reason": None}]) for s in self.states]
 
     def delta(self, state: ChoiceState, delta: Delta) -> list[bytes]:
-        finish = _FINISH.get(delta.finish_reason) if delta.finish_reason is not None else None
+        finish = state.finish_reason if delta.finish_reason is not None else None
         want = state.logprobs_wanted
-        if not delta.text and finish is None and not ((want or self.continuous) and delta.token_ids):
+        if not delta.text and finish is None and not delta.tool_calls and \
+                not ((want or self.continuous) and delta.token_ids):
             return []
         ids = delta.token_ids[: len(delta.logprobs)]
         if self.kind == "chat":
-            choice = {"index": state.index, "delta": {"content": delta.text} if delta.text else {},
+            body = {"content": delta.text} if delta.text else {}
+            if delta.tool_calls:
+                body["tool_calls"] = tool_call_deltas(delta.tool_calls)
+            choice = {"index": state.index, "delta": body,
                       "logprobs": self.fmt.chat_logprobs(ids, list(delta.logprobs)) if want else None,
                       "finish_reason": finish}
         else:

@@ -94,6 +94,7 @@ class ChatTemplate:
     def __init__(self, tokenizer: Tokenizer, source: str | None = None, token_ids: Mapping[str, int] | None = None):
         source = source if source is not None else tokenizer.chat_template
         self._template = None
+        self._source = source or None
         if source:
             try:
                 self._template = _environment().from_string(source)
@@ -116,11 +117,18 @@ class ChatTemplate:
         """Whether there is a template to render (False for a base model given none)."""
         return self._template is not None
 
-    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text, exactly as transformers' `apply_chat_template(tokenize=False)`."""
-        return self._render(messages, add_generation_prompt)
+    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+               tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """The prompt text, exactly as transformers' `apply_chat_template(tokenize=False)`; `tools`: the
+        template's `tools` variable (OpenAI's `{"type": "function", "function": {...}}` objects), or None."""
+        return self._render(messages, add_generation_prompt, tools)
 
-    def _render(self, messages, add_generation_prompt: bool) -> str:
+    @property
+    def takes_tools(self) -> bool:
+        """Whether the template's source mentions `tools` (it renders them itself)."""
+        return self._source is not None and "tools" in self._source
+
+    def _render(self, messages, add_generation_prompt: bool, tools=None) -> str:
         if self._template is None:
             raise ChatTemplateError(NO_TEMPLATE)  # every caller names the field (messages)
         tok = self._tokenizer
@@ -129,17 +137,19 @@ class ChatTemplate:
             return self._template.render(
                 {"bos_token": None, "eos_token": None, **tokens},
                 messages=[dict(m) for m in messages],
-                tools=None,
+                tools=list(tools) if tools else None,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
             )
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"messages: the chat template failed: {exc}") from exc
 
-    def encode(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        """Prompt ids for `messages`; special-token strings in content are text.
+    def encode(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+               tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+        """Prompt ids for `messages` (and the template's `tools`); special-token strings in content are text.
 
-        Each message is a mapping with `role` and `content` (str). Between the
+        Each message is a mapping with `role` and `content` (str), and may carry `tool_calls`,
+        `tool_call_id` and `name` (an assistant's calls, a tool's result) for the template. Between the
         special tokens the template emits, text is encoded whole, so the ids
         equal transformers' `apply_chat_template(tokenize=True)` whenever no
         content holds a special-token string.
@@ -158,7 +168,7 @@ class ChatTemplate:
             if self._special is not None:
                 content = self._special.sub(lambda x: self._mask[x.group(0)], content)
             masked.append({**m, "content": content})
-        text = self._render(masked, add_generation_prompt)
+        text = self._render(masked, add_generation_prompt, tools)
         return self._encode_rendered(text)
 
     def _encode_rendered(self, text: str) -> list[int]:

@@ -13,6 +13,7 @@ from hybridgate.config import check_settings, setting
 
 POLICIES = ("cost", "least_loaded", "round_robin", "power_of_two", "prefix_affinity")
 CACHE_MODES = ("off", "memory", "redis")
+TOOL_CALL_FORMATS = ("auto", "hermes", "llama3_json", "mistral", "generic")  # hybridgate.router.tools.FORMATS
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,11 @@ class RouterConfig:
     chat_template: str | None = setting(
         None, "a file holding a Jinja chat template to render chats with instead of the model's own "
               "(tokenizer.chat_template); a model without one (a base model) serves chats only with it")
+    tool_call_format: str = setting(
+        "auto", "how the model writes tool calls: auto (from the chat template: hermes for <tool_call>, mistral "
+                "for [TOOL_CALLS], llama3_json for <|python_tag|>; generic for a template without tools), hermes, "
+                "llama3_json, mistral, or generic (tools in a system message, the answer a JSON envelope)",
+        choices=TOOL_CALL_FORMATS)
 
     def __post_init__(self) -> None:
         check_settings(self)

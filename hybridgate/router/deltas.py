@@ -38,7 +38,8 @@ class Timings:
 @dataclass(frozen=True)
 class Delta:
     """New text and ids of one step; the last delta has finish_reason, usage, timings and route.
-    `logprobs`: one per id of `token_ids` when the request asked for them (SamplingParams.logprobs), else empty."""
+    `logprobs`: one per id of `token_ids` when the request asked for them (SamplingParams.logprobs), else empty.
+    `tool_calls`: with tools, the calls' deltas (`toolparse.ToolCallDelta`); `text` is then the content only."""
 
     request_id: str
     token_index: int
@@ -49,6 +50,7 @@ class Delta:
     timings: Timings | None = None
     route: str = ""
     logprobs: tuple[TokenLogprobs, ...] = ()
+    tool_calls: tuple = ()  # ToolCallDelta of a request with tools (hybridgate.router.tools.ToolCallStream)
 
 
 def error_of(item) -> BaseException:

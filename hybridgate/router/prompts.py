@@ -20,7 +20,7 @@ source, so --chat-template applies to long chats too), run at a lower priority
 (hybridgate.encoder_process, the processes' entry points).
 
 Nothing is pickled but the call's envelope: a job is one msgspec-msgpack bytes
-object ([the text or the messages, add_generation_prompt]) and the answer is
+object ([the text or the messages, add_generation_prompt, tools]) and the answer is
 b"I" + int32 ids, or b"E" + the chat template's error.
 
 A pool process that dies (killed, out of memory) breaks the whole pool
@@ -78,7 +78,7 @@ class PromptEncoder:
     exception. `template`: the chat template's source the router renders with (None: the model's).
     """
 
-    def __init__(self, model_path: str, encode_inline: Callable[[object, bool], list[int]],
+    def __init__(self, model_path: str, encode_inline: Callable[[object, bool, list | None], list[int]],
                  on_error: Callable[[str], Exception], processes: int, template: str | None = None):
         self.model_path, self.encode_inline, self.on_error = model_path, encode_inline, on_error
         self.processes, self.template = processes, template
@@ -93,17 +93,16 @@ class PromptEncoder:
         return sum(len(m.get("content") or "") for m in prompt)
 
     async def encode(self, prompt: str | Sequence[Mapping[str, str]],
-                     add_generation_prompt: bool = True) -> Sequence[int]:
+                     add_generation_prompt: bool = True, tools: list | None = None) -> Sequence[int]:
         """The prompt's ids (a list; a numpy int32 array when it is too long for the caller to run,
         to spare converting 100,000s of ids). Raises what `encode_inline`/`on_error` raise, and
         UnavailableError when the pool breaks twice on this prompt (see the module doc)."""
         if self.size(prompt) <= INLINE_CHARS:
-            return self.encode_inline(prompt, add_generation_prompt)
+            return self.encode_inline(prompt, add_generation_prompt, tools)
         if self.processes == 0:
-            return await asyncio.to_thread(self.encode_inline, prompt, add_generation_prompt)
-        job = msgspec.msgpack.encode([prompt if isinstance(prompt, str) else
-                                      [{"role": m.get("role"), "content": m.get("content")} for m in prompt],
-                                      add_generation_prompt])
+            return await asyncio.to_thread(self.encode_inline, prompt, add_generation_prompt, tools)
+        job = msgspec.msgpack.encode([prompt if isinstance(prompt, str) else [dict(m) for m in prompt],
+                                      add_generation_prompt, tools])
         try:
             answer = await self._run(job)
         except BrokenProcessPool:
@@ -161,9 +160,11 @@ class Prompts:
         self.encoder = PromptEncoder(model_path, self.tokenize, lambda m: InvalidRequestError("messages", m),
                                      processes, template)
 
-    async def encode(self, prompt: Prompt, add_generation_prompt: bool = True) -> Sequence[int]:
-        """`PromptEncoder.encode`: a list, or a numpy int32 array for a prompt too long to run."""
-        return await self.encoder.encode(prompt, add_generation_prompt)
+    async def encode(self, prompt: Prompt, add_generation_prompt: bool = True,
+                     tools: list | None = None) -> Sequence[int]:
+        """`PromptEncoder.encode`: a list, or a numpy int32 array for a prompt too long to run; `tools`: the
+        chat template's tools (`hybridgate.router.tools`)."""
+        return await self.encoder.encode(prompt, add_generation_prompt, tools)
 
     def close(self) -> None:
         self.encoder.close()
@@ -206,13 +207,13 @@ class Prompts:
                                       f"is longer than {self._longest_token} bytes), but the max model length is "
                                       f"{self.max_model_len} tokens (prompt and output together)")
 
-    def tokenize(self, prompt: Prompt, add_generation_prompt: bool = True) -> list[int]:
+    def tokenize(self, prompt: Prompt, add_generation_prompt: bool = True, tools: list | None = None) -> list[int]:
         """The prompt's ids on this thread: raw text as `Tokenizer.encode_prompt` (BOS when the vocabulary
         asks for it), chat messages through the template. Raises InvalidRequestError on a template error."""
         if isinstance(prompt, str):
             return self.tokenizer.encode_prompt(prompt)
         try:
-            return self.chat_template.encode(prompt, add_generation_prompt)
+            return self.chat_template.encode(prompt, add_generation_prompt, tools)
         except ChatTemplateError as exc:
             raise InvalidRequestError("messages", str(exc)) from exc
 

@@ -39,6 +39,8 @@ from hybridgate.router.prompts import (  # noqa: F401 (MAX_PROMPT_BYTES and DEFA
 from hybridgate.router.registry import RedisRegistry
 from hybridgate.router.response_cache import ResponseCache
 from hybridgate.router.stream import GenerationStream, Stalled, WorkerAvailable
+from hybridgate.router.tools import ToolCallStream, ToolRequest, choose_format
+from hybridgate.router.tools import plan as plan_tools
 from hybridgate.wire import (
     MAX_STOP_TOKEN_IDS,
     HandoffExported,
@@ -99,6 +101,7 @@ class Router:
         template = read_chat_template(self.config.chat_template)
         # Without a template (a base model): completions only; a chat names --chat-template.
         self.chat_template = ChatTemplate(self.tokenizer, template, template_token_ids(self.model.metadata))
+        self.tool_format = choose_format(self.config.tool_call_format, template or self.tokenizer.chat_template)
         self.fingerprint = model_fingerprint(self.model)
         self.max_model_len = min(self.config.max_model_len or 1 << 62, self.model.config.max_model_len)
         self.prompts = Prompts(str(self.model.path), self.tokenizer, self.chat_template, self.max_model_len,
@@ -217,7 +220,8 @@ class Router:
     # --- requests -----------------------------------------------------------
 
     def generate(self, prompt: Prompt, params: SamplingParams | None = None, label: str = "",
-                 route: str = "auto", deadline_s: float | None = None) -> GenerationStream:
+                 route: str = "auto", deadline_s: float | None = None,
+                 tools: ToolRequest | None = None) -> GenerationStream:
         """A stream for one request; enter it with `async with` to send the request.
 
         `prompt` is raw text or chat messages (mappings with `role` and
@@ -234,8 +238,15 @@ class Router:
         `response_cache.CachedStream` (same interface): a stored answer
         replayed, or a generation shared with identical requests in flight
         (which runs under the deadline of the request that started it).
+        `tools`: a chat's tools (`hybridgate.router.tools`): rendered in the router's tool-call format,
+        constrained by its grammar, and the stream is a `ToolCallStream` whose deltas carry the calls.
+        A chat whose history holds calls or tool results needs no `tools` to render.
         """
         params = (params or SamplingParams()).validate()
+        template_tools, syntax = None, None
+        if not isinstance(prompt, str) and (tools is not None or any(m.get("tool_calls") or m.get("role") == "tool"
+                                                                     for m in prompt)):
+            prompt, template_tools, params, syntax = self._with_tools(prompt, params, tools)
         bad = [t for t in params.stop_token_ids if t >= self.tokenizer.vocab_size]
         if bad:
             raise InvalidRequestError("stop_token_ids", f"every id must be in [0, {self.tokenizer.vocab_size}), "
@@ -251,10 +262,29 @@ class Router:
             raise InvalidRequestError("deadline_s", f"must be >= 0 seconds, got {deadline_s}")
         stream = GenerationStream(self, prompt, params, label, request_id=uuid.uuid4().hex, route=route,
                                   deadline_s=deadline_s)
-        return self.response_cache.wrap(stream) if self.response_cache is not None else stream
+        stream.template_tools = template_tools
+        out = self.response_cache.wrap(stream) if self.response_cache is not None else stream
+        return ToolCallStream(out, syntax) if syntax is not None else out
 
-    def tokenize(self, prompt: Prompt, add_generation_prompt: bool = True) -> list[int]:
-        """The prompt's ids, on this thread (`Prompts.tokenize`). Raises InvalidRequestError."""
+    def _with_tools(self, messages: Prompt, params: SamplingParams, tools: ToolRequest | None):
+        """(messages, the template's tools, params with the calls' constraint, the syntax to parse) of a chat
+        with tools or a history of calls. Raises InvalidRequestError when tools meet another constraint."""
+        plan = plan_tools(self.tool_format, messages, tools, self.tokenizer.special_tokens)
+        if plan.constraint is not None:
+            if params.constraint is not None:
+                raise InvalidRequestError("tools", "cannot be combined with another output constraint "
+                                          f"({params.constraint.kind}) unless tool_choice is none")
+            params = msgspec.structs.replace(params, constraint=plan.constraint)
+        if plan.keep_special:
+            params = msgspec.structs.replace(params, skip_special_tokens=False)
+        return plan.messages, plan.template_tools, params, plan.syntax
+
+    def tokenize(self, prompt: Prompt, add_generation_prompt: bool = True, tools: ToolRequest | None = None) -> list[int]:
+        """The prompt's ids, on this thread (`Prompts.tokenize`; a chat with `tools` rendered as `generate`
+        renders it). Raises InvalidRequestError."""
+        if not isinstance(prompt, str) and tools is not None:
+            plan = plan_tools(self.tool_format, prompt, tools, self.tokenizer.special_tokens)
+            return self.prompts.tokenize(plan.messages, add_generation_prompt, plan.template_tools)
         return self.prompts.tokenize(prompt, add_generation_prompt)
 
     def _with_end_of_turn(self, params: SamplingParams) -> SamplingParams:

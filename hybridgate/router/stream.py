@@ -71,6 +71,7 @@ class GenerationStream:
         self.handoff: Handoff | None = None  # a gpu->cpu request's hand-off (hybridgate/router/handoff.py)
         self._handoff_route = ""  # the hand-off's part of the route, once the request moved on from it
         self.prompt_ids: list[int] = []
+        self.template_tools: list | None = None  # the chat template's `tools` (hybridgate.router.tools)
         self._prepared = False
         self.ids: list[int] = []  # ids handed to the caller
         self.received: list[int] = []  # ids accepted from workers (the caller may not have read them yet)
@@ -136,7 +137,7 @@ class GenerationStream:
             return
         self._prepared = True
         self._arrival = time.monotonic()
-        ids = await self.router.prompts.encode(self.prompt)  # a large one off the event loop
+        ids = await self.router.prompts.encode(self.prompt, tools=self.template_tools)  # a large one off the loop
         # An array of ids is converted only when it can run: resolve() refuses a longer one by its length.
         self.prompt_ids = ids if isinstance(ids, list) or len(ids) >= self.router.max_model_len else ids.tolist()
         self.max_tokens, self.seed = self.router.resolve(self.prompt_ids, self.params)

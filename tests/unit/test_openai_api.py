@@ -33,7 +33,6 @@ def test_max_completion_tokens_wins_and_stop_takes_both_forms():
 
 
 @pytest.mark.parametrize(("fields", "param"), [
-    ({"tools": [{"type": "function"}]}, "tools"),
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"logit_bias": {"1": 2.0}}, "logit_bias"),
     ({"response_format": {"type": "json_schema"}}, "response_format"),
@@ -43,6 +42,32 @@ def test_unsupported_api_fields_are_refused_by_name(fields, param):
         api.refuse_unsupported(chat(**fields))
     assert e.value.field == param
     api.refuse_unsupported(chat(response_format={"type": "text"}, tools=[]))  # what is supported passes
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"tools": [{"type": "function"}]}, "tools[0].function"),
+    ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "any"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice.function.name"),
+    ({"tool_choice": "required"}, "tool_choice"),
+])
+def test_bad_tools_are_refused_naming_the_field(fields, param):
+    with pytest.raises(InvalidFieldError) as e:
+        api.tool_request(chat(**fields))
+    assert e.value.field == param
+
+
+def test_a_tool_message_needs_its_call_id_and_only_an_assistant_calls():
+    with pytest.raises(InvalidFieldError) as e:
+        api.chat_messages(api.ChatCompletionRequest(messages=[{"role": "tool", "content": "17"}]))
+    assert e.value.field == "messages[0].tool_call_id"
+    with pytest.raises(InvalidFieldError) as e:
+        api.chat_messages(api.ChatCompletionRequest(messages=[{"role": "user", "content": "x", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]))
+    assert e.value.field == "messages[0].tool_calls"
 
 
 def test_chat_logprobs_and_choice_limits():
