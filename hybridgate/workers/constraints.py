@@ -41,8 +41,10 @@ from typing import Any
 
 import numpy as np
 
-DEFAULT_GRAMMAR_CACHE_SIZE = 256
-DEFAULT_GRAMMAR_COMPILE_THREADS = 1
+from hybridgate.workerconf import EngineConfig
+
+DEFAULT_GRAMMAR_CACHE_SIZE: int = EngineConfig.grammar_cache_size
+DEFAULT_GRAMMAR_COMPILE_THREADS: int = EngineConfig.grammar_compile_threads
 _FILL_SAMPLES = 4096  # recent per-sequence mask fill times kept for percentiles
 
 

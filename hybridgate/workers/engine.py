@@ -42,7 +42,13 @@ from hybridgate.wire import (
     SamplingParams,
     SeqOutput,
 )
-from hybridgate.workers.constraints import Constraints, GrammarCompiler, ll_tokenizer_of_metadata
+from hybridgate.workers.constraints import (
+    DEFAULT_GRAMMAR_CACHE_SIZE,
+    DEFAULT_GRAMMAR_COMPILE_THREADS,
+    Constraints,
+    GrammarCompiler,
+    ll_tokenizer_of_metadata,
+)
 from hybridgate.workers.faults import InjectedFault
 from hybridgate.workers.guard import Refusals, WireErrors, check_add
 from hybridgate.workers.handoff import EngineHandoffs, HandoffConfig, KVSpec
@@ -376,12 +382,13 @@ class EngineCore:
         self.take_failures()
 
 
-def default_constraints(runner: ModelRunner) -> Constraints:
+def default_constraints(runner: ModelRunner, cache_size: int = DEFAULT_GRAMMAR_CACHE_SIZE,
+                        compile_threads: int = DEFAULT_GRAMMAR_COMPILE_THREADS) -> Constraints:
     """Constraints over the runner's tokenizer (its GGUF `metadata`); a runner without one refuses them."""
     metadata = getattr(runner, "metadata", None)
     if metadata is None:
         return Constraints(None)
-    return Constraints(GrammarCompiler(lambda: ll_tokenizer_of_metadata(metadata)))
+    return Constraints(GrammarCompiler(lambda: ll_tokenizer_of_metadata(metadata), cache_size, compile_threads))
 
 
 def _is_out_of_memory(exc: BaseException) -> bool:
