@@ -45,6 +45,12 @@ def add_engine_parser(sub) -> None:
                    help="instead of the cases above, measure the step tables (decode step by batch, prefill "
                         "tokens/s by step tokens) and KV capacity at serve's defaults, and write them as a "
                         "worker profile for bench sim")
+    p.add_argument("--constrained-fraction", type=bounded(float, 0, 1), default=None, metavar="F",
+                   help="instead of the cases above, decode --concurrency sequences (default 16) with F of them "
+                        "JSON-schema constrained against all unconstrained, side by side; also mask fill time per "
+                        "sequence-step and grammar compile time, cold and cached")
+    p.add_argument("--schema", default=None, metavar="FILE",
+                   help="with --constrained-fraction: the JSON schema (default: a typical tool's parameters)")
     p.set_defaults(func=_run_engine)
 
 

@@ -216,6 +216,7 @@ def run(args: argparse.Namespace) -> dict:
     settings = resolve(args).settings
     engine = settings.worker.engine
     cpu = settings.worker.kind == "cpu"
+    args.concurrency_given = bool(args.concurrency)
     args.concurrency = args.concurrency or ([1, 4, 16] if cpu else [1, 4, 16, 64])
     args.prefill_lens = args.prefill_lens or ([128, 512] if cpu else [128, 512, 2048])
     args.prefill_prompts = args.prefill_prompts or (4 if cpu else 16)
@@ -253,6 +254,11 @@ def run(args: argparse.Namespace) -> dict:
                "threads": torch.get_num_threads(), "baseline": baseline}
     if args.profile_out:
         return write_profile(args, ours, out, model)
+    if args.constrained_fraction is not None:
+        from hybridgate.bench import constrained
+
+        count = args.concurrency[-1] if args.concurrency_given else 16
+        return constrained.run(args, ours, prompts(tokenizer, count, args.prompt_len), out)
     out.update({"repeats": args.repeats, "decode": {}, "prefill": {}})
     bases: dict = {}
     if baseline == "transformers":
