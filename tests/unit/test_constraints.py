@@ -181,3 +181,28 @@ def test_matcher_is_rebuilt_from_the_ids_already_generated(compiler, tokenizer):
     assert tokenizer.eos_token_id not in np.flatnonzero(allowed[2])  # not accepting yet
     assert constraints.advance(seqs[0], tokenizer.encode("}")[0]) is None
     assert seqs[0].matcher.is_stopped()  # nothing may follow the object
+
+
+def test_gateway_metrics_export_each_workers_constraint_stats():
+    from types import SimpleNamespace
+
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from hybridgate.gateway.metrics import GatewayMetrics
+    from hybridgate.wire import EngineStats
+
+    stats = EngineStats(constrained_requests=5, constrained_running=2, waiting_for_grammar=1, grammar_compiles=3,
+                        grammar_compile_errors=1, grammar_compile_seconds_total=0.25, grammar_cache_hits=2,
+                        mask_fills=40, mask_fill_seconds_total=0.002, mask_wait_seconds_total=0.0005)
+    workers = [SimpleNamespace(kind="cpu", name="cpu-0", endpoint="e0", stats=stats)]
+    text = generate_latest(GatewayMetrics(lambda: workers, model=("tiny", "f" * 64)).registry).decode()
+    got = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+           if s.labels.get("worker") == "cpu-0"}
+    assert got["hybridgate:constrained_requests_total"] == 5 and got["hybridgate:constrained_running"] == 2
+    assert got["hybridgate:waiting_for_grammar"] == 1 and got["hybridgate:grammar_compiles_total"] == 3
+    assert got["hybridgate:grammar_compile_errors_total"] == 1 and got["hybridgate:grammar_cache_hits_total"] == 2
+    assert got["hybridgate:grammar_compile_seconds_total"] == 0.25
+    assert got["hybridgate:constraint_mask_fills_total"] == 40
+    assert got["hybridgate:constraint_mask_fill_seconds_total"] == 0.002
+    assert got["hybridgate:constraint_mask_wait_seconds_total"] == 0.0005
