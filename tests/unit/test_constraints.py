@@ -63,7 +63,11 @@ def test_compiler_caches_by_text_and_keeps_failures(ll_tokenizer):
     try:
         first = c.submit(JSON_GRAMMAR)
         assert c.submit(JSON_GRAMMAR) is first and c.stats.cache_hits == 1
-        assert first.result(10).is_accepting() is False
+        compiled = first.result(10)
+        assert compiled.matcher.is_accepting() is False
+        fresh = lln.allocate_token_bitmask(1, ll_tokenizer.vocab_size)
+        lln.fill_next_token_bitmask(llguidance.LLMatcher(ll_tokenizer, JSON_GRAMMAR), fresh, 0)
+        assert (compiled.first_mask == fresh[0]).all()  # the first mask, computed once at compile time
         bad = c.submit("start: foo(")
         with pytest.raises(GrammarError, match="Expected token"):
             bad.result(10)
@@ -88,7 +92,7 @@ def test_submit_returns_before_the_compile_which_runs_on_a_compile_thread(ll_tok
         future = c.submit('start: "x"')
         assert not future.done()
         release.set()
-        assert not future.result(10).is_error()
+        assert not future.result(10).matcher.is_error()
         assert threads and threads[0].startswith("grammar-compile")
     finally:
         c.close()
