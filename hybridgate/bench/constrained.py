@@ -5,8 +5,8 @@ decoded unconstrained, and the same batch with round(F * c) of them constrained 
 (compiled as `start: %json SCHEMA`, as a request's json_schema is). Both sample at temperature 1.0
 with the same seeds. Reported, medians:
 - decode tokens/s at the full batch: c / the median time of the decode steps that ran all c
-  sequences (constrained ones end when their grammar does, so later steps are smaller), and the
-  ratio constrained / unconstrained (issue 28's target: >= 0.9);
+  sequences, the same steps in both runs (constrained ones end when their grammar does, so later
+  steps are smaller), and the ratio constrained / unconstrained (issue 28's target: >= 0.9);
 - mask fill time per sequence and step, p50 and p99 (the fill runs on a thread beside the forward
   pass; target p50 <= 50 us, p99 <= 500 us), and the time sampling waited for it per step;
 - grammar compile time of the schema, cold (a fresh compiler, its tokenizer built first) and
@@ -80,18 +80,22 @@ def run(args, ours, prompts: list[list[int]], out: dict) -> dict:
     mixed = [SamplingParams(temperature=1.0, constraint=constraint)] * k + free[k:]
     rows: dict[str, list] = {"unconstrained": [], "constrained": [], "fill": [], "wait": [], "steps": []}
     for _ in range(args.repeats):
+        times = {}
         for name, params in (("unconstrained", free), ("constrained", mixed)):
             engine = ours.engine()
             try:
-                times = _decode_step_times(engine, prompts, params, args.new_tokens)
-                rows[name].append(c / statistics.median(times) if times else 0.0)
+                times[name] = _decode_step_times(engine, prompts, params, args.new_tokens)
                 if name == "constrained":
                     stats = engine.refresh_stats()
                     rows["fill"] += list(engine.constraints.fill_times)
                     rows["wait"].append(stats.mask_wait_seconds_total / max(stats.steps, 1))
-                    rows["steps"].append(len(times))
             finally:
                 engine.constraints.close()
+        # the same steps of both runs (the same context lengths): those while every sequence ran in both
+        n = min(len(t) for t in times.values())
+        rows["steps"].append(n)
+        for name, t in times.items():
+            rows[name].append(c / statistics.median(t[:n]) if n else 0.0)
     fill = sorted(rows["fill"])
     q = statistics.quantiles(fill, n=100, method="inclusive") if len(fill) > 1 else [0.0] * 99
     cold, cached = _compile_ms(ours, grammar)
@@ -100,6 +104,7 @@ def run(args, ours, prompts: list[list[int]], out: dict) -> dict:
         "concurrency": c, "constrained_sequences": k, "schema": args.schema or "default tool schema",
         "unconstrained_tokens_per_s": unconstrained, "constrained_tokens_per_s": constrained,
         "ratio": constrained / unconstrained if unconstrained else 0.0,
+        "runs_unconstrained_tokens_per_s": rows["unconstrained"], "runs_constrained_tokens_per_s": rows["constrained"],
         "full_batch_steps": statistics.median(rows["steps"]),
         "mask_fill_us_p50": q[49] * 1e6, "mask_fill_us_p99": q[98] * 1e6, "mask_fills": len(fill),
         "mask_wait_ms_per_step": statistics.median(rows["wait"]) * 1e3,

@@ -32,6 +32,7 @@ bit j % 32 of word j // 32 set when id j is allowed.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import hashlib
 import statistics
 import threading
@@ -196,6 +197,10 @@ class StepMasks:
     def __init__(self, rows: dict, bitmask: np.ndarray, done: Future):
         self.rows, self.bitmask, self._done = rows, bitmask, done  # bitmask's last row: all allowed
         self.wait_s = 0.0  # time `for_rows` waited for the fill
+
+    def join(self) -> None:
+        """Wait for the fill to end (its errors are raised by `for_rows`, not here)."""
+        concurrent.futures.wait([self._done])
 
     def for_rows(self, seqs: list) -> np.ndarray | None:
         if not any(s in self.rows for s in seqs):
