@@ -299,7 +299,7 @@ def _keyword(node: Mapping, reason: str) -> list[str]:
         return ["format"]
     if "regex" in reason and "pattern" in node:
         return ["pattern"]
-    return []
+    return [k for k in node if reason.startswith(k + " ")][:1]  # "oneOf constraints are not supported"
 
 
 def _feature(reason: str) -> str:

@@ -186,6 +186,7 @@ def test_limits_name_the_field_and_the_setting():
      "/items/anyOf/1/pattern", "look-around"),
     ({"type": "object", "properties": {"a/b~": {"type": "object", "not": {}}}}, "/properties/a~1b~0/not", '"not"'),
     ({"type": "object", "properties": {"x": {"$ref": "#/$defs/missing"}}}, "/properties/x", "missing"),
+    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "/oneOf", "oneOf"),
 ])
 def test_an_unsupported_feature_is_named_with_its_json_pointer(schema, pointer, feature):
     check = ConstraintCheck()
