@@ -335,15 +335,16 @@ def explain(constraint: Constraint) -> str | None:
     error = compile_error(constraint.grammar)
     if error is None:
         return None
+    kind = "" if constraint.kind == "tools" else constraint.kind + ": "  # the field, "tools", says it already
     if not error.startswith(_SCHEMA_PREFIX):
-        return f"{constraint.kind}: does not compile: {error}"
-    for i, schema in enumerate(_schemas(constraint.grammar)):
+        return f"{kind}does not compile: {error}"
+    for schema in _schemas(constraint.grammar):
         reason = _schema_error(schema)
         if reason is not None:
-            where = f" of the schema of tools[{i}]" if constraint.kind == "tools" else ""
-            return (f"{constraint.kind}: unsupported JSON schema feature at JSON pointer "
-                    f"{json.dumps(locate(schema, reason))}{where}: {_feature(reason)}")
-    return f"{constraint.kind}: the JSON schema cannot be enforced: {error[len(_SCHEMA_PREFIX):]}"
+            where = " (of the schema made of the tools' parameters)" if not kind else ""
+            return (f"{kind}unsupported JSON schema feature at JSON pointer {json.dumps(locate(schema, reason))}"
+                    f"{where}: {_feature(reason)}")
+    return f"{kind}the JSON schema cannot be enforced: {error[len(_SCHEMA_PREFIX):]}"
 
 
 class ConstraintCheck:

@@ -19,6 +19,7 @@ from hybridgate.router.constraints import ConstraintCheck, ConstraintLimits
 from hybridgate.router.deltas import Delta, Timings, Usage
 from hybridgate.router.response_cache import cache_key
 from hybridgate.router.toolparse import ToolCall
+from hybridgate.router.tools import FORMATS, ToolRequest, plan
 from hybridgate.v1 import generation_pb2 as pb
 from hybridgate.wire import Constraint, FinishReason, InvalidFieldError, SamplingParams
 
@@ -205,6 +206,18 @@ def test_a_regex_or_grammar_that_does_not_compile_says_why(constraint, words):
     with pytest.raises(InvalidFieldError) as e:
         asyncio.run(ConstraintCheck().check(constraint))
     assert f"{constraint.kind}: does not compile" in str(e.value) and words in str(e.value)
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "generic"])
+def test_a_tool_whose_parameters_use_an_unsupported_feature_is_refused(tokenizer, fmt):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"q": {"type": "string", "not": {"const": ""}}}}}}]
+    constraint = plan(FORMATS[fmt], [{"role": "user", "content": "x"}], ToolRequest.from_openai(tools, "required"),
+                      tokenizer.special_tokens).constraint
+    with pytest.raises(InvalidFieldError) as e:
+        asyncio.run(ConstraintCheck().check(constraint, "tools"))
+    assert str(e.value).startswith("tools: unsupported JSON schema feature at JSON pointer ")
+    assert '/properties/q/not"' in str(e.value) and '"not"' in str(e.value)
 
 
 def test_each_grammar_compiles_once_and_verdicts_are_cached():
