@@ -207,7 +207,9 @@ def _response_format(rf: Any, limits: ConstraintLimits) -> Requested:
 def _structured_outputs(so: Any, limits: ConstraintLimits) -> Requested:
     if not isinstance(so, Mapping):
         raise InvalidRequestError("structured_outputs", f"must be an object with one of {', '.join(_SO_FORMS)}")
-    unknown = [k for k in so if k not in (*_SO_FORMS, *_SO_IGNORED, "disable_any_whitespace")]
+    # A client that serializes every option (vLLM's own) sends the unset ones as null or false.
+    unknown = [k for k, v in so.items() if k not in (*_SO_FORMS, *_SO_IGNORED, "disable_any_whitespace")
+               and v not in (None, False)]
     if unknown:
         raise InvalidRequestError(f"structured_outputs.{unknown[0]}", "is not supported by this server (supported: "
                                   f"{', '.join((*_SO_FORMS, 'disable_any_whitespace', *_SO_IGNORED))})")

@@ -118,6 +118,10 @@ def test_a_lark_grammar_and_a_gbnf_one(ll_tokenizer, tokenizer):
     ({"structured_outputs": {"choice": ["a", "b"]}}, "structured_outputs.choice", "choice"),
     ({"structured_outputs": {"grammar": 'start: "x"'}}, "structured_outputs.grammar", "grammar"),
     ({"structured_outputs": {"json_object": True}}, "structured_outputs.json_object", "json_object"),
+    ({"structured_outputs": {"json": None, "regex": "[a-z]+", "choice": None, "grammar": None, "json_object": None,
+                             "disable_fallback": False, "disable_any_whitespace": False,
+                             "disable_additional_properties": False, "whitespace_pattern": None,
+                             "structural_tag": None}}, "structured_outputs.regex", "regex"),  # vLLM's client
     ({"guided_json": SCHEMA}, "guided_json", "json_schema"),
     ({"guided_regex": "[a-z]+"}, "guided_regex", "regex"),
     ({"guided_choice": ["a", "b"]}, "guided_choice", "choice"),
