@@ -4,13 +4,17 @@ Every form becomes one `wire.Constraint` whose grammar is Lark text in llguidanc
 syntax (llguidance docs/syntax.md; JSON schemas inlined with `%json {...}`,
 docs/json_schema.md):
 
-| form | fields | grammar |
-|---|---|---|
-| `json_object` | OpenAI `response_format: {"type": "json_object"}`, vLLM `structured_outputs.json_object` | `start: %json {"type": "object"}` |
-| `json_schema` | OpenAI `response_format: {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`, vLLM `structured_outputs.json`, `guided_json`; gRPC `json_schema` | `start: %json SCHEMA` |
-| `regex` | vLLM `structured_outputs.regex`, `guided_regex`; gRPC `regex` | `start: /REGEX/` (llguidance's own escaping) |
-| `choice` | vLLM `structured_outputs.choice`, `guided_choice`; gRPC `choice` | `start: "a" \\| "b" ...` |
-| `grammar` | vLLM `structured_outputs.grammar`, `guided_grammar`; gRPC `grammar` | the Lark text (GBNF converted by llguidance) |
+- `json_object` (OpenAI `response_format: {"type": "json_object"}`, vLLM
+  `structured_outputs.json_object`): `start: %json {"type": "object"}`;
+- `json_schema` (OpenAI `response_format: {"type": "json_schema", "json_schema":
+  {"name", "schema", "strict"}}`, vLLM `structured_outputs.json`, `guided_json`;
+  gRPC `json_schema`): `start: %json SCHEMA`;
+- `regex` (vLLM `structured_outputs.regex`, `guided_regex`; gRPC `regex`):
+  `start: /REGEX/`, escaped by llguidance itself;
+- `choice` (vLLM `structured_outputs.choice`, `guided_choice`; gRPC `choice`):
+  `start: "a" | "b" ...`;
+- `grammar` (vLLM `structured_outputs.grammar`, `guided_grammar`; gRPC
+  `grammar`): the Lark text (a GBNF one converted by llguidance).
 
 JSON is written without free whitespace, with llguidance's separators set to
 `", "` and `": "` (vLLM's `disable_any_whitespace`: `","` and `":"`), so an answer
