@@ -58,3 +58,17 @@ def test_cpu_bench_reports_rates_bytes_bandwidth_and_outlives_a_crashing_baselin
 def test_baselines_belong_to_their_kind():
     with pytest.raises(ValueError, match="--baseline transformers"):
         engine.run(bench_args("--baseline", "transformers"))
+
+
+def test_constrained_bench_reports_the_ratio_mask_fill_and_compile_times(tmp_path, model_path):
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}')
+    out = engine.run(bench_args("--model", str(model_path), "--constrained-fraction", "0.5", "--schema", str(schema),
+                                "--new-tokens", "6"))
+    row = out["constrained"]
+    assert (row["concurrency"], row["constrained_sequences"]) == (2, 1)  # the last --concurrency, half of it
+    assert row["unconstrained_tokens_per_s"] > 0 and row["constrained_tokens_per_s"] > 0 and row["ratio"] > 0
+    assert row["full_batch_steps"] >= 1 and row["mask_fills"] >= 2
+    assert row["mask_fill_us_p50"] <= row["mask_fill_us_p99"]
+    assert row["compile_ms_cached"] < row["compile_ms_cold"]
+    assert "decode" not in out  # the constrained comparison replaces the other cases
