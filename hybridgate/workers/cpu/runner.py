@@ -64,6 +64,9 @@ class NumbaRunner:
         self.kv_dtype = kv_dtype(kv_cache_dtype)
         if threads:
             numba.set_num_threads(threads)
+        # Numba's thread count is per calling thread: `forward` sets it again on the thread that runs the
+        # steps (an in-process client's engine thread would otherwise run with NUMBA_NUM_THREADS).
+        self.threads = numba.get_num_threads()
         self.model = CpuModel(model, activations=activations)
         # e.g. "i16", or "auto: q4_1 f32, q8_0 i16"
         self.cpu_activations = activations if activations != "auto" else "auto: " + ", ".join(
@@ -143,6 +146,8 @@ class NumbaRunner:
 
     def forward(self, batch: ScheduledBatch) -> np.ndarray:
         """float32 logits `[len(batch), vocab]` at each entry's last new token."""
+        if numba.get_num_threads() != self.threads:
+            numba.set_num_threads(self.threads)
         buf = self.pool.acquire()
         try:
             inputs = build_step_inputs(batch, self.block_size, buf, self.scratch_slot)
