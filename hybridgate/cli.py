@@ -35,8 +35,10 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     settings = _settings(args)
     if not settings.worker.endpoint:  # HYBRIDGATE_ENDPOINT= or --endpoint '' reads as unset
         raise ValueError("--endpoint: give where to bind, ipc://PATH or tcp://127.0.0.1:PORT")
-    run_worker(replace(settings.worker, model_path=settings.model_path), redis=settings.redis,
-               transport=settings.transport)
+    if len(settings.models) > 1:
+        raise ValueError(f"--model: a worker serves one model, got {len(settings.models)}")
+    run_worker(replace(settings.worker, model_path=settings.model_path, model_name=settings.models[0].name),
+               redis=settings.redis, transport=settings.transport)
     return 0
 
 

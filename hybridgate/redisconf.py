@@ -106,7 +106,8 @@ class WorkerEntry(msgspec.Struct, frozen=True):
     `endpoint`: where routers connect (its advertised address); `handoff_endpoint`:
     its KV hand-off socket ("" = none); `fingerprint`: `models.model_fingerprint`
     (hex SHA-256); `capacity`: its max_num_seqs; `boot_id`: new on every start,
-    so a restart under the same endpoint shows as a new entry.
+    so a restart under the same endpoint shows as a new entry; `model`: the served
+    model's name (as in HELLO).
     """
 
     endpoint: str
@@ -116,6 +117,7 @@ class WorkerEntry(msgspec.Struct, frozen=True):
     boot_id: str
     name: str = ""
     handoff_endpoint: str = ""
+    model: str = ""
 
 
 def worker_key(prefix: str, endpoint: str) -> str:

@@ -160,7 +160,7 @@ def _checked_transport(config: WorkerConfig, transport: TransportConfig | None) 
 def _hello(config: WorkerConfig, runner, model) -> Hello:
     """What this worker tells each router on CONNECT; a new boot id on every start. Its hand-off
     endpoint is the advertised one (`advertised_handoff_endpoint`): GPU workers connect to it."""
-    from hybridgate.models import model_fingerprint
+    from hybridgate.models import model_fingerprint, model_name
     from hybridgate.workers.registration import advertised_endpoint, advertised_handoff_endpoint
 
     handoff = advertised_handoff_endpoint(config.resolved_handoff_endpoint,
@@ -170,7 +170,8 @@ def _hello(config: WorkerConfig, runner, model) -> Hello:
                  max_model_len=runner.max_model_len, pid=os.getpid(), ready=False,
                  boot_id=uuid.uuid4().hex, name=config.name,
                  handoff_endpoint=handoff, cpu_isa=getattr(runner, "cpu_isa", ""),
-                 kv_dtype=runner.kv_layout()[3] if hasattr(runner, "kv_layout") else "")
+                 kv_dtype=runner.kv_layout()[3] if hasattr(runner, "kv_layout") else "",
+                 model=config.model_name or model_name(model))
 
 
 def _start_io(ctx: zmq.Context, config: WorkerConfig, hello: Hello, inbox: Inbox, wire_errors: WireErrors,
@@ -229,7 +230,7 @@ def _register(config: WorkerConfig, redis: RedisConfig | None, hello: Hello):
     registration = Registration(redis, WorkerEntry(
         endpoint=advertised_endpoint(config.endpoint, config.advertise), kind=config.kind,
         fingerprint=hello.fingerprint, capacity=config.max_num_seqs, boot_id=hello.boot_id, name=config.name,
-        handoff_endpoint=hello.handoff_endpoint))
+        handoff_endpoint=hello.handoff_endpoint, model=hello.model))
     registration.start()
     return registration
 

@@ -72,7 +72,7 @@ def test_existing_flag_spellings_still_work():
         "--kv-cache-memory", "64MiB", "--threads", "2", "--device", "cpu", "--no-prefix-caching", "--enforce-eager",
         "--gpu-workers", "0", "--cpu-workers", "2", "--max-num-seqs", "8", "--max-num-batched-tokens", "128"),
         environ={}).settings
-    assert (s.model, s.gateway.host, s.gateway.port, s.gateway.metrics_port, s.gateway.grace_s) == \
+    assert (s.model_path, s.gateway.host, s.gateway.port, s.gateway.metrics_port, s.gateway.grace_s) == \
         ("m.gguf", "0.0.0.0", 0, 9100, 3.0)
     assert (s.router.dead_after_s, s.router.startup_timeout_s, s.router.max_model_len) == (2.0, 5.0, 100)
     e = s.worker.engine
