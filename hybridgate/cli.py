@@ -38,7 +38,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     if len(settings.models) > 1:
         raise ValueError(f"--model: a worker serves one model, got {len(settings.models)}")
     run_worker(replace(settings.worker, model_path=settings.model_path, model_name=settings.models[0].name),
-               redis=settings.redis, transport=settings.transport)
+               redis=settings.redis, transport=settings.transport, metrics_port=settings.gateway.metrics_port)
     return 0
 
 

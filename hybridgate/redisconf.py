@@ -33,7 +33,8 @@ class RedisConfig:
 
     url: str = setting(
         "", "Redis URL (redis://[:PASSWORD@]HOST:PORT/DB, rediss:// for TLS): workers register in it and gateways "
-            "discover them there; empty: no registry (static --worker endpoints)", flag="--redis-url", secret=True,
+            "(and serve) discover them there, and --response-cache redis keeps its answers there; empty: no "
+            "registry (static --worker endpoints)", flag="--redis-url", secret=True,
         check=_check_url)
     timeout_s: float = setting(
         0.5, "seconds any one Redis call may take (connect, read, write) before it counts as failed; a hung Redis "

@@ -80,15 +80,17 @@ class Selection:
     required: tuple[str, ...] = ()
 
 
-# `serve` sets each worker's kind and endpoint itself; `gateway` connects to running workers.
+# `serve` sets each worker's kind and endpoint itself (with --redis-url: the response cache in Redis, and
+# workers registered there join its own); `gateway` connects to running workers.
 COMMANDS: dict[str, Selection] = {
-    "serve": Selection(("model", "gateway", "router", "worker", "layout", "supervisor", "response_cache",
+    "serve": Selection(("model", "gateway", "router", "worker", "layout", "supervisor", "response_cache", "redis",
                         "transport"),
                        exclude=("worker.kind", "worker.endpoint", "worker.name", "layout.worker_endpoints",
-                                "router.wait_for_workers", "worker.advertise", "redis")),
+                                "router.wait_for_workers", "worker.advertise")),
     "gateway": Selection(("model", "gateway", "router", "layout.worker_endpoints", "layout.gateways", "redis",
                           "response_cache", "transport")),
-    "worker": Selection(("model", "worker", "redis", "transport"), required=("worker.endpoint",)),
+    # A worker's --metrics-port is the gateway's setting of that name: one name, one variable.
+    "worker": Selection(("model", "worker", "redis", "transport", "gateway.metrics_port"), required=("worker.endpoint",)),
     "config": Selection(("",)),
     "info": Selection(("model",)),
     "bench engine": Selection(("model", "worker.kind", "worker.engine.threads", "worker.engine.device",

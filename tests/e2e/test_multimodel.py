@@ -27,7 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from conftest import TIME_FACTOR, golden_json
 from hf_reference import assert_greedy_matches, reference_greedy
 from hybridgate.v1 import generation_pb2 as pb
-from procs import Serve, children_of, stub
+from procs import Serve, children_of, metrics, stub
 
 SMOL, TINY = "smol", "tiny"
 GREEDY = golden_json("greedy.json")["france"]
@@ -137,6 +137,30 @@ def test_a_handoff_never_crosses_models(server):
         assert exc.code() == grpc.StatusCode.UNAVAILABLE and "smol" not in exc.details(), exc.details()
     else:
         assert "smol" not in messages[-1].route and "->" not in messages[-1].route.split("(")[0], messages[-1].route
+
+
+def test_metrics_are_labelled_by_model_and_count_http_streams(server):
+    """The per-request series carry model_name (only tiny's move for a tiny request), and the ITL
+    histogram counts a stream of the HTTP door (before, only gRPC streams were)."""
+    before = metrics(server.metrics_url)
+    for _ in range(2):
+        status, _ = post(server, "/v1/completions", {"model": TINY, "prompt": TINY_PROMPT, "temperature": 0,
+                                                     "max_tokens": STEPS, "ignore_eos": True})
+        assert status == 200
+    after = metrics(server.metrics_url)
+
+    def grew(series: str, model: str, extra: str = "") -> float:
+        key = f"hybridgate:{series}{{{extra}model_name={model}}}"
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert grew("request_success_total", TINY, "finished_reason=length,") == 2
+    assert grew("time_to_first_token_seconds_count", TINY) == 2
+    assert 2 <= grew("inter_token_latency_seconds_count", TINY) <= 2 * (STEPS - 1)
+    assert grew("time_to_first_token_seconds_count", SMOL) == grew("inter_token_latency_seconds_count", SMOL) == 0
+    for model in (SMOL, TINY):
+        assert after[f"vllm:inter_token_latency_seconds_count{{model_name={model}}}"] == \
+            after[f"hybridgate:inter_token_latency_seconds_count{{model_name={model}}}"]
+        assert f"vllm:num_requests_running{{model_name={model}}}" in after
 
 
 def worker_of(server, model: str) -> int:

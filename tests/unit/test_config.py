@@ -86,6 +86,12 @@ def test_existing_flag_spellings_still_work():
     assert g.layout.worker_endpoints == ("ipc:///a", "ipc:///b")
 
 
+def test_serve_takes_the_redis_url_its_response_cache_needs():
+    s = resolve(parse("serve", "--response-cache", "redis", "--redis-url", "redis://127.0.0.1:6390/0"),
+                environ={}).settings
+    assert (s.response_cache.mode, s.redis.url) == ("redis", "redis://127.0.0.1:6390/0")
+
+
 def test_worker_defaults_to_the_cpu_runner_like_serve(capsys):
     w = resolve(parse("worker", "--endpoint", "ipc:///tmp/w.sock"), environ={}).settings.worker
     assert w.kind == "cpu"
