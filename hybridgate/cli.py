@@ -151,6 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     target = f"{GatewayConfig.host}:{GatewayConfig.port}"  # serve's defaults, declared once there
     gen.add_argument("--target", default=target, help=f"gateway address HOST:PORT (default {target})")
     gen.add_argument("--chat", action="store_true", help="send PROMPT as one user message through the chat template")
+    gen.add_argument("--model", default=None, metavar="NAME",
+                     help="which of the gateway's models answers (default: its first)")
     gen.add_argument("--max-tokens", type=int, default=None, help="most tokens to generate (default: server's)")
     gen.add_argument("--temperature", type=float, default=None, help="sampling temperature; 0 is greedy (default 1)")
     gen.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1] (default 1)")

@@ -1,8 +1,9 @@
 """Two models behind one `serve`: routed by name through both doors, listed, refused when unknown, each
 with its own workers, hand-offs and health.
 
-The models: the default SmolLM2 (`smol`: a GPU worker, the torch runner on this CPU, and a CPU worker)
-and a tiny random-weight Llama GGUF with a real llama.cpp vocabulary (`tiny`: one GPU worker).
+The models: the default SmolLM2 (`smol`: one CPU worker) and a tiny random-weight Llama GGUF with a real
+llama.cpp vocabulary (`tiny`: one GPU worker, the torch runner on this CPU), so that each model has a
+worker kind the other lacks: a hand-off that crossed models would find one.
 References: SmolLM2's greedy ids are transformers' (tests/golden/greedy.json); the tiny model's are the
 torch runner's own forward pass over a contiguous cache, in this process (the runner that
 tests/component/test_architectures.py holds to transformers within 1e-3 on these files), from the prompt
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -27,7 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from conftest import TIME_FACTOR, golden_json
 from hf_reference import assert_greedy_matches, reference_greedy
 from hybridgate.v1 import generation_pb2 as pb
-from procs import Serve, children_of, metrics, stub
+from procs import HYBRIDGATE, Serve, children_of, metrics, stub
 
 SMOL, TINY = "smol", "tiny"
 GREEDY = golden_json("greedy.json")["france"]
@@ -43,7 +45,7 @@ def tiny_path(tiny_models) -> Path:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, model_path, tiny_path):
     proc = Serve(tmp_path_factory.mktemp("multimodel") / "serve.log",
-                 "--model", f"{SMOL}={model_path}:gpu=1:cpu=1", "--model", f"{TINY}={tiny_path}:gpu=1:cpu=0",
+                 "--model", f"{SMOL}={model_path}:gpu=0:cpu=1", "--model", f"{TINY}={tiny_path}:gpu=1:cpu=0",
                  "--allow-client-routes", "--no-measure-rates", "--worker-max-restarts", "0")
     yield proc
     assert proc.stop() == 0, proc.text()
@@ -81,7 +83,7 @@ def torch_greedy(path: Path, prompt: list[int], steps: int) -> tuple[list[int], 
 def test_each_model_answers_its_own_reference_through_both_doors(server, tiny_path):
     france = pb.Chat(messages=[pb.ChatMessage(role="user", content=GREEDY["question"])])
     for named in ({"model": SMOL}, {}):  # named, and the default model when a request names none
-        messages = generate(server, chat=france, max_tokens=32, route="gpu", **named)
+        messages = generate(server, chat=france, max_tokens=32, **named)
         assert [t for m in messages for t in m.token_ids] == GREEDY["ids"], named
     status, body = post(server, "/v1/chat/completions", {"model": SMOL, "temperature": 0, "max_tokens": 32,
                         "messages": [{"role": "user", "content": GREEDY["question"]}]})
@@ -112,7 +114,7 @@ def test_every_model_is_listed_and_an_unknown_one_is_not_found(server):
     assert info.model_id == SMOL and [m.model_id for m in info.models] == [SMOL, TINY]
     tiny = stub(server.target).GetModelInfo(pb.GetModelInfoRequest(model=TINY))
     assert tiny.model_id == TINY and [w.kind for w in tiny.workers] == ["gpu"]
-    assert tiny.fingerprint != info.fingerprint and sorted(w.kind for w in info.workers) == ["cpu", "gpu"]
+    assert tiny.fingerprint != info.fingerprint and [w.kind for w in info.workers] == ["cpu"]
 
     status, body = post(server, "/v1/completions", {"model": "nope", "prompt": "hi", "max_tokens": 1})
     assert status == 404 and body["error"]["code"] == "model_not_found", body
@@ -123,20 +125,27 @@ def test_every_model_is_listed_and_an_unknown_one_is_not_found(server):
             call()
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
         assert SMOL in err.value.details() and TINY in err.value.details()
+    # The command line's doors to the same: a model's health, and a request that names a model.
+    out = subprocess.run([HYBRIDGATE, "health", "--target", server.target, "--service", TINY], capture_output=True,
+                         text=True, timeout=60 * TIME_FACTOR)
+    assert out.returncode == 0 and "SERVING" in out.stdout, out.stdout + out.stderr
+    out = subprocess.run([HYBRIDGATE, "generate", "--target", server.target, "--model", "nope", "hi"],
+                         capture_output=True, text=True, timeout=60 * TIME_FACTOR)
+    assert out.returncode != 0 and "NOT_FOUND" in out.stderr, out.stdout + out.stderr
 
 
 def test_a_handoff_never_crosses_models(server):
-    # smol has a GPU and a CPU worker: its hand-off goes between them.
-    messages = generate(server, prompt="Once upon a time", model=SMOL, max_tokens=8, ignore_eos=True, route="gpu->cpu")
-    route = messages[-1].route
-    assert route.startswith("gpu->cpu (smol-gpu-0 -> smol-cpu-0)"), route
-    # tiny has no CPU worker of its own; smol's CPU worker serves another model, so no hand-off is made.
-    try:
-        messages = generate(server, prompt=TINY_PROMPT, model=TINY, max_tokens=4, ignore_eos=True, route="gpu->cpu")
-    except grpc.RpcError as exc:
-        assert exc.code() == grpc.StatusCode.UNAVAILABLE and "smol" not in exc.details(), exc.details()
-    else:
-        assert "smol" not in messages[-1].route and "->" not in messages[-1].route.split("(")[0], messages[-1].route
+    """gpu->cpu for either model: its own pool lacks one of the kinds, the other model's pool has it; the
+    request runs within its model (or is UNAVAILABLE), never on the other model's worker."""
+    for model, other in ((TINY, SMOL), (SMOL, TINY)):
+        try:
+            messages = generate(server, prompt="Once upon a time", model=model, max_tokens=4, ignore_eos=True,
+                                route="gpu->cpu")
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.UNAVAILABLE and other not in exc.details(), exc.details()
+        else:
+            route = messages[-1].route
+            assert f"({model}-" in route and other not in route and "->" not in route.split("(")[0], route
 
 
 def test_metrics_are_labelled_by_model_and_count_http_streams(server):

@@ -71,3 +71,19 @@ def test_gateway_workers_name_their_model():
                                                                ("b", "y.gguf", ("tcp://10.0.0.2:5555",))]
     with pytest.raises(ValueError, match="--worker: 'c=ipc:///w' names model 'c'"):
         static_pools(Settings(model=("a=x.gguf",), layout=LayoutConfig(worker_endpoints=("c=ipc:///w",))))
+
+
+def test_the_model_table_picks_rows_by_name_and_names_the_served_ones():
+    from types import SimpleNamespace
+
+    from hybridgate.gateway.admission import Admission
+    from hybridgate.gateway.models import ModelNotFoundError, ModelTable, ServedModel
+
+    a, b = SimpleNamespace(ready=False), SimpleNamespace(ready=True)
+    table = ModelTable([ServedModel(("a", "alias"), a, Admission(1)), ServedModel(("b",), b, Admission(1))])
+    assert [table.pick(n).router for n in (None, "", "a", "alias", "b")] == [a, a, a, a, b]
+    assert table.names == ["a", "alias", "b"] and table.ready  # some model serves
+    with pytest.raises(ModelNotFoundError, match=r"`c` does not exist; this server serves a, alias, b"):
+        table.pick("c")
+    with pytest.raises(ValueError, match="'a' is given to two models"):
+        ModelTable([ServedModel(("a",), a, Admission(1)), ServedModel(("b", "a"), b, Admission(1))])
