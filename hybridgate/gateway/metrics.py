@@ -152,21 +152,23 @@ class _RedisCollector:
 
 
 class _ResponseCacheCollector:
-    """The response cache's counters (`hybridgate.router.response_cache.ResponseCache`) and the bytes it holds."""
+    """The response cache's counters (`hybridgate.router.response_cache.ResponseCache`) and the bytes it holds,
+    summed over the caches of the gateway's models (one, or a list)."""
 
     def __init__(self, cache):
-        self._cache = cache
+        self._caches = cache if isinstance(cache, list) else [cache]
 
     def collect(self):
-        c = self._cache
+        cs = self._caches
         yield CounterMetricFamily("hybridgate:response_cache_hits", "Deterministic requests answered by a replay "
-                                  "of a cached answer.", value=c.hits)
+                                  "of a cached answer.", value=sum(c.hits for c in cs))
         yield CounterMetricFamily("hybridgate:response_cache_misses", "Deterministic requests that started a "
-                                  "generation (no cached answer, none in flight).", value=c.misses)
+                                  "generation (no cached answer, none in flight).", value=sum(c.misses for c in cs))
         yield CounterMetricFamily("hybridgate:response_cache_coalesced", "Deterministic requests that joined an "
-                                  "identical generation in flight (single-flight).", value=c.coalesced)
+                                  "identical generation in flight (single-flight).", value=sum(c.coalesced for c in cs))
         yield GaugeMetricFamily("hybridgate:response_cache_bytes", "Bytes of cached answers held (memory), or "
-                                "written by this gateway and not yet expired (redis).", value=c.store.bytes)
+                                "written by this gateway and not yet expired (redis).",
+                                value=sum(c.store.bytes for c in cs))
 
 
 class _EngineCollector:

@@ -23,6 +23,7 @@ from hybridgate.gateway.models import ModelTable
 from hybridgate.gateway.security import BearerInterceptor, server_credentials
 from hybridgate.gateway.service import GenerationService
 from hybridgate.router import Router
+from hybridgate.router.handoff import HandoffMetrics
 from hybridgate.v1 import generation_pb2 as pb
 from hybridgate.v1 import generation_pb2_grpc as pb_grpc
 
@@ -50,11 +51,13 @@ class Gateway:
         self.router, self.config = self.models.default.router, config
         self.model_names = self.models.default.names
         routers = [m.router for m in self.models]
-        # The router-wide series (wire errors, hand-offs, Redis, response cache) are the default model's.
+        caches = [r.response_cache for r in routers if r.response_cache is not None]
+        # The router-wide series (wire errors, hand-offs, Redis, response cache) sum the models' routers.
         self.metrics = GatewayMetrics(chained(*(lambda r=r: r.clients for r in routers)),
                                       wire_errors=lambda: sum(r.wire_errors for r in routers),
-                                      handoff=lambda: self.router.handoff_metrics, redis_up=self.router.redis_up,
-                                      response_cache=self.router.response_cache,
+                                      handoff=lambda: HandoffMetrics.summed([r.handoff_metrics for r in routers]),
+                                      redis_up=lambda: _all_up([r.redis_up() for r in routers]),
+                                      response_cache=caches or None,
                                       models=[(m.name, m.router.fingerprint, lambda r=m.router: r.clients)
                                               for m in self.models])
         self.health = health.aio.HealthServicer()
@@ -159,6 +162,12 @@ class Gateway:
             self._lag_task.cancel()
         if self._httpd is not None:  # its serve_forever polls every 0.5 s: wait for it off the loop
             await asyncio.to_thread(self._httpd.shutdown)
+
+
+def _all_up(ups: list[bool | None]) -> bool | None:
+    """Whether every router's last Redis calls succeeded (None: none has Redis, or none called yet)."""
+    known = [u for u in ups if u is not None]
+    return all(known) if known else None
 
 
 @contextlib.contextmanager
