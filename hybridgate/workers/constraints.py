@@ -115,9 +115,9 @@ class GrammarCompiler:
     def __init__(self, tokenizer: Callable[[], Any], cache_size: int = DEFAULT_GRAMMAR_CACHE_SIZE,
                  threads: int = DEFAULT_GRAMMAR_COMPILE_THREADS):
         if cache_size < 1:
-            raise ValueError(f"grammar_cache_size: must be >= 1, got {cache_size}")
+            raise ValueError(f"grammar_cache_size: must be positive, got {cache_size}")
         if threads < 1:
-            raise ValueError(f"grammar_compile_threads: must be >= 1, got {threads}")
+            raise ValueError(f"grammar_compile_threads: must be positive, got {threads}")
         self.cache_size = cache_size
         self.stats = CompilerStats()
         self._cache: collections.OrderedDict[bytes, Future] = collections.OrderedDict()
