@@ -115,7 +115,7 @@ def build_models(config: Settings, pools: Sequence[ModelPool], transport: Transp
     hashes and cached answers stay within a model), as the gateway's table of served models."""
     from hybridgate.router.response_cache import ResponseCache
 
-    rows, registries = [], []
+    rows = []
     for i, pool in enumerate(pools):
         names = pool.worker_names or ("",) * len(pool.endpoints)
         clients = [ZmqWorkerClient(ep, dead_after_s=config.router.dead_after_s, name=name, transport=transport)
@@ -125,7 +125,6 @@ def build_models(config: Settings, pools: Sequence[ModelPool], transport: Transp
             from hybridgate.router.registry import RedisRegistry
 
             registry = RedisRegistry(config.redis, dead_after_s=config.router.dead_after_s, transport=transport)
-            registries.append(registry)
         cache = ResponseCache.from_config(config.response_cache, config.redis)
         router = Router(pool.path, clients, config.router, registry=registry, response_cache=cache)
         aliases = config.gateway.served_model_name if i == 0 else ()
