@@ -339,7 +339,8 @@ def _make_tile(wrows: int, xrows: int):
     return intrinsic(generic)
 
 
-tile4x4, tile4x1, tile1x1 = _make_tile(4, 4), _make_tile(4, 1), _make_tile(1, 1)
+TILE_W, TILE_X = 4, 4  # weight rows x activation rows per tile
+tile_wx, tile_w1, tile1x1 = _make_tile(TILE_W, TILE_X), _make_tile(TILE_W, 1), _make_tile(1, 1)
 
 _JIT = dict(nogil=True, fastmath=True, cache=True)
 _CHUNKS = 16  # weight-row ranges per parallel region (more than threads, for balance)
@@ -352,13 +353,13 @@ def _rows(x, qs, scale, minimum, out, r, wrows, b0, b1):
     rows, cols, qw = qs.shape[0], x.shape[1], qs.shape[1]
     nblocks = cols // 32
     b = b0
-    if wrows == 4:
-        while b + 4 <= b1:
-            tile4x4(qs, r * qw, qw, scale, minimum, r * nblocks, nblocks, nblocks, x, b * cols, cols,
+    if wrows == TILE_W:
+        while b + TILE_X <= b1:
+            tile_wx(qs, r * qw, qw, scale, minimum, r * nblocks, nblocks, nblocks, x, b * cols, cols,
                     out, b * rows + r, rows)
-            b += 4
+            b += TILE_X
         while b < b1:
-            tile4x1(qs, r * qw, qw, scale, minimum, r * nblocks, nblocks, nblocks, x, b * cols, cols,
+            tile_w1(qs, r * qw, qw, scale, minimum, r * nblocks, nblocks, nblocks, x, b * cols, cols,
                     out, b * rows + r, rows)
             b += 1
     else:
@@ -381,14 +382,14 @@ def matmul_blocks(x, qs, scale, minimum, out):
     multiple of 32. Tiles of 4 weight rows × 4 activation rows, `X_TILE` activation rows per pass
     over the weights; a row's result does not depend on the batch it is in (see `_make_tile`).
     """
-    groups, batch = qs.shape[0] // 4, x.shape[0]
+    groups, batch = qs.shape[0] // TILE_W, x.shape[0]
     per = (groups + _CHUNKS - 1) // _CHUNKS
     for b0 in range(0, batch, X_TILE):
         b1 = min(batch, b0 + X_TILE)
         for c in prange(_CHUNKS):
             for g in range(c * per, min(groups, (c + 1) * per)):
-                _rows(x, qs, scale, minimum, out, 4 * g, 4, b0, b1)
-        for r in range(4 * groups, qs.shape[0]):
+                _rows(x, qs, scale, minimum, out, TILE_W * g, TILE_W, b0, b1)
+        for r in range(TILE_W * groups, qs.shape[0]):
             _rows(x, qs, scale, minimum, out, r, 1, b0, b1)
 
 
