@@ -25,8 +25,8 @@ integer product is two `vpmaddwd` and one add, exact in int32, and the float
 step one convert, one multiply by the scale vector and one FMA with the weight
 block's scale, into 8 lanes per pair: acc = fma(float(P) · S_kb, d_ib, acc)
 over the blocks in order (Q6_K's two scales per block, one per 16 columns, as
-d_ib = [d0 ×4, d1 ×4]: lanes 0..3 hold columns 0..15, lanes 4..7 16..31). The Q4_1 min term, Σ_b m_ib · xsum_kb, is a separate
-8-block-wide FMA chain over the blocks (then its tail one by one), added after
+d_ib = [d0 ×4, d1 ×4]: lanes 0..3 hold columns 0..15, lanes 4..7 16..31).
+The Q4_1 min term, Σ_b m_ib · xsum_kb, is a separate 8-block-wide FMA chain over the blocks (then its tail one by one), added after
 the 8 lanes' fixed tree (`_min_terms`). From 4 activation rows on, a row group's codes are
 widened once into a scratch (`unpack_rows`) in exactly the lanes the packed
 tiles compute, so every tile gives a pair the same integers and the same float
