@@ -42,6 +42,11 @@ def parse_memory(value: str | float | int | None, gpu: bool) -> float:
     return number
 
 
+def _check_factor(value: float) -> None:
+    if value != 0 and not value >= 1:
+        raise ValueError(f"must be 0 (off) or >= 1 (a step is at least its decodes), got {value}")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = setting(64, "most sequences a worker runs at once", low=1)
@@ -50,6 +55,13 @@ class SchedulerConfig:
     max_num_waiting: int = setting(
         1024, "most requests a worker queues beyond those it runs; one more is refused (RESOURCE_EXHAUSTED "
               "once every worker refuses it)", low=1)
+    mixed_step_budget: float = setting(
+        4.0, "a step that carries decodes runs only as many prompt tokens as the worker's measured rates say "
+             "fit in this many times its decode step, so a long prompt does not stall the running streams "
+             "(0: off, prompt chunks of the whole token budget)", check=_check_factor)
+    min_prefill_chunk: int = setting(
+        16, "fewest prompt tokens a step that carries decodes runs (when a prompt waits), so long prompts "
+            "progress whatever --mixed-step-budget allows", low=1)
 
     def __post_init__(self) -> None:
         check_settings(self)
