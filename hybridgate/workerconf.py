@@ -121,6 +121,11 @@ class EngineConfig:
                 "dequantized weights), i16 (activations quantized to int16 per 32-block, integer multiply-adds, "
                 "about 2e-5 relative error), auto (the faster of the two per weight type on this ISA path)",
         choices=("auto", "f32", "i16"))
+    cpu_thread_wait: str = setting(
+        "passive", "CPU worker: how its kernel threads wait between parallel regions: passive sleeps at once (a "
+                   "core another process keeps busy slows a step by little), active spins a while first (the "
+                   "OpenMP runtimes' default; a busy core can slow a step many times over)",
+        choices=("passive", "active"))
     kv_cache_dtype: str = setting(
         DEFAULT_KV_DTYPE, "CPU worker: the KV cache's element format; fp16 and bf16 round K and V to nearest even as they "
                 "are stored and widen them to float32 as attention reads them, for half the bytes per token (twice "

@@ -228,9 +228,10 @@ def run(args: argparse.Namespace) -> dict:
     model = load_gguf(path)
     tokenizer = Tokenizer.from_model(model)
     if cpu:
-        from hybridgate.workers.cpu import isa
+        from hybridgate.workers.cpu import isa, threadwait
 
         isa.select(engine.cpu_isa)
+        threadwait.select(engine.cpu_thread_wait)
         from hybridgate.workers.cpu.runner import NumbaRunner
 
         ours = EngineBench(model, NumbaRunner(model, engine.kv_cache_memory or "1GiB", threads=engine.threads,
@@ -253,6 +254,8 @@ def run(args: argparse.Namespace) -> dict:
                "threads": torch.get_num_threads(), "baseline": baseline}
     if args.profile_out:
         return write_profile(args, ours, out, model)
+    if args.mixed_load:
+        return _mixed_load(args, ours, out, tokenizer, settings)
     out.update({"repeats": args.repeats, "decode": {}, "prefill": {}})
     bases: dict = {}
     if baseline == "transformers":
@@ -320,6 +323,18 @@ def run(args: argparse.Namespace) -> dict:
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     return out
+
+
+def _mixed_load(args: argparse.Namespace, ours: EngineBench, out: dict, tokenizer, settings) -> dict:
+    from hybridgate.bench import mixload
+
+    if out["kind"] != "cpu":
+        raise ValueError("--mixed-load: only with --kind cpu")
+    report = mixload.run(args, ours, out, settings, prompts(tokenizer, 1, args.prompt_len)[0],
+                         prompts(tokenizer, 2, args.long_prompt)[1])
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    return report
 
 
 PROFILE_PREFILL_LENS = (16, 64, 256, 1024, 2048)
