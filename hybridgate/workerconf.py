@@ -126,6 +126,9 @@ class EngineConfig:
                    "core another process keeps busy slows a step by little), active spins a while first (the "
                    "OpenMP runtimes' default; a busy core can slow a step many times over)",
         choices=("passive", "active"))
+    cpu_thread_fallback: bool = setting(
+        True, "CPU worker: time its decode steps and, every 2 s, a few on half (or twice) the threads, and move to "
+              "the count that measures faster (cores shared with other processes slow the full count)")
     kv_cache_dtype: str = setting(
         DEFAULT_KV_DTYPE, "CPU worker: the KV cache's element format; fp16 and bf16 round K and V to nearest even as they "
                 "are stored and widen them to float32 as attention reads them, for half the bytes per token (twice "

@@ -236,7 +236,8 @@ def run(args: argparse.Namespace) -> dict:
 
         ours = EngineBench(model, NumbaRunner(model, engine.kv_cache_memory or "1GiB", threads=engine.threads,
                                               activations=engine.cpu_activations,
-                                              kv_cache_dtype=engine.kv_cache_dtype))
+                                              kv_cache_dtype=engine.kv_cache_dtype,
+                                              thread_fallback=engine.cpu_thread_fallback))
         import numba
 
         out: dict = {"kind": "cpu", "cpu_isa": ours.runner.cpu_isa, "threads": numba.get_num_threads(),

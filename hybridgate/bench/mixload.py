@@ -15,7 +15,8 @@ The target (issue 27): mixed p99 <= 4 x unloaded p50 + 50 ms.
 
 `--busy-core` runs every case beside a process spinning on one core and adds
 decode tokens/s at one sequence with the default threads against one thread,
-alternately (target: the default threads >= 0.8 x one thread).
+alternately (target: the default threads >= 0.8 x one thread), the runner's thread fallback
+(--cpu-thread-fallback) as configured and started afresh for each run.
 """
 
 from __future__ import annotations
@@ -114,16 +115,26 @@ def mixed_rows(ours, settings, prompt: list[int], long_prompt: list[int], args: 
 
 
 def threads_row(ours, prompt: list[int], args: argparse.Namespace) -> dict:
-    """Decode tokens/s at one sequence on the default threads and on one, alternately; medians."""
+    """Decode tokens/s at one sequence on the default threads (with the runner's thread fallback as
+    configured, fresh for each run) and on one thread, alternately; medians."""
     import numba
 
-    default, runs = numba.get_num_threads(), {"default": [], "one": []}
+    from hybridgate.workers.cpu.threadfallback import ThreadFallback
+
+    runner = ours.runner
+    default, fallback, runs = numba.get_num_threads(), runner.thread_fallback, {"default": [], "one": []}
+    switches = []
     for _ in range(args.repeats):
         for name, n in (("default", default), ("one", 1)):
             numba.set_num_threads(n)
+            runner.thread_fallback = ThreadFallback(n) if fallback is not None and n > 1 else None
             runs[name].append(ours.decode([prompt], args.new_tokens))
+            if runner.thread_fallback is not None:
+                switches.append(runner.thread_fallback.switches)
     numba.set_num_threads(default)
-    row = {"threads": default, "default_tokens_per_s": statistics.median(runs["default"]),
+    runner.thread_fallback = fallback
+    row = {"threads": default, "thread_fallback": fallback is not None, "fallback_switches": switches,
+           "default_tokens_per_s": statistics.median(runs["default"]),
            "one_thread_tokens_per_s": statistics.median(runs["one"])}
     row["ratio"] = row["default_tokens_per_s"] / row["one_thread_tokens_per_s"]
     row["meets_target"] = row["ratio"] >= 0.8
@@ -153,7 +164,8 @@ def run(args: argparse.Namespace, ours, out: dict, settings, prompt: list[int], 
     machine = describe()
     print(summary(machine), flush=True)
     out.update({"machine_at_start": machine, "repeats": args.repeats, "busy_core": args.busy_core,
-                "cpu_thread_wait": threadwait.selected(), "long_prompt_tokens": len(long_prompt),
+                "cpu_thread_wait": threadwait.selected(),
+                "cpu_thread_fallback": ours.runner.thread_fallback is not None, "long_prompt_tokens": len(long_prompt),
                 "stream_prompt_tokens": len(prompt),
                 "scheduler": dataclasses.asdict(settings.worker.scheduler)})
     with busy_core(args.busy_core):

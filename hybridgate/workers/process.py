@@ -55,7 +55,8 @@ def build_runner(config: WorkerConfig):
     from hybridgate.workers.cpu.runner import NumbaRunner
 
     return NumbaRunner(model, kv_cache_memory=config.kv_cache_memory, threads=config.threads,
-                       activations=config.engine.cpu_activations, kv_cache_dtype=config.engine.kv_cache_dtype), model
+                       activations=config.engine.cpu_activations, kv_cache_dtype=config.engine.kv_cache_dtype,
+                       thread_fallback=config.engine.cpu_thread_fallback), model
 
 
 def check_bindable(endpoint: str) -> None:
