@@ -231,7 +231,10 @@ def run(args: argparse.Namespace) -> dict:
         from hybridgate.workers.cpu import isa, threadwait
 
         isa.select(engine.cpu_isa)
-        threadwait.select(engine.cpu_thread_wait)
+        try:
+            threadwait.select(engine.cpu_thread_wait)
+        except RuntimeError as exc:  # in a process whose Numba threads already run (a test session)
+            log.warning("%s; the bench keeps the policy in force", exc)
         from hybridgate.workers.cpu.runner import NumbaRunner
 
         ours = EngineBench(model, NumbaRunner(model, engine.kv_cache_memory or "1GiB", threads=engine.threads,

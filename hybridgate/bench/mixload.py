@@ -65,22 +65,27 @@ def stream_alone(engine: EngineCore, prompt: list[int], new_tokens: int) -> list
     return _gaps_ms(times)
 
 
-def stream_beside_prompt(engine: EngineCore, prompt: list[int], long_prompt: list[int]) -> tuple[list[float], float]:
-    """(gaps in ms between the stream's tokens while the long prompt is prefilled, its TTFT in ms)."""
+def stream_beside_prompt(engine: EngineCore, prompt: list[int],
+                         long_prompt: list[int]) -> tuple[list[float], float, list[int]]:
+    """(gaps in ms between the stream's tokens while the long prompt is prefilled, its TTFT in ms,
+    the prompt tokens each step ran)."""
+    # A token every step until the prompt is done: at most one step per prompt token.
     limit = engine.runner.max_model_len - len(prompt) - 1
-    stream, times = _add(engine, "stream", prompt, min(4096, limit)), []
+    stream, times = _add(engine, "stream", prompt, min(len(long_prompt) + WARM_TOKENS + 1, limit)), []
     while len(times) < WARM_TOKENS and engine.has_work():
         if stream in engine.step():
             times.append(time.perf_counter())
     arrived = time.perf_counter()
     times = times[-1:]
-    long = _add(engine, "long", long_prompt, 1)
+    long, chunks = _add(engine, "long", long_prompt, 1), []
     while not long.status.finished:
+        before = long.num_computed
         if stream in engine.step():
             times.append(time.perf_counter())
+        chunks.append(long.num_computed - before)
     ttft = (time.perf_counter() - arrived) * 1e3
     engine.abort(["stream"])
-    return _gaps_ms(times), ttft
+    return _gaps_ms(times), ttft, chunks
 
 
 def _row(gaps: list[float]) -> dict:
@@ -98,15 +103,17 @@ def mixed_rows(ours, settings, prompt: list[int], long_prompt: list[int], args: 
     alone = [g for _ in range(args.repeats) for g in stream_alone(engine, prompt, args.new_tokens)]
     out = {"unloaded": _row(alone), "rates": {"prefill_tokens_per_s": rates[0], "decode_step_s": rates[1]}}
     for name, config in engines.items():
-        gaps, ttfts = [], []
+        gaps, ttfts, chunks = [], [], []
         for _ in range(args.repeats):
             case = EngineCore(ours.runner, config, ours.fingerprint, prefix_caching=False)
             case.rates = engine.rates  # the measured figures, kept up to date by every case
             case.scheduler.cost = engine.scheduler.cost
-            g, ttft = stream_beside_prompt(case, prompt, long_prompt)
-            gaps += g
+            g, ttft, c = stream_beside_prompt(case, prompt, long_prompt)
+            gaps, chunks = gaps + g, chunks + c
             ttfts.append(ttft)
-        out[name] = {**_row(gaps), "long_prompt_ttft_ms": statistics.median(ttfts)}
+        out[name] = {**_row(gaps), "long_prompt_ttft_ms": statistics.median(ttfts),
+                     "prompt_steps": len(chunks) // args.repeats, "chunk_tokens_p50": statistics.median(chunks),
+                     "chunk_tokens_max": max(chunks)}
     bound = 4 * out["unloaded"]["p50_ms"] + 50
     out["target_p99_ms"] = bound
     out["meets_target"] = out["budgeted"]["p99_ms"] <= bound

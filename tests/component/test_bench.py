@@ -58,3 +58,16 @@ def test_cpu_bench_reports_rates_bytes_bandwidth_and_outlives_a_crashing_baselin
 def test_baselines_belong_to_their_kind():
     with pytest.raises(ValueError, match="--baseline transformers"):
         engine.run(bench_args("--baseline", "transformers"))
+
+
+def test_mixed_load_reports_a_streams_gaps_with_the_step_budget_and_without(model_path):
+    out = engine.run(bench_args("--model", str(model_path), "--mixed-load", "--long-prompt", "64",
+                                "--new-tokens", "8"))
+    rows = out["mixed_load"]
+    assert rows["unloaded"]["gaps"] == 7 and rows["budgeted"]["gaps"] >= rows["budgeted"]["prompt_steps"] - 1
+    # Without the budget the 64-token prompt runs in one step; with it, in chunks of at least 16 tokens
+    # (--min-prefill-chunk) and at most what the token budget leaves beside the stream's decode.
+    assert rows["budget_off"]["prompt_steps"] == 1 and rows["budget_off"]["chunk_tokens_max"] == 64
+    assert rows["budgeted"]["prompt_steps"] > 1 and 16 <= rows["budgeted"]["chunk_tokens_p50"] < 64
+    assert rows["target_p99_ms"] == 4 * rows["unloaded"]["p50_ms"] + 50
+    assert out["scheduler"]["mixed_step_budget"] == 4.0 and out["long_prompt_tokens"] == 64
