@@ -61,13 +61,13 @@ def test_baselines_belong_to_their_kind():
 
 
 def test_mixed_load_reports_a_streams_gaps_with_the_step_budget_and_without(model_path):
+    # A budget of 1.5 decode steps fits fewer prompt tokens than the 16 of --min-prefill-chunk on any
+    # machine where a prompt token costs more than 1/32 of a decode step: chunks of exactly 16.
     out = engine.run(bench_args("--model", str(model_path), "--mixed-load", "--long-prompt", "64",
-                                "--new-tokens", "8"))
+                                "--new-tokens", "8", "--mixed-step-budget", "1.5"))
     rows = out["mixed_load"]
     assert rows["unloaded"]["gaps"] == 7 and rows["budgeted"]["gaps"] >= rows["budgeted"]["prompt_steps"] - 1
-    # Without the budget the 64-token prompt runs in one step; with it, in chunks of at least 16 tokens
-    # (--min-prefill-chunk) and at most what the token budget leaves beside the stream's decode.
     assert rows["budget_off"]["prompt_steps"] == 1 and rows["budget_off"]["chunk_tokens_max"] == 64
-    assert rows["budgeted"]["prompt_steps"] > 1 and 16 <= rows["budgeted"]["chunk_tokens_p50"] < 64
+    assert rows["budgeted"]["prompt_steps"] == 4 and rows["budgeted"]["chunk_tokens_max"] == 16
     assert rows["target_p99_ms"] == 4 * rows["unloaded"]["p50_ms"] + 50
-    assert out["scheduler"]["mixed_step_budget"] == 4.0 and out["long_prompt_tokens"] == 64
+    assert out["scheduler"]["mixed_step_budget"] == 1.5 and out["long_prompt_tokens"] == 64
