@@ -12,8 +12,9 @@ runs the other process for a whole time slice while the region waits for the
 thread, and every region of the step pays it (32 tokens took 2.8-9.8 s on the
 default threads against 0.42-0.52 s on one). A thread that sleeps as soon as
 its region ends is woken by the next one and, having slept, preempts the
-busy process at once (CFS's wake-up preemption), so the step degrades
-gracefully.
+busy process at once (CFS's wake-up preemption). Under heavier load each
+region's barrier still waits for a time slice of its slowest thread;
+`threadfallback` then measures its way to fewer threads.
 
 - `passive`: OMP_WAIT_POLICY=PASSIVE (GNU: sleep at once), KMP_BLOCKTIME=0
   (Intel/LLVM: the same).
