@@ -121,15 +121,15 @@ def mixed_rows(ours, settings, prompt: list[int], long_prompt: list[int], args: 
     return out
 
 
-def threads_row(ours, prompt: list[int], args: argparse.Namespace) -> dict:
-    """Decode tokens/s at one sequence on the default threads (with the runner's thread fallback as
+def threads_row(ours, prompt: list[int], default: int, args: argparse.Namespace) -> dict:
+    """Decode tokens/s at one sequence on the `default` threads (with the runner's thread fallback as
     configured, fresh for each run) and on one thread, alternately; medians."""
     import numba
 
     from hybridgate.workers.cpu.threadfallback import ThreadFallback
 
     runner = ours.runner
-    default, fallback, runs = numba.get_num_threads(), runner.thread_fallback, {"default": [], "one": []}
+    fallback, runs = runner.thread_fallback, {"default": [], "one": []}
     switches = []
     for _ in range(args.repeats):
         for name, n in (("default", default), ("one", 1)):
@@ -182,7 +182,7 @@ def run(args: argparse.Namespace, ours, out: dict, settings, prompt: list[int], 
         print(f"target: p99 {rows['budgeted']['p99_ms']:.1f} ms <= 4 x unloaded p50 + 50 = "
               f"{rows['target_p99_ms']:.1f} ms: {'met' if rows['meets_target'] else 'missed'}", flush=True)
         if args.busy_core:
-            out["busy_core_threads"] = t = threads_row(ours, prompt, args)
+            out["busy_core_threads"] = t = threads_row(ours, prompt, out["threads"], args)
             print(f"busy core: decode at one sequence {t['default_tokens_per_s']:.1f} tokens/s on {t['threads']} "
                   f"threads, {t['one_thread_tokens_per_s']:.1f} on one: {t['ratio']:.2f}x (target >= 0.8)", flush=True)
     out["machine_at_end"] = describe()
