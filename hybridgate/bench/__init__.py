@@ -40,6 +40,17 @@ def add_engine_parser(sub) -> None:
                    help="--kind cpu: MiB of the array whose parallel sum measures the read bandwidth (default 512)")
     p.add_argument("--compare-eager", action="store_true",
                    help="on CUDA, also time the decode step without CUDA graphs (--enforce-eager)")
+    mixed = p.add_argument_group("latency under mixed load (--kind cpu; --prompt-len, --new-tokens and --repeats "
+                                 "apply)")
+    mixed.add_argument("--mixed-load", action="store_true",
+                       help="instead of the cases above, a running stream's inter-token gaps (p50, p99) while a "
+                            "--long-prompt prompt is prefilled on the same engine, against its unloaded ITL, with "
+                            "the step budget and without")
+    mixed.add_argument("--long-prompt", type=bounded(int, 2), default=4000,
+                       help="tokens of the prompt that arrives during the stream (default 4000)")
+    mixed.add_argument("--busy-core", action="store_true",
+                       help="run beside a process spinning on one core, and add decode tokens/s at one sequence on "
+                            "the default threads against one thread")
     p.add_argument("--json", default=None, metavar="OUT", help="write the figures to this JSON file")
     p.add_argument("--profile-out", default=None, metavar="FILE",
                    help="instead of the cases above, measure the step tables (decode step by batch, prefill "

@@ -229,14 +229,19 @@ def run(args: argparse.Namespace) -> dict:
     model = load_gguf(path)
     tokenizer = Tokenizer.from_model(model)
     if cpu:
-        from hybridgate.workers.cpu import isa
+        from hybridgate.workers.cpu import isa, threadwait
 
         isa.select(engine.cpu_isa)
+        try:
+            threadwait.select(engine.cpu_thread_wait)
+        except RuntimeError as exc:  # in a process whose Numba threads already run (a test session)
+            log.warning("%s; the bench keeps the policy in force", exc)
         from hybridgate.workers.cpu.runner import NumbaRunner
 
         ours = EngineBench(model, NumbaRunner(model, engine.kv_cache_memory or "1GiB", threads=engine.threads,
                                               activations=engine.cpu_activations,
-                                              kv_cache_dtype=engine.kv_cache_dtype))
+                                              kv_cache_dtype=engine.kv_cache_dtype,
+                                              thread_fallback=engine.cpu_thread_fallback))
         import numba
 
         out: dict = {"kind": "cpu", "cpu_isa": ours.runner.cpu_isa, "threads": numba.get_num_threads(),
@@ -259,6 +264,8 @@ def run(args: argparse.Namespace) -> dict:
 
         count = args.concurrency[-1] if args.concurrency_given else 16
         return constrained.run(args, ours, prompts(tokenizer, count, args.prompt_len), out)
+    if args.mixed_load:
+        return _mixed_load(args, ours, out, tokenizer, settings)
     out.update({"repeats": args.repeats, "decode": {}, "prefill": {}})
     bases: dict = {}
     if baseline == "transformers":
@@ -326,6 +333,18 @@ def run(args: argparse.Namespace) -> dict:
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     return out
+
+
+def _mixed_load(args: argparse.Namespace, ours: EngineBench, out: dict, tokenizer, settings) -> dict:
+    from hybridgate.bench import mixload
+
+    if out["kind"] != "cpu":
+        raise ValueError("--mixed-load: only with --kind cpu")
+    report = mixload.run(args, ours, out, settings, prompts(tokenizer, 1, args.prompt_len)[0],
+                         prompts(tokenizer, 2, args.long_prompt)[1])
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    return report
 
 
 PROFILE_PREFILL_LENS = (16, 64, 256, 1024, 2048)
