@@ -9,6 +9,8 @@ configuration root, with their bounds and defaults.
 
 from __future__ import annotations
 
+import argparse
+
 
 def add_engine_parser(sub) -> None:
     from hybridgate.config import bounded
@@ -40,12 +42,54 @@ def add_engine_parser(sub) -> None:
                    help="--kind cpu: MiB of the array whose parallel sum measures the read bandwidth (default 512)")
     p.add_argument("--compare-eager", action="store_true",
                    help="on CUDA, also time the decode step without CUDA graphs (--enforce-eager)")
+    _add_bench_model_args(p, required=False)
+    p.add_argument("--type-shares", action=argparse.BooleanOptionalAction, default=True,
+                   help="--kind cpu: time each weight matrix's matmul at batch 1, in the forward pass's order, and "
+                        "report each quant type's share of the decode step (default on)")
     p.add_argument("--json", default=None, metavar="OUT", help="write the figures to this JSON file")
     p.add_argument("--profile-out", default=None, metavar="FILE",
                    help="instead of the cases above, measure the step tables (decode step by batch, prefill "
                         "tokens/s by step tokens) and KV capacity at serve's defaults, and write them as a "
                         "worker profile for bench sim")
     p.set_defaults(func=_run_engine)
+
+
+def _add_bench_model_args(p, required: bool) -> None:
+    """--shape, --quant, --seed, --layers: a random-weight bench file (`bench.model_files`)."""
+    from hybridgate.bench.mixes import MIXES
+    from hybridgate.bench.shapes import SHAPES
+    from hybridgate.config import bounded
+
+    p.add_argument("--shape", choices=tuple(SHAPES), default=None, required=required,
+                   help="a named model's shapes: a random-weight GGUF of them (written and cached on first use)"
+                        + ("" if required else ", measured instead of --model"))
+    p.add_argument("--quant", choices=tuple(MIXES), default="Q4_K_M" if required else None,
+                   help="with --shape: llama.cpp's quant mix of the file (default Q4_K_M)")
+    p.add_argument("--seed", type=bounded(int, 0), default=0, help="with --shape: the weights' seed (default 0)")
+    p.add_argument("--layers", type=bounded(int, 1), default=None,
+                   help="with --shape: keep only this many blocks (same matrices; default: the model's count)")
+
+
+def add_model_parser(sub) -> None:
+    p = sub.add_parser("model", help="write (once, cached) a random-weight GGUF of a named model's shapes in one of "
+                                     "llama.cpp's quant mixes, and print its path")
+    _add_bench_model_args(p, required=True)
+    p.set_defaults(func=_run_model)
+
+
+def _run_model(args) -> int:
+    print(bench_model_path(args))
+    return 0
+
+
+def bench_model_path(args) -> str:
+    """The bench file that --shape/--quant/--seed/--layers name, written on first use."""
+    from hybridgate.bench.mixes import mix
+    from hybridgate.bench.model_files import bench_model
+    from hybridgate.bench.shapes import shape
+
+    s = shape(args.shape)
+    return str(bench_model(s.with_layers(args.layers or s.layers), mix(args.quant or "Q4_K_M"), args.seed))
 
 
 def _run_engine(args) -> int:

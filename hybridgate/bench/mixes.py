@@ -25,8 +25,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import gguf
-
 # llama.cpp's category of a tensor (llama-quant.cpp `tensor_get_category`): whole names first, then the
 # first name part that matches (only the categories the rules here read).
 NAMED = {"output.weight": "output", "token_embd.weight": "token_embd"}
@@ -78,6 +76,8 @@ def use_more_bits(i: int, n: int) -> bool:
 
 
 def _block(type_name: str) -> int:
+    import gguf  # here: the tables load with the command line
+
     return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]][0]
 
 

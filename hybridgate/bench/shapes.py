@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:  # the tables load with the command line; numpy and the GGUF loader when a file is made
+    import numpy as np
 
-from hybridgate.models.architectures import ARCHITECTURES
-from hybridgate.models.gguf_file import ModelConfig, expected_tensors
+    from hybridgate.models.gguf_file import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,8 @@ class Llama3RopeScaling:
         divided by it): 1 for wavelengths under original_context / high_freq_factor, `factor` above
         original_context / low_freq_factor, and the smooth interpolation between (Meta's
         `apply_scaling` in llama-models, reference/llama3 `rope_scaling`)."""
+        import numpy as np
+
         freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
         wavelen = 2 * math.pi / freqs
         smooth = (self.original_context / wavelen - self.low_freq_factor) / (self.high_freq_factor
@@ -80,6 +83,9 @@ class Shape:
         return self if layers == self.layers else replace(self, layers=layers)
 
     def config(self, bos: int = 0, eos: int = 0) -> ModelConfig:
+        from hybridgate.models.architectures import ARCHITECTURES
+        from hybridgate.models.gguf_file import ModelConfig
+
         return ModelConfig(self.arch, self.name, self.layers, self.hidden, self.ffn, self.heads, self.kv_heads,
                            self.head_dim, self.context, self.rope_theta, self.rms_norm_eps, self.vocab_size, bos, eos,
                            self.tied, ARCHITECTURES[self.arch])
@@ -87,6 +93,8 @@ class Shape:
     def tensors(self) -> dict[str, tuple[int, ...]]:
         """Name -> row-major shape (`[out, in]` for matrices) of every tensor of the file, in GGUF's
         order (token embedding, Llama 3's `rope_freqs`, the blocks in order, output norm, LM head)."""
+        from hybridgate.models.gguf_file import expected_tensors
+
         shapes = expected_tensors(self.config())
         if self.rope_scaling:
             shapes["rope_freqs.weight"] = (self.head_dim // 2,)
