@@ -104,6 +104,14 @@ def add_accuracy_parser(sub) -> None:
 
     p = sub.add_parser("accuracy", help="teacher-forced next-token distributions against the fp32 reference")
     add_command_settings(p, "bench accuracy")
+    from hybridgate.bench.mixes import MIXES
+
+    p.add_argument("--quant", choices=tuple(MIXES), default=None,
+                   help="first requantize the model with llama.cpp's quantizer (llama_model_quantize, allow_requantize) "
+                        "to this mix, cached, and measure that file (needs llama-cpp-python: the bench extra or "
+                        "--llama-cpp-path)")
+    p.add_argument("--llama-cpp-path", default=None, metavar="DIR",
+                   help="with --quant: a folder holding a llama-cpp-python build, put first on the quantizer's sys.path")
     p.add_argument("--json", default=None, metavar="OUT", help="write the figures to this JSON file")
     p.set_defaults(func=_run_accuracy)
 

@@ -243,3 +243,37 @@ def bench_model(shape: Shape, m: Mix, seed: int = 0, progress: bool = True, fold
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+_QUANTIZE = """
+import ctypes, sys, llama_cpp
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype, params.allow_requantize = int(sys.argv[3]), True
+rc = llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(params))
+sys.exit(rc)
+"""
+
+
+def requantize(src: Path, m: Mix, llama_cpp_path: str | None = None, folder: Path | None = None) -> Path:
+    """`src` requantized to mix `m` by llama.cpp's own quantizer (`llama_model_quantize` with
+    allow_requantize, in a child process that imports llama_cpp, from `llama_cpp_path` first when
+    given), cached as `<stem>-<mix>.gguf`. Raises RuntimeError with the child's last words when it fails."""
+    folder = folder or cache_root()
+    path = folder / f"{src.stem}-requantized-{m.name}.gguf"
+    if path.exists():
+        return path
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    env = dict(os.environ)
+    if llama_cpp_path:
+        env["PYTHONPATH"] = os.pathsep.join([llama_cpp_path, *filter(None, [env.get("PYTHONPATH")])])
+    done = subprocess.run([sys.executable, "-c", _QUANTIZE, str(src), str(tmp), str(m.ftype)], env=env,
+                          capture_output=True, text=True)
+    try:
+        if done.returncode:
+            raise RuntimeError(f"llama.cpp's quantizer ({m.name}, ftype {m.ftype}) failed with exit code "
+                               f"{done.returncode}: {(done.stderr or done.stdout).strip()[-600:]}")
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
