@@ -231,14 +231,18 @@ def write_bench_model(path: Path, shape: Shape, m: Mix, seed: int = 0, progress:
 
 def bench_model(shape: Shape, m: Mix, seed: int = 0, progress: bool = True, folder: Path | None = None) -> Path:
     """The cached bench file of `shape` (its `layers` in the name) in mix `m`, written on first use."""
-    folder = folder or cache_root()
-    path = folder / f"{shape.name}-{shape.layers}l-{m.name}-seed{seed}-v{FORMAT}.gguf"
+    path = (folder or cache_root()) / f"{shape.name}-{shape.layers}l-{m.name}-seed{seed}-v{FORMAT}.gguf"
+    return _cached(path, lambda tmp: write_bench_model(tmp, shape, m, seed, progress))
+
+
+def _cached(path: Path, write) -> Path:
+    """`path`, made by `write(tmp)` into a temporary file moved into place when it does not exist yet."""
     if path.exists():
         return path
-    folder.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     try:
-        write_bench_model(tmp, shape, m, seed, progress)
+        write(tmp)
         tmp.replace(path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -257,23 +261,16 @@ sys.exit(rc)
 def requantize(src: Path, m: Mix, llama_cpp_path: str | None = None, folder: Path | None = None) -> Path:
     """`src` requantized to mix `m` by llama.cpp's own quantizer (`llama_model_quantize` with
     allow_requantize, in a child process that imports llama_cpp, from `llama_cpp_path` first when
-    given), cached as `<stem>-<mix>.gguf`. Raises RuntimeError with the child's last words when it fails."""
-    folder = folder or cache_root()
-    path = folder / f"{src.stem}-requantized-{m.name}.gguf"
-    if path.exists():
-        return path
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    given), cached as `<stem>-requantized-<mix>.gguf`. Raises RuntimeError with the child's last words when it fails."""
     env = dict(os.environ)
     if llama_cpp_path:
         env["PYTHONPATH"] = os.pathsep.join([llama_cpp_path, *filter(None, [env.get("PYTHONPATH")])])
-    done = subprocess.run([sys.executable, "-c", _QUANTIZE, str(src), str(tmp), str(m.ftype)], env=env,
-                          capture_output=True, text=True)
-    try:
+
+    def write(tmp: Path) -> None:
+        done = subprocess.run([sys.executable, "-c", _QUANTIZE, str(src), str(tmp), str(m.ftype)], env=env,
+                              capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"llama.cpp's quantizer ({m.name}, ftype {m.ftype}) failed with exit code "
                                f"{done.returncode}: {(done.stderr or done.stdout).strip()[-600:]}")
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+
+    return _cached((folder or cache_root()) / f"{src.stem}-requantized-{m.name}.gguf", write)
