@@ -78,18 +78,10 @@ def add_model_parser(sub) -> None:
 
 
 def _run_model(args) -> int:
-    print(bench_model_path(args))
+    from hybridgate.bench.model_files import named_bench_model
+
+    print(named_bench_model(args.shape, args.quant, args.seed, args.layers))
     return 0
-
-
-def bench_model_path(args) -> str:
-    """The bench file that --shape/--quant/--seed/--layers name, written on first use."""
-    from hybridgate.bench.mixes import mix
-    from hybridgate.bench.model_files import bench_model
-    from hybridgate.bench.shapes import shape
-
-    s = shape(args.shape)
-    return str(bench_model(s.with_layers(args.layers or s.layers), mix(args.quant or "Q4_K_M"), args.seed))
 
 
 def _run_engine(args) -> int:

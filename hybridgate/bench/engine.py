@@ -229,9 +229,9 @@ def run(args: argparse.Namespace) -> dict:
     if args.shape and settings.model:
         raise ValueError("--shape and --model: name one model file, not both")
     if args.shape:
-        from hybridgate.bench import bench_model_path
+        from hybridgate.bench.model_files import named_bench_model
 
-        path = Path(bench_model_path(args))
+        path = named_bench_model(args.shape, args.quant, args.seed, args.layers)
         print(f"model: {path}", flush=True)
     else:
         path = Path(settings.model_path)

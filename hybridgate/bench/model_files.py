@@ -235,6 +235,16 @@ def bench_model(shape: Shape, m: Mix, seed: int = 0, progress: bool = True, fold
     return _cached(path, lambda tmp: write_bench_model(tmp, shape, m, seed, progress))
 
 
+def named_bench_model(shape_name: str, mix_name: str | None = None, seed: int = 0, layers: int | None = None) -> Path:
+    """`bench_model` of the shape and mix so named (`shapes.SHAPES`, `mixes.MIXES`; mix default Q4_K_M),
+    cut to `layers` blocks when given. Raises ValueError naming an unknown name or a layer count out of range."""
+    from hybridgate.bench.mixes import mix
+    from hybridgate.bench.shapes import shape
+
+    s = shape(shape_name)
+    return bench_model(s.with_layers(layers or s.layers), mix(mix_name or "Q4_K_M"), seed)
+
+
 def _cached(path: Path, write) -> Path:
     """`path`, made by `write(tmp)` into a temporary file moved into place when it does not exist yet."""
     if path.exists():

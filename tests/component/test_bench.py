@@ -53,8 +53,19 @@ def test_cpu_bench_reports_rates_bytes_bandwidth_and_outlives_a_crashing_baselin
         row = out["decode"][1]
         assert "crashed" in row[f"llama_cpp_{config}_error"] and f"llama_cpp_{config}_tokens_per_s" not in row
     assert (tmp_path / "b.json").exists()
+    # per-type shares of the step: the types are the file's matrix types (its linear weights Q4_1, the tied
+    # embedding Q8_0), each timed; with the rest of the step they add up to the step
+    shares = out["type_shares_c1"]
+    assert set(shares) - {"other_ms"} == {"Q4_1", "Q8_0"}
+    assert all(shares[t]["ms"] > 0 and shares[t]["bytes"] > 0 for t in ("Q4_1", "Q8_0"))
+    assert shares["other_ms"] + sum(shares[t]["ms"] for t in ("Q4_1", "Q8_0")) == pytest.approx(out["decode_step_ms_c1"])
 
 
 def test_baselines_belong_to_their_kind():
     with pytest.raises(ValueError, match="--baseline transformers"):
         engine.run(bench_args("--baseline", "transformers"))
+
+
+def test_shape_and_model_are_one_choice(model_path):
+    with pytest.raises(ValueError, match="--shape and --model"):
+        engine.run(bench_args("--model", str(model_path), "--shape", "llama-3.2-1b"))
