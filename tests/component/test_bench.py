@@ -53,6 +53,12 @@ def test_cpu_bench_reports_rates_bytes_bandwidth_and_outlives_a_crashing_baselin
         row = out["decode"][1]
         assert "crashed" in row[f"llama_cpp_{config}_error"] and f"llama_cpp_{config}_tokens_per_s" not in row
     assert (tmp_path / "b.json").exists()
+    # per-type shares of the step: the types are the file's matrix types (its linear weights Q4_1, the tied
+    # embedding Q8_0), each timed; with the rest of the step they add up to the step
+    shares = out["type_shares_c1"]
+    assert set(shares) - {"other_ms"} == {"Q4_1", "Q8_0"}
+    assert all(shares[t]["ms"] > 0 and shares[t]["bytes"] > 0 for t in ("Q4_1", "Q8_0"))
+    assert shares["other_ms"] + sum(shares[t]["ms"] for t in ("Q4_1", "Q8_0")) == pytest.approx(out["decode_step_ms_c1"])
 
 
 def test_baselines_belong_to_their_kind():
@@ -85,3 +91,8 @@ def test_mixed_load_reports_a_streams_gaps_with_the_step_budget_and_without(mode
     assert rows["budgeted"]["prompt_steps"] == 4 and rows["budgeted"]["chunk_tokens_max"] == 16
     assert rows["target_p99_ms"] == 4 * rows["unloaded"]["p50_ms"] + 50
     assert out["scheduler"]["mixed_step_budget"] == 1.5 and out["long_prompt_tokens"] == 64
+
+
+def test_shape_and_model_are_one_choice(model_path):
+    with pytest.raises(ValueError, match="--shape and --model"):
+        engine.run(bench_args("--model", str(model_path), "--shape", "llama-3.2-1b"))
