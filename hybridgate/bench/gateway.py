@@ -54,17 +54,22 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 MAX_CONNECTIONS = 16
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process `pid` and all its threads (Linux /proc; 0 elsewhere)."""
+def cpu_times(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of process `pid` and all its threads (Linux /proc; zeros elsewhere)."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime (fields 14, 15 of stat(5))
+        return 0.0, 0.0
+    return int(fields[11]) / CLOCK_TICKS, int(fields[12]) / CLOCK_TICKS  # utime, stime (fields 14, 15 of stat(5))
 
 
-def tree_cpu_seconds(pid: int) -> float:
-    """`cpu_seconds` of `pid` and of its living children (the other gateways of `--gateways N`)."""
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` and all its threads (Linux /proc; 0 elsewhere)."""
+    return sum(cpu_times(pid))
+
+
+def tree_cpu_times(pid: int) -> tuple[float, float]:
+    """`cpu_times` of `pid` and of its living children (the other gateways of `--gateways N`), summed."""
     children = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -72,7 +77,8 @@ def tree_cpu_seconds(pid: int) -> float:
                 children.append(int(stat.parent.name))
         except (OSError, ValueError, IndexError):
             continue
-    return cpu_seconds(pid) + sum(cpu_seconds(c) for c in children)
+    times = [cpu_times(p) for p in (pid, *children)]
+    return sum(t[0] for t in times), sum(t[1] for t in times)
 
 
 def _client_main(target: str, concurrency: int, requests: int, max_tokens: int, conn, tls_ca: str | None = None,
@@ -268,9 +274,10 @@ def measure(gateway: _Gateway, worker_pid: int, concurrency: int, requests: int,
     chats = safety.LargeChats(gateway.target, large_chat_bytes, **tls) if large_chat_bytes else None
     if gateway.profiler is not None:
         gateway.profiler.start(gateway.proc.pid)
-    gw0, wk0 = tree_cpu_seconds(gateway.proc.pid), cpu_seconds(worker_pid)
+    (user0, sys0), wk0 = tree_cpu_times(gateway.proc.pid), cpu_seconds(worker_pid)
     r = _run_client(target, concurrency, requests, max_tokens, protocol=protocol, **tls)
-    gw, wk = tree_cpu_seconds(gateway.proc.pid) - gw0, cpu_seconds(worker_pid) - wk0
+    (user, system), wk = tree_cpu_times(gateway.proc.pid), cpu_seconds(worker_pid) - wk0
+    gw, gw_sys = user + system - user0 - sys0, system - sys0
     profiled = gateway.profiler.stop(gateway.proc.pid) if gateway.profiler is not None else {}
     large = chats.stop() if chats is not None else None
     lag = safety.lag_summary(lag0, safety.lag_buckets(gateway.metrics_url))
@@ -283,6 +290,7 @@ def measure(gateway: _Gateway, worker_pid: int, concurrency: int, requests: int,
         "wall_s": r["wall_s"], "tokens_per_s": tokens / r["wall_s"] if r["wall_s"] else None,
         "messages_per_token": r["messages"] / tokens if tokens else None,
         "gateway_cpu_s": gw, "gateway_cpu_us_per_token": per_token(gw),
+        "gateway_system_share": gw_sys / gw if gw else None,  # in the kernel (syscalls), which callgrind misses
         "worker_cpu_us_per_token": per_token(wk), "client_cpu_us_per_token": per_token(r["client_cpu_s"]),
         "ttft_ms": {f"p{q}": ms(percentile(r["ttft_s"], q / 100)) for q in (50, 90, 99)},
         "itl_ms": {f"p{q}": ms(percentile(r["itl_s"], q / 100)) for q in (50, 90, 99)},
@@ -398,6 +406,7 @@ def _print_row(r: dict) -> None:
     fmt = (lambda v, spec=".1f": "-" if v is None else format(v, spec))
     print(f"concurrency {r['concurrency']:>4}: {fmt(r['tokens_per_s'], '.0f')} tokens/s, "
           f"gateway {fmt(r['gateway_cpu_us_per_token'])} µs CPU/token "
+          f"({fmt(100 * r['gateway_system_share'] if r['gateway_system_share'] is not None else None, '.0f')}% system) "
           f"(worker {fmt(r['worker_cpu_us_per_token'])}, client {fmt(r['client_cpu_us_per_token'])}), "
           f"{fmt(r['messages_per_token'], '.2f')} messages/token, "
           f"TTFT p50 {fmt(r['ttft_ms']['p50'])} ms p99 {fmt(r['ttft_ms']['p99'])} ms, "

@@ -98,6 +98,7 @@ class Router:
         self.model = model if isinstance(model, GGUFModel) else load_gguf(model)
         self.config = config or RouterConfig()
         self.tokenizer = Tokenizer.from_model(self.model)
+        self.tokenizer.token_texts  # noqa: B018 (the detokenizers' shared table, made now rather than mid-stream)
         template = read_chat_template(self.config.chat_template)
         # Without a template (a base model): completions only; a chat names --chat-template.
         self.chat_template = ChatTemplate(self.tokenizer, template, template_token_ids(self.model.metadata))
