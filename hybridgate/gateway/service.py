@@ -79,19 +79,20 @@ class GenerationService(pb_grpc.GenerationServicer):
                                f"the gateway holds {self.admission.limit} requests, its limit "
                                "(--max-inflight-requests)")
         last = None
+        itl, streamed = self.metrics.itl.observe, self.admission.streamed  # per message: looked up once
         try:
             # A cancelled call or an expired deadline raises CancelledError in here;
             # leaving the `async with` sends the abort to the worker.
             async with stream:
                 async for delta in stream:
-                    now = time.monotonic()
+                    now, n = time.monotonic(), len(delta.token_ids)
                     if last is None:
                         outcome.first = now
                         self.metrics.ttft.observe(now - outcome.start)
-                    elif delta.token_ids:
-                        self.metrics.itl.observe((now - last) / len(delta.token_ids))
+                    elif n:
+                        itl((now - last) / n)
                     last = now
-                    self.admission.streamed(len(delta.token_ids))
+                    streamed(n)
                     if delta.finish_reason is not None:
                         outcome.finish, outcome.route = delta.finish_reason.name.lower(), delta.route
                         self.metrics.e2e.observe(now - outcome.start)

@@ -50,18 +50,23 @@ class Mailbox:
             raise asyncio.QueueEmpty
         return self._items.popleft()
 
+    def arrival(self) -> asyncio.Future:
+        """A future done once an item is held (at once if one is): `await box.arrival()` then
+        `get_nowait()` is `get()` without a coroutine of its own, for the reader's hot loop.
+        One reader at a time: a second reader waiting meanwhile is a RuntimeError (it would take
+        the first one's wake-up)."""
+        if self._waiter is not None and not self._waiter.done():  # (a cancelled wait's future is done)
+            raise RuntimeError("Mailbox: another reader is waiting (a Mailbox has one reader)")
+        waiter = self._waiter = asyncio.get_running_loop().create_future()
+        if self._items:
+            self._waiter = None
+            waiter.set_result(None)
+        return waiter
+
     async def get(self):
-        """The oldest item, waiting for one. One reader at a time: a second concurrent `get` is a
-        RuntimeError (it would take the first one's wake-up)."""
+        """The oldest item, waiting for one (one reader at a time, as `arrival`)."""
         while not self._items:
-            if self._waiter is not None:
-                raise RuntimeError("Mailbox.get: another reader is waiting (a Mailbox has one reader)")
-            waiter = self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await waiter
-            finally:
-                if self._waiter is waiter:  # cancelled while waiting: nobody will wake it
-                    self._waiter = None
+            await self.arrival()
         return self._items.popleft()
 
     def clear(self) -> None:

@@ -395,14 +395,15 @@ class Router:
         return None
 
     def _on_outputs(self, client: WorkerClient, msg: Outputs) -> None:
-        for out in msg.outputs:
-            stream = self._in_handoff(out.request_id)
-            if stream is not None:
+        streams = self._streams
+        for out in msg.outputs:  # one lookup per output: a message carries every running sequence's ids
+            stream = streams.get(out.request_id)
+            if stream is not None and stream.handoff is not None and stream.handoff.active:
                 stream.handoff.on_message(client, out)  # both workers' outputs, reordered
-                continue
-            stream = self._stream_of(client, out.request_id)
-            if stream is not None:
+            elif stream is not None and stream.client is client:
                 stream.put(out)
+            else:
+                self._stream_of(client, out.request_id)  # counted and logged as unknown unless recently ended
 
     def _in_handoff(self, request_id: str) -> GenerationStream | None:
         """The stream of `request_id` while its KV hand-off is active (it takes both workers' messages)."""

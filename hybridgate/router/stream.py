@@ -360,7 +360,9 @@ class GenerationStream:
             if self._held is not None:
                 item, self._held = self._held, None
             else:
-                item = await self._queue.get()
+                if self._queue.empty():
+                    await self._queue.arrival()
+                item = self._queue.get_nowait()
             if type(item) is SeqOutput:
                 delta = self._on_output(self._coalesce(item))
                 if delta is not None:
