@@ -158,6 +158,7 @@ def _run_handoff(args) -> int:
 
 
 def add_gateway_parser(sub) -> None:
+    from hybridgate.bench.profile import PROFILERS
     from hybridgate.config import bounded
     from hybridgate.settings import add_command_settings
 
@@ -169,9 +170,10 @@ def add_gateway_parser(sub) -> None:
     p.add_argument("--requests", type=bounded(int, 1), default=64,
                    help="streams per concurrency (at least the concurrency; default 64)")
     p.add_argument("--max-tokens", type=bounded(int, 1), default=256, help="ids per stream (default 256)")
-    p.add_argument("--protocol", choices=("grpc", "openai"), default="grpc",
-                   help="drive the gateway's gRPC stream, or its OpenAI-compatible HTTP door (/v1/completions as "
-                        "server-sent events; not with --tls) (default grpc)")
+    p.add_argument("--protocol", type=_doors, default=["grpc"],
+                   help="the doors to drive, comma-separated: grpc (the gRPC stream), openai (the OpenAI-compatible "
+                        "HTTP door, /v1/completions as server-sent events; not with --tls); several run alternately "
+                        "on the same gateway (default grpc)")
     p.add_argument("--gateways", type=bounded(int, 1, 64), default=1,
                    help="gateway processes on the one port (hybridgate gateway --gateways N; default 1)")
     p.add_argument("--step-ms", type=bounded(float, 0), default=0.0,
@@ -181,13 +183,31 @@ def add_gateway_parser(sub) -> None:
     p.add_argument("--tls", action="store_true",
                    help="also run each concurrency against a second gateway with TLS (a self-signed certificate) "
                         "and a bearer token, alternately with plaintext, and report the tokens/s ratio")
-    p.add_argument("--repeats", type=bounded(int, 1), default=3,
-                   help="with --tls: plaintext/TLS run pairs per concurrency, medians reported (default 3)")
+    p.add_argument("--repeats", type=bounded(int, 1), default=None,
+                   help="runs per concurrency and door (with --tls: plaintext/TLS run pairs), medians reported "
+                        "(default 1; 3 with --tls)")
+    p.add_argument("--auth", action=argparse.BooleanOptionalAction, default=True,
+                   help="the gateway requires a bearer token and every call carries it, as deployed (default on)")
+    p.add_argument("--profile", default=None, metavar="FILE",
+                   help="profile the gateway process over the measured runs only, into FILE (cprofile: a pstats "
+                        "file; callgrind: FILE.1, FILE.2, ... one per run, and instructions per token reported)")
+    p.add_argument("--profiler", choices=PROFILERS, default=PROFILERS[0],
+                   help="with --profile: cProfile on the gateway's event-loop thread, or valgrind's callgrind "
+                        "(every thread; about 50 times slower, so lengthen --step-ms) (default cprofile)")
     p.add_argument("--large-chat-bytes", type=bounded(int, 0, 1 << 20), default=0,
                    help="during each run, send chat requests of this many bytes and of half as many, one at a "
                         "time, and report the gateway's event-loop lag (default 0: none)")
     p.add_argument("--json", default=None, metavar="OUT", help="write the figures to this JSON file")
     p.set_defaults(func=_run_gateway)
+
+
+def _doors(text: str) -> list[str]:
+    """`--protocol`'s comma-separated doors, each grpc or openai."""
+    doors = [d.strip() for d in text.split(",") if d.strip()]
+    bad = [d for d in doors if d not in ("grpc", "openai")]
+    if bad or not doors:
+        raise argparse.ArgumentTypeError(f"each door must be grpc or openai, got {text!r}")
+    return list(dict.fromkeys(doors))
 
 
 def _run_gateway(args) -> int:

@@ -99,6 +99,7 @@ class Router:
         self.model = model if isinstance(model, GGUFModel) else load_gguf(model)
         self.config = config or RouterConfig()
         self.tokenizer = Tokenizer.from_model(self.model)
+        self.tokenizer.token_texts  # noqa: B018 (the detokenizers' shared table, made now rather than mid-stream)
         template = read_chat_template(self.config.chat_template)
         # Without a template (a base model): completions only; a chat names --chat-template.
         self.chat_template = ChatTemplate(self.tokenizer, template, template_token_ids(self.model.metadata))
@@ -397,14 +398,15 @@ class Router:
         return None
 
     def _on_outputs(self, client: WorkerClient, msg: Outputs) -> None:
-        for out in msg.outputs:
-            stream = self._in_handoff(out.request_id)
-            if stream is not None:
+        streams = self._streams
+        for out in msg.outputs:  # one lookup per output: a message carries every running sequence's ids
+            stream = streams.get(out.request_id)
+            if stream is not None and stream.handoff is not None and stream.handoff.active:
                 stream.handoff.on_message(client, out)  # both workers' outputs, reordered
-                continue
-            stream = self._stream_of(client, out.request_id)
-            if stream is not None:
+            elif stream is not None and stream.client is client:
                 stream.put(out)
+            else:
+                self._stream_of(client, out.request_id)  # counted and logged as unknown unless recently ended
 
     def _in_handoff(self, request_id: str) -> GenerationStream | None:
         """The stream of `request_id` while its KV hand-off is active (it takes both workers' messages)."""
