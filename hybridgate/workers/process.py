@@ -48,13 +48,15 @@ def build_runner(config: WorkerConfig):
         device = torch.device(config.device) if config.device else None
         return TorchRunner(model, device, kv_cache_memory=config.kv_cache_memory, enforce_eager=config.enforce_eager,
                            max_num_seqs=config.max_num_seqs), model
-    from hybridgate.workers.cpu import isa
+    from hybridgate.workers.cpu import isa, threadwait
 
     isa.select(config.engine.cpu_isa)  # before the kernels (and Numba) are imported
+    threadwait.select(config.engine.cpu_thread_wait)  # before Numba's threads start
     from hybridgate.workers.cpu.runner import NumbaRunner
 
     return NumbaRunner(model, kv_cache_memory=config.kv_cache_memory, threads=config.threads,
-                       activations=config.engine.cpu_activations, kv_cache_dtype=config.engine.kv_cache_dtype), model
+                       activations=config.engine.cpu_activations, kv_cache_dtype=config.engine.kv_cache_dtype,
+                       thread_fallback=config.engine.cpu_thread_fallback), model
 
 
 def check_bindable(endpoint: str) -> None:
