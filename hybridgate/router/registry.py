@@ -128,7 +128,8 @@ class RedisRegistry:
                 if entry.fingerprint not in self.siblings and (endpoint, entry.boot_id) not in self._refused:
                     self._refused.add((endpoint, entry.boot_id))
                     log.error("refusing worker %s (registry): it serves model fingerprint %s, but this router's "
-                              "model has fingerprint %s", endpoint, entry.fingerprint, router.fingerprint)
+                              "model has fingerprint %s%s", endpoint, entry.fingerprint, router.fingerprint,
+                              f" (its model: {entry.model})" if entry.model else "")
                 if endpoint in self.known:
                     await self._drop(endpoint, "now serves another model")
                 continue
