@@ -74,6 +74,15 @@ def test_overlay_renders_and_validates_against_the_kubernetes_api(overlay, tmp_p
         assert sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"], (name, c["name"])
         assert sc["capabilities"]["drop"] == ["ALL"], (name, c["name"])
         assert "memory" in c["resources"]["limits"], (name, c["name"])
+        image, _, tag = c["image"].rpartition(":")  # a pinned tag on every image, never latest
+        assert image and tag and tag != "latest" and "/" not in tag, (name, c["image"])
+    # No secret in the manifests: the key Job writes the Secret in the cluster; none is rendered, and no
+    # variable carries a key or a token by value.
+    assert "Secret" not in kinds
+    for name, c in containers(docs):
+        for e in c.get("env", []):
+            assert not any(word in e["name"] for word in ("TOKEN", "SECRET", "KEY")) or "value" not in e or \
+                e["value"].startswith("/"), (name, e)
     if overlay == "gpu":
         gpu = next(d for d in docs if d["metadata"]["name"] == "gpu-worker" and d["kind"] == "Deployment")
         assert gpu["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
