@@ -22,8 +22,9 @@ class GatewayMetrics:
 
     def __init__(self, clients: Callable[[], Iterable] | None = None, wire_errors: Callable[[], int] | None = None,
                  handoff: Callable[[], object] | None = None, redis_up: Callable[[], bool | None] | None = None,
-                 response_cache=None, model: tuple[str, str] | None = None):
-        """`model`: (served name, fingerprint) of the model, exported as `hybridgate:model_info`."""
+                 response_cache=None, model: tuple[str, str] | None = None, constraint_check=None):
+        """`model`: (served name, fingerprint) of the model, exported as `hybridgate:model_info`;
+        `constraint_check`: the router's `ConstraintCheck`, whose counters are exported."""
         self.registry = CollectorRegistry()
         if model is not None:
             Info("hybridgate:model", "The served model: its name and fingerprint.",
@@ -63,6 +64,8 @@ class GatewayMetrics:
             self.registry.register(_RedisCollector(redis_up))
         if response_cache is not None:
             self.registry.register(_ResponseCacheCollector(response_cache))
+        if constraint_check is not None:
+            self.registry.register(_ConstraintCheckCollector(constraint_check))
 
     async def watch_loop_lag(self, interval_s: float = LAG_INTERVAL_S) -> None:
         """Runs until cancelled: each period, how much later than asked the loop woke this task
@@ -111,6 +114,25 @@ class _ResponseCacheCollector:
                                   "identical generation in flight (single-flight).", value=c.coalesced)
         yield GaugeMetricFamily("hybridgate:response_cache_bytes", "Bytes of cached answers held (memory), or "
                                 "written by this gateway and not yet expired (redis).", value=c.store.bytes)
+
+
+class _ConstraintCheckCollector:
+    """The gateway's check of output constraints and tool grammars before any token
+    (`hybridgate.router.constraints.ConstraintCheck`): compiles, cache hits, refusals, compile time."""
+
+    def __init__(self, check):
+        self._check = check
+
+    def collect(self):
+        c = self._check
+        yield CounterMetricFamily("hybridgate:constraint_check_compiles", "Distinct grammars compiled by the "
+                                  "gateway's check before their requests ran (its cache's misses).", value=c.compiles)
+        yield CounterMetricFamily("hybridgate:constraint_check_cache_hits", "Constrained requests whose grammar's "
+                                  "verdict was cached or being compiled already.", value=c.hits)
+        yield CounterMetricFamily("hybridgate:constraint_check_refused", "Constrained requests refused (400 / "
+                                  "INVALID_ARGUMENT) because their grammar cannot be enforced.", value=c.refused)
+        yield CounterMetricFamily("hybridgate:constraint_check_compile_seconds", "Time the gateway's check spent "
+                                  "compiling grammars, on threads off the event loop.", value=c.compile_seconds)
 
 
 class _EngineCollector:

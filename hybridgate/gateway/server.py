@@ -46,7 +46,8 @@ class Gateway:
         self.metrics = GatewayMetrics(lambda: router.clients, wire_errors=lambda: router.wire_errors,
                                       handoff=lambda: router.handoff_metrics, redis_up=router.redis_up,
                                       response_cache=router.response_cache,
-                                      model=(self.model_names[0], router.fingerprint))
+                                      model=(self.model_names[0], router.fingerprint),
+                                      constraint_check=router.constraints)
         self.health = health.aio.HealthServicer()
         credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca) \
             if config.tls_cert else None  # read before anything binds: a bad file fails at once
