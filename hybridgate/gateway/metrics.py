@@ -120,19 +120,23 @@ class _ConstraintCheckCollector:
     """The gateway's check of output constraints and tool grammars before any token
     (`hybridgate.router.constraints.ConstraintCheck`): compiles, cache hits, refusals, compile time."""
 
+    _ROWS = (  # (metric, ConstraintCheck attribute, help)
+        ("compiles", "compiles", "Distinct grammars compiled by the gateway's check before their requests ran "
+         "(its cache's misses)."),
+        ("cache_hits", "hits", "Constrained requests whose grammar's verdict was cached or being compiled already."),
+        ("refused", "refused", "Constrained requests refused (400 / INVALID_ARGUMENT): their grammar cannot be "
+         "enforced."),
+        ("compile_seconds", "compile_seconds", "Time the gateway's check spent compiling grammars, on threads "
+         "off the event loop."),
+    )
+
     def __init__(self, check):
         self._check = check
 
     def collect(self):
-        c = self._check
-        yield CounterMetricFamily("hybridgate:constraint_check_compiles", "Distinct grammars compiled by the "
-                                  "gateway's check before their requests ran (its cache's misses).", value=c.compiles)
-        yield CounterMetricFamily("hybridgate:constraint_check_cache_hits", "Constrained requests whose grammar's "
-                                  "verdict was cached or being compiled already.", value=c.hits)
-        yield CounterMetricFamily("hybridgate:constraint_check_refused", "Constrained requests refused (400 / "
-                                  "INVALID_ARGUMENT) because their grammar cannot be enforced.", value=c.refused)
-        yield CounterMetricFamily("hybridgate:constraint_check_compile_seconds", "Time the gateway's check spent "
-                                  "compiling grammars, on threads off the event loop.", value=c.compile_seconds)
+        for metric, attribute, help_ in self._ROWS:
+            yield CounterMetricFamily(f"hybridgate:constraint_check_{metric}", help_,
+                                      value=getattr(self._check, attribute))
 
 
 class _EngineCollector:
