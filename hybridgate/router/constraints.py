@@ -102,10 +102,16 @@ def json_object(compact: bool = False) -> Constraint:
     return Constraint(kind="json_object", grammar=_json_grammar(_ANY_OBJECT, compact))
 
 
+def with_separators(schema: Mapping, compact: bool = False) -> Mapping:
+    """`schema` with llguidance's JSON options set to fixed separators and no free whitespace (see the module
+    doc), unless it sets its own `x-guidance`."""
+    if "x-guidance" in schema:
+        return schema
+    return {"x-guidance": _COMPACT if compact else _SPACED, **schema}
+
+
 def _json_grammar(schema: Mapping, compact: bool) -> str:
-    if "x-guidance" not in schema:
-        schema = {"x-guidance": _COMPACT if compact else _SPACED, **schema}
-    return "start: %json " + json.dumps(schema) + "\n"
+    return "start: %json " + json.dumps(with_separators(schema, compact)) + "\n"
 
 
 def regex(pattern: Any, field: str, limits: ConstraintLimits = ConstraintLimits()) -> Constraint:

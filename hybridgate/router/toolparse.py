@@ -18,7 +18,8 @@ the name is held until the name is known.
 The JSON is scanned leniently by `_Scanner` (RFC 8259's structure: strings with
 escapes, objects, arrays, scalars); text that is not JSON never raises: a
 trigger not followed by a JSON value is content, and a value cut short (the
-token limit) leaves its call with the arguments written so far.
+token limit) leaves its call with the arguments written so far; a call cut
+before its name is no call, and an end marker cut short is not content.
 """
 
 from __future__ import annotations
@@ -334,7 +335,7 @@ class _Scanner:
             self._value_end("", 0)
         for frame in reversed(self.stack):
             if frame.call is not None:
-                self.p._call_closed(frame.call)
+                self.p._call_cut(frame.call)
 
 
 def _matches(path: tuple, patterns) -> bool:
@@ -369,11 +370,10 @@ class ToolCallParser:
         return self._take()
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
-        """The output ended: held text is content (a region cut short keeps what its calls had)."""
-        if self._mode in ("content", "tail"):
-            self._emit_content(self._held)
-        elif self._mode == "gap" and self._held.strip(self.syntax.gap):
-            self._emit_content(self._held)
+        """The output ended: a held trigger's start is content, unless it follows a call (then it is the start of
+        the next call's markup, as a held end marker is); a region cut short keeps its named calls."""
+        if self._mode == "content":
+            self._emit_content(self._held)  # a trigger's start that the output did not finish
         elif self._mode == "region":
             if self._scanner.started:
                 self._scanner.flush()
@@ -488,6 +488,16 @@ class ToolCallParser:
 
     def _call_closed(self, state: _CallState) -> None:
         self._announce(state)  # a call without a name is announced with an empty one
+
+    def _call_cut(self, state: _CallState) -> None:
+        """The output ended inside this call: kept if its name was written, else no call at all (nothing of it
+        was streamed: a call is announced with its name)."""
+        if state.announced:
+            return
+        if state.call.name:
+            self._announce(state)
+        else:
+            self.calls.remove(state.call)
 
 
 def _partial_suffix(text: str, trigger: str) -> int:

@@ -221,3 +221,25 @@ def test_history_with_calls_and_results_renders_in_both_kinds_of_template(tokeni
     assert '{"tool_response": {"tool_call_id": "call_1", "content": "21 C"}}' in text
     none = plan(FORMATS["hermes"], messages, ToolRequest.from_openai(TOOLS, "none"), tokenizer.special_tokens)
     assert none.template_tools is None and none.constraint is None and none.syntax is None
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), [
+    # cut inside the end marker: the markup is no content
+    ('<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_ca', "", [("add", '{"a": 1}')]),
+    # cut before the second call's name: one call, not a nameless second one
+    ('<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\n<tool_call>\n{"name": "a', "",
+     [("add", '{"a": 1}')]),
+    ('Hi <tool_call>\n{"arguments": {"a": 1}, "na', "Hi ", []),
+    # cut inside the next call's trigger
+    ('<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\n<tool_', "", [("add", '{"a": 1}')]),
+])
+def test_an_output_cut_short_leaves_no_markup_and_no_nameless_call(text, content, calls):
+    for cut in range(len(text) + 1):
+        parser = ToolCallParser(FORMATS["hermes"].syntax)
+        a, da = parser.feed(text[:cut])
+        b, db = parser.feed(text[cut:])
+        c, dc = parser.finish()
+        deltas = merge_deltas(merge_deltas(da, db), dc)
+        assert a + b + c == content
+        assert [(c.name, c.arguments) for c in parser.calls] == calls
+        assert [(d.name, d.arguments) for d in deltas] == calls
