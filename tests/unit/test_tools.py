@@ -243,3 +243,39 @@ def test_an_output_cut_short_leaves_no_markup_and_no_nameless_call(text, content
         assert a + b + c == content
         assert [(c.name, c.arguments) for c in parser.calls] == calls
         assert [(d.name, d.arguments) for d in deltas] == calls
+
+
+@pytest.fixture(scope="module")
+def mistral_tokenizer(gguf_model):
+    """The default model's tokenizer with its control token `<empty_output>` (id 16) renamed `[TOOL_CALLS]`,
+    as Mistral's vocabularies have it: a control token whose text a prompt can also spell in plain pieces."""
+    from hybridgate.models import Tokenizer
+
+    meta = dict(gguf_model.metadata)
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    tokens[tokens.index("<empty_output>")] = "[TOOL_CALLS]"
+    meta["tokenizer.ggml.tokens"] = tokens
+    return Tokenizer(meta)
+
+
+def test_the_mistral_trigger_is_recognised_as_a_control_token_and_as_text(mistral_tokenizer):
+    tok = mistral_tokenizer
+    control = tok.special_tokens["[TOOL_CALLS]"]
+    text = RECORDED["mistral"]
+    body = tok.encode(text[len("[TOOL_CALLS]"):])
+    as_text = tok.encode("[TOOL_CALLS]", special_tokens=False)
+    assert control not in as_text and len(as_text) > 1  # spelled in plain pieces
+    want = reference_calls("mistral", text)
+    step = plan(FORMATS["mistral"], [{"role": "user", "content": "x"}], ToolRequest.from_openai(TOOLS, "required"),
+                tok.special_tokens)
+    assert step.keep_special  # the request's detokenizer keeps control tokens' text, so the trigger reaches the parser
+    for ids in ([control, *body], [*as_text, *body]):
+        for cuts in ([], list(range(1, len(ids))), [1], [len(ids) - 1]):
+            content, calls, seen = parse_groups(tok, "mistral", ids, cuts)
+            assert (content, calls) == want
+            assert len({i for i, _, _ in seen}) == len({d for _, d, _ in seen}) == 2
+    # the grammar opens the region with the control token itself
+    ll = llguidance.LLTokenizer(tok._with_special.to_str(), eos_token=tok.eos_token_id)
+    matcher = llguidance.LLMatcher(ll, step.constraint.grammar, log_level=0)
+    assert matcher.consume_tokens([control, *body]) and matcher.is_accepting()
+    assert not llguidance.LLMatcher(ll, step.constraint.grammar, log_level=0).consume_tokens(as_text)
