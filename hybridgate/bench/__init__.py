@@ -181,8 +181,12 @@ def add_gateway_parser(sub) -> None:
     p.add_argument("--tls", action="store_true",
                    help="also run each concurrency against a second gateway with TLS (a self-signed certificate) "
                         "and a bearer token, alternately with plaintext, and report the tokens/s ratio")
+    p.add_argument("--tools", action="store_true",
+                   help="send chats, alternately without and with a tool; the instant worker streams a recorded "
+                        "tool-call generation for the latter, which the gateway parses; report the ratio of the "
+                        "gateway's CPU per token, tools / no tools (not with --tls)")
     p.add_argument("--repeats", type=bounded(int, 1), default=3,
-                   help="with --tls: plaintext/TLS run pairs per concurrency, medians reported (default 3)")
+                   help="with --tls or --tools: run pairs per concurrency, medians reported (default 3)")
     p.add_argument("--large-chat-bytes", type=bounded(int, 0, 1 << 20), default=0,
                    help="during each run, send chat requests of this many bytes and of half as many, one at a "
                         "time, and report the gateway's event-loop lag (default 0: none)")
