@@ -39,8 +39,13 @@ ANY = "*"  # a path step matching every index of an array
 
 
 def new_call_id() -> str:
-    """A fresh OpenAI-style call id: `call_` and 24 random letters and digits (unique per call)."""
-    return "call_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
+    """A fresh OpenAI-style call id: `call_` and 24 random letters and digits (unique per call): 143 random
+    bits in base 62, one call to the system's generator."""
+    n, digits = secrets.randbits(143), []
+    for _ in range(24):
+        n, d = divmod(n, 62)
+        digits.append(_ID_ALPHABET[d])
+    return "call_" + "".join(digits)
 
 
 @dataclass(frozen=True)
@@ -501,8 +506,13 @@ class ToolCallParser:
 
 
 def _partial_suffix(text: str, trigger: str) -> int:
-    """The length of the longest end of `text` that is a proper start of `trigger` (0 when none)."""
-    for k in range(min(len(trigger) - 1, len(text)), 0, -1):
-        if trigger.startswith(text[-k:]):
-            return k
+    """The length of the longest end of `text` that is a proper start of `trigger` (0 when none): only the
+    places of the trigger's first character are tried, so plain text costs one `find`."""
+    if not trigger:
+        return 0
+    at = text.find(trigger[0], max(0, len(text) - len(trigger) + 1))
+    while at >= 0:
+        if trigger.startswith(text[at:]):
+            return len(text) - at
+        at = text.find(trigger[0], at + 1)
     return 0
