@@ -98,7 +98,7 @@ async def _drive(target: str, concurrency: int, requests: int, max_tokens: int, 
                                  label="bench-gateway") if tools is None else _grpc_chat(max_tokens, tools)
     ttfts: list[float] = []
     itls: list[float] = []
-    counts = {"tokens": 0, "messages": 0, "errors": 0, "short": 0}
+    counts = {"tokens": 0, "messages": 0, "errors": 0, "short": 0, "tool_calls": 0}
     remaining = iter(range(requests))
 
     async def one(stub) -> None:
@@ -114,6 +114,7 @@ async def _drive(target: str, concurrency: int, requests: int, max_tokens: int, 
                     itls.append((now - last) / n)
                 last, tokens = now, tokens + n
                 counts["messages"] += 1
+                counts["tool_calls"] += len(msg.tool_calls)  # the last message's parsed calls
         except grpc.aio.AioRpcError:
             counts["errors"] += 1
         counts["tokens"] += tokens
@@ -149,7 +150,7 @@ async def _drive_http(target: str, concurrency: int, requests: int, max_tokens: 
         path, body = "/v1/chat/completions", _http_chat(max_tokens, tools)
     ttfts: list[float] = []
     itls: list[float] = []
-    counts = {"tokens": 0, "messages": 0, "errors": 0, "short": 0}
+    counts = {"tokens": 0, "messages": 0, "errors": 0, "short": 0, "tool_calls": 0}
     remaining = iter(range(requests))
 
     async def one() -> None:
@@ -165,6 +166,8 @@ async def _drive_http(target: str, concurrency: int, requests: int, max_tokens: 
                     tokens = chunk["usage"]["completion_tokens"]
                 if not chunk.get("choices"):
                     continue
+                calls = chunk["choices"][0].get("delta", {}).get("tool_calls") or ()
+                counts["tool_calls"] += sum(1 for call in calls if call.get("id"))  # a call's first delta
                 if first:
                     ttfts.append(now - start)
                     first = False
@@ -271,6 +274,7 @@ def measure(gateway: _Gateway, worker_pid: int, concurrency: int, requests: int,
     return {
         "concurrency": concurrency, "requests": requests, "max_tokens": max_tokens,
         "tokens": tokens, "messages": r["messages"], "errors": r["errors"], "short_streams": r["short"],
+        "tool_calls": r["tool_calls"],
         "wall_s": r["wall_s"], "tokens_per_s": tokens / r["wall_s"] if r["wall_s"] else None,
         "messages_per_token": r["messages"] / tokens if tokens else None,
         "gateway_cpu_s": gw, "gateway_cpu_us_per_token": per_token(gw),

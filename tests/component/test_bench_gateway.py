@@ -63,3 +63,19 @@ def test_bench_gateway_over_the_openai_http_door(tmp_path):
     assert row["gateway_cpu_us_per_token"] > 0 and row["tokens_per_s"] > 0
     for key in ("ttft_ms", "itl_ms"):
         assert 0 < row[key]["p50"] <= row[key]["p90"] <= row[key]["p99"], key
+
+
+def test_bench_gateway_tools_compares_chats_with_and_without_a_tool(tmp_path):
+    out = tmp_path / "gateway-tools.json"
+    proc = subprocess.run([HYBRIDGATE, "bench", "gateway", "--tools", "--protocol", "openai", "--concurrency", "2",
+                           "--requests", "2", "--max-tokens", "96", "--step-ms", "2", "--repeats", "1",
+                           "--json", str(out)], capture_output=True, text=True, timeout=120 * TIME_FACTOR)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert [r["tools"] for r in report["results"]] == [False, True] and "[chat with tools]" in proc.stdout
+    for row in report["results"]:
+        assert row["tokens"] == 2 * 96 and row["errors"] == 0 and row["short_streams"] == 0
+    # 96 ids of the recorded generation (92 ids, two calls) hold two whole calls per stream, parsed by the gateway
+    assert report["results"][0]["tool_calls"] == 0 and report["results"][1]["tool_calls"] >= 2 * 2
+    (ratio,) = report["tools_ratios"]
+    assert ratio["concurrency"] == 2 and ratio["gateway_cpu_ratio"] > 0 and ratio["runs"] == 1
