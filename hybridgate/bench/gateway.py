@@ -258,13 +258,14 @@ def measure(gateway: _Gateway, worker_pid: int, concurrency: int, requests: int,
     `large_chat_bytes`, chats of that size arrive meanwhile and the row has the loop's lag.
     `protocol`: the gRPC stream or the OpenAI HTTP door (`openai`) of the same gateway; `tools`: chats
     with a tool (True) or without (False) instead of a prompt (None)."""
-    tls = dict(tls_ca=gateway.tls_ca, token=gateway.token, tools=tools)
+    tls = dict(tls_ca=gateway.tls_ca, token=gateway.token)
     target = gateway.http_target if protocol == "openai" else gateway.target
-    _run_client(target, concurrency, min(requests, 2 * concurrency), max_tokens, protocol=protocol, **tls)  # warm-up
+    _run_client(target, concurrency, min(requests, 2 * concurrency), max_tokens, protocol=protocol, tools=tools,
+                **tls)  # warm-up
     lag0 = safety.lag_buckets(gateway.metrics_url)
     chats = safety.LargeChats(gateway.target, large_chat_bytes, **tls) if large_chat_bytes else None
     gw0, wk0 = tree_cpu_seconds(gateway.proc.pid), cpu_seconds(worker_pid)
-    r = _run_client(target, concurrency, requests, max_tokens, protocol=protocol, **tls)
+    r = _run_client(target, concurrency, requests, max_tokens, protocol=protocol, tools=tools, **tls)
     gw, wk = tree_cpu_seconds(gateway.proc.pid) - gw0, cpu_seconds(worker_pid) - wk0
     large = chats.stop() if chats is not None else None
     lag = safety.lag_summary(lag0, safety.lag_buckets(gateway.metrics_url))
