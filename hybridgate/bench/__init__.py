@@ -185,7 +185,7 @@ def add_gateway_parser(sub) -> None:
                         "and a bearer token, alternately with plaintext, and report the tokens/s ratio")
     p.add_argument("--repeats", type=bounded(int, 1), default=None,
                    help="runs per concurrency and door (with --tls: plaintext/TLS run pairs), medians reported "
-                        "(default 1; 3 with --tls)")
+                        "(default 1; 3 with --tls or --tools)")
     p.add_argument("--auth", action=argparse.BooleanOptionalAction, default=True,
                    help="the gateway requires a bearer token and every call carries it, as deployed (default on)")
     p.add_argument("--profile", default=None, metavar="FILE",
@@ -194,6 +194,10 @@ def add_gateway_parser(sub) -> None:
     p.add_argument("--profiler", choices=PROFILERS, default=PROFILERS[0],
                    help="with --profile: cProfile on the gateway's event-loop thread, or valgrind's callgrind "
                         "(every thread; about 50 times slower, so lengthen --step-ms) (default cprofile)")
+    p.add_argument("--tools", action="store_true",
+                   help="send chats, alternately without and with a tool; the instant worker streams a recorded "
+                        "tool-call generation for the latter, which the gateway parses; report the ratio of the "
+                        "gateway's CPU per token, tools / no tools (not with --tls)")
     p.add_argument("--large-chat-bytes", type=bounded(int, 0, 1 << 20), default=0,
                    help="during each run, send chat requests of this many bytes and of half as many, one at a "
                         "time, and report the gateway's event-loop lag (default 0: none)")

@@ -13,6 +13,11 @@ carries). `--protocol openai` drives the OpenAI-compatible HTTP door of
 the same gateway instead (`/v1/completions`, server-sent events; a response
 message is one SSE chunk, tokens are counted from the usage chunk, and ITL is
 the gap between two chunks, one token each unless the door joined them).
+`--tools` sends chats instead, alternately without and with a tool (`auto`,
+the Hermes format): the instant worker streams a recorded tool-call generation
+for the latter (`hybridgate.bench.instant.TOOL_TEXT`), which the gateway parses
+into calls; it reports the medians' ratio, tools / no tools, of the gateway's
+CPU per streamed token.
 
 The client shares the machine's cores with the gateway: on a 2-core machine
 the figure "gateway CPU per token" holds, the tokens/s is bounded by what the
@@ -82,7 +87,7 @@ def tree_cpu_times(pid: int) -> tuple[float, float]:
 
 
 def _client_main(target: str, concurrency: int, requests: int, max_tokens: int, conn, tls_ca: str | None = None,
-                 token: str | None = None, protocol: str = "grpc") -> None:
+                 token: str | None = None, protocol: str = "grpc", tools: bool | None = None) -> None:
     """Client process: `requests` streams, `concurrency` at a time; sends the figures back on `conn`.
     `tls_ca`: connect over TLS trusting that PEM; `token`: send it as the bearer token."""
     try:
@@ -91,24 +96,24 @@ def _client_main(target: str, concurrency: int, requests: int, max_tokens: int, 
         uvloop.install()
     except ImportError:
         pass
-    drive = _drive_http(target, concurrency, requests, max_tokens, token) if protocol == "openai" else \
-        _drive(target, concurrency, requests, max_tokens, tls_ca, token)
+    drive = _drive_http(target, concurrency, requests, max_tokens, token, tools) if protocol == "openai" else \
+        _drive(target, concurrency, requests, max_tokens, tls_ca, token, tools)
     conn.send(asyncio.run(drive))
     conn.close()
 
 
 async def _drive(target: str, concurrency: int, requests: int, max_tokens: int, tls_ca: str | None = None,
-                 token: str | None = None) -> dict:
+                 token: str | None = None, tools: bool | None = None) -> dict:
     import grpc
 
     from hybridgate.v1 import generation_pb2 as pb
     from hybridgate.v1 import generation_pb2_grpc as pb_grpc
 
     request = pb.GenerateRequest(prompt=PROMPT, max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                                 label="bench-gateway")
+                                 label="bench-gateway") if tools is None else _grpc_chat(max_tokens, tools)
     ttfts: list[float] = []
     itls: list[float] = []
-    counts = {"tokens": 0, "messages": 0, "errors": 0, "short": 0}
+    counts = {"tokens": 0, "messages": 0, "errors": 0, "short": 0, "tool_calls": 0}
     remaining = iter(range(requests))
 
     async def one(stub) -> None:
@@ -124,6 +129,7 @@ async def _drive(target: str, concurrency: int, requests: int, max_tokens: int, 
                     itls.append((now - last) / n)
                 last, tokens = now, tokens + n
                 counts["messages"] += 1
+                counts["tool_calls"] += len(msg.tool_calls)  # the last message's parsed calls
         except grpc.aio.AioRpcError:
             counts["errors"] += 1
         counts["tokens"] += tokens
@@ -147,23 +153,27 @@ async def _drive(target: str, concurrency: int, requests: int, max_tokens: int, 
     return {"wall_s": wall, "client_cpu_s": cpu, "ttft_s": ttfts, "itl_s": itls, **counts}
 
 
-async def _drive_http(target: str, concurrency: int, requests: int, max_tokens: int, token: str | None = None) -> dict:
-    """`_drive` over the OpenAI HTTP door: /v1/completions streamed as server-sent events."""
+async def _drive_http(target: str, concurrency: int, requests: int, max_tokens: int, token: str | None = None,
+                      tools: bool | None = None) -> dict:
+    """`_drive` over the OpenAI HTTP door: /v1/completions streamed as server-sent events (chats: `_http_chat`)."""
     from hybridgate.bench.serve import _sse_post
 
     host, port = target.rsplit(":", 1)
     body = json.dumps({"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
                        "stream": True, "stream_options": {"include_usage": True}, "user": "bench-gateway"}).encode()
+    path = "/v1/completions"
+    if tools is not None:
+        path, body = "/v1/chat/completions", _http_chat(max_tokens, tools)
     ttfts: list[float] = []
     itls: list[float] = []
-    counts = {"tokens": 0, "messages": 0, "errors": 0, "short": 0}
+    counts = {"tokens": 0, "messages": 0, "errors": 0, "short": 0, "tool_calls": 0}
     remaining = iter(range(requests))
 
     async def one() -> None:
         start = last = time.perf_counter()
         tokens, first = 0, True
         try:
-            async for event in _sse_post(host, int(port), "/v1/completions", body, token):
+            async for event in _sse_post(host, int(port), path, body, token):
                 now = time.perf_counter()
                 if event == b"[DONE]":
                     break
@@ -172,6 +182,8 @@ async def _drive_http(target: str, concurrency: int, requests: int, max_tokens: 
                     tokens = chunk["usage"]["completion_tokens"]
                 if not chunk.get("choices"):
                     continue
+                calls = chunk["choices"][0].get("delta", {}).get("tool_calls") or ()
+                counts["tool_calls"] += sum(1 for call in calls if call.get("id"))  # a call's first delta
                 if first:
                     ttfts.append(now - start)
                     first = False
@@ -195,11 +207,11 @@ async def _drive_http(target: str, concurrency: int, requests: int, max_tokens: 
 
 
 def _run_client(target: str, concurrency: int, requests: int, max_tokens: int, tls_ca: str | None = None,
-                token: str | None = None, protocol: str = "grpc") -> dict:
+                token: str | None = None, protocol: str = "grpc", tools: bool | None = None) -> dict:
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_client_main, name="bench-gateway-client",
-                       args=(target, concurrency, requests, max_tokens, theirs, tls_ca, token, protocol))
+                       args=(target, concurrency, requests, max_tokens, theirs, tls_ca, token, protocol, tools))
     proc.start()
     theirs.close()
     try:
@@ -262,20 +274,22 @@ class _Gateway:
 
 
 def measure(gateway: _Gateway, worker_pid: int, concurrency: int, requests: int, max_tokens: int,
-            large_chat_bytes: int = 0, protocol: str = "grpc") -> dict:
+            large_chat_bytes: int = 0, protocol: str = "grpc", tools: bool | None = None) -> dict:
     """One concurrency: the client's figures and the processes' CPU over the same window; with
     `large_chat_bytes`, chats of that size arrive meanwhile and the row has the loop's lag.
-    `protocol`: the gRPC stream or the OpenAI HTTP door (`openai`) of the same gateway. A gateway
-    with a profiler is profiled over the measured run only (not the warm-up before it)."""
+    `protocol`: the gRPC stream or the OpenAI HTTP door (`openai`) of the same gateway; `tools`: chats
+    with a tool (True) or without (False) instead of a prompt (None). A gateway with a profiler is
+    profiled over the measured run only (not the warm-up before it)."""
     tls = dict(tls_ca=gateway.tls_ca, token=gateway.token)
     target = gateway.http_target if protocol == "openai" else gateway.target
-    _run_client(target, concurrency, min(requests, 2 * concurrency), max_tokens, protocol=protocol, **tls)  # warm-up
+    _run_client(target, concurrency, min(requests, 2 * concurrency), max_tokens, protocol=protocol, tools=tools,
+                **tls)  # warm-up
     lag0 = safety.lag_buckets(gateway.metrics_url)
     chats = safety.LargeChats(gateway.target, large_chat_bytes, **tls) if large_chat_bytes else None
     if gateway.profiler is not None:
         gateway.profiler.start(gateway.proc.pid)
     (user0, sys0), wk0 = tree_cpu_times(gateway.proc.pid), cpu_seconds(worker_pid)
-    r = _run_client(target, concurrency, requests, max_tokens, protocol=protocol, **tls)
+    r = _run_client(target, concurrency, requests, max_tokens, protocol=protocol, tools=tools, **tls)
     (user, system), wk = tree_cpu_times(gateway.proc.pid), cpu_seconds(worker_pid) - wk0
     gw, gw_sys = user + system - user0 - sys0, system - sys0
     profiled = gateway.profiler.stop(gateway.proc.pid) if gateway.profiler is not None else {}
@@ -287,6 +301,7 @@ def measure(gateway: _Gateway, worker_pid: int, concurrency: int, requests: int,
     return {
         "concurrency": concurrency, "requests": requests, "max_tokens": max_tokens,
         "tokens": tokens, "messages": r["messages"], "errors": r["errors"], "short_streams": r["short"],
+        "tool_calls": r["tool_calls"],
         "wall_s": r["wall_s"], "tokens_per_s": tokens / r["wall_s"] if r["wall_s"] else None,
         "messages_per_token": r["messages"] / tokens if tokens else None,
         "gateway_cpu_s": gw, "gateway_cpu_us_per_token": per_token(gw),
@@ -297,7 +312,7 @@ def measure(gateway: _Gateway, worker_pid: int, concurrency: int, requests: int,
         "tls": gateway.tls_ca is not None, "auth": gateway.token is not None, "protocol": protocol,
         "event_loop_lag": lag, "large_chats": large,
         "instructions_per_token": profiled["instructions"] / tokens if "instructions" in profiled and tokens else None,
-        "profile_file": profiled.get("file"),
+        "profile_file": profiled.get("file"), "tools": tools,
     }
 
 
@@ -311,7 +326,9 @@ def run(args) -> list[dict]:
     if args.profile and args.gateways > 1:
         raise SystemExit("bench gateway: --profile profiles one gateway process; leave --gateways at 1 with it")
     profiler = profile.make(args.profiler, args.profile) if args.profile else None
-    repeats = args.repeats or (3 if args.tls else 1)
+    if args.tls and args.tools:
+        raise SystemExit("bench gateway: --tools and --tls are separate comparisons; run them one at a time")
+    repeats = args.repeats or (3 if args.tls or args.tools else 1)
     model = resolve(args).settings.model_path
     machine = describe()  # before the run loads it
     print(summary(machine), flush=True)
@@ -326,13 +343,18 @@ def run(args) -> list[dict]:
     gateways: list[_Gateway] = []
     results, ratios = [], []
     try:
-        gateways.append(_Gateway(model, endpoint, args.startup_timeout, args.gateways, token=token, profiler=profiler))
+        gateways.append(_Gateway(model, endpoint, args.startup_timeout, args.gateways, token=token, profiler=profiler,
+                                 extra=("--tool-call-format", "hermes") if args.tools else ()))
         if args.tls:  # beside it on the same worker: TLS with a self-signed certificate, and a bearer token
             cert, key = safety.self_signed(folder)
             gateways.append(_Gateway(model, endpoint, args.startup_timeout, args.gateways,
                                      extra=("--tls-cert", cert, "--tls-key", key), tls_ca=cert,
                                      token=token or safety.new_token()))
         for concurrency in args.concurrency:
+            if args.tools:
+                ratios += [_tools_pair(args, gateways[0], worker.pid, concurrency, results, protocol, repeats)
+                           for protocol in args.protocol]
+                continue
             rows: dict[bool, list[dict]] = {False: [], True: []}
             for _ in range(repeats):
                 for protocol in args.protocol:  # the doors, alternately
@@ -360,7 +382,7 @@ def run(args) -> list[dict]:
               "step_ms": args.step_ms, "auth": args.auth, "response_cache": "off", "cpus": os.cpu_count(),
               "machine": machine, "large_chat_bytes": args.large_chat_bytes,
               "profile": {"profiler": args.profiler, "file": args.profile} if args.profile else None,
-              "results": results, "doors": doors, "tls_ratios": ratios}
+              "results": results, "doors": doors, ("tools_ratios" if args.tools else "tls_ratios"): ratios}
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     return results
@@ -393,6 +415,55 @@ def _print_door(d: dict, step_ms: float) -> None:
           + ("s)" if d["runs"] > 1 else ")"), flush=True)
 
 
+# --- --tools: chats without and with a tool, alternately ---------------------------------------------------------
+
+def _grpc_chat(max_tokens: int, tools: bool):
+    """The gRPC chat request of `--tools`: with the instant worker's tool (`auto`), or without."""
+    from hybridgate.bench.instant import TOOL_SCHEMA
+    from hybridgate.v1 import generation_pb2 as pb
+
+    tool = [pb.Tool(name="get_weather", parameters=json.dumps(TOOL_SCHEMA))] if tools else []
+    return pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="user", content=PROMPT)]), tools=tool,
+                              max_tokens=max_tokens, temperature=0.0, ignore_eos=True, label="bench-gateway")
+
+
+def _http_chat(max_tokens: int, tools: bool) -> bytes:
+    """`_grpc_chat` as an OpenAI chat body, streamed."""
+    from hybridgate.bench.instant import TOOL_SCHEMA
+
+    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, "user": "bench-gateway"}
+    if tools:
+        body["tools"] = [{"type": "function", "function": {"name": "get_weather", "parameters": TOOL_SCHEMA}}]
+    return json.dumps(body).encode()
+
+
+def _tools_pair(args, gateway: _Gateway, worker_pid: int, concurrency: int, results: list[dict], protocol: str,
+                repeats: int) -> dict:
+    """`--repeats` pairs of runs at one concurrency, without then with tools (which goes first swaps pair by
+    pair); the medians of each side's gateway CPU per token and tokens/s, and their ratios, tools / no tools."""
+    import statistics
+
+    rows: dict[bool, list[dict]] = {False: [], True: []}
+    for k in range(repeats):
+        for tools in ((False, True) if k % 2 == 0 else (True, False)):
+            row = measure(gateway, worker_pid, concurrency, max(args.requests, concurrency), args.max_tokens,
+                          args.large_chat_bytes, protocol, tools=tools)
+            rows[tools].append(row)
+            results.append(row)
+            _print_row(row)
+    med = {t: {key: statistics.median(r[key] or 0.0 for r in rows[t])
+               for key in ("gateway_cpu_us_per_token", "tokens_per_s")} for t in rows}
+    ratio = {key: med[True][key] / med[False][key] if med[False][key] else None for key in med[True]}
+    print(f"concurrency {concurrency:>4}: tools / no tools: gateway CPU per token "
+          f"{med[True]['gateway_cpu_us_per_token']:.1f} / {med[False]['gateway_cpu_us_per_token']:.1f} µs = "
+          f"{ratio['gateway_cpu_us_per_token'] or 0:.3f}, tokens/s {med[True]['tokens_per_s']:.0f} / "
+          f"{med[False]['tokens_per_s']:.0f} = {ratio['tokens_per_s'] or 0:.3f} (medians of {repeats}, {protocol})",
+          flush=True)
+    return {"concurrency": concurrency, "tools": med[True], "no_tools": med[False], "runs": repeats, "protocol": protocol,
+            "gateway_cpu_ratio": ratio["gateway_cpu_us_per_token"], "tokens_per_s_ratio": ratio["tokens_per_s"]}
+
+
 def _tls_ratio(concurrency: int, plain: list[dict], tls: list[dict]) -> dict:
     import statistics
 
@@ -413,6 +484,7 @@ def _print_row(r: dict) -> None:
           f"ITL p50 {fmt(r['itl_ms']['p50'], '.3f')} ms p99 {fmt(r['itl_ms']['p99'], '.3f')} ms"
           + (" [TLS]" if r["tls"] else "") + (" [auth]" if r["auth"] else "")
           + (" [OpenAI HTTP]" if r["protocol"] == "openai" else "")
+          + ({True: " [chat with tools]", False: " [chat]"}.get(r.get("tools"), ""))
           + (f", {r['instructions_per_token']:,.0f} instructions/token" if r["instructions_per_token"] else "")
           + (f", loop lag p99 <= {fmt(r['event_loop_lag']['p99_ms_at_most'], '.0f')} ms "
              f"({fmt(100 * (r['event_loop_lag']['within_20ms'] or 0), '.1f')}% of "

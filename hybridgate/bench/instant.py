@@ -8,6 +8,13 @@ due a token, the next id of a fixed English sentence, so the gateway's
 incremental detokenizer and stop matcher do the work they do on real text.
 With `step_s` > 0 every step sleeps that long first (a decode step of a
 chosen length); with 0 the engine loop runs steps back to back.
+
+A sequence with tools (constraint kind "tools") gets `TOOL_TEXT` instead: a
+recorded generation in the Hermes format (text, then calls to one function,
+over and over), so that `bench gateway --tools` makes the gateway's tool-call
+parser do its work. The worker compiles and follows the request's grammar as a
+real one does (the recorded calls are valid under `TOOL_SCHEMA`); the masks it
+fills are not applied, since nothing is sampled.
 """
 
 from __future__ import annotations
@@ -22,6 +29,11 @@ from hybridgate.workers.sequence import Sequence
 
 TEXT = ("The gateway streams each token to its client as soon as the worker samples it, and the "
         "router keeps the text whole across token boundaries. ")
+TOOL_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]},
+                                               "days": {"type": "integer"}}, "required": ["city"]}
+TOOL_TEXT = ('Let me look that up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c", '
+             '"days": 3}}\n</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": '
+             '"Zürich \\"ZH\\"", "days": 12}}\n</tool_call>\n')
 
 
 class InstantRunner:
@@ -42,13 +54,20 @@ class InstantRunner:
         self.vocab_size = model.config.vocab_size
         self.num_blocks = num_blocks
         self.step_s = step_s
-        self.text_ids = Tokenizer.from_model(model).encode(TEXT)
+        self.metadata = model.metadata  # the tokenizer the worker's grammars are compiled for
+        tokenizer = Tokenizer.from_model(model)
+        self.text_ids, self.tool_ids = tokenizer.encode(TEXT), tokenizer.encode(TOOL_TEXT)
 
     def execute(self, batch: ScheduledBatch) -> dict[Sequence, int]:
         if self.step_s:
             time.sleep(self.step_s)
-        ids = self.text_ids
-        return {s: ids[s.next_token_index % len(ids)] for s, n in batch.entries if s.num_computed + n == s.num_tokens}
+        out = {}
+        for s, n in batch.entries:
+            if s.num_computed + n == s.num_tokens:
+                tools = s.params.constraint is not None and s.params.constraint.kind == "tools"
+                ids = self.tool_ids if tools else self.text_ids
+                out[s] = ids[s.next_token_index % len(ids)]
+        return out
 
     def warm_up(self, progress: bool = True) -> None:
         pass

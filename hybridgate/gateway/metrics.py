@@ -47,11 +47,12 @@ class GatewayMetrics:
     def __init__(self, clients: Callable[[], Iterable] | None = None, wire_errors: Callable[[], int] | None = None,
                  handoff: Callable[[], object] | None = None, redis_up: Callable[[], bool | None] | None = None,
                  response_cache=None, model: tuple[str, str] | None = None,
-                 models: Sequence[tuple[str, str, Callable[[], Iterable]]] = ()):
+                 models: Sequence[tuple[str, str, Callable[[], Iterable]]] = (), constraint_check=None):
         """`model`: (served name, fingerprint) of the one model whose workers `clients` gives; `models`:
         (served name, fingerprint, its clients) of each served model, for a gateway of several (then
         `clients` is every model's workers). Each is exported as `hybridgate:model_info` and under
-        vLLM's names (vllm_metrics.py)."""
+        vLLM's names (vllm_metrics.py). `constraint_check`: the routers' `ConstraintCheck` (one, or a list),
+        whose counters are exported summed."""
         self.registry = CollectorRegistry()
         if model is not None and clients is not None and not models:
             models = [(model[0], model[1], clients)]
@@ -98,6 +99,8 @@ class GatewayMetrics:
             self.registry.register(_RedisCollector(redis_up))
         if response_cache is not None:
             self.registry.register(_ResponseCacheCollector(response_cache))
+        if constraint_check is not None:
+            self.registry.register(_ConstraintCheckCollector(constraint_check))
 
     def of(self, model_name: str) -> ModelSeries:
         """The per-request series of the served model `model_name` (made once, then reused)."""
@@ -238,6 +241,30 @@ class _ResponseCacheCollector:
         yield GaugeMetricFamily("hybridgate:response_cache_bytes", "Bytes of cached answers held (memory), or "
                                 "written by this gateway and not yet expired (redis).",
                                 value=sum(c.store.bytes for c in cs))
+
+
+class _ConstraintCheckCollector:
+    """The gateway's check of output constraints and tool grammars before any token
+    (`hybridgate.router.constraints.ConstraintCheck`): compiles, cache hits, refusals, compile time, summed over
+    the checks of the gateway's models (one, or a list)."""
+
+    _ROWS = (  # (metric, ConstraintCheck attribute, help)
+        ("compiles", "compiles", "Distinct grammars compiled by the gateway's check before their requests ran "
+         "(its cache's misses)."),
+        ("cache_hits", "hits", "Constrained requests whose grammar's verdict was cached or being compiled already."),
+        ("refused", "refused", "Constrained requests refused (400 / INVALID_ARGUMENT): their grammar cannot be "
+         "enforced."),
+        ("compile_seconds", "compile_seconds", "Time the gateway's check spent compiling grammars, on threads "
+         "off the event loop."),
+    )
+
+    def __init__(self, check):
+        self._checks = check if isinstance(check, list) else [check]
+
+    def collect(self):
+        for metric, attribute, help_ in self._ROWS:
+            yield CounterMetricFamily(f"hybridgate:constraint_check_{metric}", help_,
+                                      value=sum(getattr(c, attribute) for c in self._checks))
 
 
 class _EngineCollector:

@@ -59,7 +59,8 @@ class Gateway:
                                       redis_up=lambda: _all_up([r.redis_up() for r in routers]),
                                       response_cache=caches or None,
                                       models=[(m.name, m.router.fingerprint, lambda r=m.router: r.clients)
-                                              for m in self.models])
+                                              for m in self.models],
+                                      constraint_check=[r.constraints for r in routers])
         self.health = health.aio.HealthServicer()
         credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca) \
             if config.tls_cert else None  # read before anything binds: a bad file fails at once

@@ -37,6 +37,7 @@ import collections
 import hashlib
 import json
 import re
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -101,10 +102,16 @@ def json_object(compact: bool = False) -> Constraint:
     return Constraint(kind="json_object", grammar=_json_grammar(_ANY_OBJECT, compact))
 
 
+def with_separators(schema: Mapping, compact: bool = False) -> Mapping:
+    """`schema` with llguidance's JSON options set to fixed separators and no free whitespace (see the module
+    doc), unless it sets its own `x-guidance`."""
+    if "x-guidance" in schema:
+        return schema
+    return {"x-guidance": _COMPACT if compact else _SPACED, **schema}
+
+
 def _json_grammar(schema: Mapping, compact: bool) -> str:
-    if "x-guidance" not in schema:
-        schema = {"x-guidance": _COMPACT if compact else _SPACED, **schema}
-    return "start: %json " + json.dumps(schema) + "\n"
+    return "start: %json " + json.dumps(with_separators(schema, compact)) + "\n"
 
 
 def regex(pattern: Any, field: str, limits: ConstraintLimits = ConstraintLimits()) -> Constraint:
@@ -355,7 +362,10 @@ def explain(constraint: Constraint) -> str | None:
 
 class ConstraintCheck:
     """Each distinct grammar compiled once, on a thread; verdicts kept in an LRU of `size` by SHA-256 of the
-    text. Identical grammars checked at once share one compile."""
+    text. Identical grammars checked at once share one compile. Counters (exported by the gateway's
+    metrics): `compiles` (cache misses), `hits` (a verdict cached or a compile in flight joined), `refused`
+    (checks answered with an error, cached verdicts included) and `compile_seconds` (wall time of the
+    compiles, on their threads)."""
 
     def __init__(self, size: int = CHECK_CACHE_SIZE):
         self.size = size
@@ -363,6 +373,8 @@ class ConstraintCheck:
         self._running: dict[str, asyncio.Future] = {}
         self.compiles = 0
         self.hits = 0
+        self.refused = 0
+        self.compile_seconds = 0.0
 
     async def check(self, constraint: Constraint | None, field: str = "constraint") -> None:
         """Return when `constraint` (None: nothing) compiles. Raises InvalidRequestError naming `field`."""
@@ -375,17 +387,25 @@ class ConstraintCheck:
             verdict = self._verdicts[key]
         elif key in self._running:
             self.hits += 1
-            verdict = await asyncio.shield(self._running[key])
+            verdict, _ = await asyncio.shield(self._running[key])
         else:
             self.compiles += 1
-            future = asyncio.ensure_future(asyncio.to_thread(explain, constraint))
+            future = asyncio.ensure_future(asyncio.to_thread(_timed, explain, constraint))
             self._running[key] = future
             try:
-                verdict = await asyncio.shield(future)
+                verdict, seconds = await asyncio.shield(future)
             finally:
                 self._running.pop(key, None)
+            self.compile_seconds += seconds
             self._verdicts[key] = verdict
             while len(self._verdicts) > self.size:
                 self._verdicts.popitem(last=False)
         if verdict is not None:
+            self.refused += 1
             raise InvalidRequestError(field, verdict)
+
+
+def _timed(fn: Callable, *args) -> tuple[Any, float]:
+    """(fn(*args), its wall time in seconds)."""
+    start = time.perf_counter()
+    return fn(*args), time.perf_counter() - start

@@ -18,7 +18,8 @@ the name is held until the name is known.
 The JSON is scanned leniently by `_Scanner` (RFC 8259's structure: strings with
 escapes, objects, arrays, scalars); text that is not JSON never raises: a
 trigger not followed by a JSON value is content, and a value cut short (the
-token limit) leaves its call with the arguments written so far.
+token limit) leaves its call with the arguments written so far; a call cut
+before its name is no call, and an end marker cut short is not content.
 """
 
 from __future__ import annotations
@@ -38,8 +39,13 @@ ANY = "*"  # a path step matching every index of an array
 
 
 def new_call_id() -> str:
-    """A fresh OpenAI-style call id: `call_` and 24 random letters and digits (unique per call)."""
-    return "call_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
+    """A fresh OpenAI-style call id: `call_` and 24 random letters and digits (unique per call): 143 random
+    bits in base 62, one call to the system's generator."""
+    n, digits = secrets.randbits(143), []
+    for _ in range(24):
+        n, d = divmod(n, 62)
+        digits.append(_ID_ALPHABET[d])
+    return "call_" + "".join(digits)
 
 
 @dataclass(frozen=True)
@@ -334,7 +340,7 @@ class _Scanner:
             self._value_end("", 0)
         for frame in reversed(self.stack):
             if frame.call is not None:
-                self.p._call_closed(frame.call)
+                self.p._call_cut(frame.call)
 
 
 def _matches(path: tuple, patterns) -> bool:
@@ -369,11 +375,10 @@ class ToolCallParser:
         return self._take()
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
-        """The output ended: held text is content (a region cut short keeps what its calls had)."""
-        if self._mode in ("content", "tail"):
-            self._emit_content(self._held)
-        elif self._mode == "gap" and self._held.strip(self.syntax.gap):
-            self._emit_content(self._held)
+        """The output ended: a held trigger's start is content, unless it follows a call (then it is the start of
+        the next call's markup, as a held end marker is); a region cut short keeps its named calls."""
+        if self._mode == "content":
+            self._emit_content(self._held)  # a trigger's start that the output did not finish
         elif self._mode == "region":
             if self._scanner.started:
                 self._scanner.flush()
@@ -489,10 +494,25 @@ class ToolCallParser:
     def _call_closed(self, state: _CallState) -> None:
         self._announce(state)  # a call without a name is announced with an empty one
 
+    def _call_cut(self, state: _CallState) -> None:
+        """The output ended inside this call: kept if its name was written, else no call at all (nothing of it
+        was streamed: a call is announced with its name)."""
+        if state.announced:
+            return
+        if state.call.name:
+            self._announce(state)
+        else:
+            self.calls.remove(state.call)
+
 
 def _partial_suffix(text: str, trigger: str) -> int:
-    """The length of the longest end of `text` that is a proper start of `trigger` (0 when none)."""
-    for k in range(min(len(trigger) - 1, len(text)), 0, -1):
-        if trigger.startswith(text[-k:]):
-            return k
+    """The length of the longest end of `text` that is a proper start of `trigger` (0 when none): only the
+    places of the trigger's first character are tried, so plain text costs one `find`."""
+    if not trigger:
+        return 0
+    at = text.find(trigger[0], max(0, len(text) - len(trigger) + 1))
+    while at >= 0:
+        if trigger.startswith(text[at:]):
+            return len(text) - at
+        at = text.find(trigger[0], at + 1)
     return 0

@@ -14,7 +14,9 @@ Constraints (kind "tools", llguidance's Lark syntax, docs/syntax.md):
 arguments are JSON of the function's `parameters` schema; `auto` leaves the text
 free until the format's trigger and constrains the call after it (a `lazy` head,
 llguidance's tool-calling pattern), so once a call starts its arguments are
-valid; `none` renders no tools, builds no grammar and parses nothing.
+valid; `none` renders no tools, builds no grammar and parses nothing. JSON in a
+grammar is written as structured output writes it (`constraints.with_separators`:
+`", "` and `": "`, no free whitespace), so a call cannot spend `max_tokens` on blanks.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 
 import msgspec
 
+from hybridgate.router.constraints import with_separators
 from hybridgate.router.errors import InvalidRequestError
 from hybridgate.router.toolparse import ANY, CallSyntax, ToolCall, ToolCallDelta, ToolCallParser
 from hybridgate.wire import Constraint
@@ -189,11 +192,11 @@ def build_grammar(fmt: ToolFormat, request: ToolRequest, special_ids: Mapping[st
     """The llguidance grammar (Lark syntax) of `request`'s calls in `fmt` (see the module doc)."""
     functions = request.chosen()
     if fmt.auto == "envelope":
-        return "%llguidance {}\nstart: %json " + json.dumps(_envelope_schema(request, functions))
+        return "%llguidance {}\nstart: %json " + json.dumps(with_separators(_envelope_schema(request, functions)))
     rules = ["%llguidance {}"]
     for i, f in enumerate(functions):
         rules.append(f"fn_{i}: {_lit(fmt.head.format(name=f.name))} args_{i} {_lit(fmt.tail)}")
-        rules.append(f"args_{i}: %json " + json.dumps(f.parameters))
+        rules.append(f"args_{i}: %json " + json.dumps(with_separators(f.parameters)))
     rules.append("fn: " + " | ".join(f"fn_{i}" for i in range(len(functions))))
     trigger = fmt.syntax.trigger
     opener = f"<[{special_ids[trigger]}]> {_lit(fmt.open[len(trigger):])}" \

@@ -79,3 +79,19 @@ def test_bench_gateway_over_both_doors_profiled(tmp_path):
 
     names = {(Path(file).name, name) for file, _, name in pstats.Stats(str(prof)).stats}
     assert ("service.py", "Generate") in names and ("http.py", "_sse") in names
+
+
+def test_bench_gateway_tools_compares_chats_with_and_without_a_tool(tmp_path):
+    out = tmp_path / "gateway-tools.json"
+    proc = subprocess.run([HYBRIDGATE, "bench", "gateway", "--tools", "--protocol", "openai", "--concurrency", "2",
+                           "--requests", "2", "--max-tokens", "96", "--step-ms", "2", "--repeats", "1",
+                           "--json", str(out)], capture_output=True, text=True, timeout=120 * TIME_FACTOR)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert [r["tools"] for r in report["results"]] == [False, True] and "[chat with tools]" in proc.stdout
+    for row in report["results"]:
+        assert row["tokens"] == 2 * 96 and row["errors"] == 0 and row["short_streams"] == 0
+    # 96 ids of the recorded generation (92 ids, two calls) hold two whole calls per stream, parsed by the gateway
+    assert report["results"][0]["tool_calls"] == 0 and report["results"][1]["tool_calls"] >= 2 * 2
+    (ratio,) = report["tools_ratios"]
+    assert ratio["concurrency"] == 2 and ratio["gateway_cpu_ratio"] > 0 and ratio["runs"] == 1

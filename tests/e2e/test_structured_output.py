@@ -173,3 +173,27 @@ def test_grpc_named_tool_call_is_in_the_last_response(serve):
     assert [c.name for c in calls] == ["get_weather"] * len(calls) and calls, msgs[-1]
     assert calls[0].id.startswith("call_")
     jsonschema.validate(json.loads(calls[0].arguments), weather)
+
+
+def test_tools_in_the_generic_format_give_valid_calls_or_a_reply(client):
+    """SmolLM2's own template takes no tools, so this serve uses the generic format: the answer is a JSON envelope,
+    a call (`{"tool_call": ...}` without parallel calls) or a reply. Under `auto`, sampled answers either call with
+    arguments valid for the schema (`jsonschema`) or reply in content; `required` always calls."""
+    weather = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                "unit": {"enum": ["c", "f"]}}, "required": ["city"],
+               "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": weather}}]
+    ask = [{"role": "user", "content": "What is the weather in Paris? Use the tool."}]
+    with ThreadPoolExecutor(2) as pool:
+        auto, required = pool.map(lambda c: choices(client, 8 if c == "auto" else 4, 0, 48, ask, tools=tools,
+                                                     tool_choice=c, parallel_tool_calls=False), ("auto", "required"))
+    assert any(c.message.tool_calls for c in auto) and any(not c.message.tool_calls for c in auto)  # both kinds
+    for choice in auto + required:
+        if choice.message.tool_calls:
+            (call,) = choice.message.tool_calls
+            assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+            assert call.function.name == "get_weather" and call.id.startswith("call_")
+            jsonschema.validate(json.loads(call.function.arguments), weather)
+        else:
+            assert choice in auto and choice.finish_reason in ("stop", "length"), choice
+            assert not (choice.message.content or "").startswith('{"response"')  # the reply, out of its envelope

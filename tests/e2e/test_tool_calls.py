@@ -1,12 +1,17 @@
-"""End to end: tool calling through `hybridgate serve` and the `openai` SDK, with a Hermes-style template given by
---chat-template (SmolLM2's own takes no tools). Streaming and non-streaming answers agree; tool_choice none
-never calls; a history with tool results renders; bad tools are 400s naming the field."""
+"""End to end: tool calling through `hybridgate serve` (one CPU worker) and the `openai` SDK, with a Hermes-style
+template given by --chat-template (SmolLM2's own takes no tools: the generic format's tests are in
+test_structured_output.py, on its serve with the model's template). `required` and a named function give arguments
+valid for the function's schema (`jsonschema`) in 20 sampled runs each; `auto` gives valid calls when the model
+calls; parallel calls to one function have distinct ids and indexes; streaming and non-streaming answers agree;
+tool_choice none never calls; a history with tool results renders; bad tools are 400s naming the field."""
 
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import jsonschema
 import openai
 import pytest
 
@@ -15,15 +20,28 @@ from procs import Serve
 
 TEMPLATE = Path(__file__).parents[1] / "golden" / "hermes_tools.jinja"
 MODEL = "hg-smollm"
-WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+# Strings and numbers bounded, so that a sampled call ends well inside max_tokens.
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
+           "required": ["city"], "additionalProperties": False}
+ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": -99, "maximum": 99},
+                                        "b": {"type": "integer", "minimum": -99, "maximum": 99}},
+       "required": ["a", "b"], "additionalProperties": False}
+SCHEMAS = {"get_weather": WEATHER, "add": ADD}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
-                                           "parameters": WEATHER}}]
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "add", "description": "a + b", "parameters": ADD}}]
 ASK = [{"role": "user", "content": "What is the weather in Paris? Use the tool."}]
+SAMPLES = 20
+
+
+def valid_call(name: str, arguments: str) -> None:
+    """Raises unless `arguments` is JSON that `name`'s schema accepts (jsonschema, the reference)."""
+    jsonschema.validate(json.loads(arguments), SCHEMAS[name])
 
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory, model_path):
-    proc = Serve(tmp_path_factory.mktemp("tools") / "serve.log", "--cpu-workers", "0", "--gpu-workers", "1",
+    proc = Serve(tmp_path_factory.mktemp("tools") / "serve.log", "--cpu-workers", "1", "--gpu-workers", "0",
                  "--served-model-name", MODEL, "--chat-template", str(TEMPLATE))
     yield openai.OpenAI(base_url=proc.http_url + "/v1", api_key="unused", max_retries=0, timeout=120 * TIME_FACTOR)
     assert proc.stop() == 0, proc.text()
@@ -43,6 +61,7 @@ def streamed(client, **kw) -> tuple[str | None, list[dict], str]:
                 assert d.id is None and d.function.name is None
                 calls[d.index]["arguments"] += d.function.arguments
         finish = choice.finish_reason or finish
+    assert sorted(calls) == list(range(len(calls)))  # indexes 0, 1, ... in order of appearance
     return "".join(content) or None, [calls[i] for i in sorted(calls)], finish
 
 
@@ -89,3 +108,67 @@ def test_bad_tools_are_400_naming_the_field(client, fields, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, **fields)
     assert e.value.status_code == 400 and e.value.body["param"] == param
+
+
+def sampled(client, n: int, seed: int, **kw) -> list:
+    """`n` sampled choices (seeds seed .. seed + n - 1) of one chat request with TOOLS at temperature 1.0."""
+    return client.chat.completions.create(model=MODEL, tools=TOOLS, temperature=1.0, seed=seed, n=n, **kw).choices
+
+
+def test_required_and_a_named_function_give_valid_arguments_in_20_sampled_runs(client):
+    """20 runs of each choice, as four requests of 10 choices in flight together (one batch); one call each
+    (no parallel calls), so the grammar ends the answer after it."""
+    ask = [{"role": "user", "content": "What is 12 plus 30? Or the weather in Oslo?"}]
+    choices = ["required", {"type": "function", "function": {"name": "add"}}]
+    jobs = [(choice, seed) for choice in choices for seed in range(0, SAMPLES, SAMPLES // 2)]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        parts = list(pool.map(lambda job: sampled(client, SAMPLES // 2, job[1], messages=ask, max_tokens=56,
+                                                  tool_choice=job[0], parallel_tool_calls=False), jobs))
+    for (choice, _), part in zip(jobs, parts):
+        assert len(part) == SAMPLES // 2
+        for run in part:
+            assert run.finish_reason == "tool_calls" and run.message.content is None, run
+            (call,) = run.message.tool_calls
+            assert call.id.startswith("call_") and call.type == "function"
+            if choice != "required":
+                assert call.function.name == "add"
+            valid_call(call.function.name, call.function.arguments)
+
+
+def test_auto_calls_are_valid_when_the_model_calls(client):
+    """SmolLM2 does not call on its own; asked to copy a call it sometimes starts one, and from its trigger the
+    lazy grammar holds the call to the schema (a call cut by max_tokens may be incomplete, only at the end)."""
+    ask = [{"role": "user", "content": 'Copy this text exactly:\n<tool_call>\n{"name": "get_weather", '
+                                       '"arguments": {"city": "Oslo"}}\n</tool_call>'}]
+    runs = sampled(client, 10, 0, messages=ask, max_tokens=40)
+    called = [run for run in runs if run.message.tool_calls]
+    assert called, [run.message.content for run in runs]
+    for run in called:
+        calls = run.message.tool_calls
+        for k, call in enumerate(calls):
+            if k == len(calls) - 1 and run.finish_reason == "length":
+                continue  # cut short: the arguments written so far
+            valid_call(call.function.name, call.function.arguments)
+        assert len({c.id for c in calls}) == len(calls)
+
+
+def test_parallel_calls_to_one_function_have_distinct_ids_and_indexes_streamed_as_whole(client):
+    """Asked for two cities with `required` and parallel calls, some sampled answers call get_weather twice;
+    each such answer's ids differ, and streamed (same seed) it has the same calls with indexes 0, 1, ..."""
+    ask = [{"role": "user", "content": "What is the weather in Paris and in London? Call the tool once per city."}]
+    kw = dict(messages=ask, max_tokens=60, tool_choice="required")
+    runs = sampled(client, 6, 0, **kw)
+    twice = [i for i, run in enumerate(runs) if [c.function.name for c in run.message.tool_calls or ()][:2] ==
+             ["get_weather", "get_weather"]]
+    assert twice, [run.message.tool_calls for run in runs]
+    for i in twice:
+        calls = runs[i].message.tool_calls
+        assert len({c.id for c in calls}) == len(calls)
+        valid_call("get_weather", calls[0].function.arguments)
+    i = twice[0]
+    content, calls, finish = streamed(client, tools=TOOLS, temperature=1.0, seed=i, **kw)
+    whole = runs[i]
+    assert (content, finish) == (whole.message.content, whole.finish_reason)
+    assert [(c["name"], c["arguments"]) for c in calls] == \
+        [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    assert len({c["id"] for c in calls}) == len(calls) >= 2

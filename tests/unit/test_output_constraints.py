@@ -242,6 +242,31 @@ def test_each_grammar_compiles_once_and_verdicts_are_cached():
     assert (check.compiles, check.hits) == (5, 3)
 
 
+def test_the_checks_counters_are_gateway_metrics():
+    """Three checks of one grammar (one compile, two hits) and one refused schema, read back from the
+    exposition text by prometheus_client's own parser."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from hybridgate.gateway.metrics import GatewayMetrics
+
+    check = ConstraintCheck()
+
+    async def run():
+        for _ in range(3):
+            await check.check(c.regex("ab+", "f"))
+        with pytest.raises(InvalidFieldError):
+            await check.check(c.json_schema({"type": "object", "not": {}}, "f"))
+
+    asyncio.run(run())
+    text = generate_latest(GatewayMetrics(constraint_check=check).registry).decode()
+    got = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert got["hybridgate:constraint_check_compiles_total"] == 2
+    assert got["hybridgate:constraint_check_cache_hits_total"] == 2
+    assert got["hybridgate:constraint_check_refused_total"] == 1
+    assert 0 < got["hybridgate:constraint_check_compile_seconds_total"] < 60
+
+
 def test_the_response_cache_key_includes_the_constraint():
     params = SamplingParams(temperature=0.0)
     keys = {cache_key("fp", [1, 2], p, 8, "auto") for p in (

@@ -221,3 +221,61 @@ def test_history_with_calls_and_results_renders_in_both_kinds_of_template(tokeni
     assert '{"tool_response": {"tool_call_id": "call_1", "content": "21 C"}}' in text
     none = plan(FORMATS["hermes"], messages, ToolRequest.from_openai(TOOLS, "none"), tokenizer.special_tokens)
     assert none.template_tools is None and none.constraint is None and none.syntax is None
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), [
+    # cut inside the end marker: the markup is no content
+    ('<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_ca', "", [("add", '{"a": 1}')]),
+    # cut before the second call's name: one call, not a nameless second one
+    ('<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\n<tool_call>\n{"name": "a', "",
+     [("add", '{"a": 1}')]),
+    ('Hi <tool_call>\n{"arguments": {"a": 1}, "na', "Hi ", []),
+    # cut inside the next call's trigger
+    ('<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\n<tool_', "", [("add", '{"a": 1}')]),
+])
+def test_an_output_cut_short_leaves_no_markup_and_no_nameless_call(text, content, calls):
+    for cut in range(len(text) + 1):
+        parser = ToolCallParser(FORMATS["hermes"].syntax)
+        a, da = parser.feed(text[:cut])
+        b, db = parser.feed(text[cut:])
+        c, dc = parser.finish()
+        deltas = merge_deltas(merge_deltas(da, db), dc)
+        assert a + b + c == content
+        assert [(c.name, c.arguments) for c in parser.calls] == calls
+        assert [(d.name, d.arguments) for d in deltas] == calls
+
+
+@pytest.fixture(scope="module")
+def mistral_tokenizer(gguf_model):
+    """The default model's tokenizer with its control token `<empty_output>` (id 16) renamed `[TOOL_CALLS]`,
+    as Mistral's vocabularies have it: a control token whose text a prompt can also spell in plain pieces."""
+    from hybridgate.models import Tokenizer
+
+    meta = dict(gguf_model.metadata)
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    tokens[tokens.index("<empty_output>")] = "[TOOL_CALLS]"
+    meta["tokenizer.ggml.tokens"] = tokens
+    return Tokenizer(meta)
+
+
+def test_the_mistral_trigger_is_recognised_as_a_control_token_and_as_text(mistral_tokenizer):
+    tok = mistral_tokenizer
+    control = tok.special_tokens["[TOOL_CALLS]"]
+    text = RECORDED["mistral"]
+    body = tok.encode(text[len("[TOOL_CALLS]"):])
+    as_text = tok.encode("[TOOL_CALLS]", special_tokens=False)
+    assert control not in as_text and len(as_text) > 1  # spelled in plain pieces
+    want = reference_calls("mistral", text)
+    step = plan(FORMATS["mistral"], [{"role": "user", "content": "x"}], ToolRequest.from_openai(TOOLS, "required"),
+                tok.special_tokens)
+    assert step.keep_special  # the request's detokenizer keeps control tokens' text, so the trigger reaches the parser
+    for ids in ([control, *body], [*as_text, *body]):
+        for cuts in ([], list(range(1, len(ids))), [1], [len(ids) - 1]):
+            content, calls, seen = parse_groups(tok, "mistral", ids, cuts)
+            assert (content, calls) == want
+            assert len({i for i, _, _ in seen}) == len({d for _, d, _ in seen}) == 2
+    # the grammar opens the region with the control token itself
+    ll = llguidance.LLTokenizer(tok._with_special.to_str(), eos_token=tok.eos_token_id)
+    matcher = llguidance.LLMatcher(ll, step.constraint.grammar, log_level=0)
+    assert matcher.consume_tokens([control, *body]) and matcher.is_accepting()
+    assert not llguidance.LLMatcher(ll, step.constraint.grammar, log_level=0).consume_tokens(as_text)
