@@ -43,6 +43,8 @@ from hybridgate.workers.cpu.blocks import (  # noqa: E402, F401  (the type ids, 
     unpack_scales,
 )
 from hybridgate.workers.cpu.intdot import activation_format, matmul_i16  # noqa: E402
+from hybridgate.workers.cpu import kquant  # noqa: E402
+from hybridgate.workers.cpu.kquant import CODES, matmul_packed, pack  # noqa: E402
 from hybridgate.workers.cpu.simd import matmul_blocks  # noqa: E402
 
 _JIT = dict(nogil=True, fastmath=True, cache=True)
@@ -216,15 +218,78 @@ class Q50Matrix(Q80Matrix):
         return ((low | high).astype(np.int16) - 16).astype(np.int8).reshape(self.shape)
 
 
-# Types with a repacked fast path (`simd`, `intdot`, `avx2` kernels); the others dequantize rows.
-_FAST = {Q4_0: Q40Matrix, Q4_1: Q41Matrix, Q4_K: Q4KMatrix, Q5_0: Q50Matrix, Q8_0: Q80Matrix}
+class LowBitMatrix(QuantMatrix):
+    """Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q5_K repacked for `kquant.matmul_packed` (int16 activations per
+    32-block, integer dot products): 4-bit codes two a byte, the 5th bits of the 5-bit types as bit
+    masks (or whole codes a byte on `kquant.MERGE_FIVE` paths), float32 d (and m) per 32 columns: 6 bits
+    per weight for Q4_1 and Q4_K, 5 for Q4_0, 7 and 6 for Q5_1/Q5_K and Q5_0 (10, 9 with whole codes).
+    The GGUF bytes are not kept. Error: the activations' rounding, at most max|x_block| / 65534 per
+    activation (about 2e-5 of a product, as `intdot`)."""
+
+    activations = "i16"
+
+    def __init__(self, name: str, kind: int, data: np.ndarray, shape: tuple[int, int], activations: str = "auto"):
+        super().__init__(name, kind, data, shape)  # the type and shape checks
+        self.qs, self.qh, self.d, self.m, self.mscale = pack(kind, self.data, shape)
+        self.data = self.scale = self.minimum = None
+
+    @property
+    def nbytes(self) -> int:
+        ms = 0 if self.m is self.d else self.m.nbytes
+        return self.qs.nbytes + (self.qh.nbytes if self.qh.dtype == np.uint32 else 0) + self.d.nbytes + ms
+
+    def matmul(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """x float32 `[batch, cols]` → out float32 `[batch, rows]` (allocated when None)."""
+        if out is None:
+            out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
+        matmul_packed(x, self.qs, self.qh, self.d, self.m, self.mscale, out)
+        return out
+
+    def row(self, index: int) -> np.ndarray:
+        cols = self.shape[1]
+        if self.qs.dtype == np.int8:  # whole codes: per quad, 16-bit lanes of (s 0, s 2), then of (s 1, s 3)
+            merged = self.qs[index].view(np.uint8).reshape(-1, 2, 32, 2)
+            codes = self._scatter(merged.transpose(0, 3, 1, 2).reshape(-1, 4, 32))
+        else:
+            q = self.qs[index].reshape(-1, 16)  # [blocks (padded), 16]: column j low, j + 16 high
+            codes = np.concatenate([q & 15, q >> 4], axis=1)
+        if self.qh.dtype == np.uint32:  # bit t of word s: the 5th bit of lane t of vector s
+            bits = np.unpackbits(self.qh[index].view(np.uint8), bitorder="little").reshape(-1, 4, 32)
+            codes = codes | (self._scatter(bits) << 4)
+        n = cols // 32
+        d, m = self.d[index, :n, None], self.m[index, :n, None] * self.mscale
+        return (codes[:n].astype(np.float32) * d + m).ravel()
+
+    @staticmethod
+    def _scatter(lanes: np.ndarray) -> np.ndarray:
+        """`[quads, 4, 32]` values in the kernels' lane order → `[quads · 4, 32]` by block and column."""
+        out = np.empty((lanes.shape[0], 128), lanes.dtype)
+        out[:, kquant.QUAD_COLUMNS] = lanes
+        return out.reshape(-1, 32)
+
+
+# The classes whose kernels take either activation format (`intdot.activation_format`): an explicit
+# cpu_activations ("f32" or "i16") picks these for their types.
+_FORMATTED = {Q4_0: Q40Matrix, Q4_1: Q41Matrix, Q4_K: Q4KMatrix, Q5_0: Q50Matrix, Q8_0: Q80Matrix}
+# Where `LowBitMatrix` replaces a type's formatted class by default, per path: where it measured faster at
+# batch 1 and at 16 (`hybridgate bench kernels`, docs/cpu-kernels-*.json). On avx2 the in-lane int16
+# kernels of `avx2` stay ahead for the types they take.
+_LOW_BIT = {"avx512": (Q5_0, Q5_1, Q5_K), "avx2": (Q5_1, Q5_K), "generic": (Q4_0, Q4_K, Q5_0, Q5_1, Q5_K)}
+# Types with a repacked fast path on this process's path; the others dequantize rows.
+_FAST = {**_FORMATTED, **{kind: LowBitMatrix for kind in _LOW_BIT[isa.selected().isa]}}
+# The fast paths `_FAST` replaced on this path, kept for `hybridgate bench kernels` to measure against;
+# and the kernel it did not choose, for the same table.
+_PREVIOUS = {kind: _FORMATTED[kind] for kind in _FAST if _FAST[kind] is LowBitMatrix and kind in _FORMATTED}
+_ALTERNATIVE = {kind: LowBitMatrix for kind in CODES if _FAST.get(kind) is not LowBitMatrix}
 
 
 def quant_matrix(name: str, kind: int, data: np.ndarray, shape: tuple[int, int],
                  activations: str = "auto") -> QuantMatrix:
-    """The matrix class for `kind`: repacked fast paths for Q4_0, Q4_1, Q4_K, Q5_0 and Q8_0 (their
-    activation format from `activations`, see `intdot.activation_format`), row dequantization otherwise."""
-    return _FAST.get(kind, QuantMatrix)(name, kind, data, shape, activations)
+    """The matrix class for `kind`: its fast path on this path (`_FAST`), or with an explicit activation
+    format ("f32", "i16") the class that takes it (`_FORMATTED`, see `intdot.activation_format`); row
+    dequantization for the other types."""
+    cls = _FORMATTED[kind] if activations != "auto" and kind in _FORMATTED else _FAST.get(kind, QuantMatrix)
+    return cls(name, kind, data, shape, activations)
 
 
 class FusedMatrix:
