@@ -274,6 +274,17 @@ class EngineStats(msgspec.Struct):
     # buckets) → seconds per step.
     prefill_tokens_per_s: dict[int, float] = msgspec.field(default_factory=dict)
     decode_step_s: dict[int, float] = msgspec.field(default_factory=dict)
+    # Constraints (hybridgate/workers/constraints.py). Counters are cumulative; gauges are now.
+    constrained_requests: int = 0  # constrained sequences admitted (counter)
+    constrained_running: int = 0  # gauge: constrained sequences scheduled (waiting or running)
+    waiting_for_grammar: int = 0  # gauge: sequences whose grammar is compiling
+    grammar_compiles: int = 0  # grammars compiled (grammar cache misses)
+    grammar_compile_errors: int = 0  # grammars refused
+    grammar_compile_seconds_total: float = 0.0
+    grammar_cache_hits: int = 0  # constrained sequences whose grammar was compiled (or compiling) already
+    mask_fills: int = 0  # sequence-steps whose token bitmask was filled
+    mask_fill_seconds_total: float = 0.0  # summed over sequence-steps (on a thread beside the forward pass)
+    mask_wait_seconds_total: float = 0.0  # time sampling waited for a fill after the forward pass
 
 
 class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
@@ -316,6 +327,9 @@ ERROR_NO_KV_BLOCKS = "no_kv_blocks"  # it needs more KV blocks than this worker'
 ERROR_QUEUE_FULL = "queue_full"  # the worker's waiting queue is at --max-num-waiting: place it elsewhere
 ERROR_DEADLINE_EXCEEDED = "deadline_exceeded"  # its deadline passed while it waited, before any work (DEADLINE_EXCEEDED)
 ERROR_INVALID_REQUEST = "invalid_request"  # the ADD failed the worker's checks (a router bug: INTERNAL)
+# Its constraint's grammar does not compile, or does not accept the ids already generated (INVALID_ARGUMENT
+# naming the field `constraint`), answered before any token.
+ERROR_INVALID_CONSTRAINT = "invalid_constraint"
 
 
 class RequestError(msgspec.Struct, frozen=True):

@@ -117,6 +117,12 @@ class EngineConfig:
                 "decoded 1.4x faster than fp32 at 1,024 tokens of context. GPU workers ignore it: their cache has "
                 "the compute dtype (bf16 on CUDA, fp32 on a CPU torch device)",
         choices=KV_CACHE_DTYPES)
+    grammar_cache_size: int = setting(
+        256, "structured output: compiled grammars a worker keeps (least recently used dropped first), keyed by "
+             "a hash of the grammar text", low=1)
+    grammar_compile_threads: int = setting(
+        1, "structured output: threads that compile grammars beside the engine loop (a sequence waits for its "
+           "grammar without holding up the batch)", low=1)
 
     def __post_init__(self) -> None:
         check_settings(self)

@@ -65,7 +65,10 @@ def api_error(exc: BaseException, body=None, retry_ms: int | None = None) -> Api
     if isinstance(exc, InvalidFieldError):
         param = api.param_of(exc.field, body) if body is not None else exc.field
         code = "context_length_exceeded" if isinstance(exc, ContextLengthError) else None
-        return ApiError(status, kind, str(exc), param, code)
+        message = str(exc)
+        if exc.field == "constraint" and param != exc.field:  # the field the request set, in the text too
+            message = param + message[len(exc.field):]
+        return ApiError(status, kind, message, param, code)
     headers = {"Retry-After": str(max(1, math.ceil(retry_ms / 1e3)))} if retry_ms is not None and status == 429 else None
     return ApiError(status, kind, str(exc), headers=headers)
 
@@ -199,7 +202,7 @@ class OpenAIApp:
         try:
             api.refuse_unsupported(body)
             prompts, logprobs = prepare()
-            base = api.sampling_params(body, logprobs)
+            base = api.sampling_params(body, logprobs, api.output_constraint(body, self.router.constraint_limits))
             tool_request = tools()
             states = []
             for p, prompt in enumerate(prompts):

@@ -156,11 +156,12 @@ class _EngineCollector:
                                        "of its queues was at its bound (inbox: ADDs, answered queue_full and placed "
                                        "elsewhere; kv_export: hand-offs decoded where they are).",
                                        labels=["worker", "queue"])
-        handoff = _HandoffFamilies()
+        handoff, constraints = _HandoffFamilies(), _ConstraintFamilies()
         for client in self._clients():
             # The worker's stable name (HELLO, or kind-index under serve); the endpoint may be a temporary path.
             s, name = client.stats, getattr(client, "name", None) or client.endpoint
             handoff.add(name, getattr(client, "kind", None), s)
+            constraints.add(name, s)
             steps.add_metric([name], s.steps)
             after.add_metric([name], s.tokens_after_abort)
             kv.add_metric([name], s.kv_cache_bytes)
@@ -186,6 +187,43 @@ class _EngineCollector:
         yield from (steps, after, kv, blocks, committed, pinned, running, waiting, queued, prefill, by_size, batch, hits, misses, wire_errors,
                     refusals)
         yield from handoff.families()
+        yield from constraints.families()
+
+
+class _ConstraintFamilies:
+    """The workers' structured-output counters (EngineStats: constrained_*, grammar_*, mask_*)."""
+
+    _ROWS = (  # (metric, EngineStats field, family, help)
+        ("constrained_requests", "constrained_requests", CounterMetricFamily, "Constrained sequences admitted."),
+        ("constrained_running", "constrained_running", GaugeMetricFamily,
+         "Constrained sequences scheduled now (waiting or running)."),
+        ("waiting_for_grammar", "waiting_for_grammar", GaugeMetricFamily,
+         "Sequences waiting for their grammar to compile (outside every batch)."),
+        ("grammar_compiles", "grammar_compiles", CounterMetricFamily, "Grammars compiled (grammar cache misses)."),
+        ("grammar_compile_errors", "grammar_compile_errors", CounterMetricFamily,
+         "Grammars refused (answered invalid_constraint)."),
+        ("grammar_compile_seconds", "grammar_compile_seconds_total", CounterMetricFamily,
+         "Time compiling grammars, off the engine loop."),
+        ("grammar_cache_hits", "grammar_cache_hits", CounterMetricFamily,
+         "Constrained sequences whose grammar was compiled or compiling already."),
+        ("constraint_mask_fills", "mask_fills", CounterMetricFamily,
+         "Sequence-steps whose token bitmask was filled."),
+        ("constraint_mask_fill_seconds", "mask_fill_seconds_total", CounterMetricFamily,
+         "Time filling token bitmasks (beside the forward pass), summed over sequence-steps."),
+        ("constraint_mask_wait_seconds", "mask_wait_seconds_total", CounterMetricFamily,
+         "Time sampling waited for bitmasks after the forward pass."),
+    )
+
+    def __init__(self):
+        self._families = [(field, family(f"hybridgate:{metric}", help_, labels=["worker"]))
+                          for metric, field, family, help_ in self._ROWS]
+
+    def add(self, worker: str, s) -> None:
+        for field, family in self._families:
+            family.add_metric([worker], getattr(s, field, 0))
+
+    def families(self):
+        return [family for _, family in self._families]
 
 
 class _HandoffFamilies:

@@ -11,12 +11,13 @@ import grpc
 
 from hybridgate.gateway.admission import Admission
 from hybridgate.gateway.config import GatewayConfig
-from hybridgate.gateway.convert import delta_to_proto, request_to_native
+from hybridgate.gateway.convert import delta_to_proto, request_to_native, tools_to_native
 from hybridgate.gateway.metrics import GatewayMetrics
 from hybridgate.models import model_name
 from hybridgate.router.router import DEFAULT_MAX_TOKENS_CAP
 from hybridgate.gateway.errors import ROUTER_ERRORS, status_of
 from hybridgate.router import ResourceExhaustedError, Router
+from hybridgate.router.tools import ToolCallStream
 from hybridgate.v1 import generation_pb2 as pb
 from hybridgate.v1 import generation_pb2_grpc as pb_grpc
 from hybridgate.wire import InvalidFieldError, WorkerState
@@ -66,9 +67,12 @@ class GenerationService(pb_grpc.GenerationServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         outcome = _Outcome(time.monotonic())
         try:
-            prompt, params = request_to_native(request)
+            prompt, params = request_to_native(request, self.router.constraint_limits)
+            tools = tools_to_native(request)
+            if tools is not None and isinstance(prompt, str):
+                raise InvalidFieldError("tools", "need a chat input, not a raw prompt")
             stream = self.router.generate(prompt, params, label=request.label, route=self._route(request),
-                                          deadline_s=context.time_remaining())
+                                          deadline_s=context.time_remaining(), tools=tools)
         except InvalidFieldError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         # Admission sits here, in the handler, before any await: 40 calls that arrive together see
@@ -97,7 +101,9 @@ class GenerationService(pb_grpc.GenerationServicer):
                         self.metrics.e2e.observe(now - outcome.start)
                         self.metrics.success.labels(outcome.finish).inc()
                         context.set_trailing_metadata(self._placement_metadata(stream, delta))
-                    yield delta_to_proto(delta)
+                    calls = stream.calls if delta.finish_reason is not None and isinstance(stream, ToolCallStream) \
+                        else ()
+                    yield delta_to_proto(delta, calls)
         except ResourceExhaustedError as exc:
             outcome.status = grpc.StatusCode.RESOURCE_EXHAUSTED
             await self._refuse(context, exc.reason, str(exc))

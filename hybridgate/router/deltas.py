@@ -6,9 +6,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybridgate.router.client import WorkerDead
-from hybridgate.router.errors import DeadlineExceededError, ResourceExhaustedError, UnavailableError, WorkerRequestError
+from hybridgate.router.errors import (
+    DeadlineExceededError,
+    InvalidRequestError,
+    ResourceExhaustedError,
+    UnavailableError,
+    WorkerRequestError,
+)
 from hybridgate.wire import (
     ERROR_DEADLINE_EXCEEDED,
+    ERROR_INVALID_CONSTRAINT,
     ERROR_NO_KV_BLOCKS,
     ERROR_QUEUE_FULL,
     ERROR_RESOURCE_EXHAUSTED,
@@ -60,6 +67,8 @@ def error_of(item) -> BaseException:
     if isinstance(item, RequestError):
         if item.code == ERROR_DEADLINE_EXCEEDED:
             return DeadlineExceededError(item.message)
+        if item.code == ERROR_INVALID_CONSTRAINT:  # INVALID_ARGUMENT / 400 naming the field
+            return InvalidRequestError("constraint", item.message.removeprefix("constraint: "))
         if item.code in REPLACEABLE_CODES:  # memory ran out, or the request needs more KV than any worker holds
             reason = "worker_queue_full" if item.code == ERROR_QUEUE_FULL else "worker_memory"
             return ResourceExhaustedError(item.message, reason)

@@ -27,6 +27,7 @@ from hybridgate.mempool import BlockAllocator
 from hybridgate.wire import (
     ERROR_DEADLINE_EXCEEDED,
     ERROR_INTERNAL,
+    ERROR_INVALID_CONSTRAINT,
     ERROR_INVALID_REQUEST,
     ERROR_NO_KV_BLOCKS,
     ERROR_QUEUE_FULL,
@@ -40,6 +41,13 @@ from hybridgate.wire import (
     RequestError,
     SamplingParams,
     SeqOutput,
+)
+from hybridgate.workers.constraints import (
+    DEFAULT_GRAMMAR_CACHE_SIZE,
+    DEFAULT_GRAMMAR_COMPILE_THREADS,
+    Constraints,
+    GrammarCompiler,
+    ll_tokenizer_of_metadata,
 )
 from hybridgate.workers.faults import InjectedFault
 from hybridgate.workers.guard import Refusals, WireErrors, check_add
@@ -81,7 +89,7 @@ class EngineCore:
 
     def __init__(self, runner: ModelRunner, scheduler_config: SchedulerConfig, fingerprint: str = "",
                  prefix_caching: bool = True, wire_errors: WireErrors | None = None,
-                 handoff: HandoffConfig | None = None):
+                 handoff: HandoffConfig | None = None, constraints: Constraints | None = None):
         self.runner = runner
         self.wire_errors = wire_errors or WireErrors()  # shared with the worker's I/O thread
         self.refusals = Refusals()  # messages refused at a queue's bound (the worker shares its Inbox's)
@@ -104,6 +112,7 @@ class EngineCore:
         layout = getattr(runner, "kv_layout", None)
         spec = KVSpec(fingerprint, runner.block_size, *layout()) if layout is not None else None
         self.handoffs = EngineHandoffs(self, handoff or HandoffConfig(), spec)
+        self.constraints = constraints or default_constraints(runner)
 
     def add(self, request: AddRequest, client: bytes = b"") -> RequestError | None:
         """Queue a request; the error to answer when it is refused, else None.
@@ -140,8 +149,23 @@ class EngineCore:
                                 ERROR_QUEUE_FULL)
         seq = Sequence(request, client)
         self._by_id[(client, seq.request_id)] = seq
-        self.scheduler.add(seq)
+        self.admit(seq, lambda: self.scheduler.add(seq))
         return None
+
+    def admit(self, seq: Sequence, schedule: Callable[[], None]) -> None:
+        """Schedule a new (or imported) sequence: at once, or once its constraint's grammar is compiled."""
+        if seq.params.constraint is None:
+            schedule()
+        else:
+            self.constraints.wait_for_grammar(seq, schedule)
+
+    def _admit_compiled(self) -> None:
+        """Schedule the sequences whose grammar is ready; fail those whose grammar failed."""
+        for seq, reason in self.constraints.poll():
+            self._by_id.pop((seq.client, seq.request_id), None)
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)  # frees an imported sequence's blocks
+            self._failures.append((seq, RequestError(seq.request_id, f"constraint: {reason}",
+                                                     ERROR_INVALID_CONSTRAINT)))
 
     def abort(self, request_ids: list[str], client: bytes = b"") -> list[Sequence]:
         """Finish these sequences now and free their blocks; unknown ids are ignored (idempotent)."""
@@ -149,6 +173,7 @@ class EngineCore:
         for rid in request_ids:
             seq = self._by_id.pop((client, rid), None)
             if seq is not None:
+                self.constraints.discard(seq)
                 # A parked sequence (hand-off export) frees its blocks once no copy reads them.
                 if not self.handoffs.abort_parked((client, rid)):
                     self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
@@ -172,7 +197,8 @@ class EngineCore:
         return ids
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        """Sequences to run, or waiting for their grammar (`step` schedules them once it is compiled)."""
+        return self.scheduler.has_work() or bool(self.constraints.waiting_for_grammar)
 
     def step(self) -> list[Sequence]:
         """One forward pass; returns the sequences that got a token (finished ones included).
@@ -185,15 +211,19 @@ class EngineCore:
             self._failures.append((seq, RequestError(
                 seq.request_id, f"its deadline ({seq.deadline - seq.arrival:.3f} s after arrival) passed while it "
                 "waited on the worker; it was not run", ERROR_DEADLINE_EXCEEDED)))
+        self._admit_compiled()
         batch = self.scheduler.schedule()
         if not len(batch):
             return []
+        # Constrained sequences that sample this step: their bitmasks fill while the forward pass runs.
+        batch.masks = self.constraints.start_masks(
+            [s for s, n in batch.entries if s.num_computed + n == s.num_tokens])
         now = time.monotonic()
         for seq, _ in batch.entries:
             if not seq.output_ids and seq.queue_ms == 0.0:
                 seq.queue_ms = (now - seq.arrival) * 1e3
         started = time.perf_counter()
-        sampled, failed = self._execute_isolating(batch.entries)
+        sampled, failed = self._execute_isolating(batch.entries, batch.masks)
         if not failed:  # a step that reran parts of itself is no measure of speed
             prefill = any(not (n == 1 and seq.output_ids) for seq, n in batch.entries)
             self.rates.record_step(batch.num_tokens, len(batch), prefill, time.perf_counter() - started)
@@ -206,8 +236,12 @@ class EngineCore:
             seq.num_computed += n
         self.scheduler.after_step(batch)
         logprobs, self._logprobs = self._logprobs, {}
+        if batch.masks is not None:
+            self.constraints.mask_wait_seconds += batch.masks.wait_s
         for seq, token in sampled.items():
             seq.append(token, logprobs.get(seq))
+            if seq.matcher is not None:
+                self._advance_matcher(seq, token)
             if seq.status.finished:
                 self._by_id.pop((seq.client, seq.request_id), None)
                 self.scheduler.finish(seq, seq.status)
@@ -216,7 +250,17 @@ class EngineCore:
         self.stats.batch_size_counts[len(batch)] = self.stats.batch_size_counts.get(len(batch), 0) + 1
         return list(sampled)
 
-    def _execute_isolating(self, entries: list) -> tuple[dict[Sequence, int], dict[Sequence, BaseException]]:
+    def _advance_matcher(self, seq: Sequence, token: int) -> None:
+        """Feed the sampled id to the sequence's matcher; a grammar that admits nothing more ends it (stop)."""
+        error = self.constraints.advance(seq, token)
+        if error is not None:
+            log.error("request %r: %s", seq.request_id, error)
+            self._failures.append((seq, RequestError(seq.request_id, error, ERROR_INTERNAL)))
+            seq.status = SequenceStatus.FINISHED_ABORTED
+        elif not seq.status.finished and seq.matcher.is_stopped():
+            seq.status = SequenceStatus.FINISHED_STOPPED
+
+    def _execute_isolating(self, entries: list, masks=None) -> tuple[dict[Sequence, int], dict[Sequence, BaseException]]:
         """Run the entries; on a failure, rerun parts of them to find the sequences to blame.
 
         Returns the sampled ids of the entries that ran and the exception of each
@@ -227,7 +271,7 @@ class EngineCore:
         failure that does not come back on the rerun blames no one.
         """
         try:
-            sampled = self.runner.execute(ScheduledBatch(entries))
+            sampled = self.runner.execute(ScheduledBatch(entries, masks))
             if self._take_logprobs is not None:
                 self._logprobs.update(self._take_logprobs())
             return sampled, {}
@@ -244,7 +288,7 @@ class EngineCore:
                 parts = [entries[: len(entries) // 2], entries[len(entries) // 2 :]]
         sampled, failed = {}, {}
         for part in parts:
-            s, f = self._execute_isolating(part)
+            s, f = self._execute_isolating(part, masks)
             sampled.update(s)
             failed.update(f)
         return sampled, failed
@@ -267,6 +311,7 @@ class EngineCore:
     def fail(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
             self._by_id.pop((seq.client, seq.request_id), None)
+            self.constraints.discard(seq)
             self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
 
     def refresh_stats(self) -> EngineStats:
@@ -288,7 +333,19 @@ class EngineCore:
         s.blocks_committed = s.blocks_used + sum(self._blocks_to_finish(q) for q in (*sched.waiting, *sched.running))
         s.max_num_seqs, s.max_num_batched_tokens = sched.config.max_num_seqs, sched.config.max_num_batched_tokens
         s.prefill_tokens_per_s, s.decode_step_s = self.rates.prefill.medians, self.rates.decode.medians
+        self._constraint_stats(s)
         return s
+
+    def _constraint_stats(self, s: EngineStats) -> None:
+        c, sched = self.constraints, self.scheduler
+        s.constrained_requests, s.waiting_for_grammar = c.requests, len(c.waiting_for_grammar)
+        s.constrained_running = sum(q.matcher is not None for q in (*sched.waiting, *sched.running))
+        s.mask_fills, s.mask_fill_seconds_total, s.mask_wait_seconds_total = (
+            c.mask_fills, c.mask_fill_seconds, c.mask_wait_seconds)
+        if c.compiler is not None:
+            k = c.compiler.stats
+            s.grammar_compiles, s.grammar_compile_errors, s.grammar_compile_seconds_total, s.grammar_cache_hits = (
+                k.compiles, k.compile_errors, k.compile_seconds, k.cache_hits)
 
     def _blocks_to_finish(self, seq: Sequence) -> int:
         """Blocks `seq` still needs to reach its end: max_tokens, or a hand-off's first token."""
@@ -323,6 +380,15 @@ class EngineCore:
                                  kernel_cache_misses=kernel_misses)
         self.scheduler.stats = SchedulerStats()
         self.take_failures()
+
+
+def default_constraints(runner: ModelRunner, cache_size: int = DEFAULT_GRAMMAR_CACHE_SIZE,
+                        compile_threads: int = DEFAULT_GRAMMAR_COMPILE_THREADS) -> Constraints:
+    """Constraints over the runner's tokenizer (its GGUF `metadata`); a runner without one refuses them."""
+    metadata = getattr(runner, "metadata", None)
+    if metadata is None:
+        return Constraints(None)
+    return Constraints(GrammarCompiler(lambda: ll_tokenizer_of_metadata(metadata), cache_size, compile_threads))
 
 
 def _is_out_of_memory(exc: BaseException) -> bool:
@@ -431,12 +497,14 @@ class EngineLoop:
         self.send = send
         self.send_handoff = send_handoff  # replies on the hand-off socket (CPU worker)
         self.stopping = threading.Event()
+        engine.constraints.on_compiled = lambda: inbox.requests.put(None)  # wake an idle loop
         self._handlers = {AddRequest: self._on_add, ClientGone: self._on_client_gone,
                           ClientCongested: self._on_client_congested}
 
     def run(self) -> None:
         while not self.stopping.is_set():
-            self._drain(block=not self.engine.has_work())
+            # Sequences waiting only for their grammar do not spin the loop: the compile wakes it.
+            self._drain(block=not self.engine.scheduler.has_work())
             self._apply_aborts(set())
             self.engine.handoffs.expire()
             self._flush_handoff_notices()

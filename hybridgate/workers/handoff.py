@@ -554,7 +554,8 @@ class EngineHandoffs:
         seq.imported, seq.cacheable = True, self.config.cache_imported_kv
         engine.scheduler.register_blocks(seq)
         engine._by_id[(r.client, seq.request_id)] = seq
-        engine.scheduler.unpark(seq)
+        # A constrained one first rebuilds its matcher from the ids generated so far (its blocks held meanwhile).
+        engine.admit(seq, lambda: engine.scheduler.unpark(seq))
         elapsed = time.monotonic() - r.started
         self.nbytes += r.nbytes
         self.import_s += elapsed

@@ -24,7 +24,7 @@ from hybridgate.keys import Transport, TransportConfig
 from hybridgate.redisconf import RedisConfig, WorkerEntry
 from hybridgate.wire import Hello
 from hybridgate.workerconf import EngineConfig, WorkerConfig  # noqa: F401 (EngineConfig: its old home)
-from hybridgate.workers.engine import EngineCore, EngineLoop, Inbox
+from hybridgate.workers.engine import EngineCore, EngineLoop, Inbox, default_constraints
 from hybridgate.workers.guard import WireErrors
 from hybridgate.workers.handoff import HandoffConfig
 from hybridgate.workers.io_thread import WorkerIO, max_frame_bytes  # noqa: F401 (max_frame_bytes: its old home)
@@ -190,7 +190,9 @@ def _start_io(ctx: zmq.Context, config: WorkerConfig, hello: Hello, inbox: Inbox
 def _engine(config: WorkerConfig, runner, hello: Hello, wire_errors: WireErrors) -> EngineCore:
     """The engine core over the warm runner, its rates measured unless --no-measure-rates."""
     engine = EngineCore(runner, config.scheduler, hello.fingerprint, config.engine.prefix_caching, wire_errors,
-                        HandoffConfig(config.cache_imported_kv, config.handoff_reservation_timeout_s))
+                        HandoffConfig(config.cache_imported_kv, config.handoff_reservation_timeout_s),
+                        default_constraints(runner, config.engine.grammar_cache_size,
+                                            config.engine.grammar_compile_threads))
     if config.measure_rates:
         started = time.monotonic()
         engine.measure_rates()

@@ -3,6 +3,9 @@
 One spec, two implementations (this and `hybridgate.workers.gpu.sampling`),
 which give the same id for the same logits, parameters, seed and token index:
 
+0. Constraint (a row with a token bitmask, `hybridgate.workers.constraints`):
+   the logits of ids the bitmask does not allow are -inf, so no later step can
+   bring them back (ids past the bitmask's width are not allowed).
 1. Repetition penalty over the seen ids (prompt and generated), as in CTRL
    (Keskar et al. 2019, eq. 2) and transformers: a positive logit is divided by
    the penalty, a negative one multiplied.
@@ -123,10 +126,24 @@ def _top_k_top_p(x: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
     return x
 
 
+def allowed_of_bitmask(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:
+    """bool `[..., vocab_size]` from token bitmasks int32 `[..., ceil(vocab / 32)]` (bit j % 32 of word
+    j // 32 allows id j, llguidance's layout); ids past the bitmask's width are not allowed."""
+    bits = np.unpackbits(np.ascontiguousarray(bitmask, dtype="<i4").view(np.uint8), axis=-1, bitorder="little")
+    if bits.shape[-1] < vocab_size:
+        pad = np.zeros((*bits.shape[:-1], vocab_size - bits.shape[-1]), dtype=bits.dtype)
+        bits = np.concatenate([bits, pad], axis=-1)
+    return bits[..., :vocab_size].astype(bool)
+
+
 def sample_row(logits: np.ndarray, params: SamplingParams, seed: int, token_index: int, seen: Sequence[int],
-               generated: Sequence[int] = ()) -> int:
-    """One id from one row of logits `[vocab]` (any float dtype); `generated`: the ids sampled so far."""
-    x = apply_repetition_penalty(np.array(logits, dtype=np.float64), seen, params.repetition_penalty)
+               generated: Sequence[int] = (), bitmask: np.ndarray | None = None) -> int:
+    """One id from one row of logits `[vocab]` (any float dtype); `generated`: the ids sampled so far;
+    `bitmask`: the row's token bitmask, int32 `[ceil(vocab / 32)]` (None: unconstrained)."""
+    x = np.array(logits, dtype=np.float64)
+    if bitmask is not None:
+        x = np.where(allowed_of_bitmask(bitmask, x.shape[0]), x, -np.inf)
+    x = apply_repetition_penalty(x, seen, params.repetition_penalty)
     x = apply_openai_penalties(x, generated, params.presence_penalty, params.frequency_penalty)
     if params.temperature == 0.0:
         return int(np.argmax(x))
@@ -142,6 +159,7 @@ def sample(
     token_indices: Sequence[int],
     seen: Sequence[Sequence[int]],
     generated: Sequence[Sequence[int]] | None = None,
+    bitmask: np.ndarray | None = None,
 ) -> np.ndarray:
     """Next ids for a batch: logits `[batch, vocab]` → int64 `[batch]`.
 
@@ -149,10 +167,14 @@ def sample(
     among the sequence's generated tokens, from 0) key row i's noise. `seen[i]`:
     the ids the repetition penalty counts (prompt and generated); `generated[i]`:
     the ids the presence and frequency penalties count (None: none anywhere).
+    `bitmask`: int32 `[batch, ceil(vocab / 32)]` token bitmasks (a row of all bits set is
+    unconstrained; None: no row is constrained).
     """
     gen = generated if generated is not None else [()] * logits.shape[0]
+    masks = [None if bitmask is None or (bitmask[i] == -1).all() else bitmask[i] for i in range(logits.shape[0])]
     return np.array(
-        [sample_row(logits[i], params[i], seeds[i], token_indices[i], seen[i], gen[i]) for i in range(logits.shape[0])],
+        [sample_row(logits[i], params[i], seeds[i], token_indices[i], seen[i], gen[i], masks[i])
+         for i in range(logits.shape[0])],
         dtype=np.int64,
     )
 

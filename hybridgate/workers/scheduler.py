@@ -26,6 +26,8 @@ class ScheduledBatch:
     """One step: (sequence, number of new tokens to run) in execution order."""
 
     entries: list[tuple[Sequence, int]] = field(default_factory=list)
+    # The token bitmasks of its constrained sequences (`constraints.StepMasks`), filled while it runs.
+    masks: object | None = None
 
     @property
     def sequences(self) -> list[Sequence]:
@@ -174,8 +176,9 @@ class Scheduler:
         self.running.append(seq)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
-        """Retire a sequence (waiting or running) and free its blocks."""
+        """Retire a sequence (waiting or running) and free its blocks (and its constraint's matcher)."""
         seq.status = status
+        seq.matcher = None
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

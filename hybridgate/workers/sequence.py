@@ -61,6 +61,9 @@ class Sequence:
         self.handoff = request.handoff  # gpu->cpu: export after the first token (GPU worker)
         self.imported = False  # its KV came from a hand-off (CPU worker): preempted last
         self.cacheable = True  # its blocks may enter the prefix cache (not for imported KV unless configured)
+        # With a constraint: its llguidance matcher, fed every generated id (None until its grammar is
+        # compiled, and again once it finishes; `hybridgate.workers.constraints`).
+        self.matcher = None
 
     @property
     def num_tokens(self) -> int:

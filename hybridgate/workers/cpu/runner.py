@@ -71,6 +71,7 @@ class NumbaRunner:
         c = model.config
         self.max_model_len = c.max_model_len
         self.vocab_size = c.vocab_size
+        self.metadata = model.metadata  # the tokenizer constraints are enforced with is built from it
         self.fault = FaultHook.from_env()  # tests only: None unless HYBRIDGATE_TEST_FAULT is set
         self._logprobs: dict[Sequence, TokenLogprobs] = {}  # of the last execute (take_logprobs)
         self.block_size = block_size
@@ -162,7 +163,7 @@ class NumbaRunner:
         ids = sample(rows, [s.params for s in seqs], [s.seed for s in seqs], [s.next_token_index for s in seqs],
                      [s.all_ids if s.params.repetition_penalty != 1.0 else () for s in seqs],
                      [s.generated_ids if s.params.presence_penalty or s.params.frequency_penalty else ()
-                      for s in seqs])
+                      for s in seqs], bitmask=batch.masks.for_rows(seqs) if batch.masks is not None else None)
         if any(s.params.logprobs is not None for s in seqs):
             lps = token_logprobs(rows, ids, [s.params.logprobs for s in seqs])
             self._logprobs = {s: lp for s, lp in zip(seqs, lps) if lp is not None}

@@ -59,6 +59,7 @@ class TorchRunner:
         dev = self.model.device
         self.max_model_len = model.config.max_model_len
         self.vocab_size = model.config.vocab_size
+        self.metadata = model.metadata  # the tokenizer constraints are enforced with is built from it
         self.fault = FaultHook.from_env()  # tests only: None unless HYBRIDGATE_TEST_FAULT is set
         self._logprobs: dict[Sequence, TokenLogprobs] = {}  # of the last execute (take_logprobs)
         # Decode attention gathers whole blocks on CUDA (fewer, larger copies); per-slot
@@ -133,6 +134,7 @@ class TorchRunner:
             [s.all_ids if s.params.repetition_penalty != 1.0 else () for s in seqs], self._vocab_hash,
             generated=[s.generated_ids if s.params.presence_penalty or s.params.frequency_penalty else ()
                        for s in seqs],
+            bitmask=batch.masks.for_rows(seqs) if batch.masks is not None else None,
         )
         if any(s.params.logprobs is not None for s in seqs):
             lps = sampling.token_logprobs(logits[rows], sampled, [s.params.logprobs for s in seqs])

@@ -32,6 +32,16 @@ def gumbel_noise(keys: torch.Tensor, vocab_ids_hash: torch.Tensor) -> torch.Tens
     return -torch.log(-torch.log(u))
 
 
+def allowed_of_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bool `[batch, vocab_size]` from int32 token bitmasks `[batch, ceil(vocab / 32)]` (the numpy twin's
+    `allowed_of_bitmask`); a row of all bits set allows every id, past the bitmask's width too."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = ((bitmask[:, :, None] >> shifts) & 1).reshape(bitmask.shape[0], -1).bool()  # [batch, words * 32]
+    if bits.shape[1] < vocab_size:
+        bits = torch.nn.functional.pad(bits, (0, vocab_size - bits.shape[1]))
+    return bits[:, :vocab_size] | (bitmask == -1).all(dim=1)[:, None]
+
+
 def _top_k(x: torch.Tensor, top_k: torch.Tensor, k_max: int) -> torch.Tensor:
     """Drop logits below each row's k-th largest (k_max >= every row's k; rows with k off keep all)."""
     vocab = x.shape[-1]
@@ -67,6 +77,7 @@ def sample_tensors(
     presence: torch.Tensor | None = None,
     frequency: torch.Tensor | None = None,
     min_p: torch.Tensor | None = None,
+    allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Next ids, int64 `[batch]`, from logits `[batch, vocab]`.
 
@@ -75,11 +86,14 @@ def sample_tensors(
     `[batch, vocab]`, True where an id was seen (None: no penalty anywhere).
     counts: float64 `[batch, vocab]`, how often each id was generated, with
     presence and frequency (float64 `[batch]`): OpenAI's penalties (None: off
-    everywhere). min_p: float64 `[batch]` (None: off everywhere).
+    everywhere). min_p: float64 `[batch]` (None: off everywhere). allowed: bool `[batch, vocab]`,
+    False where a row's constraint forbids the id (`allowed_of_bitmask`; None: no row constrained).
     The keyword flags, known on the host, skip work no row needs (all greedy:
     no noise; k_max 0: no top-k; no top-p: no sort); they never change ids.
     """
     x = logits.to(torch.float64)
+    if allowed is not None:
+        x = torch.where(allowed, x, float("-inf"))
     if seen_mask is not None:
         pen = repetition_penalty[:, None]
         x = torch.where(seen_mask & (pen != 1.0), torch.where(x > 0, x / pen, x * pen), x)
@@ -108,6 +122,7 @@ def sample(
     seen: Sequence[Sequence[int]],
     vocab_ids_hash: torch.Tensor | None = None,
     generated: Sequence[Sequence[int]] | None = None,
+    bitmask=None,
 ) -> torch.Tensor:
     """Same contract as `hybridgate.workers.sampling.sample`, on `logits.device`.
 
@@ -131,6 +146,9 @@ def sample(
                 counts[i].index_add_(0, index, torch.ones(len(index), dtype=torch.float64, device=dev))
     keys = [sampler_key(s, t) for s, t in zip(seeds, token_indices)]
     any_min_p = any(p.min_p > 0 and p.temperature > 0 for p in params)
+    allowed = None
+    if bitmask is not None:  # int32 [batch, words], numpy (host) or a tensor
+        allowed = allowed_of_bitmask(torch.as_tensor(bitmask).to(dev, non_blocking=True), vocab)
     return sample_tensors(
         logits,
         temperature=f64([p.temperature for p in params]),
@@ -147,6 +165,7 @@ def sample(
         presence=f64([p.presence_penalty for p in params]) if openai else None,
         frequency=f64([p.frequency_penalty for p in params]) if openai else None,
         min_p=f64([p.min_p for p in params]) if any_min_p else None,
+        allowed=allowed,
     )
 
 
