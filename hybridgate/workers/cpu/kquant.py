@@ -64,7 +64,7 @@ from hybridgate.workers.cpu.simd import PREFETCH_ROWS, X_TILE, _load_vec, _ptr, 
 XQ_MAX = 32767.0  # int16 activations in ±32767, as intdot: a pair sum (at most 2 · 31 · 32767) fits int32
 MIN_LANES = 16  # blocks per step of the min term's FMA chain (d and m rows are padded to a multiple)
 
-_I8, _I16, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
+_I8, _I16, _I32, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
 _V16F = ir.VectorType(_F32, 16)
 _V16I = ir.VectorType(_I32, 16)
 
@@ -164,7 +164,8 @@ def _x86(builder, name, ret, args):
 def _dot_vnni(builder, ws, xs):
     acc = _vec_const(_V16I, 0)
     for w, x in zip(ws, xs):
-        acc = _x86(builder, "llvm.x86.avx512.vpdpwssd.512", _V16I, [acc, builder.bitcast(w, _V16I), builder.bitcast(x, _V16I)])
+        pair = [builder.bitcast(w, _V16I), builder.bitcast(x, _V16I)]
+        acc = _x86(builder, "llvm.x86.avx512.vpdpwssd.512", _V16I, [acc, *pair])
     return acc
 
 
@@ -270,7 +271,8 @@ def _make_tile(wrows: int, xrows: int):
             c = lambda v: ir.Constant(nquads.type, v)  # noqa: E731
 
             def at(index, arr, base, stride, i, off):
-                return _ptr(context, builder, ty[index], arr, builder.add(builder.add(base, builder.mul(stride, c(i))), off))
+                offset = builder.add(builder.add(base, builder.mul(stride, c(i))), off)
+                return _ptr(context, builder, ty[index], arr, offset)
 
             zero = _vec_const(_V16F, 0.0)
             accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(wrows)] for _ in range(xrows)]
@@ -282,7 +284,8 @@ def _make_tile(wrows: int, xrows: int):
                 dv = [_quad_scale(builder, at(6, da, so, sstr, i, builder.mul(q, c(4)))) for i in range(wrows)]
                 for k in range(xrows):
                     xp = at(12, xa, xo, xstr, k, builder.mul(q, c(128)))
-                    xv = [_load_vec(builder, builder.gep(xp, [c(32 * v)]), ir.VectorType(_I16, 32), 2) for v in range(4)]
+                    xv = [_load_vec(builder, builder.gep(xp, [c(32 * v)]), ir.VectorType(_I16, 32), 2)
+                          for v in range(4)]
                     sv = _quad_scale(builder, at(15, xsa, ao, astr, k, builder.mul(q, c(4))))
                     for i in range(wrows):
                         prod = _DOT(builder, codes[i], xv)
