@@ -96,8 +96,12 @@ class QuantMatrix:
     def nbytes(self) -> int:
         return self.data.nbytes + self.scale.nbytes + self.minimum.nbytes
 
-    def matmul(self, x: np.ndarray) -> np.ndarray:
-        out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
+    def _out(self, x: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+        """The result array of `matmul(x, out)`: out (float32 `[batch, rows]`, C-contiguous), or a new one."""
+        return np.empty((x.shape[0], self.shape[0]), dtype=np.float32) if out is None else out
+
+    def matmul(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        out = self._out(x, out)
         matmul_rows(self.kind, x, self.data, self.scale, self.minimum, out)
         return out
 
@@ -133,8 +137,8 @@ class Q41Matrix(QuantMatrix):
     def nbytes(self) -> int:
         return self.qs.nbytes + self.scale.nbytes + self.minimum.nbytes
 
-    def matmul(self, x: np.ndarray) -> np.ndarray:
-        out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
+    def matmul(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        out = self._out(x, out)
         self._kernel(x, self.qs, self.scale, self.minimum, out)
         return out
 
@@ -165,8 +169,8 @@ class Q80Matrix(QuantMatrix):
     def nbytes(self) -> int:
         return self.qs.nbytes + self.scale.nbytes
 
-    def matmul(self, x: np.ndarray) -> np.ndarray:
-        out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
+    def matmul(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        out = self._out(x, out)
         self._kernel(x, self.qs, self.scale, self.scale, out)
         return out
 
@@ -239,9 +243,7 @@ class LowBitMatrix(QuantMatrix):
         return self.qs.nbytes + (self.qh.nbytes if self.qh.dtype == np.uint32 else 0) + self.d.nbytes + ms
 
     def matmul(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """x float32 `[batch, cols]` → out float32 `[batch, rows]` (allocated when None)."""
-        if out is None:
-            out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
+        out = self._out(x, out)
         matmul_packed(x, self.qs, self.qh, self.d, self.m, self.mscale, out)
         return out
 
@@ -307,8 +309,8 @@ class FusedMatrix:
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
 
-    def matmul(self, x: np.ndarray) -> np.ndarray:
-        out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
+    def matmul(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        out = QuantMatrix._out(self, x, out)
         for part, start in zip(self.parts, self._starts):
             out[:, start : start + part.shape[0]] = part.matmul(x)
         return out
