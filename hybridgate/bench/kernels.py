@@ -132,7 +132,7 @@ def run(args) -> int:
     if args.json:
         from hybridgate.bench.machine import describe
 
-        doc = {"benchmark": "kernels", "command": " ".join(sys.argv), "machine": describe(),
+        doc = {"benchmark": "kernels", "command": " ".join(["hybridgate", *sys.argv[1:]]), "machine": describe(),
                "threads": args.threads, "repeats": args.repeats, "rows": rows}
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
