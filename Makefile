@@ -39,7 +39,7 @@ golden: install
 # source: about 10 minutes the first time); not part of `make test`.
 bench-check: install
 	$(PY) -m pip install -q -e '.[bench]'
-	$(PY) -m pytest -q -p no:cacheprovider bench/test_llama_cpp_baseline.py
+	$(PY) -m pytest -q -p no:cacheprovider bench/test_llama_cpp_baseline.py bench/test_bench_mixes_llama_cpp.py
 
 # On a CUDA machine (bare: its own python3 with torch); see bench/gpu_check.sh.
 gpu-check:
@@ -48,7 +48,7 @@ gpu-check:
 # cp312 wheels the GPU test machine lacks, to carry along in .gpu-wheels/.
 gpu-wheels:
 	$(PY) -m pip download -q --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
-		--platform manylinux_2_28_x86_64 --implementation cp --no-deps -d .gpu-wheels msgspec pyzmq gguf pyyaml
+		--platform manylinux_2_28_x86_64 --implementation cp --no-deps -d .gpu-wheels msgspec pyzmq gguf pyyaml llguidance
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -261,7 +261,7 @@ def test_a_client_that_goes_away_aborts_its_request(server):
     wait_metric(server.metrics_url, "hybridgate:num_requests_running{}", lambda v: v == 0, timeout=30)
     wait_metric(server.metrics_url, "hybridgate:kv_cache_bytes{}", lambda v: v == 0, timeout=30)
     assert metrics(server.metrics_url)[AFTER_ABORT + "{}"] - before[AFTER_ABORT + "{}"] <= 1
-    aborted = "hybridgate:request_success_total{finished_reason=abort}"
+    aborted = f"hybridgate:request_success_total{{finished_reason=abort,model_name={MODEL}}}"
     assert metrics(server.metrics_url).get(aborted, 0) > before.get(aborted, 0)
 
 
