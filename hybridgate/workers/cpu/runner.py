@@ -31,7 +31,8 @@ from hybridgate.wire import TokenLogprobs  # noqa: E402
 log = logging.getLogger("hybridgate.worker")
 
 KERNELS = [
-    ("matmul_blocks", simd.matmul_blocks), ("matmul_i16", intdot.matmul_i16), ("matmul_packed", kquant.matmul_packed),
+    ("matmul_blocks", simd.matmul_blocks), ("matmul_i16", intdot.matmul_i16),
+    ("matmul_packed", kquant.matmul_packed),
     ("matmul_rows", quant.matmul_rows), ("dequant_row", blocks.dequant_row),
     ("rms_norm", cpu_model.rms_norm), ("rope_and_store", cpu_model.rope_and_store),
     ("paged_attention", cpu_model.paged_attention), ("silu_mul", cpu_model.silu_mul),
