@@ -176,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "self-signed certificate); default: plaintext")
     gen.set_defaults(func=_cmd_generate)
 
-    bench = sub.add_parser("bench", help="benchmarks with side-by-side baselines (engine, accuracy, handoff, gateway, cache, serve, sim, model)")
+    bench = sub.add_parser("bench", help="benchmarks with side-by-side baselines (engine, accuracy, handoff, gateway, cache, serve, sim, model, kernels)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     from hybridgate.bench import (  # argparse only
         add_accuracy_parser,
@@ -184,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_engine_parser,
         add_gateway_parser,
         add_handoff_parser,
+        add_kernels_parser,
         add_model_parser,
         add_serve_parser,
         add_sim_parser,
@@ -197,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sim_parser(bench_sub)
     add_cache_parser(bench_sub)
     add_model_parser(bench_sub)
+    add_kernels_parser(bench_sub)
 
     from hybridgate.health import add_health_parser  # argparse only
 

@@ -45,6 +45,8 @@ from hybridgate.workers.cpu.blocks import (  # noqa: E402, F401  (the type ids, 
     unpack_scales,
 )
 from hybridgate.workers.cpu.intdot import activation_format, matmul_i16  # noqa: E402
+from hybridgate.workers.cpu import kquant  # noqa: E402
+from hybridgate.workers.cpu.kquant import CODES, matmul_packed, pack  # noqa: E402
 from hybridgate.workers.cpu.simd import matmul_blocks  # noqa: E402
 
 _JIT = dict(nogil=True, fastmath=True, cache=True)
@@ -97,8 +99,12 @@ class QuantMatrix:
     def nbytes(self) -> int:
         return self.data.nbytes + self.scale.nbytes + self.minimum.nbytes
 
-    def matmul(self, x: np.ndarray) -> np.ndarray:
-        out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
+    def _out(self, x: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+        """The result array of `matmul(x, out)`: out (float32 `[batch, rows]`, C-contiguous), or a new one."""
+        return np.empty((x.shape[0], self.shape[0]), dtype=np.float32) if out is None else out
+
+    def matmul(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        out = self._out(x, out)
         matmul_rows(self.kind, x, self.data, self.scale, self.minimum, out)
         return out
 
@@ -134,8 +140,8 @@ class Q41Matrix(QuantMatrix):
     def nbytes(self) -> int:
         return self.qs.nbytes + self.scale.nbytes + self.minimum.nbytes
 
-    def matmul(self, x: np.ndarray) -> np.ndarray:
-        out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
+    def matmul(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        out = self._out(x, out)
         self._kernel(x, self.qs, self.scale, self.minimum, out)
         return out
 
@@ -168,8 +174,8 @@ class Q80Matrix(QuantMatrix):
     def nbytes(self) -> int:
         return self.qs.nbytes + self.scale.nbytes
 
-    def matmul(self, x: np.ndarray) -> np.ndarray:
-        out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
+    def matmul(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        out = self._out(x, out)
         self._kernel(x, self.qs, self.scale, self.scale, out)
         return out
 
@@ -219,6 +225,54 @@ class Q50Matrix(Q80Matrix):
         high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
         low = np.concatenate([blocks[:, :, 6:] & 15, blocks[:, :, 6:] >> 4], axis=2)
         return ((low | high).astype(np.int16) - 16).astype(np.int8).reshape(self.shape)
+
+
+class LowBitMatrix(QuantMatrix):
+    """Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q5_K repacked for `kquant.matmul_packed` (int16 activations per
+    32-block, integer dot products): 4-bit codes two a byte, the 5th bits of the 5-bit types as bit
+    masks (or whole codes a byte on `kquant.MERGE_FIVE` paths), float32 d (and m) per 32 columns: 6 bits
+    per weight for Q4_1 and Q4_K, 5 for Q4_0, 7 and 6 for Q5_1/Q5_K and Q5_0 (10, 9 with whole codes).
+    The GGUF bytes are not kept. Error: the activations' rounding, at most max|x_block| / 65534 per
+    activation (about 2e-5 of a product, as `intdot`)."""
+
+    activations = "i16"
+
+    def __init__(self, name: str, kind: int, data: np.ndarray, shape: tuple[int, int], activations: str = "auto"):
+        super().__init__(name, kind, data, shape)  # the type and shape checks
+        self.qs, self.qh, self.d, self.m, self.mscale = pack(kind, self.data, shape)
+        self.data = self.scale = self.minimum = None
+
+    @property
+    def nbytes(self) -> int:
+        ms = 0 if self.m is self.d else self.m.nbytes
+        return self.qs.nbytes + (self.qh.nbytes if self.qh.dtype == np.uint32 else 0) + self.d.nbytes + ms
+
+    def matmul(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        out = self._out(x, out)
+        matmul_packed(x, self.qs, self.qh, self.d, self.m, self.mscale, out)
+        return out
+
+    def row(self, index: int) -> np.ndarray:
+        cols = self.shape[1]
+        if self.qs.dtype == np.int8:  # whole codes: per quad, 16-bit lanes of (s 0, s 2), then of (s 1, s 3)
+            merged = self.qs[index].view(np.uint8).reshape(-1, 2, 32, 2)
+            codes = self._scatter(merged.transpose(0, 3, 1, 2).reshape(-1, 4, 32))
+        else:
+            q = self.qs[index].reshape(-1, 16)  # [blocks (padded), 16]: column j low, j + 16 high
+            codes = np.concatenate([q & 15, q >> 4], axis=1)
+        if self.qh.dtype == np.uint32:  # bit t of word s: the 5th bit of lane t of vector s
+            bits = np.unpackbits(self.qh[index].view(np.uint8), bitorder="little").reshape(-1, 4, 32)
+            codes = codes | (self._scatter(bits) << 4)
+        n = cols // 32
+        d, m = self.d[index, :n, None], self.m[index, :n, None] * self.mscale
+        return (codes[:n].astype(np.float32) * d + m).ravel()
+
+    @staticmethod
+    def _scatter(lanes: np.ndarray) -> np.ndarray:
+        """`[quads, 4, 32]` values in the kernels' lane order → `[quads · 4, 32]` by block and column."""
+        out = np.empty((lanes.shape[0], 128), lanes.dtype)
+        out[:, kquant.QUAD_COLUMNS] = lanes
+        return out.reshape(-1, 32)
 
 
 class Q6KMatrix(Q80Matrix):
@@ -286,17 +340,29 @@ class FloatMatrix(QuantMatrix):
         return q.copy()
 
 
-# Types with a repacked fast path (`simd`, `intdot`, `avx2` kernels); the others dequantize rows.
-_FAST = {Q4_0: Q40Matrix, Q4_1: Q41Matrix, Q4_K: Q4KMatrix, Q5_0: Q50Matrix, Q6_K: Q6KMatrix, Q8_0: Q80Matrix,
-         F32: FloatMatrix, F16: FloatMatrix, BF16: FloatMatrix}
+# The classes whose kernels take either activation format (`intdot.activation_format`): an explicit
+# cpu_activations ("f32" or "i16") picks these for their types.
+_FORMATTED = {Q4_0: Q40Matrix, Q4_1: Q41Matrix, Q4_K: Q4KMatrix, Q5_0: Q50Matrix, Q6_K: Q6KMatrix, Q8_0: Q80Matrix}
+# Where `LowBitMatrix` replaces a type's formatted class by default, per path: where it measured faster at
+# batch 1 and at 16 (`hybridgate bench kernels`, docs/cpu-kernels-*.json). On avx2 the in-lane int16
+# kernels of `avx2` stay ahead for the types they take.
+_LOW_BIT = {"avx512": (Q5_0, Q5_1, Q5_K), "avx2": (Q5_1, Q5_K), "generic": (Q4_0, Q4_K, Q5_0, Q5_1, Q5_K)}
+# Types with a repacked fast path on this process's path; the others dequantize rows.
+_FAST = {**_FORMATTED, F32: FloatMatrix, F16: FloatMatrix, BF16: FloatMatrix,
+         **{kind: LowBitMatrix for kind in _LOW_BIT[isa.selected().isa]}}
+# The fast paths `_FAST` replaced on this path, kept for `hybridgate bench kernels` to measure against;
+# and the kernel it did not choose, for the same table.
+_PREVIOUS = {kind: _FORMATTED[kind] for kind in _FAST if _FAST[kind] is LowBitMatrix and kind in _FORMATTED}
+_ALTERNATIVE = {kind: LowBitMatrix for kind in CODES if _FAST.get(kind) is not LowBitMatrix}
 
 
 def quant_matrix(name: str, kind: int, data: np.ndarray, shape: tuple[int, int],
                  activations: str = "auto") -> QuantMatrix:
-    """The matrix class for `kind`: repacked fast paths for Q4_0, Q4_1, Q4_K, Q5_0, Q6_K and Q8_0 (their
-    activation format from `activations`, see `intdot.activation_format`) and F32, F16, BF16 (float32
-    activations), row dequantization otherwise (and for columns the fast class does not take)."""
-    cls = _FAST.get(kind, QuantMatrix)
+    """The matrix class for `kind`: its fast path on this path (`_FAST`: F32, F16 and BF16 with float32
+    activations), or with an explicit activation format ("f32", "i16") the class that takes it
+    (`_FORMATTED`, see `intdot.activation_format`); row dequantization for the other types and for
+    columns the chosen class does not take."""
+    cls = _FORMATTED[kind] if activations != "auto" and kind in _FORMATTED else _FAST.get(kind, QuantMatrix)
     if shape[1] % cls.column_multiple:
         cls = QuantMatrix
     return cls(name, kind, data, shape, activations)
@@ -317,8 +383,8 @@ class FusedMatrix:
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
 
-    def matmul(self, x: np.ndarray) -> np.ndarray:
-        out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
+    def matmul(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        out = QuantMatrix._out(self, x, out)
         for part, start in zip(self.parts, self._starts):
             out[:, start : start + part.shape[0]] = part.matmul(x)
         return out

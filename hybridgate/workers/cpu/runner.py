@@ -16,7 +16,7 @@ import numpy as np  # noqa: E402
 from hybridgate.mempool import DEFAULT_BLOCK_SIZE, PinnedPool, PoolStats  # noqa: E402
 from hybridgate.models import GGUFModel  # noqa: E402
 from hybridgate.workers.cpu import model as cpu_model  # noqa: E402
-from hybridgate.workers.cpu import blocks, intdot, quant, simd  # noqa: E402
+from hybridgate.workers.cpu import blocks, intdot, kquant, quant, simd  # noqa: E402
 from hybridgate.workers.cpu.kvdtype import DEFAULT_KV_DTYPE, kv_dtype  # noqa: E402
 from hybridgate.workers.cpu.model import CpuModel  # noqa: E402
 from hybridgate.workers.cpu.threadfallback import ThreadFallback  # noqa: E402
@@ -32,6 +32,7 @@ log = logging.getLogger("hybridgate.worker")
 
 KERNELS = [
     ("matmul_blocks", simd.matmul_blocks), ("matmul_i16", intdot.matmul_i16),
+    ("matmul_packed", kquant.matmul_packed),
     ("matmul_rows", quant.matmul_rows), ("dequant_row", blocks.dequant_row),
     ("rms_norm", cpu_model.rms_norm), ("rope_and_store", cpu_model.rope_and_store),
     ("paged_attention", cpu_model.paged_attention), ("silu_mul", cpu_model.silu_mul),

@@ -1,0 +1,155 @@
+"""`hybridgate bench kernels`: each weight type's CPU matmul against the path it replaced, per ISA path.
+
+For every type with a fast path (`quant._FAST`, so a type added there appears
+here without an edit) and every instruction-set path asked for (each in its own
+process: Numba compiles for one target per process), a random weight of the
+given shape is multiplied at each batch size by its fast matrix class, by the
+class it replaced on that path where there is one (`quant._PREVIOUS`) or else
+the kernel it was chosen over (`quant._ALTERNATIVE`), and by the
+row-dequantizing `QuantMatrix`, the three alternated in each repeat. Reported:
+median milliseconds per call, the weight bytes each class reads per call over
+that time (GB/s), and the fast class's speedups against the other two.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+BASELINES = ("other", "row-dequantize")
+
+
+def random_weight(kind: int, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """uint8 `[rows, row_bytes]` GGUF blocks of type `kind`: gguf's quantizer of Gaussian values for the
+    types it quantizes, otherwise random bytes with fp16 scales (and mins) in [0.001, 0.05]."""
+    import gguf
+
+    from hybridgate.workers.cpu.blocks import LAYOUTS
+
+    values = rng.standard_normal((rows, cols)).astype(np.float32)
+    try:
+        return np.ascontiguousarray(gguf.quants.quantize(values, kind)).view(np.uint8).reshape(rows, -1)
+    except NotImplementedError:  # the K-quants: gguf-py cannot make them
+        pass
+    lay = LAYOUTS[kind]
+    raw = rng.integers(0, 256, (rows, cols // lay.weights, lay.nbytes), dtype=np.uint8)
+    scale = rng.uniform(0.001, 0.05, (rows, cols // lay.weights, 1)).astype(np.float16).view(np.uint8)
+    raw[:, :, lay.d_at : lay.d_at + 2] = scale
+    if lay.has_min:  # the K-quants' dmin sits beside d
+        raw[:, :, lay.d_at + 2 : lay.d_at + 4] = scale
+    return raw.reshape(rows, -1)
+
+
+def _time(matrices: dict, x: np.ndarray, repeats: int) -> dict[str, float]:
+    """Median seconds per matmul of each matrix, the matrices alternated within each repeat."""
+    for m in matrices.values():
+        m.matmul(x)  # compile or load, and touch the weights once
+    times: dict[str, list[float]] = {name: [] for name in matrices}
+    for _ in range(repeats):
+        for name, m in matrices.items():
+            start = time.perf_counter()
+            m.matmul(x)
+            times[name].append(time.perf_counter() - start)
+    return {name: float(np.median(t)) for name, t in times.items()}
+
+
+def measure(shape: tuple[int, int], batches: list[int], repeats: int, seed: int = 0) -> list[dict]:
+    """The rows of the table for this process's path (see the module docstring)."""
+    from hybridgate.workers.cpu import isa, quant
+    from hybridgate.workers.cpu.blocks import LAYOUTS
+
+    rng = np.random.default_rng(seed)
+    rows, cols = shape
+    out = []
+    for kind, fast in quant._FAST.items():
+        data = random_weight(kind, rows, cols, rng)
+        matrices = {"fast": fast("w", kind, data, shape)}
+        other = quant._PREVIOUS.get(kind) or quant._ALTERNATIVE.get(kind)
+        if other is not None:
+            matrices["other"] = other("w", kind, data, shape)
+        matrices["row-dequantize"] = quant.QuantMatrix("w", kind, data, shape)
+        for batch in batches:
+            x = rng.standard_normal((batch, cols)).astype(np.float32)
+            seconds = _time(matrices, x, repeats if batch < 16 else max(3, repeats // 3))
+            row = {"isa": isa.selected().isa, "type": LAYOUTS[kind].name, "rows": rows, "cols": cols, "batch": batch}
+            if "other" in matrices:
+                row["other_is"] = "previous" if kind in quant._PREVIOUS else "not chosen"
+            for name, m in matrices.items():
+                row[name] = {"class": type(m).__name__, "activations": m.activations, "ms": seconds[name] * 1e3,
+                             "weight_bytes": m.nbytes, "gb_s": m.nbytes / seconds[name] / 1e9}
+            for name in BASELINES:
+                if name in row:
+                    row[f"speedup_vs_{name}"] = seconds[name] / seconds["fast"]
+            out.append(row)
+    return out
+
+
+def _format(rows: list[dict]) -> str:
+    head = (f"{'path':7} {'type':5} {'batch':>5}  {'fast class':12} {'act':4} {'ms':>8} {'GB/s':>6}  "
+            f"{'other class':12} {'(role)':12} {'ms':>8} {'x':>5}  {'row-dequant ms':>14} {'x':>6}")
+    lines = [head]
+    for r in rows:
+        f, o, d = r["fast"], r.get("other"), r["row-dequantize"]
+        other = (f"{o['class']:12} {'(' + r['other_is'] + ')':12} {o['ms']:8.3f} {r['speedup_vs_other']:5.2f}" if o
+                 else f"{'-':12} {'':12} {'':8} {'':5}")
+        lines.append(f"{r['isa']:7} {r['type']:5} {r['batch']:5d}  {f['class']:12} {f['activations']:4} {f['ms']:8.3f} "
+                     f"{f['gb_s']:6.1f}  {other}  {d['ms']:14.3f} {r['speedup_vs_row-dequantize']:6.1f}")
+    return "\n".join(lines)
+
+
+def _child_command(path: str, args) -> list[str]:
+    return [sys.executable, "-m", "hybridgate.bench.kernels", path, f"{args.shape[0]}x{args.shape[1]}",
+            ",".join(map(str, args.batch)), str(args.repeats), str(args.threads)]
+
+
+def run(args) -> int:
+    """Every path asked for (default: all this CPU runs), each in a child process; print the table and
+    write `--json`."""
+    from hybridgate.workers.cpu import isa
+
+    runnable = isa.ISAS[isa.ISAS.index(isa.best(isa.host_features())):]
+    paths = args.isa or list(runnable)
+    for path in paths:
+        if path not in runnable:
+            raise ValueError(f"--isa: this CPU cannot run {path} (it runs {', '.join(runnable)})")
+    rows = []
+    for path in paths:
+        env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CACHE_DIR", isa.ENV)}
+        proc = subprocess.run(_child_command(path, args), capture_output=True, text=True, env=env)
+        if proc.returncode:
+            sys.stderr.write(proc.stderr[-4000:])
+            return proc.returncode
+        rows += json.loads(proc.stdout.strip().splitlines()[-1])
+    from hybridgate.bench.machine import summary
+
+    print(summary())
+    print(_format(rows))
+    if args.json:
+        from hybridgate.bench.machine import describe
+
+        doc = {"benchmark": "kernels", "command": " ".join(["hybridgate", *sys.argv[1:]]), "machine": describe(),
+               "threads": args.threads, "repeats": args.repeats, "rows": rows}
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    return 0
+
+
+def _child_main(argv: list[str]) -> None:
+    path, shape, batches, repeats, threads = argv
+    from hybridgate.workers.cpu import isa
+
+    isa.select(path)
+    import numba
+
+    numba.set_num_threads(int(threads))
+    rows, cols = (int(v) for v in shape.split("x"))
+    print(json.dumps(measure((rows, cols), [int(b) for b in batches.split(",")], int(repeats))))
+
+
+if __name__ == "__main__":
+    _child_main(sys.argv[1:])
