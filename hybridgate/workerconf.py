@@ -42,6 +42,11 @@ def parse_memory(value: str | float | int | None, gpu: bool) -> float:
     return number
 
 
+def _check_factor(value: float) -> None:
+    if value != 0 and not value >= 1:
+        raise ValueError(f"must be 0 (off) or >= 1 (a step is at least its decodes), got {value}")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = setting(64, "most sequences a worker runs at once", low=1)
@@ -50,6 +55,13 @@ class SchedulerConfig:
     max_num_waiting: int = setting(
         1024, "most requests a worker queues beyond those it runs; one more is refused (RESOURCE_EXHAUSTED "
               "once every worker refuses it)", low=1)
+    mixed_step_budget: float = setting(
+        4.0, "a step that carries decodes runs only as many prompt tokens as the worker's measured rates say "
+             "fit in this many times its decode step, so a long prompt does not stall the running streams "
+             "(0: off, prompt chunks of the whole token budget)", check=_check_factor)
+    min_prefill_chunk: int = setting(
+        16, "fewest prompt tokens a step that carries decodes runs (when a prompt waits), so long prompts "
+            "progress whatever --mixed-step-budget allows", low=1)
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -109,6 +121,14 @@ class EngineConfig:
                 "dequantized weights), i16 (activations quantized to int16 per 32-block, integer multiply-adds, "
                 "about 2e-5 relative error), auto (the faster of the two per weight type on this ISA path)",
         choices=("auto", "f32", "i16"))
+    cpu_thread_wait: str = setting(
+        "passive", "CPU worker: how its kernel threads wait between parallel regions: passive sleeps at once (a "
+                   "core another process keeps busy slows a step by little), active spins a while first (the "
+                   "OpenMP runtimes' default; a busy core can slow a step many times over)",
+        choices=("passive", "active"))
+    cpu_thread_fallback: bool = setting(
+        True, "CPU worker: time its decode steps and, every 2 s, a few on half (or twice) the threads, and move to "
+              "the count that measures faster (cores shared with other processes slow the full count)")
     kv_cache_dtype: str = setting(
         DEFAULT_KV_DTYPE, "CPU worker: the KV cache's element format; fp16 and bf16 round K and V to nearest even as they "
                 "are stored and widen them to float32 as attention reads them, for half the bytes per token (twice "
@@ -161,7 +181,8 @@ class WorkerConfig:
     handoff_reservation_timeout_s: float = setting(
         30.0, "CPU workers: seconds a KV hand-off reservation waits for its KV",
         low=0, low_open=True)
-
+    model_name: str = setting("", "the served model's name, in HELLO and the registry (set from --model NAME=PATH; "
+                                  "default the GGUF's general.name)", cli=False)
 
     def __post_init__(self) -> None:
         check_settings(self)

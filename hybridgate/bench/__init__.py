@@ -42,6 +42,17 @@ def add_engine_parser(sub) -> None:
                    help="--kind cpu: MiB of the array whose parallel sum measures the read bandwidth (default 512)")
     p.add_argument("--compare-eager", action="store_true",
                    help="on CUDA, also time the decode step without CUDA graphs (--enforce-eager)")
+    mixed = p.add_argument_group("latency under mixed load (--kind cpu; --prompt-len, --new-tokens and --repeats "
+                                 "apply)")
+    mixed.add_argument("--mixed-load", action="store_true",
+                       help="instead of the cases above, a running stream's inter-token gaps (p50, p99) while a "
+                            "--long-prompt prompt is prefilled on the same engine, against its unloaded ITL, with "
+                            "the step budget and without")
+    mixed.add_argument("--long-prompt", type=bounded(int, 2), default=4000,
+                       help="tokens of the prompt that arrives during the stream (default 4000)")
+    mixed.add_argument("--busy-core", action="store_true",
+                       help="run beside a process spinning on one core, and add decode tokens/s at one sequence on "
+                            "the default threads against one thread")
     _add_bench_model_args(p, required=False)
     p.add_argument("--type-shares", action=argparse.BooleanOptionalAction, default=True,
                    help="--kind cpu: time each weight matrix's matmul at batch 1, in the forward pass's order, and "
@@ -51,6 +62,12 @@ def add_engine_parser(sub) -> None:
                    help="instead of the cases above, measure the step tables (decode step by batch, prefill "
                         "tokens/s by step tokens) and KV capacity at serve's defaults, and write them as a "
                         "worker profile for bench sim")
+    p.add_argument("--constrained-fraction", type=bounded(float, 0, 1), default=None, metavar="F",
+                   help="instead of the cases above, decode --concurrency sequences (default 16) with F of them "
+                        "JSON-schema constrained against all unconstrained, side by side; also mask fill time per "
+                        "sequence-step and grammar compile time, cold and cached")
+    p.add_argument("--schema", default=None, metavar="FILE",
+                   help="with --constrained-fraction: the JSON schema (default: a typical tool's parameters)")
     p.set_defaults(func=_run_engine)
 
 
@@ -141,6 +158,7 @@ def _run_handoff(args) -> int:
 
 
 def add_gateway_parser(sub) -> None:
+    from hybridgate.bench.profile import PROFILERS
     from hybridgate.config import bounded
     from hybridgate.settings import add_command_settings
 
@@ -152,9 +170,10 @@ def add_gateway_parser(sub) -> None:
     p.add_argument("--requests", type=bounded(int, 1), default=64,
                    help="streams per concurrency (at least the concurrency; default 64)")
     p.add_argument("--max-tokens", type=bounded(int, 1), default=256, help="ids per stream (default 256)")
-    p.add_argument("--protocol", choices=("grpc", "openai"), default="grpc",
-                   help="drive the gateway's gRPC stream, or its OpenAI-compatible HTTP door (/v1/completions as "
-                        "server-sent events; not with --tls) (default grpc)")
+    p.add_argument("--protocol", type=_doors, default=["grpc"],
+                   help="the doors to drive, comma-separated: grpc (the gRPC stream), openai (the OpenAI-compatible "
+                        "HTTP door, /v1/completions as server-sent events; not with --tls); several run alternately "
+                        "on the same gateway (default grpc)")
     p.add_argument("--gateways", type=bounded(int, 1, 64), default=1,
                    help="gateway processes on the one port (hybridgate gateway --gateways N; default 1)")
     p.add_argument("--step-ms", type=bounded(float, 0), default=0.0,
@@ -164,13 +183,31 @@ def add_gateway_parser(sub) -> None:
     p.add_argument("--tls", action="store_true",
                    help="also run each concurrency against a second gateway with TLS (a self-signed certificate) "
                         "and a bearer token, alternately with plaintext, and report the tokens/s ratio")
-    p.add_argument("--repeats", type=bounded(int, 1), default=3,
-                   help="with --tls: plaintext/TLS run pairs per concurrency, medians reported (default 3)")
+    p.add_argument("--repeats", type=bounded(int, 1), default=None,
+                   help="runs per concurrency and door (with --tls: plaintext/TLS run pairs), medians reported "
+                        "(default 1; 3 with --tls)")
+    p.add_argument("--auth", action=argparse.BooleanOptionalAction, default=True,
+                   help="the gateway requires a bearer token and every call carries it, as deployed (default on)")
+    p.add_argument("--profile", default=None, metavar="FILE",
+                   help="profile the gateway process over the measured runs only, into FILE (cprofile: a pstats "
+                        "file; callgrind: FILE.1, FILE.2, ... one per run, and instructions per token reported)")
+    p.add_argument("--profiler", choices=PROFILERS, default=PROFILERS[0],
+                   help="with --profile: cProfile on the gateway's event-loop thread, or valgrind's callgrind "
+                        "(every thread; about 50 times slower, so lengthen --step-ms) (default cprofile)")
     p.add_argument("--large-chat-bytes", type=bounded(int, 0, 1 << 20), default=0,
                    help="during each run, send chat requests of this many bytes and of half as many, one at a "
                         "time, and report the gateway's event-loop lag (default 0: none)")
     p.add_argument("--json", default=None, metavar="OUT", help="write the figures to this JSON file")
     p.set_defaults(func=_run_gateway)
+
+
+def _doors(text: str) -> list[str]:
+    """`--protocol`'s comma-separated doors, each grpc or openai."""
+    doors = [d.strip() for d in text.split(",") if d.strip()]
+    bad = [d for d in doors if d not in ("grpc", "openai")]
+    if bad or not doors:
+        raise argparse.ArgumentTypeError(f"each door must be grpc or openai, got {text!r}")
+    return list(dict.fromkeys(doors))
 
 
 def _run_gateway(args) -> int:

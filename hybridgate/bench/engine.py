@@ -218,6 +218,7 @@ def run(args: argparse.Namespace) -> dict:
     settings = resolve(args).settings
     engine = settings.worker.engine
     cpu = settings.worker.kind == "cpu"
+    args.concurrency_given = bool(args.concurrency)
     args.concurrency = args.concurrency or ([1, 4, 16] if cpu else [1, 4, 16, 64])
     args.prefill_lens = args.prefill_lens or ([128, 512] if cpu else [128, 512, 2048])
     args.prefill_prompts = args.prefill_prompts or (4 if cpu else 16)
@@ -238,14 +239,19 @@ def run(args: argparse.Namespace) -> dict:
     model = load_gguf(path)
     tokenizer = Tokenizer.from_model(model)
     if cpu:
-        from hybridgate.workers.cpu import isa
+        from hybridgate.workers.cpu import isa, threadwait
 
         isa.select(engine.cpu_isa)
+        try:
+            threadwait.select(engine.cpu_thread_wait)
+        except RuntimeError as exc:  # in a process whose Numba threads already run (a test session)
+            log.warning("%s; the bench keeps the policy in force", exc)
         from hybridgate.workers.cpu.runner import NumbaRunner
 
         ours = EngineBench(model, NumbaRunner(model, engine.kv_cache_memory or "1GiB", threads=engine.threads,
                                               activations=engine.cpu_activations,
-                                              kv_cache_dtype=engine.kv_cache_dtype))
+                                              kv_cache_dtype=engine.kv_cache_dtype,
+                                              thread_fallback=engine.cpu_thread_fallback))
         import numba
 
         out: dict = {"kind": "cpu", "cpu_isa": ours.runner.cpu_isa, "threads": numba.get_num_threads(),
@@ -263,6 +269,13 @@ def run(args: argparse.Namespace) -> dict:
                "threads": torch.get_num_threads(), "baseline": baseline}
     if args.profile_out:
         return write_profile(args, ours, out, model)
+    if args.constrained_fraction is not None:
+        from hybridgate.bench import constrained
+
+        count = args.concurrency[-1] if args.concurrency_given else 16
+        return constrained.run(args, ours, prompts(tokenizer, count, args.prompt_len), out)
+    if args.mixed_load:
+        return _mixed_load(args, ours, out, tokenizer, settings)
     from hybridgate.bench.machine import describe
 
     out.update({"model": str(path), "machine": describe(), "repeats": args.repeats, "decode": {}, "prefill": {}})
@@ -334,6 +347,18 @@ def run(args: argparse.Namespace) -> dict:
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     return out
+
+
+def _mixed_load(args: argparse.Namespace, ours: EngineBench, out: dict, tokenizer, settings) -> dict:
+    from hybridgate.bench import mixload
+
+    if out["kind"] != "cpu":
+        raise ValueError("--mixed-load: only with --kind cpu")
+    report = mixload.run(args, ours, out, settings, prompts(tokenizer, 1, args.prompt_len)[0],
+                         prompts(tokenizer, 2, args.long_prompt)[1])
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    return report
 
 
 PROFILE_PREFILL_LENS = (16, 64, 256, 1024, 2048)

@@ -18,6 +18,15 @@ The client shares the machine's cores with the gateway: on a 2-core machine
 the figure "gateway CPU per token" holds, the tokens/s is bounded by what the
 three processes leave each other, and the output says how much CPU the client
 and the worker took.
+
+The gateway runs as it is deployed: with a bearer token that every call
+carries (`--no-auth` to measure without), and the response cache off (the
+bench's requests are deterministic and identical: a cache would replay them).
+`--protocol grpc,openai` measures both doors of the same gateway, alternately,
+`--repeats` times each, and ends with one line per door: the median gateway
+CPU per streamed token. `--profile FILE` profiles the gateway over the
+measured runs (`hybridgate.bench.profile`: cProfile, or callgrind's
+instruction counts, which a busy machine does not disturb).
 """
 
 from __future__ import annotations
@@ -45,17 +54,22 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 MAX_CONNECTIONS = 16
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process `pid` and all its threads (Linux /proc; 0 elsewhere)."""
+def cpu_times(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of process `pid` and all its threads (Linux /proc; zeros elsewhere)."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime (fields 14, 15 of stat(5))
+        return 0.0, 0.0
+    return int(fields[11]) / CLOCK_TICKS, int(fields[12]) / CLOCK_TICKS  # utime, stime (fields 14, 15 of stat(5))
 
 
-def tree_cpu_seconds(pid: int) -> float:
-    """`cpu_seconds` of `pid` and of its living children (the other gateways of `--gateways N`)."""
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` and all its threads (Linux /proc; 0 elsewhere)."""
+    return sum(cpu_times(pid))
+
+
+def tree_cpu_times(pid: int) -> tuple[float, float]:
+    """`cpu_times` of `pid` and of its living children (the other gateways of `--gateways N`), summed."""
     children = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -63,7 +77,8 @@ def tree_cpu_seconds(pid: int) -> float:
                 children.append(int(stat.parent.name))
         except (OSError, ValueError, IndexError):
             continue
-    return cpu_seconds(pid) + sum(cpu_seconds(c) for c in children)
+    times = [cpu_times(p) for p in (pid, *children)]
+    return sum(t[0] for t in times), sum(t[1] for t in times)
 
 
 def _client_main(target: str, concurrency: int, requests: int, max_tokens: int, conn, tls_ca: str | None = None,
@@ -76,7 +91,7 @@ def _client_main(target: str, concurrency: int, requests: int, max_tokens: int, 
         uvloop.install()
     except ImportError:
         pass
-    drive = _drive_http(target, concurrency, requests, max_tokens) if protocol == "openai" else \
+    drive = _drive_http(target, concurrency, requests, max_tokens, token) if protocol == "openai" else \
         _drive(target, concurrency, requests, max_tokens, tls_ca, token)
     conn.send(asyncio.run(drive))
     conn.close()
@@ -132,7 +147,7 @@ async def _drive(target: str, concurrency: int, requests: int, max_tokens: int, 
     return {"wall_s": wall, "client_cpu_s": cpu, "ttft_s": ttfts, "itl_s": itls, **counts}
 
 
-async def _drive_http(target: str, concurrency: int, requests: int, max_tokens: int) -> dict:
+async def _drive_http(target: str, concurrency: int, requests: int, max_tokens: int, token: str | None = None) -> dict:
     """`_drive` over the OpenAI HTTP door: /v1/completions streamed as server-sent events."""
     from hybridgate.bench.serve import _sse_post
 
@@ -148,7 +163,7 @@ async def _drive_http(target: str, concurrency: int, requests: int, max_tokens: 
         start = last = time.perf_counter()
         tokens, first = 0, True
         try:
-            async for event in _sse_post(host, int(port), "/v1/completions", body):
+            async for event in _sse_post(host, int(port), "/v1/completions", body, token):
                 now = time.perf_counter()
                 if event == b"[DONE]":
                     break
@@ -196,17 +211,22 @@ def _run_client(target: str, concurrency: int, requests: int, max_tokens: int, t
 
 
 class _Gateway:
-    """`hybridgate gateway` as a child process; `target` once it says READY."""
+    """`hybridgate gateway` as a child process; `target` once it says READY. `token`: the bearer token it
+    requires (None: none); `profiler`: a `hybridgate.bench.profile` profiler it runs under. Its response
+    cache is off whatever the environment says."""
 
     def __init__(self, model: str, endpoint: str, timeout_s: float, gateways: int = LayoutConfig.gateways,
-                 extra: tuple = (), env: dict | None = None, tls_ca: str | None = None, token: str | None = None):
-        cmd = [sys.executable, "-m", "hybridgate.cli", "gateway", "--model", model, "--port", "0", "--http-port", "0",
-               "--worker", endpoint, "--worker-startup-timeout", str(timeout_s), "--gateways", str(gateways),
-               "--metrics-port", "0", *extra]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=dict(os.environ, **(env or {})))
+                 extra: tuple = (), tls_ca: str | None = None, token: str | None = None, profiler=None):
+        args = ["gateway", "--model", model, "--port", "0", "--http-port", "0", "--worker", endpoint,
+                "--worker-startup-timeout", str(timeout_s), "--gateways", str(gateways), "--metrics-port", "0",
+                "--response-cache", "off", *extra]
+        cmd = profiler.command(args) if profiler is not None else [sys.executable, "-m", "hybridgate.cli", *args]
+        env = {k: v for k, v in os.environ.items() if k != safety.TOKEN_ENV}
+        if token:
+            env[safety.TOKEN_ENV] = token  # not a flag: a flag shows in the process list
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.lines: list[str] = []
-        self.tls_ca, self.token = tls_ca, token
+        self.tls_ca, self.token, self.profiler = tls_ca, token, profiler
         port = self._wait_for("hybridgate: gRPC on ", timeout_s).rsplit(":", 1)[1].split()[0]
         http = self._wait_for("hybridgate: OpenAI-compatible HTTP on ", timeout_s).split("://", 1)[1]
         self.http_target = http.split("/", 1)[0]
@@ -235,7 +255,7 @@ class _Gateway:
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(30)
+                self.proc.wait(30 if self.profiler is None else 300)  # a profiler writes its file on the way out
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
@@ -245,15 +265,20 @@ def measure(gateway: _Gateway, worker_pid: int, concurrency: int, requests: int,
             large_chat_bytes: int = 0, protocol: str = "grpc") -> dict:
     """One concurrency: the client's figures and the processes' CPU over the same window; with
     `large_chat_bytes`, chats of that size arrive meanwhile and the row has the loop's lag.
-    `protocol`: the gRPC stream or the OpenAI HTTP door (`openai`) of the same gateway."""
+    `protocol`: the gRPC stream or the OpenAI HTTP door (`openai`) of the same gateway. A gateway
+    with a profiler is profiled over the measured run only (not the warm-up before it)."""
     tls = dict(tls_ca=gateway.tls_ca, token=gateway.token)
     target = gateway.http_target if protocol == "openai" else gateway.target
     _run_client(target, concurrency, min(requests, 2 * concurrency), max_tokens, protocol=protocol, **tls)  # warm-up
     lag0 = safety.lag_buckets(gateway.metrics_url)
     chats = safety.LargeChats(gateway.target, large_chat_bytes, **tls) if large_chat_bytes else None
-    gw0, wk0 = tree_cpu_seconds(gateway.proc.pid), cpu_seconds(worker_pid)
+    if gateway.profiler is not None:
+        gateway.profiler.start(gateway.proc.pid)
+    (user0, sys0), wk0 = tree_cpu_times(gateway.proc.pid), cpu_seconds(worker_pid)
     r = _run_client(target, concurrency, requests, max_tokens, protocol=protocol, **tls)
-    gw, wk = tree_cpu_seconds(gateway.proc.pid) - gw0, cpu_seconds(worker_pid) - wk0
+    (user, system), wk = tree_cpu_times(gateway.proc.pid), cpu_seconds(worker_pid) - wk0
+    gw, gw_sys = user + system - user0 - sys0, system - sys0
+    profiled = gateway.profiler.stop(gateway.proc.pid) if gateway.profiler is not None else {}
     large = chats.stop() if chats is not None else None
     lag = safety.lag_summary(lag0, safety.lag_buckets(gateway.metrics_url))
     tokens = r["tokens"]
@@ -265,19 +290,28 @@ def measure(gateway: _Gateway, worker_pid: int, concurrency: int, requests: int,
         "wall_s": r["wall_s"], "tokens_per_s": tokens / r["wall_s"] if r["wall_s"] else None,
         "messages_per_token": r["messages"] / tokens if tokens else None,
         "gateway_cpu_s": gw, "gateway_cpu_us_per_token": per_token(gw),
+        "gateway_system_share": gw_sys / gw if gw else None,  # in the kernel (syscalls), which callgrind misses
         "worker_cpu_us_per_token": per_token(wk), "client_cpu_us_per_token": per_token(r["client_cpu_s"]),
         "ttft_ms": {f"p{q}": ms(percentile(r["ttft_s"], q / 100)) for q in (50, 90, 99)},
         "itl_ms": {f"p{q}": ms(percentile(r["itl_s"], q / 100)) for q in (50, 90, 99)},
-        "tls": gateway.tls_ca is not None, "protocol": protocol, "event_loop_lag": lag, "large_chats": large,
+        "tls": gateway.tls_ca is not None, "auth": gateway.token is not None, "protocol": protocol,
+        "event_loop_lag": lag, "large_chats": large,
+        "instructions_per_token": profiled["instructions"] / tokens if "instructions" in profiled and tokens else None,
+        "profile_file": profiled.get("file"),
     }
 
 
 def run(args) -> list[dict]:
+    from hybridgate.bench import profile
     from hybridgate.config import resolve
     from hybridgate.workers.process import WorkerConfig
 
-    if args.tls and args.protocol == "openai":
-        raise SystemExit("bench gateway: --tls measures the gRPC door; leave it out with --protocol openai")
+    if args.tls and args.protocol != ["grpc"]:
+        raise SystemExit("bench gateway: --tls measures the gRPC door; leave --protocol at grpc with it")
+    if args.profile and args.gateways > 1:
+        raise SystemExit("bench gateway: --profile profiles one gateway process; leave --gateways at 1 with it")
+    profiler = profile.make(args.profiler, args.profile) if args.profile else None
+    repeats = args.repeats or (3 if args.tls else 1)
     model = resolve(args).settings.model_path
     machine = describe()  # before the run loads it
     print(summary(machine), flush=True)
@@ -288,42 +322,75 @@ def run(args) -> list[dict]:
                          args=(WorkerConfig(model_path=model, endpoint=endpoint, parent_pid=os.getpid(),
                                             name="instant-0"), args.step_ms / 1e3))
     worker.start()
+    token = safety.new_token() if args.auth else None
     gateways: list[_Gateway] = []
     results, ratios = [], []
     try:
-        gateways.append(_Gateway(model, endpoint, args.startup_timeout, args.gateways))
+        gateways.append(_Gateway(model, endpoint, args.startup_timeout, args.gateways, token=token, profiler=profiler))
         if args.tls:  # beside it on the same worker: TLS with a self-signed certificate, and a bearer token
             cert, key = safety.self_signed(folder)
-            token = safety.new_token()
             gateways.append(_Gateway(model, endpoint, args.startup_timeout, args.gateways,
-                                     extra=("--tls-cert", cert, "--tls-key", key), env={safety.TOKEN_ENV: token},
-                                     tls_ca=cert, token=token))
+                                     extra=("--tls-cert", cert, "--tls-key", key), tls_ca=cert,
+                                     token=token or safety.new_token()))
         for concurrency in args.concurrency:
             rows: dict[bool, list[dict]] = {False: [], True: []}
-            for _ in range(args.repeats if args.tls else 1):
-                for gateway in gateways:  # plaintext, then TLS: side by side, alternately
-                    row = measure(gateway, worker.pid, concurrency, max(args.requests, concurrency), args.max_tokens,
-                                  args.large_chat_bytes, args.protocol)
-                    rows[row["tls"]].append(row)
-                    results.append(row)
-                    _print_row(row)
+            for _ in range(repeats):
+                for protocol in args.protocol:  # the doors, alternately
+                    for gateway in gateways:  # plaintext, then TLS: side by side, alternately
+                        row = measure(gateway, worker.pid, concurrency, max(args.requests, concurrency),
+                                      args.max_tokens, args.large_chat_bytes, protocol)
+                        rows[row["tls"]].append(row)
+                        results.append(row)
+                        _print_row(row)
             if args.tls:
                 ratios.append(_tls_ratio(concurrency, rows[False], rows[True]))
-                print(f"concurrency {concurrency:>4}: TLS + auth / plaintext tokens/s = {ratios[-1]['ratio']:.3f} "
-                      f"(medians of {len(rows[True])}: {ratios[-1]['tls_tokens_per_s']:.0f} / "
-                      f"{ratios[-1]['plain_tokens_per_s']:.0f})", flush=True)
+                print(f"concurrency {concurrency:>4}: TLS + auth / plaintext{' + auth' if args.auth else ''} "
+                      f"tokens/s = {ratios[-1]['ratio']:.3f} (medians of {len(rows[True])}: "
+                      f"{ratios[-1]['tls_tokens_per_s']:.0f} / {ratios[-1]['plain_tokens_per_s']:.0f})", flush=True)
     finally:
         for gateway in gateways:
             gateway.stop()
         worker.terminate()
         worker.join(30)
         shutil.rmtree(folder, ignore_errors=True)
-    report = {"benchmark": "gateway", "protocol": args.protocol, "gateways": args.gateways, "step_ms": args.step_ms,
-              "cpus": os.cpu_count(), "machine": machine, "large_chat_bytes": args.large_chat_bytes,
-              "results": results, "tls_ratios": ratios}
+    doors = door_summary(results)
+    for door in doors:
+        _print_door(door, args.step_ms)
+    report = {"benchmark": "gateway", "protocol": ",".join(args.protocol), "gateways": args.gateways,
+              "step_ms": args.step_ms, "auth": args.auth, "response_cache": "off", "cpus": os.cpu_count(),
+              "machine": machine, "large_chat_bytes": args.large_chat_bytes,
+              "profile": {"profiler": args.profiler, "file": args.profile} if args.profile else None,
+              "results": results, "doors": doors, "tls_ratios": ratios}
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     return results
+
+
+def door_summary(results: list[dict]) -> list[dict]:
+    """Per (concurrency, door, TLS): the medians over its runs of the gateway's CPU per streamed token (µs),
+    its instructions per token (callgrind; None otherwise) and messages per token."""
+    import statistics
+
+    groups: dict[tuple, list[dict]] = {}
+    for r in results:
+        groups.setdefault((r["concurrency"], r["protocol"], r["tls"], r["auth"]), []).append(r)
+    median = (lambda rows, key: statistics.median(v) if (v := [r[key] for r in rows if r[key] is not None]) else None)
+    return [{"concurrency": c, "protocol": p, "tls": tls, "auth": auth, "runs": len(rows),
+             "gateway_cpu_us_per_token": median(rows, "gateway_cpu_us_per_token"),
+             "instructions_per_token": median(rows, "instructions_per_token"),
+             "messages_per_token": median(rows, "messages_per_token")}
+            for (c, p, tls, auth), rows in groups.items()]
+
+
+def _print_door(d: dict, step_ms: float) -> None:
+    fmt = (lambda v, spec=".1f": "-" if v is None else format(v, spec))
+    door = {"grpc": "gRPC", "openai": "OpenAI HTTP"}[d["protocol"]] + (" + TLS" if d["tls"] else "")
+    print(f"per streamed token, {door:<11} at concurrency {d['concurrency']}, step {step_ms:g} ms, "
+          f"auth {'on' if d['auth'] else 'off'}, response cache off: gateway {fmt(d['gateway_cpu_us_per_token'])} "
+          f"µs CPU" + (f", {fmt(d['instructions_per_token'], ',.0f')} instructions"
+                       if d["instructions_per_token"] is not None else "")
+          + f" ({fmt(d['messages_per_token'], '.2f')} messages/token; median of {d['runs']} run"
+          + ("s)" if d["runs"] > 1 else ")"), flush=True)
 
 
 def _tls_ratio(concurrency: int, plain: list[dict], tls: list[dict]) -> dict:
@@ -339,11 +406,14 @@ def _print_row(r: dict) -> None:
     fmt = (lambda v, spec=".1f": "-" if v is None else format(v, spec))
     print(f"concurrency {r['concurrency']:>4}: {fmt(r['tokens_per_s'], '.0f')} tokens/s, "
           f"gateway {fmt(r['gateway_cpu_us_per_token'])} µs CPU/token "
+          f"({fmt(100 * r['gateway_system_share'] if r['gateway_system_share'] is not None else None, '.0f')}% system) "
           f"(worker {fmt(r['worker_cpu_us_per_token'])}, client {fmt(r['client_cpu_us_per_token'])}), "
           f"{fmt(r['messages_per_token'], '.2f')} messages/token, "
           f"TTFT p50 {fmt(r['ttft_ms']['p50'])} ms p99 {fmt(r['ttft_ms']['p99'])} ms, "
           f"ITL p50 {fmt(r['itl_ms']['p50'], '.3f')} ms p99 {fmt(r['itl_ms']['p99'], '.3f')} ms"
-          + (" [TLS + auth]" if r["tls"] else "") + (" [OpenAI HTTP]" if r["protocol"] == "openai" else "")
+          + (" [TLS]" if r["tls"] else "") + (" [auth]" if r["auth"] else "")
+          + (" [OpenAI HTTP]" if r["protocol"] == "openai" else "")
+          + (f", {r['instructions_per_token']:,.0f} instructions/token" if r["instructions_per_token"] else "")
           + (f", loop lag p99 <= {fmt(r['event_loop_lag']['p99_ms_at_most'], '.0f')} ms "
              f"({fmt(100 * (r['event_loop_lag']['within_20ms'] or 0), '.1f')}% of "
              f"{r['event_loop_lag']['probes']} probes within 20 ms; large chats {r['large_chats']})"

@@ -254,13 +254,14 @@ class OpenAIClient(Client):
         return outcomes
 
 
-async def _sse_post(host: str, port: int, path: str, body: bytes):
+async def _sse_post(host: str, port: int, path: str, body: bytes, token: str | None = None):
     """The `data:` payloads of one POST's event stream (HTTP/1.1, chunked); raises ValueError on a status other
-    than 200 (its body in the message)."""
+    than 200 (its body in the message). `token`: sent as `Authorization: Bearer` (None: no header)."""
     reader, writer = await asyncio.open_connection(host, port)
+    auth = b"Authorization: Bearer %s\r\n" % token.encode() if token else b""
     try:
         writer.write(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
-                     b"Connection: close\r\n\r\n" % (path.encode(), host.encode(), len(body)) + body)
+                     b"%sConnection: close\r\n\r\n" % (path.encode(), host.encode(), len(body), auth) + body)
         head = await reader.readuntil(b"\r\n\r\n")
         if not head.startswith(b"HTTP/1.1 200"):
             raise ValueError(head.split(b"\r\n", 1)[0].decode() + " " + (await reader.read(2000)).decode())

@@ -44,7 +44,8 @@ class HttpDoor:
         # tls: (certificate chain, key, client CA or None), the gRPC port's --tls-cert, --tls-key, --tls-client-ca
         cert, key, client_ca = tls if tls is not None else (None, None, None)
         config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=max(grace_s, 0.1), loop="none", http="h11",
+                                timeout_graceful_shutdown=max(grace_s, 0.1), loop="none",
+                                http="auto",  # httptools (a dependency) where it imports, else h11
                                 ssl_certfile=cert, ssl_keyfile=key, ssl_ca_certs=client_ca,
                                 ssl_cert_reqs=ssl.CERT_REQUIRED if client_ca else ssl.CERT_NONE)
         self.server = _NoSignals(config)

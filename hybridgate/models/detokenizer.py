@@ -56,13 +56,20 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
         self._token_bytes = tokenizer.token_bytes
+        self._token_texts = tokenizer.token_texts  # shared by every stream of the tokenizer
         self._skipped = frozenset(tokenizer.special_tokens.values()) if skip_special_tokens else frozenset()
         self._pending = b""
         self.text_offset = 0  # characters emitted so far; never moves back
 
     def step(self, token_id: int) -> str:
         """The new text that `token_id` completes ('' while a character is partial)."""
-        return self._take(b"" if token_id in self._skipped else self._token_bytes[token_id])
+        if token_id in self._skipped:
+            return self._take(b"")
+        text = self._token_texts[token_id] if not self._pending else None
+        if text is None:  # part of a character, or bytes held back before it: through the buffer
+            return self._take(self._token_bytes[token_id])
+        self.text_offset += len(text)  # whole characters after whole characters: the token's own text
+        return text
 
     def steps(self, token_ids) -> str:
         """The new text of several ids at once: equal to joining `step()` of each, at one decode.
@@ -70,6 +77,8 @@ class IncrementalDetokenizer:
         Equal because a step emits everything but a proper prefix of a
         well-formed character, and the UTF-8 decoder's choices (U+FFFD per
         maximal subpart) never look past such a boundary."""
+        if len(token_ids) == 1:  # a message per step carries one id
+            return self.step(token_ids[0])
         return self._take(b"".join(self._token_bytes[t] for t in token_ids if t not in self._skipped))
 
     def _take(self, data: bytes) -> str:

@@ -23,6 +23,7 @@ Anything else is refused with `ModelLoadError`.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -224,6 +225,19 @@ class Tokenizer:
         self._as_text = self._build(parts, tokens, types)
         self._as_text.encode_special_tokens = True
         self.token_bytes = parts.token_bytes
+
+    @functools.cached_property
+    def token_texts(self) -> tuple[str | None, ...]:
+        """Each id's text where its bytes are whole UTF-8 characters, else None (a byte token, part of a
+        character): made once per tokenizer, so that the incremental detokenizers of every stream turn
+        a whole token into text with one lookup instead of a decode of their buffer."""
+        texts: list[str | None] = []
+        for raw in self.token_bytes:
+            try:
+                texts.append(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                texts.append(None)
+        return tuple(texts)
 
     def _read_special_ids(self, meta: dict[str, Any], tokens: list[str], types: list[int]) -> None:
         n = len(tokens)

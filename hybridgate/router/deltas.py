@@ -3,7 +3,7 @@ or the error a worker's answer maps to (`error_of`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import msgspec
 
 from hybridgate.router.client import WorkerDead
 from hybridgate.router.errors import (
@@ -28,25 +28,24 @@ from hybridgate.wire import (
 REPLACEABLE_CODES = frozenset({ERROR_NO_KV_BLOCKS, ERROR_RESOURCE_EXHAUSTED, ERROR_QUEUE_FULL})
 
 
-@dataclass(frozen=True)
-class Usage:
+class Usage(msgspec.Struct, frozen=True):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
 
 
-@dataclass(frozen=True)
-class Timings:
+class Timings(msgspec.Struct, frozen=True):
     queue_ms: float
     ttft_ms: float
     total_ms: float
 
 
-@dataclass(frozen=True)
-class Delta:
+class Delta(msgspec.Struct, frozen=True):
     """New text and ids of one step; the last delta has finish_reason, usage, timings and route.
     `logprobs`: one per id of `token_ids` when the request asked for them (SamplingParams.logprobs), else empty.
-    `tool_calls`: with tools, the calls' deltas (`toolparse.ToolCallDelta`); `text` is then the content only."""
+    `tool_calls`: with tools, the calls' deltas (`toolparse.ToolCallDelta`); `text` is then the content only.
+    A frozen msgspec Struct, not a dataclass: one is made per streamed message, and a frozen dataclass's
+    __init__ costs several times as much (copy one with `msgspec.structs.replace`)."""
 
     request_id: str
     token_index: int

@@ -55,8 +55,9 @@ class Membership:
             self.on_ready_change(self._was_ready)
 
     def mismatch(self, client: WorkerClient) -> str:
+        named = f" (its model: {client.hello.model})" if client.hello.model else ""
         return (f"worker {client.endpoint} serves model fingerprint {client.hello.fingerprint}, "
-                f"but this router's model has fingerprint {self.fingerprint}")
+                f"but this router's model has fingerprint {self.fingerprint}{named}")
 
     def on_hello(self, client: WorkerClient, msg: Hello) -> None:
         """A worker serving another model is refused (REFUSED is terminal in its lifecycle)."""

@@ -38,7 +38,6 @@ import collections
 import hashlib
 import logging
 import time
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -437,7 +436,7 @@ class CachedStream:
             await flight.wait()
         delta = flight.deltas[self._pos]
         self._pos += 1
-        return replace(delta, request_id=self.request_id)
+        return msgspec.structs.replace(delta, request_id=self.request_id)
 
     def _final(self, delta: Delta) -> Delta:
         """This request's own timings (arrival to its first and last message); a member's route says so."""
@@ -445,4 +444,4 @@ class CachedStream:
         queue_ms = delta.timings.queue_ms if delta.timings is not None else 0.0
         timings = Timings(queue_ms, (self._first - self._arrival) * 1e3, (now - self._arrival) * 1e3)
         route = delta.route if self._replay is not None or self._leader else f"{delta.route}, shared"
-        return replace(delta, timings=timings, route=route)
+        return msgspec.structs.replace(delta, timings=timings, route=route)

@@ -24,6 +24,7 @@ from hybridgate.models import ChatTemplate, GGUFModel, Tokenizer, load_gguf, mod
 from hybridgate.models.chat import template_token_ids
 from hybridgate.router.client import RateLimitedLog, StateChange, WorkerClient, WorkerDead, ZmqWorkerClient
 from hybridgate.router.config import RouterConfig
+from hybridgate.router.constraints import ConstraintCheck, ConstraintLimits
 from hybridgate.router.errors import InvalidRequestError, UnavailableError
 from hybridgate.router.handoff import HandoffMetrics, PauseHook
 from hybridgate.router.membership import Membership
@@ -98,10 +99,13 @@ class Router:
         self.model = model if isinstance(model, GGUFModel) else load_gguf(model)
         self.config = config or RouterConfig()
         self.tokenizer = Tokenizer.from_model(self.model)
+        self.tokenizer.token_texts  # noqa: B018 (the detokenizers' shared table, made now rather than mid-stream)
         template = read_chat_template(self.config.chat_template)
         # Without a template (a base model): completions only; a chat names --chat-template.
         self.chat_template = ChatTemplate(self.tokenizer, template, template_token_ids(self.model.metadata))
         self.tool_format = choose_format(self.config.tool_call_format, template or self.tokenizer.chat_template)
+        self.constraint_limits = ConstraintLimits.of(self.config)  # the doors build constraints within these
+        self.constraints = ConstraintCheck()  # every constraint compiled once (a thread) before its request runs
         self.fingerprint = model_fingerprint(self.model)
         self.max_model_len = min(self.config.max_model_len or 1 << 62, self.model.config.max_model_len)
         self.prompts = Prompts(str(self.model.path), self.tokenizer, self.chat_template, self.max_model_len,
@@ -394,14 +398,15 @@ class Router:
         return None
 
     def _on_outputs(self, client: WorkerClient, msg: Outputs) -> None:
-        for out in msg.outputs:
-            stream = self._in_handoff(out.request_id)
-            if stream is not None:
+        streams = self._streams
+        for out in msg.outputs:  # one lookup per output: a message carries every running sequence's ids
+            stream = streams.get(out.request_id)
+            if stream is not None and stream.handoff is not None and stream.handoff.active:
                 stream.handoff.on_message(client, out)  # both workers' outputs, reordered
-                continue
-            stream = self._stream_of(client, out.request_id)
-            if stream is not None:
+            elif stream is not None and stream.client is client:
                 stream.put(out)
+            else:
+                self._stream_of(client, out.request_id)  # counted and logged as unknown unless recently ended
 
     def _in_handoff(self, request_id: str) -> GenerationStream | None:
         """The stream of `request_id` while its KV hand-off is active (it takes both workers' messages)."""

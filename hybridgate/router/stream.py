@@ -14,6 +14,7 @@ from hybridgate.router.client import WorkerClient, WorkerDead
 from hybridgate.router.deltas import REPLACEABLE_CODES, Delta, Timings, Usage, error_of
 from hybridgate.router.errors import DeadlineExceededError, UnavailableError
 from hybridgate.router.handoff import Handoff, worker_name
+from hybridgate.router.mailbox import Mailbox
 from hybridgate.router.stop import StopMatcher
 from hybridgate.router.streamstate import StreamAction as A
 from hybridgate.router.streamstate import StreamEvent, StreamFacts, StreamState, transition
@@ -82,7 +83,7 @@ class GenerationStream:
         self.uncached_tokens = 0  # prompt tokens its worker is expected to compute (for the router's load record)
         self._hops: list[tuple[str, int, WorkerClient]] = []  # (how, first token index, worker) of each placement
         self._refused: list[WorkerClient] = []
-        self._queue: asyncio.Queue = asyncio.Queue(maxsize=router.config.queue_size)
+        self._queue = Mailbox(router.config.queue_size)
         self._held = None  # an item taken off the queue by `_coalesce` and not yet handled
         self._detok = IncrementalDetokenizer(router.tokenizer, params.skip_special_tokens)
         self._stop = StopMatcher(params.stop)
@@ -132,11 +133,15 @@ class GenerationStream:
         return self
 
     async def prepare(self) -> None:
-        """Tokenize and resolve max_tokens and the seed (once; the response cache keys on them before entry)."""
+        """Check the output constraint (it compiles, or InvalidRequestError naming the feature), tokenize, and
+        resolve max_tokens and the seed (once; the response cache keys on them before entry)."""
         if self._prepared:
             return
         self._prepared = True
         self._arrival = time.monotonic()
+        constraint = self.params.constraint
+        await self.router.constraints.check(constraint, "tools" if constraint is not None and
+                                            constraint.kind == "tools" else "constraint")
         ids = await self.router.prompts.encode(self.prompt, tools=self.template_tools)  # a large one off the loop
         # An array of ids is converted only when it can run: resolve() refuses a longer one by its length.
         self.prompt_ids = ids if isinstance(ids, list) or len(ids) >= self.router.max_model_len else ids.tolist()
@@ -251,17 +256,17 @@ class GenerationStream:
             log.warning("request %s: output at token %d after %d ids; dropped", self.request_id, out.token_index,
                         len(self.received))
             return
-        new_ids = out.token_ids[skip:]
-        if not new_ids and not out.finish:
+        if skip or out.request_id != self.request_id:  # numbered as the caller sees it (an output as sent is)
+            out = SeqOutput(self.request_id, len(self.received), out.token_ids[skip:], out.finish, out.queue_ms,
+                            out.cached_tokens, out.logprobs[skip:])
+        if not out.token_ids and not out.finish:
             return  # progress only (a prefill chunk) or a duplicate
         if self._queue.full():
             self._fire(StreamEvent.READ_TOO_SLOWLY, reason=f"the client read too slowly: over {self._queue.maxsize} "
                                                            "steps buffered")
             return
-        first = SeqOutput(self.request_id, len(self.received), new_ids, out.finish, out.queue_ms, out.cached_tokens,
-                          out.logprobs[skip:])
-        self.received += new_ids
-        self._fire(StreamEvent.LAST_OUTPUT if out.finish else StreamEvent.OUTPUT, first)
+        self.received += out.token_ids
+        self._fire(StreamEvent.LAST_OUTPUT if out.finish else StreamEvent.OUTPUT, out)
 
     def _on_worker_dead(self, event: WorkerDead) -> None:
         self._fire(StreamEvent.WORKER_LOST, reason=event.reason)
@@ -297,8 +302,7 @@ class GenerationStream:
         if len(self._hops) >= MAX_MOVES and not isinstance(item, BaseException):
             reason += f" (moved {len(self._hops) - 1} times already)"
         self._held = None
-        while not self._queue.empty():
-            self._queue.get_nowait()
+        self._queue.clear()
         self._queue.put_nowait(item if isinstance(item, BaseException) else UnavailableError(reason))
 
     def _finish(self, item, reason: str) -> None:
@@ -356,9 +360,14 @@ class GenerationStream:
         return self
 
     async def __anext__(self) -> Delta:
-        while not self.finished:
-            item, self._held = (self._held, None) if self._held is not None else (await self._queue.get(), None)
-            if isinstance(item, SeqOutput):
+        while self.state != StreamState.CLOSED:
+            if self._held is not None:
+                item, self._held = self._held, None
+            else:
+                if self._queue.empty():
+                    await self._queue.arrival()
+                item = self._queue.get_nowait()
+            if type(item) is SeqOutput:
                 delta = self._on_output(self._coalesce(item))
                 if delta is not None:
                     return delta
@@ -385,17 +394,22 @@ class GenerationStream:
         return SeqOutput(out.request_id, out.token_index, ids, finish, out.queue_ms, out.cached_tokens, logprobs)
 
     def _on_output(self, out: SeqOutput) -> Delta | None:
-        skip = len(self.ids) - out.token_index  # duplicates from a resend
-        new_ids = out.token_ids[max(skip, 0) :]
-        new_logprobs = out.logprobs[max(skip, 0) :]
+        skip = max(len(self.ids) - out.token_index, 0)  # duplicates from a resend
+        new_ids = out.token_ids[skip:] if skip else out.token_ids
+        new_logprobs = out.logprobs[skip:]
         if not new_ids and not out.finish:
             return None
         if out.token_index == 0 and out.token_ids:
             self._queue_ms, self._cached = out.queue_ms, out.cached_tokens
         if self._first_token_at is None:
             self._first_token_at = time.monotonic()
+        first_index = len(self.ids)
+        if not out.finish and not self._stop.stops:  # most messages: every id's text at once, nothing to cut
+            self.ids += new_ids
+            return Delta(self.request_id, first_index, self._detok.steps(new_ids), new_ids,
+                         logprobs=tuple(new_logprobs[: len(new_ids)]))
         finish = FinishReason(out.finish) if out.finish else None
-        first_index, parts, taken, stopped = len(self.ids), [], [], False
+        parts, taken, stopped = [], [], False
         if not self._stop.stops:  # no stop string can cut the ids: detokenize them at once
             eos_last = finish == FinishReason.EOS and new_ids[-1:] == [self._eos]
             parts.append(self._detok.steps(new_ids[:-1] if eos_last else new_ids))

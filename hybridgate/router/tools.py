@@ -26,6 +26,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from hybridgate.router.errors import InvalidRequestError
 from hybridgate.router.toolparse import ANY, CallSyntax, ToolCall, ToolCallDelta, ToolCallParser
 from hybridgate.wire import Constraint
@@ -361,4 +363,4 @@ class ToolCallStream:
         if delta.finish_reason is not None:
             rest, more = self.parser.finish()
             content, calls = content + rest, merge_deltas(calls, more)
-        return dataclasses.replace(delta, text=content, tool_calls=tuple(calls))
+        return msgspec.structs.replace(delta, text=content, tool_calls=tuple(calls))

@@ -52,7 +52,7 @@ from hybridgate.workers.constraints import (
 from hybridgate.workers.faults import InjectedFault
 from hybridgate.workers.guard import Refusals, WireErrors, check_add
 from hybridgate.workers.handoff import EngineHandoffs, HandoffConfig, KVSpec
-from hybridgate.workers.rates import StepRates
+from hybridgate.workers.rates import StepCost, StepRates
 from hybridgate.workers.scheduler import ScheduledBatch, Scheduler, SchedulerConfig, SchedulerStats
 from hybridgate.workers.sequence import FINISH_OF_STATUS, Sequence, SequenceStatus
 
@@ -97,6 +97,7 @@ class EngineCore:
         self.scheduler = Scheduler(scheduler_config, self.allocator, fingerprint)
         self.stats = EngineStats(blocks_total=runner.num_blocks)
         self.rates = StepRates()  # measured speeds for the load report (hybridgate/workers/rates.py)
+        self.scheduler.cost = StepCost(self.rates.decode.medians, self.rates.prefill.medians)  # live views
         # Sequences whose prompt chunk ran in the last step without sampling a token yet: the loop
         # reports them as progress (an empty output), so a router can tell a long prefill from a stall.
         self.last_prefilled: list[Sequence] = []
@@ -237,6 +238,7 @@ class EngineCore:
         self.scheduler.after_step(batch)
         logprobs, self._logprobs = self._logprobs, {}
         if batch.masks is not None:
+            batch.masks.join()  # a step that failed before sampling must not leave a fill reading its matchers
             self.constraints.mask_wait_seconds += batch.masks.wait_s
         for seq, token in sampled.items():
             seq.append(token, logprobs.get(seq))
@@ -318,7 +320,8 @@ class EngineCore:
         s, sched, pool = self.stats, self.scheduler, self.runner.pool_stats()
         s.blocks_used = self.allocator.num_used
         s.kv_cache_bytes = s.blocks_used * self.runner.block_bytes
-        s.running, s.waiting = len(sched.running), len(sched.waiting)
+        # waiting: those whose grammar compiles too (they are queued as far as placement is concerned)
+        s.running, s.waiting = len(sched.running), len(sched.waiting) + len(self.constraints.waiting_for_grammar)
         s.preemptions, s.prefill_tokens, s.cached_tokens = (
             sched.stats.preemptions, sched.stats.prefill_tokens, sched.stats.cached_tokens)
         s.pinned_bytes_in_use, s.pinned_peak_bytes, s.pinned_fallbacks = (

@@ -10,6 +10,9 @@ Two small tables, each a window of the last `window` measurements per bucket:
 Medians rather than means, since a step on a shared machine is sometimes
 descheduled; the warm-up measurement (`EngineCore.measure_rates`) seeds both
 tables so the first request is placed on measured figures.
+
+`StepCost` reads the two tables as a step-time model, which the scheduler uses
+to size the prompt chunk of a step that carries decodes.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 
 def prefill_bucket(tokens: int) -> int:
@@ -62,3 +67,59 @@ class StepRates:
             self.prefill.record(num_tokens, num_tokens / seconds)
         else:
             self.decode.record(batch_size, seconds)
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """A step's time predicted from measured rates; the two tables are `StepRates`' medians, read live.
+
+    decode_step_s: {batch size: seconds} of decode-only steps. prefill_tokens_per_s: {step tokens:
+    tokens/s} of steps that ran a prompt chunk. The model is affine in the prompt tokens of a step,
+    as the step-time models of Sarathi-Serve (Agrawal et al., OSDI 2024) and Vidur (Agrawal et al.,
+    MLSys 2024) are: a step of `b` decodes and `p` prompt tokens takes `decode_s(b) + p * token_s`,
+    the decode step paying for the weights' read and each prompt token for its compute.
+    """
+
+    decode_step_s: Mapping[int, float]
+    prefill_tokens_per_s: Mapping[int, float]
+
+    def decode_s(self, batch: int) -> float | None:
+        """Seconds of a decode step of `batch` sequences: linear between the measured batch sizes,
+        the nearest one's beyond them; None before any decode step was measured."""
+        table = sorted(self.decode_step_s.items())
+        if not table:
+            return None
+        below = [(b, s) for b, s in table if b <= batch] or table[:1]
+        above = [(b, s) for b, s in table if b >= batch] or table[-1:]
+        (b0, s0), (b1, s1) = below[-1], above[0]
+        return s0 if b1 == b0 else s0 + (batch - b0) * (s1 - s0) / (b1 - b0)
+
+    def token_s(self, tokens: int) -> float | None:
+        """Marginal seconds of one prompt token in a step of `tokens` tokens, from the measured step size
+        nearest in log scale (ties: the smaller): `(n / rate(n) - decode_s(1)) / (n - 1)`, or the mean
+        `1 / rate(n)` where noise makes that not positive. None without a prefill step of 2 tokens or
+        more, or without a decode step."""
+        sizes = [n for n in self.prefill_tokens_per_s if n >= 2]
+        one = self.decode_s(1)
+        if not sizes or one is None:
+            return None
+        n = min(sorted(sizes), key=lambda k: abs(math.log2(k) - math.log2(max(1, tokens))))
+        step = n / self.prefill_tokens_per_s[n]
+        marginal = (step - one) / (n - 1)
+        return marginal if marginal > 0 else 1 / self.prefill_tokens_per_s[n]
+
+    def prefill_budget(self, decodes: int, factor: float, floor: int) -> int | None:
+        """Most prompt tokens a step carrying `decodes` decodes may run so that it takes at most
+        `factor` x the decode step alone: `(factor - 1) * decode_s(decodes) / token_s`, with `token_s`
+        read at `decodes + floor` tokens and then again at `decodes` + that first answer; never below
+        `floor`. None (no limit from this model) without the figures it needs."""
+        step = self.decode_s(decodes)
+        if step is None:
+            return None
+        tokens = floor
+        for _ in range(2):
+            cost = self.token_s(decodes + tokens)
+            if cost is None:
+                return None
+            tokens = max(floor, int((factor - 1) * step / cost))
+        return tokens

@@ -4,7 +4,11 @@ A pure state machine (no sockets, no devices; tests feed it fake model
 outputs). New prompts join between steps and finished sequences leave (Orca,
 Yu et al., OSDI 2022). Each step spends a token budget: first one token for
 every running decode, then chunks of prefills in progress, then new prompts
-(chunked prefill, as in Sarathi, Agrawal et al. 2023). When KV blocks run out,
+(chunked prefill, as in Sarathi, Agrawal et al. 2023). A step that carries decodes
+runs only as many prompt tokens as keep it within --mixed-step-budget times the
+decode step, by the worker's measured rates (`rates.StepCost`), and at least
+--min-prefill-chunk, so a long prompt neither stalls the running streams nor
+starves (Sarathi-Serve's stall-free batching). When KV blocks run out,
 the most recently admitted sequence gives its blocks back and is recomputed
 later (preemption by recomputation, as vLLM does); sequences imported by a KV
 hand-off go last. Prompts look up their longest cached prefix first (prefix
@@ -18,6 +22,7 @@ from dataclasses import dataclass, field
 
 from hybridgate.workerconf import SchedulerConfig
 from hybridgate.mempool import BlockAllocator, block_hash, prefix_block_hashes
+from hybridgate.workers.rates import StepCost
 from hybridgate.workers.sequence import Sequence, SequenceStatus
 
 
@@ -61,6 +66,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
+        self.cost: StepCost | None = None  # the engine's measured rates; None: chunks of the token budget only
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -88,6 +94,7 @@ class Scheduler:
                 continue
             batch.entries.append((seq, 1))
             budget -= 1
+        budget = self._prefill_budget(len(batch), budget)
         for seq in [s for s in self.running if s.num_tokens - s.num_computed > 1]:  # prefills in progress
             n = min(seq.num_tokens - seq.num_computed, budget)
             if n and self.allocator.ensure(seq.block_table, seq.num_computed + n):
@@ -107,6 +114,16 @@ class Scheduler:
             budget -= n
         self.stats.prefill_tokens += sum(n for s, n in batch.entries if not _is_decode(s, n))
         return batch
+
+    def _prefill_budget(self, decodes: int, budget: int) -> int:
+        """The prompt tokens a step with `decodes` decodes may run: `budget` (what the step's token budget
+        leaves), less when the step carries decodes and the cost model predicts it would pass
+        --mixed-step-budget x the decode step; never below --min-prefill-chunk unless `budget` is."""
+        factor = self.config.mixed_step_budget
+        if not decodes or not factor or self.cost is None:
+            return budget
+        limit = self.cost.prefill_budget(decodes, factor, self.config.min_prefill_chunk)
+        return budget if limit is None else min(budget, limit)
 
     def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         """Blocks for n more tokens of a running sequence, preempting the newest until they fit."""

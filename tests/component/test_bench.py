@@ -66,6 +66,33 @@ def test_baselines_belong_to_their_kind():
         engine.run(bench_args("--baseline", "transformers"))
 
 
+def test_constrained_bench_reports_the_ratio_mask_fill_and_compile_times(tmp_path, model_path):
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}')
+    out = engine.run(bench_args("--model", str(model_path), "--constrained-fraction", "0.5", "--schema", str(schema),
+                                "--new-tokens", "6"))
+    row = out["constrained"]
+    assert (row["concurrency"], row["constrained_sequences"]) == (2, 1)  # the last --concurrency, half of it
+    assert row["unconstrained_tokens_per_s"] > 0 and row["constrained_tokens_per_s"] > 0 and row["ratio"] > 0
+    assert row["full_batch_steps"] >= 1 and row["mask_fills"] >= 2
+    assert row["mask_fill_us_p50"] <= row["mask_fill_us_p99"]
+    assert row["compile_ms_cached"] < row["compile_ms_cold"]
+    assert "decode" not in out  # the constrained comparison replaces the other cases
+
+
+def test_mixed_load_reports_a_streams_gaps_with_the_step_budget_and_without(model_path):
+    # A budget of 1.5 decode steps fits fewer prompt tokens than the 16 of --min-prefill-chunk on any
+    # machine where a prompt token costs more than 1/32 of a decode step: chunks of exactly 16.
+    out = engine.run(bench_args("--model", str(model_path), "--mixed-load", "--long-prompt", "64",
+                                "--new-tokens", "8", "--mixed-step-budget", "1.5"))
+    rows = out["mixed_load"]
+    assert rows["unloaded"]["gaps"] == 7 and rows["budgeted"]["gaps"] >= rows["budgeted"]["prompt_steps"] - 1
+    assert rows["budget_off"]["prompt_steps"] == 1 and rows["budget_off"]["chunk_tokens_max"] == 64
+    assert rows["budgeted"]["prompt_steps"] == 4 and rows["budgeted"]["chunk_tokens_max"] == 16
+    assert rows["target_p99_ms"] == 4 * rows["unloaded"]["p50_ms"] + 50
+    assert out["scheduler"]["mixed_step_budget"] == 1.5 and out["long_prompt_tokens"] == 64
+
+
 def test_shape_and_model_are_one_choice(model_path):
     with pytest.raises(ValueError, match="--shape and --model"):
         engine.run(bench_args("--model", str(model_path), "--shape", "llama-3.2-1b"))

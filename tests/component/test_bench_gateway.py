@@ -48,18 +48,34 @@ def test_bench_gateway_reports_every_figure(tmp_path):
     assert "tokens/s" in proc.stdout and "µs CPU/token" in proc.stdout
 
 
-def test_bench_gateway_over_the_openai_http_door(tmp_path):
-    out = tmp_path / "gateway-http.json"
-    proc = subprocess.run([HYBRIDGATE, "bench", "gateway", "--protocol", "openai", "--concurrency", "2",
-                           "--requests", "4", "--max-tokens", "32", "--step-ms", "2", "--json", str(out)],
-                          capture_output=True, text=True, timeout=120 * TIME_FACTOR)
+def test_bench_gateway_over_both_doors_profiled(tmp_path):
+    out, prof = tmp_path / "gateway-doors.json", tmp_path / "gateway.pstats"
+    proc = subprocess.run([HYBRIDGATE, "bench", "gateway", "--protocol", "grpc,openai", "--concurrency", "2",
+                           "--requests", "4", "--max-tokens", "32", "--step-ms", "2", "--profile", str(prof),
+                           "--json", str(out)], capture_output=True, text=True, timeout=120 * TIME_FACTOR)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
-    assert report["protocol"] == "openai" and "[OpenAI HTTP]" in proc.stdout
-    (row,) = report["results"]
-    # Tokens from each stream's usage chunk: 4 streams x 32, none cut short (ignore_eos).
-    assert row["protocol"] == "openai" and row["tokens"] == 4 * 32 and row["errors"] == 0 and row["short_streams"] == 0
-    assert 1 / 32 <= row["messages_per_token"] <= 1
-    assert row["gateway_cpu_us_per_token"] > 0 and row["tokens_per_s"] > 0
-    for key in ("ttft_ms", "itl_ms"):
-        assert 0 < row[key]["p50"] <= row[key]["p90"] <= row[key]["p99"], key
+    assert report["protocol"] == "grpc,openai" and "[OpenAI HTTP]" in proc.stdout
+    assert report["auth"] is True and report["response_cache"] == "off"
+    # The doors alternately on one gateway, both with the bearer token (a call without it would be an error).
+    assert [r["protocol"] for r in report["results"]] == ["grpc", "openai"]
+    for row in report["results"]:
+        # Tokens from each stream's last message (gRPC) or usage chunk (HTTP): 4 streams x 32, none cut short.
+        assert row["auth"] and row["tokens"] == 4 * 32 and row["errors"] == 0 and row["short_streams"] == 0
+        assert 1 / 32 <= row["messages_per_token"] <= 1
+        assert row["gateway_cpu_us_per_token"] > 0 and row["tokens_per_s"] > 0
+        for key in ("ttft_ms", "itl_ms"):
+            assert 0 < row[key]["p50"] <= row[key]["p90"] <= row[key]["p99"], key
+    # One line and one summary per door, the median of its runs (one run each here).
+    by_door = {d["protocol"]: d for d in report["doors"]}
+    for row in report["results"]:
+        assert by_door[row["protocol"]]["gateway_cpu_us_per_token"] == row["gateway_cpu_us_per_token"]
+        assert by_door[row["protocol"]]["runs"] == 1
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("per streamed token, ")]
+    assert len(lines) == 2 and "gRPC" in lines[0] and "OpenAI HTTP" in lines[1]
+    assert all("auth on, response cache off" in line for line in lines)
+    # The profile covers the measured runs: both doors' handlers ran while it was on.
+    import pstats
+
+    names = {(Path(file).name, name) for file, _, name in pstats.Stats(str(prof)).stats}
+    assert ("service.py", "Generate") in names and ("http.py", "_sse") in names

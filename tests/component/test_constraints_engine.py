@@ -165,8 +165,41 @@ def test_abort_frees_the_matcher(engine, prompt):
     # and one still waiting for a grammar nobody compiled yet
     engine.add(AddRequest("compiling", prompt, sampled(constraint("regex", "start: /[0-9]{1,7}z/"), 1), 1, 8, 2))
     waiting = engine._by_id[(b"", "compiling")]
+    s = engine.refresh_stats()  # queued as far as placement is concerned, outside the scheduler's queue
+    assert (s.waiting_for_grammar, s.waiting) == (1, 1) and waiting not in engine.scheduler.waiting
     assert engine.abort(["running", "compiling"]) == [seq, waiting]
     assert seq.matcher is None and waiting.matcher is None
     s = engine.refresh_stats()
     assert (s.constrained_running, s.waiting_for_grammar, engine.allocator.num_used) == (0, 0, 0)
     assert not engine.has_work()
+
+
+def test_through_the_router_a_constrained_chat_validates_and_a_bad_grammar_is_invalid_argument(engine, gguf_model):
+    """The in-process worker's loop (woken by the compile) and the router's error mapping (one runner: the
+    path is the same for both)."""
+    import asyncio
+
+    if engine.runner.kind != "cpu":
+        pytest.skip("the router's path is the same for both runners; the Numba one decodes faster here")
+
+    from hybridgate.router.router import Router
+    from hybridgate.workers.inprocess import InProcessClient
+
+    chat = [{"role": "user", "content": "Describe a small box as JSON."}]
+    json_c = constraint("json_schema", JSON_GRAMMAR)
+
+    async def main():
+        async with Router(gguf_model, [InProcessClient(engine.runner, model_fingerprint(gguf_model))]) as router:
+            async with router.generate(chat, SamplingParams(temperature=1.0, seed=3, max_tokens=MAX_TOKENS,
+                                                            constraint=json_c)) as stream:
+                deltas = [d async for d in stream]
+            with pytest.raises(InvalidRequestError) as refused:
+                async with router.generate(chat, SamplingParams(max_tokens=8, constraint=constraint(
+                        "grammar", "start: %json {\"type\": \"nonsense\"}"))) as stream:
+                    [d async for d in stream]
+            return deltas, refused.value
+
+    deltas, refused = asyncio.run(main())
+    assert deltas[-1].finish_reason == FinishReason.STOP
+    jsonschema.validate(json.loads("".join(d.text for d in deltas)), SCHEMA)
+    assert refused.field == "constraint" and "nonsense" in str(refused)

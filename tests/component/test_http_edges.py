@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import signal
+import time
 
 import pytest
 
@@ -194,9 +195,10 @@ def test_the_merged_queue_of_several_choices_is_bounded():
     from hybridgate.gateway.openai_format import ChoiceState
 
     async def main():
-        door = SimpleNamespace(metrics=GatewayMetrics(), admission=Admission(4), log_requests=False)
+        door = SimpleNamespace(metrics=GatewayMetrics(), log_requests=False)
         streams = [_Stream(500), _Stream(500)]
-        run = _Run(door, [ChoiceState(i, s) for i, s in enumerate(streams)])
+        run = _Run(door, [ChoiceState(i, s) for i, s in enumerate(streams)],
+                   SimpleNamespace(name="m", admission=Admission(4)))
         await run.enter()
         for _ in range(50):
             await asyncio.sleep(0)
@@ -228,3 +230,32 @@ def test_continuous_usage_gives_every_chunk_its_count_of_ids(door):
     plain = door.format.chunks("text", [state], include_usage=True)
     assert json.loads(plain.delta(state, Delta("r", 2, "Paris", [7]))[0].removeprefix(b"data: "))["usage"] is None
     assert plain.delta(state, Delta("r", 0, "", [5, 6])) == []
+
+
+@pytest.mark.parametrize("kind", ["text", "chat"])
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_a_text_chunk_is_the_openai_chunk_of_that_text(door, kind, include_usage):
+    """The chunk of a choice's text alone (made from bytes kept per choice, the hot path) is the OpenAI
+    chunk object: every field, in the order the other chunks have, the text escaped as JSON."""
+    from types import SimpleNamespace
+
+    from hybridgate.gateway.openai_format import ChoiceState
+
+    states = [ChoiceState(i, SimpleNamespace(prompt_ids=[1, 2])) for i in range(2)]
+    chunks = door.format.chunks(kind, states, include_usage=include_usage)
+    texts = ["Paris", ' "quoted" \\ back', "\n\t\x01 control", "é€😀 中文", "</script>\u2028"]
+    for k, text in enumerate(texts):
+        state = states[k % 2]
+        (raw,) = chunks.delta(state, Delta("r", k, text, [7]))
+        assert raw.startswith(b"data: ") and raw.endswith(b"\n\n") and raw.count(b"\n\n") == 1
+        got = json.loads(raw.removeprefix(b"data: "))
+        body = {"content": text} if kind == "chat" else None
+        choice = {"index": state.index, "delta": body} if kind == "chat" else {"index": state.index, "text": text}
+        choice.update(logprobs=None, finish_reason=None)
+        want = {"id": chunks.id, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+                "created": got["created"], "model": "m", "system_fingerprint": "fp_" + door.router.fingerprint[:12],
+                "choices": [choice]}
+        if include_usage:
+            want["usage"] = None
+        assert list(got.items()) == list(want.items())
+        assert abs(got["created"] - time.time()) < 5

@@ -19,6 +19,7 @@ from hybridgate.workers.cpu import model as cpu_model  # noqa: E402
 from hybridgate.workers.cpu import blocks, intdot, quant, simd  # noqa: E402
 from hybridgate.workers.cpu.kvdtype import DEFAULT_KV_DTYPE, kv_dtype  # noqa: E402
 from hybridgate.workers.cpu.model import CpuModel  # noqa: E402
+from hybridgate.workers.cpu.threadfallback import ThreadFallback  # noqa: E402
 from hybridgate.workers.faults import FaultHook  # noqa: E402
 from hybridgate.workers.memory import host_available_bytes, num_blocks_for  # noqa: E402
 from hybridgate.workers.sampling import sample, token_logprobs  # noqa: E402
@@ -54,16 +55,22 @@ class NumbaRunner:
 
     kv_cache_dtype: the cache's element format, fp32, fp16 or bf16 (`kvdtype`); a 16-bit
     cache holds twice the blocks in the same kv_cache_memory. Raises ValueError naming the
-    setting for any other value."""
+    setting for any other value. thread_fallback: decode steps move to fewer threads while
+    those measure faster (`threadfallback`: cores shared with other processes)."""
 
     kind = "cpu"
 
     def __init__(self, model: GGUFModel, kv_cache_memory: str | float | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE, max_num_blocks: int | None = None, threads: int | None = None,
-                 activations: str = "auto", kv_cache_dtype: str = DEFAULT_KV_DTYPE):
+                 activations: str = "auto", kv_cache_dtype: str = DEFAULT_KV_DTYPE, thread_fallback: bool = False):
         self.kv_dtype = kv_dtype(kv_cache_dtype)
         if threads:
             numba.set_num_threads(threads)
+        threads = numba.get_num_threads()
+        # Numba's thread count is per calling thread: steps set it again on the thread that runs them (an
+        # in-process client's engine thread would otherwise run with NUMBA_NUM_THREADS).
+        self.threads = threads
+        self.thread_fallback = ThreadFallback(threads) if thread_fallback and threads > 1 else None
         self.model = CpuModel(model, activations=activations)
         # e.g. "i16", or "auto: q4_1 f32, q8_0 i16"
         self.cpu_activations = activations if activations != "auto" else "auto: " + ", ".join(
@@ -154,7 +161,7 @@ class NumbaRunner:
         if self.fault is not None:
             self.fault.check(batch)
         self._logprobs = {}
-        logits = self.forward(batch)
+        logits = self._timed_forward(batch)
         ready = [(row, s) for row, (s, n) in enumerate(batch.entries) if s.num_computed + n == s.num_tokens]
         if not ready:
             return {}
@@ -168,6 +175,22 @@ class NumbaRunner:
             lps = token_logprobs(rows, ids, [s.params.logprobs for s in seqs])
             self._logprobs = {s: lp for s, lp in zip(seqs, lps) if lp is not None}
         return dict(zip(seqs, ids.tolist()))
+
+    def _timed_forward(self, batch: ScheduledBatch) -> np.ndarray:
+        """`forward` on the thread count `thread_fallback` chooses, timed for it (decode-only steps)."""
+        fallback = self.thread_fallback
+        if fallback is None:
+            if numba.get_num_threads() != self.threads:
+                numba.set_num_threads(self.threads)
+            return self.forward(batch)
+        decode = len(batch) if all(n == 1 for _, n in batch.entries) else None
+        threads = fallback.threads_for(decode, time.monotonic())
+        if threads != numba.get_num_threads():
+            numba.set_num_threads(threads)
+        started = time.perf_counter()
+        logits = self.forward(batch)
+        fallback.record(threads, decode, time.perf_counter() - started, time.monotonic())
+        return logits
 
     def take_logprobs(self) -> dict[Sequence, TokenLogprobs]:
         """The logprobs of the last `execute`, for the sequences that asked (then forgotten)."""

@@ -1,0 +1,96 @@
+"""A measured fallback to fewer kernel threads when the cores are shared.
+
+A step's parallel regions end at a barrier, so a step runs at the pace of its
+slowest thread: on a core that other processes keep busy, each region waits
+for that thread's next time slice, and with over a hundred regions a step
+every core can slow a decode many times over (a step on one thread has no
+barrier to wait at). Which count is faster depends on the load of the moment,
+so it is measured: the runner times its decode-only steps, and every
+`period_s` seconds the next `probe` decode steps of the same batch size run on
+a neighbouring count of the ladder (the configured threads, halved down to
+one), alternately the one below and the one above (a change of batch size
+ends the trial undecided). The neighbour becomes the count when the median of
+its steps is below `margin` times the median of the `probe` steps just
+before it. Prompt steps always run on the current count
+and take no part. The kernels give bitwise the same logits on any count, so a
+switch changes no output.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections import deque
+
+log = logging.getLogger("hybridgate.worker")
+
+
+def ladder(threads: int) -> list[int]:
+    """The counts tried: `threads`, then halved down to 1 (e.g. 16, 8, 4, 2, 1)."""
+    counts = [threads]
+    while counts[-1] > 1:
+        counts.append(counts[-1] // 2)
+    return counts
+
+
+class ThreadFallback:
+    """Chooses the kernel threads of each step (`threads_for`) from the steps' measured times (`record`).
+
+    Times are seconds (`time.monotonic()` for `now`, step durations for `seconds`); `decode_batch` is
+    the step's sequence count for a decode-only step and None for any other step.
+    """
+
+    def __init__(self, threads: int, period_s: float = 2.0, probe: int = 3, margin: float = 0.9):
+        if threads < 1 or probe < 1 or not 0 < margin <= 1:
+            raise ValueError(f"ThreadFallback: threads >= 1, probe >= 1 and margin in (0, 1] (got {threads}, "
+                             f"{probe}, {margin})")
+        self.ladder, self.current = ladder(threads), threads
+        self.period_s, self.probe, self.margin = period_s, probe, margin
+        self.switches = 0
+        self._recent: deque[tuple[int, float]] = deque(maxlen=probe)  # (batch, seconds) on the current count
+        self._last_trial: float | None = None  # when the last trial ended (None: none yet)
+        self._trial: tuple[int, int, list[float], list[float]] | None = None  # (threads, batch, reference, times)
+        self._down = True  # the next trial's direction
+
+    def threads_for(self, decode_batch: int | None, now: float) -> int:
+        """The thread count of the next step."""
+        if decode_batch is None:
+            return self.current
+        if self._trial is None and self._due(decode_batch, now):
+            self._trial = (self._neighbour(), decode_batch, [s for _, s in self._recent], [])
+        if self._trial is not None and self._trial[1] != decode_batch:
+            self._trial, self._last_trial = None, now  # the batch changed: its times would not compare
+        return self._trial[0] if self._trial is not None else self.current
+
+    def record(self, threads: int, decode_batch: int | None, seconds: float, now: float) -> None:
+        """A step ran on `threads` in `seconds`."""
+        if decode_batch is None:
+            return
+        if self._trial is None or threads != self._trial[0]:
+            self._recent.append((decode_batch, seconds))
+            if self._last_trial is None:
+                self._last_trial = now  # the first period starts with the first decode step
+            return
+        count, _, reference, times = self._trial
+        times.append(seconds)
+        if len(times) < self.probe:
+            return
+        mine, theirs = statistics.median(reference), statistics.median(times)
+        if theirs < self.margin * mine:
+            log.info("CPU runner: decode steps ran in %.1f ms on %d threads against %.1f ms on %d; using %d",
+                     theirs * 1e3, count, mine * 1e3, self.current, count)
+            self.current, self.switches = count, self.switches + 1
+            self._recent.clear()
+        self._trial, self._last_trial, self._down = None, now, not self._down
+
+    def _due(self, batch: int, now: float) -> bool:
+        return (len(self.ladder) > 1 and self._last_trial is not None and now - self._last_trial >= self.period_s
+                and len(self._recent) == self.probe and all(b == batch for b, _ in self._recent))
+
+    def _neighbour(self) -> int:
+        i = self.ladder.index(self.current)
+        below = self.ladder[i + 1] if i + 1 < len(self.ladder) else None
+        above = self.ladder[i - 1] if i > 0 else None
+        if self._down:
+            return below if below is not None else above
+        return above if above is not None else below
