@@ -98,7 +98,9 @@ def run(args: argparse.Namespace) -> dict:
         runner = TorchRunner(model, device, kv_cache_memory=memory)
     cpu = {"cpu_isa": runner.cpu_isa, "cpu_activations": runner.cpu_activations,
            "kv_cache_dtype": runner.kv_dtype.name} if hasattr(runner, "cpu_isa") else {}
-    out = {"kind": settings.worker.kind, "model": str(path), **cpu,
+    from hybridgate.bench.machine import describe
+
+    out = {"kind": settings.worker.kind, "model": str(path), "machine": describe(), **cpu,
            **compare(reference, teacher_forced_logits(runner, cases))}
     print(json.dumps(out, indent=1))
     if args.json:
