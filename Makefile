@@ -39,7 +39,7 @@ golden: install
 # source: about 10 minutes the first time); not part of `make test`.
 bench-check: install
 	$(PY) -m pip install -q -e '.[bench]'
-	$(PY) -m pytest -q -p no:cacheprovider bench/test_llama_cpp_baseline.py
+	$(PY) -m pytest -q -p no:cacheprovider bench/test_llama_cpp_baseline.py bench/test_bench_mixes_llama_cpp.py
 
 # On a CUDA machine (bare: its own python3 with torch); see bench/gpu_check.sh.
 gpu-check:

@@ -35,8 +35,10 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     settings = _settings(args)
     if not settings.worker.endpoint:  # HYBRIDGATE_ENDPOINT= or --endpoint '' reads as unset
         raise ValueError("--endpoint: give where to bind, ipc://PATH or tcp://127.0.0.1:PORT")
-    run_worker(replace(settings.worker, model_path=settings.model_path), redis=settings.redis,
-               transport=settings.transport)
+    if len(settings.models) > 1:
+        raise ValueError(f"--model: a worker serves one model, got {len(settings.models)}")
+    run_worker(replace(settings.worker, model_path=settings.model_path, model_name=settings.models[0].name),
+               redis=settings.redis, transport=settings.transport, metrics_port=settings.gateway.metrics_port)
     return 0
 
 
@@ -149,6 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     target = f"{GatewayConfig.host}:{GatewayConfig.port}"  # serve's defaults, declared once there
     gen.add_argument("--target", default=target, help=f"gateway address HOST:PORT (default {target})")
     gen.add_argument("--chat", action="store_true", help="send PROMPT as one user message through the chat template")
+    gen.add_argument("--model", default=None, metavar="NAME",
+                     help="which of the gateway's models answers (default: its first)")
     gen.add_argument("--max-tokens", type=int, default=None, help="most tokens to generate (default: server's)")
     gen.add_argument("--temperature", type=float, default=None, help="sampling temperature; 0 is greedy (default 1)")
     gen.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1] (default 1)")
@@ -172,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "self-signed certificate); default: plaintext")
     gen.set_defaults(func=_cmd_generate)
 
-    bench = sub.add_parser("bench", help="benchmarks with side-by-side baselines (engine, accuracy, handoff, gateway, cache, serve, sim)")
+    bench = sub.add_parser("bench", help="benchmarks with side-by-side baselines (engine, accuracy, handoff, gateway, cache, serve, sim, model)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     from hybridgate.bench import (  # argparse only
         add_accuracy_parser,
@@ -180,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_engine_parser,
         add_gateway_parser,
         add_handoff_parser,
+        add_model_parser,
         add_serve_parser,
         add_sim_parser,
     )
@@ -191,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(bench_sub)
     add_sim_parser(bench_sub)
     add_cache_parser(bench_sub)
+    add_model_parser(bench_sub)
 
     from hybridgate.health import add_health_parser  # argparse only
 

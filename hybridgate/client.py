@@ -26,7 +26,7 @@ def build_request(args: argparse.Namespace, prompt: str) -> pb.GenerateRequest:
         req.chat.messages.add(role="user", content=prompt)
     else:
         req.prompt = prompt
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "repetition_penalty", "route"):
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "repetition_penalty", "route", "model"):
         value = getattr(args, name)
         if value is not None:
             setattr(req, name, value)

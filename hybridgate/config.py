@@ -12,7 +12,8 @@ One name per setting, in three spellings: the flag `--max-num-seqs`, the
 environment variable `HYBRIDGATE_MAX_NUM_SEQS` and the TOML key `max-num-seqs`
 (or `max_num_seqs`). The TOML file is flat: one key per setting, no sections,
 since every name is unique across the root (argparse would refuse two flags of
-one name anyway). The root itself (`hybridgate.settings.Settings`) and which
+one name anyway); a list setting takes a list, or a table whose `NAME = "VALUE"`
+entries read as `NAME=VALUE` values (`[model]` then `chat = "a.gguf"`). The root itself (`hybridgate.settings.Settings`) and which
 parts each command uses live in `hybridgate.settings`.
 
     parser = argparse.ArgumentParser()
@@ -357,6 +358,8 @@ def read_file(path: str, root: type | None = None) -> dict[str, Any]:
             raise ValueError(f"{path}: {key}: given twice (as {spec.name} and {spec.name.replace('-', '_')})")
         if spec.kind is tuple and isinstance(value, list):
             value = tuple(value)
+        if spec.kind is tuple and isinstance(value, dict):  # a table of NAME = "VALUE": NAME=VALUE each
+            value = tuple(f"{k}={v}" for k, v in value.items())
         if spec.kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         error = problem(spec, value)

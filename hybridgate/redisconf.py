@@ -33,7 +33,8 @@ class RedisConfig:
 
     url: str = setting(
         "", "Redis URL (redis://[:PASSWORD@]HOST:PORT/DB, rediss:// for TLS): workers register in it and gateways "
-            "discover them there; empty: no registry (static --worker endpoints)", flag="--redis-url", secret=True,
+            "(and serve) discover them there, and --response-cache redis keeps its answers there; empty: no "
+            "registry (static --worker endpoints)", flag="--redis-url", secret=True,
         check=_check_url)
     timeout_s: float = setting(
         0.5, "seconds any one Redis call may take (connect, read, write) before it counts as failed; a hung Redis "
@@ -106,7 +107,8 @@ class WorkerEntry(msgspec.Struct, frozen=True):
     `endpoint`: where routers connect (its advertised address); `handoff_endpoint`:
     its KV hand-off socket ("" = none); `fingerprint`: `models.model_fingerprint`
     (hex SHA-256); `capacity`: its max_num_seqs; `boot_id`: new on every start,
-    so a restart under the same endpoint shows as a new entry.
+    so a restart under the same endpoint shows as a new entry; `model`: the served
+    model's name (as in HELLO).
     """
 
     endpoint: str
@@ -116,6 +118,7 @@ class WorkerEntry(msgspec.Struct, frozen=True):
     boot_id: str
     name: str = ""
     handoff_endpoint: str = ""
+    model: str = ""
 
 
 def worker_key(prefix: str, endpoint: str) -> str:

@@ -51,12 +51,12 @@ def hold_port(host: str, port: int, flag: str = "--port") -> socket.socket:
 
 
 @contextlib.contextmanager
-def gateway_group(config: Settings, endpoints: list[str], main: Callable[[Settings, list[str], int, int], None],
+def gateway_group(config: Settings, pools: list, main: Callable[[Settings, list, int, int], None],
                   ) -> Iterator[tuple[Settings, ExtraGateways | None]]:
     """(the settings to serve with, the other gateways) for `config.layout.gateways`: with more than
     one, the port is held (and a port 0 resolved) before any gateway or worker starts, and on the way
     out the other gateways are drained and joined (they have drained already after a clean stop).
-    `main(config, endpoints, index, parent_pid)` runs each other gateway in its spawned process."""
+    `main(config, pools, index, parent_pid)` runs each other gateway in its spawned process."""
     if config.layout.gateways == 1:
         yield config, None
         return
@@ -66,7 +66,7 @@ def gateway_group(config: Settings, endpoints: list[str], main: Callable[[Settin
     if config.gateway.http_port is not None:
         held_http = hold_port(config.gateway.host, config.gateway.http_port, "--http-port")
         config = replace(config, gateway=replace(config.gateway, http_port=held_http.getsockname()[1]))
-    extra = ExtraGateways(config, endpoints, config.gateway.port, main)
+    extra = ExtraGateways(config, pools, config.gateway.port, main)
     try:
         yield config, extra
     finally:
@@ -81,8 +81,8 @@ class ExtraGateways:
     """Gateways 1..N-1 as child processes: started, restarted when one exits (at most the
     workers' restart limits), told to drain on shutdown, and joined."""
 
-    def __init__(self, config: Settings, endpoints: list[str], port: int,
-                 main: Callable[[Settings, list[str], int, int], None]):
+    def __init__(self, config: Settings, pools: list, port: int,
+                 main: Callable[[Settings, list, int, int], None]):
         count = config.layout.gateways - 1
         gw = config.gateway
         # The workers may still be loading: a gateway of serve waits for their sockets, never exits for them.
@@ -90,8 +90,8 @@ class ExtraGateways:
         self.configs = [replace(config, router=router, gateway=replace(
             gw, port=port, metrics_port=None if gw.metrics_port is None else (gw.metrics_port and gw.metrics_port + i)))
             for i in range(1, count + 1)]
-        self.endpoints = endpoints
-        self.main = main  # main(config, endpoints, index, parent_pid) in a spawned process: serve.gateway_main
+        self.pools = pools  # the models and their workers (serve.ModelPool)
+        self.main = main  # main(config, pools, index, parent_pid) in a spawned process: serve.gateway_main
         self.procs: list[mp.Process | None] = [None] * count
         self.restarts: list[list[float]] = [[] for _ in range(count)]
         self.stopping = False
@@ -103,7 +103,7 @@ class ExtraGateways:
 
     def _start(self, i: int) -> None:
         proc = self._ctx.Process(target=self.main, name=f"hybridgate-gateway-{i + 1}",
-                                 args=(self.configs[i], self.endpoints, i + 1, os.getpid()))
+                                 args=(self.configs[i], self.pools, i + 1, os.getpid()))
         proc.start()
         self.procs[i] = proc
 

@@ -9,19 +9,22 @@ import shutil
 import signal
 import sys
 import tempfile
-from collections.abc import Callable
-from dataclasses import replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hybridgate.children import die_with_parent
+from hybridgate.gateway.admission import Admission
+from hybridgate.gateway.models import ModelTable, ServedModel
 from hybridgate.gateway.server import Gateway
 from hybridgate.keys import Transport
+from hybridgate.models import model_name
 from hybridgate.redisconf import redacted
 from hybridgate.router import Router, ZmqWorkerClient
 from hybridgate.router.client import missing_ipc_socket
 from hybridgate.scaleout import ExtraGateways, gateway_group
-from hybridgate.serveconf import LayoutConfig
+from hybridgate.serveconf import LayoutConfig, ModelSpec
 from hybridgate.supervise import Supervisor
 from hybridgate.wire import WorkerState
 from hybridgate.workerconf import WorkerConfig
@@ -43,17 +46,52 @@ def cuda_present() -> bool:
     return torch.cuda.is_available()
 
 
-def worker_layout(layout: LayoutConfig) -> list[str]:
-    """The kinds of the workers `serve` starts: by default one CPU worker without CUDA, one GPU
-    worker and one CPU worker with it; --gpu-workers / --cpu-workers override either count.
+def worker_layout(layout: LayoutConfig, spec: ModelSpec | None = None) -> list[str]:
+    """The kinds of the workers `serve` starts for one model: by default one CPU worker without CUDA,
+    one GPU worker and one CPU worker with it; --gpu-workers / --cpu-workers override either count, and
+    a model's own `NAME=PATH:gpu=N:cpu=N` overrides those.
 
     Raises ValueError naming the flags when both counts are zero (LayoutConfig refuses negatives).
     """
     gpu = layout.gpu_workers if layout.gpu_workers is not None else int(cuda_present())
     cpu = layout.cpu_workers
+    if spec is not None:
+        gpu = spec.gpu_workers if spec.gpu_workers is not None else gpu
+        cpu = spec.cpu_workers if spec.cpu_workers is not None else cpu
     if gpu + cpu == 0:
-        raise ValueError("--gpu-workers, --cpu-workers: at least one worker is needed (both are 0)")
+        where = f" of model {spec.name}" if spec is not None and spec.name else ""
+        raise ValueError(f"--gpu-workers, --cpu-workers: at least one worker is needed{where} (both are 0)")
     return ["gpu"] * gpu + ["cpu"] * cpu
+
+
+@dataclass(frozen=True)
+class ModelPool:
+    """One served model as the gateway runs it: its name ("": the GGUF's own, `models.model_name`), its
+    GGUF path, and its workers' endpoints and names (empty names: the workers' own, from HELLO)."""
+
+    name: str
+    path: str
+    endpoints: tuple[str, ...]
+    worker_names: tuple[str, ...] = ()
+
+
+def static_pools(config: Settings) -> list[ModelPool]:
+    """`gateway`'s models and their workers: each --worker ENDPOINT serves the default (first) model, a
+    --worker NAME=ENDPOINT the model of that name; with --redis-url, workers are also found in the registry
+    (by their model's fingerprint). Raises ValueError naming --worker for a NAME that is not a --model."""
+    from hybridgate.settings import resolved_path
+
+    specs = config.models
+    by_name: dict[str, list[str]] = {spec.name: [] for spec in specs}
+    for value in config.layout.worker_endpoints:
+        name, sep, endpoint = value.partition("=")
+        if not sep or "://" in name:
+            name, endpoint = specs[0].name, value
+        if name not in by_name:
+            raise ValueError(f"--worker: {value!r} names model {name!r}, which no --model NAME=PATH serves "
+                             f"(served: {', '.join(s.name for s in specs if s.name) or 'one unnamed model'})")
+        by_name[name].append(endpoint)
+    return [ModelPool(spec.name, resolved_path(spec), tuple(by_name[spec.name])) for spec in specs]
 
 
 SOCKET_CHECK_S = 3.0  # `gateway`: when to say that nothing listens on an ipc endpoint
@@ -72,29 +110,61 @@ async def check_sockets(clients: list[ZmqWorkerClient], wait: bool, fail) -> Non
         fail()
 
 
-async def run_gateway(config: Settings, endpoints: list[str], supervisor: Supervisor | None = None,
-                      extra: ExtraGateways | None = None, reuse_port: bool = False, index: int = 0) -> int:
-    """Serve until SIGINT/SIGTERM. Under `serve`, `supervisor` starts its workers once the port is
-    bound (so a port in use fails at once) and keeps them running; its slots name the clients.
-    `extra`: the other gateways of `serve --gateways N`, started once this one listens and drained
-    with it; such a gateway runs this with `reuse_port` and its `index` (it prints no READY line)."""
-    names = [slot.name for slot in supervisor.slots] if supervisor is not None else [""] * len(endpoints)
-    transport = Transport(config.transport)
-    for endpoint in endpoints:  # before anything starts: a tcp worker without keys is refused here
-        transport.check(endpoint, "--worker")
-    clients = [ZmqWorkerClient(ep, dead_after_s=config.router.dead_after_s, name=name, transport=transport)
-               for ep, name in zip(endpoints, names)]
-    registry = None
-    if config.redis.url:
-        from hybridgate.router.registry import RedisRegistry
-
-        registry = RedisRegistry(config.redis, dead_after_s=config.router.dead_after_s, transport=transport)
+def build_models(config: Settings, pools: Sequence[ModelPool], transport: Transport) -> ModelTable:
+    """A router per model pool (its own clients, registry and response cache: placement, hand-offs, prefix
+    hashes and cached answers stay within a model), as the gateway's table of served models."""
     from hybridgate.router.response_cache import ResponseCache
 
-    cache = ResponseCache.from_config(config.response_cache, config.redis)
-    router = Router(config.model_path, clients, config.router, registry=registry, response_cache=cache)
-    gateway = Gateway(router, config.gateway, reuse_port=reuse_port)
-    router.on_ready_change = gateway.on_ready_change
+    rows = []
+    for i, pool in enumerate(pools):
+        names = pool.worker_names or ("",) * len(pool.endpoints)
+        clients = [ZmqWorkerClient(ep, dead_after_s=config.router.dead_after_s, name=name, transport=transport)
+                   for ep, name in zip(pool.endpoints, names)]
+        registry = None
+        if config.redis.url:
+            from hybridgate.router.registry import RedisRegistry
+
+            registry = RedisRegistry(config.redis, dead_after_s=config.router.dead_after_s, transport=transport)
+        cache = ResponseCache.from_config(config.response_cache, config.redis)
+        router = Router(pool.path, clients, config.router, registry=registry, response_cache=cache)
+        aliases = config.gateway.served_model_name if i == 0 else ()
+        served = ((pool.name,) if pool.name else ()) + tuple(a for a in aliases if a != pool.name)
+        rows.append(ServedModel(served or (model_name(router.model),), router,
+                                Admission(config.gateway.max_inflight_requests)))
+    fingerprints = {row.router.fingerprint for row in rows}
+    for row in rows:
+        if row.router.registry is not None:
+            row.router.registry.siblings = frozenset(fingerprints - {row.router.fingerprint})
+    return ModelTable(rows)
+
+
+def _ready_line(models: ModelTable) -> str:
+    """READY's account of the workers: `cpu, gpu workers`, or per model with several."""
+    def workers(router: Router) -> str:
+        ready = [c.kind for c in router.clients if c.state == WorkerState.READY]
+        return f"{', '.join(ready)} worker{'s' if len(ready) > 1 else ''}" if ready else "no worker yet"
+
+    if len(models) == 1:
+        return workers(models.default.router)
+    return "; ".join(f"{m.name}: {workers(m.router)}" for m in models)
+
+
+async def run_gateway(config: Settings, pools: Sequence[ModelPool], supervisor: Supervisor | None = None,
+                      extra: ExtraGateways | None = None, reuse_port: bool = False, index: int = 0) -> int:
+    """Serve until SIGINT/SIGTERM. Under `serve`, `supervisor` starts its workers once the port is
+    bound (so a port in use fails at once) and keeps them running; the pools name the clients.
+    `extra`: the other gateways of `serve --gateways N`, started once this one listens and drained
+    with it; such a gateway runs this with `reuse_port` and its `index` (it prints no READY line)."""
+    transport = Transport(config.transport)
+    for pool in pools:  # before anything starts: a tcp worker without keys is refused here
+        for endpoint in pool.endpoints:
+            transport.check(endpoint, "--worker")
+    models = build_models(config, pools, transport)
+    routers = [m.router for m in models]
+    clients = [c for r in routers for c in r.clients]
+    gateway = Gateway(models, config.gateway, reuse_port=reuse_port)
+    for router in routers:
+        router.on_ready_change = gateway.on_ready_change
     await gateway.start()
     background = []
     stop = asyncio.Event()
@@ -106,7 +176,7 @@ async def run_gateway(config: Settings, endpoints: list[str], supervisor: Superv
         stop.set()
 
     if supervisor is not None:
-        by_name = dict(zip(names, clients))
+        by_name = {c.name: c for c in clients}
         supervisor.on_exit = lambda name, reason: by_name[name].worker_exited(reason)
         supervisor.start_all()
         gateway.metrics.registry.register(supervisor)
@@ -131,7 +201,9 @@ async def run_gateway(config: Settings, endpoints: list[str], supervisor: Superv
         loop.add_signal_handler(sig, stop.set)
     if supervisor is None:
         background.append(asyncio.create_task(check_sockets(clients, config.router.wait_for_workers, fail)))
-    entered = asyncio.create_task(router.__aenter__())
+    # Each model's router must come up (a worker READY within startup_timeout_s); later, one model's pool
+    # going down leaves the others serving.
+    entered = asyncio.create_task(_enter_all(routers))
     waiter = asyncio.create_task(stop.wait())
     await asyncio.wait({entered, waiter}, return_when=asyncio.FIRST_COMPLETED)
     if entered.done() and entered.exception() is not None:
@@ -139,18 +211,18 @@ async def run_gateway(config: Settings, endpoints: list[str], supervisor: Superv
         code = 1
     elif entered.done():
         # Serving already (health is SERVING with one READY worker); the line waits for the rest.
-        settled = asyncio.create_task(router.wait_settled(config.router.startup_timeout_s))
+        settled = asyncio.gather(*(r.wait_settled(config.router.startup_timeout_s) for r in routers))
         await asyncio.wait({settled, waiter}, return_when=asyncio.FIRST_COMPLETED)
         settled.cancel()
-        ready = [c.kind for c in router.clients if c.state == WorkerState.READY]
-        for c in router.clients:
+        for c in clients:
             if c.state != WorkerState.READY:
                 print(f"hybridgate: warning: worker {c.name} ({c.endpoint}) is {c.state.name} (see its log above)",
                       file=sys.stderr, flush=True)
         gateways = f", {len(extra.procs) + 1} gateways" if extra is not None else ""
-        workers = f"{', '.join(ready)} worker{'s' if len(ready) > 1 else ''}" if ready else "no worker yet"
-        found = f", workers from Redis at {redacted(config.redis.url)}" if registry is not None else ""
-        say(f"READY ({workers}{gateways}{found}) — model {config.model_path}")
+        found = f", workers from Redis at {redacted(config.redis.url)}" if config.redis.url else ""
+        served = f"model {routers[0].model.path}" if len(models) == 1 else \
+            "models " + ", ".join(f"{m.name}={m.router.model.path}" for m in models)
+        say(f"READY ({_ready_line(models)}{gateways}{found}) — {served}")
         await stop.wait()
     say(f"shutting down (health NOT_SERVING, in-flight streams get {config.gateway.grace_s:g} s)")
     if supervisor is not None:
@@ -162,8 +234,13 @@ async def run_gateway(config: Settings, endpoints: list[str], supervisor: Superv
         await asyncio.to_thread(extra.join, config.gateway.grace_s + 5)
     for task in (entered, waiter, *background):
         task.cancel()
-    await router.close()
+    await asyncio.gather(*(r.close() for r in routers), return_exceptions=True)
     return code
+
+
+async def _enter_all(routers: Sequence[Router]) -> None:
+    """Enter every router (each waits for a READY worker); the first failure is raised."""
+    await asyncio.gather(*(r.__aenter__() for r in routers))
 
 
 async def supervise(supervisor: Supervisor, fail: Callable[[], None]) -> None:
@@ -207,9 +284,13 @@ def remove_stale_socket_dirs() -> list[str]:
 
 
 def serve(config: Settings) -> int:
-    """Gateway in this process, the workers of `worker_layout` in spawned children; exit 0 on
+    """Gateway in this process, each model's workers (`worker_layout`) in spawned children; exit 0 on
     SIGINT/SIGTERM, no child left."""
-    kinds = worker_layout(config.layout)
+    from hybridgate.settings import resolved_path
+
+    specs = config.models
+    layouts = [worker_layout(config.layout, spec) for spec in specs]
+    kinds = [kind for layout in layouts for kind in layout]
     threads = config.worker.engine.threads
     # The workers that compute on the CPU share its cores instead of each taking all: the CPU workers,
     # and the GPU workers too where there is no CUDA (their torch device is the CPU).
@@ -219,33 +300,38 @@ def serve(config: Settings) -> int:
     remove_stale_socket_dirs()
     private = tempfile.mkdtemp(prefix="hybridgate-")  # mode 0700: only this user reaches the ipc sockets
     Path(private, "serve.pid").write_text(str(os.getpid()))
-    endpoints = [f"ipc://{private}/worker-{i}.sock" for i in range(len(kinds))]
-    names = [f"{kind}-{kinds[:i].count(kind)}" for i, kind in enumerate(kinds)]  # gpu-0, cpu-0, cpu-1, ...
     engine = replace(config.worker.engine, threads=threads)
-    configs = {name: replace(config.worker, model_path=config.model_path, endpoint=endpoint, kind=kind, engine=engine,
-                             parent_pid=os.getpid(), name=name)
-               for name, kind, endpoint in zip(names, kinds, endpoints)}
+    pools, configs = [], {}
+    for spec, layout in zip(specs, layouts):
+        path = resolved_path(spec)
+        prefix = f"{spec.name}-" if len(specs) > 1 else ""  # gpu-0, cpu-0, ...; with several models chat-cpu-0
+        names = [f"{prefix}{kind}-{layout[:i].count(kind)}" for i, kind in enumerate(layout)]
+        endpoints = [f"ipc://{private}/worker-{len(configs) + i}.sock" for i in range(len(layout))]
+        for name, kind, endpoint in zip(names, layout, endpoints):
+            configs[name] = replace(config.worker, model_path=path, model_name=spec.name, endpoint=endpoint,
+                                    kind=kind, engine=engine, parent_pid=os.getpid(), name=name)
+        pools.append(ModelPool(spec.name, path, tuple(endpoints), tuple(names)))
     supervisor = Supervisor(configs, config.supervisor, private)  # its workers bind once loaded: no socket check
     try:
-        with gateway_group(config, endpoints, gateway_main) as (config, extra):
-            return _run(run_gateway(config, endpoints, supervisor, extra, reuse_port=extra is not None))
+        with gateway_group(config, pools, gateway_main) as (config, extra):
+            return _run(run_gateway(config, pools, supervisor, extra, reuse_port=extra is not None))
     finally:
         supervisor.stop_all()
         shutil.rmtree(private, ignore_errors=True)
 
 
-def gateway_main(config: Settings, endpoints: list[str], index: int, parent_pid: int) -> None:
+def gateway_main(config: Settings, pools: list[ModelPool], index: int, parent_pid: int) -> None:
     """Entry of gateway `index` >= 1 (spawned by scaleout.ExtraGateways): serve until SIGTERM/SIGINT;
     exit with `serve`."""
     die_with_parent(parent_pid)
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s gateway-{index} %(levelname)s %(message)s")
-    sys.exit(_run(run_gateway(config, endpoints, reuse_port=True, index=index)))
+    sys.exit(_run(run_gateway(config, pools, reuse_port=True, index=index)))
 
 
 def gateway_only(config: Settings) -> int:
     if not config.layout.worker_endpoints and not config.redis.url:
         raise ValueError("--worker: give at least one worker endpoint (ipc://... or tcp://...), "
                          "or --redis-url to find workers in the registry")
-    endpoints = list(config.layout.worker_endpoints)
-    with gateway_group(config, endpoints, gateway_main) as (config, extra):
-        return _run(run_gateway(config, endpoints, extra=extra, reuse_port=extra is not None))
+    pools = static_pools(config)
+    with gateway_group(config, pools, gateway_main) as (config, extra):
+        return _run(run_gateway(config, pools, extra=extra, reuse_port=extra is not None))

@@ -6,9 +6,61 @@ Data only (the settings root composes it); `hybridgate.serve` and
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from hybridgate.config import check_settings, setting
+
+# A served model's name: what the OpenAI `model` field, the gRPC `model` field and the health service
+# name carry (letters, digits and . _ - / :, as Hugging Face ids such as org/model-1.5B).
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:-]{0,127}")
+_COUNT = re.compile(r"(gpu|cpu)=(\d+)")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One `--model` value: `PATH`, or `NAME=PATH` with optional per-model worker counts
+    `NAME=PATH:gpu=N:cpu=N` (default: --gpu-workers / --cpu-workers). `name` "" is a model named
+    after its GGUF (`hybridgate.models.model_name`); `path` "" is the default model."""
+
+    name: str
+    path: str
+    gpu_workers: int | None = None
+    cpu_workers: int | None = None
+
+
+def parse_model_spec(text: str) -> ModelSpec:
+    """A `--model` value as a ModelSpec. Raises ValueError naming --model and the accepted forms."""
+    name, sep, rest = text.partition("=")
+    if not sep:
+        return ModelSpec("", text)
+    if not MODEL_NAME.fullmatch(name):
+        raise ValueError(f"--model: the name in {text!r} must be 1-128 letters, digits or . _ - / : "
+                         "(starting with a letter or digit); give PATH or NAME=PATH[:gpu=N][:cpu=N]")
+    counts: dict[str, int] = {}
+    path = rest
+    while True:
+        head, colon, tail = path.rpartition(":")
+        match = _COUNT.fullmatch(tail) if colon else None
+        if match is None:
+            break
+        counts.setdefault(match[1], int(match[2]))
+        path = head
+    if not path:
+        raise ValueError(f"--model: {text!r} names no GGUF file; give NAME=PATH[:gpu=N][:cpu=N]")
+    return ModelSpec(name, path, counts.get("gpu"), counts.get("cpu"))
+
+
+def check_model_specs(values: tuple[str, ...]) -> None:
+    """The `model` setting: each value parses, names are unique, at most one model is unnamed, and
+    several models are all named (requests pick them by name). Raises ValueError naming --model."""
+    specs = [parse_model_spec(v) for v in values]
+    names = [s.name for s in specs]
+    if len(specs) > 1 and "" in names:
+        raise ValueError("--model: with several models, name each one: NAME=PATH (the first is the default)")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"--model: the name {twice[0]!r} is given twice; each model needs its own name")
 
 
 @dataclass(frozen=True)

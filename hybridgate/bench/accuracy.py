@@ -5,7 +5,10 @@ transformers fp32 with EOS masked) through a runner and, in the same run,
 through the torch runner in fp32 on the CPU (pinned to transformers by the
 foundation tests), and compares each of the 512 positions: top-1 agreement
 (the runner's argmax equals the reference's argmax) and KL(reference || runner),
-mean and p99.
+mean and p99. `--quant MIX` first requantizes the model with llama.cpp's own
+quantizer (`model_files.requantize`), so the floors are checked on the types
+real files hold (Q4_K_M, Q6_K, Q8_0, F16 ...); the reference is then that
+file, dequantized to fp32.
 """
 
 from __future__ import annotations
@@ -69,7 +72,14 @@ def run(args: argparse.Namespace) -> dict:
     from hybridgate.workers.gpu.runner import TorchRunner
 
     settings = resolve(args).settings
-    model = load_gguf(settings.model_path)
+    path = Path(settings.model_path)
+    if args.quant:
+        from hybridgate.bench.mixes import mix
+        from hybridgate.bench.model_files import requantize
+
+        path = requantize(path, mix(args.quant), args.llama_cpp_path)
+        print(f"model: {path} ({args.quant}, requantized by llama.cpp)", flush=True)
+    model = load_gguf(path)
     cases = load_cases()
     memory = "512MiB"
     reference = teacher_forced_logits(TorchRunner(model, torch.device("cpu"), torch.float32, kv_cache_memory=memory),
@@ -88,7 +98,7 @@ def run(args: argparse.Namespace) -> dict:
         runner = TorchRunner(model, device, kv_cache_memory=memory)
     cpu = {"cpu_isa": runner.cpu_isa, "cpu_activations": runner.cpu_activations,
            "kv_cache_dtype": runner.kv_dtype.name} if hasattr(runner, "cpu_isa") else {}
-    out = {"kind": settings.worker.kind, **cpu,
+    out = {"kind": settings.worker.kind, "model": str(path), **cpu,
            **compare(reference, teacher_forced_logits(runner, cases))}
     print(json.dumps(out, indent=1))
     if args.json:

@@ -16,8 +16,10 @@ parallel sequences decoded in one batch per step (`llama_baseline`), twice:
 with its ratio; ours and the baselines run alternately, `--repeats` times.
 The CPU runner also reports its ISA path, the bytes of weights it reads per
 decode step, the read rate that makes at batch 1 beside this machine's
-measured read bandwidth (a parallel Numba sum over `--bandwidth-mib`), and
-this process's peak RSS.
+measured read bandwidth (a parallel Numba sum over `--bandwidth-mib`), each
+quant type's share of the batch-1 step (`type_shares`), and this process's
+peak RSS. `--shape NAME --quant MIX` measures a random-weight file of a named
+model's shapes in one of llama.cpp's mixes (`model_files`) instead of `--model`.
 
 `--profile-out FILE` writes a worker profile for `bench sim` instead: the
 engine's own step tables (`EngineCore.measure_rates` over more step sizes:
@@ -216,6 +218,7 @@ def run(args: argparse.Namespace) -> dict:
     settings = resolve(args).settings
     engine = settings.worker.engine
     cpu = settings.worker.kind == "cpu"
+    args.concurrency_given = bool(args.concurrency)
     args.concurrency = args.concurrency or ([1, 4, 16] if cpu else [1, 4, 16, 64])
     args.prefill_lens = args.prefill_lens or ([128, 512] if cpu else [128, 512, 2048])
     args.prefill_prompts = args.prefill_prompts or (4 if cpu else 16)
@@ -224,7 +227,15 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError("--baseline transformers: only with --kind gpu (use llama-cpp for the CPU runner)")
     if baseline == "llama-cpp" and not cpu:
         raise ValueError("--baseline llama-cpp: only with --kind cpu")
-    path = Path(settings.model_path)
+    if args.shape and settings.model:
+        raise ValueError("--shape and --model: name one model file, not both")
+    if args.shape:
+        from hybridgate.bench.model_files import named_bench_model
+
+        path = named_bench_model(args.shape, args.quant, args.seed, args.layers)
+        print(f"model: {path}", flush=True)
+    else:
+        path = Path(settings.model_path)
     model = load_gguf(path)
     tokenizer = Tokenizer.from_model(model)
     if cpu:
@@ -258,9 +269,16 @@ def run(args: argparse.Namespace) -> dict:
                "threads": torch.get_num_threads(), "baseline": baseline}
     if args.profile_out:
         return write_profile(args, ours, out, model)
+    if args.constrained_fraction is not None:
+        from hybridgate.bench import constrained
+
+        count = args.concurrency[-1] if args.concurrency_given else 16
+        return constrained.run(args, ours, prompts(tokenizer, count, args.prompt_len), out)
     if args.mixed_load:
         return _mixed_load(args, ours, out, tokenizer, settings)
-    out.update({"repeats": args.repeats, "decode": {}, "prefill": {}})
+    from hybridgate.bench.machine import describe
+
+    out.update({"model": str(path), "machine": describe(), "repeats": args.repeats, "decode": {}, "prefill": {}})
     bases: dict = {}
     if baseline == "transformers":
         bases["transformers"] = TransformersBaseline(path, device, dtype)
@@ -294,6 +312,8 @@ def run(args: argparse.Namespace) -> dict:
             if name.endswith("_decode_step_ms"):
                 out[f"{name}_c1"] = ms
                 print(f"{name.removesuffix('_decode_step_ms')} decode step at batch 1: {ms:.3f} ms", flush=True)
+        if args.type_shares:
+            _print_type_shares(out, ours.runner.model, args.repeats)
     if args.compare_eager and not cpu and device.type == "cuda":
         eager = EngineBench.torch(model, device, dtype, "2GiB", enforce_eager=True)
         out["decode_step_ms_c1_eager"] = _median(lambda: eager.decode_step_ms(step_prompt), args.repeats)
@@ -371,6 +391,18 @@ def write_profile(args: argparse.Namespace, ours: EngineBench, out: dict, model)
     print(f"profile: {args.profile_out}: decode step s by batch {profile['decode_step_s']}, prefill tokens/s "
           f"by step tokens {profile['prefill_tokens_per_s']}, {profile['blocks_total']} blocks", flush=True)
     return profile
+
+
+def _print_type_shares(out: dict, model, repeats: int) -> None:
+    from hybridgate.bench.type_shares import type_shares
+
+    out["type_shares_c1"] = shares = type_shares(model, out["decode_step_ms_c1"], max(repeats, 3))
+    for name, row in shares.items():
+        if isinstance(row, dict):
+            print(f"  {name:6} {row['matrices']:4} matrices {row['bytes'] / 2**20:8.1f} MiB {row['ms']:8.3f} ms "
+                  f"({row['share']:.0%} of the step, {row['gb_per_s']:.1f} GB/s)", flush=True)
+    if shares:
+        print(f"  other  {shares['other_ms']:.3f} ms (attention, norms, activations, sampling, Python)", flush=True)
 
 
 def _peak_rss_mib() -> float:

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
-from hybridgate.router import Delta
+import json
+
+import msgspec
+
+from hybridgate.router import Delta, constraints
+from hybridgate.router.constraints import ConstraintLimits
 from hybridgate.router.router import Prompt
+from hybridgate.router.toolparse import ToolCall
+from hybridgate.router.tools import ToolRequest
 from hybridgate.v1 import generation_pb2 as pb
-from hybridgate.wire import InvalidFieldError, SamplingParams
+from hybridgate.wire import Constraint, InvalidFieldError, SamplingParams
 
 
 # The request's fields that are SamplingParams fields: one loop copies them (see _sampling_params).
@@ -24,8 +31,54 @@ def _sampling_params(req: pb.GenerateRequest) -> SamplingParams:
     return SamplingParams(**given)
 
 
-def request_to_native(req: pb.GenerateRequest) -> tuple[Prompt, SamplingParams]:
-    """(prompt or messages, sampling params) of a request, as plain Python values.
+# The `constraint` oneof's fields: how each becomes a Constraint (hybridgate.router.constraints).
+_CONSTRAINTS = {"json_schema": lambda v, limits: constraints.json_schema(v, "json_schema", limits),
+                "regex": lambda v, limits: constraints.regex(v, "regex", limits),
+                "grammar": lambda v, limits: constraints.grammar(v, "grammar", limits),
+                "choice": lambda v, limits: constraints.choice(list(v.choices), "choice.choices", limits)}
+
+
+def _constraint(req: pb.GenerateRequest, limits: ConstraintLimits) -> Constraint | None:
+    which = req.WhichOneof("constraint")
+    return None if which is None else _CONSTRAINTS[which](getattr(req, which), limits)
+
+
+def _message(m: pb.ChatMessage) -> dict:
+    out = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                             for c in m.tool_calls]
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def tools_to_native(req: pb.GenerateRequest) -> ToolRequest | None:
+    """The request's tools as the router takes them (None: no tools), checked as the OpenAI door checks them.
+
+    Raises InvalidFieldError naming the field (`tools[0].function.parameters` for a Tool's parameters).
+    """
+    tools = []
+    for i, t in enumerate(req.tools):
+        try:
+            parameters = json.loads(t.parameters) if t.parameters else None
+        except ValueError as exc:
+            raise InvalidFieldError(f"tools[{i}].parameters", f"is not valid JSON ({exc})") from None
+        tools.append({"type": "function", "function": {"name": t.name, "description": t.description,
+                                                       "parameters": parameters}})
+    which = req.WhichOneof("tool_choice")
+    choice = None if which is None else req.tool_mode if which == "tool_mode" else \
+        {"type": "function", "function": {"name": req.tool_function}}
+    given = {}  # unset: ToolRequest's default
+    if req.HasField("parallel_tool_calls"):
+        given["parallel_tool_calls"] = req.parallel_tool_calls
+    return ToolRequest.from_openai(tools, choice, **given)
+
+
+def request_to_native(req: pb.GenerateRequest, limits: ConstraintLimits = ConstraintLimits()) \
+        -> tuple[Prompt, SamplingParams]:
+    """(prompt or messages, sampling params) of a request, as plain Python values; its constraint built
+    within `limits` (the router's)
 
     Only what protobuf alone knows is checked here (which input is set); the
     limits of every field are checked once, by `Router.generate`, for the
@@ -40,11 +93,14 @@ def request_to_native(req: pb.GenerateRequest) -> tuple[Prompt, SamplingParams]:
     if which == "prompt":
         prompt: Prompt = req.prompt
     else:
-        prompt = [{"role": m.role, "content": m.content} for m in req.chat.messages]
-    return prompt, _sampling_params(req)
+        prompt = [_message(m) for m in req.chat.messages]
+    params = _sampling_params(req)
+    constraint = _constraint(req, limits)
+    return prompt, params if constraint is None else msgspec.structs.replace(params, constraint=constraint)
 
 
-def delta_to_proto(delta: Delta) -> pb.GenerateResponse:
+def delta_to_proto(delta: Delta, calls: list[ToolCall] = ()) -> pb.GenerateResponse:
+    """The response of one delta; the last one carries `calls` (a request with tools: the parsed calls)."""
     msg = pb.GenerateResponse(request_id=delta.request_id, token_index=delta.token_index, text=delta.text,
                               token_ids=delta.token_ids)
     if delta.logprobs:  # most requests ask for none: no empty list built and converted per message
@@ -58,4 +114,5 @@ def delta_to_proto(delta: Delta) -> pb.GenerateResponse:
         msg.usage.CopyFrom(pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
                                     cached_tokens=u.cached_tokens))
         msg.timings.CopyFrom(pb.Timings(queue_ms=t.queue_ms, ttft_ms=t.ttft_ms, total_ms=t.total_ms))
+        msg.tool_calls.extend(pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls)
     return msg

@@ -32,6 +32,7 @@ from hybridgate.gateway.admission import Admission
 from hybridgate.gateway.errors import HTTP_OF, ROUTER_ERRORS, status_of
 from hybridgate.gateway.http_guard import HttpGuard
 from hybridgate.gateway.metrics import GatewayMetrics
+from hybridgate.gateway.models import ModelNotFoundError, ModelTable, ServedModel
 from hybridgate.gateway.openai_format import ChoiceState, Formatter
 from hybridgate.router import ResourceExhaustedError, Router
 from hybridgate.router.errors import ContextLengthError
@@ -65,23 +66,45 @@ def api_error(exc: BaseException, body=None, retry_ms: int | None = None) -> Api
     if isinstance(exc, InvalidFieldError):
         param = api.param_of(exc.field, body) if body is not None else exc.field
         code = "context_length_exceeded" if isinstance(exc, ContextLengthError) else None
-        return ApiError(status, kind, str(exc), param, code)
+        message = str(exc)
+        if exc.field == "constraint" and param != exc.field:  # the field the request set, in the text too
+            message = param + message[len(exc.field):]
+        return ApiError(status, kind, message, param, code)
     headers = {"Retry-After": str(max(1, math.ceil(retry_ms / 1e3)))} if retry_ms is not None and status == 429 else None
     return ApiError(status, kind, str(exc), headers=headers)
 
 
 class OpenAIApp:
-    """The app and its handlers; `draining` turns /health to 503 while `serve` drains both doors."""
+    """The app and its handlers; `draining` turns /health to 503 while `serve` drains both doors.
 
-    def __init__(self, router: Router, metrics: GatewayMetrics, admission: Admission, model_names: tuple[str, ...],
-                 auth_token: str | None = None, log_requests: bool = False):
-        self.router, self.metrics, self.admission = router, metrics, admission
+    `router`: one router (answering to `model_names`, admitted by `admission`), or a `ModelTable` of
+    several, where a request's `model` picks the row (404 `model_not_found` naming the served ones)."""
+
+    def __init__(self, router: Router | ModelTable, metrics: GatewayMetrics, admission: Admission | None = None,
+                 model_names: tuple[str, ...] = (), auth_token: str | None = None, log_requests: bool = False):
+        self.table = router if isinstance(router, ModelTable) else \
+            ModelTable.single(router, model_names, admission or Admission(1024))
+        self.metrics = metrics
         self.log_requests = log_requests  # one line per finished choice on `hybridgate.requests`, as gRPC's
         self.auth_token = auth_token  # GatewayConfig.auth_token: every endpoint but /health wants it (None: off)
-        self.model_names = model_names
         self.draining = False
-        self.format = Formatter(router, model_names[0])
+        self.formats = {m.name: Formatter(m.router, m.name) for m in self.table}
         self.app = HttpGuard(self._build(), auth_token)  # token and body size before FastAPI reads anything
+
+    @property
+    def router(self) -> Router:
+        """The default model's router."""
+        return self.table.default.router
+
+    @property
+    def admission(self) -> Admission:
+        """The default model's admission."""
+        return self.table.default.admission
+
+    @property
+    def format(self) -> Formatter:
+        """The default model's body builder."""
+        return self.formats[self.table.default.name]
 
     def _build(self) -> FastAPI:
         app = FastAPI(title="hybridgate", summary="OpenAI-compatible API of a hybridgate gateway",
@@ -121,20 +144,22 @@ class OpenAIApp:
         log.exception("HTTP %s %s failed", request.method, request.url.path)
         return ApiError(500, "server_error", f"internal error ({type(exc).__name__})").response()
 
-    def _check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.model_names:
-            raise ApiError(404, "invalid_request_error", f"The model `{name}` does not exist; this server serves "
-                           f"{', '.join(self.model_names)}", "model", "model_not_found")
+    def _check_model(self, name: str | None) -> ServedModel:
+        """The row of the request's `model` (None: the default). Raises ApiError 404 model_not_found."""
+        try:
+            return self.table.pick(name)
+        except ModelNotFoundError as exc:
+            raise ApiError(404, "invalid_request_error", str(exc), "model", "model_not_found") from None
 
     # --- the plain endpoints -------------------------------------------------------------------
 
     async def models(self) -> dict:
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": self.format.created, "owned_by": "hybridgate",
-             "root": self.model_names[0], "max_model_len": self.router.max_model_len} for name in self.model_names]}
+             "root": m.name, "max_model_len": m.router.max_model_len} for m in self.table for name in m.names]}
 
     async def health(self) -> Response:
-        ok = self.router.ready and not self.draining
+        ok = self.table.ready and not self.draining
         return Response(status_code=200 if ok else 503)
 
     async def prometheus(self) -> Response:
@@ -144,7 +169,7 @@ class OpenAIApp:
         """The prompt's ids through generation's own path and limits (`Router.encode_prompt`: a large
         prompt is encoded off the event loop, one over the limits refused naming the field); the answer
         is encoded by msgspec, since FastAPI's encoder walks 100,000s of ids one by one."""
-        self._check_model(body.model)
+        router = self._check_model(body.model).router
         try:
             if body.messages is not None:
                 prompt = api.chat_messages(body)
@@ -152,18 +177,18 @@ class OpenAIApp:
                 prompt = body.prompt
             else:
                 raise InvalidFieldError("prompt", "give prompt or messages")
-            ids = await self.router.encode_prompt(prompt, body.add_generation_prompt)
+            ids = await router.encode_prompt(prompt, body.add_generation_prompt)
         except InvalidFieldError as exc:
             raise api_error(exc) from None
         tokens = ids.tolist() if hasattr(ids, "tolist") else list(ids)
-        return Response(msgspec.json.encode({"count": len(tokens), "max_model_len": self.router.max_model_len,
+        return Response(msgspec.json.encode({"count": len(tokens), "max_model_len": router.max_model_len,
                                              "tokens": tokens}), media_type="application/json")
 
     async def detokenize(self, body: api.DetokenizeRequest) -> dict:
         """At most max_model_len ids (no sequence is longer), each in the vocabulary; many are decoded
         off the event loop."""
-        self._check_model(body.model)
-        vocab, limit = self.router.tokenizer.vocab_size, self.router.max_model_len
+        router = self._check_model(body.model).router
+        vocab, limit = router.tokenizer.vocab_size, router.max_model_len
         if len(body.tokens) > limit:
             raise ApiError(400, "invalid_request_error", f"tokens: at most {limit} ids (the max model length), "
                            f"got {len(body.tokens)}", "tokens")
@@ -172,8 +197,8 @@ class OpenAIApp:
             raise ApiError(400, "invalid_request_error", f"tokens: every id must be in [0, {vocab}), got {bad[0]}",
                            "tokens")
         if len(body.tokens) <= INLINE_IDS:
-            return {"prompt": self.router.tokenizer.decode(body.tokens)}
-        return {"prompt": await asyncio.to_thread(self.router.tokenizer.decode, body.tokens)}
+            return {"prompt": router.tokenizer.decode(body.tokens)}
+        return {"prompt": await asyncio.to_thread(router.tokenizer.decode, body.tokens)}
 
     # --- generation ------------------------------------------------------------------------------
 
@@ -195,49 +220,50 @@ class OpenAIApp:
 
     async def _generate(self, body, request: Request, prepare, chat: bool, tools=lambda: None) -> Response:
         api.unknown_fields.note(body)
-        self._check_model(body.model)
+        served = self._check_model(body.model)
+        admission, series = served.admission, self.metrics.of(served.name)
         try:
             api.refuse_unsupported(body)
             prompts, logprobs = prepare()
-            base = api.sampling_params(body, logprobs)
+            base = api.sampling_params(body, logprobs, api.output_constraint(body, served.router.constraint_limits))
             tool_request = tools()
             states = []
             for p, prompt in enumerate(prompts):
                 for i in range(body.n):
                     params = base if base.seed is None else _with_seed(base, base.seed + i)
-                    stream = self.router.generate(prompt, params, label=body.user or "", tools=tool_request)
+                    stream = served.router.generate(prompt, params, label=body.user or "", tools=tool_request)
                     states.append(ChoiceState(p * body.n + i, stream, p, logprobs is not None, body.user or ""))
         except InvalidFieldError as exc:
             raise api_error(exc, body) from None
         cost = (base.max_tokens or DEFAULT_MAX_TOKENS_CAP, len(states))  # a slot per choice
-        if not self.admission.try_enter(*cost):
-            self.metrics.rejected.labels("max_inflight_requests").inc()
+        if not admission.try_enter(*cost):
+            series.rejected("max_inflight_requests")
             raise api_error(ResourceExhaustedError(
-                f"the gateway holds at most {self.admission.limit} requests, a choice counting as one "
-                f"(--max-inflight-requests); {self.admission.inflight} are in flight and this one asks for "
-                f"{len(states)}"), retry_ms=self.admission.pushback_ms())
-        run = _Run(self, states)
+                f"the gateway holds at most {admission.limit} requests of model {served.name}, a choice counting "
+                f"as one (--max-inflight-requests); {admission.inflight} are in flight and this one asks for "
+                f"{len(states)}"), retry_ms=admission.pushback_ms())
+        run = _Run(self, states, served)
         try:
             await run.enter()
         except BaseException as exc:
             await run.close()
-            self.admission.leave(*cost)
+            admission.leave(*cost)
             if isinstance(exc, ResourceExhaustedError):
-                self.metrics.rejected.labels(exc.reason).inc()
+                series.rejected(exc.reason)
             if isinstance(exc, ROUTER_ERRORS):
-                raise api_error(exc, body, self.admission.pushback_ms()) from None
+                raise api_error(exc, body, admission.pushback_ms()) from None
             raise
         kind = "chat" if chat else "text"
         if not body.stream:
             try:
                 if not await _unless_disconnected(run.finish(), request):
                     return Response(status_code=499)  # nobody reads it: the choices were aborted
-                return JSONResponse(self.format.whole(kind, states))
+                return JSONResponse(self.formats[served.name].whole(kind, states))
             except ROUTER_ERRORS as exc:
-                raise api_error(exc, body, self.admission.pushback_ms()) from None
+                raise api_error(exc, body, admission.pushback_ms()) from None
             finally:
                 await run.close()
-                self.admission.leave(*cost)
+                admission.leave(*cost)
         run.cost = cost
         return _EventStream(self._sse(run, kind, body), run.release, media_type="text/event-stream",
                             headers={"Cache-Control": "no-cache"})
@@ -245,7 +271,7 @@ class OpenAIApp:
     async def _sse(self, run: _Run, kind: str, body):
         """The event stream; leaving it early (the client went away) aborts every choice on its worker."""
         options = body.stream_options
-        chunks = self.format.chunks(kind, run.states, bool(options and options.include_usage),
+        chunks = self.formats[run.served.name].chunks(kind, run.states, bool(options and options.include_usage),
                                     bool(options and options.continuous_usage_stats))
         try:
             for chunk in chunks.opening():
@@ -306,9 +332,11 @@ class _Run:
     The merged queue holds at most RUN_QUEUE_PER_CHOICE deltas per choice: a pump waits while it is full
     (the client reads slowly), leaving the rest in its stream, rather than copying it all here."""
 
-    def __init__(self, door: OpenAIApp, states: list[ChoiceState]):
-        self.door, self.states = door, states
+    def __init__(self, door: OpenAIApp, states: list[ChoiceState], served: ServedModel):
+        self.door, self.states, self.served = door, states, served
+        self.series = door.metrics.of(served.name)
         self.cost = (0, 0)  # admission's (max_tokens, slots), given back by `release` (streams)
+        self._last: dict[int, float] = {}  # choice index → when its last delta came (the ITL)
         self._released = False
         self._queue: asyncio.Queue = asyncio.Queue(RUN_QUEUE_PER_CHOICE * len(states))
         self._tasks: list[asyncio.Task] = []
@@ -322,7 +350,7 @@ class _Run:
         self._released = True
         with anyio.CancelScope(shield=True):
             await self.close()
-        self.door.admission.leave(*self.cost)
+        self.served.admission.leave(*self.cost)
 
     async def enter(self) -> None:
         """Tokenize, check and place every choice; raise the first error (nothing is left running then).
@@ -334,14 +362,18 @@ class _Run:
             self._tasks = [asyncio.create_task(self._pump(s)) for s in self.states]
 
     def _observe(self, state: ChoiceState, delta) -> None:
-        metrics, now = self.door.metrics, time.monotonic()
+        series, now = self.series, time.monotonic()
+        last = self._last.get(state.index)
         if state.first_at is None:
             state.first_at = now
-            metrics.ttft.observe(now - state.started)
-        self.door.admission.streamed(len(delta.token_ids))
+            series.ttft.observe(now - state.started)
+        elif last is not None and delta.token_ids:  # as the gRPC door observes it, per token of the delta
+            series.itl.observe((now - last) / len(delta.token_ids))
+        self._last[state.index] = now
+        self.served.admission.streamed(len(delta.token_ids))
         if delta.finish_reason is not None:
-            metrics.e2e.observe(now - state.started)
-            metrics.success.labels(delta.finish_reason.name.lower()).inc()
+            series.e2e.observe(now - state.started)
+            series.finished(delta.finish_reason.name.lower())
 
     async def _pump(self, state: ChoiceState) -> None:
         try:
@@ -383,7 +415,7 @@ class _Run:
             if s.entered:
                 s.entered = False
                 if s.finish is None:  # the client went away, or a sibling choice failed
-                    self.door.metrics.success.labels("abort").inc()
+                    self.series.finished("abort")
                 if self.door.log_requests:
                     self._log(s)
                 with contextlib.suppress(Exception):

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable
+import itertools
+from collections.abc import Callable, Iterable, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, Info
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily
 
 from hybridgate.router.handoff import SECONDS_BUCKETS
 
@@ -17,25 +18,52 @@ _LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
 LAG_INTERVAL_S = 0.02  # the lag probe's period: 50 wake-ups a second, about 1 ms of CPU
 
 
+class ModelSeries:
+    """One served model's children of the per-request series (labelled `model_name`, as vLLM labels them)."""
+
+    def __init__(self, metrics: GatewayMetrics, name: str):
+        self.name = name
+        self.ttft, self.itl, self.e2e = (h.labels(name) for h in (metrics.ttft, metrics.itl, metrics.e2e))
+        self._success, self._rejected = metrics.success, metrics.rejected
+
+    def finished(self, reason: str) -> None:
+        """A request ended with finish reason `reason` (stop, length, eos, abort)."""
+        self._success.labels(reason, self.name).inc()
+
+    def rejected(self, reason: str) -> None:
+        """A request was refused with RESOURCE_EXHAUSTED for `reason`."""
+        self._rejected.labels(reason, self.name).inc()
+
+
 class GatewayMetrics:
-    """Per-request histograms and counters, plus engine counters read from worker clients."""
+    """Per-request histograms and counters, labelled by served model, plus engine counters read from worker
+    clients. `of(name)` gives a model's series."""
 
     def __init__(self, clients: Callable[[], Iterable] | None = None, wire_errors: Callable[[], int] | None = None,
                  handoff: Callable[[], object] | None = None, redis_up: Callable[[], bool | None] | None = None,
-                 response_cache=None, model: tuple[str, str] | None = None):
-        """`model`: (served name, fingerprint) of the model, exported as `hybridgate:model_info`."""
+                 response_cache=None, model: tuple[str, str] | None = None,
+                 models: Sequence[tuple[str, str, Callable[[], Iterable]]] = ()):
+        """`model`: (served name, fingerprint) of the one model whose workers `clients` gives; `models`:
+        (served name, fingerprint, its clients) of each served model, for a gateway of several (then
+        `clients` is every model's workers). Each is exported as `hybridgate:model_info` and under
+        vLLM's names (vllm_metrics.py)."""
         self.registry = CollectorRegistry()
-        if model is not None:
-            Info("hybridgate:model", "The served model: its name and fingerprint.",
-                 registry=self.registry).info({"model_name": model[0], "fingerprint": model[1]})
+        if model is not None and clients is not None and not models:
+            models = [(model[0], model[1], clients)]
+        elif model is not None and not models:
+            models = [(model[0], model[1], lambda: ())]
+        if models:
+            self.registry.register(_ModelInfoCollector([(name, fp) for name, fp, _ in models]))
+        per_model = ["model_name"]
         self.ttft = Histogram("hybridgate:time_to_first_token_seconds", "Time to first token (TTFT), seconds.",
-                              buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.itl = Histogram("hybridgate:inter_token_latency_seconds", "Inter-token latency (ITL), seconds.",
-                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+                              per_model, buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.itl = Histogram("hybridgate:inter_token_latency_seconds", "Inter-token latency (ITL), seconds, of "
+                             "streams through both doors (gRPC and HTTP).", per_model, buckets=_LATENCY_BUCKETS,
+                             registry=self.registry)
         self.e2e = Histogram("hybridgate:e2e_request_latency_seconds", "End-to-end request latency, seconds.",
-                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+                             per_model, buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.success = Counter("hybridgate:request_success", "Finished requests by finish reason.",
-                               ["finished_reason"], registry=self.registry)
+                               ["finished_reason", "model_name"], registry=self.registry)
         self.placements = Counter("hybridgate:placements", "Requests placed, by policy and plan.",
                                   ["policy", "plan"], registry=self.registry)
         self.ttft_error = Histogram("hybridgate:ttft_prediction_error_seconds",
@@ -46,23 +74,32 @@ class GatewayMetrics:
         # reason: max_inflight_requests (this gateway's limit), worker_queue_full (every worker's waiting
         # queue at --max-num-waiting), worker_memory (no worker had the memory or KV blocks)
         self.rejected = Counter("hybridgate:requests_rejected", "Requests refused with RESOURCE_EXHAUSTED, by reason.",
-                                ["reason"], registry=self.registry)
+                                ["reason", "model_name"], registry=self.registry)
+        self._series: dict[str, ModelSeries] = {}
         self.loop_lag = Histogram("hybridgate:event_loop_lag_seconds",
                                   f"How late the gateway's event loop ran a timer due every {LAG_INTERVAL_S:g} s "
                                   "(time spent by other work on the loop), seconds.",
                                   buckets=_LAG_BUCKETS, registry=self.registry)
         if clients is not None:
             self.registry.register(_EngineCollector(clients, wire_errors))
-        if clients is not None and model is not None:  # the same figures under vLLM's names (vllm_metrics.py)
+        if models:  # the same figures under vLLM's names (vllm_metrics.py)
             from hybridgate.gateway.vllm_metrics import VllmCollector
 
-            self.registry.register(VllmCollector(model[0], clients, (self.ttft, self.itl, self.e2e, self.success)))
+            self.registry.register(VllmCollector([(name, c) for name, _, c in models],
+                                                 (self.ttft, self.itl, self.e2e, self.success)))
         if handoff is not None:
             self.registry.register(_HandoffRouterCollector(handoff))
         if redis_up is not None:
             self.registry.register(_RedisCollector(redis_up))
         if response_cache is not None:
             self.registry.register(_ResponseCacheCollector(response_cache))
+
+    def of(self, model_name: str) -> ModelSeries:
+        """The per-request series of the served model `model_name` (made once, then reused)."""
+        series = self._series.get(model_name)
+        if series is None:
+            series = self._series[model_name] = ModelSeries(self, model_name)
+        return series
 
     async def watch_loop_lag(self, interval_s: float = LAG_INTERVAL_S) -> None:
         """Runs until cancelled: each period, how much later than asked the loop woke this task
@@ -81,6 +118,25 @@ class GatewayMetrics:
             self.spills.inc()
 
 
+class _ModelInfoCollector:
+    """`hybridgate:model_info`: 1 per served model, its name and fingerprint as labels."""
+
+    def __init__(self, models: Sequence[tuple[str, str]]):
+        self._models = list(models)
+
+    def collect(self):
+        info = InfoMetricFamily("hybridgate:model", "A served model: its name and fingerprint.",
+                                labels=["model_name", "fingerprint"])
+        for name, fingerprint in self._models:
+            info.add_metric([name, fingerprint], {})
+        yield info
+
+
+def chained(*clients: Callable[[], Iterable]) -> Callable[[], list]:
+    """One clients callable over several routers' (every worker of every served model)."""
+    return lambda: list(itertools.chain.from_iterable(c() for c in clients))
+
+
 class _RedisCollector:
     """`redis_up`: 1 while this gateway's last Redis call succeeded, 0 after one failed (absent without Redis)."""
 
@@ -96,21 +152,23 @@ class _RedisCollector:
 
 
 class _ResponseCacheCollector:
-    """The response cache's counters (`hybridgate.router.response_cache.ResponseCache`) and the bytes it holds."""
+    """The response cache's counters (`hybridgate.router.response_cache.ResponseCache`) and the bytes it holds,
+    summed over the caches of the gateway's models (one, or a list)."""
 
     def __init__(self, cache):
-        self._cache = cache
+        self._caches = cache if isinstance(cache, list) else [cache]
 
     def collect(self):
-        c = self._cache
+        cs = self._caches
         yield CounterMetricFamily("hybridgate:response_cache_hits", "Deterministic requests answered by a replay "
-                                  "of a cached answer.", value=c.hits)
+                                  "of a cached answer.", value=sum(c.hits for c in cs))
         yield CounterMetricFamily("hybridgate:response_cache_misses", "Deterministic requests that started a "
-                                  "generation (no cached answer, none in flight).", value=c.misses)
+                                  "generation (no cached answer, none in flight).", value=sum(c.misses for c in cs))
         yield CounterMetricFamily("hybridgate:response_cache_coalesced", "Deterministic requests that joined an "
-                                  "identical generation in flight (single-flight).", value=c.coalesced)
+                                  "identical generation in flight (single-flight).", value=sum(c.coalesced for c in cs))
         yield GaugeMetricFamily("hybridgate:response_cache_bytes", "Bytes of cached answers held (memory), or "
-                                "written by this gateway and not yet expired (redis).", value=c.store.bytes)
+                                "written by this gateway and not yet expired (redis).",
+                                value=sum(c.store.bytes for c in cs))
 
 
 class _EngineCollector:

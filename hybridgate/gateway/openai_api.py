@@ -4,10 +4,12 @@ Fields follow the OpenAI API reference (Chat Completions, Completions) and the
 extensions vLLM users rely on (top_k, min_p, repetition_penalty,
 stop_token_ids, ignore_eos, skip_special_tokens). A field outside the API is
 ignored, as vLLM does (and logged once per name); a field of the API that is
-not supported here (functions, logit_bias, response_format other than
-text, echo, suffix) is refused naming it, never silently ignored. Chat takes
-`tools`, `tool_choice` and `parallel_tool_calls`, and a history with an
-assistant's `tool_calls` and `tool` messages (hybridgate.router.tools).
+not supported here (functions, logit_bias, echo, suffix) is refused naming
+it, never silently ignored. Chat takes `tools`, `tool_choice` and
+`parallel_tool_calls`, and a history with an assistant's `tool_calls` and
+`tool` messages (hybridgate.router.tools). Both endpoints take an output
+constraint: `response_format` (json_object, json_schema), vLLM's
+`structured_outputs` or its older `guided_*` fields (hybridgate.router.constraints).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from hybridgate.router import constraints
+from hybridgate.router.constraints import ConstraintLimits, Requested
 from hybridgate.router.tools import ToolRequest
 from hybridgate.wire import MAX_SEED, InvalidFieldError, SamplingParams
 
@@ -69,6 +73,17 @@ class _Sampling(_Body):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: json, regex, choice, grammar or json_object
+    guided_json: dict[str, Any] | str | None = None  # vLLM's older fields, one constraint each
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # accepted without effect: one backend here
+
+
+CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar")
 
 
 class ChatCompletionRequest(_Sampling):
@@ -80,7 +95,6 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -129,9 +143,6 @@ def refuse_unsupported(body: _Sampling) -> None:
     if isinstance(body, ChatCompletionRequest):
         if body.functions:
             raise InvalidFieldError("functions", "the deprecated function calling is not supported: use tools")
-        kind = (body.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise InvalidFieldError("response_format", f"only type 'text' is supported, got {kind!r}")
     else:
         if body.echo:
             raise InvalidFieldError("echo", "is not supported by this server")
@@ -181,7 +192,12 @@ def tool_request(body: ChatCompletionRequest) -> ToolRequest | None:
     return ToolRequest.from_openai(body.tools, body.tool_choice, body.parallel_tool_calls)
 
 
-def sampling_params(body: _Sampling, logprobs: int | None) -> SamplingParams:
+def output_constraint(body: _Sampling, limits: ConstraintLimits) -> Requested | None:
+    """The request's output constraint and the field that set it (None: free text). Raises InvalidFieldError."""
+    return constraints.from_openai({name: getattr(body, name) for name in CONSTRAINT_FIELDS}, limits)
+
+
+def sampling_params(body: _Sampling, logprobs: int | None, requested: Requested | None = None) -> SamplingParams:
     """The router's parameters for one choice (choice i's seed is the caller's: seed + i).
 
     Raises InvalidFieldError naming the API field (n, seed; the rest are checked by the router).
@@ -200,7 +216,8 @@ def sampling_params(body: _Sampling, logprobs: int | None) -> SamplingParams:
         repetition_penalty=body.repetition_penalty).items() if v is not None}
     return SamplingParams(max_tokens=max_tokens, seed=body.seed, stop=stop, ignore_eos=body.ignore_eos,
                           skip_special_tokens=body.skip_special_tokens,
-                          stop_token_ids=tuple(body.stop_token_ids or ()), logprobs=logprobs, **given)
+                          stop_token_ids=tuple(body.stop_token_ids or ()), logprobs=logprobs,
+                          constraint=requested.constraint if requested is not None else None, **given)
 
 
 def chat_logprobs_count(body: ChatCompletionRequest) -> int | None:
@@ -212,9 +229,16 @@ def chat_logprobs_count(body: ChatCompletionRequest) -> int | None:
 
 def param_of(field: str, body: _Sampling) -> str:
     """The API's name of a router field: the chat API calls the alternatives top_logprobs, and
-    max_completion_tokens when that was the field given; the request's label is the API's `user`."""
+    max_completion_tokens when that was the field given; the request's label is the API's `user`; its
+    constraint the field that set it (response_format.json_schema.schema, structured_outputs.regex, ...)."""
     if field == "label":
         return "user"
+    if field == "constraint":
+        try:
+            requested = output_constraint(body, ConstraintLimits(1 << 62, 1 << 62))
+        except InvalidFieldError as exc:
+            return exc.field
+        return requested.field if requested is not None else field
     if isinstance(body, ChatCompletionRequest):
         if field == "logprobs":
             return "top_logprobs"

@@ -18,11 +18,12 @@ from prometheus_client import start_http_server
 from hybridgate.gateway.config import GatewayConfig
 from hybridgate.gateway.http import OpenAIApp
 from hybridgate.gateway.http_server import HttpDoor
-from hybridgate.models import model_name
-from hybridgate.gateway.metrics import GatewayMetrics
+from hybridgate.gateway.metrics import GatewayMetrics, chained
+from hybridgate.gateway.models import ModelTable
 from hybridgate.gateway.security import BearerInterceptor, server_credentials
 from hybridgate.gateway.service import GenerationService
 from hybridgate.router import Router
+from hybridgate.router.handoff import HandoffMetrics
 from hybridgate.v1 import generation_pb2 as pb
 from hybridgate.v1 import generation_pb2_grpc as pb_grpc
 
@@ -33,20 +34,32 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
 class Gateway:
-    """A started gRPC server around a router; `port` is the bound port (0 picks a free one).
-    `reuse_port`: bind with SO_REUSEPORT, beside this machine's other gateways of one `serve`.
+    """A started gRPC server around a router, or a `ModelTable` of several (one per served model);
+    `port` is the bound port (0 picks a free one). `reuse_port`: bind with SO_REUSEPORT, beside this
+    machine's other gateways of one `serve`.
+
+    Health: the service names "" and hybridgate.v1.Generation are SERVING while some model has a READY
+    worker; each served model's name is a service name of its own, SERVING while that model has one.
 
     Raises (here): OSError naming --host and --port when the port cannot be bound; the C
     core's own log line about it is kept off stderr, so the user reads one line.
     """
 
-    def __init__(self, router: Router, config: GatewayConfig, reuse_port: bool = False):
-        self.router, self.config = router, config
-        self.model_names = config.served_model_name or (model_name(router.model),)
-        self.metrics = GatewayMetrics(lambda: router.clients, wire_errors=lambda: router.wire_errors,
-                                      handoff=lambda: router.handoff_metrics, redis_up=router.redis_up,
-                                      response_cache=router.response_cache,
-                                      model=(self.model_names[0], router.fingerprint))
+    def __init__(self, router: Router | ModelTable, config: GatewayConfig, reuse_port: bool = False):
+        self.models = router if isinstance(router, ModelTable) else \
+            ModelTable.single(router, config.served_model_name, max_inflight_requests=config.max_inflight_requests)
+        self.router, self.config = self.models.default.router, config
+        self.model_names = self.models.default.names
+        routers = [m.router for m in self.models]
+        caches = [r.response_cache for r in routers if r.response_cache is not None]
+        # The router-wide series (wire errors, hand-offs, Redis, response cache) sum the models' routers.
+        self.metrics = GatewayMetrics(chained(*(lambda r=r: r.clients for r in routers)),
+                                      wire_errors=lambda: sum(r.wire_errors for r in routers),
+                                      handoff=lambda: HandoffMetrics.summed([r.handoff_metrics for r in routers]),
+                                      redis_up=lambda: _all_up([r.redis_up() for r in routers]),
+                                      response_cache=caches or None,
+                                      models=[(m.name, m.router.fingerprint, lambda r=m.router: r.clients)
+                                              for m in self.models])
         self.health = health.aio.HealthServicer()
         credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca) \
             if config.tls_cert else None  # read before anything binds: a bad file fails at once
@@ -58,15 +71,14 @@ class Gateway:
             # it among its own gateways only (hybridgate.scaleout holds the port first).
             ("grpc.so_reuseport", int(reuse_port)),
         ])
-        service = GenerationService(router, self.metrics, log_requests=config.log_requests,
+        service = GenerationService(self.models, self.metrics, log_requests=config.log_requests,
                                     log_request_text=config.log_request_text,
-                                    allow_client_routes=config.allow_client_routes, model_id=self.model_names[0],
-                                    max_inflight_requests=config.max_inflight_requests)
+                                    allow_client_routes=config.allow_client_routes)
         pb_grpc.add_GenerationServicer_to_server(service, self.server)
         self.http: HttpDoor | None = None
         if config.http_port is not None:  # bound now, so a taken port fails before anything starts
-            self.openai = OpenAIApp(router, self.metrics, service.admission, self.model_names, config.auth_token,
-                                    config.log_requests)
+            self.openai = OpenAIApp(self.models, self.metrics, auth_token=config.auth_token,
+                                    log_requests=config.log_requests)
             tls = (config.tls_cert, config.tls_key, config.tls_client_ca) if config.tls_cert else None
             self.http = HttpDoor(self.openai.app, config.host, config.http_port, config.grace_s, reuse_port, tls)
         if config.log_requests:  # the request log shows at any --log-level
@@ -96,7 +108,7 @@ class Gateway:
     async def start(self) -> None:
         """Serve metrics, then gRPC. Raises OSError naming the flag when the metrics port is taken
         (before the gRPC server starts, so nothing is left running on the way out)."""
-        await self.set_serving(self.router.ready)
+        await self.set_serving()
         if self.config.metrics_port is not None:
             host, port = self.config.host, self.config.metrics_port
             try:
@@ -116,15 +128,22 @@ class Gateway:
         """The HTTP API's bound port (None: off)."""
         return self.http.port if self.http is not None else None
 
-    async def set_serving(self, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    async def set_serving(self, serving: bool | None = None) -> None:
+        """Every health service name from its model's readiness; `serving` False: all NOT_SERVING (draining)."""
+        def status(ready: bool):
+            return health_pb2.HealthCheckResponse.SERVING if ready and serving is not False \
+                else health_pb2.HealthCheckResponse.NOT_SERVING
+
         for name in ("", SERVICE_NAME):
-            await self.health.set(name, status)
+            await self.health.set(name, status(self.models.ready))
+        for model in self.models:
+            for name in model.names:
+                await self.health.set(name, status(model.router.ready))
 
     def on_ready_change(self, ready: bool) -> None:
-        """For `Router(on_ready_change=...)`: health follows the workers (a task the gateway holds
-        until it is done, so that `stop` can cancel it: none may say SERVING after stop)."""
-        task = asyncio.get_running_loop().create_task(self.set_serving(ready))
+        """For `Router(on_ready_change=...)` of each model's router: health follows the workers (a task
+        the gateway holds until it is done, so that `stop` can cancel it: none may say SERVING after stop)."""
+        task = asyncio.get_running_loop().create_task(self.set_serving())
         self._health_tasks.add(task)
         task.add_done_callback(self._health_tasks.discard)
 
@@ -143,6 +162,12 @@ class Gateway:
             self._lag_task.cancel()
         if self._httpd is not None:  # its serve_forever polls every 0.5 s: wait for it off the loop
             await asyncio.to_thread(self._httpd.shutdown)
+
+
+def _all_up(ups: list[bool | None]) -> bool | None:
+    """Whether every router's last Redis calls succeeded (None: none has Redis, or none called yet)."""
+    known = [u for u in ups if u is not None]
+    return all(known) if known else None
 
 
 @contextlib.contextmanager

@@ -11,12 +11,13 @@ import grpc
 
 from hybridgate.gateway.admission import Admission
 from hybridgate.gateway.config import GatewayConfig
-from hybridgate.gateway.convert import delta_to_proto, request_to_native
+from hybridgate.gateway.convert import delta_to_proto, request_to_native, tools_to_native
 from hybridgate.gateway.metrics import GatewayMetrics
-from hybridgate.models import model_name
+from hybridgate.gateway.models import ModelNotFoundError, ModelTable, ServedModel
 from hybridgate.router.router import DEFAULT_MAX_TOKENS_CAP
 from hybridgate.gateway.errors import ROUTER_ERRORS, status_of
 from hybridgate.router import ResourceExhaustedError, Router
+from hybridgate.router.tools import ToolCallStream
 from hybridgate.v1 import generation_pb2 as pb
 from hybridgate.v1 import generation_pb2_grpc as pb_grpc
 from hybridgate.wire import InvalidFieldError, WorkerState
@@ -43,41 +44,66 @@ PUSHBACK_KEY = "grpc-retry-pushback-ms"  # gRFC A6: the trailer gRPC's retry pol
 class GenerationService(pb_grpc.GenerationServicer):
     """`log_requests`: one line per finished request on the `hybridgate.requests` logger;
     `log_request_text` adds the prompt (off: prompts stay out of logs unless asked).
-    `model_id`: the served model's name (default: `hybridgate.models.model_name` of the router's model).
-    `max_inflight_requests`: requests accepted and not yet finished; one more is refused at once
-    with RESOURCE_EXHAUSTED and a `grpc-retry-pushback-ms` trailer (hybridgate.gateway.admission)."""
+    `router`: one router, or a `ModelTable` of several (the request's `model` picks one; NOT_FOUND
+    naming the served ones for another). `model_id`: a single router's served name (default:
+    `hybridgate.models.model_name` of its model).
+    `max_inflight_requests`: a single router's requests accepted and not yet finished (a table's rows
+    carry their own admission); one more is refused at once with RESOURCE_EXHAUSTED and a
+    `grpc-retry-pushback-ms` trailer (hybridgate.gateway.admission)."""
 
-    def __init__(self, router: Router, metrics: GatewayMetrics, model_id: str | None = None,
+    def __init__(self, router: Router | ModelTable, metrics: GatewayMetrics, model_id: str | None = None,
                  log_requests: bool = False, log_request_text: bool = False,
                  allow_client_routes: bool = False, max_inflight_requests: int = GatewayConfig.max_inflight_requests):
-        self.router, self.metrics = router, metrics
-        self.model_id = model_id or model_name(router.model)  # what GetModelInfo reports
+        self.models = router if isinstance(router, ModelTable) else \
+            ModelTable.single(router, (model_id,) if model_id else (), max_inflight_requests=max_inflight_requests)
+        self.metrics = metrics
         self.log_requests, self.log_request_text = log_requests, log_request_text
         self.allow_client_routes = allow_client_routes
-        self.admission = Admission(max_inflight_requests)
 
-    async def _refuse(self, context: grpc.aio.ServicerContext, reason: str, message: str) -> None:
+    @property
+    def router(self) -> Router:
+        """The default model's router."""
+        return self.models.default.router
+
+    @property
+    def admission(self) -> Admission:
+        """The default model's admission."""
+        return self.models.default.admission
+
+    async def _pick(self, name: str | None, context: grpc.aio.ServicerContext) -> ServedModel:
+        try:
+            return self.models.pick(name)
+        except ModelNotFoundError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+
+    async def _refuse(self, context: grpc.aio.ServicerContext, reason: str, message: str,
+                      served: ServedModel) -> None:
         """RESOURCE_EXHAUSTED now, with the retry pushback; counted under `reason`."""
-        self.metrics.rejected.labels(reason).inc()
-        pushback = self.admission.pushback_ms()
+        self.metrics.of(served.name).rejected(reason)
+        pushback = served.admission.pushback_ms()
         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{message}; retry in {pushback} ms",
                             trailing_metadata=((PUSHBACK_KEY, str(pushback)),))
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         outcome = _Outcome(time.monotonic())
+        served = self.models.default if not request.HasField("model") else await self._pick(request.model, context)
+        series, admission = self.metrics.of(served.name), served.admission
         try:
-            prompt, params = request_to_native(request)
-            stream = self.router.generate(prompt, params, label=request.label, route=self._route(request),
-                                          deadline_s=context.time_remaining())
+            prompt, params = request_to_native(request, served.router.constraint_limits)
+            tools = tools_to_native(request)
+            if tools is not None and isinstance(prompt, str):
+                raise InvalidFieldError("tools", "need a chat input, not a raw prompt")
+            stream = served.router.generate(prompt, params, label=request.label, route=self._route(request),
+                                            deadline_s=context.time_remaining(), tools=tools)
         except InvalidFieldError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        # Admission sits here, in the handler, before any await: 40 calls that arrive together see
-        # the count of those admitted before them.
+        # Admission sits here, in the handler, before any await (a named model's lookup awaits only
+        # to refuse): 40 calls that arrive together see the count of those admitted before them.
         cost = params.max_tokens or DEFAULT_MAX_TOKENS_CAP
-        if not self.admission.try_enter(cost):
+        if not admission.try_enter(cost):
             await self._refuse(context, "max_inflight_requests",
-                               f"the gateway holds {self.admission.limit} requests, its limit "
-                               "(--max-inflight-requests)")
+                               f"the gateway holds {admission.limit} requests of model {served.name}, its limit "
+                               "(--max-inflight-requests)", served)
         last = None
         try:
             # A cancelled call or an expired deadline raises CancelledError in here;
@@ -87,20 +113,22 @@ class GenerationService(pb_grpc.GenerationServicer):
                     now = time.monotonic()
                     if last is None:
                         outcome.first = now
-                        self.metrics.ttft.observe(now - outcome.start)
+                        series.ttft.observe(now - outcome.start)
                     elif delta.token_ids:
-                        self.metrics.itl.observe((now - last) / len(delta.token_ids))
+                        series.itl.observe((now - last) / len(delta.token_ids))
                     last = now
-                    self.admission.streamed(len(delta.token_ids))
+                    admission.streamed(len(delta.token_ids))
                     if delta.finish_reason is not None:
                         outcome.finish, outcome.route = delta.finish_reason.name.lower(), delta.route
-                        self.metrics.e2e.observe(now - outcome.start)
-                        self.metrics.success.labels(outcome.finish).inc()
+                        series.e2e.observe(now - outcome.start)
+                        series.finished(outcome.finish)
                         context.set_trailing_metadata(self._placement_metadata(stream, delta))
-                    yield delta_to_proto(delta)
+                    calls = stream.calls if delta.finish_reason is not None and isinstance(stream, ToolCallStream) \
+                        else ()
+                    yield delta_to_proto(delta, calls)
         except ResourceExhaustedError as exc:
             outcome.status = grpc.StatusCode.RESOURCE_EXHAUSTED
-            await self._refuse(context, exc.reason, str(exc))
+            await self._refuse(context, exc.reason, str(exc), served)
         except ROUTER_ERRORS as exc:
             outcome.status = status_of(exc)
             await context.abort(outcome.status, str(exc))
@@ -111,11 +139,11 @@ class GenerationService(pb_grpc.GenerationServicer):
             outcome.status = grpc.StatusCode.CANCELLED
             raise
         finally:
-            self.admission.leave(cost)
+            admission.leave(cost)
             # The client cancelled, or its deadline passed, before the last response.
             if outcome.status == grpc.StatusCode.CANCELLED and outcome.finish is None:
                 outcome.finish = "abort"
-                self.metrics.success.labels("abort").inc()
+                series.finished("abort")
             if self.log_requests:
                 self._log(stream, request, prompt, outcome)
 
@@ -155,10 +183,18 @@ class GenerationService(pb_grpc.GenerationServicer):
         return route
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
-        workers = [
-            pb.WorkerInfo(endpoint=c.endpoint, kind=c.kind or "", ready=c.state == WorkerState.READY,
-                          running=c.stats.running, cpu_isa=c.hello.cpu_isa if c.hello is not None else "")
-            for c in self.router.clients
-        ]
-        return pb.ModelInfo(model_id=self.model_id, fingerprint=self.router.fingerprint,
-                            max_model_len=self.router.max_model_len, workers=workers)
+        served = await self._pick(request.model if request.HasField("model") else None, context)
+        info = _model_info(served)
+        info.models.extend(_model_info(m) for m in self.models)
+        return info
+
+
+def _model_info(served: ServedModel) -> pb.ModelInfo:
+    router = served.router
+    workers = [
+        pb.WorkerInfo(endpoint=c.endpoint, kind=c.kind or "", ready=c.state == WorkerState.READY,
+                      running=c.stats.running, cpu_isa=c.hello.cpu_isa if c.hello is not None else "")
+        for c in router.clients
+    ]
+    return pb.ModelInfo(model_id=served.name, fingerprint=router.fingerprint, max_model_len=router.max_model_len,
+                        workers=workers)

@@ -1,9 +1,10 @@
 """The gateway's metrics under vLLM's names, for what the Kubernetes inference ecosystem scrapes.
 
 The Gateway API Inference Extension's endpoint picker, llm-d's scheduler and the common KEDA/HPA recipes
-read a model server's `vllm:*` series. A gateway is one such endpoint for its model: these series sum its
-workers (as a vLLM server sums its engine's sequences) and re-export its own request histograms, at
-scrape time, from the same observations as the `hybridgate:*` ones (nothing more is done per token).
+read a model server's `vllm:*` series. A gateway is one such endpoint for each model it serves: these
+series sum that model's workers (as a vLLM server sums its engine's sequences) and re-export its own
+request histograms, at scrape time, from the same observations as the `hybridgate:*` ones (nothing more
+is done per token), whose `model_name` label they keep.
 Names and meanings are vLLM v1's (vllm/v1/metrics/loggers.py, docs/design/metrics.md), labelled by
 `model_name` as vLLM labels them (the served model name):
 
@@ -36,22 +37,28 @@ RENAMED = {
 
 
 class VllmCollector:
-    """A prometheus_client collector of the `vllm:*` series of one served model.
+    """A prometheus_client collector of the `vllm:*` series of the served models.
 
-    clients: the router's worker clients (each with `.stats`, a `wire.EngineStats`, and `.kind`);
-    sources: the gateway's Histogram and Counter objects whose names are keys of `RENAMED`."""
+    models: (served name, its router's worker clients) per model (each client with `.stats`, a
+    `wire.EngineStats`, and `.kind`); sources: the gateway's Histogram and Counter objects whose names
+    are keys of `RENAMED`, labelled `model_name`."""
 
-    def __init__(self, model_name: str, clients: Callable[[], Iterable], sources: Iterable[Histogram | Counter],
+    def __init__(self, models: Iterable[tuple[str, Callable[[], Iterable]]], sources: Iterable[Histogram | Counter],
                  block_size: int = DEFAULT_BLOCK_SIZE):
-        self.model_name, self._clients, self._sources, self.block_size = model_name, clients, list(sources), block_size
+        self._models, self._sources, self.block_size = list(models), list(sources), block_size
 
     def collect(self):
-        yield from self._engine_families()
+        families = [self._engine_families(name, clients) for name, clients in self._models]
+        for group in zip(*families):  # one family per name, a sample per model
+            out = group[0]
+            for other in group[1:]:
+                out.samples.extend(other.samples)
+            yield out
         for source in self._sources:
             for family in source.collect():
                 yield self._renamed(family)
 
-    def _engine_families(self):
+    def _engine_families(self, model_name: str, clients: Callable[[], Iterable]):
         labels = ["model_name"]
         running = GaugeMetricFamily("vllm:num_requests_running", "Number of requests in model execution batches.",
                                     labels=labels)
@@ -59,15 +66,15 @@ class VllmCollector:
                                     labels=labels)
         usage = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
                                   labels=labels)
-        stats = [(getattr(c, "kind", ""), c.stats) for c in self._clients()]
+        stats = [(getattr(c, "kind", ""), c.stats) for c in clients()]
         used, total = sum(s.blocks_used for _, s in stats), sum(s.blocks_total for _, s in stats)
-        running.add_metric([self.model_name], sum(s.running for _, s in stats))
-        waiting.add_metric([self.model_name], sum(s.waiting for _, s in stats))
-        usage.add_metric([self.model_name], used / total if total else 0.0)
+        running.add_metric([model_name], sum(s.running for _, s in stats))
+        waiting.add_metric([model_name], sum(s.waiting for _, s in stats))
+        usage.add_metric([model_name], used / total if total else 0.0)
         config = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig.",
                                    labels=["model_name", "block_size", "num_gpu_blocks", "num_cpu_blocks"])
         gpu = sum(s.blocks_total for kind, s in stats if kind == "gpu")
-        config.add_metric([self.model_name, str(self.block_size), str(gpu), str(total - gpu)], 1.0)
+        config.add_metric([model_name, str(self.block_size), str(gpu), str(total - gpu)], 1.0)
         return running, waiting, usage, config
 
     def _renamed(self, family: Metric) -> Metric:
@@ -75,6 +82,6 @@ class VllmCollector:
         out = Metric(name, family.documentation, family.type)
         for sample in family.samples:
             suffix = sample.name[len(family.name):]
-            out.add_sample(name + suffix, {"model_name": self.model_name, **sample.labels}, sample.value,
+            out.add_sample(name + suffix, sample.labels, sample.value,
                            sample.timestamp, sample.exemplar)
         return out

@@ -66,6 +66,11 @@ class RouterConfig:
                 "llama3_json, mistral, or generic (tools in a system message, the answer a JSON envelope)",
         choices=TOOL_CALL_FORMATS)
 
+    max_constraint_bytes: int = setting(
+        64 << 10, "bytes (UTF-8) of a request's output constraint: its JSON schema as compact JSON, regex, grammar, "
+                  "or choices together", low=1)
+    max_constraint_choices: int = setting(1000, "strings in a request's choice constraint", low=1)
+
     def __post_init__(self) -> None:
         check_settings(self)
 

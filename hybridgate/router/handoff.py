@@ -172,6 +172,18 @@ class HandoffMetrics:
     seconds_count: int = 0
     rate: HandoffRate = field(default_factory=HandoffRate)
 
+    @classmethod
+    def summed(cls, parts: list[HandoffMetrics]) -> HandoffMetrics:
+        """The counts of several routers' hand-offs together (a gateway of several models); no rate."""
+        out = cls()
+        for part in parts:
+            for outcome, n in part.outcomes.items():
+                out.outcomes[outcome] = out.outcomes.get(outcome, 0) + n
+            out.bucket_counts = [a + b for a, b in zip(out.bucket_counts, part.bucket_counts)]
+            out.seconds_sum += part.seconds_sum
+            out.seconds_count += part.seconds_count
+        return out
+
     def observe(self, seconds: float, nbytes: int = 0) -> None:
         self.rate.observe(nbytes, seconds)
         for i, bound in enumerate(SECONDS_BUCKETS):

@@ -8,6 +8,7 @@ keys every `poll_s` and reconciles its clients with them:
     -------------------------------------  ---------------------------------------------------------------
     new endpoint, this router's model      a `ZmqWorkerClient` joins the router (its lifecycle takes over)
     new endpoint, another model            refused: never connected, logged once per boot (both fingerprints)
+    new endpoint, a sibling model          skipped quietly: another router of this gateway serves it
     known endpoint, new boot id            kept: the client's lifecycle sees the new boot in HELLO (new
                                            socket, old sequences reported lost); probed at once
     known endpoint, entry gone (TTL/exit)  dropped: its streams get WorkerDead (resumed elsewhere), client closed
@@ -45,6 +46,8 @@ class RedisRegistry:
     `make_client(entry)` builds the client of a new worker (default: a
     `ZmqWorkerClient` on `entry.endpoint`, named `entry.name`). `up` is
     whether the last call to Redis succeeded (None before the first).
+    `siblings`: fingerprints of the models this gateway's other routers serve (several models behind
+    one gateway, each router with its own registry): their workers are theirs, not refused here.
     """
 
     def __init__(self, config: RedisConfig, *, dead_after_s: float = RouterConfig.dead_after_s, poll_s: float = POLL_S,
@@ -56,6 +59,7 @@ class RedisRegistry:
                                                                      name=e.name, transport=transport))
         self.transport = transport
         self.up: bool | None = None
+        self.siblings: frozenset[str] = frozenset()
         self.known: dict[str, tuple[WorkerClient, WorkerEntry]] = {}  # by endpoint
         self._refused: set[tuple[str, str]] = set()  # (endpoint, boot id) logged once, while in Redis
         self._router: Router | None = None
@@ -121,7 +125,7 @@ class RedisRegistry:
         router = self._router
         for endpoint, entry in entries.items():
             if entry.fingerprint != router.fingerprint:
-                if (endpoint, entry.boot_id) not in self._refused:
+                if entry.fingerprint not in self.siblings and (endpoint, entry.boot_id) not in self._refused:
                     self._refused.add((endpoint, entry.boot_id))
                     log.error("refusing worker %s (registry): it serves model fingerprint %s, but this router's "
                               "model has fingerprint %s", endpoint, entry.fingerprint, router.fingerprint)

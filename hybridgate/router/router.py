@@ -24,6 +24,7 @@ from hybridgate.models import ChatTemplate, GGUFModel, Tokenizer, load_gguf, mod
 from hybridgate.models.chat import template_token_ids
 from hybridgate.router.client import RateLimitedLog, StateChange, WorkerClient, WorkerDead, ZmqWorkerClient
 from hybridgate.router.config import RouterConfig
+from hybridgate.router.constraints import ConstraintCheck, ConstraintLimits
 from hybridgate.router.errors import InvalidRequestError, UnavailableError
 from hybridgate.router.handoff import HandoffMetrics, PauseHook
 from hybridgate.router.membership import Membership
@@ -102,6 +103,8 @@ class Router:
         # Without a template (a base model): completions only; a chat names --chat-template.
         self.chat_template = ChatTemplate(self.tokenizer, template, template_token_ids(self.model.metadata))
         self.tool_format = choose_format(self.config.tool_call_format, template or self.tokenizer.chat_template)
+        self.constraint_limits = ConstraintLimits.of(self.config)  # the doors build constraints within these
+        self.constraints = ConstraintCheck()  # every constraint compiled once (a thread) before its request runs
         self.fingerprint = model_fingerprint(self.model)
         self.max_model_len = min(self.config.max_model_len or 1 << 62, self.model.config.max_model_len)
         self.prompts = Prompts(str(self.model.path), self.tokenizer, self.chat_template, self.max_model_len,

@@ -132,11 +132,15 @@ class GenerationStream:
         return self
 
     async def prepare(self) -> None:
-        """Tokenize and resolve max_tokens and the seed (once; the response cache keys on them before entry)."""
+        """Check the output constraint (it compiles, or InvalidRequestError naming the feature), tokenize, and
+        resolve max_tokens and the seed (once; the response cache keys on them before entry)."""
         if self._prepared:
             return
         self._prepared = True
         self._arrival = time.monotonic()
+        constraint = self.params.constraint
+        await self.router.constraints.check(constraint, "tools" if constraint is not None and
+                                            constraint.kind == "tools" else "constraint")
         ids = await self.router.prompts.encode(self.prompt, tools=self.template_tools)  # a large one off the loop
         # An array of ids is converted only when it can run: resolve() refuses a longer one by its length.
         self.prompt_ids = ids if isinstance(ids, list) or len(ids) >= self.router.max_model_len else ids.tolist()

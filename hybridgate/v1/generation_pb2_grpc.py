@@ -63,7 +63,8 @@ class GenerationServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetModelInfo(self, request, context):
-        """GetModelInfo describes the served model and the workers behind it.
+        """GetModelInfo describes a served model (the default unless the request names one), the
+        workers behind it, and lists every model the gateway serves.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -13,7 +13,9 @@ for the mask). Pieces:
   small thread pool (llguidance drops the GIL while it builds), once per distinct
   text: an LRU keyed by the sha256 of the text, sharing one compile between the
   requests that wait on it. Each sequence gets a `deep_copy` of the pristine
-  matcher (about 10 µs; the compiled grammar is shared).
+  matcher (about 10 µs; the compiled grammar is shared). The grammar's first
+  bitmask (the costliest, 100-200 µs for a JSON schema) is computed once there
+  too, and given to every sequence that starts on it.
 - `Constraints`: the engine's side. A constrained sequence waits for its grammar
   outside the scheduler (`waiting_for_grammar`) so it holds up no batch; once
   compiled it gets its matcher, fed with the ids already generated (a resumed
@@ -30,6 +32,7 @@ bit j % 32 of word j // 32 set when id j is allowed.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import hashlib
 import statistics
 import threading
@@ -103,8 +106,17 @@ class CompilerStats:
     last_compile_seconds: list[float] = field(default_factory=list)  # recent, for benchmarks
 
 
+@dataclass(frozen=True)
+class CompiledGrammar:
+    """A pristine matcher of one grammar and its first bitmask (int32 `[words]`): every sequence that starts
+    on the grammar samples its first id under that same mask, computed once here, on the compile thread."""
+
+    matcher: Any
+    first_mask: np.ndarray
+
+
 class GrammarCompiler:
-    """Compiled grammars (pristine `LLMatcher`s) by sha256 of their text, compiled on a thread pool.
+    """Compiled grammars (`CompiledGrammar`) by sha256 of their text, compiled on a thread pool.
 
     `tokenizer`: a callable returning the `LLTokenizer` (built on the pool, on first use: about 0.1 s
     for 49k ids); cache_size: grammars kept, least recently used dropped first (failures are kept too,
@@ -115,9 +127,9 @@ class GrammarCompiler:
     def __init__(self, tokenizer: Callable[[], Any], cache_size: int = DEFAULT_GRAMMAR_CACHE_SIZE,
                  threads: int = DEFAULT_GRAMMAR_COMPILE_THREADS):
         if cache_size < 1:
-            raise ValueError(f"grammar_cache_size: must be >= 1, got {cache_size}")
+            raise ValueError(f"grammar_cache_size: must be positive, got {cache_size}")
         if threads < 1:
-            raise ValueError(f"grammar_compile_threads: must be >= 1, got {threads}")
+            raise ValueError(f"grammar_compile_threads: must be positive, got {threads}")
         self.cache_size = cache_size
         self.stats = CompilerStats()
         self._cache: collections.OrderedDict[bytes, Future] = collections.OrderedDict()
@@ -136,7 +148,7 @@ class GrammarCompiler:
             return self._tokenizer
 
     def submit(self, grammar: str) -> Future:
-        """A future of the pristine matcher of `grammar`; it raises GrammarError for a grammar llguidance refuses."""
+        """A future of the `CompiledGrammar`; it raises GrammarError for a grammar llguidance refuses."""
         key = hashlib.sha256(grammar.encode()).digest()
         with self._lock:
             future = self._cache.get(key)
@@ -150,12 +162,16 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
             return future
 
-    def _compile(self, grammar: str):
+    def _compile(self, grammar: str) -> CompiledGrammar:
         import llguidance
+        from llguidance.numpy import fill_next_token_bitmask
 
         tokenizer = self.tokenizer
         started = time.perf_counter()
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        first_mask = np.zeros((1, bitmask_words(tokenizer.vocab_size)), np.int32)
+        if not matcher.is_error():
+            fill_next_token_bitmask(matcher, first_mask, 0)
         elapsed = time.perf_counter() - started
         with self._lock:
             s = self.stats
@@ -165,7 +181,7 @@ class GrammarCompiler:
             s.compile_errors += matcher.is_error()
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
-        return matcher
+        return CompiledGrammar(matcher, first_mask[0])
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -181,6 +197,10 @@ class StepMasks:
     def __init__(self, rows: dict, bitmask: np.ndarray, done: Future):
         self.rows, self.bitmask, self._done = rows, bitmask, done  # bitmask's last row: all allowed
         self.wait_s = 0.0  # time `for_rows` waited for the fill
+
+    def join(self) -> None:
+        """Wait for the fill to end (its errors are raised by `for_rows`, not here)."""
+        concurrent.futures.wait([self._done])
 
     def for_rows(self, seqs: list) -> np.ndarray | None:
         if not any(s in self.rows for s in seqs):
@@ -200,6 +220,7 @@ class Constraints:
         self.on_compiled: Callable[[], None] | None = None  # called on a compile thread when a grammar is ready
         # sequence -> (future of its pristine matcher, what to do once it has its matcher)
         self.waiting_for_grammar: dict = {}
+        self._first_masks: dict = {}  # sequence -> its grammar's first bitmask, until its first step
         self._fill_pool = ThreadPoolExecutor(1, thread_name_prefix="mask-fill")
         self.requests = 0  # constrained sequences admitted (counter)
         self.mask_fills = 0  # sequence-steps whose bitmask was filled
@@ -222,6 +243,7 @@ class Constraints:
     def discard(self, seq) -> None:
         """Forget a sequence (aborted or failed): its wait, its matcher."""
         self.waiting_for_grammar.pop(seq, None)
+        self._first_masks.pop(seq, None)
         seq.matcher = None
 
     def poll(self) -> list[tuple[Any, str]]:
@@ -236,13 +258,16 @@ class Constraints:
             if error is not None:
                 failed.append((seq, f"the constraint's grammar does not compile: {error}"))
                 continue
-            matcher = future.result().deep_copy()
+            compiled = future.result()
+            matcher = compiled.matcher.deep_copy()
             generated = seq.generated_ids
             if generated and not matcher.consume_tokens(generated):
                 failed.append((seq, "the ids already generated for this request do not satisfy its constraint: "
                                     f"{matcher.get_error()}"))
                 continue
             seq.matcher = matcher
+            if not generated:
+                self._first_masks[seq] = compiled.first_mask
             then()
         return failed
 
@@ -254,18 +279,28 @@ class Constraints:
         vocab = self.compiler.tokenizer.vocab_size
         bitmask = np.full((len(constrained) + 1, bitmask_words(vocab)), -1, dtype=np.int32)
         rows = {s: i for i, s in enumerate(constrained)}
-        return StepMasks(rows, bitmask, self._fill_pool.submit(self._fill, constrained, bitmask))
+        to_fill = []
+        for i, seq in enumerate(constrained):
+            first = self._first_masks.pop(seq, None)
+            if first is None:
+                to_fill.append((i, seq))
+            else:  # a fresh matcher: its grammar's first mask, computed at compile time
+                bitmask[i] = first
+                self._count_fill(0.0)
+        return StepMasks(rows, bitmask, self._fill_pool.submit(self._fill, to_fill, bitmask))
 
-    def _fill(self, constrained: list, bitmask: np.ndarray) -> None:
+    def _fill(self, to_fill: list, bitmask: np.ndarray) -> None:
         from llguidance.numpy import fill_next_token_bitmask
 
-        for i, seq in enumerate(constrained):
+        for i, seq in to_fill:
             started = time.perf_counter()
             fill_next_token_bitmask(seq.matcher, bitmask, i)  # drops the GIL while it computes
-            elapsed = time.perf_counter() - started
-            self.fill_times.append(elapsed)
-            self.mask_fill_seconds += elapsed
-        self.mask_fills += len(constrained)
+            self._count_fill(time.perf_counter() - started)
+
+    def _count_fill(self, seconds: float) -> None:
+        self.fill_times.append(seconds)
+        self.mask_fill_seconds += seconds
+        self.mask_fills += 1
 
     def advance(self, seq, token: int) -> str | None:
         """Feed a sampled id to the sequence's matcher; returns an error message if the matcher

@@ -238,6 +238,7 @@ class EngineCore:
         self.scheduler.after_step(batch)
         logprobs, self._logprobs = self._logprobs, {}
         if batch.masks is not None:
+            batch.masks.join()  # a step that failed before sampling must not leave a fill reading its matchers
             self.constraints.mask_wait_seconds += batch.masks.wait_s
         for seq, token in sampled.items():
             seq.append(token, logprobs.get(seq))

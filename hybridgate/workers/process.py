@@ -87,7 +87,8 @@ def _bind_error(endpoint: str, exc: zmq.ZMQError) -> str:
 
 
 def run_worker(config: WorkerConfig, build: Callable[[WorkerConfig], tuple] = build_runner,
-               redis: RedisConfig | None = None, transport: TransportConfig | None = None) -> None:
+               redis: RedisConfig | None = None, transport: TransportConfig | None = None,
+               metrics_port: int | None = None) -> None:
     """Process entry point: load, bind, warm up, READY, then serve until SIGTERM.
 
     `build` returns (runner, model); benchmarks pass a runner that computes
@@ -95,7 +96,8 @@ def run_worker(config: WorkerConfig, build: Callable[[WorkerConfig], tuple] = bu
     `redis.url`, the worker registers itself once READY (`workers.registration`)
     and removes its entry on exit. `transport`: CURVE keys for tcp:// sockets (its
     request socket, a CPU worker's hand-off socket, a GPU worker's hand-off connections);
-    a tcp:// endpoint without keys raises ValueError unless it allows insecure tcp."""
+    a tcp:// endpoint without keys raises ValueError unless it allows insecure tcp. `metrics_port`: serve the
+    engine's figures under vLLM's names there (`workers.metrics`; None: off)."""
     die_with_parent(config.parent_pid)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
     stop, stop_signals = _stop_on_signals(config)
@@ -115,6 +117,7 @@ def run_worker(config: WorkerConfig, build: Callable[[WorkerConfig], tuple] = bu
     loop = EngineLoop(engine, inbox, io.engine_sender(ctx), io.engine_handoff_sender())
     io.stats = engine.stats  # read by the heartbeat; the engine refreshes it every pass
     io.set_ready()  # the I/O thread sends READY on its next pass
+    metrics = _serve_metrics(config, hello, engine, metrics_port)
     _say_ready(config)
     registration = _register(config, redis, hello)
     worker_thread(lambda: (stop.wait(), loop.stopping.set()), "stop-watch", "stop watch").start()
@@ -124,6 +127,8 @@ def run_worker(config: WorkerConfig, build: Callable[[WorkerConfig], tuple] = bu
              else "engine loop ended")
     if registration is not None:
         registration.stop()
+    if metrics is not None:
+        metrics.shutdown()
     if exporter is not None:
         exporter.close()
     io.stopping.set()
@@ -162,7 +167,7 @@ def _checked_transport(config: WorkerConfig, transport: TransportConfig | None) 
 def _hello(config: WorkerConfig, runner, model) -> Hello:
     """What this worker tells each router on CONNECT; a new boot id on every start. Its hand-off
     endpoint is the advertised one (`advertised_handoff_endpoint`): GPU workers connect to it."""
-    from hybridgate.models import model_fingerprint
+    from hybridgate.models import model_fingerprint, model_name
     from hybridgate.workers.registration import advertised_endpoint, advertised_handoff_endpoint
 
     handoff = advertised_handoff_endpoint(config.resolved_handoff_endpoint,
@@ -172,7 +177,8 @@ def _hello(config: WorkerConfig, runner, model) -> Hello:
                  max_model_len=runner.max_model_len, pid=os.getpid(), ready=False,
                  boot_id=uuid.uuid4().hex, name=config.name,
                  handoff_endpoint=handoff, cpu_isa=getattr(runner, "cpu_isa", ""),
-                 kv_dtype=runner.kv_layout()[3] if hasattr(runner, "kv_layout") else "")
+                 kv_dtype=runner.kv_layout()[3] if hasattr(runner, "kv_layout") else "",
+                 model=config.model_name or model_name(model))
 
 
 def _start_io(ctx: zmq.Context, config: WorkerConfig, hello: Hello, inbox: Inbox, wire_errors: WireErrors,
@@ -217,6 +223,21 @@ def _exporter(config: WorkerConfig, engine: EngineCore, runner, ctx: zmq.Context
     return exporter
 
 
+def _serve_metrics(config: WorkerConfig, hello: Hello, engine: EngineCore, port: int | None):
+    """With a metrics port, the worker's metrics server (None without); its port is said in the log."""
+    if port is None:
+        return None
+    from hybridgate.workers.metrics import metrics_host, serve_metrics
+
+    httpd = serve_metrics(port, config.endpoint, hello.model, config.kind, lambda: engine.stats)
+    where = f"http://{metrics_host(config.endpoint)}:{httpd.server_port}/metrics"
+    if config.parent_pid is None:
+        print(f"hybridgate worker: metrics on {where}", flush=True)
+    else:
+        log.info("%s worker metrics on %s", config.kind, where)
+    return httpd
+
+
 def _say_ready(config: WorkerConfig) -> None:
     if config.parent_pid is None:  # standalone: the user's only sign of life at the default log level
         print(f"hybridgate worker: READY ({config.kind}, pid {os.getpid()}) on {config.endpoint}", flush=True)
@@ -233,7 +254,7 @@ def _register(config: WorkerConfig, redis: RedisConfig | None, hello: Hello):
     registration = Registration(redis, WorkerEntry(
         endpoint=advertised_endpoint(config.endpoint, config.advertise), kind=config.kind,
         fingerprint=hello.fingerprint, capacity=config.max_num_seqs, boot_id=hello.boot_id, name=config.name,
-        handoff_endpoint=hello.handoff_endpoint))
+        handoff_endpoint=hello.handoff_endpoint, model=hello.model))
     registration.start()
     return registration
 

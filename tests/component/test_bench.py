@@ -53,11 +53,31 @@ def test_cpu_bench_reports_rates_bytes_bandwidth_and_outlives_a_crashing_baselin
         row = out["decode"][1]
         assert "crashed" in row[f"llama_cpp_{config}_error"] and f"llama_cpp_{config}_tokens_per_s" not in row
     assert (tmp_path / "b.json").exists()
+    # per-type shares of the step: the types are the file's matrix types (its linear weights Q4_1, the tied
+    # embedding Q8_0), each timed; with the rest of the step they add up to the step
+    shares = out["type_shares_c1"]
+    assert set(shares) - {"other_ms"} == {"Q4_1", "Q8_0"}
+    assert all(shares[t]["ms"] > 0 and shares[t]["bytes"] > 0 for t in ("Q4_1", "Q8_0"))
+    assert shares["other_ms"] + sum(shares[t]["ms"] for t in ("Q4_1", "Q8_0")) == pytest.approx(out["decode_step_ms_c1"])
 
 
 def test_baselines_belong_to_their_kind():
     with pytest.raises(ValueError, match="--baseline transformers"):
         engine.run(bench_args("--baseline", "transformers"))
+
+
+def test_constrained_bench_reports_the_ratio_mask_fill_and_compile_times(tmp_path, model_path):
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}')
+    out = engine.run(bench_args("--model", str(model_path), "--constrained-fraction", "0.5", "--schema", str(schema),
+                                "--new-tokens", "6"))
+    row = out["constrained"]
+    assert (row["concurrency"], row["constrained_sequences"]) == (2, 1)  # the last --concurrency, half of it
+    assert row["unconstrained_tokens_per_s"] > 0 and row["constrained_tokens_per_s"] > 0 and row["ratio"] > 0
+    assert row["full_batch_steps"] >= 1 and row["mask_fills"] >= 2
+    assert row["mask_fill_us_p50"] <= row["mask_fill_us_p99"]
+    assert row["compile_ms_cached"] < row["compile_ms_cold"]
+    assert "decode" not in out  # the constrained comparison replaces the other cases
 
 
 def test_mixed_load_reports_a_streams_gaps_with_the_step_budget_and_without(model_path):
@@ -71,3 +91,8 @@ def test_mixed_load_reports_a_streams_gaps_with_the_step_budget_and_without(mode
     assert rows["budgeted"]["prompt_steps"] == 4 and rows["budgeted"]["chunk_tokens_max"] == 16
     assert rows["target_p99_ms"] == 4 * rows["unloaded"]["p50_ms"] + 50
     assert out["scheduler"]["mixed_step_budget"] == 1.5 and out["long_prompt_tokens"] == 64
+
+
+def test_shape_and_model_are_one_choice(model_path):
+    with pytest.raises(ValueError, match="--shape and --model"):
+        engine.run(bench_args("--model", str(model_path), "--shape", "llama-3.2-1b"))

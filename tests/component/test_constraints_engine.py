@@ -170,3 +170,34 @@ def test_abort_frees_the_matcher(engine, prompt):
     s = engine.refresh_stats()
     assert (s.constrained_running, s.waiting_for_grammar, engine.allocator.num_used) == (0, 0, 0)
     assert not engine.has_work()
+
+
+def test_through_the_router_a_constrained_chat_validates_and_a_bad_grammar_is_invalid_argument(engine, gguf_model):
+    """The in-process worker's loop (woken by the compile) and the router's error mapping (one runner: the
+    path is the same for both)."""
+    import asyncio
+
+    if engine.runner.kind != "cpu":
+        pytest.skip("the router's path is the same for both runners; the Numba one decodes faster here")
+
+    from hybridgate.router.router import Router
+    from hybridgate.workers.inprocess import InProcessClient
+
+    chat = [{"role": "user", "content": "Describe a small box as JSON."}]
+    json_c = constraint("json_schema", JSON_GRAMMAR)
+
+    async def main():
+        async with Router(gguf_model, [InProcessClient(engine.runner, model_fingerprint(gguf_model))]) as router:
+            async with router.generate(chat, SamplingParams(temperature=1.0, seed=3, max_tokens=MAX_TOKENS,
+                                                            constraint=json_c)) as stream:
+                deltas = [d async for d in stream]
+            with pytest.raises(InvalidRequestError) as refused:
+                async with router.generate(chat, SamplingParams(max_tokens=8, constraint=constraint(
+                        "grammar", "start: %json {\"type\": \"nonsense\"}"))) as stream:
+                    [d async for d in stream]
+            return deltas, refused.value
+
+    deltas, refused = asyncio.run(main())
+    assert deltas[-1].finish_reason == FinishReason.STOP
+    jsonschema.validate(json.loads("".join(d.text for d in deltas)), SCHEMA)
+    assert refused.field == "constraint" and "nonsense" in str(refused)

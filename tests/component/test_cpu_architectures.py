@@ -23,7 +23,7 @@ import torch
 import zmq
 
 from conftest import TIME_FACTOR
-from hf_reference import assert_greedy_matches
+from hf_reference import assert_greedy_matches, reference_greedy
 from hybridgate.models import load_gguf, model_fingerprint
 from hybridgate.wire import AddRequest, HandoffImported, HandoffRelease, HandoffReservation, HandoffReserve
 from hybridgate.wire import HandoffTarget, SamplingParams
@@ -42,18 +42,6 @@ PROMPT_LENGTHS = (5, 23, 40)  # the last two pass the 16-token windows
 GREEDY_STEPS = 16
 GREEDY = SamplingParams(temperature=0, ignore_eos=True)
 ROUTER = b"router-1"
-
-
-def reference_greedy(model: DecoderModel, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
-    """The torch runner's greedy ids over its contiguous cache, and its top-2 logit gap at each step."""
-    cache, out, gaps = model.new_cache(), [], []
-    logits = model.forward(torch.tensor(prompt), [len(prompt)], [cache])[0].numpy()
-    for _ in range(steps):
-        top2 = np.sort(logits)[-2:]
-        out.append(int(logits.argmax()))
-        gaps.append(float(top2[1] - top2[0]))
-        logits = model.forward(torch.tensor(out[-1:]), [1], [cache])[0].numpy()
-    return out, gaps
 
 
 class Case:

@@ -68,7 +68,7 @@ async def test_every_cancelled_call_is_counted_and_logged_as_abort(gguf_model, t
                             break
             await wait_for_lines(caplog, calls)
             aborted = gateway.metrics.registry.get_sample_value(
-                "hybridgate:request_success_total", {"finished_reason": "abort"})
+                "hybridgate:request_success_total", {"finished_reason": "abort", "model_name": gateway.model_names[0]})
         finally:
             await gateway.stop()
     lines = [r.getMessage() for r in caplog.records if r.name == "hybridgate.requests"]

@@ -101,11 +101,11 @@ def wait_event(events: queue.Queue):
     return events.get(timeout=10 * TIME_FACTOR)
 
 
-def run_handoff(gpu, cpu, link, prompt: list[int], rid: str, max_tokens: int = 6):
+def run_handoff(gpu, cpu, link, prompt: list[int], rid: str, max_tokens: int = 6, params: SamplingParams = GREEDY):
     """Reserve, prefill with export, deliver every message; returns (first token, GPU notices, CPU notices)."""
     _, endpoint, sock, events, _ = link
     token = reserve(cpu, rid, len(prompt) + 1)
-    gpu.add(AddRequest(rid, prompt, GREEDY, 0, max_tokens, 2, handoff=HandoffTarget(endpoint, token)), ROUTER)
+    gpu.add(AddRequest(rid, prompt, params, 0, max_tokens, 2, handoff=HandoffTarget(endpoint, token)), ROUTER)
     first = None
     while first is None:
         for seq in gpu.step():
@@ -329,3 +329,23 @@ def test_reservations_expire_and_refuse_when_blocks_run_out(cpu):
     (_, msg), = cpu.handoffs.take_notices()[0]
     assert isinstance(msg, HandoffRefused) and msg.field == "reservation"
     assert cpu.refresh_stats().handoff_outcomes == {"expired": 1}
+
+
+def test_a_constrained_handoff_rebuilds_its_matcher_on_the_cpu_worker(gpu, cpu, link, tokenizer):
+    """The GPU worker samples the first id under the constraint; the CPU worker compiles the grammar, feeds
+    its matcher that id, and decodes the rest under it (the text matches the regex, checked with `re`)."""
+    import re
+
+    params = SamplingParams(temperature=1.0, seed=5, constraint=wire.Constraint(kind="regex",
+                                                                               grammar="start: /[a-z]{3}[0-9]{3}/"))
+    first, _, cpu_notices = run_handoff(gpu, cpu, link, prompt_of(20, salt=7), "constrained", 12, params)
+    assert [type(m) for _, m in cpu_notices] == [HandoffImported]
+    gpu.handoffs.handle(ROUTER, HandoffRelease("constrained"))
+    seq = cpu._by_id[(ROUTER, "constrained")]
+    out, finish = [], 0
+    while cpu.has_work():
+        for s in cpu.step():
+            o = output_of(s)
+            out, finish = out + o.token_ids, o.finish
+    assert seq.matcher is None and finish == wire.FinishReason.STOP and not cpu.take_failures()
+    assert re.fullmatch(r"[a-z]{3}[0-9]{3}", tokenizer.decode([first, *out]))

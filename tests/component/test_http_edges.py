@@ -194,9 +194,10 @@ def test_the_merged_queue_of_several_choices_is_bounded():
     from hybridgate.gateway.openai_format import ChoiceState
 
     async def main():
-        door = SimpleNamespace(metrics=GatewayMetrics(), admission=Admission(4), log_requests=False)
+        door = SimpleNamespace(metrics=GatewayMetrics(), log_requests=False)
         streams = [_Stream(500), _Stream(500)]
-        run = _Run(door, [ChoiceState(i, s) for i, s in enumerate(streams)])
+        run = _Run(door, [ChoiceState(i, s) for i, s in enumerate(streams)],
+                   SimpleNamespace(name="m", admission=Admission(4)))
         await run.enter()
         for _ in range(50):
             await asyncio.sleep(0)

@@ -130,6 +130,14 @@ def test_dockerfile_builds_what_make_install_builds():
 KEY_FILE = "/home/hybridgate/keys/deploy.key"  # in the compose `keys` volume
 
 
+def test_the_gateways_ports_are_published_on_the_hosts_loopback():
+    """Each port the gateway listens on (gRPC, the OpenAI HTTP API, metrics) is published, on 127.0.0.1."""
+    gateway = COMPOSE["services"]["gateway"]
+    env = gateway["environment"]
+    listening = {env[k] for k in ("HYBRIDGATE_PORT", "HYBRIDGATE_HTTP_PORT", "HYBRIDGATE_METRICS_PORT")}
+    assert {f"127.0.0.1:{port}:{port}" for port in listening} == set(gateway["ports"])
+
+
 def _loopback_env(service: str, redis_url: str, ports: dict[str, int], key: Path) -> dict[str, str]:
     """A service's environment with the compose network's names replaced by this machine's loopback,
     and the key volume's file by `key`."""
@@ -143,7 +151,7 @@ def _loopback_env(service: str, redis_url: str, ports: dict[str, int], key: Path
         env["HYBRIDGATE_ENDPOINT"] = env["HYBRIDGATE_ADVERTISE"] = endpoint
     if "HYBRIDGATE_HANDOFF_ENDPOINT" in env:  # kept on every interface: advertised under the endpoint's host
         env["HYBRIDGATE_HANDOFF_ENDPOINT"] = env["HYBRIDGATE_HANDOFF_ENDPOINT"].replace(":5556", f":{ports['handoff']}")
-    for key in ("HYBRIDGATE_PORT", "HYBRIDGATE_METRICS_PORT"):
+    for key in ("HYBRIDGATE_PORT", "HYBRIDGATE_HTTP_PORT", "HYBRIDGATE_METRICS_PORT"):
         if key in env:
             env[key] = str(ports[key])
     return env
@@ -173,7 +181,7 @@ def test_compose_topology_serves_a_chat_on_loopback(tmp_path, model_path):
             env = _loopback_env("cpu-worker", redis.url, ports, key) | {"HYBRIDGATE_THREADS": "1"}
             procs.append(Proc(_argv("cpu-worker", key), tmp_path / f"cpu-worker-{k}.log", env=env))
             workers.append(env["HYBRIDGATE_ENDPOINT"])
-        ports = {"HYBRIDGATE_PORT": free_port(), "HYBRIDGATE_METRICS_PORT": free_port()}
+        ports = {"HYBRIDGATE_PORT": free_port(), "HYBRIDGATE_HTTP_PORT": free_port(), "HYBRIDGATE_METRICS_PORT": free_port()}
         gateway = Proc(_argv("gateway", key), tmp_path / "gateway.log",
                        env=_loopback_env("gateway", redis.url, ports, key))
         procs.append(gateway)
@@ -223,7 +231,7 @@ def test_compose_gpu_profile_hands_off_to_a_cpu_worker_over_tcp_with_curve(tmp_p
             "HYBRIDGATE_THREADS": "1", "HYBRIDGATE_DEVICE": "cpu"}
         procs += [Proc(_argv("cpu-worker", key), tmp_path / "cpu-worker.log", env=cpu_env),
                   Proc(_argv("gpu-worker", key), tmp_path / "gpu-worker.log", env=gpu_env)]
-        ports = {"HYBRIDGATE_PORT": free_port(), "HYBRIDGATE_METRICS_PORT": free_port()}
+        ports = {"HYBRIDGATE_PORT": free_port(), "HYBRIDGATE_HTTP_PORT": free_port(), "HYBRIDGATE_METRICS_PORT": free_port()}
         gateway = Proc(_argv("gateway", key), tmp_path / "gateway.log",
                        env=_loopback_env("gateway", redis.url, ports, key) | {"HYBRIDGATE_ALLOW_CLIENT_ROUTES": "true",
                                                                              "HYBRIDGATE_RESPONSE_CACHE": "off"})

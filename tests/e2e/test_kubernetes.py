@@ -17,7 +17,7 @@ import yaml
 
 from conftest import ROOT, TIME_FACTOR, RedisServer, free_port, golden_json
 from hybridgate.v1 import generation_pb2 as pb
-from procs import HYBRIDGATE, Proc, stub
+from procs import HYBRIDGATE, Proc, metrics, stub
 from test_deployment import CLI_VARIABLES, _accepts
 
 KUBERNETES_VERSION = "1.32.0"  # the oldest minor the manifests promise (autoscaling/v2, policy/v1, appProtocol)
@@ -129,10 +129,10 @@ def test_cpu_only_topology_serves_an_authenticated_chat_on_loopback(tmp_path, mo
     assert {p.name for p in keys.iterdir()} == {"deploy.key", "deploy.key.pub", "auth-token"}
     token = (keys / "auth-token").read_text().strip()
     redis = RedisServer(tmp_path)
-    worker_port, grpc_port, http_port, metrics_port = free_port(), free_port(), free_port(), free_port()
+    worker_port, grpc_port, http_port, metrics_port, worker_metrics = (free_port() for _ in range(5))
     replace = {"redis://redis:6379/0": redis.url, "/home/hybridgate/keys": str(keys), "0.0.0.0:5555": f"127.0.0.1:{worker_port}",
                "$(POD_IP):5555": f"127.0.0.1:{worker_port}", "0.0.0.0": "127.0.0.1", "50051": str(grpc_port),
-               "8000": str(http_port), "9100": str(metrics_port)}
+               "8000": str(http_port), "9100": str(metrics_port), "9200": str(worker_metrics)}
     worker_c, gateway_c = by_name[("cpu-worker", "worker")], by_name[("gateway", "gateway")]
     procs = []
     try:
@@ -150,6 +150,8 @@ def test_cpu_only_topology_serves_an_authenticated_chat_on_loopback(tmp_path, mo
         metadata = (("authorization", f"Bearer {token}"),)
         messages = list(stub(target).Generate(request, timeout=60 * TIME_FACTOR, metadata=metadata))
         assert [i for m in messages for i in m.token_ids] == FRANCE["ids"]
+        scraped = metrics(f"http://127.0.0.1:{worker_metrics}/metrics")  # the worker's own, under vLLM's names
+        assert any(k.startswith("vllm:kv_cache_usage_perc{model_name=") for k in scraped), sorted(scraped)
         import grpc
 
         with pytest.raises(grpc.RpcError) as refused:  # the token is required

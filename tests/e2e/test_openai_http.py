@@ -190,12 +190,13 @@ def test_errors_through_the_sdk(client):
     assert e.value.code == "model_not_found"
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=CHAT,
-                                       tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
-    assert e.value.param == "tools"
-    for field, value in (("logit_bias", {"50": 5}), ("response_format", {"type": "json_object"})):
+                                       tools=[{"type": "function", "function": {"name": "f g", "parameters": {}}}])
+    assert e.value.param == "tools[0].function.name"
+    for field, value, param in (("logit_bias", {"50": 5}, "logit_bias"),
+                                ("response_format", {"type": "xml"}, "response_format.type")):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=MODEL, messages=CHAT, **{field: value})
-        assert e.value.param == field
+        assert e.value.param == param
 
 
 @pytest.mark.parametrize(("body", "param"), [
@@ -260,7 +261,7 @@ def test_a_client_that_goes_away_aborts_its_request(server):
     wait_metric(server.metrics_url, "hybridgate:num_requests_running{}", lambda v: v == 0, timeout=30)
     wait_metric(server.metrics_url, "hybridgate:kv_cache_bytes{}", lambda v: v == 0, timeout=30)
     assert metrics(server.metrics_url)[AFTER_ABORT + "{}"] - before[AFTER_ABORT + "{}"] <= 1
-    aborted = "hybridgate:request_success_total{finished_reason=abort}"
+    aborted = f"hybridgate:request_success_total{{finished_reason=abort,model_name={MODEL}}}"
     assert metrics(server.metrics_url).get(aborted, 0) > before.get(aborted, 0)
 
 

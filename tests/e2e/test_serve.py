@@ -15,13 +15,16 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import TIME_FACTOR, golden_json
+from hybridgate.models import default_model_path
 from hybridgate.v1 import generation_pb2 as pb
 from procs import HYBRIDGATE, Proc, Serve, metrics, stub, wait_metric
 
 GREEDY = golden_json("greedy.json")
 FRANCE = "What is the capital of France?"
 AFTER_ABORT = "hybridgate:engine_tokens_after_abort_total{}"
-ABORTED = "hybridgate:request_success_total{finished_reason=abort}"
+# The served name: the default model's GGUF general.name, read by gguf's own reader.
+NAME = f"model_name={gguf.GGUFReader(default_model_path()).fields['general.name'].contents()}"
+ABORTED = f"hybridgate:request_success_total{{finished_reason=abort,{NAME}}}"
 KV_BYTES = "hybridgate:kv_cache_bytes{}"
 
 
@@ -181,8 +184,9 @@ def test_metrics_count_what_one_request_did(server, model_path):
     assert messages[-1].usage.prompt_tokens == len(ids) and messages[-1].usage.completion_tokens == out
     wait_metric(url, KV_BYTES, lambda v: v == 0)
     grew = {name: lambda v, name=name, n=n: v - before.get(name, 0) == n for name, n in {
-        "hybridgate:time_to_first_token_seconds_count{}": 1, "hybridgate:e2e_request_latency_seconds_count{}": 1,
-        "hybridgate:request_success_total{finished_reason=length}": 1,
+        f"hybridgate:time_to_first_token_seconds_count{{{NAME}}}": 1,
+        f"hybridgate:e2e_request_latency_seconds_count{{{NAME}}}": 1,
+        f"hybridgate:request_success_total{{finished_reason=length,{NAME}}}": 1,
         "hybridgate:engine_prefill_tokens_total{}": len(ids),  # a prompt no earlier test sent: no cache hit
         "hybridgate:engine_steps_total{}": out,  # one prefill step, then one decode step per further token
         "hybridgate:engine_batch_size_count{}": out}.items()}
@@ -190,8 +194,8 @@ def test_metrics_count_what_one_request_did(server, model_path):
         wait_metric(url, name, check)
     after = metrics(url)
     assert after[AFTER_ABORT] == before[AFTER_ABORT]
-    assert 0 < after["hybridgate:time_to_first_token_seconds_sum{}"] - before["hybridgate:time_to_first_token_seconds_sum{}"] \
-        <= after["hybridgate:e2e_request_latency_seconds_sum{}"] - before["hybridgate:e2e_request_latency_seconds_sum{}"]
+    ttft, e2e = f"hybridgate:time_to_first_token_seconds_sum{{{NAME}}}", f"hybridgate:e2e_request_latency_seconds_sum{{{NAME}}}"
+    assert 0 < after[ttft] - before[ttft] <= after[e2e] - before[e2e]
     name = gguf.GGUFReader(model_path).fields["general.name"].contents()
     info = stub(server.target).GetModelInfo(pb.GetModelInfoRequest())
     assert after[f"hybridgate:model_info{{fingerprint={info.fingerprint},model_name={name}}}"] == 1
@@ -199,9 +203,9 @@ def test_metrics_count_what_one_request_did(server, model_path):
     vllm = f"model_name={name}"
     assert after[f"vllm:time_to_first_token_seconds_count{{{vllm}}}"] - before[f"vllm:time_to_first_token_seconds_count{{{vllm}}}"] == 1
     for series in ("time_to_first_token_seconds_sum", "e2e_request_latency_seconds_sum", "inter_token_latency_seconds_count"):
-        assert after[f"vllm:{series}{{{vllm}}}"] == after[f"hybridgate:{series}{{}}"]
+        assert after[f"vllm:{series}{{{vllm}}}"] == after[f"hybridgate:{series}{{{vllm}}}"]
     assert after[f"vllm:request_success_total{{finished_reason=length,{vllm}}}"] == \
-        after["hybridgate:request_success_total{finished_reason=length}"]
+        after[f"hybridgate:request_success_total{{finished_reason=length,{vllm}}}"]
     assert after[f"vllm:num_requests_running{{{vllm}}}"] == 0 and after[f"vllm:kv_cache_usage_perc{{{vllm}}}"] == 0
     config = next(k for k in after if k.startswith("vllm:cache_config_info{"))
     assert "block_size=16," in config and after[config] == 1

@@ -113,3 +113,16 @@ def assert_greedy_matches(got: list[int], want: list[int], gaps: list[float], ti
             assert gaps[i] < tie, f"greedy ids differ at step {i} ({a} vs {b}); reference top-2 gap {gaps[i]:.2e}"
             return
     assert len(got) == len(want)
+
+
+def reference_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
+    """The torch runner's greedy ids over its contiguous cache (`model`: a `DecoderModel`), and its top-2 logit
+    gap at each step."""
+    cache, out, gaps = model.new_cache(), [], []
+    logits = model.forward(torch.tensor(prompt), [len(prompt)], [cache])[0].numpy()
+    for _ in range(steps):
+        top2 = np.sort(logits)[-2:]
+        out.append(int(logits.argmax()))
+        gaps.append(float(top2[1] - top2[0]))
+        logits = model.forward(torch.tensor(out[-1:]), [1], [cache])[0].numpy()
+    return out, gaps

@@ -15,14 +15,8 @@ from __future__ import annotations
 
 import hashlib
 import os
-import subprocess
-import sys
-import tarfile
-import tempfile
 from pathlib import Path
 
-LLAMA_CPP_SDIST = "llama-cpp-python==0.3.36"
-VOCAB_PREFIX = "vendor/llama.cpp/models/ggml-vocab-"
 GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
 GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 TEST_SEPARATOR = "\n__ggml_vocab_test__\n"
@@ -42,25 +36,12 @@ def cache_dir() -> Path:
 
 def llama_vocab_dir() -> Path:
     """The folder of llama.cpp's `ggml-vocab-*` files (fetched from PyPI on first use, ~10 s)."""
-    folder = cache_dir() / "llama-cpp-0.3.36-vocab"
-    if (folder / ".complete").exists():
-        return folder
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-               "-d", tmp, LLAMA_CPP_SDIST]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        archives = list(Path(tmp).glob("*.tar.gz"))
-        if done.returncode or not archives:
-            raise TestDataMissing(f"`{' '.join(cmd[2:])}` failed: {done.stderr.strip()[-500:]}")
-        folder.mkdir(parents=True, exist_ok=True)
-        with tarfile.open(archives[0]) as tar:
-            for member in tar.getmembers():
-                _, _, inner = member.name.partition("/")
-                if member.isfile() and inner.startswith(VOCAB_PREFIX):
-                    target = folder / Path(inner).name
-                    target.write_bytes(tar.extractfile(member).read())
-    (folder / ".complete").touch()
-    return folder
+    from hybridgate.bench.model_files import fetch_llama_vocab
+
+    try:
+        return fetch_llama_vocab(cache_dir() / "llama-cpp-0.3.36-vocab")
+    except RuntimeError as exc:
+        raise TestDataMissing(str(exc)) from exc
 
 
 def llama_vocab(name: str) -> Path:

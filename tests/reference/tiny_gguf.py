@@ -9,14 +9,11 @@ quant type, for the architecture tests of both runners.
 
 from __future__ import annotations
 
-import functools
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import gguf
-import msgspec
 import numpy as np
 
 
@@ -194,34 +191,12 @@ TINY_SPECS = {
 QUANT_SPEC = TinySpec("llama", "llama-spm", hidden=256, heads=8, kv_heads=2, head_dim=32, ffn=256, layers=2)
 
 
-@functools.lru_cache(maxsize=8)
 def _vocab_fields(vocab_path: str) -> tuple[tuple[str, Any, int, int | None], ...]:
-    """(key, value, GGUFValueType, array item type) of every `tokenizer.*` field of a vocabulary file.
+    """(key, value, GGUFValueType, array item type) of every `tokenizer.*` field of a vocabulary file
+    (cached as JSON next to it: GGUFReader takes seconds on a large vocabulary)."""
+    from hybridgate.bench.model_files import vocab_fields
 
-    GGUFReader takes seconds (tens under load) on a 150,000-token vocabulary, so what it read is
-    kept as JSON next to the vocabulary in the test-data cache, keyed by the file's size and mtime.
-    """
-    path = Path(vocab_path)
-    st = path.stat()
-    cache = path.with_name(f"{path.name}.{st.st_size}.{st.st_mtime_ns}.tokenizer.json")
-    try:
-        return tuple(tuple(f) for f in msgspec.json.decode(cache.read_bytes()))
-    except (OSError, msgspec.DecodeError):
-        pass
-    reader = gguf.GGUFReader(path)
-    out = []
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer."):
-            kind = int(field.types[0])
-            sub = int(field.types[-1]) if kind == gguf.GGUFValueType.ARRAY else None
-            out.append((key, field.contents(), kind, sub))
-    try:
-        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_bytes(msgspec.json.encode(out))
-        tmp.replace(cache)
-    except OSError:  # a read-only cache works, only slower
-        pass
-    return tuple(tuple(f) for f in out)
+    return vocab_fields(vocab_path)
 
 
 def _k_quant_blocks(rng: np.random.Generator, rows: int, cols: int, kind: gguf.GGMLQuantizationType,

@@ -72,7 +72,7 @@ def test_existing_flag_spellings_still_work():
         "--kv-cache-memory", "64MiB", "--threads", "2", "--device", "cpu", "--no-prefix-caching", "--enforce-eager",
         "--gpu-workers", "0", "--cpu-workers", "2", "--max-num-seqs", "8", "--max-num-batched-tokens", "128"),
         environ={}).settings
-    assert (s.model, s.gateway.host, s.gateway.port, s.gateway.metrics_port, s.gateway.grace_s) == \
+    assert (s.model_path, s.gateway.host, s.gateway.port, s.gateway.metrics_port, s.gateway.grace_s) == \
         ("m.gguf", "0.0.0.0", 0, 9100, 3.0)
     assert (s.router.dead_after_s, s.router.startup_timeout_s, s.router.max_model_len) == (2.0, 5.0, 100)
     e = s.worker.engine
@@ -84,6 +84,12 @@ def test_existing_flag_spellings_still_work():
     assert (w.endpoint, w.kind) == ("ipc:///tmp/w.sock", "gpu")
     g = resolve(parse("gateway", "--worker", "ipc:///a", "--worker", "ipc:///b"), environ={}).settings
     assert g.layout.worker_endpoints == ("ipc:///a", "ipc:///b")
+
+
+def test_serve_takes_the_redis_url_its_response_cache_needs():
+    s = resolve(parse("serve", "--response-cache", "redis", "--redis-url", "redis://127.0.0.1:6390/0"),
+                environ={}).settings
+    assert (s.response_cache.mode, s.redis.url) == ("redis", "redis://127.0.0.1:6390/0")
 
 
 def test_worker_defaults_to_the_cpu_runner_like_serve(capsys):

@@ -63,7 +63,11 @@ def test_compiler_caches_by_text_and_keeps_failures(ll_tokenizer):
     try:
         first = c.submit(JSON_GRAMMAR)
         assert c.submit(JSON_GRAMMAR) is first and c.stats.cache_hits == 1
-        assert first.result(10).is_accepting() is False
+        compiled = first.result(10)
+        assert compiled.matcher.is_accepting() is False
+        fresh = lln.allocate_token_bitmask(1, ll_tokenizer.vocab_size)
+        lln.fill_next_token_bitmask(llguidance.LLMatcher(ll_tokenizer, JSON_GRAMMAR), fresh, 0)
+        assert (compiled.first_mask == fresh[0]).all()  # the first mask, computed once at compile time
         bad = c.submit("start: foo(")
         with pytest.raises(GrammarError, match="Expected token"):
             bad.result(10)
@@ -88,7 +92,7 @@ def test_submit_returns_before_the_compile_which_runs_on_a_compile_thread(ll_tok
         future = c.submit('start: "x"')
         assert not future.done()
         release.set()
-        assert not future.result(10).is_error()
+        assert not future.result(10).matcher.is_error()
         assert threads and threads[0].startswith("grammar-compile")
     finally:
         c.close()
@@ -181,3 +185,28 @@ def test_matcher_is_rebuilt_from_the_ids_already_generated(compiler, tokenizer):
     assert tokenizer.eos_token_id not in np.flatnonzero(allowed[2])  # not accepting yet
     assert constraints.advance(seqs[0], tokenizer.encode("}")[0]) is None
     assert seqs[0].matcher.is_stopped()  # nothing may follow the object
+
+
+def test_gateway_metrics_export_each_workers_constraint_stats():
+    from types import SimpleNamespace
+
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from hybridgate.gateway.metrics import GatewayMetrics
+    from hybridgate.wire import EngineStats
+
+    stats = EngineStats(constrained_requests=5, constrained_running=2, waiting_for_grammar=1, grammar_compiles=3,
+                        grammar_compile_errors=1, grammar_compile_seconds_total=0.25, grammar_cache_hits=2,
+                        mask_fills=40, mask_fill_seconds_total=0.002, mask_wait_seconds_total=0.0005)
+    workers = [SimpleNamespace(kind="cpu", name="cpu-0", endpoint="e0", stats=stats)]
+    text = generate_latest(GatewayMetrics(lambda: workers, model=("tiny", "f" * 64)).registry).decode()
+    got = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+           if s.labels.get("worker") == "cpu-0"}
+    assert got["hybridgate:constrained_requests_total"] == 5 and got["hybridgate:constrained_running"] == 2
+    assert got["hybridgate:waiting_for_grammar"] == 1 and got["hybridgate:grammar_compiles_total"] == 3
+    assert got["hybridgate:grammar_compile_errors_total"] == 1 and got["hybridgate:grammar_cache_hits_total"] == 2
+    assert got["hybridgate:grammar_compile_seconds_total"] == 0.25
+    assert got["hybridgate:constraint_mask_fills_total"] == 40
+    assert got["hybridgate:constraint_mask_fill_seconds_total"] == 0.002
+    assert got["hybridgate:constraint_mask_wait_seconds_total"] == 0.0005

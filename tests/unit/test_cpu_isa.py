@@ -207,6 +207,12 @@ def _asm() -> dict:
     for fmt in ("f32", "i16"):  # both matmul kernels: float32 and int16 activations
         m = quant.quant_matrix("w", int(T.Q4_1), random_blocks("Q4_1", 8, 64, rng), (8, 64), fmt)
         m.matmul(rng.standard_normal((4, 64)).astype(np.float32))
+        # Q6_K's scale pairs, and F16/BF16 widened in the float tiles
+        m = quant.quant_matrix("w", int(T.Q6_K), random_blocks("Q6_K", 8, 256, rng), (8, 256), fmt)
+        m.matmul(rng.standard_normal((4, 256)).astype(np.float32))
+    for kind in ("F16", "BF16"):
+        quant.quant_matrix("w", int(T[kind]), random_blocks(kind, 8, 64, rng), (8, 64)).matmul(
+            rng.standard_normal((4, 64)).astype(np.float32))
     kernels = (simd.matmul_blocks, intdot.matmul_i16)
     hits = sum(sum(k.stats.cache_hits.values()) for k in kernels)
     misses = sum(sum(k.stats.cache_misses.values()) for k in kernels)

@@ -384,16 +384,21 @@ def test_router_metrics_render_with_their_names_and_buckets():
     m.outcomes["refused"] += 1
     for s in (0.004, 0.04, 3.0):
         m.observe(s)
-    text = generate_latest(GatewayMetrics(lambda: [], handoff=lambda: m).registry).decode()
+    # Two models' routers, one gateway: the same series, counted once per hand-off whichever model made it.
+    n = HandoffMetrics()
+    n.outcomes["done"] += 1
+    n.observe(0.04)
+    m.outcomes["done"] += 1
+    text = generate_latest(GatewayMetrics(lambda: [], handoff=lambda: HandoffMetrics.summed([m, n])).registry).decode()
     for line in [
-        'hybridgate:kv_handoff_total{direction="gpu_to_cpu",outcome="done"} 2.0',
+        'hybridgate:kv_handoff_total{direction="gpu_to_cpu",outcome="done"} 4.0',
         'hybridgate:kv_handoff_total{direction="gpu_to_cpu",outcome="refused"} 1.0',
         'hybridgate:kv_handoff_total{direction="gpu_to_cpu",outcome="aborted"} 0.0',
         'hybridgate:kv_handoff_seconds_bucket{direction="gpu_to_cpu",le="0.005"} 1.0',
-        'hybridgate:kv_handoff_seconds_bucket{direction="gpu_to_cpu",le="0.05"} 2.0',
-        'hybridgate:kv_handoff_seconds_bucket{direction="gpu_to_cpu",le="2.5"} 2.0',
-        'hybridgate:kv_handoff_seconds_bucket{direction="gpu_to_cpu",le="+Inf"} 3.0',
-        'hybridgate:kv_handoff_seconds_count{direction="gpu_to_cpu"} 3.0',
-        'hybridgate:kv_handoff_seconds_sum{direction="gpu_to_cpu"} 3.044',
+        'hybridgate:kv_handoff_seconds_bucket{direction="gpu_to_cpu",le="0.05"} 3.0',
+        'hybridgate:kv_handoff_seconds_bucket{direction="gpu_to_cpu",le="2.5"} 3.0',
+        'hybridgate:kv_handoff_seconds_bucket{direction="gpu_to_cpu",le="+Inf"} 4.0',
+        'hybridgate:kv_handoff_seconds_count{direction="gpu_to_cpu"} 4.0',
+        'hybridgate:kv_handoff_seconds_sum{direction="gpu_to_cpu"} 3.084',
     ]:
         assert line in text, line

@@ -35,7 +35,6 @@ def test_max_completion_tokens_wins_and_stop_takes_both_forms():
 @pytest.mark.parametrize(("fields", "param"), [
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"logit_bias": {"1": 2.0}}, "logit_bias"),
-    ({"response_format": {"type": "json_schema"}}, "response_format"),
 ])
 def test_unsupported_api_fields_are_refused_by_name(fields, param):
     with pytest.raises(InvalidFieldError) as e:

@@ -25,9 +25,11 @@ def test_vllm_series_sum_the_workers_and_share_the_gateways_observations():
                SimpleNamespace(kind="cpu", name="cpu-1", endpoint="e2",
                                stats=EngineStats(running=0, waiting=0, blocks_used=0, blocks_total=40))]
     metrics = GatewayMetrics(lambda: workers, model=("tiny", "f" * 64))
+    series = metrics.of("tiny")
     for ttft in (0.03, 0.2):
-        metrics.ttft.observe(ttft)
-    metrics.success.labels("stop").inc(2)
+        series.ttft.observe(ttft)
+    series.finished("stop")
+    series.finished("stop")
     got = samples(metrics)
     m = "model_name=tiny"
     assert got[f"vllm:num_requests_running{{{m}}}"] == 5

@@ -24,8 +24,9 @@ So each 32-column activation block is stored as its 16 even columns, then its
 integer product is two `vpmaddwd` and one add, exact in int32, and the float
 step one convert, one multiply by the scale vector and one FMA with the weight
 block's scale, into 8 lanes per pair: acc = fma(float(P) · S_kb, d_ib, acc)
-over the blocks in order. The Q4_1 min term, Σ_b m_ib · xsum_kb, is a separate
-8-block-wide FMA chain over the blocks (then its tail one by one), added after
+over the blocks in order (Q6_K's two scales per block, one per 16 columns, as
+d_ib = [d0 ×4, d1 ×4]: lanes 0..3 hold columns 0..15, lanes 4..7 16..31).
+The Q4_1 min term, Σ_b m_ib · xsum_kb, is a separate 8-block-wide FMA chain over the blocks (then its tail one by one), added after
 the 8 lanes' fixed tree (`_min_terms`). From 4 activation rows on, a row group's codes are
 widened once into a scratch (`unpack_rows`) in exactly the lanes the packed
 tiles compute, so every tile gives a pair the same integers and the same float
@@ -59,6 +60,7 @@ from hybridgate.workers.cpu.simd import (  # noqa: E402
     prefetch,
     prefetch_span,
     reduce_halves,
+    scale_pair,
 )
 
 XQ_MAX = 32767.0  # as intdot: int16 activations in ±32767, so no pair product meets vpmaddwd's overflow
@@ -125,6 +127,7 @@ def _make_tile(wrows: int, xrows: int, unpacked: bool):
         sig = types.void(qs, ip, ip, wq, ip, ip, scale, minimum, ip, ip, ip, xq, ip, ip, xs8, xsum, ip, ip,
                          out, ip, ip)
         kind = "q4_1" if qs.dtype == types.uint8 else "q8_0"
+        per = 2 if scale.ndim == 3 else 1  # Q6_K: a scale per 16 columns, a block's pair at twice its index
 
         def codegen(context, builder, signature, args):
             (qa, qo, qstr, wa, wo, wstr, sa, ma, so, sstr, n, xa, xo, xstr, x8a, xma, ao, astr,
@@ -151,7 +154,14 @@ def _make_tile(wrows: int, xrows: int, unpacked: bool):
                 return _load_vec(builder, xp, _V16S, 2), _load_vec(builder, builder.gep(xp, [c(16)]), _V16S, 2)
 
             def scale_of(i, b):
-                return at("scale", sa, builder.add(builder.add(so, builder.mul(sstr, c(i))), b))
+                return at("scale", sa, builder.mul(builder.add(builder.add(so, builder.mul(sstr, c(i))), b), c(per)))
+
+            def weight_scale(i, b):
+                """The block's scale in every lane, or (Q6_K) its first in lanes 0..3 (columns 0..15) and its
+                second in lanes 4..7 (see the module docstring's lane order)."""
+                if per == 2:
+                    return scale_pair(builder, scale_of(i, b), _V8F)
+                return _splat8(builder, builder.load(scale_of(i, b)))
 
             def act_scale(k, b):
                 return at("xs8", x8a, builder.mul(builder.add(builder.add(ao, builder.mul(astr, c(k))), b), c(8)))
@@ -165,7 +175,7 @@ def _make_tile(wrows: int, xrows: int, unpacked: bool):
                 for off in range(0, span, 64):
                     prefetch(builder, at("qs", qa, builder.add(q, c(off))))
                 sp = builder.add(builder.add(so, builder.mul(sstr, c(PREFETCH_ROWS))), builder.mul(b, c(wrows)))
-                prefetch(builder, at("scale", sa, sp))
+                prefetch(builder, at("scale", sa, builder.mul(sp, c(per))))
                 if kind == "q4_1":
                     prefetch(builder, at("minimum", ma, sp))
 
@@ -173,7 +183,7 @@ def _make_tile(wrows: int, xrows: int, unpacked: bool):
                 if not unpacked:
                     prefetch_ahead(b)
                 w = [weights(i, b) for i in range(wrows)]
-                d = [_splat8(builder, builder.load(scale_of(i, b))) for i in range(wrows)]
+                d = [weight_scale(i, b) for i in range(wrows)]
                 for k in range(xrows):
                     x1, x2 = acts(k, b)
                     s = _load_vec(builder, act_scale(k, b), _V8F, 4)
@@ -348,8 +358,9 @@ def _gemm_rows(xq, xs8, xsum, qs, scale, minimum, out, r, wrows, b0, b1, wq):
     rows, nblocks, cols, qw = qs.shape[0], scale.shape[1], xq.shape[1], qs.shape[1]
     ahead = r + PREFETCH_ROWS
     prefetch_span(qs, ahead * qw, wrows * qw)
-    prefetch_span(scale, ahead * nblocks, wrows * nblocks)
-    prefetch_span(minimum, ahead * nblocks, wrows * nblocks)
+    per = scale.size // max(rows, 1)  # scales per row: nblocks, or 2 · nblocks for Q6_K
+    prefetch_span(scale, ahead * per, wrows * per)
+    prefetch_span(minimum, ahead * per, wrows * per)
     if wrows < TILE_W:
         for i in range(wrows):
             _gemv_rows(xq, xs8, xsum, qs, scale, minimum, out, r + i, r + i + 1, b0, b1)

@@ -8,7 +8,9 @@ row is dequantized into a per-thread scratch of `cols` floats and dotted with ev
 activation row. Every type of `blocks.LAYOUTS` runs there, on every path (the code is
 plain Numba, compiled for the process's instruction set). Q4_1 (the default model's
 linear layers) and Q8_0 (its embedding and LM head) have fast paths in `simd` and
-`intdot`/`avx2`, with the fp16 scales split out and widened to float32 at load.
+`intdot`/`avx2`, with the fp16 scales split out and widened to float32 at load; Q4_0,
+Q4_K and Q5_0 are repacked onto those, Q6_K onto Q8_0's with a scale per 16 columns, and
+F32/F16/BF16 weights are multiplied as stored by `simd`'s float tiles (`_FAST`).
 
 A fused matrix (Q, K, V; gate and up) whose parts share type and columns is one
 matrix of stacked rows; parts of different types keep one matrix (and kernel) each
@@ -79,6 +81,7 @@ class QuantMatrix:
     that are not a whole number of blocks."""
 
     activations = "f32"  # the row-dequantizing kernel multiplies float32 activations
+    column_multiple = 1  # columns must be a whole number of blocks (checked by `unpack_scales`)
 
     def __init__(self, name: str, kind: int, data: np.ndarray, shape: tuple[int, int], activations: str = "auto"):
         if kind not in LAYOUTS:
@@ -146,9 +149,11 @@ class Q80Matrix(QuantMatrix):
     """Q8_0 split: int8 codes `[rows, cols]` and float32 scales `[rows, cols / 32]` (9 bits per weight).
     Multiplied by `simd.matmul_blocks` or `intdot.matmul_i16`, as for `Q41Matrix`."""
 
+    format_kind = "q8_0"  # its row of `intdot.AUTO`
+
     def __init__(self, name: str, kind: int, data: np.ndarray, shape: tuple[int, int], activations: str = "auto"):
         super().__init__(name, kind, data, shape)  # scale: unpacked by QuantMatrix
-        self.activations = activation_format(activations, "q8_0")
+        self.activations = activation_format(activations, self.format_kind)
         self._kernel = _KERNELS[self.activations]
         self.minimum = self.scale  # no min: the kernels ignore it for int8 codes (one array, not two)
         self.qs = self._codes()
@@ -216,15 +221,85 @@ class Q50Matrix(Q80Matrix):
         return ((low | high).astype(np.int16) - 16).astype(np.int8).reshape(self.shape)
 
 
+class Q6KMatrix(Q80Matrix):
+    """Q6_K on the Q8_0 kernels: codes c - 32 (-32..31) as int8 in column order, and the 16-column
+    sub-blocks' scales d·sc widened to float32 `[rows, cols / 32, 2]` (a 32-column block's two, which
+    the kernels apply to its columns 0..15 and 16..31); 10 bits per weight instead of 6.5625. Exact:
+    w = (d·sc)·(c - 32) as gguf computes it."""
+
+    format_kind = "q6_k"
+
+    def __init__(self, name: str, kind: int, data: np.ndarray, shape: tuple[int, int], activations: str = "auto"):
+        super().__init__(name, kind, data, shape, activations)
+        self.scale = self.minimum = np.ascontiguousarray(self.scale.reshape(shape[0], shape[1] // 32, 2))
+
+    def _codes(self) -> np.ndarray:
+        rows, cols = self.shape
+        blocks = self.data.reshape(rows, cols // 256, 210)
+        ql = blocks[:, :, :128].reshape(rows, -1, 2, 64)  # per 128 columns: ql[64], then qh[32]
+        qh = blocks[:, :, 128:192].reshape(rows, -1, 2, 32)
+        lo, hi = ql[..., :32], ql[..., 32:]  # low nibbles: columns l, l + 32; high: l + 64, l + 96
+        codes = np.concatenate([(lo & 15) | ((qh & 3) << 4), (hi & 15) | (((qh >> 2) & 3) << 4),
+                                (lo >> 4) | (((qh >> 4) & 3) << 4), (hi >> 4) | (((qh >> 6) & 3) << 4)], axis=-1)
+        return (codes.astype(np.int8) - np.int8(32)).reshape(self.shape)
+
+    def rows(self, index: np.ndarray) -> np.ndarray:
+        q = self.qs[index].astype(np.float32).reshape(len(index), -1, 16)
+        return (q * self.scale[index].reshape(len(index), -1, 1)).reshape(len(index), -1)
+
+
+class FloatMatrix(QuantMatrix):
+    """F32, F16 and BF16 weights as stored: float32, binary16 bits (int16) or bfloat16 bits (uint16)
+    `[rows, cols]`, widened in the kernel (`simd.matmul_blocks`: F16C's vcvtph2ps on the avx2 and
+    avx512 paths, a shift for BF16) and multiplied by float32 activations with float32 sums. cols
+    must be a multiple of 32 (`quant_matrix` gives other widths to the row kernel)."""
+
+    column_multiple = 32
+    _STORED = {F32: np.float32, F16: np.int16, BF16: np.uint16}
+
+    def __init__(self, name: str, kind: int, data: np.ndarray, shape: tuple[int, int], activations: str = "auto"):
+        super().__init__(name, kind, data, shape)
+        self.qs = np.ascontiguousarray(self.data).view(self._STORED[kind]).reshape(shape)
+        self.scale = self.minimum = np.zeros((1, 1), np.float32)  # no scales: the kernel reads none
+        self.data = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.qs.nbytes
+
+    def matmul(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32) if out is None else out
+        matmul_blocks(x, self.qs, self.scale, self.minimum, out)
+        return out
+
+    def row(self, index: int) -> np.ndarray:
+        return self.rows(np.array([index]))[0]
+
+    def rows(self, index: np.ndarray) -> np.ndarray:
+        """Rows float32 `[len(index), cols]`, widened exactly (numpy's binary16 conversion; bfloat16's
+        bits are a float32's top half)."""
+        q = self.qs[index]
+        if self.kind == F16:
+            return q.view(np.float16).astype(np.float32)
+        if self.kind == BF16:
+            return (q.astype(np.uint32) << 16).view(np.float32)
+        return q.copy()
+
+
 # Types with a repacked fast path (`simd`, `intdot`, `avx2` kernels); the others dequantize rows.
-_FAST = {Q4_0: Q40Matrix, Q4_1: Q41Matrix, Q4_K: Q4KMatrix, Q5_0: Q50Matrix, Q8_0: Q80Matrix}
+_FAST = {Q4_0: Q40Matrix, Q4_1: Q41Matrix, Q4_K: Q4KMatrix, Q5_0: Q50Matrix, Q6_K: Q6KMatrix, Q8_0: Q80Matrix,
+         F32: FloatMatrix, F16: FloatMatrix, BF16: FloatMatrix}
 
 
 def quant_matrix(name: str, kind: int, data: np.ndarray, shape: tuple[int, int],
                  activations: str = "auto") -> QuantMatrix:
-    """The matrix class for `kind`: repacked fast paths for Q4_0, Q4_1, Q4_K, Q5_0 and Q8_0 (their
-    activation format from `activations`, see `intdot.activation_format`), row dequantization otherwise."""
-    return _FAST.get(kind, QuantMatrix)(name, kind, data, shape, activations)
+    """The matrix class for `kind`: repacked fast paths for Q4_0, Q4_1, Q4_K, Q5_0, Q6_K and Q8_0 (their
+    activation format from `activations`, see `intdot.activation_format`) and F32, F16, BF16 (float32
+    activations), row dequantization otherwise (and for columns the fast class does not take)."""
+    cls = _FAST.get(kind, QuantMatrix)
+    if shape[1] % cls.column_multiple:
+        cls = QuantMatrix
+    return cls(name, kind, data, shape, activations)
 
 
 class FusedMatrix:

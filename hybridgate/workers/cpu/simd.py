@@ -209,31 +209,85 @@ def prefetch_span(typingctx, arr, offset, count):
     return sig, codegen
 
 
+# How one 32-column block of each weight layout becomes two <16 x float> weight vectors (columns 0..15 and
+# 16..31), keyed by the codes' dtype (and, for int8, whether the scale is one per block or one per 16
+# columns): the layout's name, its bytes per block in qs, and whether it has scales (and a min). The
+# repacked layouts are `quant`'s: Q4_1 nibbles (Q4_0, Q4_K too), Q8_0 int8 codes (Q5_0 too), Q6_K
+# int8 codes with two scales per block, and F32/F16/BF16 as stored (16-bit kinds as bit patterns,
+# int16 binary16 and uint16 bfloat16, as `kvdtype` keeps them).
+_LAYOUTS = {(types.uint8, 2): ("q4_1", 16), (types.int8, 2): ("q8_0", 32), (types.int8, 3): ("q6_k", 32),
+            (types.int16, 2): ("f16", 64), (types.uint16, 2): ("bf16", 64), (types.float32, 2): ("f32", 128)}
+_UNSCALED = ("f16", "bf16", "f32")
+
+
+def tile_layout(qs, scale) -> tuple[str, int]:
+    """(layout name, bytes per 32-column block) of a tile's codes and scales (Numba types); raises
+    TypeError for a pair no tile multiplies."""
+    key = (qs.dtype, scale.ndim)
+    if key not in _LAYOUTS:
+        raise TypeError(f"no GGUF tile for codes of {qs.dtype} with {scale.ndim}-D scales")
+    return _LAYOUTS[key]
+
+
+def _block_weights(builder, layout, qp, d, m):
+    """The block at qp (an element pointer into the codes) → (w_lo, w_hi) <16 x float>: d and m the
+    block's splatted scale and min (Q6_K: d a pair, one per 16 columns; unscaled kinds: None)."""
+    c16 = ir.Constant(ir.IntType(64), 16)
+    if layout == "q4_1":
+        q = builder.zext(_load_vec(builder, qp, ir.VectorType(ir.IntType(8), LANES), 1), _V16I32)
+        lo = builder.sitofp(builder.and_(q, _ivec(15)), _V16F)
+        hi = builder.sitofp(builder.lshr(q, _ivec(4)), _V16F)
+        return _fma(builder, lo, d, m), _fma(builder, hi, d, m)
+    if layout in ("q8_0", "q6_k"):
+        v16i8 = ir.VectorType(ir.IntType(8), LANES)
+        lo = builder.sitofp(_load_vec(builder, qp, v16i8, 1), _V16F)
+        hi = builder.sitofp(_load_vec(builder, builder.gep(qp, [c16]), v16i8, 1), _V16F)
+        d_lo, d_hi = d if layout == "q6_k" else (d, d)
+        return builder.fmul(lo, d_lo), builder.fmul(hi, d_hi)
+    if layout == "f32":
+        return _load_vec(builder, qp, _V16F, 4), _load_vec(builder, builder.gep(qp, [c16]), _V16F, 4)
+    widen = _widen_fp16_here if layout == "f16" else _widen_bf16
+    return (widen(builder, _load_vec(builder, qp, _V16I16, 2)),
+            widen(builder, _load_vec(builder, builder.gep(qp, [c16]), _V16I16, 2)))
+
+
+def scale_pair(builder, ptr, vec_ty):
+    """The two float32 scales at ptr (a block's, one per 16 columns) as vec_ty lanes: the first in
+    the lower half of the lanes, the second in the upper half (the integer tiles' lane order)."""
+    pair = _load_vec(builder, ptr, ir.VectorType(_F32, 2), 4)
+    half = vec_ty.count // 2
+    return builder.shuffle_vector(pair, pair, ir.Constant(ir.VectorType(_I32, vec_ty.count), [0] * half + [1] * half))
+
+
 def _make_tile(wrows: int, xrows: int):
     """An intrinsic multiplying `wrows` weight rows of GGUF blocks by `xrows` activation rows.
 
-    The block type follows the dtype of qs: uint8 is Q4_1, int8 is Q8_0.
+    The layout follows the dtype of qs and the rank of scale (`tile_layout`): uint8 is Q4_1, int8 with
+    scale `[rows, blocks]` Q8_0 and with scale `[rows, blocks, 2]` Q6_K (repacked), int16 / uint16 /
+    float32 F16 / BF16 / F32 values.
 
     f(qs, q_off, q_stride, scale, minimum, s_off, s_stride, nblocks, x, x_off, x_stride, out, o_off,
       o_stride) writes, for weight row i < wrows and activation row k < xrows,
       out[o_off + k·o_stride + i] = Σ_b Σ_j w_ibj · x[x_off + k·x_stride + 32b + j]
-    with w_ibj = scale_ib · code_ibj + minimum_ib (Q4_1) or scale_ib · code_ibj (Q8_0), the codes
-    read from qs at q_off + i·q_stride + block bytes · b and the scales at s_off + i·s_stride + b.
-    qs: Q4_1 uint8, 16 bytes per block in ggml's order (byte j: column j in the low nibble, column
-    j + 16 in the high one); Q8_0 int8, 32 codes per block. scale, minimum, x, out float32
-    (minimum is ignored for Q8_0). Each weight block is dequantized once for the `xrows` activation
-    rows and each activation block loaded once for the `wrows` weight rows. Every output's
-    arithmetic is the same whatever the tile: per lane acc = fma(w_hi, x_hi, fma(w_lo, x_lo, acc))
-    over the blocks in order, then a fixed tree over the 16 lanes.
+    with w_ibj = scale_ib · code_ibj + minimum_ib (Q4_1), scale_ib · code_ibj (Q8_0), scale_ib,j//16 ·
+    code_ibj (Q6_K) or the value itself (F16, BF16, F32), the codes read from qs at q_off + i·q_stride
+    + block elements · b and the scales at s_off + i·s_stride + b (in blocks; Q6_K's pair at twice
+    that). qs: Q4_1 uint8, 16 bytes per block in ggml's order (byte j: column j in the low nibble,
+    column j + 16 in the high one); Q8_0 and Q6_K int8, 32 codes per block; the float kinds 32
+    values per block. scale, minimum, x, out float32 (minimum is ignored but by Q4_1, both by the
+    float kinds). Each weight block is decoded once for the `xrows` activation rows and each
+    activation block loaded once for the `wrows` weight rows. Every output's arithmetic is the same
+    whatever the tile: per lane acc = fma(w_hi, x_hi, fma(w_lo, x_lo, acc)) over the blocks in
+    order, then a fixed tree over the 16 lanes.
     """
-    v16i8 = ir.VectorType(ir.IntType(8), LANES)
-    v16i32 = ir.VectorType(_I32, LANES)
 
     def generic(typingctx, qs, q_off, q_stride, scale, minimum, s_off, s_stride, nblocks, x, x_off, x_stride,
                 out, o_off, o_stride):
         ip = types.intp
         sig = types.void(qs, ip, ip, scale, minimum, ip, ip, ip, x, ip, ip, out, ip, ip)
-        kind = "q4_1" if qs.dtype == types.uint8 else "q8_0"
+        layout, block_bytes = tile_layout(qs, scale)
+        per_block = 2 if layout == "q6_k" else 1  # scales per block
+        block_elems = block_bytes * 8 // qs.dtype.bitwidth
 
         def codegen(context, builder, signature, args):
             (qa, qo, qstr, sa, ma, so, sstr, n, xa, xo, xstr, oa, oo, ostr) = args
@@ -246,25 +300,25 @@ def _make_tile(wrows: int, xrows: int):
                 w = []
                 for i in range(wrows):
                     row_q = builder.add(qo, builder.mul(qstr, c(i)))
-                    sp = builder.add(builder.add(so, builder.mul(sstr, c(i))), b)
-                    d = _splat(builder, builder.load(_ptr(context, builder, ty[3], sa, sp)))
-                    ahead_s = builder.add(sp, builder.mul(sstr, c(PREFETCH_ROWS)))
-                    prefetch(builder, _ptr(context, builder, ty[3], sa, ahead_s))
-                    if kind == "q4_1":
+                    qp = _ptr(context, builder, ty[0], qa, builder.add(row_q, builder.mul(b, c(block_elems))))
+                    ahead = builder.bitcast(builder.gep(qp, [builder.mul(qstr, c(PREFETCH_ROWS))]),
+                                            ir.IntType(8).as_pointer())
+                    for line in range(0, block_bytes, 64):
+                        prefetch(builder, builder.gep(ahead, [ir.Constant(ir.IntType(64), line)]))
+                    d = m = None
+                    if layout not in _UNSCALED:
+                        sp = builder.mul(builder.add(builder.add(so, builder.mul(sstr, c(i))), b), c(per_block))
+                        prefetch(builder, _ptr(context, builder, ty[3], sa,
+                                               builder.add(sp, builder.mul(sstr, c(PREFETCH_ROWS * per_block)))))
+                        d = tuple(_splat(builder, builder.load(_ptr(context, builder, ty[3], sa,
+                                                                    builder.add(sp, c(h)))))
+                                  for h in range(per_block))
+                        d = d if layout == "q6_k" else d[0]
+                    if layout == "q4_1":
+                        ahead_s = builder.add(sp, builder.mul(sstr, c(PREFETCH_ROWS)))
                         prefetch(builder, _ptr(context, builder, ty[4], ma, ahead_s))
-                        qp = _ptr(context, builder, ty[0], qa, builder.add(row_q, builder.mul(b, c(16))))
-                        prefetch(builder, builder.gep(qp, [builder.mul(qstr, c(PREFETCH_ROWS))]))
-                        q = builder.zext(_load_vec(builder, qp, v16i8, 1), v16i32)
-                        lo = builder.sitofp(builder.and_(q, ir.Constant(v16i32, [15] * LANES)), _V16F)
-                        hi = builder.sitofp(builder.lshr(q, ir.Constant(v16i32, [4] * LANES)), _V16F)
                         m = _splat(builder, builder.load(_ptr(context, builder, ty[4], ma, sp)))
-                        w.append((_fma(builder, lo, d, m), _fma(builder, hi, d, m)))
-                    else:
-                        qp = _ptr(context, builder, ty[0], qa, builder.add(row_q, builder.mul(b, c(32))))
-                        prefetch(builder, builder.gep(qp, [builder.mul(qstr, c(PREFETCH_ROWS))]))
-                        lo = builder.sitofp(_load_vec(builder, qp, v16i8, 1), _V16F)
-                        hi = builder.sitofp(_load_vec(builder, builder.gep(qp, [c(16)]), v16i8, 1), _V16F)
-                        w.append((builder.fmul(lo, d), builder.fmul(hi, d)))
+                    w.append(_block_weights(builder, layout, qp, d, m))
                 for k in range(xrows):
                     xp = _ptr(context, builder, ty[8], xa,
                               builder.add(builder.add(xo, builder.mul(xstr, c(k))), builder.mul(b, c(32))))
@@ -285,7 +339,8 @@ def _make_tile(wrows: int, xrows: int):
     return intrinsic(generic)
 
 
-tile4x4, tile4x1, tile1x1 = _make_tile(4, 4), _make_tile(4, 1), _make_tile(1, 1)
+TILE_W, TILE_X = 4, 4  # weight rows x activation rows per tile
+tile_wx, tile_w1, tile1x1 = _make_tile(TILE_W, TILE_X), _make_tile(TILE_W, 1), _make_tile(1, 1)
 
 _JIT = dict(nogil=True, fastmath=True, cache=True)
 _CHUNKS = 16  # weight-row ranges per parallel region (more than threads, for balance)
@@ -295,15 +350,16 @@ X_TILE = 64  # activation rows per pass over the weights: 64 x 1536 floats stay 
 @nb.njit(**_JIT)
 def _rows(x, qs, scale, minimum, out, r, wrows, b0, b1):
     """Weight rows r .. r + wrows (4 or 1) against activation rows b0 .. b1, in tiles."""
-    rows, nblocks, cols, qw = qs.shape[0], scale.shape[1], x.shape[1], qs.shape[1]
+    rows, cols, qw = qs.shape[0], x.shape[1], qs.shape[1]
+    nblocks = cols // 32
     b = b0
-    if wrows == 4:
-        while b + 4 <= b1:
-            tile4x4(qs, r * qw, qw, scale, minimum, r * nblocks, nblocks, nblocks, x, b * cols, cols,
+    if wrows == TILE_W:
+        while b + TILE_X <= b1:
+            tile_wx(qs, r * qw, qw, scale, minimum, r * nblocks, nblocks, nblocks, x, b * cols, cols,
                     out, b * rows + r, rows)
-            b += 4
+            b += TILE_X
         while b < b1:
-            tile4x1(qs, r * qw, qw, scale, minimum, r * nblocks, nblocks, nblocks, x, b * cols, cols,
+            tile_w1(qs, r * qw, qw, scale, minimum, r * nblocks, nblocks, nblocks, x, b * cols, cols,
                     out, b * rows + r, rows)
             b += 1
     else:
@@ -315,22 +371,25 @@ def _rows(x, qs, scale, minimum, out, r, wrows, b0, b1):
 
 @nb.njit(parallel=True, **_JIT)
 def matmul_blocks(x, qs, scale, minimum, out):
-    """out float32 `[batch, rows]` = x float32 `[batch, cols]` @ W.T for W in Q4_1 or Q8_0 blocks.
+    """out float32 `[batch, rows]` = x float32 `[batch, cols]` @ W.T for W in a tile layout (`tile_layout`).
 
     Q4_1 (qs uint8 `[rows, cols / 2]`, ggml's block_q4_1 nibbles without the fp16 header):
     W = scale · code + minimum. Q8_0 (qs int8 `[rows, cols]`, block_q8_0's codes): W = scale · code,
     minimum unused (pass scale). scale, minimum float32 `[rows, cols / 32]`, one per 32-column
-    block. Tiles of 4 weight rows × 4 activation rows, `X_TILE` activation rows per pass over the
-    weights; a row's result does not depend on the batch it is in (see `_make_tile`).
+    block. Q6_K repacked (qs int8 codes c - 32, scale float32 `[rows, cols / 32, 2]`, one per 16
+    columns): W = scale · code. F16, BF16, F32 (qs int16 binary16 bits, uint16 bfloat16 bits,
+    float32 `[rows, cols]`): W = qs, scale and minimum unused (any 2-D float32 array). cols: a
+    multiple of 32. Tiles of 4 weight rows × 4 activation rows, `X_TILE` activation rows per pass
+    over the weights; a row's result does not depend on the batch it is in (see `_make_tile`).
     """
-    groups, batch = qs.shape[0] // 4, x.shape[0]
+    groups, batch = qs.shape[0] // TILE_W, x.shape[0]
     per = (groups + _CHUNKS - 1) // _CHUNKS
     for b0 in range(0, batch, X_TILE):
         b1 = min(batch, b0 + X_TILE)
         for c in prange(_CHUNKS):
             for g in range(c * per, min(groups, (c + 1) * per)):
-                _rows(x, qs, scale, minimum, out, 4 * g, 4, b0, b1)
-        for r in range(4 * groups, qs.shape[0]):
+                _rows(x, qs, scale, minimum, out, TILE_W * g, TILE_W, b0, b1)
+        for r in range(TILE_W * groups, qs.shape[0]):
             _rows(x, qs, scale, minimum, out, r, 1, b0, b1)
 
 

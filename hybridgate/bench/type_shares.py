@@ -1,0 +1,61 @@
+"""Where a CPU decode step's time goes by quant type: each weight matrix's matmul timed at batch 1.
+
+Every matrix the CPU model multiplies in a decode step (each layer's QKV, output,
+gate-up and down projections, then the LM head; a fused matrix of parts of
+different types counts per part) is called on one random activation row, in the
+forward pass's order, so each reads its weights from memory as the step does
+(a matrix timed alone and repeatedly would sit in the caches). `repeats` passes;
+the median per matrix is summed per GGML type.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+
+
+def step_matrices(model) -> list:
+    """The matrices of one decode step in the forward pass's order, fused ones split into their parts;
+    [] when the model does not expose them (a runner whose layers hold no `matmul` objects)."""
+    out = []
+    for layer in getattr(model, "layers", []):
+        for name in ("qkv", "wo", "gate_up", "down"):
+            m = getattr(layer, name, None)
+            out += list(getattr(m, "parts", [m])) if m is not None else []
+    out.append(getattr(model, "lm_head", None))
+    return [m for m in out if hasattr(m, "matmul") and hasattr(m, "kind")]
+
+
+def type_shares(model, step_ms: float, repeats: int = 5) -> dict:
+    """{type name: {"matrices", "bytes", "ms", "share", "gb_per_s"}} plus "other_ms" (the step less
+    every matmul: attention, norms, activations, sampling, Python) for a step of `step_ms`.
+    Each type's ms is the median per matrix, summed; share is of `step_ms`."""
+    import gguf
+
+    matrices = step_matrices(model)
+    if not matrices:
+        return {}
+    rng = np.random.default_rng(0)
+    inputs = [rng.standard_normal((1, m.shape[1]), dtype=np.float32) for m in matrices]
+    times: list[list[float]] = [[] for _ in matrices]
+    for m, x in zip(matrices, inputs):  # compile and page in once
+        m.matmul(x)
+    for _ in range(repeats):
+        for i, (m, x) in enumerate(zip(matrices, inputs)):
+            start = time.perf_counter()
+            m.matmul(x)
+            times[i].append(time.perf_counter() - start)
+    out: dict = {}
+    for m, t in zip(matrices, times):
+        row = out.setdefault(gguf.GGMLQuantizationType(m.kind).name, {"matrices": 0, "bytes": 0, "ms": 0.0})
+        row["matrices"] += 1
+        row["bytes"] += int(m.nbytes)
+        row["ms"] += statistics.median(t) * 1e3
+    for row in out.values():
+        row["share"] = row["ms"] / step_ms
+        row["gb_per_s"] = row["bytes"] / row["ms"] / 1e6
+    out = dict(sorted(out.items(), key=lambda kv: -kv[1]["ms"]))
+    out["other_ms"] = step_ms - sum(row["ms"] for row in out.values())
+    return out

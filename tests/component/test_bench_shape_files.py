@@ -1,0 +1,84 @@
+"""A bench file of each named shape loads in both runners, decodes, and the Numba runner matches the torch
+runner on it within `bench accuracy`'s floor.
+
+Each file is the shape's one-block cut (every matrix of the real model's shape: Q, K, V, output, gate,
+up, down and the LM head's width) in llama.cpp's Q4_K_M mix, so it holds the types a user's Q4_K_M file
+holds (Q4_K, Q6_K; Q5_0 and Q8_0 where rows of 896 do not fit 256). The vocabulary is a smaller real one
+of the same tokenizer kind (llama.cpp's llama-spm, 32,000 tokens; deepseek-coder's byte-level BPE, 32,256,
+for Qwen) instead of the models' 128,256 and 151,936: a first GGUF parse of those takes tens of seconds
+on a busy machine, and only the LM head's row count changes. The full files, with the real vocabularies,
+are `hybridgate bench model --shape NAME`'s (and llama.cpp loads them). The torch runner dequantizes with
+gguf's dequantizer in fp32: it is the reference, with an fp32 KV cache on both sides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+import gguf
+import numpy as np
+import pytest
+
+from hybridgate.bench import accuracy
+from hybridgate.bench.mixes import MIXES, assign
+from hybridgate.bench.model_files import bench_model, vocab_fields, vocab_path
+from hybridgate.bench.shapes import SHAPES
+
+TOP1_FLOOR, KL_CEILING = 0.995, 1e-4  # bench accuracy's floor against the fp32 reference
+SMALL_VOCAB = {"llama": "llama-spm", "qwen2": "deepseek-coder"}
+
+
+def one_block(name: str):
+    s = SHAPES[name]
+    vocab = SMALL_VOCAB[s.arch]
+    count = len(next(v for k, v, _, _ in vocab_fields(str(vocab_path(vocab))) if k == "tokenizer.ggml.tokens"))
+    return dataclasses.replace(s, layers=1, vocab=vocab, vocab_size=count)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return tmp_path_factory.mktemp("bench-models")
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_bench_file_of_each_shape_matches_the_torch_runner(name, folder):
+    import torch
+
+    from hybridgate.models import load_gguf
+    from hybridgate.workers.cpu.runner import NumbaRunner
+    from hybridgate.workers.gpu.runner import TorchRunner
+
+    shape, mix = one_block(name), MIXES["Q4_K_M"]
+    model = load_gguf(bench_model(shape, mix, seed=1, progress=False, folder=folder))
+    c = model.config
+    assert (c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim, c.tie_word_embeddings) == \
+        (shape.hidden, shape.ffn, shape.heads, shape.kv_heads, shape.head_dim, shape.tied)
+    expected = assign(mix, shape.tensors(), shape.layers)
+    assert {n: t.ggml_type.name for n, t in model.tensors.items()} == expected
+    assert Counter(expected.values())["Q6_K"] >= 1 and model.metadata["general.file_type"] == mix.ftype
+    weights = model.tensors["blk.0.ffn_up.weight"].dequantize()
+    assert abs(float(weights.std()) * np.sqrt(shape.hidden) - 1) < 0.3 and np.isfinite(weights).all()
+
+    rng = np.random.default_rng(0)  # 2 sequences: 12 prompt ids, then 8 ids forced: 16 positions in 8 steps
+    cases = [{"prompt_ids": rng.integers(3, c.vocab_size, 12).tolist(), "ids": rng.integers(3, c.vocab_size, 8)
+              .tolist()} for _ in range(2)]
+    reference = accuracy.teacher_forced_logits(
+        TorchRunner(model, torch.device("cpu"), torch.float32, kv_cache_memory="64MiB"), cases)
+    got = accuracy.teacher_forced_logits(NumbaRunner(model, kv_cache_memory="64MiB", threads=1,
+                                                     kv_cache_dtype="fp32"), cases)
+    assert np.isfinite(got).all() and float(reference.std()) > 0.5  # logits of a few units: no near-flat ties
+    figures = accuracy.compare(reference, got)
+    assert figures["positions"] == 16
+    assert figures["top1_agreement"] >= TOP1_FLOOR and figures["kl_mean"] <= KL_CEILING, figures
+
+
+def test_requested_types_fit_gguf_layouts():
+    """Every type a mix assigns on every shape is one the writer makes (`SCALE_AT` or a float type)."""
+    from hybridgate.bench.model_files import SCALE_AT
+
+    writable = {k.name for k in SCALE_AT} | {"F16", "BF16", "F32"}
+    for s in SHAPES.values():
+        for m in MIXES.values():
+            assert set(assign(m, s.tensors(), s.layers).values()) <= writable, (s.name, m.name)
+    assert gguf.GGMLQuantizationType.Q6_K in SCALE_AT
