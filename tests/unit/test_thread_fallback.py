@@ -39,6 +39,13 @@ def test_a_busy_core_moves_decode_to_one_thread_and_trials_upward_cost_one_step_
     assert fallback.current == 1 and fallback.switches == 1
 
 
+def test_a_costly_trial_waits_twenty_times_what_it_lost():
+    fallback = ThreadFallback(2)
+    counts, _ = drive(fallback, {2: 4.0, 1: 0.03125}, 3 + 3 + 64 + 1 + 2540 + 1)
+    # The trial upward lost 4 - 0.03125 = 3.96875 s: the next waits 79.375 s, 2,540 steps of 31.25 ms.
+    assert counts == [2] * 3 + [1] * 3 + [1] * 64 + [2] + [1] * 2540 + [2]
+
+
 def test_an_idle_machine_keeps_every_thread_and_probes_ever_more_rarely():
     fallback = ThreadFallback(2)
     counts, _ = drive(fallback, {2: 0.0625, 1: 0.1875}, 3 + 1 + 64 + 1 + 3)

@@ -7,7 +7,8 @@ every core can slow a decode many times over (a step on one thread has no
 barrier to wait at). Which count is faster depends on the load of the moment,
 so it is measured: the runner times its decode-only steps, and once `probe`
 of them ran (then every `period_s` seconds, doubled after each trial that
-changed nothing, up to 16 times) the next `probe` decode steps of the same
+changed nothing, up to 16 times, and at least 20 times the time the last
+trial lost, so probing costs at most about 5%) the next `probe` decode steps of the same
 batch size run on a neighbouring count of the ladder (the configured threads,
 halved down to one), alternately the one below and the one above. The
 neighbour becomes the count when the median of its steps is below `margin`
@@ -83,8 +84,9 @@ class ThreadFallback:
                      theirs * 1e3, count, mine * 1e3, self.current, count)
             self.current, self.switches, self._wait = count, self.switches + 1, self.period_s
             self._recent.clear()
-        else:
-            self._wait = min(2 * self._wait, 16 * self.period_s)
+        else:  # probing costs at most about 5% of the time: wait 20 times what the trial lost
+            lost = sum(times) - len(times) * mine
+            self._wait = max(min(2 * self._wait, 16 * self.period_s), 20 * lost)
         self._trial, self._last_trial, self._down = None, now, not self._down
 
     def _due(self, batch: int, now: float) -> bool:
