@@ -83,7 +83,7 @@ class OpenAIApp:
     def __init__(self, router: Router | ModelTable, metrics: GatewayMetrics, admission: Admission | None = None,
                  model_names: tuple[str, ...] = (), auth_token: str | None = None, log_requests: bool = False):
         self.table = router if isinstance(router, ModelTable) else \
-            ModelTable.single(router, model_names, admission or Admission(1024))
+            ModelTable.single(router, model_names, admission)
         self.metrics = metrics
         self.log_requests = log_requests  # one line per finished choice on `hybridgate.requests`, as gRPC's
         self.auth_token = auth_token  # GatewayConfig.auth_token: every endpoint but /health wants it (None: off)

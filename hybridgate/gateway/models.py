@@ -19,6 +19,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from hybridgate.gateway.admission import Admission
+from hybridgate.gateway.config import GatewayConfig
 from hybridgate.models import model_name
 from hybridgate.router import Router
 
@@ -63,7 +64,7 @@ class ModelTable:
 
     @classmethod
     def single(cls, router: Router, names: Sequence[str] = (), admission: Admission | None = None,
-               max_inflight_requests: int = 1024) -> ModelTable:
+               max_inflight_requests: int = GatewayConfig.max_inflight_requests) -> ModelTable:
         """A table of one model (the single-model gateway, or a service that embeds one router)."""
         return cls([ServedModel(tuple(names) or (model_name(router.model),), router,
                                 admission or Admission(max_inflight_requests))])

@@ -34,12 +34,11 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import hashlib
-import statistics
 import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -103,7 +102,6 @@ class CompilerStats:
     compile_errors: int = 0  # of those, grammars llguidance refused
     compile_seconds: float = 0.0  # summed
     cache_hits: int = 0  # requests whose grammar was compiled or compiling already
-    last_compile_seconds: list[float] = field(default_factory=list)  # recent, for benchmarks
 
 
 @dataclass(frozen=True)
@@ -177,7 +175,6 @@ class GrammarCompiler:
             s = self.stats
             s.compiles += 1
             s.compile_seconds += elapsed
-            s.last_compile_seconds = [*s.last_compile_seconds[-63:], elapsed]
             s.compile_errors += matcher.is_error()
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
@@ -308,14 +305,6 @@ class Constraints:
         if not seq.matcher.consume_token(token):
             return f"the constraint refused the sampled id {token}: {seq.matcher.get_error()}"
         return None
-
-    def fill_percentiles_us(self) -> tuple[float, float]:
-        """(p50, p99) of the recent per-sequence mask fill times, microseconds ((0, 0) before any)."""
-        if not self.fill_times:
-            return 0.0, 0.0
-        q = statistics.quantiles(self.fill_times, n=100, method="inclusive") if len(self.fill_times) > 1 \
-            else [self.fill_times[0]] * 99
-        return q[49] * 1e6, q[98] * 1e6
 
     def close(self) -> None:
         self._fill_pool.shutdown(wait=False)

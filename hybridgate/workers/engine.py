@@ -320,7 +320,8 @@ class EngineCore:
         s, sched, pool = self.stats, self.scheduler, self.runner.pool_stats()
         s.blocks_used = self.allocator.num_used
         s.kv_cache_bytes = s.blocks_used * self.runner.block_bytes
-        s.running, s.waiting = len(sched.running), len(sched.waiting)
+        # waiting: those whose grammar compiles too (they are queued as far as placement is concerned)
+        s.running, s.waiting = len(sched.running), len(sched.waiting) + len(self.constraints.waiting_for_grammar)
         s.preemptions, s.prefill_tokens, s.cached_tokens = (
             sched.stats.preemptions, sched.stats.prefill_tokens, sched.stats.cached_tokens)
         s.pinned_bytes_in_use, s.pinned_peak_bytes, s.pinned_fallbacks = (

@@ -165,6 +165,8 @@ def test_abort_frees_the_matcher(engine, prompt):
     # and one still waiting for a grammar nobody compiled yet
     engine.add(AddRequest("compiling", prompt, sampled(constraint("regex", "start: /[0-9]{1,7}z/"), 1), 1, 8, 2))
     waiting = engine._by_id[(b"", "compiling")]
+    s = engine.refresh_stats()  # queued as far as placement is concerned, outside the scheduler's queue
+    assert (s.waiting_for_grammar, s.waiting) == (1, 1) and waiting not in engine.scheduler.waiting
     assert engine.abort(["running", "compiling"]) == [seq, waiting]
     assert seq.matcher is None and waiting.matcher is None
     s = engine.refresh_stats()

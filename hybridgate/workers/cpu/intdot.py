@@ -62,9 +62,10 @@ FORMATS = ("auto", "f32", "i16")  # the cpu_activations setting's choices
 # model's matrices (batch 1 and 16, AVX-512 machine, both paths): on AVX-512 the float kernels beat
 # int16 on Q4_1 (0.9x at batch 1, 0.5-0.8x at 16), int16 wins on Q8_0 (1.3x); on AVX2 int16 wins on
 # both (1.6-1.7x), where the 8-lane float kernels need twice the converts. Q6_K (repacked as int8 codes
-# with a scale per 16 columns), measured the same way on 1536-, 2048- and 8192-column matrices (a busy
-# Zen 4 EPYC): on AVX-512 float32 is even at batch 1 and 1.3-1.8x faster at 16; on AVX2 int16 is
-# 1.5x faster at batch 1 and 2x at 16. The generic path (merely correct, unmeasured) keeps float32.
+# with a scale per 16 columns), measured in CPU time on one thread on 1536-, 2048- and 8192-column
+# matrices (a busy Zen 4 EPYC): on AVX-512 float32 is 1.0-1.5x faster at batch 1 and 1.3-1.4x at 16;
+# on AVX2 int16 is 1.5x faster at batch 1 on cache-resident matrices (0.8x on a 21 MB one) and
+# 1.5-1.7x at 16. The generic path (merely correct, unmeasured) keeps float32.
 AUTO = {"avx512": {"q4_1": "f32", "q8_0": "i16", "q6_k": "f32"},
         "avx2": {"q4_1": "i16", "q8_0": "i16", "q6_k": "i16"},
         "generic": {"q4_1": "f32", "q8_0": "f32", "q6_k": "f32"}}

@@ -67,6 +67,9 @@ class NumbaRunner:
         if threads:
             numba.set_num_threads(threads)
         threads = numba.get_num_threads()
+        # Numba's thread count is per calling thread: steps set it again on the thread that runs them (an
+        # in-process client's engine thread would otherwise run with NUMBA_NUM_THREADS).
+        self.threads = threads
         self.thread_fallback = ThreadFallback(threads) if thread_fallback and threads > 1 else None
         self.model = CpuModel(model, activations=activations)
         # e.g. "i16", or "auto: q4_1 f32, q8_0 i16"
@@ -177,6 +180,8 @@ class NumbaRunner:
         """`forward` on the thread count `thread_fallback` chooses, timed for it (decode-only steps)."""
         fallback = self.thread_fallback
         if fallback is None:
+            if numba.get_num_threads() != self.threads:
+                numba.set_num_threads(self.threads)
             return self.forward(batch)
         decode = len(batch) if all(n == 1 for _, n in batch.entries) else None
         threads = fallback.threads_for(decode, time.monotonic())
