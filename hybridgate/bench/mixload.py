@@ -16,7 +16,7 @@ The target (issue 27): mixed p99 <= 4 x unloaded p50 + 50 ms.
 `--busy-core` runs every case beside a process spinning on one core and adds
 decode tokens/s at one sequence with the default threads against one thread,
 alternately (target: the default threads >= 0.8 x one thread), the runner's thread fallback
-(--cpu-thread-fallback) as configured and started afresh for each run.
+(--cpu-thread-fallback) as configured, carrying on from the cases before as in a running worker.
 """
 
 from __future__ import annotations
@@ -122,25 +122,21 @@ def mixed_rows(ours, settings, prompt: list[int], long_prompt: list[int], args: 
 
 
 def threads_row(ours, prompt: list[int], default: int, args: argparse.Namespace) -> dict:
-    """Decode tokens/s at one sequence on the `default` threads (with the runner's thread fallback as
-    configured, fresh for each run) and on one thread, alternately; medians."""
+    """Decode tokens/s at one sequence on the `default` threads, the runner's thread fallback (when on)
+    carrying on from the cases before as a running worker's does, and on one thread, alternately; medians."""
     import numba
-
-    from hybridgate.workers.cpu.threadfallback import ThreadFallback
 
     runner = ours.runner
     fallback, runs = runner.thread_fallback, {"default": [], "one": []}
-    switches = []
     for _ in range(args.repeats):
-        for name, n in (("default", default), ("one", 1)):
+        for name, n in (("default", fallback.current if fallback is not None else default), ("one", 1)):
             numba.set_num_threads(n)
-            runner.thread_fallback = ThreadFallback(n) if fallback is not None and n > 1 else None
+            runner.thread_fallback = fallback if name == "default" else None
             runs[name].append(ours.decode([prompt], args.new_tokens))
-            if runner.thread_fallback is not None:
-                switches.append(runner.thread_fallback.switches)
-    numba.set_num_threads(default)
     runner.thread_fallback = fallback
-    row = {"threads": default, "thread_fallback": fallback is not None, "fallback_switches": switches,
+    row = {"threads": default, "thread_fallback": fallback is not None,
+           "fallback_switches": fallback.switches if fallback is not None else 0,
+           "fallback_threads_at_end": fallback.current if fallback is not None else default,
            "default_tokens_per_s": statistics.median(runs["default"]),
            "one_thread_tokens_per_s": statistics.median(runs["one"])}
     row["ratio"] = row["default_tokens_per_s"] / row["one_thread_tokens_per_s"]

@@ -5,14 +5,17 @@ slowest thread: on a core that other processes keep busy, each region waits
 for that thread's next time slice, and with over a hundred regions a step
 every core can slow a decode many times over (a step on one thread has no
 barrier to wait at). Which count is faster depends on the load of the moment,
-so it is measured: the runner times its decode-only steps, and every
-`period_s` seconds the next `probe` decode steps of the same batch size run on
-a neighbouring count of the ladder (the configured threads, halved down to
-one), alternately the one below and the one above (a change of batch size
-ends the trial undecided). The neighbour becomes the count when the median of
-its steps is below `margin` times the median of the `probe` steps just
-before it. Prompt steps always run on the current count
-and take no part. The kernels give bitwise the same logits on any count, so a
+so it is measured: the runner times its decode-only steps, and once `probe`
+of them ran (then every `period_s` seconds, doubled after each trial that
+changed nothing, up to 16 times, and at least 20 times the time the last
+trial lost, so probing costs at most about 5%) the next `probe` decode steps of the same
+batch size run on a neighbouring count of the ladder (the configured threads,
+halved down to one), alternately the one below and the one above. The
+neighbour becomes the count when the median of its steps is below `margin`
+times the median of the `probe` steps just before it; a trial step slower
+than twice that median ends the trial at once (a trial on a taken core costs
+one step), and a change of batch size ends it undecided. Prompt steps always
+run on the current count and take no part. The kernels give bitwise the same logits on any count, so a
 switch changes no output.
 """
 
@@ -49,6 +52,7 @@ class ThreadFallback:
         self.switches = 0
         self._recent: deque[tuple[int, float]] = deque(maxlen=probe)  # (batch, seconds) on the current count
         self._last_trial: float | None = None  # when the last trial ended (None: none yet)
+        self._wait = period_s  # seconds from one trial to the next
         self._trial: tuple[int, int, list[float], list[float]] | None = None  # (threads, batch, reference, times)
         self._down = True  # the next trial's direction
 
@@ -68,24 +72,27 @@ class ThreadFallback:
             return
         if self._trial is None or threads != self._trial[0]:
             self._recent.append((decode_batch, seconds))
-            if self._last_trial is None:
-                self._last_trial = now  # the first period starts with the first decode step
             return
         count, _, reference, times = self._trial
         times.append(seconds)
-        if len(times) < self.probe:
+        mine = statistics.median(reference)
+        if len(times) < self.probe and seconds <= 2 * mine:
             return
-        mine, theirs = statistics.median(reference), statistics.median(times)
-        if theirs < self.margin * mine:
+        theirs = statistics.median(times)
+        if len(times) == self.probe and theirs < self.margin * mine:
             log.info("CPU runner: decode steps ran in %.1f ms on %d threads against %.1f ms on %d; using %d",
                      theirs * 1e3, count, mine * 1e3, self.current, count)
-            self.current, self.switches = count, self.switches + 1
+            self.current, self.switches, self._wait = count, self.switches + 1, self.period_s
             self._recent.clear()
+        else:  # probing costs at most about 5% of the time: wait 20 times what the trial lost
+            lost = sum(times) - len(times) * mine
+            self._wait = max(min(2 * self._wait, 16 * self.period_s), 20 * lost)
         self._trial, self._last_trial, self._down = None, now, not self._down
 
     def _due(self, batch: int, now: float) -> bool:
-        return (len(self.ladder) > 1 and self._last_trial is not None and now - self._last_trial >= self.period_s
-                and len(self._recent) == self.probe and all(b == batch for b, _ in self._recent))
+        waited = self._last_trial is None or now - self._last_trial >= self._wait
+        return (len(self.ladder) > 1 and waited and len(self._recent) == self.probe
+                and all(b == batch for b, _ in self._recent))
 
     def _neighbour(self) -> int:
         i = self.ladder.index(self.current)
