@@ -3,8 +3,8 @@
 Two profilers, both switched on just before a measured run and off just after it,
 so that neither the gateway's start nor the warm-up runs count:
 
-- `cprofile`: the gateway runs under this module's launcher (`python -m
-  hybridgate.bench.profile OUT -- ARGS`), which runs `hybridgate ARGS` with a
+- `cprofile`: the gateway runs under a launcher (`python -m
+  hybridgate.bench.profiled OUT -- ARGS`, a module of its own: it imports the CLI, which imports this one), which runs `hybridgate ARGS` with a
   `cProfile.Profile` that SIGUSR1 enables and SIGUSR2 disables, on the main
   thread: the event loop's, where both doors, the router and the output pump
   run (grpc's C core threads are not Python). The pstats file is written when
@@ -43,7 +43,7 @@ class CProfile:
 
     def command(self, args: list[str]) -> list[str]:
         """`hybridgate ARGS` under the launcher."""
-        return [sys.executable, "-m", "hybridgate.bench.profile", self.path, "--", *args]
+        return [sys.executable, "-m", "hybridgate.bench.profiled", self.path, "--", *args]
 
     def start(self, pid: int) -> None:
         os.kill(pid, signal.SIGUSR1)
@@ -109,24 +109,3 @@ def _totals(dump: Path) -> int | None:
 def make(profiler: str, path: str) -> CProfile | Callgrind:
     """The profiler named `profiler` (one of PROFILERS) writing to `path`."""
     return CProfile(path) if profiler == "cprofile" else Callgrind(path)
-
-
-def main(argv: list[str]) -> int:
-    """`python -m hybridgate.bench.profile OUT -- ARGS`: `hybridgate ARGS`, cProfile switched by SIGUSR1/SIGUSR2."""
-    import cProfile
-
-    from hybridgate.cli import main as hybridgate
-
-    out, args = argv[0], argv[argv.index("--") + 1:]
-    profiler = cProfile.Profile()
-    signal.signal(signal.SIGUSR1, lambda signum, frame: profiler.enable())
-    signal.signal(signal.SIGUSR2, lambda signum, frame: profiler.disable())
-    try:
-        return hybridgate(args)
-    finally:
-        profiler.disable()
-        profiler.dump_stats(out)
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
