@@ -401,7 +401,8 @@ def resolve(args: argparse.Namespace | None = None, environ: Mapping[str, str] |
     for spec in chosen:
         if hasattr(args, spec.path):
             value, source = getattr(args, spec.path), "flag"
-            value = tuple(value) if spec.kind is tuple else value
+            if spec.kind is tuple:  # one string from a plain namespace (an embedder's, a test's) is one item
+                value = (value,) if isinstance(value, str) else tuple(value)
         elif spec.env in environ:
             try:
                 value, source = parse_text(spec, environ[spec.env]), "env"

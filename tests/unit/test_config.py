@@ -287,3 +287,14 @@ def test_no_default_is_defined_twice():
         for spec in config.select(Settings, COMMANDS[command].include, COMMANDS[command].exclude):
             if spec.path != "worker.endpoint":
                 assert value_at(defaults, spec.path) == spec.default, (command, spec.path)
+
+
+def test_a_list_setting_given_one_string_by_a_plain_namespace_is_one_item():
+    # Embedders and tests resolve a SimpleNamespace; `model="/x.gguf"` is one model, not one per character.
+    from types import SimpleNamespace
+
+    from hybridgate.config import resolve
+    from hybridgate.settings import Settings
+
+    settings = resolve(SimpleNamespace(model="/models/a.gguf"), root=Settings).settings
+    assert settings.model == ("/models/a.gguf",) and settings.model_path == "/models/a.gguf"

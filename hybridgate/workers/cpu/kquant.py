@@ -278,7 +278,7 @@ def _make_tile(wrows: int, xrows: int):
             accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(wrows)] for _ in range(xrows)]
             with cgutils.for_range(builder, nquads) as loop:
                 q = loop.index
-                codes = [_codes(builder, at(0, qa, qo, qstr, i, builder.mul(q, c(128 if merged else 64))),
+                codes = [_codes(builder, at(0, qa, qo, qstr, i, builder.mul(q, c(64 * (2 if merged else 1)))),
                                 at(3, ha, ho, hstr, i, builder.mul(q, c(4))) if five else None, merged)
                          for i in range(wrows)]
                 dv = [_quad_scale(builder, at(6, da, so, sstr, i, builder.mul(q, c(4)))) for i in range(wrows)]
