@@ -48,7 +48,7 @@ gpu-check:
 # cp312 wheels the GPU test machine lacks, to carry along in .gpu-wheels/.
 gpu-wheels:
 	$(PY) -m pip download -q --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
-		--platform manylinux_2_28_x86_64 --implementation cp --no-deps -d .gpu-wheels msgspec pyzmq gguf pyyaml llguidance
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_31_x86_64 --implementation cp --no-deps -d .gpu-wheels msgspec pyzmq gguf pyyaml llguidance
 
 clean:
 	rm -rf $(VENV) build *.egg-info
