@@ -1,60 +1,59 @@
 """The real Gemma 3 270M (Q4_K, Q5_0, Q6_K, Q8_0 and F32 tensors) on the torch runner against transformers.
 
-Both sides dequantize with gguf to fp32. The reference's GGUF loader is corrected as hf_reference.py
-says (query scale, layer types). Prompts are token ids looked up in the file's own vocabulary (no
-tokenizer involved); the long one passes the 512-token sliding window.
+Both sides dequantize with gguf to fp32. The reference's answers are in tests/golden/gemma3_logits.json
+(`tests/reference/make_gemma3_logits_golden.py`: transformers, its GGUF loader corrected as
+hf_reference.py says): at each prompt's last position the logits at the 64 largest ids and 64 seeded
+random ones, and the largest; then 16 greedy ids with their top-2 gaps. Prompts are token ids looked up
+in the file's own vocabulary (no tokenizer involved); the long one passes the 512-token sliding window.
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from hf_reference import assert_greedy_matches, greedy, last_logits, load_reference
+from hf_reference import assert_greedy_matches
 from hybridgate.models import load_gguf
 from hybridgate.workers.gpu.model import DecoderModel
+from testdata import GEMMA3_SHA256
 
 pytestmark = pytest.mark.slow
 
+GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "gemma3_logits.json"
 TOL = 1e-3
-WORDS = (["The", "▁capital", "▁of", "▁France", "▁is"],
-         ["Once", "▁upon", "▁a", "▁time", ",", "▁there", "▁was", "▁a"])
 
 
 @pytest.fixture(scope="module")
 def gemma(gemma3_path):
-    model = load_gguf(gemma3_path)
-    vocab = model.metadata["tokenizer.ggml.tokens"]
-    index = {t: i for i, t in enumerate(vocab)}
-    bos = model.config.bos_token_id
-    prompts = [[bos] + [index[w] for w in words] for words in WORDS]
-    rng = np.random.default_rng(11)
-    prompts.append([bos] + rng.integers(1000, 200000, size=540).tolist())  # past the 512-token window
-    ref = load_reference(gemma3_path, model.metadata)
-    want = [last_logits(ref, p) for p in prompts]
-    want_greedy, gaps = greedy(ref, prompts[0], 16)
-    del ref
-    return DecoderModel(model, torch.device("cpu"), torch.float32), prompts, want, want_greedy, gaps
+    golden = json.loads(GOLDEN.read_text())
+    assert golden["model_sha256"] == GEMMA3_SHA256  # the golden was made from the file the tests load
+    return DecoderModel(load_gguf(gemma3_path), torch.device("cpu"), torch.float32), golden
 
 
 def test_config_has_the_sliding_layers_the_long_prompt_needs(gemma):
-    model, prompts, *_ = gemma
-    assert len(prompts[-1]) > max(model.config.layer_windows) == 512
+    model, golden = gemma
+    assert len(golden["cases"][-1]["prompt_ids"]) > max(model.config.layer_windows) == 512
 
 
 def test_last_position_logits_match_transformers(gemma):
-    model, prompts, want, *_ = gemma
-    for prompt, ref in zip(prompts, want):
+    model, golden = gemma
+    for case in golden["cases"]:
+        prompt = case["prompt_ids"]
         got = model.forward(torch.tensor(prompt), [len(prompt)], [model.new_cache()])[0].numpy()
-        assert np.abs(got - ref).max() < TOL, len(prompt)
+        assert np.abs(got[case["ids"]] - np.array(case["logits"], np.float32)).max() < TOL, len(prompt)
+        assert abs(float(got.max()) - case["max"]) < TOL, len(prompt)  # no other id rises above the reference's top
 
 
 def test_greedy_ids_match_transformers(gemma):
-    model, prompts, _, want_greedy, gaps = gemma
+    model, golden = gemma
+    prompt, want = golden["cases"][0]["prompt_ids"], golden["greedy"]
     cache, out = model.new_cache(), []
-    logits = model.forward(torch.tensor(prompts[0]), [len(prompts[0])], [cache])
+    logits = model.forward(torch.tensor(prompt), [len(prompt)], [cache])
     for _ in range(16):
         out.append(int(logits[0].argmax()))
         logits = model.forward(torch.tensor(out[-1:]), [1], [cache])
-    assert_greedy_matches(out, want_greedy, gaps)
+    assert_greedy_matches(out, want["ids"], want["top2_gaps"])
