@@ -33,17 +33,36 @@ TOLERANCE = 1e-5  # relative L2 error of a matmul against float64: fp32 activati
 I16_TOLERANCE = 5e-5
 
 
-def _child(args: list[str], env: dict | None = None, timeout: float = 240) -> dict:
-    proc = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True,
-                          timeout=timeout * TIME_FACTOR,
-                          cwd=ROOT, env={**(env or os.environ), "PYTHONPATH": str(ROOT)})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def _start(args: list[str], env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, __file__, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=ROOT, env={**(env or os.environ), "PYTHONPATH": str(ROOT)})
+
+
+def _result(proc: subprocess.Popen, timeout: float = 240) -> dict:
+    try:
+        out, err = proc.communicate(timeout=timeout * TIME_FACTOR)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def checks(model_path):
+    """Each runnable path's `check` child, all started at once: each compiles its kernels from cold on a
+    fresh machine, mostly on one core, so they overlap on the others."""
+    procs = {p: _start([p, "check", str(model_path)]) for p in RUNNABLE}
+    yield procs
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 @pytest.mark.parametrize("path", RUNNABLE)
-def test_each_path_matches_the_dequantizer_on_random_blocks_and_every_model_tensor(path, model_path):
-    out = _child([path, "check", str(model_path)])
+def test_each_path_matches_the_dequantizer_on_random_blocks_and_every_model_tensor(path, checks):
+    out = _result(checks[path], timeout=480)  # the children share the cores
     assert out["isa"] == path
     assert out["numba_cpu_name"] == {"avx512": "skylake-avx512", "avx2": "haswell", "generic": "generic"}[path]
     assert out["random_worst"] <= TOLERANCE, out["random"]
@@ -61,13 +80,14 @@ def test_one_cache_entry_per_path_compiled_once_and_avx2_has_no_zmm(tmp_path):
     env = {"HOME": str(tmp_path)}
     base = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
     paths = [p for p in ("avx2", "generic") if p in RUNNABLE]
-    first = {p: _child([p, "asm"], env={**base, **env}) for p in paths}
+    started = {p: _start([p, "asm"], env={**base, **env}) for p in paths}  # one cache folder each: no clash
+    first = {p: _result(proc) for p, proc in started.items()}
     for p in paths:
         assert first[p]["misses"] > 0 and first[p]["asm_bytes"] > 0
         assert "zmm" not in first[p]["registers"], p
     if "avx2" in paths:
         assert "ymm" in first["avx2"]["registers"]
-    again = _child(["avx2" if "avx2" in paths else "generic", "asm"], env={**base, **env})
+    again = _result(_start(["avx2" if "avx2" in paths else "generic", "asm"], env={**base, **env}))
     assert again["misses"] == 0 and again["hits"] > 0  # loaded from the cache, not compiled again
     folders = sorted(p.name.rsplit("-", 1)[1] for p in (tmp_path / ".cache" / "hybridgate" / "numba").iterdir())
     assert folders == sorted(paths)
