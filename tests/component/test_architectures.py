@@ -7,18 +7,23 @@ where the reference's top-2 gap is below 1e-3); and the same greedy ids through 
 with chunked prefill, the prefix cache, decode batches and preemption. Per quant type, one model's
 logits against transformers on the same file (both dequantize with gguf to fp32).
 
-The reference's GGUF loader is corrected by hand where FACTS.md says it is wrong (hf_reference.py).
+transformers' answers are in tests/golden/tiny_logits.json (`tests/reference/make_tiny_golden.py`,
+its GGUF loader corrected by hand where FACTS.md says it is wrong: hf_reference.py): the logits at
+each prompt's 64 largest ids and 64 seeded others, and the largest; each entry names the weights it
+was made from, checked against the file the fixture writes.
 """
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from hf_reference import assert_greedy_matches, greedy, last_logits, load_reference, rope_tensors
+from hf_reference import assert_greedy_matches, assert_logits_match, weights_digest
 from hybridgate.models import load_gguf, model_fingerprint
 from hybridgate.wire import AddRequest, SamplingParams
 from hybridgate.workers.engine import EngineCore, output_of
@@ -30,9 +35,17 @@ from tiny_gguf import TINY_SPECS
 pytestmark = pytest.mark.slow
 
 TOL = 1e-3
+GOLDEN = json.loads((Path(__file__).resolve().parents[1] / "golden" / "tiny_logits.json").read_text())
 PROMPT_LENGTHS = (5, 23, 40)  # the last two pass the 16-token windows
 GREEDY_STEPS = 16
-QUANT_TYPES = ("F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+QUANT_TYPES = tuple(GOLDEN["quant"])  # F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K
+
+
+def golden_of(entry: dict, model) -> dict:
+    """A golden entry, once the fixture's file is known to hold the weights it was made from."""
+    assert weights_digest(model) == entry["weights_sha256"], \
+        "the tiny fixture changed: run tests/reference/make_tiny_golden.py again"
+    return entry
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -51,13 +64,10 @@ class Case:
     def __init__(self, name: str, path):
         self.name, self.path = name, path
         self.gguf = load_gguf(path)
-        vocab = self.gguf.config.vocab_size
-        rng = np.random.default_rng(len(name))
-        self.prompts = [rng.integers(0, vocab, size=n).tolist() for n in PROMPT_LENGTHS]
-        ref = load_reference(path, self.gguf.metadata, rope_tensors(self.gguf))
-        self.want_logits = [last_logits(ref, p) for p in self.prompts]
-        self.want_greedy, self.gaps = greedy(ref, self.prompts[-1], GREEDY_STEPS)
-        del ref
+        golden = golden_of(GOLDEN["families"][name], self.gguf)
+        self.prompts = golden["prompts"]
+        self.want_logits = golden["logits"]  # `hf_reference.logit_sample` of each prompt's
+        self.want_greedy, self.gaps = golden["greedy"]["ids"], golden["greedy"]["top2_gaps"]
         self.model = DecoderModel(self.gguf, torch.device("cpu"), torch.float32)
 
 
@@ -84,7 +94,7 @@ def contiguous_greedy(model: DecoderModel, prompt: list[int], steps: int) -> lis
 def test_last_position_logits_match_transformers(case):
     got = run_packed(case.model, case.prompts)
     for row, want, n in zip(got, case.want_logits, PROMPT_LENGTHS):
-        assert np.abs(row - want).max() < TOL, (case.name, n)
+        assert_logits_match(row, want, TOL, (case.name, n))
 
 
 def test_numba_runner_logits_match_transformers(case):
@@ -102,7 +112,7 @@ def test_numba_runner_logits_match_transformers(case):
         seqs.append(seq)
     got = runner.forward(ScheduledBatch([(seq, seq.num_tokens) for seq in seqs]))
     for row, want, n in zip(got, case.want_logits, PROMPT_LENGTHS):
-        assert np.abs(np.asarray(row) - want).max() < TOL, (case.name, n, np.abs(np.asarray(row) - want).max())
+        assert_logits_match(np.asarray(row), want, TOL, (case.name, n))
 
 
 def test_greedy_ids_match_transformers(case):
@@ -143,12 +153,11 @@ def quant_case(request, tiny_models):
     path = tiny_models("quant", ggml_type=request.param)
     model = load_gguf(path)
     assert {t.ggml_type.name for t in model.tensors.values()} == {"F32", request.param}
-    rng = np.random.default_rng(7)
-    prompt = rng.integers(0, model.config.vocab_size, size=24).tolist()
-    return model, prompt, last_logits(load_reference(path, model.metadata), prompt)
+    golden = golden_of(GOLDEN["quant"][request.param], model)
+    return model, golden["prompt"], golden["logits"]
 
 
 def test_each_quant_type_matches_transformers(quant_case):
     model, prompt, want = quant_case
     got = run_packed(DecoderModel(model, torch.device("cpu"), torch.float32), [prompt])[0]
-    assert np.abs(got - want).max() < TOL
+    assert_logits_match(got, want, TOL)

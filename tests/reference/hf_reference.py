@@ -126,3 +126,39 @@ def reference_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], l
         gaps.append(float(top2[1] - top2[0]))
         logits = model.forward(torch.tensor(out[-1:]), [1], [cache])[0].numpy()
     return out, gaps
+
+
+# ---- golden files of the reference's logits ----
+
+SAMPLE_TOP, SAMPLE_RANDOM = 64, 64  # ids a golden keeps of a `[vocab]` logit vector
+
+
+def logit_sample(logits: np.ndarray, rng: np.random.Generator) -> dict:
+    """What a golden file keeps of the reference's float32 `[vocab]` logits at one position: the
+    SAMPLE_TOP largest ids (largest first), SAMPLE_RANDOM other ids drawn by `rng` (ascending), their
+    logits, and the largest logit."""
+    top = np.argsort(logits)[::-1][:SAMPLE_TOP]
+    others = rng.choice(np.setdiff1d(np.arange(logits.size), top), size=SAMPLE_RANDOM, replace=False)
+    ids = np.concatenate([top, np.sort(others)])
+    return {"ids": ids.tolist(), "logits": [float(v) for v in logits[ids]], "max": float(logits.max())}
+
+
+def assert_logits_match(got: np.ndarray, sample: dict, tol: float, what: object = "") -> None:
+    """`got` float32 `[vocab]` within `tol` of a `logit_sample` at its ids, and its largest logit within
+    `tol` of the reference's (so no id outside the sample rises above the reference's top)."""
+    err = float(np.abs(np.asarray(got)[sample["ids"]] - np.asarray(sample["logits"], np.float32)).max())
+    assert err < tol, (what, err)
+    assert abs(float(np.max(got)) - sample["max"]) < tol, (what, float(np.max(got)), sample["max"])
+
+
+def weights_digest(model) -> str:
+    """sha256 of a `GGUFModel`'s tensors (names, types and bytes, in name order): which weights a golden
+    was made from, whatever the file's header says."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name in sorted(model.tensors):
+        tensor = model.tensors[name]
+        digest.update(f"{name}:{int(tensor.ggml_type)}:".encode())
+        digest.update(np.ascontiguousarray(tensor.data).tobytes())
+    return digest.hexdigest()

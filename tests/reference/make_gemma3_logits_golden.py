@@ -7,8 +7,8 @@ Run from the repository root after `make install` (the file comes from `testdata
 Takes about a minute. The prompts are token ids looked up in the file's own vocabulary (no
 tokenizer involved): two short ones, and 540 seeded random ids after the BOS, past the 512-token
 sliding window. For each, transformers' fp32 logits at the last position (the model loaded and
-corrected by `hf_reference.load_reference`, as issue 26 set it) at the TOP largest ids and at
-SAMPLED seeded random ids, and the largest logit; then GREEDY greedy ids after the first prompt
+corrected by `hf_reference.load_reference`, as issue 26 set it) as `hf_reference.logit_sample`
+keeps them (the largest ids, seeded others, the largest logit); then GREEDY greedy ids after the first prompt
 (full forward passes, no cache), each with its top-2 logit gap. So the torch runner's test compares
 against the reference without loading transformers (33 s here) in the suite.
 """
@@ -29,14 +29,14 @@ ROOT = HERE.parent.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 
-from hf_reference import greedy, last_logits, load_reference  # noqa: E402
+from hf_reference import greedy, last_logits, load_reference, logit_sample  # noqa: E402
 from testdata import GEMMA3_SHA256, gemma3_270m  # noqa: E402
 
 GOLDEN = ROOT / "tests" / "golden" / "gemma3_logits.json"
 WORDS = (["The", "▁capital", "▁of", "▁France", "▁is"],
          ["Once", "▁upon", "▁a", "▁time", ",", "▁there", "▁was", "▁a"])
 LONG_PROMPT = 540  # random ids after the BOS: past the 512-token sliding window
-TOP, SAMPLED, GREEDY = 64, 64, 16
+GREEDY = 16
 
 
 def prompts(metadata: dict, bos: int) -> list[list[int]]:
@@ -58,12 +58,7 @@ def main() -> None:
     rng = np.random.default_rng(5)
     cases = []
     for prompt in prompts(model.metadata, model.config.bos_token_id):
-        logits = last_logits(ref, prompt)
-        top = np.argsort(logits)[::-1][:TOP]
-        sampled = rng.choice(np.setdiff1d(np.arange(logits.size), top), size=SAMPLED, replace=False)
-        ids = np.concatenate([top, np.sort(sampled)])
-        cases.append({"prompt_ids": prompt, "ids": ids.tolist(), "logits": [float(v) for v in logits[ids]],
-                      "max": float(logits.max())})
+        cases.append({"prompt_ids": prompt} | logit_sample(last_logits(ref, prompt), rng))
     greedy_ids, gaps = greedy(ref, cases[0]["prompt_ids"], GREEDY)
     versions = {name: importlib.metadata.version(name) for name in ("transformers", "torch", "gguf")}
     GOLDEN.write_text(json.dumps({
