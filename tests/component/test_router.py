@@ -127,7 +127,7 @@ async def test_leaving_the_block_while_holding_the_stream(router):
 
 async def test_batch_of_eight_equals_solo_and_seeded_sampling_is_batch_independent(router):
     prompts = [f"Write a sentence about the number {i}." for i in range(8)]
-    greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     solo = [await collect(router, p, greedy) for p in prompts]
     steps_before = dict(router.clients[0].stats.batch_size_counts)
     together = await asyncio.gather(*(collect(router, p, greedy) for p in prompts))
