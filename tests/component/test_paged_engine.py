@@ -166,13 +166,13 @@ def test_prefix_caching_saves_whole_blocks(runner, fingerprint):
 @pytest.mark.parametrize("kind", ["torch", "cpu"])
 def test_preemption_recomputes_and_matches_solo(gguf_model, fingerprint, kind):
     if kind == "torch":
-        small = TorchRunner(gguf_model, torch.device("cpu"), torch.float32, kv_cache_memory="64MiB", max_num_blocks=24)
+        small = TorchRunner(gguf_model, torch.device("cpu"), torch.float32, kv_cache_memory="64MiB", max_num_blocks=16)
     else:
         from hybridgate.workers.cpu.runner import NumbaRunner
 
-        small = NumbaRunner(gguf_model, kv_cache_memory="64MiB", max_num_blocks=24, threads=1)
-    prompts = [LONG_IDS[i * 40 : i * 40 + 30] for i in range(6)]
-    reqs = [request(str(i), p, 48, ignore_eos=True) for i, p in enumerate(prompts)]  # 6 x 78 tokens > 24 x 16
+        small = NumbaRunner(gguf_model, kv_cache_memory="64MiB", max_num_blocks=16, threads=1)
+    prompts = [LONG_IDS[i * 40 : i * 40 + 30] for i in range(4)]
+    reqs = [request(str(i), p, 48, ignore_eos=True) for i, p in enumerate(prompts)]  # 4 x 78 tokens > 16 x 16
     engine = EngineCore(small, SchedulerConfig(), fingerprint)
     together = run_engine(engine, reqs)
     assert engine.refresh_stats().preemptions > 0
