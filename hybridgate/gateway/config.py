@@ -43,7 +43,7 @@ class GatewayConfig:
         secret=True, check=check_token)
     auth_token_file: str | None = setting(
         None, "read the bearer token from this file (mode 0600 or narrower; surrounding whitespace dropped)")
-    tls_cert: str | None = setting(None, "serve gRPC over TLS with this PEM certificate chain (with --tls-key)")
+    tls_cert: str | None = setting(None, "serve gRPC and the HTTP port over TLS with this PEM certificate chain (with --tls-key)")
     tls_key: str | None = setting(None, "the PEM private key of --tls-cert (mode 0600 or narrower)")
     tls_client_ca: str | None = setting(
         None, "mutual TLS: PEM CA certificates that clients' certificates must chain to; a client without "
