@@ -355,7 +355,7 @@ def explain(constraint: Constraint) -> str | None:
         reason = _schema_error(schema)
         if reason is not None:
             where = " (of the schema made of the tools' parameters)" if not kind else ""
-            return (f"{kind}unsupported JSON schema feature at JSON pointer {json.dumps(locate(schema, reason))}"
+            return (f"{kind}the JSON schema cannot be enforced at JSON pointer {json.dumps(locate(schema, reason))}"
                     f"{where}: {_feature(reason)}")
     return f"{kind}the JSON schema cannot be enforced: {error[len(_SCHEMA_PREFIX):]}"
 

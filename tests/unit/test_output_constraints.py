@@ -192,6 +192,7 @@ def test_limits_name_the_field_and_the_setting():
     ({"type": "object", "properties": {"a/b~": {"type": "object", "not": {}}}}, "/properties/a~1b~0/not", '"not"'),
     ({"type": "object", "properties": {"x": {"$ref": "#/$defs/missing"}}}, "/properties/x", "missing"),
     ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "/oneOf", "oneOf"),
+    ({"type": "object", "properties": {"n": {"type": 5}}}, "/properties/n/type", "type must be"),  # not valid at all
 ])
 def test_an_unsupported_feature_is_named_with_its_json_pointer(schema, pointer, feature):
     check = ConstraintCheck()
@@ -220,7 +221,7 @@ def test_a_tool_whose_parameters_use_an_unsupported_feature_is_refused(tokenizer
                       tokenizer.special_tokens).constraint
     with pytest.raises(InvalidFieldError) as e:
         asyncio.run(ConstraintCheck().check(constraint, "tools"))
-    assert str(e.value).startswith("tools: unsupported JSON schema feature at JSON pointer ")
+    assert str(e.value).startswith("tools: the JSON schema cannot be enforced at JSON pointer ")
     assert '/properties/q/not"' in str(e.value) and '"not"' in str(e.value)
 
 
