@@ -201,6 +201,11 @@ def add_gateway_parser(sub) -> None:
     p.add_argument("--large-chat-bytes", type=bounded(int, 0, 1 << 20), default=0,
                    help="during each run, send chat requests of this many bytes and of half as many, one at a "
                         "time, and report the gateway's event-loop lag (default 0: none)")
+    p.add_argument("--grpc-floor", action="store_true",
+                   help="also drive, alternately with the gateway's gRPC door, a bare grpc.aio server of the same "
+                        "service that only yields prebuilt messages at the same step (hybridgate/bench/grpcfloor.py), "
+                        "and report its CPU per message: the floor any grpc.aio server pays, and the gateway's "
+                        "figure less it (needs --step-ms > 0: one message per token; not with --tls or --tools)")
     p.add_argument("--json", default=None, metavar="OUT", help="write the figures to this JSON file")
     p.set_defaults(func=_run_gateway)
 

@@ -328,6 +328,9 @@ def run(args) -> list[dict]:
     profiler = profile.make(args.profiler, args.profile) if args.profile else None
     if args.tls and args.tools:
         raise SystemExit("bench gateway: --tools and --tls are separate comparisons; run them one at a time")
+    if args.grpc_floor and (args.tls or args.tools or "grpc" not in args.protocol or not args.step_ms):
+        raise SystemExit("bench gateway: --grpc-floor compares the plaintext gRPC door at one message per token: "
+                         "it needs --step-ms > 0 and grpc among --protocol, and not --tls or --tools")
     repeats = args.repeats or (3 if args.tls or args.tools else 1)
     model = resolve(args).settings.model_path
     machine = describe()  # before the run loads it
@@ -341,8 +344,13 @@ def run(args) -> list[dict]:
     worker.start()
     token = safety.new_token() if args.auth else None
     gateways: list[_Gateway] = []
-    results, ratios = [], []
+    results, ratios, floors = [], [], []
+    floor = None
     try:
+        if args.grpc_floor:
+            from hybridgate.bench.grpcfloor import FloorServer
+
+            floor = FloorServer(args.step_ms / 1e3)
         gateways.append(_Gateway(model, endpoint, args.startup_timeout, args.gateways, token=token, profiler=profiler,
                                  extra=("--tool-call-format", "hermes") if args.tools else ()))
         if args.tls:  # beside it on the same worker: TLS with a self-signed certificate, and a bearer token
@@ -364,6 +372,9 @@ def run(args) -> list[dict]:
                         rows[row["tls"]].append(row)
                         results.append(row)
                         _print_row(row)
+                if floor is not None:
+                    floors.append(measure_floor(floor, concurrency, max(args.requests, concurrency), args.max_tokens))
+                    _print_floor(floors[-1])
             if args.tls:
                 ratios.append(_tls_ratio(concurrency, rows[False], rows[True]))
                 print(f"concurrency {concurrency:>4}: TLS + auth / plaintext{' + auth' if args.auth else ''} "
@@ -372,20 +383,72 @@ def run(args) -> list[dict]:
     finally:
         for gateway in gateways:
             gateway.stop()
+        if floor is not None:
+            floor.stop()
         worker.terminate()
         worker.join(30)
         shutil.rmtree(folder, ignore_errors=True)
     doors = door_summary(results)
     for door in doors:
         _print_door(door, args.step_ms)
+    floor_doors = floor_summary(floors, doors)
+    for f in floor_doors:
+        _print_floor_door(f, args.step_ms)
     report = {"benchmark": "gateway", "protocol": ",".join(args.protocol), "gateways": args.gateways,
               "step_ms": args.step_ms, "auth": args.auth, "response_cache": "off", "cpus": os.cpu_count(),
               "machine": machine, "large_chat_bytes": args.large_chat_bytes,
               "profile": {"profiler": args.profiler, "file": args.profile} if args.profile else None,
-              "results": results, "doors": doors, ("tools_ratios" if args.tools else "tls_ratios"): ratios}
+              "results": results, "doors": doors, ("tools_ratios" if args.tools else "tls_ratios"): ratios,
+              "grpc_floor": {"runs": floors, "summary": floor_doors} if args.grpc_floor else None}
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     return results
+
+
+def measure_floor(floor, concurrency: int, requests: int, max_tokens: int) -> dict:
+    """One run of the same gRPC client against the grpc.aio floor server (`hybridgate.bench.grpcfloor`):
+    its CPU per message (each message carries one id), user and system."""
+    _run_client(floor.target, concurrency, min(requests, 2 * concurrency), max_tokens)  # warm-up
+    user0, sys0 = cpu_times(floor.pid)
+    r = _run_client(floor.target, concurrency, requests, max_tokens)
+    user, system = cpu_times(floor.pid)
+    messages = r["messages"]
+    per = (lambda s: s / messages * 1e6 if messages else None)
+    return {"concurrency": concurrency, "requests": requests, "max_tokens": max_tokens, "messages": messages,
+            "errors": r["errors"], "wall_s": r["wall_s"], "cpu_us_per_message": per(user + system - user0 - sys0),
+            "system_us_per_message": per(system - sys0)}
+
+
+def floor_summary(floors: list[dict], doors: list[dict]) -> list[dict]:
+    """Per concurrency: the floor's median CPU per message beside the plaintext gRPC door's median CPU per
+    streamed token, and the door's figure less the floor (per token: both at one id a message with a step)."""
+    import statistics
+
+    out = []
+    for c in dict.fromkeys(f["concurrency"] for f in floors):
+        values = [f["cpu_us_per_message"] for f in floors if f["concurrency"] == c and f["cpu_us_per_message"]]
+        door = next((d for d in doors if d["concurrency"] == c and d["protocol"] == "grpc" and not d["tls"]), None)
+        floor_us = statistics.median(values) if values else None
+        gateway_us = door["gateway_cpu_us_per_token"] if door else None
+        out.append({"concurrency": c, "runs": len(values), "floor_cpu_us_per_message": floor_us,
+                    "gateway_cpu_us_per_token": gateway_us,
+                    "gateway_less_floor_us": gateway_us - floor_us if None not in (gateway_us, floor_us) else None})
+    return out
+
+
+def _print_floor(f: dict) -> None:
+    fmt = (lambda v: "-" if v is None else f"{v:.1f}")
+    print(f"concurrency {f['concurrency']:>4}: grpc.aio floor {fmt(f['cpu_us_per_message'])} µs CPU/message "
+          f"({fmt(f['system_us_per_message'])} system), {f['messages']} messages"
+          + (f", {f['errors']} errors" if f["errors"] else ""), flush=True)
+
+
+def _print_floor_door(f: dict, step_ms: float) -> None:
+    fmt = (lambda v: "-" if v is None else f"{v:.1f}")
+    print(f"per message, bare grpc.aio server at concurrency {f['concurrency']}, step {step_ms:g} ms: "
+          f"{fmt(f['floor_cpu_us_per_message'])} µs CPU (median of {f['runs']}); the gateway's gRPC door "
+          f"{fmt(f['gateway_cpu_us_per_token'])} µs a token, {fmt(f['gateway_less_floor_us'])} µs above it",
+          flush=True)
 
 
 def door_summary(results: list[dict]) -> list[dict]:

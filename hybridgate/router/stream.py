@@ -27,6 +27,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("hybridgate.router")
 
+# `_on_output_event` carries out this row itself rather than through `_fire` (a transition and an action
+# lookup per streamed token); the row must stay what it inlines.
+_RUNNING_OUTPUT = transition(StreamState.RUNNING, StreamEvent.OUTPUT)
+if _RUNNING_OUTPUT != (StreamState.RUNNING, A.QUEUE):
+    raise ImportError(f"streamstate's RUNNING/OUTPUT row is {_RUNNING_OUTPUT}; GenerationStream inlines "
+                      "(RUNNING, QUEUE)")
 
 
 class Stalled(msgspec.Struct, frozen=True):
@@ -266,6 +272,9 @@ class GenerationStream:
                                                            "steps buffered")
             return
         self.received += out.token_ids
+        if self.state is StreamState.RUNNING and not out.finish:  # the table's RUNNING/OUTPUT row, inline:
+            self._queue.put_nowait(out)  # the one event of almost every streamed token (_RUNNING_OUTPUT)
+            return
         self._fire(StreamEvent.LAST_OUTPUT if out.finish else StreamEvent.OUTPUT, out)
 
     def _on_worker_dead(self, event: WorkerDead) -> None:

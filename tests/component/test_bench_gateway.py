@@ -95,3 +95,30 @@ def test_bench_gateway_tools_compares_chats_with_and_without_a_tool(tmp_path):
     assert report["results"][0]["tool_calls"] == 0 and report["results"][1]["tool_calls"] >= 2 * 2
     (ratio,) = report["tools_ratios"]
     assert ratio["concurrency"] == 2 and ratio["gateway_cpu_ratio"] > 0 and ratio["runs"] == 1
+
+
+def test_bench_gateway_grpc_floor_beside_the_door(tmp_path):
+    out = tmp_path / "floor.json"
+    proc = subprocess.run([HYBRIDGATE, "bench", "gateway", "--concurrency", "2", "--requests", "4",
+                           "--max-tokens", "32", "--step-ms", "2", "--grpc-floor", "--json", str(out)],
+                          capture_output=True, text=True, timeout=120 * TIME_FACTOR)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    floor = json.loads(out.read_text())["grpc_floor"]
+    (run,) = floor["runs"]
+    # The bare server streamed every id, one a message, paced by its one step timer: 4 streams two at a
+    # time, 32 steps of 2 ms each, so at least 2 x 32 x 2 ms of wall time.
+    assert run["messages"] == 4 * 32 and run["errors"] == 0
+    assert run["wall_s"] >= 2 * 32 * 0.002
+    assert run["cpu_us_per_message"] > 0 and 0 <= run["system_us_per_message"] <= run["cpu_us_per_message"]
+    (summary,) = floor["summary"]
+    door = json.loads(out.read_text())["doors"][0]
+    assert summary["floor_cpu_us_per_message"] == run["cpu_us_per_message"]
+    assert abs(summary["gateway_less_floor_us"] - (door["gateway_cpu_us_per_token"] - run["cpu_us_per_message"])) \
+        < 1e-9
+    assert "bare grpc.aio server at concurrency 2, step 2 ms" in proc.stdout
+
+
+def test_bench_gateway_grpc_floor_needs_one_message_per_token():
+    proc = subprocess.run([HYBRIDGATE, "bench", "gateway", "--grpc-floor"], capture_output=True, text=True,
+                          timeout=60 * TIME_FACTOR)
+    assert proc.returncode != 0 and "--grpc-floor" in proc.stderr + proc.stdout and "--step-ms" in proc.stderr + proc.stdout
