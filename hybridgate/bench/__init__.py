@@ -205,7 +205,8 @@ def add_gateway_parser(sub) -> None:
                    help="also drive, alternately with the gateway's gRPC door, a bare grpc.aio server of the same "
                         "service that only yields prebuilt messages at the same step (hybridgate/bench/grpcfloor.py), "
                         "and report its CPU per message: the floor any grpc.aio server pays, and the gateway's "
-                        "figure less it (needs --step-ms > 0: one message per token; not with --tls or --tools)")
+                        "figure less it (needs --step-ms > 0: one message per token, and grpc among --protocol; not with "
+                        "--tls or --tools)")
     p.add_argument("--json", default=None, metavar="OUT", help="write the figures to this JSON file")
     p.set_defaults(func=_run_gateway)
 

@@ -439,7 +439,7 @@ def floor_summary(floors: list[dict], doors: list[dict]) -> list[dict]:
 def _print_floor(f: dict) -> None:
     fmt = (lambda v: "-" if v is None else f"{v:.1f}")
     print(f"concurrency {f['concurrency']:>4}: grpc.aio floor {fmt(f['cpu_us_per_message'])} µs CPU/message "
-          f"({fmt(f['system_us_per_message'])} system), {f['messages']} messages"
+          f"({fmt(f['system_us_per_message'])} µs of it system), {f['messages']} messages"
           + (f", {f['errors']} errors" if f["errors"] else ""), flush=True)
 
 
