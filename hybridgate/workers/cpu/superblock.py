@@ -1,0 +1,323 @@
+"""The avx2 path's Q4_K matmul: sub-block scales applied in integers, one float step per 256 columns.
+
+Q4_K stores w = d·sc_b·c + m_b per 32-column sub-block b of a 256-column super-block (c a 4-bit
+code, sc_b a 6-bit unsigned scale, d an fp16; m_b = -dmin·min_b). `avx2.matmul_i16` multiplies it
+as Q4_1, converting each sub-block's integer sum to float (convert, multiply by the activation
+scale, FMA with d·sc_b): three float operations per pair of rows and block beside two `vpmaddwd`.
+Here the activations share one int16 scale per super-block, xs = max|x_sb| / 32767, so the
+sub-block scales stay integers:
+
+    Σ_b d·sc_b·xs·P_b  =  d·xs · Σ_b sc_b·P_b,    P_b = Σ_j c_bj·xq_bj
+
+summed exactly in int32 lanes (a lane holds 4 products a block: at most 8 · 4 · 15 · 63 · 32767
+< 2^31), then one float step per super-block: acc = fma(float(S) · xs, d, acc) on 8 lanes. Below
+UNPACK_MIN activation rows (the GEMV tiles) the codes are widened from the nibbles and each block's
+lane sums multiplied by sc_b (`vpmulld`); from UNPACK_MIN on, a row group's codes are widened once
+into a scratch already multiplied by sc_b (c·sc_b ≤ 945 fits int16), so the GEMM tiles do two
+`vpmaddwd` and two adds per pair and block. Both give the same integers, and the same float
+operations follow: a row's result does not depend on its batch.
+
+Lanes: a block's 16 bytes of nibbles (Q4_1's order: byte j holds column j low, j + 16 high) are
+loaded into both 128-bit halves; a per-half shift of the 32-bit lanes (`vpsrlvd` by 0 | 4, then by
+8 | 12) and a mask of 0x000F000F give columns 0, 2, .., 14 | 16, 18, .., 30, then 1, 3, .., 15 |
+17, .., 31 as 16-bit lanes: each block's even columns, then its odd ones, the activation order of
+`avx2.quantize_block`. The min term Σ_b m_b · xs·Σ_j xq_bj is float, as in `avx2._min_terms`.
+
+Error: the activations' rounding, at most xs / 2 = max|x_sb| / 65534 per element.
+
+Sources: ggml's `block_q4_K` (ggml-common.h) and `dequantize_row_q4_K` (ggml-quants.c); ggml-cpu's
+`ggml_vec_dot_q4_K_q8_K` (integer sub-block scales, one float step per super-block; with int8
+activations there); Intel's intrinsics guide for `vpmaddwd`, `vpsrlvd` and `vpmulld`.
+"""
+
+from __future__ import annotations
+
+from hybridgate.workers.cpu import isa
+
+isa.selected()  # before Numba is imported: it compiles for the chosen instruction set
+
+import numba as nb  # noqa: E402
+import numpy as np  # noqa: E402
+from llvmlite import ir  # noqa: E402
+from numba import prange  # noqa: E402
+from numba import types  # noqa: E402
+from numba.core import cgutils  # noqa: E402
+from numba.extending import intrinsic  # noqa: E402
+
+from hybridgate.workers.cpu.avx2 import GEMV_W, TILE_W, TILE_X, UNPACK_MIN, _fma, _madd, _min_terms, _splat8  # noqa: E402
+from hybridgate.workers.cpu.blocks import _f16, _k4_scales  # noqa: E402
+from hybridgate.workers.cpu.simd import PREFETCH_ROWS, X_TILE, _load_vec, _ptr, _tree_sum, prefetch, prefetch_span  # noqa: E402
+
+SUPER = 256  # columns per super-block: one activation scale, one float step
+BLOCKS = SUPER // 32  # sub-blocks per super-block
+XQ_MAX = 32767.0
+_I16, _I32 = ir.IntType(16), ir.IntType(32)
+_V8I = ir.VectorType(_I32, 8)
+_V4I = ir.VectorType(_I32, 4)
+_V16S = ir.VectorType(_I16, 16)
+_V8F = ir.VectorType(ir.FloatType(), 8)
+_MASK = ir.Constant(_V8I, [0x000F000F] * 8)
+
+
+def split_scales(data: np.ndarray, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A Q4_K weight's GGUF bytes uint8 `[rows, row_bytes]` → (sc int32 `[rows, cols / 32]`, the 6-bit
+    sub-block scales; d float32 `[rows, cols / 256]`; minimum float32 `[rows, cols / 32]`, -dmin·min_b)."""
+    rows, cols = shape
+    blocks = np.ascontiguousarray(data).reshape(rows, cols // SUPER, 144)
+    sc, m = _k4_scales(blocks[:, :, 4:16])
+    minimum = -(_f16(blocks, 2)[:, :, None] * m).reshape(rows, -1)
+    return sc.reshape(rows, -1).astype(np.int32), _f16(blocks, 0), minimum.astype(np.float32)
+
+
+def _widen(builder, ptr):
+    """16 bytes of nibbles at ptr → (even, odd) <16 x i16> codes 0..15 (the lanes of the docstring)."""
+    raw = _load_vec(builder, ptr, _V4I, 1)
+    both = builder.shuffle_vector(raw, raw, ir.Constant(_V8I, [0, 1, 2, 3, 0, 1, 2, 3]))
+    even = builder.and_(builder.lshr(both, ir.Constant(_V8I, [0] * 4 + [4] * 4)), _MASK)
+    odd = builder.and_(builder.lshr(both, ir.Constant(_V8I, [8] * 4 + [12] * 4)), _MASK)
+    return builder.bitcast(even, _V16S), builder.bitcast(odd, _V16S)
+
+
+def _splat_i32(builder, scalar):
+    vec = builder.insert_element(ir.Constant(_V8I, ir.Undefined), scalar, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(vec, vec, ir.Constant(_V8I, [0] * 8))
+
+
+def _make_tile(wrows: int, xrows: int, unpacked: bool):
+    """An intrinsic: `wrows` Q4_K weight rows times `xrows` int16 activation rows.
+
+    f(qs, q_off, q_stride, wq, w_off, w_stride, sc, d, minimum, s_off, s_stride, nblocks, xq, x_off,
+      x_stride, xs, xsum, a_off, a_stride, out, o_off, o_stride) writes, for weight row i and activation
+    row k, out[o_off + k·o_stride + i] = tree8(Σ_s float(S_iks) · xs_ks · d_is) + Σ_b m_ib · xsum_kb with
+    S_iks = Σ_{b in s} sc_ib · P_ikb in int32 lanes: sc and minimum at [s_off + i·s_stride + b], d at
+    [(s_off + i·s_stride) / 8 + s], xq (each block's even columns, then its odd) at x_off + k·x_stride +
+    32b, xs at [(a_off + k·a_stride) / 8 + s], xsum at [a_off + k·a_stride + b]. The codes come from qs
+    (nibbles, row i at q_off + i·q_stride) or, `unpacked`, from wq (`unpack_rows`: already times sc;
+    row i at w_off + i·w_stride, 32 int16 per block). nblocks: a multiple of 8.
+    """
+
+    def generic(typingctx, qs, q_off, q_stride, wq, w_off, w_stride, sc, d, minimum, s_off, s_stride, nblocks,
+                xq, x_off, x_stride, xs, xsum, a_off, a_stride, out, o_off, o_stride):
+        ip = types.intp
+        sig = types.void(qs, ip, ip, wq, ip, ip, sc, d, minimum, ip, ip, ip, xq, ip, ip, xs, xsum, ip, ip, out, ip, ip)
+
+        def codegen(context, builder, signature, args):
+            (qa, qo, qstr, wa, wo, wstr, sca, da, ma, so, sstr, n, xa, xo, xstr, xsa, xma, ao, astr,
+             oa, oo, ostr) = args
+            ty = dict(zip(("qs", "wq", "sc", "d", "minimum", "xq", "xs", "xsum", "out"),
+                          (signature.args[i] for i in (0, 3, 6, 7, 8, 12, 15, 16, 19))))
+            c = lambda v: ir.Constant(n.type, v)  # noqa: E731
+            facc = [[cgutils.alloca_once_value(builder, ir.Constant(_V8F, [0.0] * 8)) for _ in range(wrows)]
+                    for _ in range(xrows)]
+            iacc = [[cgutils.alloca_once(builder, _V8I) for _ in range(wrows)] for _ in range(xrows)]
+            eight = c(BLOCKS)
+
+            def at(name, arr, offset):
+                return _ptr(context, builder, ty[name], arr, offset)
+
+            def srow(i):
+                return builder.add(so, builder.mul(sstr, c(i)))
+
+            def weights(i, b):
+                if unpacked:
+                    p = at("wq", wa, builder.add(builder.add(wo, builder.mul(wstr, c(i))), builder.mul(b, c(32))))
+                    return _load_vec(builder, p, _V16S, 2), _load_vec(builder, builder.gep(p, [c(16)]), _V16S, 2)
+                return _widen(builder, at("qs", qa, builder.add(builder.add(qo, builder.mul(qstr, c(i))),
+                                                                builder.mul(b, c(16)))))
+
+            def acts(k, b):
+                xp = at("xq", xa, builder.add(builder.add(xo, builder.mul(xstr, c(k))), builder.mul(b, c(32))))
+                return _load_vec(builder, xp, _V16S, 2), _load_vec(builder, builder.gep(xp, [c(16)]), _V16S, 2)
+
+            def prefetch_ahead(b):
+                """One block of each of the wrows rows PREFETCH_ROWS ahead (contiguous: wrows · 16 bytes of
+                codes), and their sub-block scales and mins, a block at a time (as `avx2`'s tiles)."""
+                q = builder.add(builder.add(qo, builder.mul(qstr, c(PREFETCH_ROWS))), builder.mul(b, c(16 * wrows)))
+                for off in range(0, 16 * wrows, 64):
+                    prefetch(builder, at("qs", qa, builder.add(q, c(off))))
+                sp = builder.add(builder.add(so, builder.mul(sstr, c(PREFETCH_ROWS))), builder.mul(b, c(wrows)))
+                prefetch(builder, at("sc", sca, sp))
+                prefetch(builder, at("minimum", ma, sp))
+
+            def one_block(b):
+                if not unpacked:
+                    prefetch_ahead(b)
+                w = [weights(i, b) for i in range(wrows)]
+                scales = [] if unpacked else [_splat_i32(builder, builder.load(at("sc", sca, builder.add(srow(i), b))))
+                                               for i in range(wrows)]
+                for k in range(xrows):
+                    x1, x2 = acts(k, b)
+                    for i in range(wrows):
+                        acc = builder.load(iacc[k][i])
+                        if unpacked:
+                            acc = builder.add(builder.add(acc, _madd(builder, w[i][0], x1)), _madd(builder, w[i][1], x2))
+                        else:
+                            prod = builder.add(_madd(builder, w[i][0], x1), _madd(builder, w[i][1], x2))
+                            acc = builder.add(acc, builder.mul(prod, scales[i]))
+                        builder.store(acc, iacc[k][i])
+
+            with cgutils.for_range(builder, builder.sdiv(n, eight)) as sloop:
+                s = sloop.index
+                for k in range(xrows):
+                    for i in range(wrows):
+                        builder.store(ir.Constant(_V8I, [0] * 8), iacc[k][i])
+                with cgutils.for_range(builder, eight) as bloop:
+                    one_block(builder.add(builder.mul(s, eight), bloop.index))
+                dvec = [_splat8(builder, builder.load(at("d", da, builder.add(builder.sdiv(srow(i), eight), s))))
+                        for i in range(wrows)]
+                for k in range(xrows):
+                    xrow = builder.sdiv(builder.add(ao, builder.mul(astr, c(k))), eight)
+                    xsv = _splat8(builder, builder.load(at("xs", xsa, builder.add(xrow, s))))
+                    for i in range(wrows):
+                        f = builder.fmul(builder.sitofp(builder.load(iacc[k][i]), _V8F), xsv)
+                        builder.store(_fma(builder, f, dvec[i], builder.load(facc[k][i])), facc[k][i])
+            mterms = _min_terms(context, builder, ty, ma, xma, so, sstr, ao, astr, wrows, xrows, n)
+            for k in range(xrows):
+                for i in range(wrows):
+                    value = builder.fadd(_tree_sum(builder, builder.load(facc[k][i])), mterms[i, k])
+                    builder.store(value, at("out", oa, builder.add(builder.add(oo, builder.mul(ostr, c(k))), c(i))))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    generic.__name__ = f"q4k_tile{wrows}x{xrows}{'u' if unpacked else ''}"
+    return intrinsic(generic)
+
+
+@intrinsic
+def unpack_rows(typingctx, qs, q_off, q_stride, sc, s_off, s_stride, nblocks, rows, wq):
+    """wq[(i·nblocks + b)·32 : +32] = sc_ib · (even, odd) codes of block b of weight row i < rows (`_widen`):
+    the codes widened and scaled once for every tile that reads them."""
+    ip = types.intp
+    sig = types.void(qs, ip, ip, sc, ip, ip, ip, ip, wq)
+
+    def codegen(context, builder, signature, args):
+        qa, qo, qstr, sca, so, sstr, n, nrows, wa = args
+        c = lambda v: ir.Constant(n.type, v)  # noqa: E731
+        with cgutils.for_range(builder, nrows) as row:
+            with cgutils.for_range(builder, n) as loop:
+                qoff = builder.add(builder.add(qo, builder.mul(qstr, row.index)), builder.mul(loop.index, c(16)))
+                even, odd = _widen(builder, _ptr(context, builder, signature.args[0], qa, qoff))
+                scale = builder.trunc(builder.load(_ptr(context, builder, signature.args[3], sca,
+                                                        builder.add(builder.add(so, builder.mul(sstr, row.index)),
+                                                                    loop.index))), _I16)
+                svec = builder.shuffle_vector(builder.insert_element(ir.Constant(_V16S, ir.Undefined), scale,
+                                                                     ir.Constant(_I32, 0)),
+                                              ir.Constant(_V16S, ir.Undefined), ir.Constant(ir.VectorType(_I32, 16), [0] * 16))
+                dst = _ptr(context, builder, signature.args[8], wa,
+                           builder.mul(builder.add(builder.mul(row.index, n), loop.index), c(32)))
+                builder.store(builder.mul(even, svec), builder.bitcast(dst, _V16S.as_pointer()), align=2)
+                builder.store(builder.mul(odd, svec), builder.bitcast(builder.gep(dst, [c(16)]), _V16S.as_pointer()),
+                              align=2)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+tile_wx_u, tile_w1_u = _make_tile(TILE_W, TILE_X, True), _make_tile(TILE_W, 1, True)
+tile_g1, tile_11 = _make_tile(GEMV_W, 1, False), _make_tile(1, 1, False)
+
+_JIT = dict(nogil=True, fastmath=True, cache=True)
+_TILE_JIT = dict(nogil=True, fastmath=False, cache=True)  # as `avx2`: no fast-math flags on the tiles' float steps
+_CHUNKS = 16
+
+
+@nb.njit(**_TILE_JIT)
+def _quantize_row(x, k, xq, xs, xsum):
+    """Row k of x float32 `[batch, cols]` → xq int16 `[batch, cols]` (each block's even columns, then its
+    odd), xs float32 `[batch, cols / 256]` (max|x_sb| / 32767) and xsum float32 `[batch, cols / 32]`
+    (xs · the block's Σ xq)."""
+    for s in range(x.shape[1] // SUPER):
+        base = SUPER * s
+        top = np.float32(0.0)
+        for j in range(SUPER):
+            top = max(top, abs(x[k, base + j]))
+        inv = np.float32(XQ_MAX) / top if top > 0 else np.float32(0.0)
+        scale = top / np.float32(XQ_MAX)
+        xs[k, s] = scale
+        for b in range(BLOCKS):
+            at = base + 32 * b
+            total = 0
+            for j in range(32):
+                q = np.int32(np.rint(x[k, at + j] * inv))
+                xq[k, at + (j >> 1) + 16 * (j & 1)] = np.int16(q)
+                total += q
+            xsum[k, BLOCKS * s + b] = np.float32(total) * scale
+
+
+@nb.njit(**_TILE_JIT)
+def _gemv_rows(xq, xs, xsum, qs, sc, d, minimum, out, r0, r1, b0, b1):
+    """Weight rows r0 .. r1 against activation rows b0 .. b1 (fewer than UNPACK_MIN), GEMV_W rows a tile."""
+    rows, nblocks, cols, qw = qs.shape[0], sc.shape[1], xq.shape[1], qs.shape[1]
+    r = r0  # the packed tiles read no unpacked codes: xq stands in for their wq argument
+    while r < r1:
+        w = GEMV_W if r + GEMV_W <= r1 else 1
+        for b in range(b0, b1):
+            if w == GEMV_W:
+                tile_g1(qs, r * qw, qw, xq, 0, 0, sc, d, minimum, r * nblocks, nblocks, nblocks, xq, b * cols, cols,
+                        xs, xsum, b * nblocks, nblocks, out, b * rows + r, rows)
+            else:
+                tile_11(qs, r * qw, qw, xq, 0, 0, sc, d, minimum, r * nblocks, nblocks, nblocks, xq, b * cols, cols,
+                        xs, xsum, b * nblocks, nblocks, out, b * rows + r, rows)
+        r += w
+
+
+@nb.njit(**_TILE_JIT)
+def _gemm_rows(xq, xs, xsum, qs, sc, d, minimum, out, r, wrows, b0, b1, wq):
+    """Weight rows r .. r + wrows (at most TILE_W) against activation rows b0 .. b1 (at least
+    UNPACK_MIN): the rows' codes widened and scaled into wq once, then TILE_W x TILE_X tiles."""
+    rows, nblocks, cols, qw = qs.shape[0], sc.shape[1], xq.shape[1], qs.shape[1]
+    ahead = r + PREFETCH_ROWS
+    prefetch_span(qs, ahead * qw, wrows * qw)
+    prefetch_span(sc, ahead * nblocks, wrows * nblocks)
+    prefetch_span(minimum, ahead * nblocks, wrows * nblocks)
+    if wrows < TILE_W:
+        for i in range(wrows):
+            _gemv_rows(xq, xs, xsum, qs, sc, d, minimum, out, r + i, r + i + 1, b0, b1)
+        return
+    unpack_rows(qs, r * qw, qw, sc, r * nblocks, nblocks, nblocks, TILE_W, wq)
+    b = b0
+    while b + TILE_X <= b1:
+        tile_wx_u(qs, r * qw, qw, wq, 0, 32 * nblocks, sc, d, minimum, r * nblocks, nblocks, nblocks, xq, b * cols,
+                  cols, xs, xsum, b * nblocks, nblocks, out, b * rows + r, rows)
+        b += TILE_X
+    while b < b1:
+        tile_w1_u(qs, r * qw, qw, wq, 0, 32 * nblocks, sc, d, minimum, r * nblocks, nblocks, nblocks, xq, b * cols,
+                  cols, xs, xsum, b * nblocks, nblocks, out, b * rows + r, rows)
+        b += 1
+
+
+@nb.njit(parallel=True, **_JIT)
+def matmul_q4k(x, qs, sc, d, minimum, out):
+    """out float32 `[batch, rows]` = x float32 `[batch, cols]` @ W.T for a Q4_K weight W split by
+    `split_scales` (qs uint8 `[rows, cols / 2]` nibbles in Q4_1's order, sc int32 and minimum float32
+    `[rows, cols / 32]`, d float32 `[rows, cols / 256]`); x quantized to int16 per 256 columns first.
+    Error: the activations' rounding, at most 2^-16 of each super-block's largest value."""
+    batch, cols = x.shape
+    nblocks = cols // 32
+    xq = np.empty((batch, cols), dtype=np.int16)
+    xs = np.empty((batch, cols // SUPER), dtype=np.float32)
+    xsum = np.empty((batch, nblocks), dtype=np.float32)
+    if batch < 8:
+        for k in range(batch):
+            _quantize_row(x, k, xq, xs, xsum)
+    else:
+        for k in prange(batch):
+            _quantize_row(x, k, xq, xs, xsum)
+    rows = qs.shape[0]
+    if batch < UNPACK_MIN:
+        groups = rows // GEMV_W
+        per = (groups + _CHUNKS - 1) // _CHUNKS * GEMV_W
+        for c in prange(_CHUNKS):  # chunks start on a GEMV_W boundary; the last takes the rows past the groups
+            _gemv_rows(xq, xs, xsum, qs, sc, d, minimum, out, c * per, rows if c == _CHUNKS - 1 else
+                       min(rows, (c + 1) * per), 0, batch)
+        return
+    groups = (rows + TILE_W - 1) // TILE_W
+    per = (groups + _CHUNKS - 1) // _CHUNKS
+    for b0 in range(0, batch, X_TILE):
+        b1 = min(batch, b0 + X_TILE)
+        for c in prange(_CHUNKS):
+            wq = np.empty(TILE_W * cols, dtype=np.int16)
+            for g in range(c * per, min(groups, (c + 1) * per)):
+                r = TILE_W * g
+                _gemm_rows(xq, xs, xsum, qs, sc, d, minimum, out, r, min(TILE_W, rows - r), b0, b1, wq)
