@@ -1,15 +1,17 @@
-"""The avx2 path's Q4_K kernel (`superblock`, `quant.Q4KSuperMatrix`) against gguf's dequantizer.
+"""The avx2 path's Q4_K and Q6_K kernel (`superblock`, `quant.Q4KSuperMatrix`, `Q6KSuperMatrix`) against
+gguf's dequantizer.
 
 Numba compiles for one target per process, so the avx2 path runs in a child
 (`python tests/unit/test_cpu_superblock.py`), on any machine that runs avx2:
-random blocks and blocks at the format's limits (codes and 6-bit sub-scales at 0
-and their largest, subnormal and large fp16 scales) against gguf's dequantizer
-times the activations in float64, each output within the bound the int16
-rounding of the activations per 256 columns allows; the integer sums at their
-largest (every code 15, every sub-scale 63, every activation ± its
-super-block's largest: a lane that overflowed int32 shows far past the bound);
-rows dequantized bit for bit; batch invariance bitwise through every tile
-shape; the path's auto choice; and no AVX-512 register in its machine code.
+random blocks and blocks at the formats' limits (codes and sub-scales at their
+extremes, subnormal and large fp16 scales) against gguf's dequantizer times the
+activations in float64, each output within the bound the int16 rounding of the
+activations per 256 columns allows; the integer sums at their largest (Q4_K:
+every code 15 and sub-scale 63; Q6_K: every code -32 and sub-scale -128; every
+activation ± its super-block's largest: a lane that overflowed int32 shows far
+past the bound); rows dequantized bit for bit; batch invariance bitwise through
+every tile shape; the path's auto choice; and no AVX-512 register in its
+machine code.
 """
 
 from __future__ import annotations
@@ -50,8 +52,9 @@ def result(tmp_path_factory):
     return _child(NUMBA_CACHE_DIR=str(tmp_path_factory.mktemp("numba")))
 
 
-def test_avx2_picks_the_superblock_kernel_for_q4_k(result):
-    assert result["classes"] == {"auto": "Q4KSuperMatrix", "i16": "Q4KMatrix"}
+def test_avx2_picks_the_superblock_kernels_for_q4_k_and_q6_k(result):
+    assert result["classes"] == {"Q4_K": {"auto": "Q4KSuperMatrix", "i16": "Q4KMatrix"},
+                                 "Q6_K": {"auto": "Q6KSuperMatrix", "i16": "Q6KMatrix"}}
 
 
 def test_every_case_within_the_int16_rounding_bound_of_the_dequantizer(result):
@@ -59,7 +62,7 @@ def test_every_case_within_the_int16_rounding_bound_of_the_dequantizer(result):
         assert ratio <= 1.0, (case, ratio)  # |got - ref| over its bound, the worst output
     # the int16 path ran: float32 activations would be about 100x closer (the extremes' activations, ±one
     # value, quantize exactly)
-    assert min(v for k, v in result["worst_relative"].items() if k.startswith("random")) > 1e-7
+    assert min(v for k, v in result["worst_relative"].items() if " random " in k) > 1e-7
 
 
 def test_rows_dequantize_bit_for_bit(result):
@@ -86,14 +89,20 @@ def _bound(x: np.ndarray, dense: np.ndarray) -> np.ndarray:
     return (x_max / 65534) @ w_sum.T * 1.001 + 1e-6 * np.abs(x) @ np.abs(dense).T + 1e-30
 
 
-def _extremes(rng, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K blocks with every code 15 and every sub-scale and sub-min 63 (d and dmin random), and
-    activations at ± one value: each lane's integer sum at its largest, 8 · 4 · 15 · 63 · 32767."""
+def _extremes(kind: str, rng, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """Blocks whose every product is at its largest magnitude (Q4_K: codes 15, sub-scales and sub-mins 63;
+    Q6_K: codes 0 - 32, sub-scales -128; d random) and activations all 3.0 (int16 32767): each lane's
+    integer sum at its bound, 8 · 4 · 15 · 63 · 32767 or 4 · 4 · 32 · 128 · 32767 (2^31 - 65536)."""
     from tests.unit.test_cpu_kernels import random_blocks
 
-    data = random_blocks("Q4_K", rows, cols, rng).reshape(rows, cols // 256, 144)
-    data[:, :, 4:144] = 0xFF  # 12 bytes of 6-bit scales and mins, then 128 of nibbles
-    x = np.where(rng.random((5, cols)) < 0.5, -3.0, 3.0).astype(np.float32)
+    data = random_blocks(kind, rows, cols, rng).reshape(rows, cols // 256, -1)
+    if kind == "Q4_K":
+        data[:, :, 4:144] = 0xFF  # 12 bytes of 6-bit scales and mins, then 128 of nibbles
+    else:
+        data[:, :, 0:192] = 0x00  # ql and qh: every code 0, so c - 32 = -32
+        data[:, :, 192:208] = 0x80  # sub-scales -128
+    x = np.full((5, cols), 3.0, np.float32)
+    x[1] = -3.0  # and a row of the other sign
     return data.reshape(rows, -1), x
 
 
@@ -106,16 +115,16 @@ def _check() -> dict:
     from tests.unit.test_cpu_kernels import T, edge_blocks, random_blocks
 
     rng = np.random.default_rng(41)
-    kind = int(T.Q4_K)
     worst_ratio, worst_relative, rows_exact, invariant = {}, {}, True, True
-    cases = [(f"random {r}x{c}", random_blocks("Q4_K", r, c, rng), r, c, b) for r, c, b in SHAPES]
-    cases.append(("edge 16x512", edge_blocks("Q4_K", 16, 512, rng), 16, 512, 6))
-    data, x_ext = _extremes(rng, 8, 512)
-    cases.append(("extremes 8x512", data, 8, 512, 5))
-    for name, data, rows, cols, batch in cases:
-        dense = np.asarray(gguf.quants.dequantize(data, T.Q4_K), np.float64).reshape(rows, cols)
-        m = quant.quant_matrix("w", kind, data, (rows, cols))
-        x = x_ext if name.startswith("extremes") else rng.standard_normal((batch, cols)).astype(np.float32)
+    cases = []
+    for kind in ("Q4_K", "Q6_K"):
+        cases += [(f"{kind} random {r}x{c}", kind, random_blocks(kind, r, c, rng), None, r, c, b) for r, c, b in SHAPES]
+        cases.append((f"{kind} edge 16x512", kind, edge_blocks(kind, 16, 512, rng), None, 16, 512, 6))
+        cases.append((f"{kind} extremes 8x512", kind, *_extremes(kind, rng, 8, 512), 8, 512, 5))
+    for name, kind, data, x, rows, cols, batch in cases:
+        x = rng.standard_normal((batch, cols)).astype(np.float32) if x is None else x
+        dense = np.asarray(gguf.quants.dequantize(data, T[kind]), np.float64).reshape(rows, cols)
+        m = quant.quant_matrix("w", int(T[kind]), data, (rows, cols))
         got = m.matmul(x)
         ref = x.astype(np.float64) @ dense.T
         worst_ratio[name] = float((np.abs(got - ref) / _bound(x, dense)).max())
@@ -124,8 +133,9 @@ def _check() -> dict:
         out = np.empty((1, rows), np.float32)
         invariant &= all(np.array_equal(m.matmul(x[b : b + 1], out)[0], got[b]) for b in range(batch))
         invariant &= np.array_equal(m.matmul(x[1:5]), got[1:5]) if batch >= 5 else True
-    classes = {fmt: type(quant.quant_matrix("w", kind, cases[0][1], (37, 256), fmt)).__name__ for fmt in ("auto", "i16")}
-    asm = "\n".join(a for k in (superblock.matmul_q4k, superblock._gemm_rows, superblock._gemv_rows)
+    classes = {kind: {fmt: type(quant.quant_matrix("w", int(T[kind]), random_blocks(kind, 4, 256, rng), (4, 256),
+                                                   fmt)).__name__ for fmt in ("auto", "i16")} for kind in ("Q4_K", "Q6_K")}
+    asm = "\n".join(a for k in (superblock.matmul_superblock, superblock._gemm_rows, superblock._gemv_rows)
                     for a in k.inspect_asm().values())
     return {"worst_ratio": worst_ratio, "worst_relative": worst_relative, "rows_exact": bool(rows_exact),
             "batch_invariant": bool(invariant), "classes": classes,

@@ -224,7 +224,7 @@ def q4k_nibbles(data: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
 
 
 class Q4KSuperMatrix(QuantMatrix):
-    """Q4_K on the avx2 path's `superblock.matmul_q4k`: the nibbles in Q4_1's order (`q4k_nibbles`), the
+    """Q4_K on the avx2 path's `superblock.matmul_superblock`: the nibbles in Q4_1's order (`q4k_nibbles`), the
     6-bit sub-block scales as int32 and the mins (-dmin·min) as float32 per 32 columns, d per 256 (6.1 bits
     per weight); activations int16 per 256 columns, the sub-block scales applied in integers and one float
     step per super-block (see `superblock`). Error: at most max|x_sb| / 65534 per activation."""
@@ -244,7 +244,7 @@ class Q4KSuperMatrix(QuantMatrix):
 
     def matmul(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         out = self._out(x, out)
-        superblock.matmul_q4k(x, self.qs, self.sc, self.d, self.minimum, out)
+        superblock.matmul_superblock(x, self.qs, self.sc, self.d, self.minimum, out)
         return out
 
     def row(self, index: int) -> np.ndarray:
@@ -252,6 +252,40 @@ class Q4KSuperMatrix(QuantMatrix):
         codes = np.concatenate([q & 15, q >> 4], axis=1).astype(np.float32)  # [blocks, 32]
         scale = np.repeat(self.d[index], 8) * self.sc[index].astype(np.float32)  # d·sc, as gguf rounds it
         return (codes * scale[:, None] + self.minimum[index][:, None]).ravel()
+
+
+class Q6KSuperMatrix(QuantMatrix):
+    """Q6_K on the avx2 path's `superblock.matmul_superblock`: codes c - 32 int8 in column order, the signed
+    8-bit sub-block scales as int32 per 16 columns, d per 256 (10.1 bits per weight); activations int16 per
+    256 columns, the sub-block scales applied in integers and a float step per 128 columns (see
+    `superblock`). Error: at most max|x_sb| / 65534 per activation."""
+
+    activations = "i16"
+    column_multiple = 256
+
+    def __init__(self, name: str, kind: int, data: np.ndarray, shape: tuple[int, int], activations: str = "auto"):
+        super().__init__(name, kind, data, shape)  # the type and shape checks
+        self.qs, self.sc, self.d = superblock.split_q6k(self.data, shape)
+        self.minimum = np.zeros((shape[0], 1), np.float32)  # no min: the kernel reads none
+        self.data = self.scale = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.qs.nbytes + self.sc.nbytes + self.d.nbytes
+
+    def matmul(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        out = self._out(x, out)
+        superblock.matmul_superblock(x, self.qs, self.sc, self.d, self.minimum, out)
+        return out
+
+    def row(self, index: int) -> np.ndarray:
+        return self.rows(np.array([index]))[0]
+
+    def rows(self, index: np.ndarray) -> np.ndarray:
+        """Dequantized rows float32 `[len(index), cols]` (the embedding lookup): (d·sc)·(c - 32), as gguf."""
+        scale = np.repeat(self.d[index], 16, axis=1) * self.sc[index].astype(np.float32)  # [n, cols / 16]
+        q = self.qs[index].astype(np.float32).reshape(len(index), -1, 16)
+        return (q * scale[:, :, None]).reshape(len(index), -1)
 
 
 class Q50Matrix(Q80Matrix):
@@ -390,7 +424,7 @@ _FORMATTED = {Q4_0: Q40Matrix, Q4_1: Q41Matrix, Q4_K: Q4KMatrix, Q5_0: Q50Matrix
 _LOW_BIT = {"avx512": (Q5_0, Q5_1, Q5_K), "avx2": (Q5_1, Q5_K), "generic": (Q4_0, Q4_K, Q5_0, Q5_1, Q5_K)}
 # Kernels of one type on one path: on avx2, Q4_K's sub-block scales applied in integers (`superblock`: 1.5-1.7x
 # the Q4_1 kernel at batch 16-256, 1.0-1.1x at batch 1, `hybridgate bench kernels` on a Zen 3 EPYC).
-_SUPER = {"avx2": {Q4_K: Q4KSuperMatrix}}.get(isa.selected().isa, {})
+_SUPER = {"avx2": {Q4_K: Q4KSuperMatrix, Q6_K: Q6KSuperMatrix}}.get(isa.selected().isa, {})
 # Types with a repacked fast path on this process's path; the others dequantize rows.
 _FAST = {**_FORMATTED, F32: FloatMatrix, F16: FloatMatrix, BF16: FloatMatrix,
          **{kind: LowBitMatrix for kind in _LOW_BIT[isa.selected().isa]}, **_SUPER}

@@ -41,7 +41,7 @@ KERNELS = [
     ("silu_mul_serial", cpu_model.silu_mul_serial), ("qkv_prologue", cpu_model.qkv_prologue),
     ("qkv_prologue_serial", cpu_model.qkv_prologue_serial), ("gelu_tanh_mul", cpu_model.gelu_tanh_mul),
     ("gelu_tanh_mul_serial", cpu_model.gelu_tanh_mul_serial),
-    *([("matmul_q4k", quant.superblock.matmul_q4k)] if hasattr(quant, "superblock") else []),  # the avx2 path's
+    *([("matmul_superblock", quant.superblock.matmul_superblock)] if hasattr(quant, "superblock") else []),  # the avx2 path's
 ]
 
 

@@ -1,4 +1,4 @@
-"""The avx2 path's Q4_K matmul: sub-block scales applied in integers, one float step per 256 columns.
+"""The avx2 path's Q4_K and Q6_K matmuls: sub-block scales applied in integers, one float step per 256 columns.
 
 Q4_K stores w = d·sc_b·c + m_b per 32-column sub-block b of a 256-column super-block (c a 4-bit
 code, sc_b a 6-bit unsigned scale, d an fp16; m_b = -dmin·min_b). `avx2.matmul_i16` multiplies it
@@ -23,10 +23,18 @@ loaded into both 128-bit halves; a per-half shift of the 32-bit lanes (`vpsrlvd`
 17, .., 31 as 16-bit lanes: each block's even columns, then its odd ones, the activation order of
 `avx2.quantize_block`. The min term Σ_b m_b · xs·Σ_j xq_bj is float, as in `avx2._min_terms`.
 
+Q6_K (w = d·sc_h·(c - 32) per 16-column half h of a block, sc_h a signed byte) runs the same way
+(`KINDS`): its codes c - 32 are int8 in column order, loaded as 16-bit lanes and split by shifts into
+even and odd columns (as `avx2._codes`), so int32 lanes 0..3 hold a block's columns 0..15 and lanes
+4..7 columns 16..31, and the scale vector is [sc_0 ×4, sc_1 ×4] (in the scratch [sc_0 ×8, sc_1 ×8]:
+16-bit lanes 0..7 are columns 0..14 or 1..15). A lane then takes 4 · 32 · 128 · 32767 ≤ 2^29 a
+block, so its float step comes every 4 blocks (16 products of at most 2^27: 2,147,418,112 < 2^31),
+with the super-block's one xs and d; it has no min term.
+
 Error: the activations' rounding, at most xs / 2 = max|x_sb| / 65534 per element.
 
 Sources: ggml's `block_q4_K` (ggml-common.h) and `dequantize_row_q4_K` (ggml-quants.c); ggml-cpu's
-`ggml_vec_dot_q4_K_q8_K` (integer sub-block scales, one float step per super-block; with int8
+`ggml_vec_dot_q4_K_q8_K` and `dequantize_row_q6_K` (integer sub-block scales, one float step per super-block; with int8
 activations there); Intel's intrinsics guide for `vpmaddwd`, `vpsrlvd` and `vpmulld`.
 """
 
@@ -36,6 +44,8 @@ from hybridgate.workers.cpu import isa
 
 isa.selected()  # before Numba is imported: it compiles for the chosen instruction set
 
+from typing import NamedTuple  # noqa: E402
+
 import numba as nb  # noqa: E402
 import numpy as np  # noqa: E402
 from llvmlite import ir  # noqa: E402
@@ -44,7 +54,17 @@ from numba import types  # noqa: E402
 from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
-from hybridgate.workers.cpu.avx2 import GEMV_W, TILE_W, TILE_X, UNPACK_MIN, _fma, _madd, _min_terms, _splat8  # noqa: E402
+from hybridgate.workers.cpu.avx2 import (  # noqa: E402
+    GEMV_W,
+    TILE_W,
+    TILE_X,
+    UNPACK_MIN,
+    _codes,
+    _fma,
+    _madd,
+    _min_terms,
+    _splat8,
+)
 from hybridgate.workers.cpu.blocks import _f16, _k4_scales  # noqa: E402
 from hybridgate.workers.cpu.simd import PREFETCH_ROWS, X_TILE, _load_vec, _ptr, _tree_sum, prefetch, prefetch_span  # noqa: E402
 
@@ -59,6 +79,19 @@ _V8F = ir.VectorType(ir.FloatType(), 8)
 _MASK = ir.Constant(_V8I, [0x000F000F] * 8)
 
 
+class Kind(NamedTuple):
+    """What differs between the types this module multiplies (selected by the codes' dtype)."""
+
+    name: str
+    code_bytes: int  # bytes of codes per 32-column block in qs
+    scales: int  # sub-block scales per 32-column block
+    step: int  # blocks per float step: as many as the int32 lanes' bound allows
+    has_min: bool
+
+
+KINDS = {types.uint8: Kind("q4_k", 16, 1, 8, True), types.int8: Kind("q6_k", 32, 2, 4, False)}
+
+
 def split_scales(data: np.ndarray, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A Q4_K weight's GGUF bytes uint8 `[rows, row_bytes]` → (sc int32 `[rows, cols / 32]`, the 6-bit
     sub-block scales; d float32 `[rows, cols / 256]`; minimum float32 `[rows, cols / 32]`, -dmin·min_b)."""
@@ -67,6 +100,20 @@ def split_scales(data: np.ndarray, shape: tuple[int, int]) -> tuple[np.ndarray, 
     sc, m = _k4_scales(blocks[:, :, 4:16])
     minimum = -(_f16(blocks, 2)[:, :, None] * m).reshape(rows, -1)
     return sc.reshape(rows, -1).astype(np.int32), _f16(blocks, 0), minimum.astype(np.float32)
+
+
+def split_q6k(data: np.ndarray, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A Q6_K weight's GGUF bytes uint8 `[rows, row_bytes]` → (codes c - 32 int8 `[rows, cols]` in column
+    order, sc int32 `[rows, cols / 16]` (the signed 8-bit sub-block scales), d float32 `[rows, cols / 256]`)."""
+    rows, cols = shape
+    blocks = np.ascontiguousarray(data).reshape(rows, cols // SUPER, 210)
+    ql = blocks[:, :, :128].reshape(rows, -1, 2, 64)  # per 128 columns: ql[64], then qh[32]
+    qh = blocks[:, :, 128:192].reshape(rows, -1, 2, 32)
+    lo, hi = ql[..., :32], ql[..., 32:]  # low nibbles: columns l, l + 32; high: l + 64, l + 96
+    codes = np.concatenate([(lo & 15) | ((qh & 3) << 4), (hi & 15) | (((qh >> 2) & 3) << 4),
+                            (lo >> 4) | (((qh >> 4) & 3) << 4), (hi >> 4) | (((qh >> 6) & 3) << 4)], axis=-1)
+    sc = blocks[:, :, 192:208].view(np.int8).astype(np.int32).reshape(rows, -1)
+    return (codes.astype(np.int8) - np.int8(32)).reshape(shape), sc, _f16(blocks, 208)
 
 
 def _widen(builder, ptr):
@@ -78,28 +125,43 @@ def _widen(builder, ptr):
     return builder.bitcast(even, _V16S), builder.bitcast(odd, _V16S)
 
 
-def _splat_i32(builder, scalar):
-    vec = builder.insert_element(ir.Constant(_V8I, ir.Undefined), scalar, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(vec, vec, ir.Constant(_V8I, [0] * 8))
+def _scale_lanes(builder, kind: Kind, ptr, vec_ty, elem_ty):
+    """The block's sub-block scale(s) at ptr (int32) as a vec_ty vector: one scale in every lane, or
+    (Q6_K) the first in the lower half and the second in the upper (the lanes of the docstring)."""
+    half = vec_ty.count // 2
+    lanes = [0] * vec_ty.count if kind.scales == 1 else [0] * half + [1] * half
+    vec = ir.Constant(ir.VectorType(elem_ty, 2), ir.Undefined)
+    for j in range(kind.scales):
+        value = builder.load(builder.gep(ptr, [ir.Constant(_I32, j)]))
+        vec = builder.insert_element(vec, value if elem_ty == _I32 else builder.trunc(value, elem_ty), ir.Constant(_I32, j))
+    return builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_I32, vec_ty.count), lanes))
+
+
+def _block_codes(builder, kind: Kind, ptr):
+    """A block's codes at ptr → (even, odd) <16 x i16>: nibbles (`_widen`) or int8 (`avx2._codes`)."""
+    return _widen(builder, ptr) if kind.code_bytes == 16 else _codes(builder, "q8_0", ptr)
 
 
 def _make_tile(wrows: int, xrows: int, unpacked: bool):
-    """An intrinsic: `wrows` Q4_K weight rows times `xrows` int16 activation rows.
+    """An intrinsic: `wrows` Q4_K or Q6_K weight rows (`KINDS`, by the codes' dtype) times `xrows` int16
+    activation rows.
 
     f(qs, q_off, q_stride, wq, w_off, w_stride, sc, d, minimum, s_off, s_stride, nblocks, xq, x_off,
       x_stride, xs, xsum, a_off, a_stride, out, o_off, o_stride) writes, for weight row i and activation
-    row k, out[o_off + k·o_stride + i] = tree8(Σ_s float(S_iks) · xs_ks · d_is) + Σ_b m_ib · xsum_kb with
-    S_iks = Σ_{b in s} sc_ib · P_ikb in int32 lanes: sc and minimum at [s_off + i·s_stride + b], d at
-    [(s_off + i·s_stride) / 8 + s], xq (each block's even columns, then its odd) at x_off + k·x_stride +
-    32b, xs at [(a_off + k·a_stride) / 8 + s], xsum at [a_off + k·a_stride + b]. The codes come from qs
-    (nibbles, row i at q_off + i·q_stride) or, `unpacked`, from wq (`unpack_rows`: already times sc;
-    row i at w_off + i·w_stride, 32 int16 per block). nblocks: a multiple of 8.
+    row k, out[o_off + k·o_stride + i] = tree8(Σ_t float(S_ikt) · xs_k · d_i) + Σ_b m_ib · xsum_kb (the min
+    term Q4_K's only) with S_ikt = Σ_{b in step t} sc_ib · P_ikb in int32 lanes, a step `Kind.step` blocks;
+    sc at [(s_off + i·s_stride + b) · Kind.scales], minimum at [s_off + i·s_stride + b], d and xs those of
+    the step's super-block, at [(s_off + i·s_stride) / 8 + sb] and [(a_off + k·a_stride) / 8 + sb], xq
+    (each block's even columns, then its odd) at x_off + k·x_stride + 32b, xsum at [a_off + k·a_stride +
+    b]. The codes come from qs (row i at q_off + i·q_stride) or, `unpacked`, from wq (`unpack_rows`:
+    already times sc; row i at w_off + i·w_stride, 32 int16 per block). nblocks: a multiple of 8.
     """
 
     def generic(typingctx, qs, q_off, q_stride, wq, w_off, w_stride, sc, d, minimum, s_off, s_stride, nblocks,
                 xq, x_off, x_stride, xs, xsum, a_off, a_stride, out, o_off, o_stride):
         ip = types.intp
         sig = types.void(qs, ip, ip, wq, ip, ip, sc, d, minimum, ip, ip, ip, xq, ip, ip, xs, xsum, ip, ip, out, ip, ip)
+        kind = KINDS[qs.dtype]
 
         def codegen(context, builder, signature, args):
             (qa, qo, qstr, wa, wo, wstr, sca, da, ma, so, sstr, n, xa, xo, xstr, xsa, xma, ao, astr,
@@ -110,7 +172,7 @@ def _make_tile(wrows: int, xrows: int, unpacked: bool):
             facc = [[cgutils.alloca_once_value(builder, ir.Constant(_V8F, [0.0] * 8)) for _ in range(wrows)]
                     for _ in range(xrows)]
             iacc = [[cgutils.alloca_once(builder, _V8I) for _ in range(wrows)] for _ in range(xrows)]
-            eight = c(BLOCKS)
+            eight, step = c(BLOCKS), c(kind.step)
 
             def at(name, arr, offset):
                 return _ptr(context, builder, ty[name], arr, offset)
@@ -122,29 +184,32 @@ def _make_tile(wrows: int, xrows: int, unpacked: bool):
                 if unpacked:
                     p = at("wq", wa, builder.add(builder.add(wo, builder.mul(wstr, c(i))), builder.mul(b, c(32))))
                     return _load_vec(builder, p, _V16S, 2), _load_vec(builder, builder.gep(p, [c(16)]), _V16S, 2)
-                return _widen(builder, at("qs", qa, builder.add(builder.add(qo, builder.mul(qstr, c(i))),
-                                                                builder.mul(b, c(16)))))
+                return _block_codes(builder, kind, at("qs", qa, builder.add(builder.add(qo, builder.mul(qstr, c(i))),
+                                                                            builder.mul(b, c(kind.code_bytes)))))
 
             def acts(k, b):
                 xp = at("xq", xa, builder.add(builder.add(xo, builder.mul(xstr, c(k))), builder.mul(b, c(32))))
                 return _load_vec(builder, xp, _V16S, 2), _load_vec(builder, builder.gep(xp, [c(16)]), _V16S, 2)
 
             def prefetch_ahead(b):
-                """One block of each of the wrows rows PREFETCH_ROWS ahead (contiguous: wrows · 16 bytes of
-                codes), and their sub-block scales and mins, a block at a time (as `avx2`'s tiles)."""
-                q = builder.add(builder.add(qo, builder.mul(qstr, c(PREFETCH_ROWS))), builder.mul(b, c(16 * wrows)))
-                for off in range(0, 16 * wrows, 64):
+                """One block of each of the wrows rows PREFETCH_ROWS ahead (contiguous: wrows blocks of codes),
+                and their sub-block scales and mins, a block at a time (as `avx2`'s tiles)."""
+                span = kind.code_bytes * wrows
+                q = builder.add(builder.add(qo, builder.mul(qstr, c(PREFETCH_ROWS))), builder.mul(b, c(span)))
+                for off in range(0, span, 64):
                     prefetch(builder, at("qs", qa, builder.add(q, c(off))))
                 sp = builder.add(builder.add(so, builder.mul(sstr, c(PREFETCH_ROWS))), builder.mul(b, c(wrows)))
-                prefetch(builder, at("sc", sca, sp))
-                prefetch(builder, at("minimum", ma, sp))
+                prefetch(builder, at("sc", sca, builder.mul(sp, c(kind.scales))))
+                if kind.has_min:
+                    prefetch(builder, at("minimum", ma, sp))
 
             def one_block(b):
                 if not unpacked:
                     prefetch_ahead(b)
                 w = [weights(i, b) for i in range(wrows)]
-                scales = [] if unpacked else [_splat_i32(builder, builder.load(at("sc", sca, builder.add(srow(i), b))))
-                                               for i in range(wrows)]
+                scales = [] if unpacked else [
+                    _scale_lanes(builder, kind, at("sc", sca, builder.mul(builder.add(srow(i), b), c(kind.scales))), _V8I, _I32)
+                    for i in range(wrows)]
                 for k in range(xrows):
                     x1, x2 = acts(k, b)
                     for i in range(wrows):
@@ -156,13 +221,14 @@ def _make_tile(wrows: int, xrows: int, unpacked: bool):
                             acc = builder.add(acc, builder.mul(prod, scales[i]))
                         builder.store(acc, iacc[k][i])
 
-            with cgutils.for_range(builder, builder.sdiv(n, eight)) as sloop:
-                s = sloop.index
+            with cgutils.for_range(builder, builder.sdiv(n, step)) as sloop:
+                t = sloop.index
+                s = builder.sdiv(t, c(BLOCKS // kind.step))  # the step's super-block
                 for k in range(xrows):
                     for i in range(wrows):
                         builder.store(ir.Constant(_V8I, [0] * 8), iacc[k][i])
-                with cgutils.for_range(builder, eight) as bloop:
-                    one_block(builder.add(builder.mul(s, eight), bloop.index))
+                with cgutils.for_range(builder, step) as bloop:
+                    one_block(builder.add(builder.mul(t, step), bloop.index))
                 dvec = [_splat8(builder, builder.load(at("d", da, builder.add(builder.sdiv(srow(i), eight), s))))
                         for i in range(wrows)]
                 for k in range(xrows):
@@ -171,39 +237,39 @@ def _make_tile(wrows: int, xrows: int, unpacked: bool):
                     for i in range(wrows):
                         f = builder.fmul(builder.sitofp(builder.load(iacc[k][i]), _V8F), xsv)
                         builder.store(_fma(builder, f, dvec[i], builder.load(facc[k][i])), facc[k][i])
-            mterms = _min_terms(context, builder, ty, ma, xma, so, sstr, ao, astr, wrows, xrows, n)
+            if kind.has_min:
+                mterms = _min_terms(context, builder, ty, ma, xma, so, sstr, ao, astr, wrows, xrows, n)
             for k in range(xrows):
                 for i in range(wrows):
-                    value = builder.fadd(_tree_sum(builder, builder.load(facc[k][i])), mterms[i, k])
+                    value = _tree_sum(builder, builder.load(facc[k][i]))
+                    if kind.has_min:
+                        value = builder.fadd(value, mterms[i, k])
                     builder.store(value, at("out", oa, builder.add(builder.add(oo, builder.mul(ostr, c(k))), c(i))))
             return context.get_dummy_value()
 
         return sig, codegen
 
-    generic.__name__ = f"q4k_tile{wrows}x{xrows}{'u' if unpacked else ''}"
+    generic.__name__ = f"superblock_tile{wrows}x{xrows}{'u' if unpacked else ''}"
     return intrinsic(generic)
 
 
 @intrinsic
 def unpack_rows(typingctx, qs, q_off, q_stride, sc, s_off, s_stride, nblocks, rows, wq):
-    """wq[(i·nblocks + b)·32 : +32] = sc_ib · (even, odd) codes of block b of weight row i < rows (`_widen`):
-    the codes widened and scaled once for every tile that reads them."""
+    """wq[(i·nblocks + b)·32 : +32] = sc_ib · (even, odd) codes of block b of weight row i < rows
+    (`_block_codes`, `_scale_lanes`): the codes widened and scaled once for every tile that reads them."""
     ip = types.intp
     sig = types.void(qs, ip, ip, sc, ip, ip, ip, ip, wq)
+    kind = KINDS[qs.dtype]
 
     def codegen(context, builder, signature, args):
         qa, qo, qstr, sca, so, sstr, n, nrows, wa = args
         c = lambda v: ir.Constant(n.type, v)  # noqa: E731
         with cgutils.for_range(builder, nrows) as row:
             with cgutils.for_range(builder, n) as loop:
-                qoff = builder.add(builder.add(qo, builder.mul(qstr, row.index)), builder.mul(loop.index, c(16)))
-                even, odd = _widen(builder, _ptr(context, builder, signature.args[0], qa, qoff))
-                scale = builder.trunc(builder.load(_ptr(context, builder, signature.args[3], sca,
-                                                        builder.add(builder.add(so, builder.mul(sstr, row.index)),
-                                                                    loop.index))), _I16)
-                svec = builder.shuffle_vector(builder.insert_element(ir.Constant(_V16S, ir.Undefined), scale,
-                                                                     ir.Constant(_I32, 0)),
-                                              ir.Constant(_V16S, ir.Undefined), ir.Constant(ir.VectorType(_I32, 16), [0] * 16))
+                qoff = builder.add(builder.add(qo, builder.mul(qstr, row.index)), builder.mul(loop.index, c(kind.code_bytes)))
+                even, odd = _block_codes(builder, kind, _ptr(context, builder, signature.args[0], qa, qoff))
+                soff = builder.mul(builder.add(builder.add(so, builder.mul(sstr, row.index)), loop.index), c(kind.scales))
+                svec = _scale_lanes(builder, kind, _ptr(context, builder, signature.args[3], sca, soff), _V16S, _I16)
                 dst = _ptr(context, builder, signature.args[8], wa,
                            builder.mul(builder.add(builder.mul(row.index, n), loop.index), c(32)))
                 builder.store(builder.mul(even, svec), builder.bitcast(dst, _V16S.as_pointer()), align=2)
@@ -220,6 +286,11 @@ tile_g1, tile_11 = _make_tile(GEMV_W, 1, False), _make_tile(1, 1, False)
 _JIT = dict(nogil=True, fastmath=True, cache=True)
 _TILE_JIT = dict(nogil=True, fastmath=False, cache=True)  # as `avx2`: no fast-math flags on the tiles' float steps
 _CHUNKS = 16
+# The int16 activations of one pass over the weights stay within a core's L2 (Zen 3: 512 KiB): X_TILE rows
+# up to 2048 columns, 16 of an 8192-column ffn_down. With 64 rows of 8192 columns (1 MiB, read from L3 for
+# every pair of weight rows) the 2048 x 8192 matmul ran at 0.85x (Q4_K) to 0.75x (Q6_K) the rate of its
+# 8192 x 2048 transpose (Zen 3 EPYC, 2 threads, batch 64 and 256).
+XQ_BYTES = 256 * 1024
 
 
 @nb.njit(**_TILE_JIT)
@@ -248,7 +319,8 @@ def _quantize_row(x, k, xq, xs, xsum):
 @nb.njit(**_TILE_JIT)
 def _gemv_rows(xq, xs, xsum, qs, sc, d, minimum, out, r0, r1, b0, b1):
     """Weight rows r0 .. r1 against activation rows b0 .. b1 (fewer than UNPACK_MIN), GEMV_W rows a tile."""
-    rows, nblocks, cols, qw = qs.shape[0], sc.shape[1], xq.shape[1], qs.shape[1]
+    rows, cols, qw = qs.shape[0], xq.shape[1], qs.shape[1]
+    nblocks = cols // 32
     r = r0  # the packed tiles read no unpacked codes: xq stands in for their wq argument
     while r < r1:
         w = GEMV_W if r + GEMV_W <= r1 else 1
@@ -266,16 +338,18 @@ def _gemv_rows(xq, xs, xsum, qs, sc, d, minimum, out, r0, r1, b0, b1):
 def _gemm_rows(xq, xs, xsum, qs, sc, d, minimum, out, r, wrows, b0, b1, wq):
     """Weight rows r .. r + wrows (at most TILE_W) against activation rows b0 .. b1 (at least
     UNPACK_MIN): the rows' codes widened and scaled into wq once, then TILE_W x TILE_X tiles."""
-    rows, nblocks, cols, qw = qs.shape[0], sc.shape[1], xq.shape[1], qs.shape[1]
+    rows, cols, qw, per = qs.shape[0], xq.shape[1], qs.shape[1], sc.shape[1]
+    nblocks = cols // 32
     ahead = r + PREFETCH_ROWS
     prefetch_span(qs, ahead * qw, wrows * qw)
-    prefetch_span(sc, ahead * nblocks, wrows * nblocks)
-    prefetch_span(minimum, ahead * nblocks, wrows * nblocks)
+    prefetch_span(sc, ahead * per, wrows * per)
+    if minimum.shape[1] == nblocks:  # Q4_K's mins (Q6_K has none)
+        prefetch_span(minimum, ahead * nblocks, wrows * nblocks)
     if wrows < TILE_W:
         for i in range(wrows):
             _gemv_rows(xq, xs, xsum, qs, sc, d, minimum, out, r + i, r + i + 1, b0, b1)
         return
-    unpack_rows(qs, r * qw, qw, sc, r * nblocks, nblocks, nblocks, TILE_W, wq)
+    unpack_rows(qs, r * qw, qw, sc, r * nblocks, nblocks, nblocks, TILE_W, wq)  # sc offsets in blocks
     b = b0
     while b + TILE_X <= b1:
         tile_wx_u(qs, r * qw, qw, wq, 0, 32 * nblocks, sc, d, minimum, r * nblocks, nblocks, nblocks, xq, b * cols,
@@ -288,11 +362,13 @@ def _gemm_rows(xq, xs, xsum, qs, sc, d, minimum, out, r, wrows, b0, b1, wq):
 
 
 @nb.njit(parallel=True, **_JIT)
-def matmul_q4k(x, qs, sc, d, minimum, out):
+def matmul_superblock(x, qs, sc, d, minimum, out):
     """out float32 `[batch, rows]` = x float32 `[batch, cols]` @ W.T for a Q4_K weight W split by
     `split_scales` (qs uint8 `[rows, cols / 2]` nibbles in Q4_1's order, sc int32 and minimum float32
-    `[rows, cols / 32]`, d float32 `[rows, cols / 256]`); x quantized to int16 per 256 columns first.
-    Error: the activations' rounding, at most 2^-16 of each super-block's largest value."""
+    `[rows, cols / 32]`, d float32 `[rows, cols / 256]`) or a Q6_K one split by `split_q6k` (qs int8
+    `[rows, cols]`, sc int32 `[rows, cols / 16]`, d as Q4_K's; minimum unread, any float32 `[rows, 1]`);
+    x quantized to int16 per 256 columns first. Error: the activations' rounding, at most 2^-16 of each
+    super-block's largest value."""
     batch, cols = x.shape
     nblocks = cols // 32
     xq = np.empty((batch, cols), dtype=np.int16)
@@ -314,8 +390,9 @@ def matmul_q4k(x, qs, sc, d, minimum, out):
         return
     groups = (rows + TILE_W - 1) // TILE_W
     per = (groups + _CHUNKS - 1) // _CHUNKS
-    for b0 in range(0, batch, X_TILE):
-        b1 = min(batch, b0 + X_TILE)
+    x_tile = max(TILE_X, min(X_TILE, XQ_BYTES // (2 * cols) // TILE_X * TILE_X))
+    for b0 in range(0, batch, x_tile):
+        b1 = min(batch, b0 + x_tile)
         for c in prange(_CHUNKS):
             wq = np.empty(TILE_W * cols, dtype=np.int16)
             for g in range(c * per, min(groups, (c + 1) * per)):
