@@ -4,7 +4,7 @@ The files are `tiny_gguf.QUANT_SPEC` (llama, 256-wide rows so Q6_K's 256-weight 
 llama.cpp vocabulary) written by gguf's writer with every matrix (token embedding and LM head
 included) in one type; test_architectures.py holds the torch runner to transformers on the same
 files. Reference: the torch runner in fp32 (weights dequantized by gguf's dequantizer). The Numba
-runner runs the tiled kernels (`quant.Q6KMatrix`, `quant.FloatMatrix`), fp32 KV cache, in each
+runner runs the tiled kernels (`quant.Q6KMatrix`, on avx2 `quant.Q6KSuperMatrix`, `quant.FloatMatrix`), fp32 KV cache, in each
 activation format its path offers: last-position logits of three prompts in one batch, and of the
 same prompts one at a time (bit-equal: batch invariance through the whole model).
 """
@@ -23,7 +23,7 @@ from hybridgate.workers.sequence import Sequence
 KINDS = ("Q6_K", "F16", "BF16")
 PROMPT_LENGTHS = (3, 17, 30)
 # Largest logit difference: float32 activations, 1e-3 as test_cpu_architectures; int16 ones (Q6_K on
-# the avx2 path) round each activation by at most 2^-16 of its 32-block's largest value.
+# the avx2 path) round each activation by at most 2^-16 of its 256-column super-block's largest value.
 TOL = {"f32": 1e-3, "i16": 5e-3}
 
 
@@ -59,7 +59,8 @@ def test_numba_logits_match_the_torch_runner(case, activations):
     kind, model, prompts, want = case
     runner = NumbaRunner(model, kv_cache_memory="4MiB", threads=1, kv_cache_dtype="fp32", activations=activations)
     layer = runner.model.layers[0]
-    fast = quant.Q6KMatrix if kind == "Q6_K" else quant.FloatMatrix
+    # the class this path multiplies the type with: on avx2, auto gives Q6_K the superblock kernel
+    fast = quant.FloatMatrix if kind != "Q6_K" else quant._FAST[quant.Q6_K] if activations == "auto" else quant.Q6KMatrix
     for m in (layer.qkv, layer.wo, layer.gate_up, layer.down, runner.model.lm_head):
         assert type(m) is fast, (m.name, type(m).__name__)
     got = _forward(runner, prompts)

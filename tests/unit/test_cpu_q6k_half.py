@@ -145,8 +145,12 @@ def test_fast_classes_and_their_fallback():
     # Q6_K repacked: int8 codes and a float32 scale per 16 columns, 10 bits per weight
     from tests.unit.test_cpu_kernels import random_blocks
 
-    q6 = quant.quant_matrix("w", int(T.Q6_K), random_blocks("Q6_K", 4, 512, rng), (4, 512))
+    q6 = quant.quant_matrix("w", int(T.Q6_K), random_blocks("Q6_K", 4, 512, rng), (4, 512), "f32")
     assert type(q6) is quant.Q6KMatrix and q6.nbytes == 4 * 512 * 10 // 8
+    # auto: the path's own class (on avx2 the superblock kernel: int8 codes, an int32 scale per 16 columns
+    # and a float32 d per 256, 10.125 bits per weight)
+    q6 = quant.quant_matrix("w", int(T.Q6_K), random_blocks("Q6_K", 4, 512, rng), (4, 512))
+    assert type(q6) is quant._FAST[int(T.Q6_K)] and q6.nbytes <= 4 * 512 * 10.125 / 8
 
 
 if __name__ == "__main__":
