@@ -10,7 +10,8 @@ plain Numba, compiled for the process's instruction set). Q4_1 (the default mode
 linear layers) and Q8_0 (its embedding and LM head) have fast paths in `simd` and
 `intdot`/`avx2`, with the fp16 scales split out and widened to float32 at load; Q4_0,
 Q4_K and Q5_0 are repacked onto those, Q6_K onto Q8_0's with a scale per 16 columns, and
-F32/F16/BF16 weights are multiplied as stored by `simd`'s float tiles (`_FAST`).
+F32/F16/BF16 weights are multiplied as stored by `simd`'s float tiles (`_FAST`). On the avx2 path
+Q4_K and Q6_K have their own kernel instead (`superblock`: sub-block scales in integers, `_SUPER`).
 
 A fused matrix (Q, K, V; gate and up) whose parts share type and columns is one
 matrix of stacked rows; parts of different types keep one matrix (and kernel) each
