@@ -1,5 +1,5 @@
-"""The avx2 path's Q4_K and Q6_K kernel (`superblock`, `quant.Q4KSuperMatrix`, `Q6KSuperMatrix`) against
-gguf's dequantizer.
+"""The avx2 path's Q4_K, Q5_K and Q6_K kernel (`superblock`, `quant.Q45KSuperMatrix`, `Q6KSuperMatrix`)
+against gguf's dequantizer.
 
 Numba compiles for one target per process, so the avx2 path runs in a child
 (`python tests/unit/test_cpu_superblock.py`), on any machine that runs avx2:
@@ -7,7 +7,8 @@ random blocks and blocks at the formats' limits (codes and sub-scales at their
 extremes, subnormal and large fp16 scales) against gguf's dequantizer times the
 activations in float64, each output within the bound the int16 rounding of the
 activations per 256 columns allows; the integer sums at their largest (Q4_K:
-every code 15 and sub-scale 63; Q6_K: every code -32 and sub-scale -128; every
+every code 15 and sub-scale 63; Q5_K: every code 31 and sub-scale 63; Q6_K:
+every code -32 and sub-scale -128; every
 activation ± its super-block's largest: a lane that overflowed int32 shows far
 past the bound); rows dequantized bit for bit; batch invariance bitwise through
 every tile shape; the path's auto choice; and no AVX-512 register in its
@@ -52,8 +53,10 @@ def result(tmp_path_factory):
     return _child(NUMBA_CACHE_DIR=str(tmp_path_factory.mktemp("numba")))
 
 
-def test_avx2_picks_the_superblock_kernels_for_q4_k_and_q6_k(result):
-    assert result["classes"] == {"Q4_K": {"auto": "Q4KSuperMatrix", "i16": "Q4KMatrix"},
+def test_avx2_picks_the_superblock_kernels_for_the_k_quants(result):
+    # an explicit activation format keeps Q4_K's and Q6_K's Q4_1-/Q8_0-style kernels; Q5_K had only int16 ones
+    assert result["classes"] == {"Q4_K": {"auto": "Q45KSuperMatrix", "i16": "Q4KMatrix"},
+                                 "Q5_K": {"auto": "Q45KSuperMatrix", "i16": "Q45KSuperMatrix"},
                                  "Q6_K": {"auto": "Q6KSuperMatrix", "i16": "Q6KMatrix"}}
 
 
@@ -90,14 +93,15 @@ def _bound(x: np.ndarray, dense: np.ndarray) -> np.ndarray:
 
 
 def _extremes(kind: str, rng, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
-    """Blocks whose every product is at its largest magnitude (Q4_K: codes 15, sub-scales and sub-mins 63;
-    Q6_K: codes 0 - 32, sub-scales -128; d random) and activations all 3.0 (int16 32767): each lane's
-    integer sum at its bound, 8 · 4 · 15 · 63 · 32767 or 4 · 4 · 32 · 128 · 32767 (2^31 - 65536)."""
+    """Blocks whose every product is at its largest magnitude (Q4_K: codes 15, Q5_K: 31, sub-scales and
+    sub-mins 63; Q6_K: codes 0 - 32, sub-scales -128; d random) and activations all 3.0 (int16 32767):
+    each lane's integer sum at its bound, 8 · 4 · 15 · 63 · 32767, 8 · 4 · 31 · 63 · 32767 or
+    4 · 4 · 32 · 128 · 32767 (2^31 - 65536)."""
     from tests.unit.test_cpu_kernels import random_blocks
 
     data = random_blocks(kind, rows, cols, rng).reshape(rows, cols // 256, -1)
-    if kind == "Q4_K":
-        data[:, :, 4:144] = 0xFF  # 12 bytes of 6-bit scales and mins, then 128 of nibbles
+    if kind != "Q6_K":
+        data[:, :, 4:] = 0xFF  # 12 bytes of 6-bit scales and mins, then Q5_K's 5th bits, then the nibbles
     else:
         data[:, :, 0:192] = 0x00  # ql and qh: every code 0, so c - 32 = -32
         data[:, :, 192:208] = 0x80  # sub-scales -128
@@ -117,7 +121,7 @@ def _check() -> dict:
     rng = np.random.default_rng(41)
     worst_ratio, worst_relative, rows_exact, invariant = {}, {}, True, True
     cases = []
-    for kind in ("Q4_K", "Q6_K"):
+    for kind in ("Q4_K", "Q5_K", "Q6_K"):
         cases += [(f"{kind} random {r}x{c}", kind, random_blocks(kind, r, c, rng), None, r, c, b) for r, c, b in SHAPES]
         cases.append((f"{kind} edge 16x512", kind, edge_blocks(kind, 16, 512, rng), None, 16, 512, 6))
         cases.append((f"{kind} extremes 8x512", kind, *_extremes(kind, rng, 8, 512), 8, 512, 5))
@@ -134,7 +138,7 @@ def _check() -> dict:
         invariant &= all(np.array_equal(m.matmul(x[b : b + 1], out)[0], got[b]) for b in range(batch))
         invariant &= np.array_equal(m.matmul(x[1:5]), got[1:5]) if batch >= 5 else True
     classes = {kind: {fmt: type(quant.quant_matrix("w", int(T[kind]), random_blocks(kind, 4, 256, rng), (4, 256),
-                                                   fmt)).__name__ for fmt in ("auto", "i16")} for kind in ("Q4_K", "Q6_K")}
+                                                   fmt)).__name__ for fmt in ("auto", "i16")} for kind in ("Q4_K", "Q5_K", "Q6_K")}
     asm = "\n".join(a for k in (superblock.matmul_superblock, superblock._gemm_rows, superblock._gemv_rows)
                     for a in k.inspect_asm().values())
     return {"worst_ratio": worst_ratio, "worst_relative": worst_relative, "rows_exact": bool(rows_exact),

@@ -224,19 +224,21 @@ def q4k_nibbles(data: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
     return np.ascontiguousarray(codes[..., :16] | (codes[..., 16:] << 4)).reshape(rows, cols // 2)
 
 
-class Q4KSuperMatrix(QuantMatrix):
-    """Q4_K on the avx2 path's `superblock.matmul_superblock`: the nibbles in Q4_1's order (`q4k_nibbles`), the
-    6-bit sub-block scales as int32 and the mins (-dmin·min) as float32 per 32 columns, d per 256 (6.1 bits
-    per weight); activations int16 per 256 columns, the sub-block scales applied in integers and one float
-    step per super-block (see `superblock`). Error: at most max|x_sb| / 65534 per activation."""
+class Q45KSuperMatrix(QuantMatrix):
+    """Q4_K and Q5_K on the avx2 path's `superblock.matmul_superblock`: Q4_K's nibbles in Q4_1's order
+    (`q4k_nibbles`) or Q5_K's codes 0..31 as int8 in column order (`superblock.q5k_codes`), the 6-bit
+    sub-block scales as uint8 and the mins (-dmin·min) as float32 per 32 columns, d per 256 (5.4 bits per
+    weight for Q4_K, 9.4 for Q5_K); activations int16 per 256 columns, the sub-block scales applied in
+    integers and one float step per super-block (see `superblock`). Error: at most max|x_sb| / 65534 per
+    activation."""
 
     activations = "i16"
     column_multiple = 256
 
     def __init__(self, name: str, kind: int, data: np.ndarray, shape: tuple[int, int], activations: str = "auto"):
         super().__init__(name, kind, data, shape)  # the type and shape checks
-        self.qs = q4k_nibbles(self.data, shape)
-        self.sc, self.d, self.minimum = superblock.split_scales(self.data, shape)
+        self.qs = q4k_nibbles(self.data, shape) if kind == Q4_K else superblock.q5k_codes(self.data, shape)
+        self.sc, self.d, self.minimum = superblock.split_scales(kind, self.data, shape)
         self.data = self.scale = None
 
     @property
@@ -249,15 +251,18 @@ class Q4KSuperMatrix(QuantMatrix):
         return out
 
     def row(self, index: int) -> np.ndarray:
-        q = self.qs[index].reshape(-1, 16)
-        codes = np.concatenate([q & 15, q >> 4], axis=1).astype(np.float32)  # [blocks, 32]
+        if self.qs.dtype == np.int8:  # Q5_K: whole codes in column order
+            codes = self.qs[index].reshape(-1, 32).astype(np.float32)
+        else:
+            q = self.qs[index].reshape(-1, 16)
+            codes = np.concatenate([q & 15, q >> 4], axis=1).astype(np.float32)  # [blocks, 32]
         scale = np.repeat(self.d[index], 8) * self.sc[index].astype(np.float32)  # d·sc, as gguf rounds it
         return (codes * scale[:, None] + self.minimum[index][:, None]).ravel()
 
 
 class Q6KSuperMatrix(QuantMatrix):
     """Q6_K on the avx2 path's `superblock.matmul_superblock`: codes c - 32 int8 in column order, the signed
-    8-bit sub-block scales as int32 per 16 columns, d per 256 (10.1 bits per weight); activations int16 per
+    sub-block scales as int8 per 16 columns, d per 256 (8.6 bits per weight); activations int16 per
     256 columns, the sub-block scales applied in integers and a float step per 128 columns (see
     `superblock`). Error: at most max|x_sb| / 65534 per activation."""
 
@@ -423,9 +428,9 @@ _FORMATTED = {Q4_0: Q40Matrix, Q4_1: Q41Matrix, Q4_K: Q4KMatrix, Q5_0: Q50Matrix
 # batch 1 and at 16 (`hybridgate bench kernels`, docs/cpu-kernels-*.json). On avx2 the in-lane int16
 # kernels of `avx2` stay ahead for the types they take.
 _LOW_BIT = {"avx512": (Q5_0, Q5_1, Q5_K), "avx2": (Q5_1, Q5_K), "generic": (Q4_0, Q4_K, Q5_0, Q5_1, Q5_K)}
-# Kernels of one type on one path: on avx2, Q4_K's sub-block scales applied in integers (`superblock`: 1.5-1.7x
-# the Q4_1 kernel at batch 16-256, 1.0-1.1x at batch 1, `hybridgate bench kernels` on a Zen 3 EPYC).
-_SUPER = {"avx2": {Q4_K: Q4KSuperMatrix, Q6_K: Q6KSuperMatrix}}.get(isa.selected().isa, {})
+# Kernels of one type on one path: on avx2, the K-quants' sub-block scales applied in integers (`superblock`:
+# Q4_K 1.5-1.7x the Q4_1 kernel at batch 16-256, 1.0-1.1x at batch 1, Q6_K 1.0-1.2x, 2 threads, a Zen 3 EPYC).
+_SUPER = {"avx2": {Q4_K: Q45KSuperMatrix, Q5_K: Q45KSuperMatrix, Q6_K: Q6KSuperMatrix}}.get(isa.selected().isa, {})
 # Types with a repacked fast path on this process's path; the others dequantize rows.
 _FAST = {**_FORMATTED, F32: FloatMatrix, F16: FloatMatrix, BF16: FloatMatrix,
          **{kind: LowBitMatrix for kind in _LOW_BIT[isa.selected().isa]}, **_SUPER}

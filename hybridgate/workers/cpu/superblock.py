@@ -1,4 +1,4 @@
-"""The avx2 path's Q4_K and Q6_K matmuls: sub-block scales applied in integers, one float step per 256 columns.
+"""The avx2 path's Q4_K, Q5_K and Q6_K matmuls: sub-block scales applied in integers, one float step per 256 columns.
 
 Q4_K stores w = d·sc_b·c + m_b per 32-column sub-block b of a 256-column super-block (c a 4-bit
 code, sc_b a 6-bit unsigned scale, d an fp16; m_b = -dmin·min_b). `avx2.matmul_i16` multiplies it
@@ -23,8 +23,9 @@ loaded into both 128-bit halves; a per-half shift of the 32-bit lanes (`vpsrlvd`
 17, .., 31 as 16-bit lanes: each block's even columns, then its odd ones, the activation order of
 `avx2.quantize_block`. The min term Σ_b m_b · xs·Σ_j xq_bj is float, as in `avx2._min_terms`.
 
-Q6_K (w = d·sc_h·(c - 32) per 16-column half h of a block, sc_h a signed byte) runs the same way
-(`KINDS`): its codes c - 32 are int8 in column order, loaded as 16-bit lanes and split by shifts into
+Q5_K is Q4_K with a 5th code bit: its codes 0..31 are kept whole as int8 in column order and widened
+as Q6_K's below (a lane's bound over 8 blocks: 8 · 4 · 31 · 63 · 32767 < 2^31). Q6_K (w = d·sc_h·(c - 32)
+per 16-column half h of a block, sc_h a signed byte) runs the same way (`KINDS`): its codes c - 32 are int8 in column order, loaded as 16-bit lanes and split by shifts into
 even and odd columns (as `avx2._codes`), so int32 lanes 0..3 hold a block's columns 0..15 and lanes
 4..7 columns 16..31, and the scale vector is [sc_0 ×4, sc_1 ×4] (in the scratch [sc_0 ×8, sc_1 ×8]:
 16-bit lanes 0..7 are columns 0..14 or 1..15). A lane then takes 4 · 32 · 128 · 32767 ≤ 2^29 a
@@ -63,7 +64,8 @@ from hybridgate.workers.cpu.avx2 import (  # noqa: E402
     _min_terms,
     _splat8,
 )
-from hybridgate.workers.cpu.blocks import _f16, _k4_scales  # noqa: E402
+from hybridgate.workers.cpu.blocks import LAYOUTS, Q5_K, _f16, _k4_scales  # noqa: E402
+from hybridgate.workers.cpu.kquant import CODES  # noqa: E402
 from hybridgate.workers.cpu.simd import PREFETCH_ROWS, X_TILE, _load_vec, _ptr, _tree_sum, prefetch, prefetch_span  # noqa: E402
 
 SUPER = 256  # columns per super-block: one activation scale, one float step
@@ -78,7 +80,7 @@ _MASK = ir.Constant(_V8I, [0x000F000F] * 8)
 
 
 class Kind(NamedTuple):
-    """What differs between the types this module multiplies (selected by the codes' dtype)."""
+    """What differs between the types this module multiplies (selected by the dtypes of codes and scales)."""
 
     name: str
     code_bytes: int  # bytes of codes per 32-column block in qs
@@ -87,22 +89,35 @@ class Kind(NamedTuple):
     has_min: bool
 
 
-KINDS = {types.uint8: Kind("q4_k", 16, 1, 8, True), types.int8: Kind("q6_k", 32, 2, 4, False)}
+# (codes, sub-block scales) → the type: Q4_K nibbles, Q5_K whole codes 0..31 and Q6_K codes c - 32 as int8;
+# the 6-bit unsigned scales of Q4_K/Q5_K as uint8, Q6_K's signed ones as int8. Q5_K's bound over 8 blocks:
+# 8 · 4 · 31 · 63 · 32767 = 2,047,806,432 < 2^31.
+KINDS = {(types.uint8, types.uint8): Kind("q4_k", 16, 1, 8, True),
+         (types.int8, types.uint8): Kind("q5_k", 32, 1, 8, True),
+         (types.int8, types.int8): Kind("q6_k", 32, 2, 4, False)}
 
 
-def split_scales(data: np.ndarray, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A Q4_K weight's GGUF bytes uint8 `[rows, row_bytes]` → (sc int32 `[rows, cols / 32]`, the 6-bit
+def split_scales(kind: int, data: np.ndarray, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A Q4_K or Q5_K weight's GGUF bytes uint8 `[rows, row_bytes]` → (sc uint8 `[rows, cols / 32]`, the 6-bit
     sub-block scales; d float32 `[rows, cols / 256]`; minimum float32 `[rows, cols / 32]`, -dmin·min_b)."""
     rows, cols = shape
-    blocks = np.ascontiguousarray(data).reshape(rows, cols // SUPER, 144)
+    blocks = np.ascontiguousarray(data).reshape(rows, cols // SUPER, LAYOUTS[kind].nbytes)
     sc, m = _k4_scales(blocks[:, :, 4:16])
     minimum = -(_f16(blocks, 2)[:, :, None] * m).reshape(rows, -1)
-    return sc.reshape(rows, -1).astype(np.int32), _f16(blocks, 0), minimum.astype(np.float32)
+    return np.ascontiguousarray(sc.reshape(rows, -1)), _f16(blocks, 0), minimum.astype(np.float32)
+
+
+def q5k_codes(data: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    """A Q5_K weight's codes 0..31 int8 `[rows, cols]` in column order (low nibbles and the 5th bits of
+    ggml's layout, `kquant.CODES`)."""
+    rows, cols = shape
+    blocks = np.ascontiguousarray(data).reshape(rows, cols // SUPER, LAYOUTS[Q5_K].nbytes)
+    return np.ascontiguousarray(CODES[Q5_K][0](blocks)).astype(np.int8).reshape(shape)
 
 
 def split_q6k(data: np.ndarray, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A Q6_K weight's GGUF bytes uint8 `[rows, row_bytes]` → (codes c - 32 int8 `[rows, cols]` in column
-    order, sc int32 `[rows, cols / 16]` (the signed 8-bit sub-block scales), d float32 `[rows, cols / 256]`)."""
+    order, sc int8 `[rows, cols / 16]` (the signed sub-block scales), d float32 `[rows, cols / 256]`)."""
     rows, cols = shape
     blocks = np.ascontiguousarray(data).reshape(rows, cols // SUPER, 210)
     ql = blocks[:, :, :128].reshape(rows, -1, 2, 64)  # per 128 columns: ql[64], then qh[32]
@@ -110,7 +125,7 @@ def split_q6k(data: np.ndarray, shape: tuple[int, int]) -> tuple[np.ndarray, np.
     lo, hi = ql[..., :32], ql[..., 32:]  # low nibbles: columns l, l + 32; high: l + 64, l + 96
     codes = np.concatenate([(lo & 15) | ((qh & 3) << 4), (hi & 15) | (((qh >> 2) & 3) << 4),
                             (lo >> 4) | (((qh >> 4) & 3) << 4), (hi >> 4) | (((qh >> 6) & 3) << 4)], axis=-1)
-    sc = blocks[:, :, 192:208].view(np.int8).astype(np.int32).reshape(rows, -1)
+    sc = np.ascontiguousarray(blocks[:, :, 192:208].view(np.int8).reshape(rows, -1))
     return (codes.astype(np.int8) - np.int8(32)).reshape(shape), sc, _f16(blocks, 208)
 
 
@@ -124,14 +139,16 @@ def _widen(builder, ptr):
 
 
 def _scale_lanes(builder, kind: Kind, ptr, vec_ty, elem_ty):
-    """The block's sub-block scale(s) at ptr (int32) as a vec_ty vector: one scale in every lane, or
-    (Q6_K) the first in the lower half and the second in the upper (the lanes of the docstring)."""
+    """The block's sub-block scale(s) at ptr (bytes: Q6_K's signed, the others' unsigned) as a vec_ty
+    vector: one scale in every lane, or (Q6_K) the first in the lower half and the second in the upper
+    (the lanes of the docstring)."""
     half = vec_ty.count // 2
     lanes = [0] * vec_ty.count if kind.scales == 1 else [0] * half + [1] * half
+    widen = builder.sext if kind.name == "q6_k" else builder.zext
     vec = ir.Constant(ir.VectorType(elem_ty, 2), ir.Undefined)
     for j in range(kind.scales):
-        value = builder.load(builder.gep(ptr, [ir.Constant(_I32, j)]))
-        vec = builder.insert_element(vec, value if elem_ty == _I32 else builder.trunc(value, elem_ty), ir.Constant(_I32, j))
+        value = widen(builder.load(builder.gep(ptr, [ir.Constant(_I32, j)])), elem_ty)
+        vec = builder.insert_element(vec, value, ir.Constant(_I32, j))
     return builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_I32, vec_ty.count), lanes))
 
 
@@ -159,7 +176,7 @@ def _make_tile(wrows: int, xrows: int, unpacked: bool):
                 xq, x_off, x_stride, xs, xsum, a_off, a_stride, out, o_off, o_stride):
         ip = types.intp
         sig = types.void(qs, ip, ip, wq, ip, ip, sc, d, minimum, ip, ip, ip, xq, ip, ip, xs, xsum, ip, ip, out, ip, ip)
-        kind = KINDS[qs.dtype]
+        kind = KINDS[qs.dtype, sc.dtype]
 
         def codegen(context, builder, signature, args):
             (qa, qo, qstr, wa, wo, wstr, sca, da, ma, so, sstr, n, xa, xo, xstr, xsa, xma, ao, astr,
@@ -257,7 +274,7 @@ def unpack_rows(typingctx, qs, q_off, q_stride, sc, s_off, s_stride, nblocks, ro
     (`_block_codes`, `_scale_lanes`): the codes widened and scaled once for every tile that reads them."""
     ip = types.intp
     sig = types.void(qs, ip, ip, sc, ip, ip, ip, ip, wq)
-    kind = KINDS[qs.dtype]
+    kind = KINDS[qs.dtype, sc.dtype]
 
     def codegen(context, builder, signature, args):
         qa, qo, qstr, sca, so, sstr, n, nrows, wa = args
@@ -366,9 +383,10 @@ def _gemm_rows(xq, xs, xsum, qs, sc, d, minimum, out, r, wrows, b0, b1, wq):
 @nb.njit(parallel=True, **_JIT)
 def matmul_superblock(x, qs, sc, d, minimum, out):
     """out float32 `[batch, rows]` = x float32 `[batch, cols]` @ W.T for a Q4_K weight W split by
-    `split_scales` (qs uint8 `[rows, cols / 2]` nibbles in Q4_1's order, sc int32 and minimum float32
-    `[rows, cols / 32]`, d float32 `[rows, cols / 256]`) or a Q6_K one split by `split_q6k` (qs int8
-    `[rows, cols]`, sc int32 `[rows, cols / 16]`, d as Q4_K's; minimum unread, any float32 `[rows, 1]`);
+    `split_scales` (qs uint8 `[rows, cols / 2]` nibbles in Q4_1's order, sc uint8 and minimum float32
+    `[rows, cols / 32]`, d float32 `[rows, cols / 256]`), a Q5_K one (qs int8 `[rows, cols]` codes 0..31,
+    `q5k_codes`; the rest as Q4_K's) or a Q6_K one split by `split_q6k` (qs int8 `[rows, cols]`, sc int8
+    `[rows, cols / 16]`, d as Q4_K's; minimum unread, any float32 `[rows, 1]`); `KINDS` names the type from the dtypes;
     x quantized to int16 per 256 columns first. Error: the activations' rounding, at most 2^-16 of each
     super-block's largest value."""
     batch, cols = x.shape
