@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -112,6 +113,17 @@ def gpu_model_path(tmp_path_factory):
         from tiny_gguf import write_default_shaped
 
         return str(write_default_shaped(tmp_path_factory.mktemp("gguf") / "random.gguf"))
+
+
+# Lines of protoc's output that carry the generator's own version; they differ between grpcio-tools releases.
+_GENERATOR_VERSION_LINE = re.compile(
+    r"(Protobuf Python Version|GRPC_GENERATED_VERSION|_runtime_version\.ValidateProtobufRuntimeVersion"
+    r"|^\s+_runtime_version\.Domain\.PUBLIC,|^\s+\d+,\s*$|^\s+'',\s*$)")
+
+
+def generated_code_lines(text: str) -> list[str]:
+    """The lines of a protoc-generated module, less those naming the generator's version."""
+    return [line for line in text.splitlines() if not _GENERATOR_VERSION_LINE.search(line)]
 
 
 def free_port() -> int:

@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
+from conftest import generated_code_lines
 from hybridgate.v1 import generate_code
 from hybridgate.v1 import generation_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[2]
-# Lines that carry the generator's own version; they differ between grpcio-tools releases.
-_VERSION_LINE = re.compile(r"(Protobuf Python Version|GRPC_GENERATED_VERSION|_runtime_version\.ValidateProtobufRuntimeVersion"
-                           r"|^\s+_runtime_version\.Domain\.PUBLIC,|^\s+\d+,\s*$|^\s+'',\s*$)")
-
-
-def _normalized(text: str) -> list[str]:
-    return [line for line in text.splitlines() if not _VERSION_LINE.search(line)]
 
 
 def test_generated_code_is_current(tmp_path):
@@ -23,7 +16,7 @@ def test_generated_code_is_current(tmp_path):
     assert {p.name for p in generated} == {"generation_pb2.py", "generation_pb2.pyi", "generation_pb2_grpc.py"}
     for path in generated:
         committed = ROOT / "hybridgate" / "v1" / path.name
-        assert _normalized(committed.read_text()) == _normalized(path.read_text()), (
+        assert generated_code_lines(committed.read_text()) == generated_code_lines(path.read_text()), (
             f"{committed} is stale: run `python -m hybridgate.v1.generate_code`")
 
 
