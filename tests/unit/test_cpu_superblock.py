@@ -1,8 +1,8 @@
-"""The avx2 path's Q4_K, Q5_K and Q6_K kernel (`superblock`, `quant.Q45KSuperMatrix`, `Q6KSuperMatrix`)
-against gguf's dequantizer.
+"""The avx2 and avx512 paths' Q4_K, Q5_K and Q6_K kernel (`superblock`, `quant.Q45KSuperMatrix`,
+`Q6KSuperMatrix`) against gguf's dequantizer.
 
-Numba compiles for one target per process, so the avx2 path runs in a child
-(`python tests/unit/test_cpu_superblock.py`), on any machine that runs avx2:
+Numba compiles for one target per process, so each path runs in a child
+(`python tests/unit/test_cpu_superblock.py PATH`), on any machine that runs it:
 random blocks and blocks at the formats' limits (codes and sub-scales at their
 extremes, subnormal and large fp16 scales) against gguf's dequantizer times the
 activations in float64, each output within the bound the int16 rounding of the
@@ -11,8 +11,8 @@ every code 15 and sub-scale 63; Q5_K: every code 31 and sub-scale 63; Q6_K:
 every code -32 and sub-scale -128; every
 activation ± its super-block's largest: a lane that overflowed int32 shows far
 past the bound); rows dequantized bit for bit; batch invariance bitwise through
-every tile shape; the path's auto choice; and no AVX-512 register in its
-machine code.
+every tile shape; the path's auto choice; and its machine code: no AVX-512
+register on avx2, `vpdpwssd` on an avx512 machine with VNNI.
 """
 
 from __future__ import annotations
@@ -32,10 +32,12 @@ sys.path.insert(0, str(ROOT))
 from hybridgate.workers.cpu import isa  # noqa: E402  (no Numba: safe to import here)
 from tests.conftest import TIME_FACTOR  # noqa: E402
 
-pytestmark = pytest.mark.skipif("avx2" not in isa.ISAS[isa.ISAS.index(isa.best(isa.host_features())):],
-                                reason="this CPU cannot run the avx2 path")
-# (rows, cols, batch): a 1-row tail past the 4-row GEMV tiles and the 2-row GEMM groups; one to eight
-# super-blocks; batches through the GEMV tiles, the 2x4 and 2x1 GEMM tiles and two 64-row passes.
+RUNS = isa.ISAS[isa.ISAS.index(isa.best(isa.host_features())):]  # the paths this CPU runs
+PATHS = [pytest.param(path, marks=pytest.mark.skipif(path not in RUNS, reason=f"this CPU cannot run the {path} path"))
+         for path in ("avx2", "avx512")]
+# (rows, cols, batch): a 1-row tail past the 4-row GEMV tiles and the 2- and 4-row GEMM groups; one to
+# eight super-blocks; batches through the GEMV tiles, the GEMM tiles (2x4 and 2x1; 4x4 and 4x1) and two
+# 64-row passes.
 SHAPES = [(37, 256, 3), (13, 768, 5), (9, 2048, 70), (6, 512, 1)]
 
 
@@ -47,13 +49,13 @@ def _child(*args: str, **env_extra) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.fixture(scope="module")
-def result(tmp_path_factory):
+@pytest.fixture(scope="module", params=PATHS)
+def result(request, tmp_path_factory):
     # compiled afresh, so the machine code can be read (a kernel loaded from the cache has none)
-    return _child(NUMBA_CACHE_DIR=str(tmp_path_factory.mktemp("numba")))
+    return _child(request.param, NUMBA_CACHE_DIR=str(tmp_path_factory.mktemp("numba")))
 
 
-def test_avx2_picks_the_superblock_kernels_for_the_k_quants(result):
+def test_the_path_picks_the_superblock_kernels_for_the_k_quants(result):
     # an explicit activation format keeps Q4_K's and Q6_K's Q4_1-/Q8_0-style kernels; Q5_K had only int16 ones
     assert result["classes"] == {"Q4_K": {"auto": "Q45KSuperMatrix", "i16": "Q4KMatrix"},
                                  "Q5_K": {"auto": "Q45KSuperMatrix", "i16": "Q45KSuperMatrix"},
@@ -76,8 +78,12 @@ def test_a_rows_result_does_not_depend_on_its_batch(result):
     assert result["batch_invariant"]
 
 
-def test_no_avx512_register_in_the_machine_code(result):
-    assert "zmm" not in result["registers"] and "ymm" in result["registers"], result["registers"]
+def test_the_machine_code_is_the_paths(result):
+    if result["path"] == "avx2":
+        assert "zmm" not in result["registers"] and "ymm" in result["registers"], result["registers"]
+    else:  # one register a block; the inline vpdpwssd where the CPU has VNNI
+        assert "zmm" in result["registers"], result["registers"]
+        assert result["vpdpwssd"] == result["vnni"], result
 
 
 # ---- the child ----
@@ -95,8 +101,9 @@ def _bound(x: np.ndarray, dense: np.ndarray) -> np.ndarray:
 def _extremes(kind: str, rng, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
     """Blocks whose every product is at its largest magnitude (Q4_K: codes 15, Q5_K: 31, sub-scales and
     sub-mins 63; Q6_K: codes 0 - 32, sub-scales -128; d random) and activations all 3.0 (int16 32767):
-    each lane's integer sum at its bound, 8 · 4 · 15 · 63 · 32767, 8 · 4 · 31 · 63 · 32767 or
-    4 · 4 · 32 · 128 · 32767 (2^31 - 65536)."""
+    each lane's integer sum at its bound, on avx2 8 · 4 · 15 · 63 · 32767, 8 · 4 · 31 · 63 · 32767 or
+    4 · 4 · 32 · 128 · 32767 (2^31 - 65536); on avx512 (2 products a lane and block, 8 blocks a step)
+    half the first two and Q6_K's 8 · 2 · 32 · 128 · 32767, the same 2^31 - 65536."""
     from tests.unit.test_cpu_kernels import random_blocks
 
     data = random_blocks(kind, rows, cols, rng).reshape(rows, cols // 256, -1)
@@ -110,7 +117,7 @@ def _extremes(kind: str, rng, rows: int, cols: int) -> tuple[np.ndarray, np.ndar
     return data.reshape(rows, -1), x
 
 
-def _check() -> dict:
+def _check(path: str) -> dict:
     import re
 
     import gguf
@@ -141,11 +148,11 @@ def _check() -> dict:
                                                    fmt)).__name__ for fmt in ("auto", "i16")} for kind in ("Q4_K", "Q5_K", "Q6_K")}
     asm = "\n".join(a for k in (superblock.matmul_superblock, superblock._gemm_rows, superblock._gemv_rows)
                     for a in k.inspect_asm().values())
-    return {"worst_ratio": worst_ratio, "worst_relative": worst_relative, "rows_exact": bool(rows_exact),
+    return {"path": path, "vnni": isa.selected().vnni, "vpdpwssd": "vpdpwssd" in asm,"worst_ratio": worst_ratio, "worst_relative": worst_relative, "rows_exact": bool(rows_exact),
             "batch_invariant": bool(invariant), "classes": classes,
             "registers": sorted(set(re.findall(r"%([xyz]mm)\d+", asm)))}
 
 
 if __name__ == "__main__":
-    isa.select("avx2")
-    print(json.dumps(_check()))
+    isa.select(sys.argv[1])
+    print(json.dumps(_check(sys.argv[1])))

@@ -50,7 +50,7 @@ from hybridgate.workers.cpu import kquant  # noqa: E402
 from hybridgate.workers.cpu.kquant import CODES, matmul_packed, pack  # noqa: E402
 from hybridgate.workers.cpu.simd import matmul_blocks  # noqa: E402
 
-if isa.selected().isa == "avx2":  # its kernels are avx2's (vpmaddwd, vpsrlvd)
+if isa.selected().isa in ("avx2", "avx512"):  # its kernels are x86's (vpmaddwd, vpdpwssd, vpsrlvd)
     from hybridgate.workers.cpu import superblock  # noqa: E402
 
 _JIT = dict(nogil=True, fastmath=True, cache=True)
@@ -430,7 +430,8 @@ _FORMATTED = {Q4_0: Q40Matrix, Q4_1: Q41Matrix, Q4_K: Q4KMatrix, Q5_0: Q50Matrix
 _LOW_BIT = {"avx512": (Q5_0, Q5_1, Q5_K), "avx2": (Q5_1, Q5_K), "generic": (Q4_0, Q4_K, Q5_0, Q5_1, Q5_K)}
 # Kernels of one type on one path: on avx2, the K-quants' sub-block scales applied in integers (`superblock`:
 # Q4_K 1.5-1.7x the Q4_1 kernel at batch 16-256, 1.0-1.1x at batch 1, Q6_K 1.0-1.2x, 2 threads, a Zen 3 EPYC).
-_SUPER = {"avx2": {Q4_K: Q45KSuperMatrix, Q5_K: Q45KSuperMatrix, Q6_K: Q6KSuperMatrix}}.get(isa.selected().isa, {})
+_SUPER = {path: {Q4_K: Q45KSuperMatrix, Q5_K: Q45KSuperMatrix, Q6_K: Q6KSuperMatrix}
+          for path in ("avx2", "avx512")}.get(isa.selected().isa, {})
 # Types with a repacked fast path on this process's path; the others dequantize rows.
 _FAST = {**_FORMATTED, F32: FloatMatrix, F16: FloatMatrix, BF16: FloatMatrix,
          **{kind: LowBitMatrix for kind in _LOW_BIT[isa.selected().isa]}, **_SUPER}

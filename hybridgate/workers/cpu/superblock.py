@@ -59,10 +59,8 @@ from hybridgate.workers.cpu.avx2 import (  # noqa: E402
     GEMV_W,
     UNPACK_MIN,
     _codes,
-    _fma,
     _madd,
     _min_terms,
-    _splat8,
 )
 from hybridgate.workers.cpu.blocks import LAYOUTS, Q5_K, _f16, _k4_scales  # noqa: E402
 from hybridgate.workers.cpu.kquant import CODES  # noqa: E402
@@ -71,11 +69,22 @@ from hybridgate.workers.cpu.simd import PREFETCH_ROWS, X_TILE, _load_vec, _ptr, 
 SUPER = 256  # columns per super-block: one activation scale, one float step
 BLOCKS = SUPER // 32  # sub-blocks per super-block
 XQ_MAX = 32767.0
-_I16, _I32 = ir.IntType(16), ir.IntType(32)
+_TARGET = isa.selected()
+# The avx512 path holds a block's 32 int16 codes in one register: codes times sc in int16, then one
+# vpdpwssd (VNNI) or vpmaddwd and add per pair and block, in 16 int32 lanes; avx2 splits a block in two.
+WIDE = _TARGET.isa == "avx512"
+if WIDE and _TARGET.vnni:
+    import llvmlite.binding as _llvm
+
+    _llvm.initialize_native_asmparser()  # for `_dot`'s inline vpdpwssd
+LANES = 16 if WIDE else 8  # int32 lanes of a pair's integer sums, float lanes of its float steps
+_I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
 _V8I = ir.VectorType(_I32, 8)
 _V4I = ir.VectorType(_I32, 4)
 _V16S = ir.VectorType(_I16, 16)
-_V8F = ir.VectorType(ir.FloatType(), 8)
+_V32S = ir.VectorType(_I16, 32)
+_VI = ir.VectorType(_I32, LANES)
+_VF = ir.VectorType(ir.FloatType(), LANES)
 _MASK = ir.Constant(_V8I, [0x000F000F] * 8)
 
 
@@ -85,16 +94,23 @@ class Kind(NamedTuple):
     name: str
     code_bytes: int  # bytes of codes per 32-column block in qs
     scales: int  # sub-block scales per 32-column block
-    step: int  # blocks per float step: as many as the int32 lanes' bound allows
+    term: int  # the largest |code · sub-block scale|: times 32767, a product's bound
     has_min: bool
+
+    @property
+    def step(self) -> int:
+        """Blocks per float step: the most (a divisor of BLOCKS) whose products an int32 lane can sum, a
+        block giving each lane 32 / LANES of them (avx2: Q4_K and Q5_K 8, Q6_K 4; avx512: 8)."""
+        most = (2**31 - 1) // (self.term * 32767 * (32 // LANES))
+        return max(s for s in (1, 2, 4, 8) if s <= most)
 
 
 # (codes, sub-block scales) → the type: Q4_K nibbles, Q5_K whole codes 0..31 and Q6_K codes c - 32 as int8;
 # the 6-bit unsigned scales of Q4_K/Q5_K as uint8, Q6_K's signed ones as int8. Q5_K's bound over 8 blocks:
 # 8 · 4 · 31 · 63 · 32767 = 2,047,806,432 < 2^31.
-KINDS = {(types.uint8, types.uint8): Kind("q4_k", 16, 1, 8, True),
-         (types.int8, types.uint8): Kind("q5_k", 32, 1, 8, True),
-         (types.int8, types.int8): Kind("q6_k", 32, 2, 4, False)}
+KINDS = {(types.uint8, types.uint8): Kind("q4_k", 16, 1, 15 * 63, True),
+         (types.int8, types.uint8): Kind("q5_k", 32, 1, 31 * 63, True),
+         (types.int8, types.int8): Kind("q6_k", 32, 2, 32 * 128, False)}
 
 
 def split_scales(kind: int, data: np.ndarray, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -153,8 +169,44 @@ def _scale_lanes(builder, kind: Kind, ptr, vec_ty, elem_ty):
 
 
 def _block_codes(builder, kind: Kind, ptr):
-    """A block's codes at ptr → (even, odd) <16 x i16>: nibbles (`_widen`) or int8 (`avx2._codes`)."""
-    return _widen(builder, ptr) if kind.code_bytes == 16 else _codes(builder, "q8_0", ptr)
+    """A block's codes at ptr → avx2: (even, odd) <16 x i16>, nibbles (`_widen`) or int8 (`avx2._codes`);
+    avx512: (codes,) <32 x i16> in column order, the nibbles (byte j: column j low, j + 16 high)
+    zero-extended and split, int8 sign-extended."""
+    if not WIDE:
+        return _widen(builder, ptr) if kind.code_bytes == 16 else _codes(builder, "q8_0", ptr)
+    if kind.code_bytes == 32:
+        return (builder.sext(_load_vec(builder, ptr, ir.VectorType(_I8, 32), 1), _V32S),)
+    raw = builder.zext(_load_vec(builder, ptr, ir.VectorType(_I8, 16), 1), _V16S)
+    low = builder.and_(raw, ir.Constant(_V16S, [15] * 16))
+    high = builder.lshr(raw, ir.Constant(_V16S, [4] * 16))
+    return (builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(_I32, 32), list(range(32)))),)
+
+
+def _scaled_codes(builder, kind: Kind, codes_ptr, scale_ptr):
+    """avx512: a block's codes times its sub-block scale(s) in int16 lanes (at most 32 · 128: exact)."""
+    return tuple(builder.mul(v, _scale_lanes(builder, kind, scale_ptr, _V32S, _I16))
+                 for v in _block_codes(builder, kind, codes_ptr))
+
+
+def _dot(builder, acc, w, x):
+    """avx512: acc <16 x i32> + the pair sums of <32 x i16> w · x (exact; no lane leaves int32 by the
+    bound of `Kind.step`): `vpdpwssd` with VNNI, `vpmaddwd` and an add without."""
+    if _TARGET.vnni:  # inline: LLVM's machine combiner splits the intrinsic back into vpmaddwd and vpaddd
+        return builder.asm(ir.FunctionType(_VI, [_VI] * 3), "vpdpwssd $2, $1, $0", "=v,v,v,0",
+                           [builder.bitcast(w, _VI), builder.bitcast(x, _VI), acc], False, "vpdpwssd")
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VI, [_V32S] * 2),
+                                        "llvm.x86.avx512.pmaddw.d.512")
+    return builder.add(acc, builder.call(fn, [w, x]))
+
+
+def _splat(builder, scalar):
+    vec = builder.insert_element(ir.Constant(_VF, ir.Undefined), scalar, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(vec, vec, ir.Constant(_VI, [0] * LANES))
+
+
+def _fma_f(builder, a, b, c):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF] * 3), f"llvm.fma.v{LANES}f32")
+    return builder.call(fn, [a, b, c])
 
 
 def _make_tile(wrows: int, xrows: int, unpacked: bool):
@@ -184,9 +236,9 @@ def _make_tile(wrows: int, xrows: int, unpacked: bool):
             ty = dict(zip(("qs", "wq", "sc", "d", "minimum", "xq", "xs", "xsum", "out"),
                           (signature.args[i] for i in (0, 3, 6, 7, 8, 12, 15, 16, 19))))
             c = lambda v: ir.Constant(n.type, v)  # noqa: E731
-            facc = [[cgutils.alloca_once_value(builder, ir.Constant(_V8F, [0.0] * 8)) for _ in range(wrows)]
+            facc = [[cgutils.alloca_once_value(builder, ir.Constant(_VF, [0.0] * LANES)) for _ in range(wrows)]
                     for _ in range(xrows)]
-            iacc = [[cgutils.alloca_once(builder, _V8I) for _ in range(wrows)] for _ in range(xrows)]
+            iacc = [[cgutils.alloca_once(builder, _VI) for _ in range(wrows)] for _ in range(xrows)]
             eight, step = c(BLOCKS), c(kind.step)
 
             def at(name, arr, offset):
@@ -195,16 +247,23 @@ def _make_tile(wrows: int, xrows: int, unpacked: bool):
             def srow(i):
                 return builder.add(so, builder.mul(sstr, c(i)))
 
+            def halves(p):  # 32 int16 at p: avx2's (even, odd) pair of vectors, avx512's one
+                if WIDE:
+                    return (_load_vec(builder, p, _V32S, 2),)
+                return _load_vec(builder, p, _V16S, 2), _load_vec(builder, builder.gep(p, [c(16)]), _V16S, 2)
+
+            def scale_at(i, b):
+                return at("sc", sca, builder.mul(builder.add(srow(i), b), c(kind.scales)))
+
             def weights(i, b):
                 if unpacked:
-                    p = at("wq", wa, builder.add(builder.add(wo, builder.mul(wstr, c(i))), builder.mul(b, c(32))))
-                    return _load_vec(builder, p, _V16S, 2), _load_vec(builder, builder.gep(p, [c(16)]), _V16S, 2)
-                return _block_codes(builder, kind, at("qs", qa, builder.add(builder.add(qo, builder.mul(qstr, c(i))),
-                                                                            builder.mul(b, c(kind.code_bytes)))))
+                    return halves(at("wq", wa, builder.add(builder.add(wo, builder.mul(wstr, c(i))),
+                                                           builder.mul(b, c(32)))))
+                codes = at("qs", qa, builder.add(builder.add(qo, builder.mul(qstr, c(i))), builder.mul(b, c(kind.code_bytes))))
+                return _scaled_codes(builder, kind, codes, scale_at(i, b)) if WIDE else _block_codes(builder, kind, codes)
 
             def acts(k, b):
-                xp = at("xq", xa, builder.add(builder.add(xo, builder.mul(xstr, c(k))), builder.mul(b, c(32))))
-                return _load_vec(builder, xp, _V16S, 2), _load_vec(builder, builder.gep(xp, [c(16)]), _V16S, 2)
+                return halves(at("xq", xa, builder.add(builder.add(xo, builder.mul(xstr, c(k))), builder.mul(b, c(32)))))
 
             def prefetch_ahead(b):
                 """One block of each of the wrows rows PREFETCH_ROWS ahead (contiguous: wrows blocks of codes),
@@ -222,9 +281,14 @@ def _make_tile(wrows: int, xrows: int, unpacked: bool):
                 if not unpacked:
                     prefetch_ahead(b)
                 w = [weights(i, b) for i in range(wrows)]
-                scales = [] if unpacked else [
-                    _scale_lanes(builder, kind, at("sc", sca, builder.mul(builder.add(srow(i), b), c(kind.scales))), _V8I, _I32)
-                    for i in range(wrows)]
+                if WIDE:  # the codes already times sc: one dot per pair
+                    for k in range(xrows):
+                        (x1,) = acts(k, b)
+                        for i in range(wrows):
+                            builder.store(_dot(builder, builder.load(iacc[k][i]), w[i][0], x1), iacc[k][i])
+                    return
+                scales = [] if unpacked else [_scale_lanes(builder, kind, scale_at(i, b), _V8I, _I32)
+                                              for i in range(wrows)]
                 for k in range(xrows):
                     x1, x2 = acts(k, b)
                     for i in range(wrows):
@@ -241,17 +305,17 @@ def _make_tile(wrows: int, xrows: int, unpacked: bool):
                 s = builder.sdiv(t, c(BLOCKS // kind.step))  # the step's super-block
                 for k in range(xrows):
                     for i in range(wrows):
-                        builder.store(ir.Constant(_V8I, [0] * 8), iacc[k][i])
+                        builder.store(ir.Constant(_VI, [0] * LANES), iacc[k][i])
                 with cgutils.for_range(builder, step) as bloop:
                     one_block(builder.add(builder.mul(t, step), bloop.index))
-                dvec = [_splat8(builder, builder.load(at("d", da, builder.add(builder.sdiv(srow(i), eight), s))))
+                dvec = [_splat(builder, builder.load(at("d", da, builder.add(builder.sdiv(srow(i), eight), s))))
                         for i in range(wrows)]
                 for k in range(xrows):
                     xrow = builder.sdiv(builder.add(ao, builder.mul(astr, c(k))), eight)
-                    xsv = _splat8(builder, builder.load(at("xs", xsa, builder.add(xrow, s))))
+                    xsv = _splat(builder, builder.load(at("xs", xsa, builder.add(xrow, s))))
                     for i in range(wrows):
-                        f = builder.fmul(builder.sitofp(builder.load(iacc[k][i]), _V8F), xsv)
-                        builder.store(_fma(builder, f, dvec[i], builder.load(facc[k][i])), facc[k][i])
+                        f = builder.fmul(builder.sitofp(builder.load(iacc[k][i]), _VF), xsv)
+                        builder.store(_fma_f(builder, f, dvec[i], builder.load(facc[k][i])), facc[k][i])
             if kind.has_min:
                 mterms = _min_terms(context, builder, ty, ma, xma, so, sstr, ao, astr, wrows, xrows, n)
             for k in range(xrows):
@@ -282,14 +346,18 @@ def unpack_rows(typingctx, qs, q_off, q_stride, sc, s_off, s_stride, nblocks, ro
         with cgutils.for_range(builder, nrows) as row:
             with cgutils.for_range(builder, n) as loop:
                 qoff = builder.add(builder.add(qo, builder.mul(qstr, row.index)), builder.mul(loop.index, c(kind.code_bytes)))
-                even, odd = _block_codes(builder, kind, _ptr(context, builder, signature.args[0], qa, qoff))
+                codes = _ptr(context, builder, signature.args[0], qa, qoff)
                 soff = builder.mul(builder.add(builder.add(so, builder.mul(sstr, row.index)), loop.index), c(kind.scales))
-                svec = _scale_lanes(builder, kind, _ptr(context, builder, signature.args[3], sca, soff), _V16S, _I16)
+                scales = _ptr(context, builder, signature.args[3], sca, soff)
+                if WIDE:
+                    parts = _scaled_codes(builder, kind, codes, scales)
+                else:
+                    svec = _scale_lanes(builder, kind, scales, _V16S, _I16)
+                    parts = [builder.mul(v, svec) for v in _block_codes(builder, kind, codes)]
                 dst = _ptr(context, builder, signature.args[8], wa,
                            builder.mul(builder.add(builder.mul(row.index, n), loop.index), c(32)))
-                builder.store(builder.mul(even, svec), builder.bitcast(dst, _V16S.as_pointer()), align=2)
-                builder.store(builder.mul(odd, svec), builder.bitcast(builder.gep(dst, [c(16)]), _V16S.as_pointer()),
-                              align=2)
+                for h, part in enumerate(parts):  # 32 int16 a block, in the lanes the tiles load
+                    builder.store(part, builder.bitcast(builder.gep(dst, [c(16 * h)]), part.type.as_pointer()), align=2)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -297,8 +365,10 @@ def unpack_rows(typingctx, qs, q_off, q_stride, sc, s_off, s_stride, nblocks, ro
 
 # Weight rows x activation rows of the GEMM tiles: 2 x 4 keeps 8 int32 accumulators, a row pair's 4 code
 # vectors and 2 activation vectors in AVX2's 16 registers; 4 x 2 and 3 x 4 measured no faster (Q4_K
-# 8192 x 2048 and 2048 x 8192, Q6_K 2048 x 8192, batch 64 and 256, 2 threads, a Zen 3 EPYC).
-TILE_W, TILE_X = 2, 4
+# 8192 x 2048 and 2048 x 8192, Q6_K 2048 x 8192, batch 64 and 256, 2 threads, a Zen 3 EPYC). On avx512,
+# 4 x 4 (16 accumulators of AVX-512's 32 registers) measured 1.1-1.4x the 2 x 4, 4 x 2, 2 x 8, 4 x 6 and
+# 5 x 4 tiles (Q4_K, the same shapes, batch 16-256, 2 threads, a Zen 4 EPYC).
+TILE_W, TILE_X = (4, 4) if WIDE else (2, 4)
 tile_wx_u, tile_w1_u = _make_tile(TILE_W, TILE_X, True), _make_tile(TILE_W, 1, True)
 tile_g1, tile_11 = _make_tile(GEMV_W, 1, False), _make_tile(1, 1, False)
 
@@ -312,10 +382,13 @@ _CHUNKS = 16
 XQ_BYTES = 256 * 1024
 
 
+# Where column j of a block is stored: avx2's even columns, then its odd ones; avx512's column order.
+_ORDER = np.array([(j >> 1) + 16 * (j & 1) for j in range(32)] if not WIDE else list(range(32)), dtype=np.int64)
+
+
 @nb.njit(**_TILE_JIT)
 def _quantize_row(x, k, xq, xs, xsum):
-    """Row k of x float32 `[batch, cols]` → xq int16 `[batch, cols]` (each block's even columns, then its
-    odd), xs float32 `[batch, cols / 256]` (max|x_sb| / 32767) and xsum float32 `[batch, cols / 32]`
+    """Row k of x float32 `[batch, cols]` → xq int16 `[batch, cols]` (a block's columns in `_ORDER`), xs float32 `[batch, cols / 256]` (max|x_sb| / 32767) and xsum float32 `[batch, cols / 32]`
     (xs · the block's Σ xq)."""
     for s in range(x.shape[1] // SUPER):
         base = SUPER * s
@@ -330,7 +403,7 @@ def _quantize_row(x, k, xq, xs, xsum):
             total = 0
             for j in range(32):
                 q = np.int32(np.rint(x[k, at + j] * inv))
-                xq[k, at + (j >> 1) + 16 * (j & 1)] = np.int16(q)
+                xq[k, at + _ORDER[j]] = np.int16(q)
                 total += q
             xsum[k, BLOCKS * s + b] = np.float32(total) * scale
 
