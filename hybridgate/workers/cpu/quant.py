@@ -225,12 +225,12 @@ def q4k_nibbles(data: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
 
 
 class Q45KSuperMatrix(QuantMatrix):
-    """Q4_K and Q5_K on the avx2 path's `superblock.matmul_superblock`: Q4_K's nibbles in Q4_1's order
-    (`q4k_nibbles`) or Q5_K's codes 0..31 as int8 in column order (`superblock.q5k_codes`), the 6-bit
-    sub-block scales as uint8 and the mins (-dmin·min) as float32 per 32 columns, d per 256 (5.4 bits per
-    weight for Q4_K, 9.4 for Q5_K); activations int16 per 256 columns, the sub-block scales applied in
-    integers and one float step per super-block (see `superblock`). Error: at most max|x_sb| / 65534 per
-    activation."""
+    """Q4_K and Q5_K on the avx2 and avx512 paths' `superblock.matmul_superblock`: Q4_K's nibbles in Q4_1's
+    order (`q4k_nibbles`) or Q5_K's codes 0..31 as int8 in column order (`superblock.q5k_codes`), the 6-bit
+    sub-block scales and mins as uint8 per 32 columns, d and -dmin as float32 per 256 (4.75 bits per weight
+    for Q4_K, GGUF's 4.5; 8.75 for Q5_K); activations int16 per 256 columns, the sub-block scales and mins
+    applied in integers and one float step per super-block (see `superblock`). Error: at most max|x_sb| /
+    65534 per activation."""
 
     activations = "i16"
     column_multiple = 256
@@ -238,16 +238,16 @@ class Q45KSuperMatrix(QuantMatrix):
     def __init__(self, name: str, kind: int, data: np.ndarray, shape: tuple[int, int], activations: str = "auto"):
         super().__init__(name, kind, data, shape)  # the type and shape checks
         self.qs = q4k_nibbles(self.data, shape) if kind == Q4_K else superblock.q5k_codes(self.data, shape)
-        self.sc, self.d, self.minimum = superblock.split_scales(kind, self.data, shape)
-        self.data = self.scale = None
+        self.sc, self.d, self.ndmin, self.mins = superblock.split_scales(kind, self.data, shape)
+        self.data = self.scale = self.minimum = None
 
     @property
     def nbytes(self) -> int:
-        return self.qs.nbytes + self.sc.nbytes + self.d.nbytes + self.minimum.nbytes
+        return self.qs.nbytes + self.sc.nbytes + self.d.nbytes + self.ndmin.nbytes + self.mins.nbytes
 
     def matmul(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         out = self._out(x, out)
-        superblock.matmul_superblock(x, self.qs, self.sc, self.d, self.minimum, out)
+        superblock.matmul_superblock(x, self.qs, self.sc, self.d, self.ndmin, self.mins, out)
         return out
 
     def row(self, index: int) -> np.ndarray:
@@ -257,11 +257,12 @@ class Q45KSuperMatrix(QuantMatrix):
             q = self.qs[index].reshape(-1, 16)
             codes = np.concatenate([q & 15, q >> 4], axis=1).astype(np.float32)  # [blocks, 32]
         scale = np.repeat(self.d[index], 8) * self.sc[index].astype(np.float32)  # d·sc, as gguf rounds it
-        return (codes * scale[:, None] + self.minimum[index][:, None]).ravel()
+        minimum = np.repeat(self.ndmin[index], 8) * self.mins[index].astype(np.float32)  # -(dmin·m), as gguf
+        return (codes * scale[:, None] + minimum[:, None]).ravel()
 
 
 class Q6KSuperMatrix(QuantMatrix):
-    """Q6_K on the avx2 path's `superblock.matmul_superblock`: codes c - 32 int8 in column order, the signed
+    """Q6_K on the avx2 and avx512 paths' `superblock.matmul_superblock`: codes c - 32 int8 in column order, the signed
     sub-block scales as int8 per 16 columns, d per 256 (8.6 bits per weight); activations int16 per
     256 columns, the sub-block scales applied in integers and a float step per 128 columns (see
     `superblock`). Error: at most max|x_sb| / 65534 per activation."""
@@ -272,8 +273,8 @@ class Q6KSuperMatrix(QuantMatrix):
     def __init__(self, name: str, kind: int, data: np.ndarray, shape: tuple[int, int], activations: str = "auto"):
         super().__init__(name, kind, data, shape)  # the type and shape checks
         self.qs, self.sc, self.d = superblock.split_q6k(self.data, shape)
-        self.minimum = np.zeros((shape[0], 1), np.float32)  # no min: the kernel reads none
-        self.data = self.scale = None
+        self._no_ndmin, self._no_mins = np.zeros((1, 1), np.float32), np.zeros((1, 1), np.uint8)  # no min: unread
+        self.data = self.scale = self.minimum = None
 
     @property
     def nbytes(self) -> int:
@@ -281,7 +282,7 @@ class Q6KSuperMatrix(QuantMatrix):
 
     def matmul(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         out = self._out(x, out)
-        superblock.matmul_superblock(x, self.qs, self.sc, self.d, self.minimum, out)
+        superblock.matmul_superblock(x, self.qs, self.sc, self.d, self._no_ndmin, self._no_mins, out)
         return out
 
     def row(self, index: int) -> np.ndarray:

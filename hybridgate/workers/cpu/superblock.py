@@ -60,7 +60,6 @@ from hybridgate.workers.cpu.avx2 import (  # noqa: E402
     UNPACK_MIN,
     _codes,
     _madd,
-    _min_terms,
 )
 from hybridgate.workers.cpu.blocks import LAYOUTS, Q5_K, _f16, _k4_scales  # noqa: E402
 from hybridgate.workers.cpu.kquant import CODES  # noqa: E402
@@ -80,6 +79,8 @@ if WIDE and _TARGET.vnni:
 LANES = 16 if WIDE else 8  # int32 lanes of a pair's integer sums, float lanes of its float steps
 _I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
 _V8I = ir.VectorType(_I32, 8)
+_V8B = ir.VectorType(_I8, 8)
+_V8F = ir.VectorType(ir.FloatType(), 8)
 _V4I = ir.VectorType(_I32, 4)
 _V16S = ir.VectorType(_I16, 16)
 _V32S = ir.VectorType(_I16, 32)
@@ -113,14 +114,15 @@ KINDS = {(types.uint8, types.uint8): Kind("q4_k", 16, 1, 15 * 63, True),
          (types.int8, types.int8): Kind("q6_k", 32, 2, 32 * 128, False)}
 
 
-def split_scales(kind: int, data: np.ndarray, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def split_scales(kind: int, data: np.ndarray, shape: tuple[int, int]) -> tuple[np.ndarray, ...]:
     """A Q4_K or Q5_K weight's GGUF bytes uint8 `[rows, row_bytes]` → (sc uint8 `[rows, cols / 32]`, the 6-bit
-    sub-block scales; d float32 `[rows, cols / 256]`; minimum float32 `[rows, cols / 32]`, -dmin·min_b)."""
+    sub-block scales; d float32 `[rows, cols / 256]`; ndmin float32 `[rows, cols / 256]`, -dmin; mins uint8
+    `[rows, cols / 32]`, the 6-bit sub-block mins: w = d·sc_b·c + ndmin·min_b)."""
     rows, cols = shape
     blocks = np.ascontiguousarray(data).reshape(rows, cols // SUPER, LAYOUTS[kind].nbytes)
     sc, m = _k4_scales(blocks[:, :, 4:16])
-    minimum = -(_f16(blocks, 2)[:, :, None] * m).reshape(rows, -1)
-    return np.ascontiguousarray(sc.reshape(rows, -1)), _f16(blocks, 0), minimum.astype(np.float32)
+    return (np.ascontiguousarray(sc.reshape(rows, -1)).astype(np.uint8), _f16(blocks, 0), -_f16(blocks, 2),
+            np.ascontiguousarray(m.reshape(rows, -1)).astype(np.uint8))
 
 
 def q5k_codes(data: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
@@ -204,6 +206,18 @@ def _splat(builder, scalar):
     return builder.shuffle_vector(vec, vec, ir.Constant(_VI, [0] * LANES))
 
 
+def _to_lanes(builder, v8):
+    """<8 x float> → <LANES x float>: itself on avx2, zeros in lanes 8..15 on avx512."""
+    if LANES == 8:
+        return v8
+    return builder.shuffle_vector(v8, ir.Constant(_V8F, [0.0] * 8), ir.Constant(_VI, list(range(16))))
+
+
+def _splat8(builder, scalar):
+    vec = builder.insert_element(ir.Constant(_V8F, ir.Undefined), scalar, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(vec, vec, ir.Constant(_V8I, [0] * 8))
+
+
 def _fma_f(builder, a, b, c):
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF] * 3), f"llvm.fma.v{LANES}f32")
     return builder.call(fn, [a, b, c])
@@ -213,28 +227,31 @@ def _make_tile(wrows: int, xrows: int, unpacked: bool):
     """An intrinsic: `wrows` Q4_K or Q6_K weight rows (`KINDS`, by the codes' dtype) times `xrows` int16
     activation rows.
 
-    f(qs, q_off, q_stride, wq, w_off, w_stride, sc, d, minimum, s_off, s_stride, nblocks, xq, x_off,
+    f(qs, q_off, q_stride, wq, w_off, w_stride, sc, d, ndmin, mins, s_off, s_stride, nblocks, xq, x_off,
       x_stride, xs, xsum, a_off, a_stride, out, o_off, o_stride) writes, for weight row i and activation
-    row k, out[o_off + k·o_stride + i] = tree8(Σ_t float(S_ikt) · xs_k · d_i) + Σ_b m_ib · xsum_kb (the min
-    term Q4_K's only) with S_ikt = Σ_{b in step t} sc_ib · P_ikb in int32 lanes, a step `Kind.step` blocks;
-    sc at [(s_off + i·s_stride + b) · Kind.scales], minimum at [s_off + i·s_stride + b], d and xs those of
-    the step's super-block, at [(s_off + i·s_stride) / 8 + sb] and [(a_off + k·a_stride) / 8 + sb], xq
-    (each block's even columns, then its odd) at x_off + k·x_stride + 32b, xsum at [a_off + k·a_stride +
-    b]. The codes come from qs (row i at q_off + i·q_stride) or, `unpacked`, from wq (`unpack_rows`:
-    already times sc; row i at w_off + i·w_stride, 32 int16 per block). nblocks: a multiple of 8.
+    row k, out[o_off + k·o_stride + i] = tree(Σ_t float(S_ikt) · xs_k · d_i + the min term)
+    with S_ikt = Σ_{b in step t} sc_ib · P_ikb in int32 lanes, a step `Kind.step` blocks, and (Q4_K and
+    Q5_K) the min term fma([ndmin_i·min_ib for the step's 8 blocks b], [xsum_kb], ·) in lanes 0..7; sc at [(s_off + i·s_stride
+    + b) · Kind.scales], mins at [s_off + i·s_stride + b], d, ndmin and xs those of the step's super-block,
+    at [(s_off + i·s_stride) / 8 + sb] and [(a_off + k·a_stride) / 8 + sb], xq (a block's columns in
+    `_ORDER`) at x_off + k·x_stride + 32b, xsum (xs · Σ_j xq_kbj) at [a_off + k·a_stride + b]. The codes
+    come from qs (row i at q_off + i·q_stride) or, `unpacked`, from wq (`unpack_rows`: already times sc;
+    row i at w_off + i·w_stride, 32 int16 per block). nblocks: a multiple of 8.
     """
 
-    def generic(typingctx, qs, q_off, q_stride, wq, w_off, w_stride, sc, d, minimum, s_off, s_stride, nblocks,
+    def generic(typingctx, qs, q_off, q_stride, wq, w_off, w_stride, sc, d, ndmin, mins, s_off, s_stride, nblocks,
                 xq, x_off, x_stride, xs, xsum, a_off, a_stride, out, o_off, o_stride):
         ip = types.intp
-        sig = types.void(qs, ip, ip, wq, ip, ip, sc, d, minimum, ip, ip, ip, xq, ip, ip, xs, xsum, ip, ip, out, ip, ip)
+        sig = types.void(qs, ip, ip, wq, ip, ip, sc, d, ndmin, mins, ip, ip, ip, xq, ip, ip, xs, xsum, ip, ip, out,
+                         ip, ip)
         kind = KINDS[qs.dtype, sc.dtype]
+        assert kind.step == BLOCKS or not kind.has_min  # the min term's step is a super-block
 
         def codegen(context, builder, signature, args):
-            (qa, qo, qstr, wa, wo, wstr, sca, da, ma, so, sstr, n, xa, xo, xstr, xsa, xma, ao, astr,
+            (qa, qo, qstr, wa, wo, wstr, sca, da, nda, ma, so, sstr, n, xa, xo, xstr, xsa, xma, ao, astr,
              oa, oo, ostr) = args
-            ty = dict(zip(("qs", "wq", "sc", "d", "minimum", "xq", "xs", "xsum", "out"),
-                          (signature.args[i] for i in (0, 3, 6, 7, 8, 12, 15, 16, 19))))
+            ty = dict(zip(("qs", "wq", "sc", "d", "ndmin", "mins", "xq", "xs", "xsum", "out"),
+                          (signature.args[i] for i in (0, 3, 6, 7, 8, 9, 13, 16, 17, 20))))
             c = lambda v: ir.Constant(n.type, v)  # noqa: E731
             facc = [[cgutils.alloca_once_value(builder, ir.Constant(_VF, [0.0] * LANES)) for _ in range(wrows)]
                     for _ in range(xrows)]
@@ -275,7 +292,7 @@ def _make_tile(wrows: int, xrows: int, unpacked: bool):
                 sp = builder.add(builder.add(so, builder.mul(sstr, c(PREFETCH_ROWS))), builder.mul(b, c(wrows)))
                 prefetch(builder, at("sc", sca, builder.mul(sp, c(kind.scales))))
                 if kind.has_min:
-                    prefetch(builder, at("minimum", ma, sp))
+                    prefetch(builder, at("mins", ma, sp))
 
             def one_block(b):
                 if not unpacked:
@@ -308,21 +325,29 @@ def _make_tile(wrows: int, xrows: int, unpacked: bool):
                         builder.store(ir.Constant(_VI, [0] * LANES), iacc[k][i])
                 with cgutils.for_range(builder, step) as bloop:
                     one_block(builder.add(builder.mul(t, step), bloop.index))
-                dvec = [_splat(builder, builder.load(at("d", da, builder.add(builder.sdiv(srow(i), eight), s))))
-                        for i in range(wrows)]
+                sb = [builder.add(builder.sdiv(srow(i), eight), s) for i in range(wrows)]
+                dvec = [_splat(builder, builder.load(at("d", da, sb[i]))) for i in range(wrows)]
+                if kind.has_min:  # each row's 8 mins of the super-block, -dmin·min_b as gguf rounds it
+                    first = builder.mul(s, eight)
+                    mvec = []
+                    for i in range(wrows):
+                        raw = _load_vec(builder, at("mins", ma, builder.add(srow(i), first)), _V8B, 1)
+                        ndmin = _splat8(builder, builder.load(at("ndmin", nda, sb[i])))
+                        mvec.append(_to_lanes(builder, builder.fmul(builder.uitofp(raw, _V8F), ndmin)))
                 for k in range(xrows):
-                    xrow = builder.sdiv(builder.add(ao, builder.mul(astr, c(k))), eight)
-                    xsv = _splat(builder, builder.load(at("xs", xsa, builder.add(xrow, s))))
+                    xrow = builder.add(ao, builder.mul(astr, c(k)))
+                    xsv = _splat(builder, builder.load(at("xs", xsa, builder.add(builder.sdiv(xrow, eight), s))))
+                    if kind.has_min:  # the blocks' xs·Σ xq
+                        xsum8 = _to_lanes(builder, _load_vec(builder, at("xsum", xma, builder.add(xrow, first)), _V8F, 4))
                     for i in range(wrows):
                         f = builder.fmul(builder.sitofp(builder.load(iacc[k][i]), _VF), xsv)
-                        builder.store(_fma_f(builder, f, dvec[i], builder.load(facc[k][i])), facc[k][i])
-            if kind.has_min:
-                mterms = _min_terms(context, builder, ty, ma, xma, so, sstr, ao, astr, wrows, xrows, n)
+                        acc = _fma_f(builder, f, dvec[i], builder.load(facc[k][i]))
+                        if kind.has_min:
+                            acc = _fma_f(builder, mvec[i], xsum8, acc)
+                        builder.store(acc, facc[k][i])
             for k in range(xrows):
                 for i in range(wrows):
                     value = _tree_sum(builder, builder.load(facc[k][i]))
-                    if kind.has_min:
-                        value = builder.fadd(value, mterms[i, k])
                     builder.store(value, at("out", oa, builder.add(builder.add(oo, builder.mul(ostr, c(k))), c(i))))
             return context.get_dummy_value()
 
@@ -388,8 +413,8 @@ _ORDER = np.array([(j >> 1) + 16 * (j & 1) for j in range(32)] if not WIDE else 
 
 @nb.njit(**_TILE_JIT)
 def _quantize_row(x, k, xq, xs, xsum):
-    """Row k of x float32 `[batch, cols]` → xq int16 `[batch, cols]` (a block's columns in `_ORDER`), xs float32 `[batch, cols / 256]` (max|x_sb| / 32767) and xsum float32 `[batch, cols / 32]`
-    (xs · the block's Σ xq)."""
+    """Row k of x float32 `[batch, cols]` → xq int16 `[batch, cols]` (a block's columns in `_ORDER`), xs
+    float32 `[batch, cols / 256]` (max|x_sb| / 32767) and xsum float32 `[batch, cols / 32]` (xs · the block's Σ xq)."""
     for s in range(x.shape[1] // SUPER):
         base = SUPER * s
         top = np.float32(0.0)
@@ -409,7 +434,7 @@ def _quantize_row(x, k, xq, xs, xsum):
 
 
 @nb.njit(**_TILE_JIT)
-def _gemv_rows(xq, xs, xsum, qs, sc, d, minimum, out, r0, r1, b0, b1):
+def _gemv_rows(xq, xs, xsum, qs, sc, d, ndmin, mins, out, r0, r1, b0, b1):
     """Weight rows r0 .. r1 against activation rows b0 .. b1 (fewer than UNPACK_MIN), GEMV_W rows a tile."""
     rows, cols, qw = qs.shape[0], xq.shape[1], qs.shape[1]
     nblocks = cols // 32
@@ -418,16 +443,16 @@ def _gemv_rows(xq, xs, xsum, qs, sc, d, minimum, out, r0, r1, b0, b1):
         w = GEMV_W if r + GEMV_W <= r1 else 1
         for b in range(b0, b1):
             if w == GEMV_W:
-                tile_g1(qs, r * qw, qw, xq, 0, 0, sc, d, minimum, r * nblocks, nblocks, nblocks, xq, b * cols, cols,
+                tile_g1(qs, r * qw, qw, xq, 0, 0, sc, d, ndmin, mins, r * nblocks, nblocks, nblocks, xq, b * cols, cols,
                         xs, xsum, b * nblocks, nblocks, out, b * rows + r, rows)
             else:
-                tile_11(qs, r * qw, qw, xq, 0, 0, sc, d, minimum, r * nblocks, nblocks, nblocks, xq, b * cols, cols,
+                tile_11(qs, r * qw, qw, xq, 0, 0, sc, d, ndmin, mins, r * nblocks, nblocks, nblocks, xq, b * cols, cols,
                         xs, xsum, b * nblocks, nblocks, out, b * rows + r, rows)
         r += w
 
 
 @nb.njit(**_TILE_JIT)
-def _gemm_rows(xq, xs, xsum, qs, sc, d, minimum, out, r, wrows, b0, b1, wq):
+def _gemm_rows(xq, xs, xsum, qs, sc, d, ndmin, mins, out, r, wrows, b0, b1, wq):
     """Weight rows r .. r + wrows (at most TILE_W) against activation rows b0 .. b1 (at least
     UNPACK_MIN): the rows' codes widened and scaled into wq once, then TILE_W x TILE_X tiles."""
     rows, cols, qw, per = qs.shape[0], xq.shape[1], qs.shape[1], sc.shape[1]
@@ -435,31 +460,31 @@ def _gemm_rows(xq, xs, xsum, qs, sc, d, minimum, out, r, wrows, b0, b1, wq):
     ahead = r + PREFETCH_ROWS
     prefetch_span(qs, ahead * qw, wrows * qw)
     prefetch_span(sc, ahead * per, wrows * per)
-    if minimum.shape[1] == nblocks:  # Q4_K's mins (Q6_K has none)
-        prefetch_span(minimum, ahead * nblocks, wrows * nblocks)
+    if mins.shape[1] == nblocks:  # Q4_K's and Q5_K's mins (Q6_K has none)
+        prefetch_span(mins, ahead * nblocks, wrows * nblocks)
     if wrows < TILE_W:
         for i in range(wrows):
-            _gemv_rows(xq, xs, xsum, qs, sc, d, minimum, out, r + i, r + i + 1, b0, b1)
+            _gemv_rows(xq, xs, xsum, qs, sc, d, ndmin, mins, out, r + i, r + i + 1, b0, b1)
         return
     unpack_rows(qs, r * qw, qw, sc, r * nblocks, nblocks, nblocks, TILE_W, wq)  # sc offsets in blocks
     b = b0
     while b + TILE_X <= b1:
-        tile_wx_u(qs, r * qw, qw, wq, 0, 32 * nblocks, sc, d, minimum, r * nblocks, nblocks, nblocks, xq, b * cols,
+        tile_wx_u(qs, r * qw, qw, wq, 0, 32 * nblocks, sc, d, ndmin, mins, r * nblocks, nblocks, nblocks, xq, b * cols,
                   cols, xs, xsum, b * nblocks, nblocks, out, b * rows + r, rows)
         b += TILE_X
     while b < b1:
-        tile_w1_u(qs, r * qw, qw, wq, 0, 32 * nblocks, sc, d, minimum, r * nblocks, nblocks, nblocks, xq, b * cols,
+        tile_w1_u(qs, r * qw, qw, wq, 0, 32 * nblocks, sc, d, ndmin, mins, r * nblocks, nblocks, nblocks, xq, b * cols,
                   cols, xs, xsum, b * nblocks, nblocks, out, b * rows + r, rows)
         b += 1
 
 
 @nb.njit(parallel=True, **_JIT)
-def matmul_superblock(x, qs, sc, d, minimum, out):
+def matmul_superblock(x, qs, sc, d, ndmin, mins, out):
     """out float32 `[batch, rows]` = x float32 `[batch, cols]` @ W.T for a Q4_K weight W split by
-    `split_scales` (qs uint8 `[rows, cols / 2]` nibbles in Q4_1's order, sc uint8 and minimum float32
-    `[rows, cols / 32]`, d float32 `[rows, cols / 256]`), a Q5_K one (qs int8 `[rows, cols]` codes 0..31,
-    `q5k_codes`; the rest as Q4_K's) or a Q6_K one split by `split_q6k` (qs int8 `[rows, cols]`, sc int8
-    `[rows, cols / 16]`, d as Q4_K's; minimum unread, any float32 `[rows, 1]`); `KINDS` names the type from the dtypes;
+    `split_scales` (qs uint8 `[rows, cols / 2]` nibbles in Q4_1's order, sc and mins uint8 `[rows, cols / 32]`,
+    d and ndmin float32 `[rows, cols / 256]`), a Q5_K one (qs int8 `[rows, cols]` codes 0..31, `q5k_codes`;
+    the rest as Q4_K's) or a Q6_K one split by `split_q6k` (qs int8 `[rows, cols]`, sc int8 `[rows, cols /
+    16]`, d as Q4_K's; ndmin and mins unread: any float32 and uint8 `[rows, 1]`); `KINDS` names the type from the dtypes;
     x quantized to int16 per 256 columns first. Error: the activations' rounding, at most 2^-16 of each
     super-block's largest value."""
     batch, cols = x.shape
@@ -478,7 +503,7 @@ def matmul_superblock(x, qs, sc, d, minimum, out):
         groups = rows // GEMV_W
         per = (groups + _CHUNKS - 1) // _CHUNKS * GEMV_W
         for c in prange(_CHUNKS):  # chunks start on a GEMV_W boundary; the last takes the rows past the groups
-            _gemv_rows(xq, xs, xsum, qs, sc, d, minimum, out, c * per, rows if c == _CHUNKS - 1 else
+            _gemv_rows(xq, xs, xsum, qs, sc, d, ndmin, mins, out, c * per, rows if c == _CHUNKS - 1 else
                        min(rows, (c + 1) * per), 0, batch)
         return
     groups = (rows + TILE_W - 1) // TILE_W
@@ -490,4 +515,4 @@ def matmul_superblock(x, qs, sc, d, minimum, out):
             wq = np.empty(TILE_W * cols, dtype=np.int16)
             for g in range(c * per, min(groups, (c + 1) * per)):
                 r = TILE_W * g
-                _gemm_rows(xq, xs, xsum, qs, sc, d, minimum, out, r, min(TILE_W, rows - r), b0, b1, wq)
+                _gemm_rows(xq, xs, xsum, qs, sc, d, ndmin, mins, out, r, min(TILE_W, rows - r), b0, b1, wq)
