@@ -262,17 +262,19 @@ class Q45KSuperMatrix(QuantMatrix):
 
 
 class Q6KSuperMatrix(QuantMatrix):
-    """Q6_K on the avx2 and avx512 paths' `superblock.matmul_superblock`: codes c - 32 int8 in column order, the signed
-    sub-block scales as int8 per 16 columns, d per 256 (8.6 bits per weight); activations int16 per
-    256 columns, the sub-block scales applied in integers and a float step per 128 columns (see
-    `superblock`). Error: at most max|x_sb| / 65534 per activation."""
+    """Q6_K on the avx2 and avx512 paths' `superblock.matmul_superblock`: codes c - 32 int8 in column order
+    (avx2: 8.6 bits per weight) or kept 6 bits (avx512, `superblock.pack_q6k`: 6.6, GGUF's 6.56), the signed
+    sub-block scales as int8 per 16 columns, d per 256; activations int16 per 256 columns, the sub-block
+    scales applied in integers and a float step per 128 (avx2) or 256 (avx512) columns (see `superblock`).
+    Error: at most max|x_sb| / 65534 per activation."""
 
     activations = "i16"
     column_multiple = 256
 
     def __init__(self, name: str, kind: int, data: np.ndarray, shape: tuple[int, int], activations: str = "auto"):
         super().__init__(name, kind, data, shape)  # the type and shape checks
-        self.qs, self.sc, self.d = superblock.split_q6k(self.data, shape)
+        codes, self.sc, self.d = superblock.split_q6k(self.data, shape)
+        self.qs = superblock.pack_q6k(codes) if superblock.Q6K_PACKED else codes
         self._no_ndmin, self._no_mins = np.zeros((1, 1), np.float32), np.zeros((1, 1), np.uint8)  # no min: unread
         self.data = self.scale = self.minimum = None
 
@@ -291,7 +293,8 @@ class Q6KSuperMatrix(QuantMatrix):
     def rows(self, index: np.ndarray) -> np.ndarray:
         """Dequantized rows float32 `[len(index), cols]` (the embedding lookup): (d·sc)·(c - 32), as gguf."""
         scale = np.repeat(self.d[index], 16, axis=1) * self.sc[index].astype(np.float32)  # [n, cols / 16]
-        q = self.qs[index].astype(np.float32).reshape(len(index), -1, 16)
+        codes = superblock.unpack_q6k(self.qs[index]) if superblock.Q6K_PACKED else self.qs[index]
+        q = codes.astype(np.float32).reshape(len(index), -1, 16)
         return (q * scale[:, :, None]).reshape(len(index), -1)
 
 

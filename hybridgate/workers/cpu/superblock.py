@@ -1,4 +1,4 @@
-"""The avx2 path's Q4_K, Q5_K and Q6_K matmuls: sub-block scales applied in integers, one float step per 256 columns.
+"""The avx2 and avx512 paths' Q4_K, Q5_K and Q6_K matmuls: sub-block scales applied in integers, one float step per 256 columns.
 
 Q4_K stores w = d·sc_b·c + m_b per 32-column sub-block b of a 256-column super-block (c a 4-bit
 code, sc_b a 6-bit unsigned scale, d an fp16; m_b = -dmin·min_b). `avx2.matmul_i16` multiplies it
@@ -21,7 +21,9 @@ Lanes: a block's 16 bytes of nibbles (Q4_1's order: byte j holds column j low, j
 loaded into both 128-bit halves; a per-half shift of the 32-bit lanes (`vpsrlvd` by 0 | 4, then by
 8 | 12) and a mask of 0x000F000F give columns 0, 2, .., 14 | 16, 18, .., 30, then 1, 3, .., 15 |
 17, .., 31 as 16-bit lanes: each block's even columns, then its odd ones, the activation order of
-`avx2.quantize_block`. The min term Σ_b m_b · xs·Σ_j xq_bj is float, as in `avx2._min_terms`.
+`avx2.quantize_block`. The mins stay bytes beside -dmin per super-block (4.75 bits a weight, GGUF's
+4.5): the min term, [-dmin·min_b] · [xs·Σ_j xq_bj] for the super-block's 8 blocks, is one 8-lane FMA
+into the same float accumulator at each float step.
 
 Q5_K is Q4_K with a 5th code bit: its codes 0..31 are kept whole as int8 in column order and widened
 as Q6_K's below (a lane's bound over 8 blocks: 8 · 4 · 31 · 63 · 32767 < 2^31). Q6_K (w = d·sc_h·(c - 32)
@@ -32,11 +34,23 @@ even and odd columns (as `avx2._codes`), so int32 lanes 0..3 hold a block's colu
 block, so its float step comes every 4 blocks (16 products of at most 2^27: 2,147,418,112 < 2^31),
 with the super-block's one xs and d; it has no min term.
 
+The avx512 path holds a block's 32 codes in one register as 16-bit lanes in column order (the
+nibbles zero-extended, the low 4 bits masked and the high shifted into lanes 16..31; int8 codes
+sign-extended), multiplies them by the sub-block scale in int16 (`vpmullw`; Q6_K's two scales as
+[sc_0 ×16, sc_1 ×16]) and adds each pair and block with one `vpdpwssd` (VNNI; `vpmaddwd` and an add
+without) into 16 int32 lanes: 2 products a lane and block, so every type's float step is a super-block
+(Q6_K: 8 · 2 · 32 · 128 · 32767 = 2,147,418,112 < 2^31). The activations are stored in column order.
+Q6_K's codes stay 6 bits there (`pack_q6k`: 6.6 bits a weight instead of 8.6; a decode step reads its
+weights once, so bytes are time): the low 4 bits as Q4_K's nibbles, the top 2 of columns p + 8t at bits
+2t of byte p, widened by a repeat of the 8 bytes in each 128-bit quarter and a per-quarter shift
+(`vpsrlvw`). LLVM's machine combiner turns the `vpdpwssd` intrinsic back into `vpmaddwd` and `vpaddd`
+(twice the uops; the GEMM tiles ran at 0.65x), so `_dot` writes it as inline assembly.
+
 Error: the activations' rounding, at most xs / 2 = max|x_sb| / 65534 per element.
 
 Sources: ggml's `block_q4_K` (ggml-common.h) and `dequantize_row_q4_K` (ggml-quants.c); ggml-cpu's
 `ggml_vec_dot_q4_K_q8_K` and `dequantize_row_q6_K` (integer sub-block scales, one float step per super-block; with int8
-activations there); Intel's intrinsics guide for `vpmaddwd`, `vpsrlvd` and `vpmulld`.
+activations there); Intel's intrinsics guide for `vpmaddwd`, `vpdpwssd`, `vpsrlvd`, `vpsrlvw` and `vpmulld`.
 """
 
 from __future__ import annotations
@@ -111,7 +125,12 @@ class Kind(NamedTuple):
 # 8 · 4 · 31 · 63 · 32767 = 2,047,806,432 < 2^31.
 KINDS = {(types.uint8, types.uint8): Kind("q4_k", 16, 1, 15 * 63, True),
          (types.int8, types.uint8): Kind("q5_k", 32, 1, 31 * 63, True),
-         (types.int8, types.int8): Kind("q6_k", 32, 2, 32 * 128, False)}
+         (types.int8, types.int8): Kind("q6_k", 32, 2, 32 * 128, False),
+         (types.uint8, types.int8): Kind("q6_k", 24, 2, 32 * 128, False)}  # avx512: 6-bit codes (`pack_q6k`)
+# Where Q6_K's codes stay 6 bits (`pack_q6k`: 6.6 bits a weight, GGUF's 6.56, instead of 8.6): a decode step
+# reads its weights once, so bytes are time. The avx512 path widens them in a few ops (`_block_codes`); the
+# avx2 path keeps int8 codes (its even/odd lanes would need another bit order: not done).
+Q6K_PACKED = WIDE
 
 
 def split_scales(kind: int, data: np.ndarray, shape: tuple[int, int]) -> tuple[np.ndarray, ...]:
@@ -147,6 +166,27 @@ def split_q6k(data: np.ndarray, shape: tuple[int, int]) -> tuple[np.ndarray, np.
     return (codes.astype(np.int8) - np.int8(32)).reshape(shape), sc, _f16(blocks, 208)
 
 
+def pack_q6k(codes: np.ndarray) -> np.ndarray:
+    """Q6_K codes c - 32 int8 `[rows, cols]` in column order (`split_q6k`) → uint8 `[rows, cols · 3 / 4]`: per
+    32-column block 16 bytes of the codes' low 4 bits (byte j: column j low, j + 16 high, Q4_1's order) and 8
+    of their top 2 (byte p: columns p, p + 8, p + 16 and p + 24 at bits 0, 2, 4 and 6)."""
+    rows, cols = codes.shape
+    c = (codes.astype(np.int16) + 32).astype(np.uint8).reshape(rows, cols // 32, 32)
+    low = c & 15
+    high = (c >> 4).reshape(rows, cols // 32, 4, 8)
+    top = high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)
+    return np.ascontiguousarray(np.concatenate([low[:, :, :16] | (low[:, :, 16:] << 4), top], axis=2).reshape(rows, -1))
+
+
+def unpack_q6k(qs: np.ndarray) -> np.ndarray:
+    """`pack_q6k`'s bytes uint8 `[n, cols · 3 / 4]` → the codes c - 32 int8 `[n, cols]`."""
+    blocks = qs.reshape(qs.shape[0], -1, 24)
+    nibbles, top = blocks[:, :, :16], blocks[:, :, 16:]
+    low = np.concatenate([nibbles & 15, nibbles >> 4], axis=2)
+    high = np.concatenate([(top >> (2 * t)) & 3 for t in range(4)], axis=2)
+    return ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8).reshape(qs.shape[0], -1)
+
+
 def _widen(builder, ptr):
     """16 bytes of nibbles at ptr → (even, odd) <16 x i16> codes 0..15 (the lanes of the docstring)."""
     raw = _load_vec(builder, ptr, _V4I, 1)
@@ -162,6 +202,12 @@ def _scale_lanes(builder, kind: Kind, ptr, vec_ty, elem_ty):
     (the lanes of the docstring)."""
     half = vec_ty.count // 2
     lanes = [0] * vec_ty.count if kind.scales == 1 else [0] * half + [1] * half
+    if kind.scales == 2 and elem_ty == _I16:  # both bytes as one 16-bit lane in every lane, then each half's
+        word = builder.load(builder.bitcast(ptr, _I16.as_pointer()), align=1)  # byte sign-extended by shifts
+        vec = builder.insert_element(ir.Constant(vec_ty, ir.Undefined), word, ir.Constant(_I32, 0))
+        vec = builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_I32, vec_ty.count), [0] * vec_ty.count))
+        vec = builder.shl(vec, ir.Constant(vec_ty, [8] * half + [0] * half))
+        return builder.ashr(vec, ir.Constant(vec_ty, [8] * vec_ty.count))
     widen = builder.sext if kind.name == "q6_k" else builder.zext
     vec = ir.Constant(ir.VectorType(elem_ty, 2), ir.Undefined)
     for j in range(kind.scales):
@@ -173,7 +219,7 @@ def _scale_lanes(builder, kind: Kind, ptr, vec_ty, elem_ty):
 def _block_codes(builder, kind: Kind, ptr):
     """A block's codes at ptr → avx2: (even, odd) <16 x i16>, nibbles (`_widen`) or int8 (`avx2._codes`);
     avx512: (codes,) <32 x i16> in column order, the nibbles (byte j: column j low, j + 16 high)
-    zero-extended and split, int8 sign-extended."""
+    zero-extended and split, int8 sign-extended, packed Q6_K (`pack_q6k`) its nibbles and top bits joined."""
     if not WIDE:
         return _widen(builder, ptr) if kind.code_bytes == 16 else _codes(builder, "q8_0", ptr)
     if kind.code_bytes == 32:
@@ -181,7 +227,16 @@ def _block_codes(builder, kind: Kind, ptr):
     raw = builder.zext(_load_vec(builder, ptr, ir.VectorType(_I8, 16), 1), _V16S)
     low = builder.and_(raw, ir.Constant(_V16S, [15] * 16))
     high = builder.lshr(raw, ir.Constant(_V16S, [4] * 16))
-    return (builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(_I32, 32), list(range(32)))),)
+    codes = builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
+    if kind.code_bytes == 16:
+        return (codes,)
+    # packed Q6_K: byte p of the 8 after the nibbles holds columns p + 8t at bits 2t; the 8 bytes repeated in
+    # each 128-bit quarter, shifted per quarter (vpsrlvw), masked and put above the low 4 bits
+    top = builder.zext(_load_vec(builder, builder.gep(ptr, [ir.Constant(_I32, 16)]), _V8B, 1), ir.VectorType(_I16, 8))
+    top = builder.shuffle_vector(top, top, ir.Constant(ir.VectorType(_I32, 32), list(range(8)) * 4))
+    top = builder.lshr(top, ir.Constant(_V32S, [0] * 8 + [2] * 8 + [4] * 8 + [6] * 8))
+    top = builder.shl(builder.and_(top, ir.Constant(_V32S, [3] * 32)), ir.Constant(_V32S, [4] * 32))
+    return (builder.sub(builder.or_(codes, top), ir.Constant(_V32S, [32] * 32)),)
 
 
 def _scaled_codes(builder, kind: Kind, codes_ptr, scale_ptr):
