@@ -436,6 +436,7 @@ _LOW_BIT = {"avx512": (Q5_0, Q5_1, Q5_K), "avx2": (Q5_1, Q5_K), "generic": (Q4_0
 # Q4_K 1.5-1.7x the Q4_1 kernel at batch 16-256, 1.0-1.1x at batch 1, Q6_K 1.0-1.2x, 2 threads, a Zen 3 EPYC).
 _SUPER = {path: {Q4_K: Q45KSuperMatrix, Q5_K: Q45KSuperMatrix, Q6_K: Q6KSuperMatrix}
           for path in ("avx2", "avx512")}.get(isa.selected().isa, {})
+SUPER_TYPES = tuple(LAYOUTS[kind].name for kind in _SUPER)  # e.g. ("Q4_K", "Q5_K", "Q6_K")
 # Types with a repacked fast path on this process's path; the others dequantize rows.
 _FAST = {**_FORMATTED, F32: FloatMatrix, F16: FloatMatrix, BF16: FloatMatrix,
          **{kind: LowBitMatrix for kind in _LOW_BIT[isa.selected().isa]}, **_SUPER}

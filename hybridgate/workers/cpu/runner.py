@@ -41,7 +41,7 @@ KERNELS = [
     ("silu_mul_serial", cpu_model.silu_mul_serial), ("qkv_prologue", cpu_model.qkv_prologue),
     ("qkv_prologue_serial", cpu_model.qkv_prologue_serial), ("gelu_tanh_mul", cpu_model.gelu_tanh_mul),
     ("gelu_tanh_mul_serial", cpu_model.gelu_tanh_mul_serial),
-    *([("matmul_superblock", quant.superblock.matmul_superblock)] if hasattr(quant, "superblock") else []),  # the avx2 path's
+    *([("matmul_superblock", quant.superblock.matmul_superblock)] if hasattr(quant, "superblock") else []),  # the avx2 and avx512 paths'
 ]
 
 
@@ -74,9 +74,10 @@ class NumbaRunner:
         self.threads = threads
         self.thread_fallback = ThreadFallback(threads) if thread_fallback and threads > 1 else None
         self.model = CpuModel(model, activations=activations)
-        # e.g. "i16", or "auto: q4_1 f32, q8_0 i16"
+        # e.g. "i16", or "auto: q4_1 f32, q8_0 i16, q6_k i16/256" (the K-quants' superblock kernels: per 256)
+        auto = {**intdot.AUTO[isa.selected().isa], **{name.lower(): "i16/256" for name in quant.SUPER_TYPES}}
         self.cpu_activations = activations if activations != "auto" else "auto: " + ", ".join(
-            f"{k} {v}" for k, v in intdot.AUTO[isa.selected().isa].items())
+            f"{k} {v}" for k, v in auto.items())
         c = model.config
         self.max_model_len = c.max_model_len
         self.vocab_size = c.vocab_size

@@ -44,7 +44,7 @@ Q6_K's codes stay 6 bits there (`pack_q6k`: 6.6 bits a weight instead of 8.6; a 
 weights once, so bytes are time): the low 4 bits as Q4_K's nibbles, the top 2 of columns p + 8t at bits
 2t of byte p, widened by a repeat of the 8 bytes in each 128-bit quarter and a per-quarter shift
 (`vpsrlvw`). LLVM's machine combiner turns the `vpdpwssd` intrinsic back into `vpmaddwd` and `vpaddd`
-(twice the uops; the GEMM tiles ran at 0.65x), so `_dot` writes it as inline assembly.
+(twice the uops; the GEMM tiles ran at about 0.7x), so `_dot` writes it as inline assembly.
 
 Error: the activations' rounding, at most xs / 2 = max|x_sb| / 65534 per element.
 
