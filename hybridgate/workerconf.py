@@ -60,8 +60,9 @@ class SchedulerConfig:
              "fit in this many times its decode step, so a long prompt does not stall the running streams "
              "(0: off, prompt chunks of the whole token budget)", check=_check_factor)
     min_prefill_chunk: int = setting(
-        16, "fewest prompt tokens a step that carries decodes runs (when a prompt waits), so long prompts "
-            "progress whatever --mixed-step-budget allows", low=1)
+        8, "fewest prompt tokens a step that carries decodes runs (when a prompt waits), so long prompts "
+           "progress whatever --mixed-step-budget allows; small, since at a long context a prompt token costs "
+           "several times a short one's (its attention)", low=1)
 
     def __post_init__(self) -> None:
         check_settings(self)

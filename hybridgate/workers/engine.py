@@ -201,6 +201,18 @@ class EngineCore:
         """Sequences to run, or waiting for their grammar (`step` schedules them once it is compiled)."""
         return self.scheduler.has_work() or bool(self.constraints.waiting_for_grammar)
 
+    def _observe_context(self, decodes: int, prompts: list[tuple[Sequence, int]], seconds: float) -> None:
+        """Feed a step that ran `decodes` decodes and the prompt chunks `prompts` (sequence, tokens; their
+        positions before the step) in `seconds` to the cost model's context term (`rates.ContextCost`)."""
+        cost, tokens = self.scheduler.cost, sum(n for _, n in prompts)
+        if cost is None or not decodes or not tokens:
+            return
+        decode_s, token_s = cost.decode_s(decodes), cost.token_s(decodes + tokens)
+        if decode_s is None or token_s is None:
+            return
+        positions = sum(n * seq.num_computed + n * (n - 1) / 2 for seq, n in prompts)
+        cost.context.observe(seconds, decode_s, tokens, token_s, positions / tokens)
+
     def step(self) -> list[Sequence]:
         """One forward pass; returns the sequences that got a token (finished ones included).
 
@@ -226,8 +238,10 @@ class EngineCore:
         started = time.perf_counter()
         sampled, failed = self._execute_isolating(batch.entries, batch.masks)
         if not failed:  # a step that reran parts of itself is no measure of speed
-            prefill = any(not (n == 1 and seq.output_ids) for seq, n in batch.entries)
-            self.rates.record_step(batch.num_tokens, len(batch), prefill, time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            prompts = [(seq, n) for seq, n in batch.entries if not (n == 1 and seq.output_ids)]
+            self._observe_context(len(batch) - len(prompts), prompts, seconds)
+            self.rates.record_step(batch.num_tokens, len(batch), bool(prompts), seconds)
         if failed:
             batch = ScheduledBatch([(s, n) for s, n in batch.entries if s not in failed])
             for seq, exc in failed.items():

@@ -6,7 +6,7 @@ Yu et al., OSDI 2022). Each step spends a token budget: first one token for
 every running decode, then chunks of prefills in progress, then new prompts
 (chunked prefill, as in Sarathi, Agrawal et al. 2023). A step that carries decodes
 runs only as many prompt tokens as keep it within --mixed-step-budget times the
-decode step, by the worker's measured rates (`rates.StepCost`), and at least
+decode step, by the worker's measured rates and the prompt's context (`rates.StepCost`), and at least
 --min-prefill-chunk, so a long prompt neither stalls the running streams nor
 starves (Sarathi-Serve's stall-free batching). When KV blocks run out,
 the most recently admitted sequence gives its blocks back and is recomputed
@@ -94,8 +94,10 @@ class Scheduler:
                 continue
             batch.entries.append((seq, 1))
             budget -= 1
-        budget = self._prefill_budget(len(batch), budget)
-        for seq in [s for s in self.running if s.num_tokens - s.num_computed > 1]:  # prefills in progress
+        prefilling = [s for s in self.running if s.num_tokens - s.num_computed > 1]  # prefills in progress
+        first = prefilling[0] if prefilling else self.waiting[0] if self.waiting else None
+        budget = self._prefill_budget(len(batch), budget, first.num_computed if first is not None else 0)
+        for seq in prefilling:
             n = min(seq.num_tokens - seq.num_computed, budget)
             if n and self.allocator.ensure(seq.block_table, seq.num_computed + n):
                 batch.entries.append((seq, n))
@@ -115,14 +117,15 @@ class Scheduler:
         self.stats.prefill_tokens += sum(n for s, n in batch.entries if not _is_decode(s, n))
         return batch
 
-    def _prefill_budget(self, decodes: int, budget: int) -> int:
+    def _prefill_budget(self, decodes: int, budget: int, context: int) -> int:
         """The prompt tokens a step with `decodes` decodes may run: `budget` (what the step's token budget
         leaves), less when the step carries decodes and the cost model predicts it would pass
-        --mixed-step-budget x the decode step; never below --min-prefill-chunk unless `budget` is."""
+        --mixed-step-budget x the decode step, the next prompt chunk starting at context position
+        `context`; never below --min-prefill-chunk unless `budget` is."""
         factor = self.config.mixed_step_budget
         if not decodes or not factor or self.cost is None:
             return budget
-        limit = self.cost.prefill_budget(decodes, factor, self.config.min_prefill_chunk)
+        limit = self.cost.prefill_budget(decodes, factor, self.config.min_prefill_chunk, context)
         return budget if limit is None else min(budget, limit)
 
     def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:

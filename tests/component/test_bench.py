@@ -81,10 +81,10 @@ def test_constrained_bench_reports_the_ratio_mask_fill_and_compile_times(tmp_pat
 
 
 def test_mixed_load_reports_a_streams_gaps_with_the_step_budget_and_without(model_path):
-    # A budget of 1.5 decode steps fits fewer prompt tokens than the 16 of --min-prefill-chunk on any
+    # A budget of 1.5 decode steps fits fewer prompt tokens than a --min-prefill-chunk of 16 on any
     # machine where a prompt token costs more than 1/32 of a decode step: chunks of exactly 16.
     out = engine.run(bench_args("--model", str(model_path), "--mixed-load", "--long-prompt", "64",
-                                "--new-tokens", "8", "--mixed-step-budget", "1.5"))
+                                "--new-tokens", "8", "--mixed-step-budget", "1.5", "--min-prefill-chunk", "16"))
     rows = out["mixed_load"]
     assert rows["unloaded"]["gaps"] == 7 and rows["budgeted"]["gaps"] >= rows["budgeted"]["prompt_steps"] - 1
     assert rows["budget_off"]["prompt_steps"] == 1 and rows["budget_off"]["chunk_tokens_max"] == 64

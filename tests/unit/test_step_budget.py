@@ -9,7 +9,7 @@ import pytest
 
 from hybridgate.mempool import BlockAllocator
 from hybridgate.wire import AddRequest, SamplingParams
-from hybridgate.workers.rates import StepCost
+from hybridgate.workers.rates import MIN_CONTEXT, ContextCost, StepCost
 from hybridgate.workers.scheduler import Scheduler, SchedulerConfig
 from hybridgate.workers.sequence import Sequence
 
@@ -114,3 +114,59 @@ def test_the_floor_never_passes_what_the_token_budget_leaves():
 def test_a_factor_below_one_is_refused_naming_the_setting(bad):
     with pytest.raises(ValueError, match="mixed_step_budget: must be 0 .* or >= 1"):
         SchedulerConfig(mixed_step_budget=bad)
+
+
+# The context term: token_s near 17 tokens is 3.0968 ms (above); a prompt token at mean context c costs
+# token_s * (1 + slope * c), slope fitted from mixed steps as (r - 1) / c with r the measured cost of a
+# prompt token over token_s.
+TOKEN_S = 0.096 / 31
+
+
+def test_the_context_slope_is_fitted_from_mixed_steps_at_long_contexts():
+    ctx = ContextCost()
+    ctx.observe(0.010 + 16 * TOKEN_S * 3, 0.010, 16, TOKEN_S, 1000)  # r = 3 at context 1000: (3 - 1) / 1000
+    assert ctx.slope == pytest.approx(0.002)
+    ctx.observe(0.010 + 16 * TOKEN_S * 9, 0.010, 16, TOKEN_S, 2000)  # r = 9 at 2000: 0.004
+    ctx.observe(0.010 + 16 * TOKEN_S * 0.5, 0.010, 16, TOKEN_S, 1000)  # faster than the model: 0
+    assert ctx.slope == pytest.approx(0.002)  # the median of 0.002, 0.004 and 0
+    assert ctx.factor(500) == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("context", [0.0, MIN_CONTEXT - 1])
+def test_short_contexts_leave_the_slope_alone(context):
+    ctx = ContextCost()
+    ctx.observe(0.010 + 16 * TOKEN_S * 3, 0.010, 16, TOKEN_S, context)
+    assert ctx.slope == 0.0 and ctx.factor(4000) == 1.0
+
+
+def _cost_with_slope(slope_ratio: float, context: float = 1000) -> StepCost:
+    cost = StepCost(DECODE, PREFILL)
+    cost.context.observe(0.010 + 16 * TOKEN_S * slope_ratio, 0.010, 16, TOKEN_S, context)
+    return cost
+
+
+@pytest.mark.parametrize(("context", "budget"), [
+    # slope 0.002. At 1000: 0.110 / (3.0968 ms * (1 + 0.002 * 1001.5)) = 11.83, then read again at
+    # p = 11 (still near 32 tokens): 0.110 / (3.0968 ms * (1 + 0.002 * 1005)) = 11.80: 11.
+    (1000, 11),
+    # At 0: 0.110 / (3.0968 ms * 1.003) = 35.4, then 0.110 / (3.0968 ms * (1 + 0.002 * 17)) = 34.35: 34.
+    (0, 34),
+    # At 4000: 0.110 / (3.0968 ms * 9.003) = 3.9: the floor, 4.
+    (4000, 4),
+])
+def test_the_budget_shrinks_with_the_prompts_context(context, budget):
+    assert _cost_with_slope(3).prefill_budget(1, 12, 4, context) == budget
+
+
+def test_the_scheduler_sizes_a_chunk_at_the_prompts_context():
+    sched = Scheduler(SchedulerConfig(8, 512, mixed_step_budget=12, min_prefill_chunk=4),
+                      BlockAllocator(512, 16), "fp")
+    sched.cost = _cost_with_slope(3)
+    running = _decoding(sched)
+    long = _seq("long", 2000)
+    sched.add(long)
+    assert sched.schedule().entries == [(running, 1), (long, 34)]  # from context 0, as above
+    running.num_computed += 1
+    running.append(6)
+    long.num_computed = 1000  # as if its chunks had run up to here
+    assert sched.schedule().entries == [(running, 1), (long, 11)]

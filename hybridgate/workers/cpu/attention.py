@@ -161,8 +161,12 @@ def paged_attention(q, k_blocks, v_cache, ctx_offset, ctx_start, ctx_len, ctx_sl
     kv_heads = k_blocks.shape[1]
     group = heads // kv_heads
     runs = tiles.shape[0] - 1
+    # KV head major: prange gives each thread a contiguous range of jobs, so a long prompt's run (its
+    # jobs much longer than a decode's) has its KV heads' jobs spread over the threads, and a long
+    # prompt's runs (longer with every chunk of the causal context) are spread over them alike. Run
+    # major, every job of one long run fell to one thread.
     for job in prange(runs * kv_heads):
-        run, g = job // kv_heads, job % kv_heads
+        g, run = job // runs, job % runs
         t0, t1 = tiles[run], tiles[run + 1]
         off = ctx_offset[t0]
         longest, first = 0, ctx_len[t0]
