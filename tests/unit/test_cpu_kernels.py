@@ -219,36 +219,41 @@ def test_attention_vector_pieces_against_numpy():
     from hybridgate.workers.cpu import simd
 
     @nb.njit
-    def run(q, kt, scores, n, v, acc, four):
-        # 4 query rows 20 floats apart; keys: 64 rows of 20 floats, 16 used from column 5.
-        if four:
-            simd.qk_rows4(q, 3, 20, kt, 5, 20, 64, scores, 16, 48, np.float32(0.125))
-        else:
-            for r in range(4):
-                simd.qk_rows1(q, 3 + 20 * r, 20, kt, 5, 20, 64, scores, 16 + 48 * r, 48, np.float32(0.125))
+    def run(q, kt, scores, n, v, acc, width):
+        # 8 query rows 20 floats apart; keys: 64 rows of 20 floats, 16 used from column 5; `width` rows a call.
+        for r0 in range(0, 8, width):
+            if width == 8:
+                simd.qk_rows8(q, 3 + 20 * r0, 20, kt, 5, 20, 64, scores, 16 + 48 * r0, 48, np.float32(0.125))
+            elif width == 4:
+                simd.qk_rows4(q, 3 + 20 * r0, 20, kt, 5, 20, 64, scores, 16 + 48 * r0, 48, np.float32(0.125))
+            else:
+                simd.qk_rows1(q, 3 + 20 * r0, 20, kt, 5, 20, 64, scores, 16 + 48 * r0, 48, np.float32(0.125))
         total = simd.softmax_weights(scores, 16, n)
-        if four:  # 13 value rows of 32 floats, 10 apart, into 4 accumulator rows
-            simd.pv_rows4(scores, 16, 48, v, 7, 10, n, acc, 0, 40, 32)
-        else:
-            for r in range(4):
-                simd.pv_rows1(scores, 16 + 48 * r, 48, v, 7, 10, n, acc, 40 * r, 40, 32)
+        for r0 in range(0, 8, width):  # 13 value rows of 32 floats, 10 apart, into 8 accumulator rows
+            if width == 8:
+                simd.pv_rows8(scores, 16 + 48 * r0, 48, v, 7, 10, n, acc, 40 * r0, 40, 32)
+            elif width == 4:
+                simd.pv_rows4(scores, 16 + 48 * r0, 48, v, 7, 10, n, acc, 40 * r0, 40, 32)
+            else:
+                simd.pv_rows1(scores, 16 + 48 * r0, 48, v, 7, 10, n, acc, 40 * r0, 40, 32)
         return total
 
     rng = np.random.default_rng(3)
-    q = rng.standard_normal(3 + 20 * 4).astype(np.float32)
+    q = rng.standard_normal(3 + 20 * 8).astype(np.float32)
     kt = rng.standard_normal(5 + 64 * 20).astype(np.float32)
     v = rng.standard_normal(7 + 10 * 13 + 32).astype(np.float32)
-    acc0 = rng.standard_normal(160).astype(np.float32)
+    acc0 = rng.standard_normal(320).astype(np.float32)
     n = 13
     results = []
-    for four in (False, True):
-        scores = np.zeros(4 * 48, dtype=np.float32)
+    for width in (1, 4, 8):
+        scores = np.zeros(8 * 48, dtype=np.float32)
         acc = acc0.copy()
-        total = run(q, kt, scores, n, v, acc, four)
+        total = run(q, kt, scores, n, v, acc, width)
         results.append((scores, acc))
-    np.testing.assert_array_equal(results[0][0], results[1][0])  # 4 rows at once: the bits of one at a time
-    np.testing.assert_array_equal(results[0][1], results[1][1])
-    scores, acc = results[1]
+    for scores, acc in results[1:]:  # 4 or 8 rows at once: the bits of one at a time
+        np.testing.assert_array_equal(results[0][0], scores)
+        np.testing.assert_array_equal(results[0][1], acc)
+    scores, acc = results[2]
     keys = kt[5:].reshape(64, 20)[:, :16].astype(np.float64)  # [dim, 16]
     raw = 0.125 * (q[3:67].astype(np.float64) @ keys)
     weights = np.exp(raw[:n] - raw[:n].max())

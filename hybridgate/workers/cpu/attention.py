@@ -36,14 +36,20 @@ from hybridgate.workers.cpu.simd import (  # noqa: E402
     _vexp,
     pv_rows1,
     pv_rows4,
+    pv_rows8,
     qk_rows1,
     qk_rows4,
+    qk_rows8,
     reduce_halves,
 )
 from hybridgate.workers.step_inputs import StepInputs  # noqa: E402
 
 _JIT = dict(nogil=True, fastmath=True, cache=True)
 QUERY_TILE = 16  # query tokens of one sequence that share each K/V load
+# Rows a key or value load serves at most: 8 independent FMA chains on avx512's 32 registers (4 chains
+# left the FMA units waiting on their latency); 4 where 16 lanes are two of avx2's 16 registers. A row's
+# arithmetic is the same whichever count serves it.
+ROWS8 = isa.selected().isa == "avx512"
 
 
 @intrinsic
@@ -118,6 +124,10 @@ def _scores(q, k_blocks, g, t0, t1, off, c0, longest, ctx_start, ctx_len, ctx_sl
                 row = k * ntok + t - t0
                 if j0 >= ctx_len[t] or j0 + 16 <= ctx_start[t]:
                     t += 1
+                elif ROWS8 and t + 8 <= t1 and j0 < ctx_len[t + 7] and j0 + 16 > ctx_start[t + 7]:
+                    qk_rows8(q, (t * heads + g * group + k) * dim, heads * dim, k_blocks, kt_off, bs, dim,
+                             scores, row * width + j0 - c0, width, scale)
+                    t += 8
                 elif t + 4 <= t1 and j0 < ctx_len[t + 3] and j0 + 16 > ctx_start[t + 3]:
                     qk_rows4(q, (t * heads + g * group + k) * dim, heads * dim, k_blocks, kt_off, bs, dim,
                              scores, row * width + j0 - c0, width, scale)
@@ -186,6 +196,10 @@ def paged_attention(q, k_blocks, v_cache, ctx_offset, ctx_start, ctx_len, ctx_sl
             v_off = (ctx_slots[off + j0] * kv_heads + g) * dim
             count = min(16, longest - j0)
             r = 0
+            while ROWS8 and r + 8 <= rows:
+                pv_rows8(scores, r * width + j0 - c0, width, v_cache, v_off, kv_heads * dim, count, acc, r * dim,
+                         dim, dim)
+                r += 8
             while r + 4 <= rows:
                 pv_rows4(scores, r * width + j0 - c0, width, v_cache, v_off, kv_heads * dim, count, acc, r * dim,
                          dim, dim)

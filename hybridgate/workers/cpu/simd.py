@@ -565,4 +565,5 @@ def _make_attention_rows(rows: int):
 
 
 qk_rows4, pv_rows4 = _make_attention_rows(4)
+qk_rows8, pv_rows8 = _make_attention_rows(8)
 qk_rows1, pv_rows1 = _make_attention_rows(1)
