@@ -41,6 +41,8 @@ def blockwise(x: torch.Tensor, block: int, levels: int) -> torch.Tensor:
     return (torch.round(v / scale).clamp(-levels, levels) * scale).reshape(*x.shape[:-1], -1)[..., :cols]
 
 
+TOP1_FLOOR, KL_FLOOR = 0.995, 1e-4  # the project's accuracy floor (`bench accuracy`)
+
 FORMATS = {
     "bf16": lambda x: x.to(torch.bfloat16).to(torch.float32),
     "bf16 both": lambda x: x.to(torch.bfloat16).to(torch.float32),
@@ -69,7 +71,8 @@ class RoundInputs(TorchFunctionMode):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=None, help="GGUF file (default: the default model)")
-    parser.add_argument("--format", action="append", choices=list(FORMATS), help="formats to run (default: all)")
+    parser.add_argument("--format", action="append", choices=list(FORMATS),
+                        help="a format to run; repeatable, quote 'bf16 both' (default: all)")
     parser.add_argument("--json", type=Path, help="write the rows to this JSON file")
     args = parser.parse_args()
     path = args.model or default_model_path()
@@ -83,7 +86,9 @@ def main() -> None:
         weights = {id(getattr(layer, n)) for layer in dm.layers for n in ("w_qkv", "wo", "w_gate_up", "w_down")}
         with RoundInputs(weights | {id(dm.lm_head)}, FORMATS[name], name.endswith("both")):
             rows[name] = compare(reference, teacher_forced_logits(runner, cases))
-        print(f"{name:10} {json.dumps(rows[name])}", flush=True)
+        row = rows[name]
+        row["meets_floor"] = row["top1_agreement"] >= TOP1_FLOOR and row["kl_mean"] <= KL_FLOOR
+        print(f"{name:10} {json.dumps(row)}: floor {'met' if row['meets_floor'] else 'missed'}", flush=True)
     if args.json:
         args.json.write_text(json.dumps({"model": str(path), "formats": rows}, indent=1) + "\n")
 

@@ -147,11 +147,18 @@ def tile_config() -> np.ndarray:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", type=int, default=512, help="activation rows (a multiple of 32)")
-    parser.add_argument("--shape", action="append", help="OUTxIN of the weight (default: 8192x2048 and 2048x8192)")
+    parser.add_argument("--tokens", type=int, default=512, help="activation rows, a multiple of 32 (default 512)")
+    parser.add_argument("--shape", action="append",
+                        help="OUTxIN of the weight, both multiples of 256; repeatable (default: 8192x2048 and 2048x8192)")
     parser.add_argument("--threads", type=int, default=None, help="threads (default: all cores)")
-    parser.add_argument("--repeats", type=int, default=7, help="alternated timings per side (median)")
+    parser.add_argument("--repeats", type=int, default=7, help="alternated timings per side, their median (default 7)")
     args = parser.parse_args()
+    if args.tokens < 32 or args.tokens % 32:
+        parser.error(f"--tokens: must be a positive multiple of 32 (the GEMM's 32-row blocks), got {args.tokens}")
+    for shape in args.shape or []:
+        dims = shape.split("x")
+        if len(dims) != 2 or not all(d.isdigit() and int(d) > 0 and int(d) % 256 == 0 for d in dims):
+            parser.error(f"--shape: OUTxIN with both multiples of 256 (Q4_K's super-blocks), got {shape!r}")
     request_amx()
     import os
 
