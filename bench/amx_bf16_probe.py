@@ -35,18 +35,14 @@ def request_amx() -> None:
         raise OSError(ctypes.get_errno(), "arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA) refused: no AMX here")
 
 
-def to_bf16(x: np.ndarray) -> np.ndarray:
-    """float32 → bfloat16 bit patterns (uint16), to nearest even (no NaNs expected)."""
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-
-
-def pack_b(w: np.ndarray) -> np.ndarray:
+def pack_b(w: np.ndarray, round_bf16) -> np.ndarray:
     """float32 `[n, k]` weights (n rows of the output, k inputs; multiples of 16 and 32) → uint16
-    `[n / 16, k / 32, 16, 32]`: per 16 outputs and 32 inputs, AMX's B tile, whose row r holds for each
-    output j the pair (w[j, 2r], w[j, 2r + 1])."""
+    `[n / 16, k / 32, 16, 32]` bfloat16 bits (`round_bf16`, `build_gemm`'s): per 16 outputs and 32 inputs,
+    AMX's B tile, whose row r holds for each output j the pair (w[j, 2r], w[j, 2r + 1])."""
     n, k = w.shape
-    t = to_bf16(w).reshape(n // 16, 16, k // 32, 16, 2)  # [n tile, j, k step, r, pair]
+    bits = np.empty((n, k), np.uint16)
+    round_bf16(np.ascontiguousarray(w, dtype=np.float32), bits)
+    t = bits.reshape(n // 16, 16, k // 32, 16, 2)  # [n tile, j, k step, r, pair]
     return np.ascontiguousarray(t.transpose(0, 2, 3, 1, 4)).reshape(n // 16, k // 32, 16, 32)
 
 
@@ -113,13 +109,15 @@ def build_gemm():
 
         return sig, codegen
 
+    from hybridgate.workers.cpu.simd import kv_encode
+
     @nb.njit(parallel=True, nogil=True)
     def round_bf16(x, a):
-        """a (uint16 bf16 patterns) = x (float32, same shape, 2-d), to nearest even, over the threads."""
+        """a (uint16 bfloat16 bits) = x (float32, same shape, 2-d), to nearest even as the bf16 KV cache
+        rounds (`simd.kv_encode`), over the threads."""
         flat_x, flat_a = x.reshape(-1), a.reshape(-1)
         for i in prange(flat_x.shape[0]):
-            u = np.uint32(flat_x.view(np.uint32)[i])
-            flat_a[i] = np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+            flat_a[i] = kv_encode(flat_x[i], flat_a)
 
     @nb.njit(parallel=True, nogil=True)
     def gemm(cfg, a, packed, out):
@@ -181,7 +179,7 @@ def main() -> None:
         data = random_weight(quant.Q4_K, rows, cols, rng)
         ours = quant._FAST[quant.Q4_K]("w", quant.Q4_K, data, (rows, cols))
         w = gguf.quants.dequantize(data.reshape(rows, -1), gguf.GGMLQuantizationType.Q4_K).reshape(rows, cols)
-        packed = pack_b(w.astype(np.float32))
+        packed = pack_b(w.astype(np.float32), round_bf16)
         x = rng.standard_normal((args.tokens, cols)).astype(np.float32)
         out = np.empty((args.tokens, rows), np.float32)
         xb = np.empty(x.shape, np.uint16)

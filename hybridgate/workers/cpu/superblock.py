@@ -69,11 +69,14 @@ from numba import types  # noqa: E402
 from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
+from hybridgate.workers.cpu import simd  # noqa: E402
 from hybridgate.workers.cpu.avx2 import (  # noqa: E402
     GEMV_W,
     UNPACK_MIN,
     _codes,
+    _fma,
     _madd,
+    _splat8,
 )
 from hybridgate.workers.cpu.blocks import LAYOUTS, Q5_K, _f16, _k4_scales  # noqa: E402
 from hybridgate.workers.cpu.kquant import CODES  # noqa: E402
@@ -256,11 +259,6 @@ def _dot(builder, acc, w, x):
     return builder.add(acc, builder.call(fn, [w, x]))
 
 
-def _splat(builder, scalar):
-    vec = builder.insert_element(ir.Constant(_VF, ir.Undefined), scalar, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(vec, vec, ir.Constant(_VI, [0] * LANES))
-
-
 def _to_lanes(builder, v8):
     """<8 x float> → <LANES x float>: itself on avx2, zeros in lanes 8..15 on avx512."""
     if LANES == 8:
@@ -268,14 +266,8 @@ def _to_lanes(builder, v8):
     return builder.shuffle_vector(v8, ir.Constant(_V8F, [0.0] * 8), ir.Constant(_VI, list(range(16))))
 
 
-def _splat8(builder, scalar):
-    vec = builder.insert_element(ir.Constant(_V8F, ir.Undefined), scalar, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(vec, vec, ir.Constant(_V8I, [0] * 8))
-
-
-def _fma_f(builder, a, b, c):
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF] * 3), f"llvm.fma.v{LANES}f32")
-    return builder.call(fn, [a, b, c])
+# A float scalar in every lane, and a fused multiply-add, on the path's LANES floats.
+_splat, _fma_f = (simd._splat, simd._fma) if WIDE else (_splat8, _fma)
 
 
 def _make_tile(wrows: int, xrows: int, unpacked: bool):
