@@ -414,9 +414,12 @@ def measure_floor(floor, concurrency: int, requests: int, max_tokens: int) -> di
     user, system = cpu_times(floor.pid)
     messages = r["messages"]
     per = (lambda s: s / messages * 1e6 if messages else None)
+    # the system share added to the user one, so that it never exceeds the total by a rounding (it did, by
+    # 1e-13, when all of a run's CPU was system time)
+    user_s, system_s = user - user0, system - sys0
     return {"concurrency": concurrency, "requests": requests, "max_tokens": max_tokens, "messages": messages,
-            "errors": r["errors"], "wall_s": r["wall_s"], "cpu_us_per_message": per(user + system - user0 - sys0),
-            "system_us_per_message": per(system - sys0)}
+            "errors": r["errors"], "wall_s": r["wall_s"], "cpu_us_per_message": per(user_s + system_s),
+            "system_us_per_message": per(system_s)}
 
 
 def floor_summary(floors: list[dict], doors: list[dict]) -> list[dict]:
