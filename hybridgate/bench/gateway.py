@@ -291,7 +291,8 @@ def measure(gateway: _Gateway, worker_pid: int, concurrency: int, requests: int,
     (user0, sys0), wk0 = tree_cpu_times(gateway.proc.pid), cpu_seconds(worker_pid)
     r = _run_client(target, concurrency, requests, max_tokens, protocol=protocol, tools=tools, **tls)
     (user, system), wk = tree_cpu_times(gateway.proc.pid), cpu_seconds(worker_pid) - wk0
-    gw, gw_sys = user + system - user0 - sys0, system - sys0
+    gw_sys = system - sys0
+    gw = (user - user0) + gw_sys  # as `measure_floor`: the system share never exceeds the total by a rounding
     profiled = gateway.profiler.stop(gateway.proc.pid) if gateway.profiler is not None else {}
     large = chats.stop() if chats is not None else None
     lag = safety.lag_summary(lag0, safety.lag_buckets(gateway.metrics_url))
