@@ -14,26 +14,17 @@ alternated, medians. The AMX side's weights are the Q4_K blocks dequantized by g
 bf16, packed once in AMX's pair-interleaved B layout (16 bits a weight against Q4_K's 4.75: a
 prompt-only copy would cost that memory); its timing includes rounding the activations to bf16.
 Intel's Architecture Instruction Set Extensions Programming Reference (AMX chapter) gives the tile
-layout; Linux's Documentation/arch/x86/xstate.rst the permission.
+layout; Linux's Documentation/arch/x86/xstate.rst the permission (`isa.request_tiles`). The CPU worker's
+own prompt path (`hybridgate.workers.cpu.amx`) grew out of this: weights dequantized per panel instead of
+a bf16 copy, activations split in two bf16 halves.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import time
 
 import numpy as np
-
-ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA, SYS_ARCH_PRCTL = 0x1023, 18, 158
-
-
-def request_amx() -> None:
-    """Ask Linux for the AMX tile state (each process once); raises OSError when it says no."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0:
-        raise OSError(ctypes.get_errno(), "arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA) refused: no AMX here")
-
 
 def pack_b(w: np.ndarray, round_bf16) -> np.ndarray:
     """float32 `[n, k]` weights (n rows of the output, k inputs; multiples of 16 and 32) → uint16
@@ -133,16 +124,6 @@ def build_gemm():
     return gemm, round_bf16
 
 
-def tile_config() -> np.ndarray:
-    """AMX palette 1: tiles 0-7 of 16 rows x 64 bytes."""
-    cfg = np.zeros(64, np.uint8)
-    cfg[0] = 1
-    for i in range(8):
-        cfg[16 + 2 * i] = 64
-        cfg[48 + i] = 16
-    return cfg
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=512, help="activation rows, a multiple of 32 (default 512)")
@@ -157,18 +138,16 @@ def main() -> None:
         dims = shape.split("x")
         if len(dims) != 2 or not all(d.isdigit() and int(d) > 0 and int(d) % 256 == 0 for d in dims):
             parser.error(f"--shape: OUTxIN with both multiples of 256 (Q4_K's super-blocks), got {shape!r}")
-    request_amx()
-    import os
-
     from hybridgate.workers.cpu import isa
 
-    isa.selected()  # the path's LLVM target, then AMX's features on top of it, before Numba is imported
-    os.environ["NUMBA_CPU_FEATURES"] += ",+amx-tile,+amx-bf16"
+    if not isa.select().amx:  # the avx512 path with AMX's features, the tile state granted, before Numba is imported
+        raise SystemExit("no AMX-BF16 here (or HYBRIDGATE_CPU_AMX=off): nothing to probe")
     import gguf
     import numba
 
     from hybridgate.bench.kernels import random_weight
     from hybridgate.workers.cpu import quant
+    from hybridgate.workers.cpu.amx import tile_config
 
     if args.threads:
         numba.set_num_threads(args.threads)

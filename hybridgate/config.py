@@ -55,6 +55,7 @@ ENVIRONMENT = {
     "HYBRIDGATE_AUTH_TOKEN": "generate's --auth-token, the client's (the gateway's is the setting of the same name)",
     "HYBRIDGATE_CACHE_DIR": "the cache folder of GGUF headers (default ~/.cache/hybridgate)",
     "HYBRIDGATE_CPU_ISA": "the CPU kernels' ISA path when no settings chose one (the cpu_isa setting's variable)",
+    "HYBRIDGATE_CPU_AMX": "auto or off: AMX prompt matmuls when no settings chose (the cpu_amx setting's variable)",
     "HYBRIDGATE_TEST_CRASH_AT_START": "test-only: a supervised worker raises at once",
     "HYBRIDGATE_TEST_FAULT": "test-only: faults the model runner injects (workers.faults)",
     "HYBRIDGATE_TEST_HANDOFF_PAUSE": "test-only: pauses in the workers' hand-off states (workers.handoff)",

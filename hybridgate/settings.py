@@ -94,7 +94,7 @@ COMMANDS: dict[str, Selection] = {
     "config": Selection(("",)),
     "info": Selection(("model",)),
     "bench engine": Selection(("model", "worker.kind", "worker.engine.threads", "worker.engine.device",
-                               "worker.engine.cpu_isa", "worker.engine.cpu_activations",
+                               "worker.engine.cpu_isa", "worker.engine.cpu_amx", "worker.engine.cpu_activations",
                                "worker.engine.kv_cache_memory", "worker.engine.kv_cache_dtype",
                                "worker.engine.cpu_thread_wait", "worker.engine.cpu_thread_fallback",
                                "worker.scheduler.mixed_step_budget",
@@ -106,7 +106,7 @@ COMMANDS: dict[str, Selection] = {
     "bench sim": Selection(("router.policy", "router.ttft_slo_s", "router.tpot_slo_s")),
     "bench cache": Selection(("model",)),
     "bench accuracy": Selection(("model", "worker.kind", "worker.engine.threads", "worker.engine.device",
-                                 "worker.engine.cpu_isa", "worker.engine.cpu_activations",
+                                 "worker.engine.cpu_isa", "worker.engine.cpu_amx", "worker.engine.cpu_activations",
                                  "worker.engine.kv_cache_dtype")),
 }
 

@@ -117,6 +117,11 @@ class EngineConfig:
     cpu_isa: str | None = setting(
         None, "CPU worker: the instruction set its kernels are compiled for (default: the best this CPU runs)",
         choices=("avx512", "avx2", "generic"), check=_check_cpu_isa)
+    cpu_amx: str = setting(
+        "auto", "CPU worker on the avx512 path: auto multiplies the prompt tokens of prompts of 32 tokens or more "
+                "on AMX-BF16 tiles where the CPU has them (Xeons since Sapphire Rapids; weights rounded to bf16, "
+                "activations split into two bf16 halves; K-quant and Q8_0 weights), off keeps every token on the "
+                "int16 kernels", choices=("auto", "off"))
     cpu_activations: str = setting(
         "auto", "CPU worker: the activation format of the quantized matmuls: f32 (float32 activations times "
                 "dequantized weights), i16 (activations quantized to int16 per 32-block, integer multiply-adds, "

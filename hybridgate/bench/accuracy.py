@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> dict:
     if settings.worker.kind == "cpu":
         from hybridgate.workers.cpu import isa
 
-        isa.select(settings.worker.engine.cpu_isa)
+        isa.select(settings.worker.engine.cpu_isa, settings.worker.engine.cpu_amx)
         from hybridgate.workers.cpu.runner import NumbaRunner
 
         runner = NumbaRunner(model, kv_cache_memory=memory, threads=settings.worker.engine.threads,
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> dict:
     else:
         device = torch.device(settings.worker.engine.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         runner = TorchRunner(model, device, kv_cache_memory=memory)
-    cpu = {"cpu_isa": runner.cpu_isa, "cpu_activations": runner.cpu_activations,
+    cpu = {"cpu_isa": runner.cpu_isa, "cpu_amx": runner.long_prompt is not None, "cpu_activations": runner.cpu_activations,
            "kv_cache_dtype": runner.kv_dtype.name} if hasattr(runner, "cpu_isa") else {}
     from hybridgate.bench.machine import describe
 

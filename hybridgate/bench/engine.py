@@ -241,7 +241,7 @@ def run(args: argparse.Namespace) -> dict:
     if cpu:
         from hybridgate.workers.cpu import isa, threadwait
 
-        isa.select(engine.cpu_isa)
+        isa.select(engine.cpu_isa, engine.cpu_amx)
         try:
             threadwait.select(engine.cpu_thread_wait)
         except RuntimeError as exc:  # in a process whose Numba threads already run (a test session)
@@ -256,9 +256,12 @@ def run(args: argparse.Namespace) -> dict:
 
         out: dict = {"kind": "cpu", "cpu_isa": ours.runner.cpu_isa, "threads": numba.get_num_threads(),
                      "baseline": baseline}
+        amx = ours.runner.long_prompt is not None
         print(f"CPU kernels: {ours.runner.cpu_isa} path, activations {ours.runner.cpu_activations}, "
-              f"KV cache {ours.runner.kv_dtype.name}", flush=True)
+              f"KV cache {ours.runner.kv_dtype.name}"
+              f"{f', AMX-BF16 for prompts of {ours.runner.long_prompt}+ tokens' if amx else ''}", flush=True)
         out["cpu_activations"], out["kv_cache_dtype"] = ours.runner.cpu_activations, ours.runner.kv_dtype.name
+        out["cpu_amx"] = amx
     else:
         device = torch.device(engine.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -50,7 +50,7 @@ def build_runner(config: WorkerConfig):
                            max_num_seqs=config.max_num_seqs), model
     from hybridgate.workers.cpu import isa, threadwait
 
-    isa.select(config.engine.cpu_isa)  # before the kernels (and Numba) are imported
+    isa.select(config.engine.cpu_isa, config.engine.cpu_amx)  # before the kernels (and Numba) are imported
     threadwait.select(config.engine.cpu_thread_wait)  # before Numba's threads start
     from hybridgate.workers.cpu.runner import NumbaRunner
 

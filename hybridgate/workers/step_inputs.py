@@ -6,7 +6,7 @@ larger than a buffer), so staging allocates nothing on the hot path.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -26,6 +26,10 @@ class StepInputs:
     contexts: list[int]  # context length of each entry after this step
     width: int  # the longest decode context
     decode_tables: np.ndarray  # int64 [num_decodes, max_blocks]: block tables of decodes, padded
+    # int64 [n], ascending: rows holding prompt tokens of prompts of at least `long_prompt` tokens (the CPU
+    # runner's AMX prompt matmuls; empty when the runner asked for none). A row's membership depends on its
+    # own request only, never on its batch mates or on how its prompt was chunked.
+    prompt_rows: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
 
 
 def context_slots(table: np.ndarray, block_size: int, length: int) -> np.ndarray:
@@ -33,9 +37,11 @@ def context_slots(table: np.ndarray, block_size: int, length: int) -> np.ndarray
     return (table[:, None] * block_size + np.arange(block_size)).ravel()[:length]
 
 
-def build_step_inputs(batch: ScheduledBatch, block_size: int, buf, pad_slot: int) -> StepInputs:
+def build_step_inputs(batch: ScheduledBatch, block_size: int, buf, pad_slot: int,
+                      long_prompt: int | None = None) -> StepInputs:
     """The step's inputs; decode contexts are padded with `pad_slot` (which must hold finite values),
-    decode block tables with the block of `pad_slot`."""
+    decode block tables with the block of `pad_slot`. long_prompt: the prompt length from which a
+    prompt's tokens are listed in `prompt_rows` (None: none are)."""
     entries = batch.entries
     tables = [np.asarray(s.block_table, dtype=np.int64) for s, _ in entries]
     decodes = [i for i, (_, n) in enumerate(entries) if n == 1]
@@ -69,4 +75,15 @@ def build_step_inputs(batch: ScheduledBatch, block_size: int, buf, pad_slot: int
     for j, i in enumerate(decodes):
         used = -(-contexts[i] // block_size)
         tables_out[j, :used] = tables[i][:used]
-    return StepInputs(ids, pos, slots, dctx, pctx, last, decodes, prefill_ctx, contexts, width, tables_out)
+    prompt_rows = np.empty(0, np.int64)
+    if long_prompt is not None:
+        spans, row = [], 0
+        for seq, n in entries:
+            prompt = len(seq.prompt_ids)
+            if prompt >= long_prompt and seq.num_computed < prompt:
+                spans.append(np.arange(row, row + min(n, prompt - seq.num_computed), dtype=np.int64))
+            row += n
+        if spans:
+            prompt_rows = np.concatenate(spans)
+    return StepInputs(ids, pos, slots, dctx, pctx, last, decodes, prefill_ctx, contexts, width, tables_out,
+                      prompt_rows)

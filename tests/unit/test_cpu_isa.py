@@ -101,6 +101,20 @@ def test_a_path_the_cpu_cannot_run_or_an_unknown_name_is_refused():
             isa.select("avx512")
 
 
+def test_amx_joins_the_avx512_target_only_where_the_cpu_has_it_and_the_setting_allows(tmp_path):
+    with pytest.raises(ValueError, match="cpu_amx: expected auto or off, got 'on'"):
+        isa.select(amx="on")
+    avx512 = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd", "avx512vnni"}
+    plain = isa._target("avx512", avx512, tmp_path, amx=True)  # no AMX on this CPU: none asked of LLVM
+    assert not plain.amx and "amx" not in plain.features and not plain.cache_dir.endswith("-amx")
+    off = isa._target("avx512", avx512 | {"amx-tile", "amx-bf16", "avx512bf16"}, tmp_path, amx=False)
+    assert not off.amx and "amx" not in off.features
+    if not isa.request_tiles():  # the tile state needs a Linux that grants it (5.16 or later, an AMX CPU)
+        pytest.skip("this Linux or CPU grants no AMX tile state")
+    on = isa._target("avx512", avx512 | {"amx-tile", "amx-bf16", "avx512bf16"}, tmp_path, amx=True)
+    assert on.amx and on.features.endswith("+amx-tile,+amx-bf16,+avx512bf16") and on.cache_dir.endswith("-avx512-amx")
+
+
 def test_a_worker_setting_for_a_path_the_cpu_cannot_run_is_refused_before_any_worker_starts(monkeypatch):
     from hybridgate.workers.process import EngineConfig
 

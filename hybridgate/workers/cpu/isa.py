@@ -11,6 +11,11 @@ still be lowered to AVX-512 registers on an AVX-512 machine. The path also
 names the kernel cache folder (`NUMBA_CACHE_DIR`, one folder per path and
 source digest), so a forced path compiles once and later starts load it.
 
+On the avx512 path of a CPU with AMX-BF16 (Xeons since Sapphire Rapids) whose Linux grants the
+tile state (`arch_prctl(ARCH_REQ_XCOMP_PERM)`), the target also carries `+amx-tile,+amx-bf16` for
+the prompt matmuls of `amx` (`Target.amx`), unless the cpu_amx setting (`HYBRIDGATE_CPU_AMX`) is
+"off"; those kernels compile into a cache folder of their own.
+
 Sources: LLVM's X86 CPU definitions (X86.td) for the CPU names and feature
 strings; Numba's `config.CPU_NAME` / `CPU_FEATURES` (numba/core/config.py).
 """
@@ -28,6 +33,9 @@ from hybridgate.config import environment
 
 ISAS = ("avx512", "avx2", "generic")
 ENV = "HYBRIDGATE_CPU_ISA"  # the cpu_isa setting's variable; read here only when no configuration chose
+AMX_ENV = "HYBRIDGATE_CPU_AMX"  # the cpu_amx setting's variable ("auto" or "off"), the same way
+_AMX = ("amx-tile", "amx-bf16", "avx512bf16")  # the last for vcvtne2ps2bf16, which every AMX CPU has
+_ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA, _SYS_ARCH_PRCTL = 0x1023, 18, 158
 
 _AVX2 = ("avx", "avx2", "fma", "f16c", "bmi", "bmi2", "popcnt", "sse4.2", "lzcnt", "movbe")
 _AVX512 = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd")
@@ -45,6 +53,7 @@ class Target:
     features: str  # LLVM feature string (NUMBA_CPU_FEATURES): "+a,+b,-c"
     vnni: bool  # avx512 only: the CPU has AVX-512 VNNI
     cache_dir: str  # NUMBA_CACHE_DIR of this path
+    amx: bool = False  # avx512 only: AMX-BF16 compiled in and granted (`amx`'s prompt matmuls run)
 
 
 _selected: Target | None = None
@@ -70,7 +79,19 @@ def best(features: set[str]) -> str:
     return "generic"
 
 
-def _target(isa: str, features: set[str], cache_root: Path) -> Target:
+def request_tiles() -> bool:
+    """Ask Linux for the AMX tile state of this process (Documentation/arch/x86/xstate.rst): True when granted
+    (or already held), False off Linux or when the kernel refuses. Needed before the first tile instruction."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _target(isa: str, features: set[str], cache_root: Path, amx: bool = False) -> Target:
     digest = _sources_digest()
     cache = str(cache_root / f"{digest}-{isa}")
     if isa == "avx2":
@@ -79,7 +100,11 @@ def _target(isa: str, features: set[str], cache_root: Path) -> Target:
     if isa == "avx512":
         vnni = "avx512vnni" in features
         flags = [f"+{f}" for f in _AVX2 + _AVX512] + ["+avx512vnni" if vnni else "-avx512vnni", "+evex512"]
-        return Target(isa, "skylake-avx512", ",".join(flags), vnni, cache)
+        amx = amx and all(f in features for f in _AMX) and request_tiles()
+        if amx:
+            flags += [f"+{f}" for f in _AMX]
+            cache += "-amx"
+        return Target(isa, "skylake-avx512", ",".join(flags), vnni, cache, amx)
     return Target(isa, "generic", "", False, cache)
 
 
@@ -92,18 +117,23 @@ def _sources_digest() -> str:
     return digest.hexdigest()
 
 
-def select(forced: str | None = None) -> Target:
+def select(forced: str | None = None, amx: str | None = None) -> Target:
     """Choose the path once for this process and point Numba at it; later calls return the same.
 
     forced: one of ISAS, or None/"" for the best the host runs (then `HYBRIDGATE_CPU_ISA` when a
     caller without a configuration, such as a test, set it). Raises ValueError for a name not in
     ISAS or a path this CPU cannot run, and RuntimeError when another path was already selected
     in this process (Numba compiles for one target per process). `NUMBA_CACHE_DIR` set by the
-    user is kept; otherwise ~/.cache/hybridgate/numba/<digest>-<isa>.
+    user is kept; otherwise ~/.cache/hybridgate/numba/<digest>-<isa>[-amx].
+    amx: "auto" (AMX-BF16 prompt matmuls where the avx512 path's CPU has them) or "off"; None or ""
+    reads `HYBRIDGATE_CPU_AMX` (default auto). Raises ValueError for another value.
     """
     global _selected
     if not forced:
         forced = environment(ENV) or None
+    amx = amx or environment(AMX_ENV) or "auto"
+    if amx not in ("auto", "off"):
+        raise ValueError(f"cpu_amx: expected auto or off, got {amx!r}")
     features = host_features()
     runnable = best(features)
     isa = forced or runnable
@@ -116,11 +146,11 @@ def select(forced: str | None = None) -> Target:
             raise RuntimeError(f"cpu_isa: {_selected.isa} was already selected in this process; "
                                f"{isa} needs a new process")
         return _selected
-    target = _target(isa, features, Path.home() / ".cache" / "hybridgate" / "numba")
+    target = _target(isa, features, Path.home() / ".cache" / "hybridgate" / "numba", amx == "auto")
     os.environ["NUMBA_CPU_NAME"] = target.cpu_name
     os.environ["NUMBA_CPU_FEATURES"] = target.features
     os.environ.setdefault("NUMBA_CACHE_DIR", target.cache_dir)
-    target = Target(target.isa, target.cpu_name, target.features, target.vnni, os.environ["NUMBA_CACHE_DIR"])
+    target = Target(target.isa, target.cpu_name, target.features, target.vnni, os.environ["NUMBA_CACHE_DIR"], target.amx)
     if "numba.core.config" in sys.modules:
         _reload_numba_config()
     _selected = target

@@ -219,13 +219,13 @@ class CpuModel:
         for i, layer in enumerate(self.layers):
             attn = self._attention(layer, x, h, k_cache[i], v_cache[i], serial,
                                    (offset, starts[layer.window], length, slots, tiles))
-            self._residual(x, layer.wo.matmul(attn), layer.post_attn_norm, serial)
+            self._residual(x, layer.wo.matmul_prompt(attn, h.prompt_rows), layer.post_attn_norm, serial)
             normed = np.empty_like(x)
             (rms_norm_serial if serial else rms_norm)(x, layer.ffn_norm, c.rms_norm_eps, normed)
-            gate_up = layer.gate_up.matmul(normed)
+            gate_up = layer.gate_up.matmul_prompt(normed, h.prompt_rows)
             act = np.empty((x.shape[0], gate_up.shape[1] // 2), dtype=np.float32)
             self.activation[serial](gate_up, act)  # (parallel, serial) kernels
-            self._residual(x, layer.down.matmul(act), layer.post_ffn_norm, serial)
+            self._residual(x, layer.down.matmul_prompt(act, h.prompt_rows), layer.post_ffn_norm, serial)
             self.kernel_calls += 5
         last = np.ascontiguousarray(x[h.last])
         out = np.empty_like(last)
@@ -244,7 +244,7 @@ class CpuModel:
         tokens = x.shape[0]
         normed = np.empty_like(x)
         (rms_norm_serial if serial else rms_norm)(x, layer.attn_norm, c.rms_norm_eps, normed)
-        qkv = layer.qkv.matmul(normed).reshape(tokens, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
+        qkv = layer.qkv.matmul_prompt(normed, h.prompt_rows).reshape(tokens, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
         if layer.has_prologue:
             (qkv_prologue_serial if serial else qkv_prologue)(qkv, layer.qkv_bias, layer.q_norm, layer.k_norm,
                                                                c.num_heads, c.rms_norm_eps)

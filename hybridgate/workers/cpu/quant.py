@@ -52,6 +52,8 @@ from hybridgate.workers.cpu.simd import matmul_blocks  # noqa: E402
 
 if isa.selected().isa in ("avx2", "avx512"):  # its kernels are x86's (vpmaddwd, vpdpwssd, vpsrlvd)
     from hybridgate.workers.cpu import superblock  # noqa: E402
+if isa.selected().amx:  # compiled with AMX's features: its tiles multiply long prompts
+    from hybridgate.workers.cpu import amx  # noqa: E402
 
 _JIT = dict(nogil=True, fastmath=True, cache=True)
 _CHUNKS = 16  # row chunks per call: each thread allocates its scratch once per chunk, not per row
@@ -115,6 +117,28 @@ class QuantMatrix:
     def row(self, index: int) -> np.ndarray:
         out = np.empty(self.shape[1], dtype=np.float32)
         dequant_row(self.kind, self.data[index], self.scale[index], self.minimum[index], out)
+        return out
+
+    def _amx_arrays(self) -> tuple | None:
+        """(qs, sc, d, ndmin, mins): this matrix's arrays as `amx.matmul_amx` reads them (their dtypes name the
+        format, `amx._dequant_tile`), or None
+        where it has no format there (the default)."""
+        return None
+
+    def matmul_prompt(self, x: np.ndarray, prompt: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """x @ W.T like `matmul`, the rows `prompt` (int64 `[p]`, ascending: `StepInputs.prompt_rows`) on AMX
+        tiles (`amx`: bf16 weights, activations split hi + lo) where this process runs them and this matrix
+        has a format there, the other rows on `matmul`. Which kernel computes a row is fixed by the row's
+        request, so a row's bits do not depend on its batch."""
+        arrays = self._amx_arrays() if len(prompt) and isa.selected().amx and self.shape[0] % amx.PANEL == 0 else None
+        if arrays is None:
+            return self.matmul(x, out)
+        out = self._out(x, out)
+        if len(prompt) < x.shape[0]:
+            rest = np.ones(x.shape[0], dtype=bool)
+            rest[prompt] = False
+            out[rest] = self.matmul(np.ascontiguousarray(x[rest]))
+        amx.multiply(x, prompt, *arrays, out)
         return out
 
     def rows(self, index: np.ndarray) -> np.ndarray:
@@ -183,6 +207,11 @@ class Q80Matrix(QuantMatrix):
         self._kernel(x, self.qs, self.scale, self.scale, out)
         return out
 
+    def _amx_arrays(self) -> tuple | None:
+        if self.scale.shape[1] * 32 != self.shape[1]:  # Q6_K here: a scale per 16 columns
+            return None
+        return self.qs, self.scale, self.scale, self.scale, self.qs.view(np.uint8)
+
     def row(self, index: int) -> np.ndarray:
         return self.rows(np.array([index]))[0]
 
@@ -250,6 +279,9 @@ class Q45KSuperMatrix(QuantMatrix):
         superblock.matmul_superblock(x, self.qs, self.sc, self.d, self.ndmin, self.mins, out)
         return out
 
+    def _amx_arrays(self) -> tuple | None:
+        return self.qs, self.sc, self.d, self.ndmin, self.mins
+
     def row(self, index: int) -> np.ndarray:
         if self.qs.dtype == np.int8:  # Q5_K: whole codes in column order
             codes = self.qs[index].reshape(-1, 32).astype(np.float32)
@@ -286,6 +318,9 @@ class Q6KSuperMatrix(QuantMatrix):
         out = self._out(x, out)
         superblock.matmul_superblock(x, self.qs, self.sc, self.d, self._no_ndmin, self._no_mins, out)
         return out
+
+    def _amx_arrays(self) -> tuple | None:
+        return (self.qs, self.sc, self.d, self.d, self.sc) if superblock.Q6K_PACKED else None
 
     def row(self, index: int) -> np.ndarray:
         return self.rows(np.array([index]))[0]
@@ -477,6 +512,13 @@ class FusedMatrix:
         out = QuantMatrix._out(self, x, out)
         for part, start in zip(self.parts, self._starts):
             out[:, start : start + part.shape[0]] = part.matmul(x)
+        return out
+
+    def matmul_prompt(self, x: np.ndarray, prompt: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """`QuantMatrix.matmul_prompt` part by part."""
+        out = QuantMatrix._out(self, x, out)
+        for part, start in zip(self.parts, self._starts):
+            out[:, start : start + part.shape[0]] = part.matmul_prompt(x, prompt)
         return out
 
     def row(self, index: int) -> np.ndarray:

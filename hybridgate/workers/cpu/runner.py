@@ -107,8 +107,11 @@ class NumbaRunner:
         self.pool = PinnedPool(4 << 20, 2)
         target = isa.selected()
         self.cpu_isa = target.isa
-        log.info("CPU kernels: %s path (LLVM target %s%s), activations %s, cache %s", target.isa, target.cpu_name,
-                 ", VNNI" if target.vnni else "", self.cpu_activations, target.cache_dir)
+        # Prompts of at least this many tokens multiply on AMX tiles (`amx`; None: no AMX in this process).
+        self.long_prompt = quant.amx.MIN_PROMPT if target.amx else None
+        log.info("CPU kernels: %s path (LLVM target %s%s%s), activations %s, cache %s", target.isa, target.cpu_name,
+                 ", VNNI" if target.vnni else "", f", AMX-BF16 for prompts of {self.long_prompt}+ tokens"
+                 if target.amx else "", self.cpu_activations, target.cache_dir)
         log.info("CPU runner: weights %.1f MiB in GGUF blocks, KV cache %d blocks of %d tokens (%.1f MiB, %s), "
                  "%d threads", self.model.weight_bytes / 2**20, self.num_blocks, block_size,
                  self.num_blocks * self.block_bytes / 2**20, self.kv_dtype.name, numba.get_num_threads())
@@ -155,7 +158,7 @@ class NumbaRunner:
         """float32 logits `[len(batch), vocab]` at each entry's last new token."""
         buf = self.pool.acquire()
         try:
-            inputs = build_step_inputs(batch, self.block_size, buf, self.scratch_slot)
+            inputs = build_step_inputs(batch, self.block_size, buf, self.scratch_slot, self.long_prompt)
             return self.model.forward(inputs, self.k_cache, self.v_cache)
         finally:
             self.pool.release(buf)
@@ -210,7 +213,11 @@ class NumbaRunner:
         if progress:
             print("hybridgate: preparing CPU kernels (the first start compiles them; later starts load them "
                   "from the cache)...", file=sys.stderr, flush=True)
-        self.execute(ScheduledBatch([(seq, 4)]))
+        long_prompt, self.long_prompt = self.long_prompt, 1 if self.long_prompt else None  # its AMX kernels too
+        try:
+            self.execute(ScheduledBatch([(seq, 4)]))
+        finally:
+            self.long_prompt = long_prompt
         seq.num_computed = 4
         seq.append(5)
         self.execute(ScheduledBatch([(seq, 1)]))

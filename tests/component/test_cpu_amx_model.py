@@ -1,0 +1,120 @@
+"""The Numba runner with AMX prompt matmuls (`amx`) on tiny K-quant GGUF files, against the torch runner.
+
+Runs where the kernels were compiled with AMX (a Xeon since Sapphire Rapids); skipped elsewhere. The files
+are `tiny_gguf.QUANT_SPEC` (llama, rows of 256) with every matrix Q4_K or Q6_K. Prompts of at least
+`amx.MIN_PROMPT` tokens run their matmuls on the tiles, shorter ones and generated tokens on the int16
+kernels; so checked here: logits against the fp32 torch runner (for the tiles' rows, on the same weights
+rounded to bf16 as the tiles round them), a batch mixing
+both kinds of rows giving each prompt the bits it has alone, a prompt chunked in two giving the bits of
+one chunk, and a sequence recomputed after decoding (a preemption's recompute) giving the bits of its
+decode steps.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hybridgate.models import load_gguf
+from hybridgate.wire import AddRequest, SamplingParams
+from hybridgate.workers.cpu import isa
+from hybridgate.workers.scheduler import ScheduledBatch
+from hybridgate.workers.sequence import Sequence
+
+pytestmark = pytest.mark.skipif(not isa.selected().amx, reason="no AMX-BF16 here (a Xeon since Sapphire Rapids "
+                                                              "with the tile state granted)")
+
+PROMPT_LENGTHS = (40, 24, 33)  # two on the tiles, one (under amx.MIN_PROMPT) on the int16 kernels
+ON_TILES = (True, False, True)
+# Largest logit difference against the fp32 reference (the logits' spread: standard deviation 4.2-4.8),
+# as test_cpu_q6k_half_model.py's for int16 activations: measured 5.6-8.6e-4 for the tiles' rows against the
+# reference on bf16-rounded weights (the activations' split and float32 sums), 4.0-4.4e-3 for the int16 row
+# against the plain one. Against the plain reference the tiles' rows differ by 0.11-0.27: this random
+# two-layer model amplifies a matmul's error about 20 times (the int16 kernels' 3e-5 of a matmul's largest
+# output gives their 4e-3), and bf16 weights err by 1.5e-3 of it. A wrong code, scale, row or column moves
+# the logits by about their deviation.
+TOL = 1e-2
+
+
+def rounded_to_bf16(model):
+    """The model with every layer matrix (what the tiles multiply) dequantized, rounded to bf16 and stored
+    as F32: the tiles' weights, for the torch reference."""
+    import dataclasses
+
+    import gguf
+
+    from hybridgate.models.gguf_file import TensorView
+    from tests.unit.test_cpu_amx import bf16
+
+    tensors = dict(model.tensors)
+    for name, t in model.tensors.items():
+        if name.startswith("blk.") and t.ggml_type.name not in ("F32", "F16", "BF16"):
+            w = bf16(t.dequantize()).astype(np.float32)
+            tensors[name] = TensorView(name, gguf.GGMLQuantizationType.F32, t.shape, w.view(np.uint8).reshape(t.shape[0], -1))
+    return dataclasses.replace(model, tensors=tensors)
+
+
+@pytest.fixture(scope="module", params=("Q4_K", "Q6_K"))
+def case(request, tiny_models):
+    from hybridgate.workers.cpu import amx
+    from hybridgate.workers.cpu.runner import NumbaRunner
+    from hybridgate.workers.gpu.model import DecoderModel
+
+    assert PROMPT_LENGTHS[1] < amx.MIN_PROMPT <= min(PROMPT_LENGTHS[0], PROMPT_LENGTHS[2])
+    model = load_gguf(tiny_models("quant", ggml_type=request.param))
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(0, model.config.vocab_size, size=n).tolist() for n in PROMPT_LENGTHS]
+    torch.set_num_threads(1)
+    ids = torch.tensor([i for p in prompts for i in p])
+    want = []
+    for weights in (rounded_to_bf16(model), model):
+        ref = DecoderModel(weights, torch.device("cpu"), torch.float32)
+        want.append(ref.forward(ids, list(PROMPT_LENGTHS), [ref.new_cache() for _ in prompts]).numpy())
+    want = np.where(np.array(ON_TILES)[:, None], *want)  # each row against the weights its kernels multiply
+    runner = NumbaRunner(model, kv_cache_memory="4MiB", threads=1, kv_cache_dtype="fp32")
+    assert runner.long_prompt == amx.MIN_PROMPT
+    return request.param, runner, prompts, want
+
+
+def _seqs(prompts: list[list[int]], first_block: int) -> list[Sequence]:
+    seqs = []
+    for i, ids in enumerate(prompts):
+        s = Sequence(AddRequest(str(i), ids, SamplingParams(temperature=0), 0, 8, -1))
+        s.block_table = [first_block + 4 * i + j for j in range(4)]
+        seqs.append(s)
+    return seqs
+
+
+def test_logits_match_the_torch_runner_and_each_prompt_has_its_bits_alone(case):
+    kind, runner, prompts, want = case
+    seqs = _seqs(prompts, 0)
+    got = runner.forward(ScheduledBatch([(s, s.num_tokens) for s in seqs]))
+    for n, row, ref in zip(PROMPT_LENGTHS, got, want):
+        assert np.abs(row - ref).max() < TOL, (kind, n, np.abs(row - ref).max())
+        if np.diff(np.sort(ref)[-2:])[0] > 2 * TOL:  # a clear top token is the same token
+            assert row.argmax() == ref.argmax()
+    for i, p in enumerate(prompts):  # alone, each prompt's logits are the batch's bits
+        (s,) = _seqs([p], 16 + 4 * i)
+        np.testing.assert_array_equal(runner.forward(ScheduledBatch([(s, s.num_tokens)]))[0], got[i])
+
+
+def test_a_chunked_prompt_and_a_recompute_after_decoding_give_the_same_bits(case):
+    _, runner, prompts, _ = case
+    (whole,) = _seqs(prompts[:1], 0)
+    one = runner.forward(ScheduledBatch([(whole, whole.num_tokens)]))[0]
+    (chunked,) = _seqs(prompts[:1], 4)
+    runner.forward(ScheduledBatch([(chunked, 16)]))  # 16 prompt tokens, then the other 24
+    chunked.num_computed = 16
+    np.testing.assert_array_equal(runner.forward(ScheduledBatch([(chunked, 24)]))[0], one)
+    # two decode steps after the prompt (ids forced), then the whole sequence again as one prefill: the
+    # generated tokens stay on the int16 kernels there too, so the last logits are the decode step's bits
+    whole.num_computed = whole.num_tokens
+    decoded = None
+    for token in (5, 7):
+        whole.append(token)
+        decoded = runner.forward(ScheduledBatch([(whole, 1)]))[0]
+        whole.num_computed += 1
+    (again,) = _seqs(prompts[:1], 8)
+    again.output_ids = list(whole.output_ids)
+    np.testing.assert_array_equal(runner.forward(ScheduledBatch([(again, again.num_tokens)]))[0], decoded)
