@@ -2,8 +2,8 @@
 
 Runs where this process's kernels were compiled with AMX (a Xeon since Sapphire Rapids whose Linux grants
 the tile state); skipped elsewhere. For each weight format the tiles read (Q4_K, Q5_K, Q6_K on the avx512
-path, Q8_0): random blocks and blocks at the formats' limits (codes and sub-scales at their extremes,
-subnormal and large fp16 scales), against float64 products with gguf's dequantized weights rounded to bf16
+path, Q8_0, Q5_0 and Q5_1): random blocks and blocks at the formats' limits (codes and sub-scales at their extremes,
+subnormal and large fp16 scales) and rows longer than a job's column chunk, against float64 products with gguf's dequantized weights rounded to bf16
 (the tiles' weights: only the activations' split x ≈ hi + lo and float32 sums differ, so a wrong column,
 row, pair or scale shows at once) and with the weights as gguf gives them (within bf16's rounding); rows
 outside the prompt rows untouched; a row's bits the same in any batch and at any place in its tile; and the
@@ -21,7 +21,7 @@ from hybridgate.workers.cpu import isa
 pytestmark = pytest.mark.skipif(not isa.selected().amx, reason="no AMX-BF16 here (a Xeon since Sapphire Rapids "
                                                               "with the tile state granted)")
 
-KINDS = ("Q4_K", "Q5_K", "Q6_K", "Q8_0")
+KINDS = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0", "Q5_1")
 T = gguf.GGMLQuantizationType
 
 
@@ -40,15 +40,16 @@ def matrix(kind: str, data: np.ndarray, rows: int, cols: int):
     return m
 
 
-@pytest.fixture(scope="module", params=[(k, case) for k in KINDS for case in ("random", "edge")],
-                ids=lambda p: f"{p[0]}-{p[1]}")
+@pytest.fixture(scope="module", params=[(k, case) for k in KINDS for case in ("random", "edge")] +
+                [("Q4_K", "long"), ("Q8_0", "long")], ids=lambda p: f"{p[0]}-{p[1]}")
 def case(request):
     from tests.unit.test_cpu_kernels import edge_blocks, random_blocks
 
     kind, which = request.param
-    rows, cols = (96, 768) if which == "random" else (32, 512)
+    # long: more columns than a job's panels hold at once (amx.COLUMNS), its sums carried over three chunks
+    rows, cols = {"random": (96, 768), "edge": (32, 512), "long": (64, 4352)}[which]
     rng = np.random.default_rng(7)
-    data = (random_blocks if which == "random" else edge_blocks)(kind, rows, cols, rng)
+    data = (edge_blocks if which == "edge" else random_blocks)(kind, rows, cols, rng)
     dense = np.asarray(gguf.quants.dequantize(data, T[kind]), np.float64).reshape(rows, cols)
     x = rng.standard_normal((45, cols)).astype(np.float32)
     x[3] *= 1e-3  # rows of small and large activations: the split keeps each row's own precision

@@ -77,18 +77,19 @@ def _bytes_at(context, builder, ty, arr, offset):
 
 
 @intrinsic
-def _tile_block(typingctx, cfg, a, a_off, a_stride, planes, plane_elems, b, b_off, ksteps, out, o_off, o_stride):
-    """out float32 `[32, 32]` at element o_off (row stride o_stride elements) += Σ over planes of the token
+def _tile_block(typingctx, cfg, a, a_off, a_stride, planes, plane_elems, b, b_off, ksteps, out, o_off, o_stride,
+                accumulate):
+    """out float32 `[32, 32]` at element o_off (row stride o_stride elements) = (out if accumulate else 0) + Σ over planes of the token
     rows a (bf16 bits uint16 in `_split_activations`' tiles: tokens 0-15 from a_off, 16-31 a_stride elements
     on, a step's tile 512 elements after the last; plane p at + p·plane_elems)
     times the weight panel b (uint32 pair-interleaved B tiles, `_dequant_panel`'s layout from b_off), over
     ksteps steps of 32 columns. Tiles: 0-3 the sums (tokens 0-15 / 16-31 x weight rows 0-15 / 16-31),
     4-5 the token rows, 6-7 the weights; per step the weights are loaded once for both planes."""
     ip = types.intp
-    sig = types.void(cfg, a, ip, ip, ip, ip, b, ip, ip, out, ip, ip)
+    sig = types.void(cfg, a, ip, ip, ip, ip, b, ip, ip, out, ip, ip, types.boolean)
 
     def codegen(context, builder, signature, args):
-        cfgv, av, ao, ast, npl, pel, bv, bo, ks, ov, oo, ost = args
+        cfgv, av, ao, ast, npl, pel, bv, bo, ks, ov, oo, ost, acc = args
         ty = signature.args
         c = lambda n: ir.Constant(_I64, n)  # noqa: E731
         t = lambda n: ir.Constant(_I8, n)  # noqa: E731
@@ -99,8 +100,13 @@ def _tile_block(typingctx, cfg, a, a_off, a_stride, planes, plane_elems, b, b_of
         o_bytes = builder.mul(ost, c(4))
         corners = [builder.gep(o8, [builder.add(builder.mul(o_bytes, c(dm)), c(dn * 4))])
                    for dm, dn in [(0, 0), (0, 16), (16, 0), (16, 16)]]
-        for i, at in enumerate(corners):
-            builder.call(load, [t(i), at, o_bytes])
+        with builder.if_else(builder.icmp_unsigned("!=", acc, ir.Constant(acc.type, 0))) as (then, otherwise):
+            with then:
+                for i, at in enumerate(corners):
+                    builder.call(load, [t(i), at, o_bytes])
+            with otherwise:
+                for i in range(4):
+                    builder.call(_fn(builder, "llvm.x86.tilezero", [_I8]), [t(i)])
         a8, b8 = _bytes_at(context, builder, ty[1], av, ao), _bytes_at(context, builder, ty[6], bv, bo)
         a_half = builder.mul(ast, c(2))  # tokens 16-31
         plane_bytes = builder.mul(pel, c(2))
@@ -176,8 +182,15 @@ def _split_activations(x, rows, a):
 # codes' layout, whether a min is added, sub-block scales per 32 columns). Q8_0 (and Q5_0 as int8 codes c - 16,
 # `quant.Q50Matrix`): d·c with float32 d per 32 columns in sc.
 _Q8_0 = superblock.Kind("q8_0", 32, 1, 0, False)
+# Q5_0 and Q5_1 as `quant.LowBitMatrix` holds them on the avx512 path (`kquant.pack`): the low 4 bits in Q4_1's
+# nibble order, 16 bytes a block; the 5th bits in uint32 words, a quad of 4 blocks in 4 words, block b's bits
+# in byte b % 4 of each (`kquant.QUAD_COLUMNS`); d and m float32 per 32 columns: w = d·c + mscale·m.
+_LOW5 = superblock.Kind("q5_lowbit", 16, 1, 0, True)
 _FORMATS = {**{key: kind for key, kind in superblock.KINDS.items() if key != (types.int8, types.int8)},
-            (types.int8, types.float32): _Q8_0}
+            (types.int8, types.float32): _Q8_0, (types.uint8, types.float32): _LOW5}
+# Column j of a block: the word (of its quad's 4) and bit (of the block's byte) holding its 5th bit.
+_FIFTH_WORD = [(j >= 16) + 2 * (j % 2) for j in range(32)]
+_FIFTH_BIT = [(j % 16) // 2 for j in range(32)]
 _V16I, _V32I = ir.VectorType(ir.IntType(32), 16), ir.VectorType(ir.IntType(32), 32)
 _V32F = ir.VectorType(ir.FloatType(), 32)
 _V16F = ir.VectorType(ir.FloatType(), 16)
@@ -207,7 +220,9 @@ def _dequant_tile(typingctx, qs, sc, d, ndmin, mins, r0, s, tiles, t_off):
     32s + 2j + 1) in its low and high 16 bits. The weights as gguf's dequantizer computes them: Q4_K and Q5_K
     (d·sc)·c + (-dmin·m) (qs `quant.q4k_nibbles` or `superblock.q5k_codes`, sc and mins uint8 per 32 columns,
     d and ndmin float32 per 256), packed Q6_K (d·sc)·(c - 32) (`superblock.pack_q6k`, sc int8 per 16), Q8_0
-    d·c (qs int8, sc float32 per 32), each rounded to bf16 to nearest even. The rows are decoded as vectors
+    d·c (qs int8, sc float32 per 32), Q5_0/Q5_1 d·c + mscale·m (`_LOW5`: qs uint8, sc d and d m float32 per 32,
+    ndmin float32 `[1, 1]` mscale, mins the uint32 5th bits), each rounded to bf16 to nearest even. The rows are
+    decoded as vectors
     (`superblock._block_codes`) and transposed in registers (`_transpose16`)."""
     kind = _FORMATS[(qs.dtype, sc.dtype)]
     ip = types.intp
@@ -230,8 +245,13 @@ def _dequant_tile(typingctx, qs, sc, d, ndmin, mins, r0, s, tiles, t_off):
         for i in range(16):
             row = builder.add(r0v, c(i))
             codes_at = builder.gep(qd, [builder.add(builder.mul(row, q_cols), builder.mul(sv, c(kind.code_bytes)))])
-            codes = builder.sitofp(superblock._block_codes(builder, kind, builder.bitcast(codes_at, _I8P))[0], _V32F)
-            if kind is _Q8_0:
+            codes = superblock._block_codes(builder, kind, builder.bitcast(codes_at, _I8P))[0]
+            if kind is _LOW5:
+                codes = builder.or_(codes, _fifth_bits(builder, md, row, sv, context, ty[4], mv))
+            codes = builder.sitofp(codes, _V32F)
+            if kind is _LOW5:
+                scales = [builder.load(builder.gep(scd, [builder.add(builder.mul(row, sc_cols), sv)]))]
+            elif kind is _Q8_0:
                 scales = [builder.load(builder.gep(scd, [builder.add(builder.mul(row, sc_cols), sv)]))]
             else:
                 dsub = builder.load(builder.gep(dd, [builder.add(builder.mul(row, d_cols), sub)]))
@@ -242,7 +262,11 @@ def _dequant_tile(typingctx, qs, sc, d, ndmin, mins, r0, s, tiles, t_off):
             halves = [builder.shuffle_vector(codes, codes, ir.Constant(_V16I, list(range(h * 16, h * 16 + 16))))
                       for h in range(2)]
             w = [builder.fmul(half, _splat16(builder, scales[h % len(scales)])) for h, half in enumerate(halves)]
-            if kind.has_min:
+            if kind is _LOW5:
+                low = builder.fmul(builder.load(builder.gep(dd, [builder.add(builder.mul(row, d_cols), sv)])),
+                                   builder.load(nd))
+                w = [builder.fadd(half, _splat16(builder, low)) for half in w]
+            elif kind.has_min:
                 low = builder.fmul(builder.load(builder.gep(nd, [builder.add(builder.mul(row, d_cols), sub)])),
                                    builder.uitofp(builder.load(builder.gep(md, [builder.add(builder.mul(row, sc_cols), sv)])), f32))
                 w = [builder.fadd(half, _splat16(builder, low)) for half in w]
@@ -257,6 +281,22 @@ def _dequant_tile(typingctx, qs, sc, d, ndmin, mins, r0, s, tiles, t_off):
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+def _fifth_bits(builder, bits, row, s, context, ty, value):
+    """<32 x i16>: the 5th bits of block s of `row` (`_LOW5`), times 16, in column order."""
+    c = lambda n: ir.Constant(ir.IntType(64), n)  # noqa: E731
+    i32 = ir.IntType(32)
+    cols = cgutils.unpack_tuple(builder, context.make_array(ty)(context, builder, value).shape)[1]
+    first = builder.add(builder.mul(row, cols), builder.mul(builder.ashr(s, c(2)), c(4)))  # the quad's 4 words
+    shift = builder.trunc(builder.mul(builder.and_(s, c(3)), c(8)), i32)  # block s's byte in each
+    words = ir.Constant(ir.VectorType(i32, 4), ir.Undefined)
+    for k in range(4):
+        word = builder.lshr(builder.load(builder.gep(bits, [builder.add(first, c(k))])), shift)
+        words = builder.insert_element(words, word, ir.Constant(i32, k))
+    lanes = builder.shuffle_vector(words, words, ir.Constant(_V32I, _FIFTH_WORD))
+    lanes = builder.and_(builder.lshr(lanes, ir.Constant(_V32I, _FIFTH_BIT)), ir.Constant(_V32I, [1] * 32))
+    return builder.trunc(builder.shl(lanes, ir.Constant(_V32I, [4] * 32)), ir.VectorType(ir.IntType(16), 32))
 
 
 def _splat16(builder, scalar):
@@ -281,7 +321,8 @@ def matmul_amx(cfg, x, rows, qs, sc, d, ndmin, mins, out, a, tiles, sums):
 
     A job holds JOB_PANELS panels of 32 weight rows, COLUMNS columns at a time, dequantized once into B tiles
     (`_dequant_panel`; 512 KiB, in L2), and multiplies every block of 32 token rows by them, its sums
-    accumulating in float32 over the column chunks in order. Each thread takes a contiguous run of jobs.
+    accumulating in float32 over the column chunks in order (in out itself where the rows are one run and the
+    token block full, else in `sums`, then copied). Each thread takes a contiguous run of jobs.
     Scratch (`Scratch`): a uint16 `[≥ 2 · m_pad · k]` (the activations' tiles, m_pad = len(rows) rounded up
     to 32), tiles uint32 `[threads, JOB_PANELS · chunk · 512]`, sums float32 `[threads, ≥ m_pad · JOB_PANELS · 32]`
     with chunk = min(COLUMNS, k) / 32."""
@@ -296,6 +337,8 @@ def matmul_amx(cfg, x, rows, qs, sc, d, ndmin, mins, out, a, tiles, sums):
     jobs = (panels + JOB_PANELS - 1) // JOB_PANELS
     threads = tiles.shape[0]
     per = (jobs + threads - 1) // threads
+    direct = rows[m - 1] - rows[0] == m - 1  # one run of rows (a prefill's): full token blocks go straight to out
+    flat_out = out.reshape(-1)
     for th in prange(threads):
         flat_t = tiles[th]
         for job in range(th * per, min(jobs, (th + 1) * per)):
@@ -303,16 +346,21 @@ def matmul_amx(cfg, x, rows, qs, sc, d, ndmin, mins, out, a, tiles, sums):
             count = min(JOB_PANELS, panels - p0)
             width = count * PANEL
             flat_s = sums[th, : m_pad * width]
-            flat_s[:] = 0
             for s0 in range(0, k // 32, chunk):
                 steps = min(chunk, k // 32 - s0)
                 for q in range(count):
                     _dequant_panel(qs, sc, d, ndmin, mins, (p0 + q) * PANEL, s0, steps, chunk, flat_t[q * chunk * 512 :])
                 for tb in range(m_pad // TOKENS):
+                    to_out = direct and (tb + 1) * TOKENS <= m
                     for q in range(count):
-                        _tile_block(cfg, flat_a, (2 * tb * (k // 32) + s0) * 512, k // 32 * 512, 2, m_pad * k, flat_t,
-                                    q * chunk * 512, steps, flat_s, tb * TOKENS * width + q * PANEL, width)
-            for t in range(m):
+                        a_off = (2 * tb * (k // 32) + s0) * 512
+                        if to_out:
+                            _tile_block(cfg, flat_a, a_off, k // 32 * 512, 2, m_pad * k, flat_t, q * chunk * 512, steps,
+                                        flat_out, (rows[0] + tb * TOKENS) * n + (p0 + q) * PANEL, n, s0 > 0)
+                        else:
+                            _tile_block(cfg, flat_a, a_off, k // 32 * 512, 2, m_pad * k, flat_t, q * chunk * 512, steps,
+                                        flat_s, tb * TOKENS * width + q * PANEL, width, s0 > 0)
+            for t in range(TOKENS * (m // TOKENS) if direct else 0, m):
                 out[rows[t], p0 * PANEL : p0 * PANEL + width] = flat_s[t * width : (t + 1) * width]
 
 

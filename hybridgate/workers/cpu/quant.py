@@ -372,6 +372,11 @@ class LowBitMatrix(QuantMatrix):
         matmul_packed(x, self.qs, self.qh, self.d, self.m, self.mscale, out)
         return out
 
+    def _amx_arrays(self) -> tuple | None:
+        if self.qs.dtype != np.uint8 or self.qh.dtype != np.uint32:  # only the 5-bit types' bit-mask layout
+            return None
+        return self.qs, self.d, self.m, np.full((1, 1), self.mscale, np.float32), self.qh
+
     def row(self, index: int) -> np.ndarray:
         cols = self.shape[1]
         if self.qs.dtype == np.int8:  # whole codes: per quad, 16-bit lanes of (s 0, s 2), then of (s 1, s 3)
