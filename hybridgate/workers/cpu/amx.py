@@ -321,8 +321,9 @@ def matmul_amx(cfg, x, rows, qs, sc, d, ndmin, mins, out, a, tiles, sums):
 
     A job holds JOB_PANELS panels of 32 weight rows, COLUMNS columns at a time, dequantized once into B tiles
     (`_dequant_panel`; 512 KiB, in L2), and multiplies every block of 32 token rows by them, its sums
-    accumulating in float32 over the column chunks in order (in out itself where the rows are one run and the
-    token block full, else in `sums`, then copied). Each thread takes a contiguous run of jobs.
+    accumulating in float32 over the column chunks in order in `sums`, then copied into out (tiles stored
+    straight into out ran 5-20% slower: its row strides of a multiple of 4 KiB put a tile's 16 rows in one L1
+    set). Each thread takes a contiguous run of jobs.
     Scratch (`Scratch`): a uint16 `[≥ 2 · m_pad · k]` (the activations' tiles, m_pad = len(rows) rounded up
     to 32), tiles uint32 `[threads, JOB_PANELS · chunk · 512]`, sums float32 `[threads, ≥ m_pad · JOB_PANELS · 32]`
     with chunk = min(COLUMNS, k) / 32."""
@@ -337,8 +338,6 @@ def matmul_amx(cfg, x, rows, qs, sc, d, ndmin, mins, out, a, tiles, sums):
     jobs = (panels + JOB_PANELS - 1) // JOB_PANELS
     threads = tiles.shape[0]
     per = (jobs + threads - 1) // threads
-    direct = rows[m - 1] - rows[0] == m - 1  # one run of rows (a prefill's): full token blocks go straight to out
-    flat_out = out.reshape(-1)
     for th in prange(threads):
         flat_t = tiles[th]
         for job in range(th * per, min(jobs, (th + 1) * per)):
@@ -351,16 +350,10 @@ def matmul_amx(cfg, x, rows, qs, sc, d, ndmin, mins, out, a, tiles, sums):
                 for q in range(count):
                     _dequant_panel(qs, sc, d, ndmin, mins, (p0 + q) * PANEL, s0, steps, chunk, flat_t[q * chunk * 512 :])
                 for tb in range(m_pad // TOKENS):
-                    to_out = direct and (tb + 1) * TOKENS <= m
                     for q in range(count):
-                        a_off = (2 * tb * (k // 32) + s0) * 512
-                        if to_out:
-                            _tile_block(cfg, flat_a, a_off, k // 32 * 512, 2, m_pad * k, flat_t, q * chunk * 512, steps,
-                                        flat_out, (rows[0] + tb * TOKENS) * n + (p0 + q) * PANEL, n, s0 > 0)
-                        else:
-                            _tile_block(cfg, flat_a, a_off, k // 32 * 512, 2, m_pad * k, flat_t, q * chunk * 512, steps,
-                                        flat_s, tb * TOKENS * width + q * PANEL, width, s0 > 0)
-            for t in range(TOKENS * (m // TOKENS) if direct else 0, m):
+                        _tile_block(cfg, flat_a, (2 * tb * (k // 32) + s0) * 512, k // 32 * 512, 2, m_pad * k, flat_t,
+                                    q * chunk * 512, steps, flat_s, tb * TOKENS * width + q * PANEL, width, s0 > 0)
+            for t in range(m):
                 out[rows[t], p0 * PANEL : p0 * PANEL + width] = flat_s[t * width : (t + 1) * width]
 
 
