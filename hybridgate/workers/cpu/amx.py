@@ -10,7 +10,7 @@ every token block against it.
 
 Accuracy: the activations are split in two bf16 planes, x ≈ hi + lo with hi = bf16(x) and
 lo = bf16(x - hi) (about 16 bits of mantissa, int16's per-256 error or better), and both are
-multiplied, so the error is the weights' rounding to bf16 (8 bits of mantissa: a relative 2^-9 of
+multiplied, so the error is the weights' rounding to bf16 (8 significant bits: at most a relative 2^-8 of
 each dequantized weight, well below its quantization step). Sums are float32.
 
 Batch invariance: a token's output is its row of tiles, summed over k in one fixed order whatever
@@ -186,8 +186,14 @@ _Q8_0 = superblock.Kind("q8_0", 32, 1, 0, False)
 # nibble order, 16 bytes a block; the 5th bits in uint32 words, a quad of 4 blocks in 4 words, block b's bits
 # in byte b % 4 of each (`kquant.QUAD_COLUMNS`); d and m float32 per 32 columns: w = d·c + mscale·m.
 _LOW5 = superblock.Kind("q5_lowbit", 16, 1, 0, True)
+# F32, F16 and BF16 as `quant.FloatMatrix` holds them (float32, binary16 bits as int16, bfloat16 bits as
+# uint16; sc its float32 placeholder): widened, then rounded to bf16 (BF16 exactly itself).
+_F32, _F16, _BF16 = (superblock.Kind(name, 0, 0, 0, False) for name in ("f32", "f16", "bf16"))
+_FLOATS = {_F32: ir.FloatType(), _F16: ir.IntType(16), _BF16: ir.IntType(16)}
 _FORMATS = {**{key: kind for key, kind in superblock.KINDS.items() if key != (types.int8, types.int8)},
-            (types.int8, types.float32): _Q8_0, (types.uint8, types.float32): _LOW5}
+            (types.int8, types.float32): _Q8_0, (types.uint8, types.float32): _LOW5,
+            (types.float32, types.float32): _F32, (types.int16, types.float32): _F16,
+            (types.uint16, types.float32): _BF16}
 # Column j of a block: the word (of its quad's 4) and bit (of the block's byte) holding its 5th bit.
 _FIFTH_WORD = [(j >= 16) + 2 * (j % 2) for j in range(32)]
 _FIFTH_BIT = [(j % 16) // 2 for j in range(32)]
@@ -220,7 +226,7 @@ def _dequant_tile(typingctx, qs, sc, d, ndmin, mins, r0, s, tiles, t_off):
     32s + 2j + 1) in its low and high 16 bits. The weights as gguf's dequantizer computes them: Q4_K and Q5_K
     (d·sc)·c + (-dmin·m) (qs `quant.q4k_nibbles` or `superblock.q5k_codes`, sc and mins uint8 per 32 columns,
     d and ndmin float32 per 256), packed Q6_K (d·sc)·(c - 32) (`superblock.pack_q6k`, sc int8 per 16), Q8_0
-    d·c (qs int8, sc float32 per 32), Q5_0/Q5_1 d·c + mscale·m (`_LOW5`: qs uint8, sc d and d m float32 per 32,
+    d·c (qs int8, sc float32 per 32), F32/F16/BF16 as stored (`_FLOATS`), Q5_0/Q5_1 d·c + mscale·m (`_LOW5`: qs uint8, sc d and d m float32 per 32,
     ndmin float32 `[1, 1]` mscale, mins the uint32 5th bits), each rounded to bf16 to nearest even. The rows are
     decoded as vectors
     (`superblock._block_codes`) and transposed in registers (`_transpose16`)."""
@@ -244,6 +250,10 @@ def _dequant_tile(typingctx, qs, sc, d, ndmin, mins, r0, s, tiles, t_off):
         pairs = []
         for i in range(16):
             row = builder.add(r0v, c(i))
+            if kind in _FLOATS:
+                pairs.append(_float_pairs(builder, kind, builder.gep(qd, [builder.add(builder.mul(row, q_cols),
+                                                                                       builder.mul(sv, c(32)))])))
+                continue
             codes_at = builder.gep(qd, [builder.add(builder.mul(row, q_cols), builder.mul(sv, c(kind.code_bytes)))])
             codes = superblock._block_codes(builder, kind, builder.bitcast(codes_at, _I8P))[0]
             if kind is _LOW5:
@@ -270,10 +280,7 @@ def _dequant_tile(typingctx, qs, sc, d, ndmin, mins, r0, s, tiles, t_off):
                 low = builder.fmul(builder.load(builder.gep(nd, [builder.add(builder.mul(row, d_cols), sub)])),
                                    builder.uitofp(builder.load(builder.gep(md, [builder.add(builder.mul(row, sc_cols), sv)])), f32))
                 w = [builder.fadd(half, _splat16(builder, low)) for half in w]
-            # columns 0-31 as bf16 in order (vcvtne2ps2bf16: to nearest even; its first source the upper half):
-            # as 16 x i32, lane j is the pair (column 2j, column 2j + 1)
-            pairs.append(builder.asm(ir.FunctionType(_V16I, [_V16F, _V16F]), "vcvtne2ps2bf16 $2, $1, $0", "=v,v,v",
-                                     [w[1], w[0]], False, "vcvtne2ps2bf16"))
+            pairs.append(_to_pairs(builder, w))
         out = builder.bitcast(builder.gep(context.make_array(ty[7])(context, builder, tv).data, [tov]),
                               _V16I.as_pointer())
         for j, column in enumerate(_transpose16(builder, pairs)):
@@ -297,6 +304,25 @@ def _fifth_bits(builder, bits, row, s, context, ty, value):
     lanes = builder.shuffle_vector(words, words, ir.Constant(_V32I, _FIFTH_WORD))
     lanes = builder.and_(builder.lshr(lanes, ir.Constant(_V32I, _FIFTH_BIT)), ir.Constant(_V32I, [1] * 32))
     return builder.trunc(builder.shl(lanes, ir.Constant(_V32I, [4] * 32)), ir.VectorType(ir.IntType(16), 32))
+
+
+def _to_pairs(builder, halves):
+    """Columns 0-15 and 16-31 as two <16 x float> → bf16 (vcvtne2ps2bf16: to nearest even; its first source the
+    upper half) in column order: as <16 x i32>, lane j is the pair (column 2j, column 2j + 1)."""
+    return builder.asm(ir.FunctionType(_V16I, [_V16F, _V16F]), "vcvtne2ps2bf16 $2, $1, $0", "=v,v,v",
+                       [halves[1], halves[0]], False, "vcvtne2ps2bf16")
+
+
+def _float_pairs(builder, kind, ptr):
+    """32 stored floats at ptr (F32, F16 or BF16 element pointer) → `_to_pairs`' bf16 pairs; F16 widened by
+    vcvtph2ps, BF16 by a shift (both exact)."""
+    vec = builder.load(builder.bitcast(ptr, ir.VectorType(_FLOATS[kind], 32).as_pointer()), align=2)
+    if kind is _F16:
+        vec = builder.fpext(builder.bitcast(vec, ir.VectorType(ir.HalfType(), 32)), _V32F)
+    elif kind is _BF16:
+        vec = builder.bitcast(builder.shl(builder.zext(vec, _V32I), ir.Constant(_V32I, [16] * 32)), _V32F)
+    return _to_pairs(builder, [builder.shuffle_vector(vec, vec, ir.Constant(_V16I, list(range(h * 16, h * 16 + 16))))
+                               for h in range(2)])
 
 
 def _splat16(builder, scalar):

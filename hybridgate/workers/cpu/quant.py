@@ -451,6 +451,9 @@ class FloatMatrix(QuantMatrix):
         matmul_blocks(x, self.qs, self.scale, self.minimum, out)
         return out
 
+    def _amx_arrays(self) -> tuple | None:
+        return self.qs, self.scale, self.scale, self.scale, self.qs
+
     def row(self, index: int) -> np.ndarray:
         return self.rows(np.array([index]))[0]
 
