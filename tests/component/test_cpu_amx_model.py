@@ -51,7 +51,8 @@ def rounded_to_bf16(model):
     for name, t in model.tensors.items():
         if name.startswith("blk.") and t.ggml_type.name not in ("F32", "F16", "BF16"):
             w = bf16(t.dequantize()).astype(np.float32)
-            tensors[name] = TensorView(name, gguf.GGMLQuantizationType.F32, t.shape, w.view(np.uint8).reshape(t.shape[0], -1))
+            data = w.view(np.uint8).reshape(t.shape[0], -1)
+            tensors[name] = TensorView(name, gguf.GGMLQuantizationType.F32, t.shape, data)
     return dataclasses.replace(model, tensors=tensors)
 
 

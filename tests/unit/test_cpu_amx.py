@@ -2,8 +2,9 @@
 
 Runs where this process's kernels were compiled with AMX (a Xeon since Sapphire Rapids whose Linux grants
 the tile state); skipped elsewhere. For each weight format the tiles read (Q4_K, Q5_K, Q6_K on the avx512
-path, Q8_0, Q5_0, Q5_1, F16, BF16 and F32): random blocks and blocks at the formats' limits (codes and sub-scales at their extremes,
-subnormal and large fp16 scales) and rows longer than a job's column chunk, against float64 products with gguf's dequantized weights rounded to bf16
+path, Q8_0, Q5_0, Q5_1, F16, BF16 and F32): random blocks and blocks at the formats' limits (codes and
+sub-scales at their extremes, subnormal and large fp16 scales) and rows longer than a job's column chunk,
+against float64 products with gguf's dequantized weights rounded to bf16
 (the tiles' weights: only the activations' split x ≈ hi + lo and float32 sums differ, so a wrong column,
 row, pair or scale shows at once) and with the weights as gguf gives them (within bf16's rounding); rows
 outside the prompt rows untouched; a row's bits the same in any batch and at any place in its tile; and the

@@ -48,7 +48,7 @@ PANEL = 32  # weight rows a job dequantizes: two B tiles
 TOKENS = 32  # token rows a tile block multiplies: two A tiles
 JOB_PANELS = 4  # panels of 32 weight rows a job holds: each token block is read from memory once per 128 rows
 COLUMNS = 2048  # columns of a job's panels at a time (4 panels x 2048 columns of bf16: 512 KiB)
-MIN_PROMPT = 32  # prompts shorter than this run on the int16 kernels (a lone one would spend more in dequantizing panels)
+MIN_PROMPT = 32  # shorter prompts stay on the int16 kernels (alone, one would spend more dequantizing panels)
 
 
 def tile_config() -> np.ndarray:
@@ -79,12 +79,12 @@ def _bytes_at(context, builder, ty, arr, offset):
 @intrinsic
 def _tile_block(typingctx, cfg, a, a_off, a_stride, planes, plane_elems, b, b_off, ksteps, out, o_off, o_stride,
                 accumulate):
-    """out float32 `[32, 32]` at element o_off (row stride o_stride elements) = (out if accumulate else 0) + Σ over planes of the token
-    rows a (bf16 bits uint16 in `_split_activations`' tiles: tokens 0-15 from a_off, 16-31 a_stride elements
-    on, a step's tile 512 elements after the last; plane p at + p·plane_elems)
-    times the weight panel b (uint32 pair-interleaved B tiles, `_dequant_panel`'s layout from b_off), over
-    ksteps steps of 32 columns. Tiles: 0-3 the sums (tokens 0-15 / 16-31 x weight rows 0-15 / 16-31),
-    4-5 the token rows, 6-7 the weights; per step the weights are loaded once for both planes."""
+    """out float32 `[32, 32]` at element o_off (row stride o_stride elements) = (out if accumulate else 0) + Σ
+    over planes of the token rows a (bf16 bits uint16 in `_split_activations`' tiles: tokens 0-15 from a_off,
+    16-31 a_stride elements on, a step's tile 512 elements after the last; plane p at + p·plane_elems) times the
+    weight panel b (uint32 pair-interleaved B tiles, `_dequant_panel`'s layout from b_off), over ksteps steps of
+    32 columns. Tiles: 0-3 the sums (tokens 0-15 / 16-31 x weight rows 0-15 / 16-31), 4-5 the token rows, 6-7
+    the weights; per step the weights are loaded once for both planes."""
     ip = types.intp
     sig = types.void(cfg, a, ip, ip, ip, ip, b, ip, ip, out, ip, ip, types.boolean)
 
@@ -226,7 +226,8 @@ def _dequant_tile(typingctx, qs, sc, d, ndmin, mins, r0, s, tiles, t_off):
     32s + 2j + 1) in its low and high 16 bits. The weights as gguf's dequantizer computes them: Q4_K and Q5_K
     (d·sc)·c + (-dmin·m) (qs `quant.q4k_nibbles` or `superblock.q5k_codes`, sc and mins uint8 per 32 columns,
     d and ndmin float32 per 256), packed Q6_K (d·sc)·(c - 32) (`superblock.pack_q6k`, sc int8 per 16), Q8_0
-    d·c (qs int8, sc float32 per 32), F32/F16/BF16 as stored (`_FLOATS`), Q5_0/Q5_1 d·c + mscale·m (`_LOW5`: qs uint8, sc d and d m float32 per 32,
+    d·c (qs int8, sc float32 per 32), F32/F16/BF16 as stored (`_FLOATS`), Q5_0/Q5_1 d·c + mscale·m (`_LOW5`: qs
+    uint8, sc d and d m float32 per 32,
     ndmin float32 `[1, 1]` mscale, mins the uint32 5th bits), each rounded to bf16 to nearest even. The rows are
     decoded as vectors
     (`superblock._block_codes`) and transposed in registers (`_transpose16`)."""
@@ -277,8 +278,9 @@ def _dequant_tile(typingctx, qs, sc, d, ndmin, mins, r0, s, tiles, t_off):
                                    builder.load(nd))
                 w = [builder.fadd(half, _splat16(builder, low)) for half in w]
             elif kind.has_min:
+                minimum = builder.load(builder.gep(md, [builder.add(builder.mul(row, sc_cols), sv)]))
                 low = builder.fmul(builder.load(builder.gep(nd, [builder.add(builder.mul(row, d_cols), sub)])),
-                                   builder.uitofp(builder.load(builder.gep(md, [builder.add(builder.mul(row, sc_cols), sv)])), f32))
+                                   builder.uitofp(minimum, f32))
                 w = [builder.fadd(half, _splat16(builder, low)) for half in w]
             pairs.append(_to_pairs(builder, w))
         out = builder.bitcast(builder.gep(context.make_array(ty[7])(context, builder, tv).data, [tov]),
@@ -374,7 +376,8 @@ def matmul_amx(cfg, x, rows, qs, sc, d, ndmin, mins, out, a, tiles, sums):
             for s0 in range(0, k // 32, chunk):
                 steps = min(chunk, k // 32 - s0)
                 for q in range(count):
-                    _dequant_panel(qs, sc, d, ndmin, mins, (p0 + q) * PANEL, s0, steps, chunk, flat_t[q * chunk * 512 :])
+                    _dequant_panel(qs, sc, d, ndmin, mins, (p0 + q) * PANEL, s0, steps, chunk,
+                                   flat_t[q * chunk * 512 :])
                 for tb in range(m_pad // TOKENS):
                     for q in range(count):
                         _tile_block(cfg, flat_a, (2 * tb * (k // 32) + s0) * 512, k // 32 * 512, 2, m_pad * k, flat_t,

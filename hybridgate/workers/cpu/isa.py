@@ -150,7 +150,8 @@ def select(forced: str | None = None, amx: str | None = None) -> Target:
     os.environ["NUMBA_CPU_NAME"] = target.cpu_name
     os.environ["NUMBA_CPU_FEATURES"] = target.features
     os.environ.setdefault("NUMBA_CACHE_DIR", target.cache_dir)
-    target = Target(target.isa, target.cpu_name, target.features, target.vnni, os.environ["NUMBA_CACHE_DIR"], target.amx)
+    target = Target(target.isa, target.cpu_name, target.features, target.vnni, os.environ["NUMBA_CACHE_DIR"],
+                    target.amx)
     if "numba.core.config" in sys.modules:
         _reload_numba_config()
     _selected = target
