@@ -186,13 +186,13 @@ _Q8_0 = superblock.Kind("q8_0", 32, 1, 0, False)
 # nibble order, 16 bytes a block; the 5th bits in uint32 words, a quad of 4 blocks in 4 words, block b's bits
 # in byte b % 4 of each (`kquant.QUAD_COLUMNS`); d and m float32 per 32 columns: w = d·c + mscale·m.
 _LOW5 = superblock.Kind("q5_lowbit", 16, 1, 0, True)
-# F32, F16 and BF16 as `quant.FloatMatrix` holds them (float32, binary16 bits as int16, bfloat16 bits as
-# uint16; sc its float32 placeholder): widened, then rounded to bf16 (BF16 exactly itself).
-_F32, _F16, _BF16 = (superblock.Kind(name, 0, 0, 0, False) for name in ("f32", "f16", "bf16"))
-_FLOATS = {_F32: ir.FloatType(), _F16: ir.IntType(16), _BF16: ir.IntType(16)}
+# F16 and BF16 as `quant.FloatMatrix` holds them (binary16 bits as int16, bfloat16 bits as uint16; sc its float32
+# placeholder): widened, then rounded to bf16 (BF16 exactly itself). F32 files keep float32 (`FloatMatrix`).
+_F16, _BF16 = (superblock.Kind(name, 0, 0, 0, False) for name in ("f16", "bf16"))
+_FLOATS = {_F16: ir.IntType(16), _BF16: ir.IntType(16)}
 _FORMATS = {**{key: kind for key, kind in superblock.KINDS.items() if key != (types.int8, types.int8)},
             (types.int8, types.float32): _Q8_0, (types.uint8, types.float32): _LOW5,
-            (types.float32, types.float32): _F32, (types.int16, types.float32): _F16,
+            (types.int16, types.float32): _F16,
             (types.uint16, types.float32): _BF16}
 # Column j of a block: the word (of its quad's 4) and bit (of the block's byte) holding its 5th bit.
 _FIFTH_WORD = [(j >= 16) + 2 * (j % 2) for j in range(32)]
@@ -226,7 +226,7 @@ def _dequant_tile(typingctx, qs, sc, d, ndmin, mins, r0, s, tiles, t_off):
     32s + 2j + 1) in its low and high 16 bits. The weights as gguf's dequantizer computes them: Q4_K and Q5_K
     (d·sc)·c + (-dmin·m) (qs `quant.q4k_nibbles` or `superblock.q5k_codes`, sc and mins uint8 per 32 columns,
     d and ndmin float32 per 256), packed Q6_K (d·sc)·(c - 32) (`superblock.pack_q6k`, sc int8 per 16), Q8_0
-    d·c (qs int8, sc float32 per 32), F32/F16/BF16 as stored (`_FLOATS`), Q5_0/Q5_1 d·c + mscale·m (`_LOW5`: qs
+    d·c (qs int8, sc float32 per 32), F16/BF16 as stored (`_FLOATS`), Q5_0/Q5_1 d·c + mscale·m (`_LOW5`: qs
     uint8, sc d and d m float32 per 32,
     ndmin float32 `[1, 1]` mscale, mins the uint32 5th bits), each rounded to bf16 to nearest even. The rows are
     decoded as vectors
@@ -316,7 +316,7 @@ def _to_pairs(builder, halves):
 
 
 def _float_pairs(builder, kind, ptr):
-    """32 stored floats at ptr (F32, F16 or BF16 element pointer) → `_to_pairs`' bf16 pairs; F16 widened by
+    """32 stored floats at ptr (F16 or BF16 element pointer) → `_to_pairs`' bf16 pairs; F16 widened by
     vcvtph2ps, BF16 by a shift (both exact)."""
     vec = builder.load(builder.bitcast(ptr, ir.VectorType(_FLOATS[kind], 32).as_pointer()), align=2)
     if kind is _F16:

@@ -452,7 +452,9 @@ class FloatMatrix(QuantMatrix):
         return out
 
     def _amx_arrays(self) -> tuple | None:
-        return self.qs, self.scale, self.scale, self.scale, self.qs
+        """F16 and BF16 (bf16's rounding of an F16 weight is about Q8_0's; BF16 is exact); an F32 file asks for
+        float32 weights, and keeps them."""
+        return None if self.kind == F32 else (self.qs, self.scale, self.scale, self.scale, self.qs)
 
     def row(self, index: int) -> np.ndarray:
         return self.rows(np.array([index]))[0]
