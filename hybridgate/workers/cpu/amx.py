@@ -11,7 +11,8 @@ every token block against it.
 Accuracy: the activations are split in two bf16 planes, x ≈ hi + lo with hi = bf16(x) and
 lo = bf16(x - hi) (about 16 bits of mantissa, int16's per-256 error or better), and both are
 multiplied, so the error is the weights' rounding to bf16 (8 significant bits: at most a relative 2^-8 of
-each dequantized weight, well below its quantization step). Sums are float32.
+each dequantized weight, below a quantized weight's step; an F16 weight's own rounding is 2^-11). Sums are
+float32.
 
 Batch invariance: a token's output is its row of tiles, summed over k in one fixed order whatever
 the other rows of its tile hold (padding rows are zeros), so a prompt token's result does not
@@ -32,7 +33,7 @@ from hybridgate.workers.cpu import isa
 
 isa.selected()  # before Numba is imported: it compiles for the chosen instruction set
 
-import threading
+import threading  # noqa: E402
 
 import numba as nb  # noqa: E402
 import numpy as np  # noqa: E402
