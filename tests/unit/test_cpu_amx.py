@@ -2,7 +2,7 @@
 
 Runs where this process's kernels were compiled with AMX (a Xeon since Sapphire Rapids whose Linux grants
 the tile state); skipped elsewhere. For each weight format the tiles read (Q4_K, Q5_K, Q6_K on the avx512
-path, Q8_0, Q5_0, Q5_1, F16 and BF16): random blocks and blocks at the formats' limits (codes and
+path, Q8_0, Q5_0, Q5_1 and BF16): random blocks and blocks at the formats' limits (codes and
 sub-scales at their extremes, subnormal and large fp16 scales) and rows longer than a job's column chunk,
 against float64 products with gguf's dequantized weights rounded to bf16
 (the tiles' weights: only the activations' split x ≈ hi + lo and float32 sums differ, so a wrong column,
@@ -22,7 +22,7 @@ from hybridgate.workers.cpu import isa
 pytestmark = pytest.mark.skipif(not isa.selected().amx, reason="no AMX-BF16 here (a Xeon since Sapphire Rapids "
                                                               "with the tile state granted)")
 
-KINDS = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0", "Q5_1", "F16", "BF16")
+KINDS = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0", "Q5_1", "BF16")
 T = gguf.GGMLQuantizationType
 
 
@@ -111,12 +111,13 @@ def test_matmul_prompt_puts_the_prompt_rows_on_tiles_and_the_rest_on_the_matrix_
     np.testing.assert_array_equal(m.matmul_prompt(x, np.empty(0, np.int64)), m.matmul(x))
 
 
-def test_an_f32_weight_stays_float32():
+@pytest.mark.parametrize("kind", ["F32", "F16"])
+def test_f32_and_f16_weights_stay_on_their_kernel(kind):
     from hybridgate.workers.cpu import quant
     from tests.unit.test_cpu_kernels import random_blocks
 
     rng = np.random.default_rng(4)
-    m = quant.quant_matrix("w", int(T.F32), random_blocks("F32", 32, 256, rng), (32, 256))
+    m = quant.quant_matrix("w", int(T[kind]), random_blocks(kind, 32, 256, rng), (32, 256))
     x = rng.standard_normal((33, 256)).astype(np.float32)
     assert m._amx_arrays() is None
     np.testing.assert_array_equal(m.matmul_prompt(x, np.arange(33, dtype=np.int64)), m.matmul(x))
