@@ -121,8 +121,7 @@ class QuantMatrix:
 
     def _amx_arrays(self) -> tuple | None:
         """(qs, sc, d, ndmin, mins): this matrix's arrays as `amx.matmul_amx` reads them (their dtypes name the
-        format, `amx._dequant_tile`), or None
-        where it has no format there (the default)."""
+        format, `amx._dequant_tile`), or None where it has no format there (the default)."""
         return None
 
     def matmul_prompt(self, x: np.ndarray, prompt: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -137,7 +136,7 @@ class QuantMatrix:
         if len(prompt) < x.shape[0]:
             rest = np.ones(x.shape[0], dtype=bool)
             rest[prompt] = False
-            out[rest] = self.matmul(np.ascontiguousarray(x[rest]))
+            out[rest] = self.matmul(x[rest])  # a boolean index copies: contiguous
         amx.multiply(x, prompt, *arrays, out)
         return out
 
