@@ -7,7 +7,7 @@ import platform
 from pathlib import Path
 
 # The x86 vector features that decide which kernels and which speeds a figure belongs to.
-_FEATURES = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni")
+_FEATURES = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16")
 
 
 def describe() -> dict:
