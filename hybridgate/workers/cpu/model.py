@@ -15,6 +15,7 @@ gate and up into another), so kernel calls per step do not grow with the batch:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from hybridgate.workers.cpu import isa
 
@@ -91,6 +92,25 @@ def rope_table(config: ModelConfig, theta: float, scale: float, max_len: int) ->
     angles = np.arange(max_len, dtype=np.float32)[:, None] * inv_freq[None, :]
     factor = np.float32(config.rope_attn_factor)
     return (np.cos(angles) * factor).astype(np.float32), (np.sin(angles) * factor).astype(np.float32)
+
+
+# Steps of at most this many tokens keep their buffers for the next step of as many (`CpuModel._step_buffers`):
+# decode steps, whose few microseconds of allocation a layer are worth saving; a prompt chunk's (2,048 tokens into
+# a 1B model: about 280 MiB) are freed with the step.
+KEEP_BUFFER_TOKENS = 64
+
+
+class StepBuffers(NamedTuple):
+    """float32 arrays of one step's `tokens` rows, reused by every layer: each is overwritten before it is read
+    in a layer, and none of them leaves the step (the logits are their own array)."""
+
+    normed: np.ndarray  # [tokens, hidden]: a sublayer's normed input
+    qkv: np.ndarray  # [tokens, (heads + 2 kv_heads) · head_dim]: the fused projection
+    q: np.ndarray  # [tokens, heads, head_dim]: Q after RoPE
+    attn: np.ndarray  # [tokens, heads, head_dim]: attention's output, `wo`'s input
+    proj: np.ndarray  # [tokens, hidden]: `wo`'s and `down`'s output, added to the residual
+    gate_up: np.ndarray  # [tokens, 2 ffn]
+    act: np.ndarray  # [tokens, ffn]: the gated activation, `down`'s input
 
 
 @dataclass(frozen=True, eq=False)
@@ -188,6 +208,7 @@ class CpuModel:
         self.rope_pair = ROPE_PAIRS[c.rope_layout](c.head_dim)
         self.activation = GATED_ACTIVATIONS[c.arch.activation.value]
         self.kernel_calls = 0
+        self._kept_buffers: StepBuffers | None = None
 
     @property
     def weight_bytes(self) -> int:
@@ -205,6 +226,21 @@ class CpuModel:
             rows *= np.float32(self.config.embedding_scale)
         return rows
 
+    def _step_buffers(self, tokens: int) -> StepBuffers:
+        """The arrays a step of `tokens` tokens reuses in every layer; the last ones kept for the next step of
+        as many tokens (decode steps repeat their batch) when no larger than `KEEP_BUFFER_TOKENS`."""
+        kept = self._kept_buffers
+        if kept is not None and kept.normed.shape[0] == tokens:
+            return kept
+        c = self.config
+        qkv_width = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+        ffn = c.intermediate_size  # every layer's (the file's shapes are checked against it at load)
+        new = StepBuffers(*(np.empty((tokens,) + shape, np.float32) for shape in (
+            (c.hidden_size,), (qkv_width,), (c.num_heads, c.head_dim), (c.num_heads, c.head_dim),
+            (c.hidden_size,), (2 * ffn,), (ffn,))))
+        self._kept_buffers = new if tokens <= KEEP_BUFFER_TOKENS else None
+        return new
+
     def forward(self, h: StepInputs, k_cache: list[np.ndarray], v_cache: list[np.ndarray]) -> np.ndarray:
         """Logits float32 `[entries, vocab]` at each entry's last new token; K/V written to their slots.
 
@@ -214,22 +250,23 @@ class CpuModel:
         offset, length, slots, tiles = token_contexts(h)
         starts = {w: window_starts(length, w) for w in {layer.window for layer in self.layers}}
         x = self.embed_rows(h.ids)  # [tokens, hidden]
+        buf = self._step_buffers(x.shape[0])
         serial = x.shape[0] <= SERIAL_TOKENS
+        norm, activation, prompt = (rms_norm_serial if serial else rms_norm), self.activation[serial], h.prompt_rows
         self.kernel_calls = 0
         for i, layer in enumerate(self.layers):
-            attn = self._attention(layer, x, h, k_cache[i], v_cache[i], serial,
+            norm(x, layer.attn_norm, c.rms_norm_eps, buf.normed)
+            attn = self._attention(layer, buf, h, k_cache[i], v_cache[i], serial,
                                    (offset, starts[layer.window], length, slots, tiles))
-            self._residual(x, layer.wo.matmul_prompt(attn, h.prompt_rows), layer.post_attn_norm, serial)
-            normed = np.empty_like(x)
-            (rms_norm_serial if serial else rms_norm)(x, layer.ffn_norm, c.rms_norm_eps, normed)
-            gate_up = layer.gate_up.matmul_prompt(normed, h.prompt_rows)
-            act = np.empty((x.shape[0], gate_up.shape[1] // 2), dtype=np.float32)
-            self.activation[serial](gate_up, act)  # (parallel, serial) kernels
-            self._residual(x, layer.down.matmul_prompt(act, h.prompt_rows), layer.post_ffn_norm, serial)
-            self.kernel_calls += 5
+            self._residual(x, layer.wo.matmul_prompt(attn, prompt, buf.proj), layer.post_attn_norm, serial)
+            norm(x, layer.ffn_norm, c.rms_norm_eps, buf.normed)
+            gate_up = layer.gate_up.matmul_prompt(buf.normed, prompt, buf.gate_up)
+            activation(gate_up, buf.act)  # (parallel, serial) kernels
+            self._residual(x, layer.down.matmul_prompt(buf.act, prompt, buf.proj), layer.post_ffn_norm, serial)
+            self.kernel_calls += 6
         last = np.ascontiguousarray(x[h.last])
         out = np.empty_like(last)
-        (rms_norm_serial if serial else rms_norm)(last, self.out_norm, c.rms_norm_eps, out)
+        norm(last, self.out_norm, c.rms_norm_eps, out)
         logits = self.lm_head.matmul(out)
         self.kernel_calls += 2
         if c.final_softcap:  # Gemma 2: cap · tanh(logits / cap)
@@ -237,27 +274,25 @@ class CpuModel:
             logits = np.tanh(logits / cap) * cap
         return logits
 
-    def _attention(self, layer: CpuLayer, x: np.ndarray, h: StepInputs, k_cache: np.ndarray, v_cache: np.ndarray,
-                   serial: bool, contexts: tuple) -> np.ndarray:
-        """The attention sublayer's input to `wo`: float32 `[tokens, heads · head_dim]`; K/V stored."""
+    def _attention(self, layer: CpuLayer, buf: StepBuffers, h: StepInputs, k_cache: np.ndarray,
+                   v_cache: np.ndarray, serial: bool, contexts: tuple) -> np.ndarray:
+        """The attention sublayer's input to `wo`, from the normed input in `buf.normed`: float32
+        `[tokens, heads · head_dim]` (a view of `buf.attn`); K/V stored."""
         c = self.config
-        tokens = x.shape[0]
-        normed = np.empty_like(x)
-        (rms_norm_serial if serial else rms_norm)(x, layer.attn_norm, c.rms_norm_eps, normed)
-        qkv = layer.qkv.matmul_prompt(normed, h.prompt_rows).reshape(tokens, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
+        tokens = buf.normed.shape[0]
+        qkv = layer.qkv.matmul_prompt(buf.normed, h.prompt_rows, buf.qkv).reshape(
+            tokens, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
         if layer.has_prologue:
             (qkv_prologue_serial if serial else qkv_prologue)(qkv, layer.qkv_bias, layer.q_norm, layer.k_norm,
                                                                c.num_heads, c.rms_norm_eps)
             self.kernel_calls += 1
-        q = np.empty((tokens, c.num_heads, c.head_dim), dtype=np.float32)
         (rope_and_store_serial if serial else rope_and_store)(qkv, h.positions, layer.cos, layer.sin,
-                                                              *self.rope_pair, h.slots, k_cache, v_cache, q)
-        out = np.empty_like(q)
+                                                              *self.rope_pair, h.slots, k_cache, v_cache, buf.q)
         offset, start, length, slots, tiles = contexts
-        paged_attention(q, k_cache, v_cache, offset, start, length, slots, tiles, np.float32(c.attention_scale),
-                        np.float32(c.attn_softcap), out)
-        self.kernel_calls += 4
-        return out.reshape(tokens, c.num_heads * c.head_dim)
+        paged_attention(buf.q, k_cache, v_cache, offset, start, length, slots, tiles, np.float32(c.attention_scale),
+                        np.float32(c.attn_softcap), buf.attn)
+        self.kernel_calls += 3
+        return buf.attn.reshape(tokens, c.num_heads * c.head_dim)
 
     def _residual(self, x: np.ndarray, y: np.ndarray, post_norm: np.ndarray | None, serial: bool) -> None:
         """x += y, or x += rms_norm(y) · post_norm where the architecture norms the sublayer's output."""
