@@ -120,8 +120,8 @@ class EngineConfig:
     cpu_amx: str = setting(
         "auto", "CPU worker on the avx512 path: auto multiplies the prompt tokens of prompts of 32 tokens or more "
                 "on AMX-BF16 tiles where the CPU has them (Xeons since Sapphire Rapids; weights rounded to bf16, "
-                "activations split into two bf16 halves; every weight type but F32, F16, Q4_0 and Q4_1), off keeps every "
-                "token on the int16 kernels", choices=("auto", "off"))
+                "activations split into two bf16 halves; every weight type but F32, F16, Q4_0 and Q4_1), off keeps "
+                "every token on the int16 kernels", choices=("auto", "off"))
     cpu_activations: str = setting(
         "auto", "CPU worker: the activation format of the quantized matmuls: f32 (float32 activations times "
                 "dequantized weights), i16 (activations quantized to int16 per 32-block, integer multiply-adds, "

@@ -187,13 +187,11 @@ _Q8_0 = superblock.Kind("q8_0", 32, 1, 0, False)
 # nibble order, 16 bytes a block; the 5th bits in uint32 words, a quad of 4 blocks in 4 words, block b's bits
 # in byte b % 4 of each (`kquant.QUAD_COLUMNS`); d and m float32 per 32 columns: w = d·c + mscale·m.
 _LOW5 = superblock.Kind("q5_lowbit", 16, 1, 0, True)
-# F16 and BF16 as `quant.FloatMatrix` holds them (binary16 bits as int16, bfloat16 bits as uint16; sc its float32
-# placeholder): widened, then rounded to bf16 (BF16 exactly itself). F32 files keep float32 (`FloatMatrix`).
-_F16, _BF16 = (superblock.Kind(name, 0, 0, 0, False) for name in ("f16", "bf16"))
-_FLOATS = {_F16: ir.IntType(16), _BF16: ir.IntType(16)}
+# BF16 as `quant.FloatMatrix` holds it (bfloat16 bits as uint16; sc its float32 placeholder): exactly itself. Not
+# F16 (rounded to bf16 it failed the top-1 floor) nor F32 (its file asks for float32): `FloatMatrix._amx_arrays`.
+_BF16 = superblock.Kind("bf16", 0, 0, 0, False)
 _FORMATS = {**{key: kind for key, kind in superblock.KINDS.items() if key != (types.int8, types.int8)},
             (types.int8, types.float32): _Q8_0, (types.uint8, types.float32): _LOW5,
-            (types.int16, types.float32): _F16,
             (types.uint16, types.float32): _BF16}
 # Column j of a block: the word (of its quad's 4) and bit (of the block's byte) holding its 5th bit.
 _FIFTH_WORD = [(j >= 16) + 2 * (j % 2) for j in range(32)]
@@ -227,11 +225,10 @@ def _dequant_tile(typingctx, qs, sc, d, ndmin, mins, r0, s, tiles, t_off):
     32s + 2j + 1) in its low and high 16 bits. The weights as gguf's dequantizer computes them: Q4_K and Q5_K
     (d·sc)·c + (-dmin·m) (qs `quant.q4k_nibbles` or `superblock.q5k_codes`, sc and mins uint8 per 32 columns,
     d and ndmin float32 per 256), packed Q6_K (d·sc)·(c - 32) (`superblock.pack_q6k`, sc int8 per 16), Q8_0
-    d·c (qs int8, sc float32 per 32), F16/BF16 as stored (`_FLOATS`), Q5_0/Q5_1 d·c + mscale·m (`_LOW5`: qs
-    uint8, sc d and d m float32 per 32,
-    ndmin float32 `[1, 1]` mscale, mins the uint32 5th bits), each rounded to bf16 to nearest even. The rows are
-    decoded as vectors
-    (`superblock._block_codes`) and transposed in registers (`_transpose16`)."""
+    d·c (qs int8, sc float32 per 32), BF16 as stored (`_BF16`), Q5_0/Q5_1 d·c + mscale·m (`_LOW5`: qs uint8, sc
+    d and d·m float32 per 32, ndmin float32 `[1, 1]` mscale, mins the uint32 5th bits), each rounded to bf16 to
+    nearest even. The rows are decoded as vectors (`superblock._block_codes`) and transposed in registers
+    (`_transpose16`)."""
     kind = _FORMATS[(qs.dtype, sc.dtype)]
     ip = types.intp
     sig = types.void(qs, sc, d, ndmin, mins, ip, ip, tiles, ip)
@@ -252,9 +249,9 @@ def _dequant_tile(typingctx, qs, sc, d, ndmin, mins, r0, s, tiles, t_off):
         pairs = []
         for i in range(16):
             row = builder.add(r0v, c(i))
-            if kind in _FLOATS:
-                pairs.append(_float_pairs(builder, kind, builder.gep(qd, [builder.add(builder.mul(row, q_cols),
-                                                                                       builder.mul(sv, c(32)))])))
+            if kind is _BF16:
+                pairs.append(_bf16_pairs(builder, builder.gep(qd, [builder.add(builder.mul(row, q_cols),
+                                                                               builder.mul(sv, c(32)))])))
                 continue
             codes_at = builder.gep(qd, [builder.add(builder.mul(row, q_cols), builder.mul(sv, c(kind.code_bytes)))])
             codes = superblock._block_codes(builder, kind, builder.bitcast(codes_at, _I8P))[0]
@@ -316,14 +313,10 @@ def _to_pairs(builder, halves):
                        [halves[1], halves[0]], False, "vcvtne2ps2bf16")
 
 
-def _float_pairs(builder, kind, ptr):
-    """32 stored floats at ptr (F16 or BF16 element pointer) → `_to_pairs`' bf16 pairs; F16 widened by
-    vcvtph2ps, BF16 by a shift (both exact)."""
-    vec = builder.load(builder.bitcast(ptr, ir.VectorType(_FLOATS[kind], 32).as_pointer()), align=2)
-    if kind is _F16:
-        vec = builder.fpext(builder.bitcast(vec, ir.VectorType(ir.HalfType(), 32)), _V32F)
-    elif kind is _BF16:
-        vec = builder.bitcast(builder.shl(builder.zext(vec, _V32I), ir.Constant(_V32I, [16] * 32)), _V32F)
+def _bf16_pairs(builder, ptr):
+    """32 stored BF16 values at ptr (uint16 pointer) → `_to_pairs`' bf16 pairs, widened exactly by a shift."""
+    vec = builder.load(builder.bitcast(ptr, ir.VectorType(ir.IntType(16), 32).as_pointer()), align=2)
+    vec = builder.bitcast(builder.shl(builder.zext(vec, _V32I), ir.Constant(_V32I, [16] * 32)), _V32F)
     return _to_pairs(builder, [builder.shuffle_vector(vec, vec, ir.Constant(_V16I, list(range(h * 16, h * 16 + 16))))
                                for h in range(2)])
 
