@@ -4,6 +4,7 @@ mode (one kill) reports no request lost and nothing leaked."""
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 
 from bench_checks import check_report
@@ -77,6 +78,11 @@ def test_compare_protocols_runs_both_doors_alternately_with_every_figure(tmp_pat
         ratio = r["ratio_openai_over_grpc"]
         pairs = [h["tokens_per_s"] / g["tokens_per_s"] for g, h in zip(r["runs"]["grpc"], r["runs"]["openai"])]
         assert ratio["tokens_per_s"] == sum(pairs) / 2
-        # The same worker behind both doors: the decode rates, timed from the ids' counts and arrival times
-        # (not from how many messages came), are within a factor of 3 (a busy machine's full suite read 463).
-        assert ratio["decode_tokens_per_s"] is not None and 1 / 3 < ratio["decode_tokens_per_s"] < 3
+        # Each decode-rate ratio is the median over the pairs that both have a rate; how a rate is timed from
+        # the ids' counts and arrival times is checked in tests/unit/test_workload.py. No bound on the ratio
+        # itself: it is a timing, and a busy CI machine read 4.06 over two pairs of 8 ids.
+        rated = [h["decode_tokens_per_s"] / g["decode_tokens_per_s"]
+                 for g, h in zip(r["runs"]["grpc"], r["runs"]["openai"])
+                 if g["decode_tokens_per_s"] and h["decode_tokens_per_s"] is not None]
+        assert all(x > 0 for x in rated)
+        assert ratio["decode_tokens_per_s"] == (statistics.median(rated) if rated else None)
