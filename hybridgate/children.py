@@ -1,10 +1,12 @@
-"""What a child process of `serve` (a worker, an extra gateway) does to end with its parent."""
+"""What a child process of `serve` (a worker, an extra gateway) does to end with its parent, and how a
+parent ends a child that serves requests on its stdin (the bench's llama.cpp baseline and bandwidth probe)."""
 
 from __future__ import annotations
 
 import ctypes
 import os
 import signal
+import subprocess
 import threading
 import time
 
@@ -25,3 +27,14 @@ def die_with_parent(parent_pid: int | None) -> None:
             time.sleep(0.2)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def end_stdin_child(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    """End a child that stops at the end of its stdin: close it and wait, then kill after `timeout_s`."""
+    if proc.poll() is None:
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -39,7 +39,8 @@ def add_engine_parser(sub) -> None:
                         "pip install --target DIR, built for AVX2 only), put first on the baseline's sys.path "
                         "(default: the installed llama_cpp)")
     p.add_argument("--bandwidth-mib", type=bounded(int, 1), default=512,
-                   help="--kind cpu: MiB of the array whose parallel sum measures the read bandwidth (default 512)")
+                   help="--kind cpu: MiB of the array whose parallel sum measures the read bandwidth, probed in a "
+                        "child process before each timed decode step (default 512)")
     p.add_argument("--compare-eager", action="store_true",
                    help="on CUDA, also time the decode step without CUDA graphs (--enforce-eager)")
     mixed = p.add_argument_group("latency under mixed load (--kind cpu; --prompt-len, --new-tokens and --repeats "

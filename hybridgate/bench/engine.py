@@ -16,7 +16,8 @@ parallel sequences decoded in one batch per step (`llama_baseline`), twice:
 with its ratio; ours and the baselines run alternately, `--repeats` times.
 The CPU runner also reports its ISA path, the bytes of weights it reads per
 decode step, the read rate that makes at batch 1 beside this machine's
-measured read bandwidth (a parallel Numba sum over `--bandwidth-mib`), each
+measured read bandwidth (a parallel Numba sum over `--bandwidth-mib` in a child
+process, probed before each of its timed steps: `bandwidth`), each
 quant type's share of the batch-1 step (`type_shares`), and this process's
 peak RSS. `--shape NAME --quant MIX` measures a random-weight file of a named
 model's shapes in one of llama.cpp's mixes (`model_files`) instead of `--model`.
@@ -39,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from hybridgate.bench.bandwidth import BandwidthProbe
 from hybridgate.config import resolve
 from hybridgate.models import Tokenizer, load_gguf, model_fingerprint
 from hybridgate.wire import AddRequest, SamplingParams
@@ -191,29 +193,6 @@ def _alternate(measure, ours, bases: dict, repeats: int, key: str = "tokens_per_
     return row
 
 
-def read_bandwidth_gb_per_s(mib: int, repeats: int = 5) -> float:
-    """This machine's read rate in GB/s with Numba's threads: the median over `repeats` of a
-    parallel sum over a float32 array of `mib` MiB (larger than the caches)."""
-    import numba
-    import numpy as np
-
-    @numba.njit(parallel=True, fastmath=True)
-    def total(a):
-        s = np.float32(0.0)
-        for i in numba.prange(a.shape[0]):
-            s += a[i]
-        return s
-
-    a = np.ones(mib << 18, dtype=np.float32)
-    total(a)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        total(a)
-        times.append(time.perf_counter() - start)
-    return a.nbytes / statistics.median(times) / 1e9
-
-
 def run(args: argparse.Namespace) -> dict:
     settings = resolve(args).settings
     engine = settings.worker.engine
@@ -301,8 +280,21 @@ def run(args: argparse.Namespace) -> dict:
         out["prefill"][f"{args.prefill_prompts}x{length}"] = row
         _print("prefill", f"{args.prefill_prompts}x{length}", row)
     step_prompt = prompts(tokenizer, 1, args.prompt_len)[0]
-    steps = _alternate(lambda b: b.decode_step_ms(step_prompt), ours, bases if cpu else {}, args.repeats,
-                       key="decode_step_ms", ratio=False)
+    probe = BandwidthProbe(args.bandwidth_mib, out["threads"]) if cpu else None
+    paired: list[tuple[float, float]] = []  # (GB/s probed just before, our step's ms)
+
+    def step_ms(b) -> float:
+        if b is not ours or probe is None:
+            return b.decode_step_ms(step_prompt)
+        gb_per_s = probe.measure()
+        paired.append((gb_per_s, b.decode_step_ms(step_prompt)))
+        return paired[-1][1]
+
+    try:
+        steps = _alternate(step_ms, ours, bases if cpu else {}, args.repeats, key="decode_step_ms", ratio=False)
+    finally:
+        if probe is not None:
+            probe.close()
     out["decode_step_ms_c1"] = steps.pop("hybridgate_decode_step_ms")
     print(f"decode step at batch 1: {out['decode_step_ms_c1']:.3f} ms", flush=True)
     if cpu:
@@ -342,11 +334,8 @@ def run(args: argparse.Namespace) -> dict:
     print(f"peak RSS: {out['peak_rss_mib']:.0f} MiB" + (
         f" ({out['peak_rss_mib_before_baseline']:.0f} MiB before the baseline loaded)"
         if "peak_rss_mib_before_baseline" in out else ""), flush=True)
-    if cpu:  # after the RSS figure: the array it sums is not the engine's memory
-        out["read_bandwidth_gb_per_s"] = read_bandwidth_gb_per_s(args.bandwidth_mib)
-        out["step_over_bandwidth_bound"] = out["read_bandwidth_gb_per_s"] / out["weight_read_gb_per_s_c1"]
-        print(f"read bandwidth: {out['read_bandwidth_gb_per_s']:.1f} GB/s with {out['threads']} threads; the decode "
-              f"step takes {out['step_over_bandwidth_bound']:.2f}x the time its weights take to read", flush=True)
+    if cpu:
+        _report_bandwidth(out, paired)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     return out
@@ -406,6 +395,26 @@ def _print_type_shares(out: dict, model, repeats: int) -> None:
                   f"({row['share']:.0%} of the step, {row['gb_per_s']:.1f} GB/s)", flush=True)
     if shares:
         print(f"  other  {shares['other_ms']:.3f} ms (attention, norms, activations, sampling, Python)", flush=True)
+
+
+def _report_bandwidth(out: dict, paired: list[tuple[float, float]]) -> None:
+    """The read bandwidth probed before each of our batch-1 steps, and the step over its memory bound: the
+    median over the repeats of (probe GB/s · step ms / weight bytes), each step against the probe just
+    before it. A spread of the probes over 20% is printed as a warning (a shared host's bandwidth moves)."""
+    probes = [g for g, _ in paired]
+    out["read_bandwidth_probes_gb_per_s"] = probes
+    out["decode_step_ms_c1_runs"] = [ms for _, ms in paired]
+    out["read_bandwidth_gb_per_s"] = statistics.median(probes)
+    out["step_over_bandwidth_bound"] = statistics.median(
+        g * ms * 1e6 / out["weight_bytes_read_per_step"] for g, ms in paired)
+    out["read_bandwidth_spread"] = max(probes) / min(probes)
+    print(f"read bandwidth: {out['read_bandwidth_gb_per_s']:.1f} GB/s with {out['threads']} threads (probed before "
+          f"each step); the decode step takes {out['step_over_bandwidth_bound']:.2f}x the time its weights take "
+          "to read", flush=True)
+    if out["read_bandwidth_spread"] > 1.2:
+        print(f"warning: the read bandwidth moved {out['read_bandwidth_spread']:.2f}x between probes "
+              f"({', '.join(f'{g:.1f}' for g in probes)} GB/s): a shared host; each step is set against the probe "
+              "just before it", flush=True)
 
 
 def _peak_rss_mib() -> float:

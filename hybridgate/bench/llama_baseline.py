@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from hybridgate.children import end_stdin_child
+
 CONFIGS = {"defaults": True, "plain": False}  # name -> use_extra_bufts
 
 
@@ -188,13 +190,7 @@ class LlamaCppProcess:
         return self._call("prefill", batch=batch)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        end_stdin_child(self.proc)
 
 
 def _serve() -> None:

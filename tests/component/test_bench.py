@@ -45,7 +45,12 @@ def test_cpu_bench_reports_rates_bytes_bandwidth_and_outlives_a_crashing_baselin
     assert out["prefill"]["2x24"]["hybridgate_tokens_per_s"] > 0
     assert 80 * 2**20 < out["weight_bytes_read_per_step"] < 1.25 * 98 * 2**20  # the GGUF holds ~92 MiB of tensors
     assert out["peak_rss_mib"] > 100 and out["ttft"]["cached_ms"] < out["ttft"]["cold_ms"]
-    assert out["read_bandwidth_gb_per_s"] > 0.5 and out["step_over_bandwidth_bound"] > 0
+    # one bandwidth probe before each of our timed steps; the step's bound set against the probe just before it
+    probes, runs = out["read_bandwidth_probes_gb_per_s"], out["decode_step_ms_c1_runs"]
+    assert len(probes) == len(runs) == 1 and probes[0] > 0.5 and runs[0] == out["decode_step_ms_c1"]
+    bound = probes[0] * runs[0] * 1e6 / out["weight_bytes_read_per_step"]
+    assert out["step_over_bandwidth_bound"] == pytest.approx(bound)
+    assert out["read_bandwidth_gb_per_s"] == probes[0] and out["read_bandwidth_spread"] == 1.0
     assert out["cpu_isa"] in ("avx512", "avx2", "generic") and out["cpu_activations"].startswith("auto")
     for config in ("defaults", "plain"):  # each ran in its own process from the given folder, and crashed there
         assert out["llama_cpp"][config]["version"] == "0-crashing"
