@@ -31,5 +31,7 @@ def test_llama_cpp_baselines_run_side_by_side():
         assert row["llama_cpp_plain_tokens_per_s"] > 0 and row["llama_cpp_plain_ratio"] > 0 and row["ratio"] > 0
         # the defaults (extra buffer types on) may crash inside ggml on some CPUs: then it says so
         assert row.get("llama_cpp_defaults_tokens_per_s", 0) > 0 or "llama_cpp_defaults_error" in row
+        fastest = max(row.get(f"llama_cpp_{c}_tokens_per_s", 0) for c in ("defaults", "plain"))
+        assert row["ratio_vs_fastest"] == row["hybridgate_tokens_per_s"] / fastest
     assert out["llama_cpp_plain_decode_step_ms_c1"] > 0
     assert "AVX" in out["llama_cpp"]["plain"]["system_info"]

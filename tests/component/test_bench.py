@@ -57,6 +57,7 @@ def test_cpu_bench_reports_rates_bytes_bandwidth_and_outlives_a_crashing_baselin
         assert str(tmp_path / "fake") in out["llama_cpp"][config]["path"]
         row = out["decode"][1]
         assert "crashed" in row[f"llama_cpp_{config}_error"] and f"llama_cpp_{config}_tokens_per_s" not in row
+        assert "ratio" not in row and "ratio_vs_fastest" not in row  # no baseline finished: nothing to divide by
     assert (tmp_path / "b.json").exists()
     # per-type shares of the step: the types are the file's matrix types (its linear weights Q4_1, the tied
     # embedding Q8_0), each timed; with the rest of the step they add up to the step
