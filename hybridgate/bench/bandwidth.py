@@ -25,12 +25,11 @@ class _Prober:
     """The read rate in GB/s of a parallel sum over a float32 array of `mib` MiB (larger than the caches)
     on `threads` Numba threads: `measure(repeats)`, the median over that many sums."""
 
-    def __init__(self, mib: int, threads: int | None):
+    def __init__(self, mib: int, threads: int):
         import numba
         import numpy as np
 
-        if threads:
-            numba.set_num_threads(threads)
+        numba.set_num_threads(threads)
 
         @numba.njit(parallel=True, fastmath=True)
         def total(a):

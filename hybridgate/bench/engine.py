@@ -32,6 +32,7 @@ defaults, with the machine, threads and command that measured them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import statistics
@@ -282,21 +283,18 @@ def run(args: argparse.Namespace) -> dict:
         out["prefill"][f"{args.prefill_prompts}x{length}"] = row
         _print("prefill", f"{args.prefill_prompts}x{length}", row)
     step_prompt = prompts(tokenizer, 1, args.prompt_len)[0]
-    probe = BandwidthProbe(args.bandwidth_mib, out["threads"]) if cpu else None
     paired: list[tuple[float, float]] = []  # (GB/s probed just before, our step's ms)
+    with BandwidthProbe(args.bandwidth_mib, out["threads"]) if cpu else contextlib.nullcontext() as probe:
 
-    def step_ms(b) -> float:
-        if b is not ours or probe is None:
-            return b.decode_step_ms(step_prompt)
-        gb_per_s = probe.measure()
-        paired.append((gb_per_s, b.decode_step_ms(step_prompt)))
-        return paired[-1][1]
+        def step_ms(b) -> float:
+            if b is not ours or probe is None:
+                return b.decode_step_ms(step_prompt)
+            gb_per_s = probe.measure()
+            ms = b.decode_step_ms(step_prompt)
+            paired.append((gb_per_s, ms))
+            return ms
 
-    try:
         steps = _alternate(step_ms, ours, bases if cpu else {}, args.repeats, key="decode_step_ms", ratio=False)
-    finally:
-        if probe is not None:
-            probe.close()
     out["decode_step_ms_c1"] = steps.pop("hybridgate_decode_step_ms")
     print(f"decode step at batch 1: {out['decode_step_ms_c1']:.3f} ms", flush=True)
     if cpu:
