@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import urllib.parse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -219,10 +220,78 @@ def build_grammar(fmt: ToolFormat, request: ToolRequest, special_ids: Mapping[st
     return "\n".join(rules) + "\n"
 
 
+_DEFINITIONS = ("$defs", "definitions")  # where a schema keeps its subschemas (2020-12's name, draft 7's)
+
+
+def _pointer_tokens(ref: str) -> list[str] | None:
+    """The reference tokens of a same-document `$ref` ("#", "#/a/b~1c"; RFC 6901 with RFC 3986's
+    percent-encoding), None for any other reference (left as written: llguidance names what it refuses)."""
+    if not ref.startswith("#") or (len(ref) > 1 and ref[1] != "/"):
+        return None
+    return [t.replace("~1", "/").replace("~0", "~") for t in urllib.parse.unquote(ref[1:]).split("/")[1:]]
+
+
+def _pointer(tokens: Sequence[str]) -> str:
+    return "#" + "".join("/" + urllib.parse.quote(t.replace("~", "~0").replace("/", "~1"), safe="$")
+                         for t in tokens)
+
+
+def _rebased(node: Any, rebase) -> Any:
+    """`node` (a JSON value) with every same-document `$ref` string rewritten by `rebase(tokens)`."""
+    if isinstance(node, Mapping):
+        out = {}
+        for key, value in node.items():
+            tokens = _pointer_tokens(value) if key == "$ref" and isinstance(value, str) else None
+            out[key] = _pointer(rebase(tokens)) if tokens is not None else _rebased(value, rebase)
+        return out
+    if isinstance(node, list):
+        return [_rebased(v, rebase) for v in node]
+    return node
+
+
+def hoist_definitions(schemas: Mapping[str, Mapping[str, Any]]) -> tuple[dict[str, dict], dict[str, Any]]:
+    """Several root schemas (by a unique name) made ready to sit inside one new document.
+
+    Each schema's `$defs` and `definitions` move to the new root's `$defs`, renamed `NAME.DEF`
+    (`NAME.definitions.DEF` for draft 7's), so two tools with an `Address` each keep their own; each
+    schema itself is also put there as `NAME` (a recursive model refers to its root, `"$ref": "#"`).
+    Every same-document `$ref` is rewritten to point into those (`#/$defs/Address/properties/city` ->
+    `#/$defs/NAME.Address/properties/city`, `#` -> `#/$defs/NAME`); other references stay as written.
+    Returns ({name: the schema to embed in place of the original}, the new root's `$defs`): the schema
+    embedded is `{"$ref": "#/$defs/NAME"}` when something refers to the root, else the root inlined.
+    """
+    defs: dict[str, Any] = {}
+    embedded: dict[str, dict] = {}
+    for name, schema in schemas.items():
+        root_referred = False
+
+        def rebase(tokens: list[str], name=name) -> list[str]:
+            nonlocal root_referred
+            if len(tokens) >= 2 and tokens[0] in _DEFINITIONS:
+                prefix = name if tokens[0] == "$defs" else f"{name}.definitions"
+                return ["$defs", f"{prefix}.{tokens[1]}", *tokens[2:]]
+            root_referred = True
+            return ["$defs", name, *tokens]
+
+        for where in _DEFINITIONS:
+            for key, sub in (schema.get(where) or {}).items():
+                prefix = name if where == "$defs" else f"{name}.definitions"
+                defs[f"{prefix}.{key}"] = _rebased(sub, rebase)
+        root = _rebased({k: v for k, v in schema.items() if k not in _DEFINITIONS}, rebase)
+        if root_referred:
+            defs[name] = root
+            embedded[name] = {"$ref": _pointer(["$defs", name])}
+        else:
+            embedded[name] = root
+    return embedded, defs
+
+
 def _envelope_schema(request: ToolRequest, functions: Sequence[Function]) -> dict:
     """The generic format's JSON schema: the calls (`tool_calls`, or one `tool_call` when not parallel),
-    or for `auto` also `{"response": string}`."""
-    calls = [{"type": "object", "properties": {"name": {"const": f.name}, "arguments": dict(f.parameters)},
+    or for `auto` also `{"response": string}`. Each function's parameters keep their own definitions
+    (`hoist_definitions`)."""
+    arguments, defs = hoist_definitions({f.name: f.parameters for f in functions})
+    calls = [{"type": "object", "properties": {"name": {"const": f.name}, "arguments": arguments[f.name]},
               "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
     call = calls[0] if len(calls) == 1 else {"anyOf": calls}
     if request.parallel:
@@ -232,10 +301,10 @@ def _envelope_schema(request: ToolRequest, functions: Sequence[Function]) -> dic
         called = {"type": "object", "properties": {"tool_call": call}, "required": ["tool_call"],
                   "additionalProperties": False}
     if request.choice != "auto":
-        return called
+        return {**called, "$defs": defs} if defs else called
     reply = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
              "additionalProperties": False}
-    return {"anyOf": [called, reply]}
+    return {"anyOf": [called, reply], "$defs": defs} if defs else {"anyOf": [called, reply]}
 
 
 # --- rendering --------------------------------------------------------------------------------------------------
@@ -337,18 +406,25 @@ def merge_deltas(first: list[ToolCallDelta], second: list[ToolCallDelta]) -> lis
 class ToolCallStream:
     """A request stream (GenerationStream or the response cache's) whose deltas have the calls parsed out:
     `Delta.text` is the content only and `Delta.tool_calls` the calls' deltas; `calls` the calls so far.
-    Everything else is the wrapped stream's."""
+    Everything else is the wrapped stream's.
+
+    Only complete calls are streamed (docs: "a call cut by max_tokens"): a call's deltas are held until its
+    JSON object closes, then sent together (its id, name and whole arguments), so every call a client
+    receives, streamed or not, has arguments that parse. A call the output ends inside (finish `length`)
+    is never sent, and `calls` leaves it out; its tokens still count in the usage.
+    """
 
     def __init__(self, stream, syntax: CallSyntax):
         self._stream = stream
         self.parser = ToolCallParser(syntax)
+        self._held: list[ToolCallDelta] = []  # deltas of calls not yet complete
 
     def __getattr__(self, name: str):
         return getattr(self._stream, name)
 
     @property
     def calls(self) -> list[ToolCall]:
-        return self.parser.calls
+        return [c for c in self.parser.calls if c.complete]
 
     async def __aenter__(self) -> ToolCallStream:
         await self._stream.__aenter__()
@@ -366,4 +442,8 @@ class ToolCallStream:
         if delta.finish_reason is not None:
             rest, more = self.parser.finish()
             content, calls = content + rest, merge_deltas(calls, more)
-        return msgspec.structs.replace(delta, text=content, tool_calls=tuple(calls))
+        held = merge_deltas(self._held, calls)
+        complete = {c.index for c in self.parser.calls if c.complete}
+        self._held = [d for d in held if d.index not in complete]
+        ready = tuple(d for d in held if d.index in complete)
+        return msgspec.structs.replace(delta, text=content, tool_calls=ready)
