@@ -58,7 +58,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     generated ids (the sampler's spec says how). min_p: in [0, 1], 0 is off.
     stop_token_ids: ids that end generation like EOS (finish reason stop; the
     id is streamed, its text shown unless it is a skipped special token, as
-    vLLM). logprobs: None asks for none; k in [0, 20]: each sampled id's raw
+    vLLM). min_tokens: EOS and the stop token ids are masked out (step 0 of the
+    sampler's spec) until the request has generated this many ids, as vLLM's
+    `min_tokens`; at most max_tokens. logprobs: None asks for none; k in [0, 20]: each sampled id's raw
     log-probability and the k most likely ids with theirs. constraint: None, or
     the grammar every sampled token must keep satisfiable (EOS only where it accepts).
     """
@@ -78,6 +80,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
     constraint: Constraint | None = None
+    min_tokens: int = 0
 
     def validate(self) -> SamplingParams:
         """Return self if every field is within its limit.
@@ -108,6 +111,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             raise InvalidFieldError("seed", f"must be in [0, 2**64 - 1], got {self.seed}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise InvalidFieldError("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise InvalidFieldError("min_tokens", f"must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidFieldError("min_tokens", f"must be at most max_tokens ({self.max_tokens}), "
+                                    f"got {self.min_tokens}")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise InvalidFieldError("stop", f"at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         for s in self.stop:

@@ -2,7 +2,7 @@
 
 Fields follow the OpenAI API reference (Chat Completions, Completions) and the
 extensions vLLM users rely on (top_k, min_p, repetition_penalty,
-stop_token_ids, ignore_eos, skip_special_tokens). A field outside the API is
+stop_token_ids, ignore_eos, min_tokens, skip_special_tokens). A field outside the API is
 ignored, as vLLM does (and logged once per name); a field of the API that is
 not supported here (functions, logit_bias, echo, suffix) is refused naming
 it, never silently ignored. Chat takes `tools`, `tool_choice` and
@@ -71,6 +71,7 @@ class _Sampling(_Body):
     user: str | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    min_tokens: int = 0  # vLLM's: EOS and the stop token ids masked until this many tokens were generated
     skip_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None
@@ -215,6 +216,7 @@ def sampling_params(body: _Sampling, logprobs: int | None, requested: Requested 
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty).items() if v is not None}
     return SamplingParams(max_tokens=max_tokens, seed=body.seed, stop=stop, ignore_eos=body.ignore_eos,
+                          min_tokens=body.min_tokens,
                           skip_special_tokens=body.skip_special_tokens,
                           stop_token_ids=tuple(body.stop_token_ids or ()), logprobs=logprobs,
                           constraint=requested.constraint if requested is not None else None, **given)

@@ -227,5 +227,8 @@ class Prompts:
         if n + max_tokens > limit:
             raise ContextLengthError("max_tokens", f"prompt ({n} tokens) + max_tokens ({max_tokens}) = "
                                       f"{n + max_tokens} exceeds the max model length of {limit} tokens")
+        if params.min_tokens > max_tokens:  # max_tokens defaulted (a given one was checked by validate)
+            raise InvalidRequestError("min_tokens", f"must be at most max_tokens ({max_tokens}: the rest of the "
+                                      f"context or the default cap), got {params.min_tokens}")
         seed = params.seed if params.seed is not None else secrets.randbits(64)
         return max_tokens, seed

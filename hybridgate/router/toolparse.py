@@ -84,12 +84,14 @@ class ToolCallDelta:
 
 @dataclass
 class ToolCall:
-    """One parsed call: `arguments` is the JSON text of its arguments (complete unless the output was cut)."""
+    """One parsed call: `arguments` is the JSON text of its arguments; `complete` once the call's JSON
+    object has closed (a call the output ended inside is not)."""
 
     index: int
     id: str
     name: str = ""
     arguments: str = ""
+    complete: bool = False
 
 
 class _StringDecoder:
@@ -492,6 +494,7 @@ class ToolCallParser:
             state.held.append(text)
 
     def _call_closed(self, state: _CallState) -> None:
+        state.call.complete = True
         self._announce(state)  # a call without a name is announced with an empty one
 
     def _call_cut(self, state: _CallState) -> None:

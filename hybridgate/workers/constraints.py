@@ -184,8 +184,32 @@ class GrammarCompiler:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+def _ends_banned(seq) -> bool:
+    """The sequence has generated fewer ids than its `min_tokens` (a resumed one counts the earlier ids)."""
+    return seq.next_token_index < seq.params.min_tokens
+
+
+def ban_ends(row: np.ndarray, seq, vocab_size: int) -> None:
+    """Clear, in one bitmask row (int32 `[words]`, in place), the ids that would end `seq` while it is below
+    its `min_tokens`: EOS (unless it ignores EOS) and its stop token ids, as vLLM's min_tokens does. A row
+    left with no id allowed (a grammar that only accepts its end) is restored: the grammar wins."""
+    if not _ends_banned(seq):
+        return
+    ends = {t for t in seq.params.stop_token_ids if t < vocab_size}
+    if seq.eos_token_id >= 0 and not seq.params.ignore_eos:
+        ends.add(seq.eos_token_id)
+    if not ends:
+        return
+    words = row.view(np.uint32)
+    kept = words.copy()
+    for t in ends:
+        words[t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
+    if not words.any():
+        words[:] = kept
+
+
 class StepMasks:
-    """The bitmasks of one step's constrained sequences, filled on a thread while the forward pass runs.
+    """The bitmasks of one step's masked sequences, filled on a thread while the forward pass runs.
 
     `for_rows(seqs)` waits for the fill and returns int32 `[len(seqs), words]` in that order, all
     bits set for a sequence without a matcher; None when none of `seqs` is constrained.
@@ -268,30 +292,36 @@ class Constraints:
             then()
         return failed
 
-    def start_masks(self, seqs: list) -> StepMasks | None:
-        """Start filling the bitmasks of the constrained sequences among `seqs` (those sampling this step)."""
-        constrained = [s for s in seqs if s.matcher is not None]
-        if not constrained:
+    def start_masks(self, seqs: list, vocab_size: int) -> StepMasks | None:
+        """Start filling the bitmasks of the sequences among `seqs` (those sampling this step) that have
+        one: a constraint's, and below `min_tokens` the ids that would end the sequence taken out
+        (`ban_ends`). `vocab_size`: the runner's (the tokenizer's when constraints are compiled)."""
+        masked = [s for s in seqs if s.matcher is not None or _ends_banned(s)]
+        if not masked:
             return None
-        vocab = self.compiler.tokenizer.vocab_size
-        bitmask = np.full((len(constrained) + 1, bitmask_words(vocab)), -1, dtype=np.int32)
-        rows = {s: i for i, s in enumerate(constrained)}
+        vocab = self.compiler.tokenizer.vocab_size if self.compiler is not None else vocab_size
+        bitmask = np.full((len(masked) + 1, bitmask_words(vocab)), -1, dtype=np.int32)
+        rows = {s: i for i, s in enumerate(masked)}
         to_fill = []
-        for i, seq in enumerate(constrained):
+        for i, seq in enumerate(masked):
             first = self._first_masks.pop(seq, None)
-            if first is None:
+            if seq.matcher is None:
+                ban_ends(bitmask[i], seq, vocab)
+            elif first is None:
                 to_fill.append((i, seq))
             else:  # a fresh matcher: its grammar's first mask, computed at compile time
                 bitmask[i] = first
+                ban_ends(bitmask[i], seq, vocab)
                 self._count_fill(0.0)
-        return StepMasks(rows, bitmask, self._fill_pool.submit(self._fill, to_fill, bitmask))
+        return StepMasks(rows, bitmask, self._fill_pool.submit(self._fill, to_fill, bitmask, vocab))
 
-    def _fill(self, to_fill: list, bitmask: np.ndarray) -> None:
+    def _fill(self, to_fill: list, bitmask: np.ndarray, vocab: int) -> None:
         from llguidance.numpy import fill_next_token_bitmask
 
         for i, seq in to_fill:
             started = time.perf_counter()
             fill_next_token_bitmask(seq.matcher, bitmask, i)  # drops the GIL while it computes
+            ban_ends(bitmask[i], seq, vocab)
             self._count_fill(time.perf_counter() - started)
 
     def _count_fill(self, seconds: float) -> None:

@@ -228,9 +228,10 @@ class EngineCore:
         batch = self.scheduler.schedule()
         if not len(batch):
             return []
-        # Constrained sequences that sample this step: their bitmasks fill while the forward pass runs.
+        # Constrained (or below min_tokens) sequences that sample this step: their bitmasks fill while the
+        # forward pass runs.
         batch.masks = self.constraints.start_masks(
-            [s for s, n in batch.entries if s.num_computed + n == s.num_tokens])
+            [s for s, n in batch.entries if s.num_computed + n == s.num_tokens], self.runner.vocab_size)
         now = time.monotonic()
         for seq, _ in batch.entries:
             if not seq.output_ids and seq.queue_ms == 0.0:

@@ -173,7 +173,7 @@ def test_matcher_is_rebuilt_from_the_ids_already_generated(compiler, tokenizer):
     failed = constraints.poll()
     assert scheduled == [seqs[0], seqs[2]] and [s for s, _ in failed] == [seqs[1]]
     assert "do not satisfy" in failed[0][1] and not constraints.waiting_for_grammar
-    masks = constraints.start_masks(seqs)
+    masks = constraints.start_masks(seqs, tokenizer.vocab_size)
     rows = masks.for_rows([seqs[2], seqs[1], seqs[0]])
     allowed = sampling.allowed_of_bitmask(rows, tokenizer.vocab_size)
     first = [tokenizer.decode([i]) for i in np.flatnonzero(allowed[0])]
