@@ -71,6 +71,7 @@ class _Parts:
     token_bytes: list[bytes]
     vocab: set[str]
     add_bos: bool  # llama.cpp's default when the file has no `tokenizer.ggml.add_bos_token`
+    strips_space: bool = False  # decode drops the text's leading space (SentencePiece with a space prefix)
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -173,7 +174,7 @@ def _sentencepiece(meta: dict[str, Any], tokens: list[str], types: list[int]) ->
         steps.insert(0, normalizers.Prepend(SPACE))
         decode.append(decoders.Strip(" ", 1, 0))
     return _Parts(model, normalizers.Sequence(steps), None, decoders.Sequence(decode),
-                  _token_bytes_spm(tokens, types), set(vocab), add_bos=True)
+                  _token_bytes_spm(tokens, types), set(vocab), add_bos=True, strips_space=space_prefix)
 
 
 # `tokenizer.ggml.model` -> builder; anything else (bert, t5, rwkv, ...) is refused.
@@ -196,7 +197,9 @@ class Tokenizer:
     `encode_prompt` adds it); `special_tokens` (control token
     string -> id); `stop_token_ids` (EOS, EOT, EOM and every control token of
     `END_OF_TURN_TOKENS` the vocabulary has); `token_bytes` (the bytes each id
-    decodes to); `chat_template`.
+    decodes to: nothing for a token of type unused, as llama.cpp renders it); `written_bytes` (each id's
+    text as the vocabulary writes it, unused ones too: what a grammar engine matches); `unused_ids`;
+    `chat_template`.
 
     Raises (at construction):
         ModelLoadError: `tokenizer.ggml.model` is not in `TOKENIZER_MODELS`, or
@@ -224,7 +227,13 @@ class Tokenizer:
         self._with_special = self._build(parts, tokens, types)
         self._as_text = self._build(parts, tokens, types)
         self._as_text.encode_special_tokens = True
-        self.token_bytes = parts.token_bytes
+        # Filler tokens (type unused: Phi-3's `<|placeholder…|>`, `[PAD…]`) render as nothing, as llama.cpp's
+        # `token_to_piece` renders them; their written text stays with the grammar engine (`written_bytes`).
+        self.unused_ids: frozenset[int] = frozenset(i for i, k in enumerate(types) if k == _UNUSED)
+        self.written_bytes = parts.token_bytes
+        self.token_bytes = [b"" if i in self.unused_ids else raw for i, raw in enumerate(parts.token_bytes)] \
+            if self.unused_ids else parts.token_bytes
+        self._strips_space = parts.strips_space
 
     @functools.cached_property
     def token_texts(self) -> tuple[str | None, ...]:
@@ -291,8 +300,16 @@ class Tokenizer:
         """Text of `ids`; invalid UTF-8 becomes U+FFFD (one per maximal invalid subpart).
 
         A SentencePiece vocabulary with `add_space_prefix` drops the one leading
-        space its encoding added, as llama.cpp's detokenizer does."""
-        return self._with_special.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        space its encoding added, as llama.cpp's detokenizer does. Filler (unused) ids add nothing
+        (`token_bytes`)."""
+        if not self.unused_ids:
+            return self._with_special.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        kept = [i for i in ids if i not in self.unused_ids]
+        text = self._with_special.decode(kept, skip_special_tokens=skip_special_tokens)
+        # llama_detokenize drops the leading space of the first id's piece only: after a filler there is none.
+        if self._strips_space and kept and ids[0] in self.unused_ids and self.token_bytes[kept[0]][:1] == b" ":
+            text = " " + text
+        return text
 
     def id_to_token(self, token_id: int) -> str:
         return self._tokens[token_id]

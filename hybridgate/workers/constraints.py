@@ -92,7 +92,8 @@ def ll_tokenizer_of_metadata(metadata: dict[str, Any]):
     from hybridgate.models.tokenizer import Tokenizer
 
     tok = Tokenizer(metadata)
-    return build_ll_tokenizer(tok.token_bytes, tok.special_tokens.values(), tok.stop_token_ids,
+    # Filler (unused) tokens are special to llguidance, so grammar text never produces them.
+    return build_ll_tokenizer(tok.written_bytes, {*tok.special_tokens.values(), *tok.unused_ids}, tok.stop_token_ids,
                               lambda text: tok.encode(text, special_tokens=False), tok.bos_token_id)
 
 
