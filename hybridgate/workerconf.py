@@ -110,6 +110,10 @@ class EngineConfig:
               "or of available memory (CPU); default 0.9 on a GPU, 1GiB on a CPU", check=_check_memory)
     prefix_caching: bool = setting(True, "reuse the KV blocks of cached prompt prefixes")
     enforce_eager: bool = setting(False, "on CUDA, run decode steps eagerly instead of replaying captured CUDA graphs")
+    gpu_attention: str = setting(
+        "auto", "GPU worker's attention: triton (our paged Triton kernels, reading the KV cache in place through "
+                "the block table), reference (gather the context, then SDPA), auto (triton on CUDA, reference "
+                "on a CPU device)", choices=("auto", "triton", "reference"))
     measure_rates: bool = setting(
         True, "before READY, time prefill steps of 32 and 256 tokens and decode steps of 1 and 8 "
               "sequences, so the router's cost model places the first requests on this worker's own figures "

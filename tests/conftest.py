@@ -20,6 +20,10 @@ sys.path.insert(0, str(ROOT / "tests" / "reference"))
 # (the default, 8000, would collide between tests and with anything else on the machine).
 os.environ.setdefault("HYBRIDGATE_HTTP_PORT", "0")
 
+# The GPU worker's Triton kernels run on CPU tensors under Triton's interpreter (FACTS.md); `@triton.jit` reads
+# this when the kernels' module is imported. `make gpu-check` sets it to 0 to compile them for the GPU.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # Every time limit in the tests is multiplied by this one factor (slow machines: raise it).
 TIME_FACTOR = float(os.environ.get("HYBRIDGATE_TEST_TIME_FACTOR", "1"))
 

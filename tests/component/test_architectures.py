@@ -130,12 +130,16 @@ def run_engine(engine: EngineCore, requests: list[AddRequest]) -> dict[str, list
     return out
 
 
-def test_paged_chunked_prefill_prefix_cache_and_preemption(case):
+@pytest.mark.parametrize("attention", ["reference", "triton"])
+def test_paged_chunked_prefill_prefix_cache_and_preemption(case, attention):
     # The 40-token prompt (past the 16-token windows) in chunks of 12, then 16 decodes. Run again with
     # two prompts sharing its first 32 tokens: prefix-cache hits, decode batches of three, and a cache of
-    # 6 blocks of 16 for three sequences of up to 56 tokens, so the scheduler preempts.
+    # 6 blocks of 16 for three sequences of up to 56 tokens, so the scheduler preempts. `triton`: the
+    # GPU worker's paged kernels, under Triton's interpreter here (tests/conftest.py).
     prompt = case.prompts[-1]
-    runner = TorchRunner(case.gguf, torch.device("cpu"), torch.float32, kv_cache_memory="64MiB", max_num_blocks=6)
+    runner = TorchRunner(case.gguf, torch.device("cpu"), torch.float32, kv_cache_memory="64MiB", max_num_blocks=6,
+                         attention=attention)
+    assert runner.attention == attention
     engine = EngineCore(runner, SchedulerConfig(max_num_batched_tokens=12), model_fingerprint(case.gguf))
     params = SamplingParams(temperature=0, ignore_eos=True)
     add = lambda rid, ids: AddRequest(rid, ids, params, 0, GREEDY_STEPS, -1)  # noqa: E731

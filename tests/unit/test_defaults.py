@@ -84,7 +84,7 @@ def test_an_empty_grpc_request_gets_the_documented_defaults():
 def test_every_sampling_field_a_request_sets_reaches_the_params():
     given = dict(temperature=0.25, top_p=0.5, top_k=7, repetition_penalty=1.5, seed=9, max_tokens=3,
                  stop=["a", "b"], ignore_eos=True, skip_special_tokens=False, presence_penalty=0.75,
-                 frequency_penalty=-0.5, min_p=0.125, stop_token_ids=[4, 5], logprobs=2)
+                 frequency_penalty=-0.5, min_p=0.125, stop_token_ids=[4, 5], logprobs=2, min_tokens=2)
     # A new field must be added here too; the constraint is a oneof of its own, with its own tests.
     assert set(given) | {"constraint"} == set(SamplingParams.__struct_fields__)
     _, params = request_to_native(pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="user", content="x")]),

@@ -1,4 +1,11 @@
-"""Attention over a paged KV cache: the gather-by-block-table reference path.
+"""Attention over a paged KV cache: the Triton kernels' path (`KernelAttention`, CUDA's default) and the
+gather-by-block-table reference path (`PagedAttention`, the CPU device's and the tests' reference).
+
+One choice point, `attention_kind`: `--gpu-attention auto` runs the kernels on CUDA and the reference
+elsewhere; `triton` or `reference` force one (the kernels on a CPU device only under Triton's interpreter,
+`TRITON_INTERPRET=1`, as the tests run them).
+
+The reference path:
 
 Per layer, K and V are `[num_blocks, block_size, kv_heads, head_dim]` (held
 flat as `[num_blocks * block_size, kv_heads, head_dim]`, one row per slot).
@@ -17,6 +24,7 @@ covers it with no Python branch per token.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +70,79 @@ class PagedStep:
     decode_block_mask: torch.Tensor | None = None
     # Context length of each decode, int64 `[num_decodes]`: sliding-window layers mask from it.
     decode_lengths: torch.Tensor | None = None
+
+
+ATTENTION_KINDS = ("auto", "triton", "reference")
+
+
+def attention_kind(setting: str, device: torch.device) -> str:
+    """"triton" or "reference" for `--gpu-attention` `setting` on `device` (see the module doc).
+
+    Raises ValueError naming the setting: an unknown value, or `triton` on a device Triton cannot run
+    on (a CPU device without `TRITON_INTERPRET=1`, or triton not installed)."""
+    if setting not in ATTENTION_KINDS:
+        raise ValueError(f"--gpu-attention must be one of {', '.join(ATTENTION_KINDS)}, got {setting!r}")
+    if setting == "reference" or (setting == "auto" and device.type != "cuda"):
+        return "reference"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        if setting == "auto":
+            return "reference"
+        raise ValueError("--gpu-attention triton: the triton package is not installed") from None
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"--gpu-attention triton on a {device.type} device runs only under Triton's "
+                         "interpreter: set TRITON_INTERPRET=1 (slow; for tests)")
+    return "triton"
+
+
+@dataclass
+class KernelStep:
+    """What the Triton kernels read for one step (tensors on the device): slots int64 `[num_tokens]`
+    (-1: a padding row, not written); block_tables int32 `[num_seqs, max_blocks]`; seq_lens int32
+    `[num_seqs]` (keys after this step); q_starts int32 `[num_seqs + 1]`; max_q_len and num_splits
+    (`kernels.attention.paged_attention`)."""
+
+    slots: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    q_starts: torch.Tensor
+    max_q_len: int
+    num_splits: int = 1
+
+
+def num_splits_for(num_seqs: int, max_q_len: int, kv_heads: int, device: torch.device) -> int:
+    """Split-KV runs of a step: a decode-only step whose (sequence, KV head) programs would leave most
+    multiprocessors idle splits each context into up to 16 runs (a power of two), aiming at two programs
+    per multiprocessor; depends on the batch, never on context lengths (one captured graph per batch)."""
+    if device.type != "cuda" or max_q_len != 1:
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = (2 * sms) // max(1, num_seqs * kv_heads)
+    splits = 1
+    while splits * 2 <= min(16, want):
+        splits *= 2
+    return splits
+
+
+class KernelAttention:
+    """The Triton path: per layer, one launch writes the step's K/V to their slots and one reads the
+    cache in place through the block table (`kernels.attention`), with the config's window, scale and
+    softcap. Same call as `PagedAttention`."""
+
+    def __init__(self, cache: PagedKVCache, step: KernelStep):
+        from hybridgate.workers.gpu.kernels import attention as kernels
+
+        self.cache, self.step, self._kernels = cache, step, kernels
+        self._dot_fp32 = cache.k[0].device.type != "cuda"  # the interpreter's bf16 dot is wrong (FACTS.md)
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        kc, vc, step, c = self.cache.k[layer], self.cache.v[layer], self.step, self.cache.config
+        self._kernels.write_kv(k, v, kc, vc, step.slots)
+        return self._kernels.paged_attention(q, kc, vc, step.block_tables, step.seq_lens, step.q_starts,
+                                             step.max_q_len, self.cache.block_size, c.attention_scale,
+                                             c.attn_softcap, c.layer_windows[layer], step.num_splits,
+                                             dot_fp32=self._dot_fp32)
 
 
 class PagedAttention:

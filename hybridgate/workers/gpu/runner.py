@@ -18,7 +18,8 @@ import torch
 from hybridgate.mempool import DEFAULT_BLOCK_SIZE, PinnedPool, PoolStats, aligned_slab
 from hybridgate.models import GGUFModel
 from hybridgate.workers.gpu import sampling
-from hybridgate.workers.gpu.attention import PagedAttention, PagedKVCache, PagedStep
+from hybridgate.workers.gpu.attention import (KernelAttention, KernelStep, PagedAttention, PagedKVCache, PagedStep,
+                                              attention_kind, num_splits_for)
 from hybridgate.workers.gpu.export import StepTimeline, dtype_name
 from hybridgate.workers.gpu.graphs import DecodeGraphs
 from hybridgate.workers.memory import host_available_bytes, num_blocks_for
@@ -54,9 +55,10 @@ class TorchRunner:
                  kv_cache_memory: str | float | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
                  max_num_blocks: int | None = None, enforce_eager: bool = False,
                  max_num_seqs: int = SchedulerConfig.max_num_seqs,
-                 block_gather: bool | None = None):
+                 block_gather: bool | None = None, attention: str = "auto"):
         self.model = DecoderModel(model, device, dtype)
         dev = self.model.device
+        self.attention = attention_kind(attention, dev)  # "triton" or "reference"
         self.max_model_len = model.config.max_model_len
         self.vocab_size = model.config.vocab_size
         self.metadata = model.metadata  # the tokenizer constraints are enforced with is built from it
@@ -78,11 +80,15 @@ class TorchRunner:
             # Block gathers also read the unused tail of each last block, so zero everything then.
             (t if self.block_gather else t[self.scratch_slot :]).zero_()
         self.graphs = None
+        kv_heads = model.config.num_kv_heads
+        self._num_splits = lambda batch: num_splits_for(batch, 1, kv_heads, dev)  # noqa: E731
         if dev.type == "cuda" and not enforce_eager:
             self.graphs = DecodeGraphs(self.model, self.cache, self.scratch_slot, max_num_seqs,
-                                       self.max_model_len)
-        log.info("KV cache: %d blocks of %d tokens, %.1f MiB on %s (weights %.1f MiB)", self.num_blocks, block_size,
-                 self.num_blocks * self.block_bytes / 2**20, dev, self.model.weight_bytes / 2**20)
+                                       self.max_model_len, kernels=self.attention == "triton",
+                                       num_splits=self._num_splits)
+        log.info("KV cache: %d blocks of %d tokens, %.1f MiB on %s (weights %.1f MiB); attention: %s", self.num_blocks,
+                 block_size, self.num_blocks * self.block_bytes / 2**20, dev, self.model.weight_bytes / 2**20,
+                 "Triton paged kernels" if self.attention == "triton" else "gather + SDPA (reference)")
         self.pool = PinnedPool(STAGING_BUFFER_BYTES, 2, _pinned_slab if dev.type == "cuda" else aligned_slab)
         self._vocab_hash = torch.from_numpy(sampling.vocab_hash(model.config.vocab_size)).to(dev)
         self.timeline = StepTimeline(dev)  # when steps ran: the hand-off's hidden copy time is measured on it
@@ -104,9 +110,13 @@ class TorchRunner:
         buf = self.pool.acquire()
         try:
             host = self._host_inputs(batch, buf)
+            tables = self._block_tables(batch, host) if self.attention == "triton" else None
             if self.graphs is not None and len(host.decodes) == len(batch) and self.graphs.key(len(batch), host.width):
                 lengths = np.asarray(host.contexts, dtype=np.int64)
-                return self.graphs.run(host.ids, host.positions, host.slots, host.decode_context, lengths)
+                context = host.decode_context if tables is None else tables
+                return self.graphs.run(host.ids, host.positions, host.slots, context, lengths)
+            if tables is not None:
+                return self._forward_kernels(batch, host, tables)
             ids, positions, step, last_rows = self._to_device(host)
             return self.model.forward_tokens(ids, positions, PagedAttention(self.cache, step), last_rows)
         finally:
@@ -155,6 +165,24 @@ class TorchRunner:
 
     def _host_inputs(self, batch: ScheduledBatch, buf) -> StepInputs:
         return build_step_inputs(batch, self.block_size, buf, self.scratch_slot)
+
+    def _block_tables(self, batch: ScheduledBatch, h: StepInputs) -> np.ndarray:
+        """int32 `[entries, max_blocks]`: each entry's blocks up to its context, padded with the scratch block."""
+        used = [-(-c // self.block_size) for c in h.contexts]
+        tables = np.full((len(used), max(used)), self.scratch_slot // self.block_size, dtype=np.int32)
+        for i, (seq, _) in enumerate(batch.entries):
+            tables[i, : used[i]] = seq.block_table[: used[i]]
+        return tables
+
+    def _forward_kernels(self, batch: ScheduledBatch, h: StepInputs, tables: np.ndarray) -> torch.Tensor:
+        dev = self.model.device
+        to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev, non_blocking=True)  # noqa: E731
+        q_starts = np.zeros(len(batch) + 1, dtype=np.int32)
+        q_starts[1:] = h.last + 1
+        max_q = max(n for _, n in batch.entries)
+        step = KernelStep(to(h.slots), to(tables), to(np.asarray(h.contexts, dtype=np.int32)), to(q_starts), max_q,
+                          num_splits_for(len(batch), max_q, self.cache.config.num_kv_heads, dev))
+        return self.model.forward_tokens(to(h.ids), to(h.positions), KernelAttention(self.cache, step), to(h.last))
 
     def _to_device(self, h: StepInputs):
         dev = self.model.device

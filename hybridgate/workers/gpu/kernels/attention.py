@@ -105,15 +105,18 @@ def _attention(q_ptr, kc_ptr, vc_ptr, out_ptr, part_ptr, stat_ptr, tables_ptr, s
         for j in range(begin, end):
             block = tl.load(tables_ptr + seq.to(tl.int64) * table_stride + j).to(tl.int64)
             kv_off = (block * BLOCK_SIZE + offs)[:, None] * kv_stride_slot + kv_head * kv_stride_h + dims[None, :]
-            k = tl.load(kc_ptr + kv_off, mask=dim_ok[None, :], other=0.0)  # [BLOCK_SIZE, DIM_PAD]
-            v = tl.load(vc_ptr + kv_off, mask=dim_ok[None, :], other=0.0)
+            kpos = j * BLOCK_SIZE + offs
+            # Slots past the context are never read: a block's unused tail may hold anything, NaN included,
+            # and 0 * NaN would reach the output through P.V.
+            live = (kpos < ctx)[:, None] & dim_ok[None, :]
+            k = tl.load(kc_ptr + kv_off, mask=live, other=0.0)  # [BLOCK_SIZE, DIM_PAD]
+            v = tl.load(vc_ptr + kv_off, mask=live, other=0.0)
             if DOT_FP32:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
             s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_M, BLOCK_SIZE], fp32
             if SOFTCAP:
                 s = cap * (1.0 - 2.0 / (tl.exp(2.0 * s / cap) + 1.0))  # cap * tanh(s / cap)
-            kpos = j * BLOCK_SIZE + offs
             seen = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < ctx) & row_ok[:, None]
             if WINDOW:
                 seen = seen & (qpos[:, None] - kpos[None, :] < window)
