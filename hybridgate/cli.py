@@ -176,10 +176,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "self-signed certificate); default: plaintext")
     gen.set_defaults(func=_cmd_generate)
 
-    bench = sub.add_parser("bench", help="benchmarks with side-by-side baselines (engine, accuracy, handoff, gateway, cache, serve, sim, model, kernels)")
+    bench = sub.add_parser("bench", help="benchmarks with side-by-side baselines (engine, accuracy, handoff, gateway, cache, serve, sim, model, kernels, attention)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     from hybridgate.bench import (  # argparse only
         add_accuracy_parser,
+        add_attention_parser,
         add_cache_parser,
         add_engine_parser,
         add_gateway_parser,
@@ -198,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sim_parser(bench_sub)
     add_cache_parser(bench_sub)
     add_model_parser(bench_sub)
+    add_attention_parser(bench_sub)
     add_kernels_parser(bench_sub)
 
     from hybridgate.health import add_health_parser  # argparse only

@@ -401,3 +401,39 @@ def _run_kernels(args) -> int:
     from hybridgate.bench import kernels
 
     return kernels.run(args)
+
+
+def add_attention_parser(sub) -> None:
+    from hybridgate.config import bounded
+
+    p = sub.add_parser("attention", help="the GPU worker's paged attention kernels against the gather+SDPA path and "
+                                         "dense SDPA, against the probed copy bandwidth and matmul rate")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if present, else cpu)")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="KV and query dtype (default bf16)")
+    p.add_argument("--heads", type=bounded(int, 1), default=32, help="query heads (default 32: Llama-3.1-8B)")
+    p.add_argument("--kv-heads", type=bounded(int, 1), default=8, help="KV heads (default 8)")
+    p.add_argument("--head-dim", type=bounded(int, 16), default=128, help="head dimension (default 128)")
+    p.add_argument("--block-size", type=bounded(int, 16), default=16, help="tokens per KV block (default 16)")
+    p.add_argument("--batch", type=bounded(int, 1, many=True), default=[1, 16, 64, 256],
+                   help="decode batch sizes, comma-separated (default 1,16,64,256)")
+    p.add_argument("--context", type=bounded(int, 1, many=True), default=[1024, 8192, 32768],
+                   help="context lengths, comma-separated (default 1024,8192,32768)")
+    p.add_argument("--prefill-chunk", type=bounded(int, 1), default=2048,
+                   help="query tokens of the prefill row (default 2048)")
+    p.add_argument("--prefill-prefix", type=bounded(int, 0), default=8192,
+                   help="cached tokens before the prefill chunk (default 8192)")
+    p.add_argument("--max-kv-gib", type=float, default=40.0,
+                   help="skip a case whose cache, gathered copy and dense tensors together pass this (default 40)")
+    p.add_argument("--copy-mib", type=bounded(int, 1), default=1024,
+                   help="MiB of the device-to-device copy that probes the bandwidth (default 1024)")
+    p.add_argument("--repeats", type=bounded(int, 1), default=20, help="timed calls per path; medians (default 20)")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny shapes, for a CPU device under TRITON_INTERPRET=1: checks the benchmark, times nothing")
+    p.add_argument("--json", default=None, metavar="OUT", help="write the figures to this JSON file")
+    p.set_defaults(func=_run_attention)
+
+
+def _run_attention(args) -> int:
+    from hybridgate.bench import attention
+
+    return attention.run(args)

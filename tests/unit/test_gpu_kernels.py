@@ -15,6 +15,7 @@ bf16 and fp16 dots (P rounded to the KV dtype before P·V) are checked by `make 
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -138,3 +139,18 @@ def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="power of two"):
         paged_attention(torch.zeros(1, 2, 8), kc, kc, one[:, None], one + 1, torch.tensor([0, 1], dtype=torch.int32),
                         1, BLOCK, 1.0, num_splits=3)
+
+
+def test_bench_attention_runs_its_cases_and_writes_its_figures(tmp_path):
+    """`hybridgate bench attention --smoke` (tiny shapes; on the CPU, interpreted): every row names its paths'
+    medians and the figure it is judged by (a check of the benchmark before a lent GPU's minutes are spent)."""
+    from hybridgate.cli import main
+
+    out = tmp_path / "attention.json"
+    assert main(["bench", "attention", "--smoke", "--dtype", "fp32", "--heads", "4", "--kv-heads", "2",
+                 "--head-dim", "64", "--repeats", "1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    decode, prefill = result["rows"]
+    assert set(decode["ms"]) == set(prefill["ms"]) == {"ours", "reference", "dense"}
+    assert decode["kv_bytes"] == 2 * 2 * 33 * 2 * 64 * 4 and 0 < decode["fraction_of_copy_bandwidth"]
+    assert prefill["query_tokens"] == 16 and 0 < prefill["fraction_of_matmul_rate"]

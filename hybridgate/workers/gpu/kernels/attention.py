@@ -11,7 +11,7 @@ the BLOCK_Q tokens times every query head of that KV head (GQA packed: `q_per_kv
 tile, so one `tl.dot` serves the group, as vLLM's unified Triton attention packs them). Query token i of
 a sequence with `ctx` keys after this step sits at position `ctx - q_len + i` and sees keys
 `max(0, pos - window + 1) .. pos` (window 0: from 0; llama.cpp's standard sliding window); only the
-blocks of that range are read. Scores are `scale * q.k`, then `cap * tanh(scores / cap)` with a softcap
+tiles of that range are read, each tile `TILE` keys (several blocks, each looked up in the table). Scores are `scale * q.k`, then `cap * tanh(scores / cap)` with a softcap
 (Gemma 2), then the mask and the softmax, in float32.
 
 Split-KV (flash-decoding, Dao et al. 2023, "Flash-Decoding for long-context inference"): with
@@ -65,7 +65,7 @@ def _attention(q_ptr, kc_ptr, vc_ptr, out_ptr, part_ptr, stat_ptr, tables_ptr, s
                scale, cap, window, q_stride_t, q_stride_h, o_stride_t, o_stride_h, kv_stride_slot, kv_stride_h,
                table_stride, num_heads,
                Q_PER_KV: tl.constexpr, Q_PER_KV_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-               HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SOFTCAP: tl.constexpr,
+               TILE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SOFTCAP: tl.constexpr,
                WINDOW: tl.constexpr, DOT_FP32: tl.constexpr):
     seq = tl.program_id(0)
     qblock = tl.program_id(1)
@@ -93,28 +93,31 @@ def _attention(q_ptr, kc_ptr, vc_ptr, out_ptr, part_ptr, stat_ptr, tables_ptr, s
         lo = 0
         if WINDOW:
             lo = tl.maximum(0, prefix + qblock * BLOCK_Q - window + 1)
-        first = lo // BLOCK_SIZE
-        last = (hi + BLOCK_SIZE - 1) // BLOCK_SIZE
+        first = lo // TILE
+        last = (hi + TILE - 1) // TILE
         per = (last - first + NUM_SPLITS - 1) // NUM_SPLITS
         begin = first + split * per
         end = tl.minimum(last, begin + per)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
-        offs = tl.arange(0, BLOCK_SIZE)
-        for j in range(begin, end):
-            block = tl.load(tables_ptr + seq.to(tl.int64) * table_stride + j).to(tl.int64)
-            kv_off = (block * BLOCK_SIZE + offs)[:, None] * kv_stride_slot + kv_head * kv_stride_h + dims[None, :]
-            kpos = j * BLOCK_SIZE + offs
+        offs = tl.arange(0, TILE)
+        table = tables_ptr + seq.to(tl.int64) * table_stride
+        for j in range(begin, end):  # TILE keys a step: TILE / BLOCK_SIZE blocks, each found in the table
+            kpos = j * TILE + offs
+            in_ctx = kpos < ctx
+            block = tl.load(table + kpos // BLOCK_SIZE, mask=in_ctx, other=0).to(tl.int64)
+            kv_off = (block * BLOCK_SIZE + kpos % BLOCK_SIZE)[:, None] * kv_stride_slot + kv_head * kv_stride_h + \
+                dims[None, :]
             # Slots past the context are never read: a block's unused tail may hold anything, NaN included,
             # and 0 * NaN would reach the output through P.V.
-            live = (kpos < ctx)[:, None] & dim_ok[None, :]
-            k = tl.load(kc_ptr + kv_off, mask=live, other=0.0)  # [BLOCK_SIZE, DIM_PAD]
+            live = in_ctx[:, None] & dim_ok[None, :]
+            k = tl.load(kc_ptr + kv_off, mask=live, other=0.0)  # [TILE, DIM_PAD]
             v = tl.load(vc_ptr + kv_off, mask=live, other=0.0)
             if DOT_FP32:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_M, BLOCK_SIZE], fp32
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_M, TILE], fp32 (never tf32)
             if SOFTCAP:
                 s = cap * (1.0 - 2.0 / (tl.exp(2.0 * s / cap) + 1.0))  # cap * tanh(s / cap)
             seen = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < ctx) & row_ok[:, None]
@@ -126,7 +129,7 @@ def _attention(q_ptr, kc_ptr, vc_ptr, out_ptr, part_ptr, stat_ptr, tables_ptr, s
             p = tl.exp(s - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
             m_i = m_new
         store_ok = row_ok[:, None] & dim_ok[None, :]
         if NUM_SPLITS == 1:
@@ -194,11 +197,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if num_splits > 1:
         part = torch.empty((num_tokens, heads, num_splits, dim_pad), device=q.device, dtype=torch.float32)
         stat = torch.empty((num_tokens, heads, num_splits, 2), device=q.device, dtype=torch.float32)
+    tile = max(block_size, 64 if head_dim <= 128 else 32)  # keys per step; K and V tiles stay in registers
     grid = (seq_lens.shape[0], triton.cdiv(max_q_len, block_q), kv_heads * num_splits)
     _attention[grid](q, k_cache, v_cache, out, part, stat, block_tables, seq_lens, q_starts, scale,
                      float(softcap or 1.0), int(window), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                      k_cache.stride(0), k_cache.stride(1), block_tables.stride(0), heads,
-                     Q_PER_KV=q_per_kv, Q_PER_KV_PAD=group, BLOCK_Q=block_q, BLOCK_SIZE=block_size,
+                     Q_PER_KV=q_per_kv, Q_PER_KV_PAD=group, BLOCK_Q=block_q, BLOCK_SIZE=block_size, TILE=tile,
                      HEAD_DIM=head_dim, DIM_PAD=dim_pad, NUM_SPLITS=num_splits, SOFTCAP=bool(softcap),
                      WINDOW=bool(window), DOT_FP32=dot_fp32)
     if num_splits > 1:
