@@ -148,9 +148,9 @@ def run(args) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     if device.type != "cuda":
-        import os
+        import triton
 
-        if os.environ.get("TRITON_INTERPRET") != "1" or not args.smoke:
+        if not triton.knobs.runtime.interpret or not args.smoke:
             print("bench attention: on a CPU device run with --smoke and TRITON_INTERPRET=1 (the kernels are "
                   "interpreted there: a check of the benchmark, not a timing)")
             return 2

@@ -16,16 +16,16 @@ bf16 and fp16 dots (P rounded to the KV dtype before P·V) are checked by `make 
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
+import triton
 
 from hybridgate.workers.gpu.kernels.attention import paged_attention, write_kv
 from hybridgate.workers.gpu.layers import causal_sdpa
 
 # Interpreted on the CPU (tests/conftest.py sets TRITON_INTERPRET=1), compiled on a GPU under gpu-check.
-DEVICE = torch.device("cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu")
+DEVICE = torch.device("cpu" if triton.knobs.runtime.interpret else "cuda")
 BLOCK = 16
 UNIT = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 

@@ -24,7 +24,6 @@ covers it with no Python branch per token.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -85,12 +84,12 @@ def attention_kind(setting: str, device: torch.device) -> str:
     if setting == "reference" or (setting == "auto" and device.type != "cuda"):
         return "reference"
     try:
-        import triton  # noqa: F401
+        import triton
     except ImportError:
         if setting == "auto":
             return "reference"
         raise ValueError("--gpu-attention triton: the triton package is not installed") from None
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if device.type != "cuda" and not triton.knobs.runtime.interpret:  # TRITON_INTERPRET=1, read by Triton
         raise ValueError(f"--gpu-attention triton on a {device.type} device runs only under Triton's "
                          "interpreter: set TRITON_INTERPRET=1 (slow; for tests)")
     return "triton"
