@@ -309,7 +309,8 @@ def serve(config: Settings) -> int:
         endpoints = [f"ipc://{private}/worker-{len(configs) + i}.sock" for i in range(len(layout))]
         for name, kind, endpoint in zip(names, layout, endpoints):
             configs[name] = replace(config.worker, model_path=path, model_name=spec.name, endpoint=endpoint,
-                                    kind=kind, engine=engine, parent_pid=os.getpid(), name=name)
+                                    kind=kind, engine=engine, parent_pid=os.getpid(), name=name,
+                                    max_model_len=config.worker.max_model_len or config.router.max_model_len)
         pools.append(ModelPool(spec.name, path, tuple(endpoints), tuple(names)))
     supervisor = Supervisor(configs, config.supervisor, private)  # its workers bind once loaded: no socket check
     try:

@@ -182,6 +182,10 @@ class WorkerConfig:
         "default: ENDPOINT.handoff for an ipc:// endpoint, none for tcp://; bound on every interface "
         "(tcp://0.0.0.0:PORT) it is advertised under the host of --advertise (or this host's name)",
         flag="--handoff-endpoint")
+    max_model_len: int | None = setting(
+        None, "GPU workers: most tokens per sequence (default: serve's --max-model-len, else the model's context, "
+              "lowered to what the KV cache holds, which the start-up line says)", flag="--worker-max-model-len",
+        low=2)
     handoff_buffer_memory: str = setting(
         "256MiB", "GPU workers: the pinned host slab KV hand-offs stream through (bytes, e.g. 256MiB); "
         "hand-offs larger than it stream layer by layer", flag="--handoff-buffer-memory", check=_check_bytes)

@@ -18,7 +18,8 @@ TOOL_CALL_FORMATS = ("auto", "hermes", "llama3_json", "mistral", "generic")  # h
 
 @dataclass(frozen=True)
 class RouterConfig:
-    max_model_len: int | None = setting(None, "most tokens per sequence (default: the model's context)", low=2)
+    max_model_len: int | None = setting(None, "most tokens per sequence (default: the model's context)", low=2,
+                                        flag="--max-model-len")
     startup_timeout_s: float = setting(120.0, "seconds to wait for a READY worker before giving up",
                                        flag="--worker-startup-timeout", low=0, low_open=True)
     dead_after_s: float = setting(1.0, "seconds of worker silence after which it counts as dead",

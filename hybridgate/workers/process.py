@@ -47,7 +47,8 @@ def build_runner(config: WorkerConfig):
             torch.set_num_threads(config.threads)
         device = torch.device(config.device) if config.device else None
         return TorchRunner(model, device, kv_cache_memory=config.kv_cache_memory, enforce_eager=config.enforce_eager,
-                           max_num_seqs=config.max_num_seqs, attention=config.engine.gpu_attention), model
+                           max_num_seqs=config.max_num_seqs, attention=config.engine.gpu_attention,
+                           max_model_len=config.max_model_len), model
     from hybridgate.workers.cpu import isa, threadwait
 
     isa.select(config.engine.cpu_isa, config.engine.cpu_amx)  # before the kernels (and Numba) are imported

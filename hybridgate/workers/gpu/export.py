@@ -156,12 +156,18 @@ class KVExporter:
         max_blocks = -(-runner.max_model_len // bs)
         self.layer_bytes = 2 * max_blocks * bs * cache.k[0].shape[1] * cache.k[0].shape[2] * itemsize
         if buffer_bytes is None:
-            buffer_bytes = max(buffer_memory // MAX_BUFFERS, self.layer_bytes)
+            # Two buffers at least (one copying while the other sends): a hand-off whose one layer outgrows a
+            # buffer fails to export and stays on this worker (the router keeps its stream).
+            buffer_bytes = max(buffer_memory // MAX_BUFFERS, min(self.layer_bytes, buffer_memory // 2))
         num_buffers = buffer_memory // buffer_bytes
-        if num_buffers < 2:
-            raise ValueError(f"handoff_buffer_memory: {buffer_memory} bytes hold fewer than 2 buffers of one layer's "
-                             f"K and V at max model length ({self.layer_bytes} bytes); give at least "
-                             f"{2 * self.layer_bytes}")
+        row_bytes = 2 * cache.k[0].shape[1] * cache.k[0].shape[2] * itemsize  # one token's K and V, one layer
+        self.max_tokens = buffer_bytes // row_bytes // bs * bs  # the longest hand-off this exporter sends
+        if num_buffers < 2 or self.max_tokens < bs:
+            raise ValueError(f"--handoff-buffer-memory: {buffer_memory} bytes hold fewer than 2 buffers of one "
+                             f"block's K and V of one layer ({bs * row_bytes} bytes)")
+        if self.max_tokens < runner.max_model_len:
+            log.info("KV hand-offs up to %d tokens (--handoff-buffer-memory %d bytes); longer prompts stay on "
+                     "this worker", self.max_tokens, buffer_memory)
         slab = (lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True).numpy()) if self.cuda else aligned_slab
         self.pool = PinnedPool(buffer_bytes, num_buffers, slab)
         self.pool.slab.fill(0)  # touch every page now, not during the first hand-offs

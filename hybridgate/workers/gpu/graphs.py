@@ -28,7 +28,7 @@ from hybridgate.workers.gpu.attention import KernelAttention, KernelStep, PagedA
 from hybridgate.workers.gpu.model import DecoderModel
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
-CONTEXT_BUCKETS = (256, 512, 1024, 2048, 4096, 8192)
+CONTEXT_BUCKETS = (256, 512, 1024, 2048, 4096, 8192)  # the reference path's; longer contexts run eagerly
 
 
 @dataclass
@@ -55,7 +55,11 @@ class DecodeGraphs:
             self.buckets = [-(-max_context // cache.block_size)]
             self.pad = scratch_slot // cache.block_size
         else:
-            self.buckets = [w for w in CONTEXT_BUCKETS if w < max_context] + [max_context]
+            # The reference path gathers a padded copy of the bucket: past 8192 tokens that copy would
+            # outgrow the memory a graph may hold (a 131,072-token bucket is GiBs per layer), so those steps
+            # run eagerly.
+            top = min(max_context, CONTEXT_BUCKETS[-1])
+            self.buckets = [w for w in CONTEXT_BUCKETS if w < top] + [top]
             self.pad = scratch_slot
         self.replays = 0
         self._static: dict[tuple[int, int], _Static] = {}

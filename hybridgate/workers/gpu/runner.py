@@ -42,6 +42,22 @@ def _available_bytes(device: torch.device) -> int:
     return host_available_bytes()
 
 
+def fitted_max_model_len(context: int, asked: int | None, cache_tokens: int) -> int:
+    """The worker's max model length: `asked` (--max-model-len) or the model's `context`, and no more than one
+    sequence can hold in a KV cache of `cache_tokens` tokens. The default is lowered to fit, with a warning;
+    an asked length that does not fit raises ValueError naming both flags and the numbers (vLLM does the
+    same: a sequence of max_model_len tokens must fit in the cache)."""
+    want = min(asked, context) if asked else context
+    if want <= cache_tokens:
+        return want
+    if asked:
+        raise ValueError(f"--max-model-len {asked}: the KV cache holds {cache_tokens} tokens; lower --max-model-len "
+                         f"or give the cache more memory (--kv-cache-memory)")
+    log.warning("max model length lowered from the model's %d tokens to %d: what the KV cache holds (raise "
+                "--kv-cache-memory for more, or set --max-model-len)", context, cache_tokens)
+    return cache_tokens
+
+
 def _pinned_slab(nbytes: int) -> np.ndarray:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
 
@@ -55,11 +71,10 @@ class TorchRunner:
                  kv_cache_memory: str | float | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
                  max_num_blocks: int | None = None, enforce_eager: bool = False,
                  max_num_seqs: int = SchedulerConfig.max_num_seqs,
-                 block_gather: bool | None = None, attention: str = "auto"):
+                 block_gather: bool | None = None, attention: str = "auto", max_model_len: int | None = None):
         self.model = DecoderModel(model, device, dtype)
         dev = self.model.device
         self.attention = attention_kind(attention, dev)  # "triton" or "reference"
-        self.max_model_len = model.config.max_model_len
         self.vocab_size = model.config.vocab_size
         self.metadata = model.metadata  # the tokenizer constraints are enforced with is built from it
         self.fault = FaultHook.from_env()  # tests only: None unless HYBRIDGATE_TEST_FAULT is set
@@ -72,6 +87,8 @@ class TorchRunner:
         self.num_blocks = num_blocks_for(kv_cache_memory, self.block_bytes, _available_bytes(dev), dev.type == "cuda")
         if max_num_blocks is not None:
             self.num_blocks = min(self.num_blocks, max_num_blocks)
+        self.max_model_len = fitted_max_model_len(model.config.max_model_len, max_model_len,
+                                                  self.num_blocks * block_size)
         # One extra block beyond the allocator's: padding rows of captured decode graphs write there.
         self.cache = PagedKVCache(model.config, self.num_blocks + 1, block_size, dev, self.model.dtype)
         self.scratch_slot = self.num_blocks * block_size
@@ -86,8 +103,9 @@ class TorchRunner:
             self.graphs = DecodeGraphs(self.model, self.cache, self.scratch_slot, max_num_seqs,
                                        self.max_model_len, kernels=self.attention == "triton",
                                        num_splits=self._num_splits)
-        log.info("KV cache: %d blocks of %d tokens, %.1f MiB on %s (weights %.1f MiB); attention: %s", self.num_blocks,
-                 block_size, self.num_blocks * self.block_bytes / 2**20, dev, self.model.weight_bytes / 2**20,
+        log.info("KV cache: %d blocks of %d tokens, %.1f MiB on %s (weights %.1f MiB); max model length %d; "
+                 "attention: %s", self.num_blocks, block_size, self.num_blocks * self.block_bytes / 2**20, dev,
+                 self.model.weight_bytes / 2**20, self.max_model_len,
                  "Triton paged kernels" if self.attention == "triton" else "gather + SDPA (reference)")
         self.pool = PinnedPool(STAGING_BUFFER_BYTES, 2, _pinned_slab if dev.type == "cuda" else aligned_slab)
         self._vocab_hash = torch.from_numpy(sampling.vocab_hash(model.config.vocab_size)).to(dev)
