@@ -1,4 +1,4 @@
-"""The router embedded in a user's own programs, against a live worker process: the README's snippet run as
+"""The router embedded in a user's own programs, against a live worker process: docs/embedding.md's snippet run as
 written, the grpc.aio example service and the aiohttp SSE example; `hybridgate.router` without torch or numba."""
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def worker(tmp_path_factory, model_path):
 
 
 def readme_snippet() -> str:
-    section = (ROOT / "README.md").read_text().split("## Embedding the router", 1)[1]
+    section = (ROOT / "docs" / "embedding.md").read_text().split("# Embedding the router", 1)[1]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
