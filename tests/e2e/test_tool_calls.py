@@ -154,7 +154,7 @@ def test_parallel_calls_to_one_function_have_distinct_ids_and_indexes_streamed_a
     """Asked for two cities with `required` and parallel calls, some sampled answers call get_weather twice;
     each such answer's ids differ, and streamed (same seed) it has the same calls with indexes 0, 1, ..."""
     ask = [{"role": "user", "content": "What is the weather in Paris and in London? Call the tool once per city."}]
-    kw = dict(messages=ask, max_tokens=60, tool_choice="required")
+    kw = dict(messages=ask, max_tokens=80, tool_choice="required")  # room for two whole calls
     runs = sampled(client, 6, 0, **kw)
     twice = [i for i, run in enumerate(runs) if [c.function.name for c in run.message.tool_calls or ()][:2] ==
              ["get_weather", "get_weather"]]
