@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybridgate.gateway import openai_api as api
 from hybridgate.gateway.admission import Admission
-from hybridgate.gateway.errors import HTTP_OF, ROUTER_ERRORS, status_of
+from hybridgate.gateway.errors import DRAINING, DRAINING_RETRY_S, HTTP_OF, ROUTER_ERRORS, status_of
 from hybridgate.gateway.http_guard import HttpGuard
 from hybridgate.gateway.metrics import GatewayMetrics
 from hybridgate.gateway.models import ModelNotFoundError, ModelTable, ServedModel
@@ -219,6 +219,8 @@ class OpenAIApp:
         return await self._generate(body, request, prepare, chat=False)
 
     async def _generate(self, body, request: Request, prepare, chat: bool, tools=lambda: None) -> Response:
+        if self.draining:
+            raise ApiError(503, "service_unavailable_error", DRAINING, headers={"Retry-After": str(DRAINING_RETRY_S)})
         api.unknown_fields.note(body)
         served = self._check_model(body.model)
         admission, series = served.admission, self.metrics.of(served.name)

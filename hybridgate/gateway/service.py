@@ -15,7 +15,7 @@ from hybridgate.gateway.convert import delta_to_proto, request_to_native, tools_
 from hybridgate.gateway.metrics import GatewayMetrics
 from hybridgate.gateway.models import ModelNotFoundError, ModelTable, ServedModel
 from hybridgate.router.router import DEFAULT_MAX_TOKENS_CAP
-from hybridgate.gateway.errors import ROUTER_ERRORS, status_of
+from hybridgate.gateway.errors import DRAINING, ROUTER_ERRORS, status_of
 from hybridgate.router import ResourceExhaustedError, Router
 from hybridgate.router.tools import ToolCallStream
 from hybridgate.v1 import generation_pb2 as pb
@@ -59,6 +59,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         self.metrics = metrics
         self.log_requests, self.log_request_text = log_requests, log_request_text
         self.allow_client_routes = allow_client_routes
+        self.draining = False  # set by the gateway's drain: new calls get UNAVAILABLE
 
     @property
     def router(self) -> Router:
@@ -86,6 +87,8 @@ class GenerationService(pb_grpc.GenerationServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         outcome = _Outcome(time.monotonic())
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
         served = self.models.default if not request.HasField("model") else await self._pick(request.model, context)
         series, admission = self.metrics.of(served.name), served.admission
         try:
