@@ -369,13 +369,15 @@ class _Run:
         if state.first_at is None:
             state.first_at = now
             series.ttft.observe(now - state.started)
+            series.first_token(len(state.stream.prompt_ids))
         elif last is not None and delta.token_ids:  # as the gRPC door observes it, per token of the delta
             series.itl.observe((now - last) / len(delta.token_ids))
         self._last[state.index] = now
         self.served.admission.streamed(len(delta.token_ids))
+        series.streamed(len(delta.token_ids))
         if delta.finish_reason is not None:
             series.e2e.observe(now - state.started)
-            series.finished(delta.finish_reason.name.lower())
+            series.finished(delta.finish_reason.name.lower(), len(state.stream.prompt_ids), len(state.stream.ids))
 
     async def _pump(self, state: ChoiceState) -> None:
         try:
@@ -417,7 +419,7 @@ class _Run:
             if s.entered:
                 s.entered = False
                 if s.finish is None:  # the client went away, or a sibling choice failed
-                    self.series.finished("abort")
+                    self.series.finished("abort", len(s.stream.prompt_ids), len(s.stream.ids))
                 if self.door.log_requests:
                     self._log(s)
                 with contextlib.suppress(Exception):

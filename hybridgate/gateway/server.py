@@ -62,7 +62,8 @@ class Gateway:
                                       response_cache=caches or None,
                                       models=[(m.name, m.router.fingerprint, lambda r=m.router: r.clients)
                                               for m in self.models],
-                                      constraint_check=[r.constraints for r in routers])
+                                      constraint_check=[r.constraints for r in routers],
+                                      max_model_len=max(r.max_model_len for r in routers))
         self.health = health.aio.HealthServicer()
         credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca) \
             if config.tls_cert else None  # read before anything binds: a bad file fails at once

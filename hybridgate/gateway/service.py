@@ -117,14 +117,16 @@ class GenerationService(pb_grpc.GenerationServicer):
                     if last is None:
                         outcome.first = now
                         series.ttft.observe(now - outcome.start)
+                        series.first_token(len(stream.prompt_ids))
                     elif delta.token_ids:
                         series.itl.observe((now - last) / len(delta.token_ids))
                     last = now
                     admission.streamed(len(delta.token_ids))
+                    series.streamed(len(delta.token_ids))
                     if delta.finish_reason is not None:
                         outcome.finish, outcome.route = delta.finish_reason.name.lower(), delta.route
                         series.e2e.observe(now - outcome.start)
-                        series.finished(outcome.finish)
+                        series.finished(outcome.finish, len(stream.prompt_ids), len(stream.ids))
                         context.set_trailing_metadata(self._placement_metadata(stream, delta))
                     calls = stream.calls if delta.finish_reason is not None and isinstance(stream, ToolCallStream) \
                         else ()
@@ -146,7 +148,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             # The client cancelled, or its deadline passed, before the last response.
             if outcome.status == grpc.StatusCode.CANCELLED and outcome.finish is None:
                 outcome.finish = "abort"
-                series.finished("abort")
+                series.finished("abort", len(stream.prompt_ids), len(stream.ids))
             if self.log_requests:
                 self._log(stream, request, prompt, outcome)
 
