@@ -119,11 +119,12 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from hybridgate import __version__
     from hybridgate.config import environment
-    from hybridgate.settings import add_command_settings
-    from hybridgate.gateway.config import GatewayConfig
+    from hybridgate.settings import TARGET_HELP, add_command_settings
 
     parser = argparse.ArgumentParser(prog="hybridgate", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"hybridgate {__version__}")
     parser.add_argument("--log-level", default=environment("HYBRIDGATE_LOG_LEVEL", "WARNING"),
                         help="logging level (default WARNING, or $HYBRIDGATE_LOG_LEVEL)")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -148,10 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="stream one answer from a running gateway")
     gen.add_argument("prompt", metavar="PROMPT", help="the prompt text, or - to read it from stdin (one trailing newline dropped)")
-    target = f"{GatewayConfig.host}:{GatewayConfig.port}"  # serve's defaults, declared once there
-    gen.add_argument("--target", default=target, help=f"gateway address HOST:PORT (default {target})")
+    gen.add_argument("--target", default=None, help=TARGET_HELP)
     gen.add_argument("--chat", action="store_true", help="send PROMPT as one user message through the chat template")
-    gen.add_argument("--model", default=None, metavar="NAME",
+    gen.add_argument("--model", dest="request_model", default=None, metavar="NAME",  # not serve's --model (a path)
                      help="which of the gateway's models answers (default: its first)")
     gen.add_argument("--max-tokens", type=int, default=None, help="most tokens to generate (default: server's)")
     gen.add_argument("--temperature", type=float, default=None, help="sampling temperature; 0 is greedy (default 1)")
@@ -174,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--tls-ca", default=None, metavar="PEM",
                      help="connect over TLS, trusting the CA certificates in this PEM file (e.g. the gateway's "
                           "self-signed certificate); default: plaintext")
+    add_command_settings(gen, "generate")
     gen.set_defaults(func=_cmd_generate)
 
     bench = sub.add_parser("bench", help="benchmarks with side-by-side baselines (engine, accuracy, handoff, gateway, cache, serve, sim, model, kernels, attention)")

@@ -26,11 +26,29 @@ def build_request(args: argparse.Namespace, prompt: str) -> pb.GenerateRequest:
         req.chat.messages.add(role="user", content=prompt)
     else:
         req.prompt = prompt
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "repetition_penalty", "route", "model"):
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "repetition_penalty", "route"):
         value = getattr(args, name)
         if value is not None:
             setattr(req, name, value)
+    if getattr(args, "request_model", None) is not None:
+        req.model = args.request_model
     return req
+
+
+def gateway_target(args: argparse.Namespace) -> str:
+    """`--target`, or else where the gateway of these settings listens (--host, --port, their HYBRIDGATE_*
+    variables or the --config file, as `serve` reads them), a wildcard host as this machine's loopback.
+    Raises ValueError naming --port when it is 0 (serve's free port: only its `gRPC on` line says which)."""
+    if args.target:
+        return args.target
+    from hybridgate.config import resolve
+
+    gateway = resolve(args).settings.gateway
+    if gateway.port == 0:
+        raise ValueError("--port: 0 lets serve pick a free port; give the port it printed (--port, "
+                         "HYBRIDGATE_PORT or --target HOST:PORT)")
+    host = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(gateway.host, gateway.host)
+    return f"[{host}]:{gateway.port}" if ":" in host else f"{host}:{gateway.port}"
 
 
 def open_channel(target: str, tls_ca: str | None) -> grpc.Channel:
@@ -49,7 +67,7 @@ def open_channel(target: str, tls_ca: str | None) -> grpc.Channel:
 def generate(args: argparse.Namespace, prompt: str) -> int:
     """Stream one request; text to stdout, a summary line (or errors) to stderr. 0 on success."""
     request = build_request(args, prompt)
-    channel = open_channel(args.target, getattr(args, "tls_ca", None))
+    channel = open_channel(gateway_target(args), getattr(args, "tls_ca", None))
     stub = pb_grpc.GenerationStub(channel)
     token = getattr(args, "auth_token", None)
     metadata = (("authorization", f"Bearer {token}"),) if token else None

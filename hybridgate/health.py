@@ -1,6 +1,6 @@
 """`hybridgate health`: exit 0 when a gateway's gRPC health says SERVING, or a worker answers READY.
 
-    hybridgate health                                  # the gateway on 127.0.0.1:50051 (grpc.health.v1)
+    hybridgate health                                  # the gateway at --host/--port (HYBRIDGATE_HOST, _PORT)
     hybridgate health --target gateway:50051 --service hybridgate.v1.Generation
     hybridgate health --worker tcp://127.0.0.1:5555    # a worker: CONNECT, then HELLO and READY over ZeroMQ
 
@@ -58,11 +58,11 @@ async def worker_state(endpoint: str, timeout_s: float, curve_key: str | None = 
 
 
 def add_health_parser(sub) -> None:
-    from hybridgate.gateway.config import GatewayConfig
+    from hybridgate.settings import TARGET_HELP, add_command_settings
 
     health = sub.add_parser("health", help="exit 0 when a gateway is SERVING (gRPC health) or a worker is READY")
-    target = f"{GatewayConfig.host}:{GatewayConfig.port}"  # serve's defaults, declared once there
-    health.add_argument("--target", default=target, help=f"gateway address HOST:PORT (default {target})")
+    health.add_argument("--target", default=None, help=TARGET_HELP)
+    add_command_settings(health, "health")
     health.add_argument("--service", default="", help="the health service name to ask about (default: the "
                                                       "server as a whole, \"\")")
     health.add_argument("--worker", default=None, metavar="ENDPOINT",
@@ -82,6 +82,9 @@ def run_health(args: argparse.Namespace) -> int:
         state = asyncio.run(worker_state(args.worker, args.timeout, args.curve_key))
         print(f"worker {args.worker}: {state}")
         return 0 if state == "READY" else 1
-    status = gateway_status(args.target, args.service, args.timeout, args.tls_ca)
-    print(f"gateway {args.target}: {status}")
+    from hybridgate.client import gateway_target
+
+    target = gateway_target(args)
+    status = gateway_status(target, args.service, args.timeout, args.tls_ca)
+    print(f"gateway {target}: {status}")
     return 0 if status == "SERVING" else 1

@@ -91,6 +91,9 @@ COMMANDS: dict[str, Selection] = {
                           "response_cache", "transport")),
     # A worker's --metrics-port is the gateway's setting of that name: one name, one variable.
     "worker": Selection(("model", "worker", "redis", "transport", "gateway.metrics_port"), required=("worker.endpoint",)),
+    # The clients reach the gateway where serve listens: by its --host and --port, under the same names.
+    "generate": Selection(("gateway.host", "gateway.port")),
+    "health": Selection(("gateway.host", "gateway.port")),
     "config": Selection(("",)),
     "info": Selection(("model",)),
     "bench engine": Selection(("model", "worker.kind", "worker.engine.threads", "worker.engine.device",
@@ -109,6 +112,9 @@ COMMANDS: dict[str, Selection] = {
                                  "worker.engine.cpu_isa", "worker.engine.cpu_amx", "worker.engine.cpu_activations",
                                  "worker.engine.kv_cache_dtype")),
 }
+
+TARGET_HELP = ("gateway address HOST:PORT (default: --host and --port below, read as serve reads them; "
+               "a wildcard host is this machine's loopback)")
 
 
 def add_command_settings(parser: argparse.ArgumentParser, command: str) -> None:

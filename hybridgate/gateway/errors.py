@@ -34,6 +34,10 @@ HTTP_OF: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.INTERNAL: (500, "server_error"),
 }
 
+# A draining gateway's answer to a new generation request (gRPC UNAVAILABLE, HTTP 503 with Retry-After).
+DRAINING = "the gateway is shutting down (SIGINT/SIGTERM) and takes no new requests; retry on another replica"
+DRAINING_RETRY_S = 1  # the Retry-After: a load balancer in front has taken this replica out by then
+
 
 def status_of(exc: BaseException) -> grpc.StatusCode:
     """The gRPC status of a router error (INTERNAL for anything outside the table)."""

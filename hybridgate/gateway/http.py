@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybridgate.gateway import openai_api as api
 from hybridgate.gateway.admission import Admission
-from hybridgate.gateway.errors import HTTP_OF, ROUTER_ERRORS, status_of
+from hybridgate.gateway.errors import DRAINING, DRAINING_RETRY_S, HTTP_OF, ROUTER_ERRORS, status_of
 from hybridgate.gateway.http_guard import HttpGuard
 from hybridgate.gateway.metrics import GatewayMetrics
 from hybridgate.gateway.models import ModelNotFoundError, ModelTable, ServedModel
@@ -219,6 +219,8 @@ class OpenAIApp:
         return await self._generate(body, request, prepare, chat=False)
 
     async def _generate(self, body, request: Request, prepare, chat: bool, tools=lambda: None) -> Response:
+        if self.draining:
+            raise ApiError(503, "service_unavailable_error", DRAINING, headers={"Retry-After": str(DRAINING_RETRY_S)})
         api.unknown_fields.note(body)
         served = self._check_model(body.model)
         admission, series = served.admission, self.metrics.of(served.name)
@@ -367,13 +369,15 @@ class _Run:
         if state.first_at is None:
             state.first_at = now
             series.ttft.observe(now - state.started)
+            series.first_token(len(state.stream.prompt_ids))
         elif last is not None and delta.token_ids:  # as the gRPC door observes it, per token of the delta
             series.itl.observe((now - last) / len(delta.token_ids))
         self._last[state.index] = now
         self.served.admission.streamed(len(delta.token_ids))
+        series.streamed(len(delta.token_ids))
         if delta.finish_reason is not None:
             series.e2e.observe(now - state.started)
-            series.finished(delta.finish_reason.name.lower())
+            series.finished(delta.finish_reason.name.lower(), len(state.stream.prompt_ids), len(state.stream.ids))
 
     async def _pump(self, state: ChoiceState) -> None:
         try:
@@ -415,7 +419,7 @@ class _Run:
             if s.entered:
                 s.entered = False
                 if s.finish is None:  # the client went away, or a sibling choice failed
-                    self.series.finished("abort")
+                    self.series.finished("abort", len(s.stream.prompt_ids), len(s.stream.ids))
                 if self.door.log_requests:
                     self._log(s)
                 with contextlib.suppress(Exception):

@@ -24,11 +24,12 @@ class _NoSignals(uvicorn.Server):
 
 class HttpDoor:
     """An ASGI `app` on a socket bound at construction (port 0: a free one; `port` is the bound one).
+    `close_s`: what requests still running at `stop` get (the gateway drains before it stops this).
 
     Raises OSError naming --host and --http-port when the address cannot be bound.
     """
 
-    def __init__(self, app, host: str, port: int, grace_s: float, reuse_port: bool = False,
+    def __init__(self, app, host: str, port: int, close_s: float, reuse_port: bool = False,
                  tls: tuple[str, str, str | None] | None = None):
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
@@ -44,7 +45,7 @@ class HttpDoor:
         # tls: (certificate chain, key, client CA or None), the gRPC port's --tls-cert, --tls-key, --tls-client-ca
         cert, key, client_ca = tls if tls is not None else (None, None, None)
         config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=max(grace_s, 0.1), loop="none",
+                                timeout_graceful_shutdown=max(close_s, 0.1), loop="none",
                                 http="auto",  # httptools (a dependency) where it imports, else h11
                                 ssl_certfile=cert, ssl_keyfile=key, ssl_ca_certs=client_ca,
                                 ssl_cert_reqs=ssl.CERT_REQUIRED if client_ca else ssl.CERT_NONE)
@@ -63,7 +64,7 @@ class HttpDoor:
             await asyncio.sleep(0.01)
 
     async def stop(self) -> None:
-        """Stop accepting; requests in flight get the grace period to finish."""
+        """Close the listener and idle connections; requests in flight get `close_s` to finish."""
         if self._task is None:
             return
         self.server.should_exit = True

@@ -3,23 +3,20 @@
 from __future__ import annotations
 
 import asyncio
-import bisect
 import itertools
-import math
-import time
 from collections.abc import Callable, Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily,
-                                    Metric)
-from prometheus_client.utils import floatToGoString
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily
 
+from hybridgate.gateway.loop_metrics import LoopCounter, LoopHistogram
 from hybridgate.router.handoff import SECONDS_BUCKETS
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _ERROR_BUCKETS = (-10.0, -2.5, -1.0, -0.5, -0.25, -0.1, -0.05, -0.02, 0.0, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+TOKEN_BUCKETS_MAX = 1 << 17  # the token histograms' last bucket when no max model length is given
 LAG_INTERVAL_S = 0.02  # the lag probe's period: 50 wake-ups a second, about 1 ms of CPU
 
 
@@ -29,15 +26,44 @@ class ModelSeries:
     def __init__(self, metrics: GatewayMetrics, name: str):
         self.name = name
         self.ttft, self.itl, self.e2e = (h.labels(name) for h in (metrics.ttft, metrics.itl, metrics.e2e))
+        self.prompt_tokens, self.generation_tokens = (c.labels(name) for c in (metrics.prompt_tokens,
+                                                                                metrics.generation_tokens))
+        self._prompt_hist, self._generation_hist = (h.labels(name) for h in (metrics.request_prompt_tokens,
+                                                                             metrics.request_generation_tokens))
         self._success, self._rejected = metrics.success, metrics.rejected
 
-    def finished(self, reason: str) -> None:
-        """A request ended with finish reason `reason` (stop, length, eos, abort)."""
+    def first_token(self, prompt_tokens: int) -> None:
+        """A request's first output: its prompt was prefilled (vLLM counts prompt tokens then)."""
+        self.prompt_tokens.inc(prompt_tokens)
+
+    def streamed(self, tokens: int) -> None:
+        """`tokens` generated ids went out to a client."""
+        self.generation_tokens.inc(tokens)
+
+    def finished(self, reason: str, prompt_tokens: int | None = None, generation_tokens: int | None = None) -> None:
+        """A request ended with finish reason `reason` (stop, length, eos, abort), its prompt and generated
+        token counts observed where known."""
         self._success.labels(reason, self.name).inc()
+        if prompt_tokens is not None:
+            self._prompt_hist.observe(prompt_tokens)
+        if generation_tokens is not None:
+            self._generation_hist.observe(generation_tokens)
 
     def rejected(self, reason: str) -> None:
         """A request was refused with RESOURCE_EXHAUSTED for `reason`."""
         self._rejected.labels(reason, self.name).inc()
+
+
+def buckets_1_2_5(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to `max_value`: the buckets of vLLM's token histograms
+    (vllm/v1/metrics/loggers.py, build_1_2_5_buckets, over the max model length)."""
+    out, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return out
+            out.append(mantissa * scale)
+        scale *= 10
 
 
 class GatewayMetrics:
@@ -47,12 +73,14 @@ class GatewayMetrics:
     def __init__(self, clients: Callable[[], Iterable] | None = None, wire_errors: Callable[[], int] | None = None,
                  handoff: Callable[[], object] | None = None, redis_up: Callable[[], bool | None] | None = None,
                  response_cache=None, model: tuple[str, str] | None = None,
-                 models: Sequence[tuple[str, str, Callable[[], Iterable]]] = (), constraint_check=None):
+                 models: Sequence[tuple[str, str, Callable[[], Iterable]]] = (), constraint_check=None,
+                 max_model_len: int = TOKEN_BUCKETS_MAX):
         """`model`: (served name, fingerprint) of the one model whose workers `clients` gives; `models`:
         (served name, fingerprint, its clients) of each served model, for a gateway of several (then
         `clients` is every model's workers). Each is exported as `hybridgate:model_info` and under
         vLLM's names (vllm_metrics.py). `constraint_check`: the routers' `ConstraintCheck` (one, or a list),
-        whose counters are exported summed."""
+        whose counters are exported summed. `max_model_len`: the longest of the models', the token
+        histograms' last bucket."""
         self.registry = CollectorRegistry()
         if model is not None and clients is not None and not models:
             models = [(model[0], model[1], clients)]
@@ -70,6 +98,16 @@ class GatewayMetrics:
                              per_model, buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.success = Counter("hybridgate:request_success", "Finished requests by finish reason.",
                                ["finished_reason", "model_name"], registry=self.registry)
+        self.prompt_tokens = LoopCounter("hybridgate:prompt_tokens", "Prompt tokens of the requests that got their "
+                                         "first token.", per_model, registry=self.registry)
+        self.generation_tokens = LoopCounter("hybridgate:generation_tokens", "Generated tokens streamed to clients.",
+                                             per_model, registry=self.registry)
+        tokens = buckets_1_2_5(max_model_len)
+        self.request_prompt_tokens = LoopHistogram("hybridgate:request_prompt_tokens", "Prompt tokens of each "
+                                                   "finished request.", per_model, buckets=tokens, registry=self.registry)
+        self.request_generation_tokens = LoopHistogram("hybridgate:request_generation_tokens", "Generated tokens of "
+                                                       "each finished request.", per_model, buckets=tokens,
+                                                       registry=self.registry)
         self.placements = Counter("hybridgate:placements", "Requests placed, by policy and plan.",
                                   ["policy", "plan"], registry=self.registry)
         self.ttft_error = Histogram("hybridgate:ttft_prediction_error_seconds",
@@ -92,7 +130,9 @@ class GatewayMetrics:
             from hybridgate.gateway.vllm_metrics import VllmCollector
 
             self.registry.register(VllmCollector([(name, c) for name, _, c in models],
-                                                 (self.ttft, self.itl, self.e2e, self.success)))
+                                                 (self.ttft, self.itl, self.e2e, self.success, self.prompt_tokens,
+                                                  self.generation_tokens, self.request_prompt_tokens,
+                                                  self.request_generation_tokens)))
         if handoff is not None:
             self.registry.register(_HandoffRouterCollector(handoff))
         if redis_up is not None:
@@ -124,70 +164,6 @@ class GatewayMetrics:
         self.ttft_error.observe(observed_ttft_s - placement.plan.ttft_s)
         if placement.plan.spilled:
             self.spills.inc()
-
-
-class LoopHistogram:
-    """A Prometheus histogram observed on one thread (the event loop), for observations made per streamed
-    message: a child's `observe` is a bisect and two additions, where prometheus_client's Histogram takes
-    a lock twice and walks the buckets (several times the cost, at tens of thousands of messages a second).
-
-    Used as a prometheus_client `Histogram` with `labelnames` is (`labels(*values).observe(amount)`) and
-    exposed exactly as one (`_bucket`, `_count`, `_sum`, `_created` per child, children in the order
-    they were made). A scrape on another thread reads the counts without a lock: it may miss the
-    observation being made meanwhile, never count one twice.
-    """
-
-    def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = (),
-                 buckets: Iterable[float] = _LATENCY_BUCKETS, registry: CollectorRegistry | None = None):
-        self.name, self.documentation, self.labelnames = name, documentation, tuple(labelnames)
-        self._bounds = [float(b) for b in buckets]
-        if self._bounds != sorted(self._bounds):
-            raise ValueError(f"{name}: buckets must be sorted, got {self._bounds}")
-        if not self._bounds or self._bounds[-1] != math.inf:
-            self._bounds.append(math.inf)
-        self._children: dict[tuple[str, ...], _LoopHistogramChild] = {}
-        if registry is not None:
-            registry.register(self)
-
-    def labels(self, *values: str) -> _LoopHistogramChild:
-        """The child of these label values (made on first use). Raises ValueError on a wrong count."""
-        if len(values) != len(self.labelnames):
-            raise ValueError(f"{self.name}: {len(self.labelnames)} label values expected, got {len(values)}")
-        key = tuple(str(v) for v in values)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = _LoopHistogramChild(self._bounds)
-        return child
-
-    def observe(self, amount: float) -> None:
-        """Of a histogram without labels."""
-        self.labels().observe(amount)
-
-    def collect(self) -> list[Metric]:
-        family = Metric(self.name, self.documentation, "histogram")
-        for values, child in list(self._children.items()):
-            labels = dict(zip(self.labelnames, values))
-            counts, total = list(child.counts), child.sum
-            cumulative = 0
-            for bound, count in zip(self._bounds, counts):
-                cumulative += count
-                family.add_sample(self.name + "_bucket", {**labels, "le": floatToGoString(bound)}, float(cumulative))
-            family.add_sample(self.name + "_count", labels, float(cumulative))
-            family.add_sample(self.name + "_sum", labels, total)
-            family.add_sample(self.name + "_created", labels, child.created)
-        return [family]
-
-
-class _LoopHistogramChild:
-    __slots__ = ("bounds", "counts", "sum", "created")
-
-    def __init__(self, bounds: list[float]):
-        self.bounds, self.counts, self.sum, self.created = bounds, [0] * len(bounds), 0.0, time.time()
-
-    def observe(self, amount: float) -> None:
-        """Count `amount` in the first bucket whose upper bound is at least it (as Histogram.observe)."""
-        self.counts[bisect.bisect_left(self.bounds, amount)] += 1
-        self.sum += amount
 
 
 class _ModelInfoCollector:

@@ -22,7 +22,7 @@ from hybridgate.gateway.metrics import GatewayMetrics, chained
 from hybridgate.gateway.models import ModelTable
 from hybridgate.gateway.security import BearerInterceptor, server_credentials
 from hybridgate.gateway.service import GenerationService
-from hybridgate.router import Router
+from hybridgate.router import Router, UnavailableError
 from hybridgate.router.handoff import HandoffMetrics
 from hybridgate.v1 import generation_pb2 as pb
 from hybridgate.v1 import generation_pb2_grpc as pb_grpc
@@ -30,6 +30,8 @@ from hybridgate.v1 import generation_pb2_grpc as pb_grpc
 log = logging.getLogger("hybridgate.gateway")
 
 MAX_MESSAGE_BYTES = 4 << 20
+CLOSE_S = 2.0  # after the grace period: for the streams cut then to send their last message
+IDLE_POLL_S = 0.02  # how often a drain looks whether every request has finished
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
@@ -60,7 +62,8 @@ class Gateway:
                                       response_cache=caches or None,
                                       models=[(m.name, m.router.fingerprint, lambda r=m.router: r.clients)
                                               for m in self.models],
-                                      constraint_check=[r.constraints for r in routers])
+                                      constraint_check=[r.constraints for r in routers],
+                                      max_model_len=max(r.max_model_len for r in routers))
         self.health = health.aio.HealthServicer()
         credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca) \
             if config.tls_cert else None  # read before anything binds: a bad file fails at once
@@ -72,7 +75,7 @@ class Gateway:
             # it among its own gateways only (hybridgate.scaleout holds the port first).
             ("grpc.so_reuseport", int(reuse_port)),
         ])
-        service = GenerationService(self.models, self.metrics, log_requests=config.log_requests,
+        self.service = service = GenerationService(self.models, self.metrics, log_requests=config.log_requests,
                                     log_request_text=config.log_request_text,
                                     allow_client_routes=config.allow_client_routes)
         pb_grpc.add_GenerationServicer_to_server(service, self.server)
@@ -81,7 +84,7 @@ class Gateway:
             self.openai = OpenAIApp(self.models, self.metrics, auth_token=config.auth_token,
                                     log_requests=config.log_requests)
             tls = (config.tls_cert, config.tls_key, config.tls_client_ca) if config.tls_cert else None
-            self.http = HttpDoor(self.openai.app, config.host, config.http_port, config.grace_s, reuse_port, tls)
+            self.http = HttpDoor(self.openai.app, config.host, config.http_port, CLOSE_S, reuse_port, tls)
         if config.log_requests:  # the request log shows at any --log-level
             logging.getLogger("hybridgate.requests").setLevel(logging.INFO)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -105,6 +108,7 @@ class Gateway:
         self._httpd = None
         self._lag_task: asyncio.Task | None = None
         self._health_tasks: set[asyncio.Task] = set()  # health changes under way; stop() cancels them
+        self.draining = False
 
     async def start(self) -> None:
         """Serve metrics, then gRPC. Raises OSError naming the flag when the metrics port is taken
@@ -130,9 +134,10 @@ class Gateway:
         return self.http.port if self.http is not None else None
 
     async def set_serving(self, serving: bool | None = None) -> None:
-        """Every health service name from its model's readiness; `serving` False: all NOT_SERVING (draining)."""
+        """Every health service name from its model's readiness; `serving` False, or a drain begun: all
+        NOT_SERVING."""
         def status(ready: bool):
-            return health_pb2.HealthCheckResponse.SERVING if ready and serving is not False \
+            return health_pb2.HealthCheckResponse.SERVING if ready and serving is not False and not self.draining \
                 else health_pb2.HealthCheckResponse.NOT_SERVING
 
         for name in ("", SERVICE_NAME):
@@ -148,17 +153,42 @@ class Gateway:
         self._health_tasks.add(task)
         task.add_done_callback(self._health_tasks.discard)
 
+    @property
+    def inflight(self) -> int:
+        """Requests of either door admitted and not yet finished (choices counted one by one)."""
+        return sum(m.admission.inflight for m in self.models)
+
+    async def _idle(self, timeout_s: float) -> bool:
+        """Whether every request finishes within `timeout_s`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.inflight and loop.time() < deadline:
+            await asyncio.sleep(min(IDLE_POLL_S, max(deadline - loop.time(), 0)))
+        return not self.inflight
+
     async def stop(self) -> None:
-        """Health NOT_SERVING, then in-flight streams get `grace_s` to finish."""
+        """Drain, then close (SIGINT/SIGTERM). Both doors keep their listeners and connections through the
+        grace period (`grace_s`) and answer health NOT_SERVING (gRPC) and 503 (/health) at once; a new
+        generation request is refused with UNAVAILABLE (HTTP 503 and Retry-After), the requests in flight
+        go on. Those still running when the grace period ends get UNAVAILABLE (an SSE stream: an error
+        event and [DONE]) and CLOSE_S to send it; then the servers stop."""
+        self.draining = self.service.draining = True
+        if self.http is not None:
+            self.openai.draining = True
         for task in list(self._health_tasks):
             task.cancel()
         await asyncio.gather(*self._health_tasks, return_exceptions=True)
         await self.set_serving(False)
+        if not await self._idle(self.config.grace_s):
+            cut = UnavailableError(f"the gateway is shutting down and this request outlived its grace period "
+                                   f"({self.config.grace_s:g} s, --grace-period)")
+            for model in self.models:
+                model.router.fail_all(cut)
+            await self._idle(CLOSE_S)
         if self.http is not None:
-            self.openai.draining = True
-            await asyncio.gather(self.server.stop(self.config.grace_s), self.http.stop())
+            await asyncio.gather(self.server.stop(CLOSE_S), self.http.stop())
         else:
-            await self.server.stop(self.config.grace_s)
+            await self.server.stop(CLOSE_S)
         if self._lag_task is not None:
             self._lag_task.cancel()
         if self._httpd is not None:  # its serve_forever polls every 0.5 s: wait for it off the loop

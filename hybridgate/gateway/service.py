@@ -15,7 +15,7 @@ from hybridgate.gateway.convert import delta_to_proto, request_to_native, tools_
 from hybridgate.gateway.metrics import GatewayMetrics
 from hybridgate.gateway.models import ModelNotFoundError, ModelTable, ServedModel
 from hybridgate.router.router import DEFAULT_MAX_TOKENS_CAP
-from hybridgate.gateway.errors import ROUTER_ERRORS, status_of
+from hybridgate.gateway.errors import DRAINING, ROUTER_ERRORS, status_of
 from hybridgate.router import ResourceExhaustedError, Router
 from hybridgate.router.tools import ToolCallStream
 from hybridgate.v1 import generation_pb2 as pb
@@ -59,6 +59,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         self.metrics = metrics
         self.log_requests, self.log_request_text = log_requests, log_request_text
         self.allow_client_routes = allow_client_routes
+        self.draining = False  # set by the gateway's drain: new calls get UNAVAILABLE
 
     @property
     def router(self) -> Router:
@@ -86,6 +87,8 @@ class GenerationService(pb_grpc.GenerationServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         outcome = _Outcome(time.monotonic())
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
         served = self.models.default if not request.HasField("model") else await self._pick(request.model, context)
         series, admission = self.metrics.of(served.name), served.admission
         try:
@@ -114,14 +117,16 @@ class GenerationService(pb_grpc.GenerationServicer):
                     if last is None:
                         outcome.first = now
                         series.ttft.observe(now - outcome.start)
+                        series.first_token(len(stream.prompt_ids))
                     elif delta.token_ids:
                         series.itl.observe((now - last) / len(delta.token_ids))
                     last = now
                     admission.streamed(len(delta.token_ids))
+                    series.streamed(len(delta.token_ids))
                     if delta.finish_reason is not None:
                         outcome.finish, outcome.route = delta.finish_reason.name.lower(), delta.route
                         series.e2e.observe(now - outcome.start)
-                        series.finished(outcome.finish)
+                        series.finished(outcome.finish, len(stream.prompt_ids), len(stream.ids))
                         context.set_trailing_metadata(self._placement_metadata(stream, delta))
                     calls = stream.calls if delta.finish_reason is not None and isinstance(stream, ToolCallStream) \
                         else ()
@@ -143,7 +148,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             # The client cancelled, or its deadline passed, before the last response.
             if outcome.status == grpc.StatusCode.CANCELLED and outcome.finish is None:
                 outcome.finish = "abort"
-                series.finished("abort")
+                series.finished("abort", len(stream.prompt_ids), len(stream.ids))
             if self.log_requests:
                 self._log(stream, request, prompt, outcome)
 

@@ -15,7 +15,13 @@ Names and meanings are vLLM v1's (vllm/v1/metrics/loggers.py, docs/design/metric
   blocks) and `num_cpu_blocks` (CPU workers') as labels.
 - `vllm:time_to_first_token_seconds`, `vllm:inter_token_latency_seconds`,
   `vllm:e2e_request_latency_seconds`: the gateway's histograms, same buckets.
-- `vllm:request_success_total`: finished requests by `finished_reason`.
+- `vllm:num_preemptions_total`: sequences preempted, summed over the workers' reports.
+- `vllm:prompt_tokens_total`: prompt tokens of the requests that got their first token;
+  `vllm:generation_tokens_total`: generated tokens streamed (both doors, as they stream).
+- `vllm:request_prompt_tokens`, `vllm:request_generation_tokens`: histograms of each finished request's
+  prompt and generated tokens, buckets 1, 2, 5, 10, ... up to the max model length (vLLM's).
+- `vllm:request_success_total`: finished requests by `finished_reason`, in vLLM's values: `stop` (an
+  end-of-sequence token or a stop string: hybridgate's `eos` and `stop`), `length`, `abort`.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from prometheus_client import Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from hybridgate.mempool.blocks import DEFAULT_BLOCK_SIZE
 
@@ -33,7 +39,13 @@ RENAMED = {
     "hybridgate:inter_token_latency_seconds": "vllm:inter_token_latency_seconds",
     "hybridgate:e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
     "hybridgate:request_success": "vllm:request_success",
+    "hybridgate:prompt_tokens": "vllm:prompt_tokens",
+    "hybridgate:generation_tokens": "vllm:generation_tokens",
+    "hybridgate:request_prompt_tokens": "vllm:request_prompt_tokens",
+    "hybridgate:request_generation_tokens": "vllm:request_generation_tokens",
 }
+# hybridgate finish reason → vLLM's `finished_reason` (vllm/v1/engine FinishReason: stop, length, abort).
+FINISHED_REASON = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort"}
 
 
 class VllmCollector:
@@ -75,13 +87,27 @@ class VllmCollector:
                                    labels=["model_name", "block_size", "num_gpu_blocks", "num_cpu_blocks"])
         gpu = sum(s.blocks_total for kind, s in stats if kind == "gpu")
         config.add_metric([model_name, str(self.block_size), str(gpu), str(total - gpu)], 1.0)
-        return running, waiting, usage, config
+        preemptions = CounterMetricFamily("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+                                          labels=labels)
+        preemptions.add_metric([model_name], sum(s.preemptions for _, s in stats))
+        return running, waiting, usage, config, preemptions
 
     def _renamed(self, family: Metric) -> Metric:
         name = RENAMED[family.name]
         out = Metric(name, family.documentation, family.type)
+        if "finished_reason" not in {k for sample in family.samples for k in sample.labels}:
+            for sample in family.samples:
+                out.add_sample(name + sample.name[len(family.name):], sample.labels, sample.value,
+                               sample.timestamp, sample.exemplar)
+            return out
+        # Reasons that vLLM counts as one (eos and stop): their counts summed, the earliest `_created`.
+        merged: dict[tuple, float] = {}
         for sample in family.samples:
-            suffix = sample.name[len(family.name):]
-            out.add_sample(name + suffix, sample.labels, sample.value,
-                           sample.timestamp, sample.exemplar)
+            labels = {**sample.labels, "finished_reason": FINISHED_REASON.get(sample.labels["finished_reason"],
+                                                                      sample.labels["finished_reason"])}
+            key = (name + sample.name[len(family.name):], tuple(sorted(labels.items())))
+            combine = min if sample.name.endswith("_created") else (lambda a, b: a + b)
+            merged[key] = combine(merged[key], sample.value) if key in merged else sample.value
+        for (sample_name, labels), value in merged.items():
+            out.add_sample(sample_name, dict(labels), value)
         return out

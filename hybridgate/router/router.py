@@ -155,9 +155,13 @@ class Router:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
-    async def close(self) -> None:
+    def fail_all(self, exc: BaseException) -> None:
+        """End every stream now with `exc` (its caller reads it next; leaving the stream aborts it)."""
         for stream in list(self._streams.values()):
-            stream.fail(UnavailableError("the router is shutting down"))
+            stream.fail(exc)
+
+    async def close(self) -> None:
+        self.fail_all(UnavailableError("the router is shutting down"))
         if self._stall_task is not None:
             self._stall_task.cancel()
             await asyncio.gather(self._stall_task, return_exceptions=True)

@@ -171,6 +171,7 @@ class _Stream:
 
     def __init__(self, n: int):
         self.n, self.read = n, 0
+        self.prompt_ids, self.ids = [1, 2, 3], []  # as GenerationStream's: the prompt, the ids handed out
 
     async def __aenter__(self):
         return self
@@ -182,6 +183,7 @@ class _Stream:
         if self.read == self.n:
             raise StopAsyncIteration
         self.read += 1
+        self.ids.append(7)
         finish = FinishReason.LENGTH if self.read == self.n else None
         return Delta(request_id="r", token_index=self.read - 1, text="x", token_ids=[7], finish_reason=finish)
 

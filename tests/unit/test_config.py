@@ -278,7 +278,7 @@ def test_no_default_is_defined_twice():
         flags = [s.meta["flag"] for s in group]
         assert len(group) == 1 or (None not in flags and len(set(flags)) == len(flags)), \
             f"{leaf} declared in {[s.path for s in group]}"
-    required_argv = {"worker": ["--endpoint", "ipc:///x"], "bench engine": [], "bench accuracy": []}
+    required_argv = {"worker": ["--endpoint", "ipc:///x"], "generate": ["hi"], "bench engine": [], "bench accuracy": []}
     for command in COMMANDS:
         args = parse(*command.split(), *required_argv.get(command, []))
         given = {s.path for s in all_specs if hasattr(args, s.path)}

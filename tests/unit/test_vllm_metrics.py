@@ -46,3 +46,35 @@ def test_no_workers_means_an_empty_cache_not_a_division_by_zero():
     got = samples(GatewayMetrics(lambda: [], model=("tiny", "f" * 64)))
     assert got["vllm:kv_cache_usage_perc{model_name=tiny}"] == 0
     assert got["vllm:num_requests_running{model_name=tiny}"] == 0
+
+
+def test_token_series_and_finished_reasons_are_vllms():
+    """Names and values as vLLM v1 exports them (vllm/v1/metrics/loggers.py): prompt and generation token
+    counters, per-request token histograms with 1-2-5 buckets up to the max model length, preemptions
+    summed over the workers, and `finished_reason` stop for both an EOS and a stop string."""
+    workers = [SimpleNamespace(kind="cpu", name="cpu-0", endpoint="e0", stats=EngineStats(preemptions=3)),
+               SimpleNamespace(kind="cpu", name="cpu-1", endpoint="e1", stats=EngineStats(preemptions=2))]
+    metrics = GatewayMetrics(lambda: workers, model=("tiny", "f" * 64), max_model_len=100)
+    series = metrics.of("tiny")
+    for prompt, generated, reason in ((7, 12, "eos"), (30, 4, "stop"), (7, 50, "length"), (3, 0, "abort")):
+        series.first_token(prompt)
+        series.streamed(generated)
+        series.finished(reason, prompt, generated)
+    got = samples(metrics)
+    m = "model_name=tiny"
+    assert got[f"vllm:prompt_tokens_total{{{m}}}"] == 47
+    assert got[f"vllm:generation_tokens_total{{{m}}}"] == 66
+    assert got[f"vllm:num_preemptions_total{{{m}}}"] == 5
+    assert {k: v for k, v in got.items() if k.startswith("vllm:request_success_total")} == {
+        f"vllm:request_success_total{{finished_reason=stop,{m}}}": 2,
+        f"vllm:request_success_total{{finished_reason=length,{m}}}": 1,
+        f"vllm:request_success_total{{finished_reason=abort,{m}}}": 1}
+    assert got[f"hybridgate:request_success_total{{finished_reason=eos,{m}}}"] == 1  # ours tells them apart
+    prompt = {k.split("le=")[1].split(",")[0]: v for k, v in got.items()
+              if k.startswith("vllm:request_prompt_tokens_bucket")}
+    assert prompt == {"1.0": 0, "2.0": 0, "5.0": 1, "10.0": 3, "20.0": 3, "50.0": 4, "100.0": 4, "+Inf": 4}
+    generation = {k.split("le=")[1].split(",")[0]: v for k, v in got.items()
+                  if k.startswith("vllm:request_generation_tokens_bucket")}
+    assert generation["1.0"] == 1 and generation["5.0"] == 2 and generation["20.0"] == 3 and generation["50.0"] == 4
+    assert got[f"vllm:request_generation_tokens_sum{{{m}}}"] == 66
+    assert got[f"vllm:request_prompt_tokens_count{{{m}}}"] == 4
