@@ -452,7 +452,7 @@ class FloatMatrix(QuantMatrix):
 
     def _amx_arrays(self) -> tuple | None:
         """BF16 only (exact in bf16). F16 rounded to bf16 failed the top-1 floor (99.4% on the default model in
-        F16, docs/accuracy-smollm2-requantized-f16-avx512-amx-xeon-207.json); an F32 file asks for float32."""
+        F16, docs/results/accuracy-smollm2-requantized-f16-avx512-amx-xeon-207.json); an F32 file asks for float32."""
         return (self.qs, self.scale, self.scale, self.scale, self.qs) if self.kind == BF16 else None
 
     def row(self, index: int) -> np.ndarray:
@@ -473,7 +473,7 @@ class FloatMatrix(QuantMatrix):
 # cpu_activations ("f32" or "i16") picks these for their types.
 _FORMATTED = {Q4_0: Q40Matrix, Q4_1: Q41Matrix, Q4_K: Q4KMatrix, Q5_0: Q50Matrix, Q6_K: Q6KMatrix, Q8_0: Q80Matrix}
 # Where `LowBitMatrix` replaces a type's formatted class by default, per path: where it measured faster at
-# batch 1 and at 16 (`hybridgate bench kernels`, docs/cpu-kernels-*.json). On avx2 the in-lane int16
+# batch 1 and at 16 (`hybridgate bench kernels`, docs/results/cpu-kernels-*.json). On avx2 the in-lane int16
 # kernels of `avx2` stay ahead for the types they take.
 _LOW_BIT = {"avx512": (Q5_0, Q5_1, Q5_K), "avx2": (Q5_1, Q5_K), "generic": (Q4_0, Q4_K, Q5_0, Q5_1, Q5_K)}
 # Kernels of one type on one path: on avx2, the K-quants' sub-block scales applied in integers (`superblock`:
