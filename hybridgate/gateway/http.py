@@ -211,10 +211,7 @@ class OpenAIApp:
 
     async def completions(self, body: api.CompletionRequest, request: Request) -> Response:
         def prepare():
-            prompts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
-            if not 1 <= len(prompts) <= api.MAX_CHOICES:
-                raise InvalidFieldError("prompt", f"a list of 1 to {api.MAX_CHOICES} prompts, got {len(prompts)}")
-            return prompts, body.logprobs
+            return api.completion_prompts(body), body.logprobs
 
         return await self._generate(body, request, prepare, chat=False)
 

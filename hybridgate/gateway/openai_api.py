@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict
 
 from hybridgate.router import constraints
 from hybridgate.router.constraints import ConstraintLimits, Requested
+from hybridgate.router.prompts import TokenIds
 from hybridgate.router.tools import ToolRequest
 from hybridgate.wire import MAX_SEED, InvalidFieldError, SamplingParams
 
@@ -99,7 +100,7 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str]
+    prompt: str | list[int] | list[list[int]] | list[str]  # text, token ids (as vLLM), or several of either
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
@@ -149,6 +150,20 @@ def refuse_unsupported(body: _Sampling) -> None:
             raise InvalidFieldError("echo", "is not supported by this server")
         if body.suffix:
             raise InvalidFieldError("suffix", "is not supported by this server")
+
+
+def completion_prompts(body: CompletionRequest) -> list:
+    """The prompts of a completion request: one text, one list of token ids, or a list of either (each a
+    choice's prompt; token ids as `TokenIds`). Raises InvalidFieldError naming `prompt`."""
+    given = body.prompt
+    if isinstance(given, str):
+        return [given]
+    if given and all(isinstance(t, int) for t in given):
+        return [TokenIds(given)]
+    prompts = [TokenIds(p) if isinstance(p, list) else p for p in given]
+    if not 1 <= len(prompts) <= MAX_CHOICES:
+        raise InvalidFieldError("prompt", f"a list of 1 to {MAX_CHOICES} prompts, got {len(prompts)}")
+    return prompts
 
 
 def chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:

@@ -56,7 +56,12 @@ INLINE_CHARS = 8192  # at most this many characters are encoded on the loop (abo
 MAX_PROMPT_BYTES = 1 << 20
 DEFAULT_MAX_TOKENS_CAP = 4096
 
-Prompt = str | Sequence[Mapping[str, str]]
+class TokenIds(tuple):
+    """A prompt given as token ids (vLLM's and OpenAI's completions take a list of ints): run as they are,
+    no BOS added, no template; checked against the vocabulary by `Prompts.check`."""
+
+
+Prompt = str | TokenIds | Sequence[Mapping[str, str]]
 
 
 def read_chat_template(path: str | None) -> str | None:
@@ -163,7 +168,9 @@ class Prompts:
     async def encode(self, prompt: Prompt, add_generation_prompt: bool = True,
                      tools: list | None = None) -> Sequence[int]:
         """`PromptEncoder.encode`: a list, or a numpy int32 array for a prompt too long to run; `tools`: the
-        chat template's tools (`hybridgate.router.tools`)."""
+        chat template's tools (`hybridgate.router.tools`). Token ids are their own encoding."""
+        if isinstance(prompt, TokenIds):
+            return list(prompt)
         return await self.encoder.encode(prompt, add_generation_prompt, tools)
 
     def close(self) -> None:
@@ -171,7 +178,16 @@ class Prompts:
 
     def check(self, prompt: Prompt) -> None:
         """Raises InvalidRequestError naming the field: an empty prompt or chat, a message that is not a
-        string or has an unknown role, over 1 MiB, or one certain to exceed the model length."""
+        string or has an unknown role, over 1 MiB, or one certain to exceed the model length; token ids that
+        are empty or outside the vocabulary."""
+        if isinstance(prompt, TokenIds):
+            vocab = self.tokenizer.vocab_size
+            if not prompt:
+                raise InvalidRequestError("prompt", "must not be empty")
+            bad = next((t for t in prompt if not (isinstance(t, int) and 0 <= t < vocab)), None)
+            if bad is not None:
+                raise InvalidRequestError("prompt", f"every token id must be in [0, {vocab}), got {bad!r}")
+            return
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt", "must not be empty")
@@ -209,7 +225,10 @@ class Prompts:
 
     def tokenize(self, prompt: Prompt, add_generation_prompt: bool = True, tools: list | None = None) -> list[int]:
         """The prompt's ids on this thread: raw text as `Tokenizer.encode_prompt` (BOS when the vocabulary
-        asks for it), chat messages through the template. Raises InvalidRequestError on a template error."""
+        asks for it), chat messages through the template, token ids as they are. Raises InvalidRequestError on
+        a template error."""
+        if isinstance(prompt, TokenIds):
+            return list(prompt)
         if isinstance(prompt, str):
             return self.tokenizer.encode_prompt(prompt)
         try:

@@ -35,6 +35,7 @@ from hybridgate.router.prompts import (  # noqa: F401 (MAX_PROMPT_BYTES and DEFA
     MAX_PROMPT_BYTES,
     Prompt,
     Prompts,
+    TokenIds,
     read_chat_template,
 )
 from hybridgate.router.registry import RedisRegistry
@@ -252,8 +253,8 @@ class Router:
         """
         params = (params or SamplingParams()).validate()
         template_tools, syntax = None, None
-        if not isinstance(prompt, str) and (tools is not None or any(m.get("tool_calls") or m.get("role") == "tool"
-                                                                     for m in prompt)):
+        chat = not isinstance(prompt, (str, TokenIds))
+        if chat and (tools is not None or any(m.get("tool_calls") or m.get("role") == "tool" for m in prompt)):
             prompt, template_tools, params, syntax = self._with_tools(prompt, params, tools)
         bad = [t for t in params.stop_token_ids if t >= self.tokenizer.vocab_size]
         if bad:
@@ -290,7 +291,7 @@ class Router:
     def tokenize(self, prompt: Prompt, add_generation_prompt: bool = True, tools: ToolRequest | None = None) -> list[int]:
         """The prompt's ids, on this thread (`Prompts.tokenize`; a chat with `tools` rendered as `generate`
         renders it). Raises InvalidRequestError."""
-        if not isinstance(prompt, str) and tools is not None:
+        if not isinstance(prompt, (str, TokenIds)) and tools is not None:
             plan = plan_tools(self.tool_format, prompt, tools, self.tokenizer.special_tokens)
             return self.prompts.tokenize(plan.messages, add_generation_prompt, plan.template_tools)
         return self.prompts.tokenize(prompt, add_generation_prompt)

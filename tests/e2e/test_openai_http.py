@@ -275,6 +275,24 @@ def test_a_client_that_goes_away_before_a_whole_answer_aborts_it(server):
     wait_metric(server.metrics_url, "hybridgate:kv_cache_bytes{}", lambda v: v == 0, timeout=30)
 
 
+def test_token_id_prompts_complete_as_their_text_does(server, client, tokenizer):
+    """`prompt` as token ids (a list of ints, or a list of lists), as vLLM takes it: the same greedy completion
+    and prompt tokens as the text those ids encode; an id outside the vocabulary is a 400 naming `prompt`."""
+    text = "The capital of France is"
+    ids = tokenizer.encode_prompt(text)
+    kw = dict(model=MODEL, temperature=0, max_tokens=8)
+    by_text = client.completions.create(prompt=text, **kw)
+    by_ids = client.completions.create(prompt=ids, **kw)
+    assert (by_ids.choices[0].text, by_ids.usage.prompt_tokens) == (by_text.choices[0].text, len(ids))
+    two = client.completions.create(prompt=[ids, ids[:-1]], **kw)
+    assert two.choices[0].text == by_text.choices[0].text and len(two.choices) == 2
+    assert two.usage.prompt_tokens == 2 * len(ids) - 1
+    status, _, body = post(server, "/v1/completions", {"model": MODEL, "prompt": [1, tokenizer.vocab_size],
+                                                       "max_tokens": 2})
+    error = json.loads(body)["error"]
+    assert status == 400 and error["param"] == "prompt" and f"[0, {tokenizer.vocab_size})" in error["message"]
+
+
 def test_models_health_metrics_openapi_tokenize(server):
     conn = http.client.HTTPConnection(urllib.parse.urlsplit(server.http_url).netloc, timeout=30 * TIME_FACTOR)
 
@@ -318,3 +336,4 @@ def test_sigint_lets_an_http_and_a_grpc_stream_finish(server):
     chunks = events(first + resp.read())
     assert chunks[-1]["usage"]["completion_tokens"] == 24 and chunks[-2]["choices"][0]["finish_reason"] == "length"
     assert server.stop() == 0, server.text()
+
