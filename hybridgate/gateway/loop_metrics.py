@@ -13,7 +13,31 @@ from prometheus_client.core import Metric
 from prometheus_client.utils import floatToGoString
 
 
-class LoopHistogram:
+class _LoopFamily:
+    """A labelled family whose children are made on first use and registered with `registry`."""
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = (),
+                 registry: CollectorRegistry | None = None):
+        self.name, self.documentation, self.labelnames = name, documentation, tuple(labelnames)
+        self._children: dict[tuple[str, ...], object] = {}
+        if registry is not None:
+            registry.register(self)
+
+    def _new_child(self):
+        raise NotImplementedError
+
+    def labels(self, *values: str):
+        """The child of these label values (made on first use). Raises ValueError on a wrong count."""
+        if len(values) != len(self.labelnames):
+            raise ValueError(f"{self.name}: {len(self.labelnames)} label values expected, got {len(values)}")
+        key = tuple(str(v) for v in values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self._new_child()
+        return child
+
+
+class LoopHistogram(_LoopFamily):
     """A Prometheus histogram observed on one thread (the event loop), for observations made per streamed
     message: a child's `observe` is a bisect and two additions, where prometheus_client's Histogram takes
     a lock twice and walks the buckets (several times the cost, at tens of thousands of messages a second).
@@ -26,25 +50,15 @@ class LoopHistogram:
 
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = (),
                  *, buckets: Iterable[float], registry: CollectorRegistry | None = None):
-        self.name, self.documentation, self.labelnames = name, documentation, tuple(labelnames)
         self._bounds = [float(b) for b in buckets]
         if self._bounds != sorted(self._bounds):
             raise ValueError(f"{name}: buckets must be sorted, got {self._bounds}")
         if not self._bounds or self._bounds[-1] != math.inf:
             self._bounds.append(math.inf)
-        self._children: dict[tuple[str, ...], _LoopHistogramChild] = {}
-        if registry is not None:
-            registry.register(self)
+        super().__init__(name, documentation, labelnames, registry)
 
-    def labels(self, *values: str) -> _LoopHistogramChild:
-        """The child of these label values (made on first use). Raises ValueError on a wrong count."""
-        if len(values) != len(self.labelnames):
-            raise ValueError(f"{self.name}: {len(self.labelnames)} label values expected, got {len(values)}")
-        key = tuple(str(v) for v in values)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = _LoopHistogramChild(self._bounds)
-        return child
+    def _new_child(self) -> _LoopHistogramChild:
+        return _LoopHistogramChild(self._bounds)
 
     def observe(self, amount: float) -> None:
         """Of a histogram without labels."""
@@ -77,27 +91,13 @@ class _LoopHistogramChild:
         self.sum += amount
 
 
-class LoopCounter:
+class LoopCounter(_LoopFamily):
     """A Prometheus counter counted on one thread (the event loop): `labels(*values).inc(n)` is one
     addition. Exposed as prometheus_client's Counter is (`_total` and `_created` per child); a scrape on
     another thread reads without a lock."""
 
-    def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = (),
-                 registry: CollectorRegistry | None = None):
-        self.name, self.documentation, self.labelnames = name, documentation, tuple(labelnames)
-        self._children: dict[tuple[str, ...], _LoopCounterChild] = {}
-        if registry is not None:
-            registry.register(self)
-
-    def labels(self, *values: str) -> _LoopCounterChild:
-        """The child of these label values (made on first use). Raises ValueError on a wrong count."""
-        if len(values) != len(self.labelnames):
-            raise ValueError(f"{self.name}: {len(self.labelnames)} label values expected, got {len(values)}")
-        key = tuple(str(v) for v in values)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = _LoopCounterChild()
-        return child
+    def _new_child(self) -> _LoopCounterChild:
+        return _LoopCounterChild()
 
     def collect(self) -> list[Metric]:
         family = Metric(self.name, self.documentation, "counter")

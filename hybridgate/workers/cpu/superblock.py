@@ -292,7 +292,8 @@ def _make_tile(wrows: int, xrows: int, unpacked: bool):
         sig = types.void(qs, ip, ip, wq, ip, ip, sc, d, ndmin, mins, ip, ip, ip, xq, ip, ip, xs, xsum, ip, ip, out,
                          ip, ip)
         kind = KINDS[qs.dtype, sc.dtype]
-        assert kind.step == BLOCKS or not kind.has_min  # the min term's step is a super-block
+        if kind.has_min and kind.step != BLOCKS:  # the min term's step is a super-block
+            raise TypeError(f"a weight type with a min term steps by {BLOCKS} blocks, got {kind.step}")
 
         def codegen(context, builder, signature, args):
             (qa, qo, qstr, wa, wo, wstr, sca, da, nda, ma, so, sstr, n, xa, xo, xstr, xsa, xma, ao, astr,

@@ -24,6 +24,7 @@ covers it with no Python branch per token.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -110,13 +111,19 @@ class KernelStep:
     num_splits: int = 1
 
 
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(index: int) -> int:
+    """The SM count of CUDA device `index` (asked once: num_splits_for runs every step)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def num_splits_for(num_seqs: int, max_q_len: int, kv_heads: int, device: torch.device) -> int:
     """Split-KV runs of a step: a decode-only step whose (sequence, KV head) programs would leave most
     multiprocessors idle splits each context into up to 16 runs (a power of two), aiming at two programs
     per multiprocessor; depends on the batch, never on context lengths (one captured graph per batch)."""
     if device.type != "cuda" or max_q_len != 1:
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
     want = (2 * sms) // max(1, num_seqs * kv_heads)
     splits = 1
     while splits * 2 <= min(16, want):
