@@ -9,7 +9,7 @@ cannot reach 1.3x llama.cpp's int8 one, and int8 activations fail the accuracy f
 instruction). This checks that Numba can emit it (LLVM's `llvm.x86.ldtilecfg`, `tileloadd64`,
 `tdpbf16ps`, `tilestored64`, `tilerelease` intrinsics, after Linux's `arch_prctl(ARCH_REQ_XCOMP_PERM,
 XFEATURE_XTILEDATA)`), that its sums are right, and how fast it multiplies a 1B-class projection
-against `quant._FAST[Q4_K]` (the superblock kernel) on the same Q4_K weights and float32 activations,
+against `quant.quant_matrix` of Q4_K (the superblock kernel) on the same Q4_K weights and float32 activations,
 alternated, medians. The AMX side's weights are the Q4_K blocks dequantized by gguf and rounded to
 bf16, packed once in AMX's pair-interleaved B layout (16 bits a weight against Q4_K's 4.75: a
 prompt-only copy would cost that memory); its timing includes rounding the activations to bf16.
@@ -156,7 +156,7 @@ def main() -> None:
     for shape in args.shape or ["8192x2048", "2048x8192"]:
         rows, cols = map(int, shape.split("x"))
         data = random_weight(quant.Q4_K, rows, cols, rng)
-        ours = quant._FAST[quant.Q4_K]("w", quant.Q4_K, data, (rows, cols))
+        ours = quant.quant_matrix("w", quant.Q4_K, data, (rows, cols))
         w = gguf.quants.dequantize(data.reshape(rows, -1), gguf.GGMLQuantizationType.Q4_K).reshape(rows, cols)
         packed = pack_b(w.astype(np.float32), round_bf16)
         x = rng.standard_normal((args.tokens, cols)).astype(np.float32)

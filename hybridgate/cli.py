@@ -98,7 +98,8 @@ def _cmd_info(args: argparse.Namespace) -> int:
     from hybridgate.models import model_fingerprint
     from hybridgate.models.info import describe, report_lines
 
-    report = describe(_settings(args).model_path)
+    settings = _settings(args)
+    report = describe(settings.model_path)
     lines = report_lines(report)
     if report.model is not None:
         lines.append(("fingerprint", model_fingerprint(report.model)))
@@ -109,6 +110,8 @@ def _cmd_info(args: argparse.Namespace) -> int:
             refusal = runner_refusal(runner, report.model)
             served += not refusal
             lines.append((f"runner {runner.kind}", f"{runner.description}: " + (f"no: {refusal}" if refusal else "yes")))
+            if runner.kind == "cpu" and not refusal:
+                lines += _cpu_kernel_lines(report, settings.worker.engine)
     else:
         served = 0
         lines.append(("runners", "none (the file is refused above)"))
@@ -116,6 +119,19 @@ def _cmd_info(args: argparse.Namespace) -> int:
     for label, value in lines:
         print(f"{label + ':':<{width}}{value}")
     return 0 if served and not report.tokenizer_refusal else 2
+
+
+def _cpu_kernel_lines(report, engine) -> list[tuple[str, str]]:
+    """The kernel table's rows for the file's weight types on this machine's path (no Numba is imported)."""
+    from hybridgate.workers.cpu import isa, kernel_table
+
+    target = isa.select(engine.cpu_isa, engine.cpu_amx)
+    path = kernel_table.path_of(target.isa, target.amx)
+    names = [name for name, _ in report.quant_mix if name in kernel_table.AUTO[path]]
+    return [("cpu kernels", f"{path} path, cpu_activations {engine.cpu_activations} (type: class, decode "
+                            "activations and kernel; prompt kernel)"),
+            *((f"  {line.split(': ', 1)[0]}", line.split(": ", 1)[1])
+              for line in kernel_table.table_lines(names, engine.cpu_activations, path))]
 
 
 def build_parser() -> argparse.ArgumentParser:

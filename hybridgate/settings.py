@@ -95,7 +95,7 @@ COMMANDS: dict[str, Selection] = {
     "generate": Selection(("gateway.host", "gateway.port")),
     "health": Selection(("gateway.host", "gateway.port")),
     "config": Selection(("",)),
-    "info": Selection(("model",)),
+    "info": Selection(("model", "worker.engine.cpu_isa", "worker.engine.cpu_amx", "worker.engine.cpu_activations")),
     "bench engine": Selection(("model", "worker.kind", "worker.engine.threads", "worker.engine.device",
                                "worker.engine.cpu_isa", "worker.engine.cpu_amx", "worker.engine.cpu_activations",
                                "worker.engine.kv_cache_memory", "worker.engine.kv_cache_dtype",

@@ -128,8 +128,10 @@ class EngineConfig:
                 "every token on the int16 kernels", choices=("auto", "off"))
     cpu_activations: str = setting(
         "auto", "CPU worker: the activation format of the quantized matmuls: f32 (float32 activations times "
-                "dequantized weights), i16 (activations quantized to int16 per 32-block, integer multiply-adds, "
-                "about 2e-5 relative error), auto (the faster of the two per weight type on this ISA path)",
+                "dequantized weights, for every weight type), i16 (activations quantized to int16 per 32- or 256-block "
+                "wherever a type has an int16 kernel, integer multiply-adds, about 2e-5 relative error), auto (the "
+                "kernel table's choice per weight type on this ISA path; `hybridgate info --model FILE` prints it); "
+                "f32 and i16 also keep prompts off the AMX kernels",
         choices=("auto", "f32", "i16"))
     cpu_thread_wait: str = setting(
         "passive", "CPU worker: how its kernel threads wait between parallel regions: passive sleeps at once (a "

@@ -1,12 +1,12 @@
 """`hybridgate bench kernels`: each weight type's CPU matmul against the path it replaced, per ISA path.
 
-For every type with a fast path (`quant._FAST`, so a type added there appears
-here without an edit) and every instruction-set path asked for (each in its own
-process: Numba compiles for one target per process), a random weight of the
-given shape is multiplied at each batch size by its fast matrix class, by the
-class it replaced on that path where there is one (`quant._PREVIOUS`) or else
-the kernel it was chosen over (`quant._ALTERNATIVE`), and by the
-row-dequantizing `QuantMatrix`, the three alternated in each repeat. Reported:
+For every type of the kernel table (`kernel_table.AUTO`, so a type added there
+appears here without an edit) and every instruction-set path asked for (each in
+its own process: Numba compiles for one target per process), a random weight of
+the given shape is multiplied at each batch size by the table's choice
+(cpu_activations auto), by the choice of the other activation format where that
+is another class or kernel (i16 for a float32 row, f32 for an int16 one), and by
+the row-dequantizing `QuantMatrix`, the three alternated in each repeat. Reported:
 median milliseconds per call, the weight bytes each class reads per call over
 that time (GB/s), and the fast class's speedups against the other two.
 """
@@ -20,6 +20,8 @@ import sys
 import time
 
 import numpy as np
+
+from hybridgate.workers.cpu import kernel_table  # data only: no Numba before the child selects its path
 
 BASELINES = ("other", "row-dequantize")
 
@@ -45,6 +47,15 @@ def random_weight(kind: int, rows: int, cols: int, rng: np.random.Generator) -> 
     return raw.reshape(rows, -1)
 
 
+def table_types() -> list[int]:
+    """The GGUF type ids of this path's kernel table, in its order."""
+    from hybridgate.workers.cpu import quant
+    from hybridgate.workers.cpu.blocks import LAYOUTS
+
+    ids = {layout.name: kind for kind, layout in LAYOUTS.items()}
+    return [ids[name] for name in kernel_table.AUTO[quant.PATH]]
+
+
 def _time(matrices: dict, x: np.ndarray, repeats: int) -> dict[str, float]:
     """Median seconds per matmul of each matrix, the matrices alternated within each repeat."""
     for m in matrices.values():
@@ -66,19 +77,21 @@ def measure(shape: tuple[int, int], batches: list[int], repeats: int, seed: int 
     rng = np.random.default_rng(seed)
     rows, cols = shape
     out = []
-    for kind, fast in quant._FAST.items():
+    for kind in table_types():
         data = random_weight(kind, rows, cols, rng)
-        matrices = {"fast": fast("w", kind, data, shape)}
-        other = quant._PREVIOUS.get(kind) or quant._ALTERNATIVE.get(kind)
-        if other is not None:
-            matrices["other"] = other("w", kind, data, shape)
+        matrices = {"fast": quant.quant_matrix("w", kind, data, shape)}
+        name = LAYOUTS[kind].name
+        fast, other = (kernel_table.choose(name, fmt, quant.PATH) for fmt in ("auto", "f32", "i16")
+                       if fmt == "auto" or not kernel_table.choose(name, "auto", quant.PATH).decode.startswith(fmt))
+        if (other.matrix, other.kernel) != (fast.matrix, fast.kernel) and other.matrix != "QuantMatrix":
+            matrices["other"] = quant.quant_matrix("w", kind, data, shape, other.decode.split("/")[0])
         matrices["row-dequantize"] = quant.QuantMatrix("w", kind, data, shape)
         for batch in batches:
             x = rng.standard_normal((batch, cols)).astype(np.float32)
             seconds = _time(matrices, x, repeats if batch < 16 else max(3, repeats // 3))
             row = {"isa": isa.selected().isa, "type": LAYOUTS[kind].name, "rows": rows, "cols": cols, "batch": batch}
             if "other" in matrices:
-                row["other_is"] = "previous" if kind in quant._PREVIOUS else "not chosen"
+                row["other_is"] = "not chosen"
             for name, m in matrices.items():
                 row[name] = {"class": type(m).__name__, "activations": m.activations, "ms": seconds[name] * 1e3,
                              "weight_bytes": m.nbytes, "gb_s": m.nbytes / seconds[name] / 1e9}

@@ -58,14 +58,14 @@ def _forward(runner, prompts: list[list[int]], first_block: int = 0) -> np.ndarr
 
 @pytest.mark.parametrize("activations", ["f32", "auto"])
 def test_numba_logits_match_the_torch_runner(case, activations):
-    from hybridgate.workers.cpu import quant
+    from hybridgate.workers.cpu import kernel_table, quant
     from hybridgate.workers.cpu.runner import NumbaRunner
 
     kind, model, prompts, want = case
     runner = NumbaRunner(model, kv_cache_memory="4MiB", threads=1, kv_cache_dtype="fp32", activations=activations)
     layer = runner.model.layers[0]
-    # the class this path multiplies the type with: on avx2, auto gives Q6_K the superblock kernel
-    fast = quant.FloatMatrix if kind != "Q6_K" else quant._FAST[quant.Q6_K] if activations == "auto" else quant.Q6KMatrix
+    # the class the kernel table gives the type on this path: on avx2, auto and i16 give Q6_K the superblock kernel
+    fast = quant.FloatMatrix if kind != "Q6_K" else getattr(quant, kernel_table.choose(kind, activations, quant.PATH).matrix)
     for m in (layer.qkv, layer.wo, layer.gate_up, layer.down, runner.model.lm_head):
         assert type(m) is fast, (m.name, type(m).__name__)
     got = _forward(runner, prompts)

@@ -1,4 +1,4 @@
-"""`hybridgate bench kernels`: its table covers every fast type of the path and its weights are valid blocks."""
+"""`hybridgate bench kernels`: its table covers every type of the path's kernel table and its weights are valid blocks."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from hybridgate.bench import kernels
-from hybridgate.workers.cpu import quant
+from hybridgate.workers.cpu import kernel_table, quant
 from hybridgate.workers.cpu.blocks import LAYOUTS
 
 
-@pytest.mark.parametrize("kind", sorted(quant._FAST))
+@pytest.mark.parametrize("kind", kernels.table_types())
 def test_random_weights_are_blocks_gguf_dequantizes_to_finite_values(kind):
     data = kernels.random_weight(kind, 3, 256, np.random.default_rng(kind))
     assert data.shape == (3, 256 // LAYOUTS[kind].weights * LAYOUTS[kind].nbytes)
@@ -19,15 +19,17 @@ def test_random_weights_are_blocks_gguf_dequantizes_to_finite_values(kind):
     assert np.isfinite(dense).all() and np.abs(dense).max() > 0
 
 
-def test_one_row_per_fast_type_and_batch_with_the_classes_it_compares():
+def test_one_row_per_table_type_and_batch_with_the_classes_it_compares():
     rows = kernels.measure((8, 256), [1, 3], repeats=1)
-    assert [(r["type"], r["batch"]) for r in rows] == [(LAYOUTS[k].name, b) for k in quant._FAST for b in (1, 3)]
+    assert [(r["type"], r["batch"]) for r in rows] == [(name, b) for name in kernel_table.AUTO[quant.PATH]
+                                                        for b in (1, 3)]
     for r in rows:
-        kind = next(k for k in quant._FAST if LAYOUTS[k].name == r["type"])
-        assert r["fast"]["class"] == quant._FAST[kind].__name__
+        auto = kernel_table.choose(r["type"], "auto", quant.PATH)
+        assert (r["fast"]["class"], r["fast"]["activations"]) == (auto.matrix, auto.decode.split("/")[0])
         assert r["row-dequantize"]["class"] == "QuantMatrix"
-        other = quant._PREVIOUS.get(kind) or quant._ALTERNATIVE.get(kind)
-        assert r.get("other", {}).get("class") == (other.__name__ if other else None)
+        if "other" in r:  # the other activation format, on its own class or kernel
+            assert r["other"]["activations"] != r["fast"]["activations"]
         assert r["speedup_vs_row-dequantize"] == pytest.approx(r["row-dequantize"]["ms"] / r["fast"]["ms"])
+    assert any("other" in r for r in rows)
     table = kernels._format(rows)
-    assert len(table.splitlines()) == len(rows) + 1 and "LowBitMatrix" in table
+    assert len(table.splitlines()) == len(rows) + 1 and "FloatMatrix" in table

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from hybridgate.workers.cpu import isa  # noqa: E402  (no Numba: safe to import here)
+from hybridgate.workers.cpu import isa, kernel_table  # noqa: E402  (no Numba: safe to import here)
 from tests.conftest import TIME_FACTOR  # noqa: E402
 
 RUNNABLE = isa.ISAS[isa.ISAS.index(isa.best(isa.host_features())):]
@@ -103,7 +103,7 @@ def check_path() -> dict:
 def assert_path(out: dict) -> None:
     for key, (cls, fmt) in out["classes"].items():
         kind, wanted = key.split()
-        assert cls == ("Q6KMatrix" if kind == "Q6_K" else "FloatMatrix") and fmt == wanted, (key, cls, fmt)
+        assert cls == kernel_table.choose(kind, wanted, out["isa"]).matrix and fmt == wanted, (key, cls, fmt)
     for key, err in out["random"].items():
         assert err <= LIMIT[key.split()[1]], (out["isa"], key, err)
     for key, err in out["edge"].items():
@@ -150,7 +150,7 @@ def test_fast_classes_and_their_fallback():
     # auto: the path's own class (on avx2 the superblock kernel: int8 codes, an int32 scale per 16 columns
     # and a float32 d per 256, 10.125 bits per weight)
     q6 = quant.quant_matrix("w", int(T.Q6_K), random_blocks("Q6_K", 4, 512, rng), (4, 512))
-    assert type(q6) is quant._FAST[int(T.Q6_K)] and q6.nbytes <= 4 * 512 * 10.125 / 8
+    assert type(q6).__name__ == kernel_table.choose("Q6_K", "auto", quant.PATH).matrix and q6.nbytes <= 4 * 512 * 10.125 / 8
 
 
 if __name__ == "__main__":

@@ -42,14 +42,15 @@ from numba import prange, types  # noqa: E402
 from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
-from hybridgate.workers.cpu import superblock  # noqa: E402
+from hybridgate.workers.cpu import kernel_table, superblock  # noqa: E402
 
 _JIT = dict(nogil=True, fastmath=True, cache=True)
 PANEL = 32  # weight rows a job dequantizes: two B tiles
 TOKENS = 32  # token rows a tile block multiplies: two A tiles
 JOB_PANELS = 4  # panels of 32 weight rows a job holds: each token block is read from memory once per 128 rows
 COLUMNS = 2048  # columns of a job's panels at a time (4 panels x 2048 columns of bf16: 512 KiB)
-MIN_PROMPT = 32  # shorter prompts stay on the int16 kernels (alone, one would spend more dequantizing panels)
+MIN_PROMPT = kernel_table.AMX_MIN_PROMPT  # shorter prompts stay on the int16 kernels (alone, one would spend more
+# dequantizing panels); the kernel table's threshold, so that `hybridgate info` reads it without Numba
 
 
 def tile_config() -> np.ndarray:

@@ -21,8 +21,8 @@ block's two scales go to their own lanes in the same one FMA.
 Paths: `avx512` calls `llvm.x86.avx512.pmaddw.d.512` (32 products into 16
 lanes) and accumulates in 16 float lanes; `generic` writes the same products
 as portable IR (sign-extend, multiply, add lane pairs) into 8 float lanes.
-On the `avx2` path `matmul_i16` is `avx2.matmul_i16` (the codes widened
-in-lane, the activations stored in the order that gives). The integer sums
+On the `avx2` path the kernel table (`kernel_table`) takes `avx2.matmul_i16`
+instead (the codes widened in-lane, the activations stored in the order that gives). The integer sums
 are exact, so lane layouts differ between paths only in the float
 accumulation order, which is fixed within a path: a row's result does not
 depend on the batch or tile it is computed in.
@@ -57,18 +57,6 @@ from hybridgate.workers.cpu.simd import (  # noqa: E402
     scale_pair,
 )
 
-FORMATS = ("auto", "f32", "i16")  # the cpu_activations setting's choices
-# "auto": the faster format of each weight type on each path, measured on one thread with the default
-# model's matrices (batch 1 and 16, AVX-512 machine, both paths): on AVX-512 the float kernels beat
-# int16 on Q4_1 (0.9x at batch 1, 0.5-0.8x at 16), int16 wins on Q8_0 (1.3x); on AVX2 int16 wins on
-# both (1.6-1.7x), where the 8-lane float kernels need twice the converts. Q6_K (repacked as int8 codes
-# with a scale per 16 columns), measured in CPU time on one thread on 1536-, 2048- and 8192-column
-# matrices (a busy Zen 4 EPYC): on AVX-512 float32 is 1.0-1.5x faster at batch 1 and 1.3-1.4x at 16;
-# on AVX2 int16 is 1.5x faster at batch 1 on cache-resident matrices (0.8x on a 21 MB one) and
-# 1.5-1.7x at 16. The generic path (merely correct, unmeasured) keeps float32.
-AUTO = {"avx512": {"q4_1": "f32", "q8_0": "i16", "q6_k": "f32"},
-        "avx2": {"q4_1": "i16", "q8_0": "i16", "q6_k": "i16"},
-        "generic": {"q4_1": "f32", "q8_0": "f32", "q6_k": "f32"}}
 ACC_LANES = 16 if _ISA == "avx512" else 8  # float accumulator lanes: one register on each path
 XQ_MAX = 32767.0  # int16 activations stay in ±32767, so a pair product never meets vpmaddwd's one overflow
 
@@ -77,15 +65,6 @@ _I16 = ir.IntType(16)
 _I32 = ir.IntType(32)
 _VACC = ir.VectorType(_F32, ACC_LANES)
 _VACCI = ir.VectorType(_I32, ACC_LANES)
-
-
-def activation_format(activations: str, kind: str) -> str:
-    """The format a `kind` ("q4_1", "q8_0" or "q6_k") matmul uses: "f32" (`simd.matmul_blocks`) or "i16"
-    (`matmul_i16`). activations: one of FORMATS; "auto" picks by this process's path (`AUTO`).
-    Raises ValueError naming cpu_activations for another name."""
-    if activations not in FORMATS:
-        raise ValueError(f"cpu_activations: expected one of {', '.join(FORMATS)}, got {activations!r}")
-    return AUTO[_ISA][kind] if activations == "auto" else activations
 
 
 def _lanes(builder, vec, lo: int, count: int):
@@ -292,7 +271,7 @@ def matmul_i16(x, qs, scale, minimum, out):
     32-block first (`quantize_i16`); W as in `simd.matmul_blocks` (Q4_1 uint8 nibbles or Q8_0
     int8 codes, float32 scale and minimum `[rows, cols / 32]`; minimum unused for Q8_0). Error:
     the activations' quantization, about 1.5e-5 of each block's largest value. Tiles of TILE_W
-    weight rows × TILE_X activation rows. On the avx2 path this name is `avx2.matmul_i16`."""
+    weight rows × TILE_X activation rows."""
     batch, cols = x.shape
     nblocks = cols // 32
     xq = np.empty((batch, cols), dtype=np.int16)
@@ -313,7 +292,3 @@ def matmul_i16(x, qs, scale, minimum, out):
                 _irows(xq, xs, xsum, qs, scale, minimum, out, TILE_W * g, TILE_W, b0, b1)
         for r in range(TILE_W * groups, qs.shape[0]):
             _irows(xq, xs, xsum, qs, scale, minimum, out, r, 1, b0, b1)
-
-
-if _ISA == "avx2":  # in-lane widening and one float step per block (see `avx2`)
-    from hybridgate.workers.cpu.avx2 import matmul_i16  # noqa: E402, F811

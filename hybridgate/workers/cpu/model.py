@@ -188,7 +188,7 @@ def load_layer(model: GGUFModel, i: int, activations: str, rope: dict) -> CpuLay
 class CpuModel:
     """Weights in GGUF blocks (Q4_1 and Q8_0 repacked), float32 norms, biases and RoPE tables.
 
-    activations: the quantized matmuls' activation format (`intdot.FORMATS`; "auto" by path).
+    activations: the quantized matmuls' activation format (`kernel_table.FORMATS`; "auto": the table's row of each type on this path).
     Raises ValueError naming the value when the head size is not a multiple of 16 (the attention
     kernels' vector width), or a tensor's type or shape has no kernel."""
 

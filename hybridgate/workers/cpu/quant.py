@@ -6,12 +6,13 @@ load; `matmul(x)` computes x @ W.T for activations x float32 `[batch, cols]`, re
 each weight row once for the whole batch (one pass over the weights per step): the
 row is dequantized into a per-thread scratch of `cols` floats and dotted with every
 activation row. Every type of `blocks.LAYOUTS` runs there, on every path (the code is
-plain Numba, compiled for the process's instruction set). Q4_1 (the default model's
-linear layers) and Q8_0 (its embedding and LM head) have fast paths in `simd` and
-`intdot`/`avx2`, with the fp16 scales split out and widened to float32 at load; Q4_0,
-Q4_K and Q5_0 are repacked onto those, Q6_K onto Q8_0's with a scale per 16 columns, and
-F32/F16/BF16 weights are multiplied as stored by `simd`'s float tiles (`_FAST`). On the avx2 path
-Q4_K and Q6_K have their own kernel instead (`superblock`: sub-block scales in integers, `_SUPER`).
+plain Numba, compiled for the process's instruction set). The other classes are the fast
+paths: Q4_1 and Q8_0 split (fp16 scales widened to float32 at load) for `simd` (float32
+activations) and `intdot`/`avx2` (int16), Q4_0, Q4_K and Q5_0 repacked onto those, Q6_K onto
+Q8_0's with a scale per 16 columns, the low-bit types for `kquant`, the K-quants for
+`superblock` (sub-block scales in integers), and F32/F16/BF16 as stored for `simd`'s float
+tiles. Which class and kernel multiply a type on this path is `kernel_table`'s row, and only
+there (`quant_matrix`).
 
 A fused matrix (Q, K, V; gate and up) whose parts share type and columns is one
 matrix of stacked rows; parts of different types keep one matrix (and kernel) each
@@ -23,6 +24,8 @@ from __future__ import annotations
 from hybridgate.workers.cpu import isa
 
 isa.selected()  # before Numba is imported: it compiles for the chosen instruction set
+
+import importlib  # noqa: E402
 
 import numba as nb  # noqa: E402
 import numpy as np  # noqa: E402
@@ -45,8 +48,7 @@ from hybridgate.workers.cpu.blocks import (  # noqa: E402, F401  (the type ids, 
     dequant_row,
     unpack_scales,
 )
-from hybridgate.workers.cpu.intdot import activation_format, matmul_i16  # noqa: E402
-from hybridgate.workers.cpu import kquant  # noqa: E402
+from hybridgate.workers.cpu import kernel_table, kquant  # noqa: E402
 from hybridgate.workers.cpu.kquant import CODES, matmul_packed, pack  # noqa: E402
 from hybridgate.workers.cpu.simd import matmul_blocks  # noqa: E402
 
@@ -79,7 +81,25 @@ def matmul_rows(kind, x, w, scale, minimum, out):
                 out[b, r] = s
 
 
-_KERNELS = {"f32": matmul_blocks, "i16": matmul_i16}
+PATH = kernel_table.path_of(isa.selected().isa, isa.selected().amx)  # this process's rows of the table
+
+
+def kernel(name: str):
+    """The compiled kernel a `kernel_table.KernelRow` names ("module.function" in this package)."""
+    module, function = name.split(".")
+    return getattr(importlib.import_module(f"hybridgate.workers.cpu.{module}"), function)
+
+
+def _format_row(kind: int, activations: str) -> kernel_table.KernelRow:
+    """The row of a class taking either activation format: the table's where `activations` is "auto",
+    else the explicit format's ("f32" or "i16", the class's own kernels)."""
+    if activations == "auto":
+        return kernel_table.choose(LAYOUTS[kind].name, "auto", PATH)
+    if activations not in ("f32", "i16"):
+        raise ValueError(f"cpu_activations: expected one of {', '.join(kernel_table.FORMATS)}, got {activations!r}")
+    i16 = "avx2.matmul_i16" if PATH == "avx2" else "intdot.matmul_i16"
+    return kernel_table.KernelRow("", activations if activations == "f32" else "i16/32",
+                                  "simd.matmul_blocks" if activations == "f32" else i16)
 
 
 class QuantMatrix:
@@ -89,6 +109,8 @@ class QuantMatrix:
     that are not a whole number of blocks."""
 
     activations = "f32"  # the row-dequantizing kernel multiplies float32 activations
+    kernel_name = "quant.matmul_rows"  # the decode kernel (`kernel_table.KernelRow.kernel`)
+    prompt_kernel = ""  # "amx.multiply" where the table gives this matrix AMX prompt rows (set by quant_matrix)
     column_multiple = 1  # columns must be a whole number of blocks (checked by `unpack_scales`)
 
     def __init__(self, name: str, kind: int, data: np.ndarray, shape: tuple[int, int], activations: str = "auto"):
@@ -129,7 +151,7 @@ class QuantMatrix:
         tiles (`amx`: bf16 weights, activations split hi + lo) where this process runs them and this matrix
         has a format there, the other rows on `matmul`. Which kernel computes a row is fixed by the row's
         request, so a row's bits do not depend on its batch."""
-        arrays = self._amx_arrays() if len(prompt) and isa.selected().amx and self.shape[0] % amx.PANEL == 0 else None
+        arrays = self._amx_arrays() if len(prompt) and self.prompt_kernel and self.shape[0] % amx.PANEL == 0 else None
         if arrays is None:
             return self.matmul(x, out)
         out = self._out(x, out)
@@ -153,8 +175,8 @@ class Q41Matrix(QuantMatrix):
 
     def __init__(self, name: str, kind: int, data: np.ndarray, shape: tuple[int, int], activations: str = "auto"):
         super().__init__(name, kind, data, shape)  # scale and minimum: unpacked by QuantMatrix
-        self.activations = activation_format(activations, "q4_1")
-        self._kernel = _KERNELS[self.activations]
+        row = _format_row(kind, activations)
+        self.activations, self.kernel_name, self._kernel = row.decode.split("/")[0], row.kernel, kernel(row.kernel)
         self.qs = self._nibbles()
         self.data = None
 
@@ -182,12 +204,10 @@ class Q80Matrix(QuantMatrix):
     """Q8_0 split: int8 codes `[rows, cols]` and float32 scales `[rows, cols / 32]` (9 bits per weight).
     Multiplied by `simd.matmul_blocks` or `intdot.matmul_i16`, as for `Q41Matrix`."""
 
-    format_kind = "q8_0"  # its row of `intdot.AUTO`
-
     def __init__(self, name: str, kind: int, data: np.ndarray, shape: tuple[int, int], activations: str = "auto"):
         super().__init__(name, kind, data, shape)  # scale: unpacked by QuantMatrix
-        self.activations = activation_format(activations, self.format_kind)
-        self._kernel = _KERNELS[self.activations]
+        row = _format_row(kind, activations)
+        self.activations, self.kernel_name, self._kernel = row.decode.split("/")[0], row.kernel, kernel(row.kernel)
         self.minimum = self.scale  # no min: the kernels ignore it for int8 codes (one array, not two)
         self.qs = self._codes()
         self.data = None
@@ -260,7 +280,7 @@ class Q45KSuperMatrix(QuantMatrix):
     applied in integers and one float step per super-block (see `superblock`). Error: at most max|x_sb| /
     65534 per activation."""
 
-    activations = "i16"
+    activations, kernel_name = "i16", "superblock.matmul_superblock"
     column_multiple = 256
 
     def __init__(self, name: str, kind: int, data: np.ndarray, shape: tuple[int, int], activations: str = "auto"):
@@ -299,7 +319,7 @@ class Q6KSuperMatrix(QuantMatrix):
     scales applied in integers and a float step per 128 (avx2) or 256 (avx512) columns (see `superblock`).
     Error: at most max|x_sb| / 65534 per activation."""
 
-    activations = "i16"
+    activations, kernel_name = "i16", "superblock.matmul_superblock"
     column_multiple = 256
 
     def __init__(self, name: str, kind: int, data: np.ndarray, shape: tuple[int, int], activations: str = "auto"):
@@ -354,7 +374,7 @@ class LowBitMatrix(QuantMatrix):
     The GGUF bytes are not kept. Error: the activations' rounding, at most max|x_block| / 65534 per
     activation (about 2e-5 of a product, as `intdot`)."""
 
-    activations = "i16"
+    activations, kernel_name = "i16", "kquant.matmul_packed"
 
     def __init__(self, name: str, kind: int, data: np.ndarray, shape: tuple[int, int], activations: str = "auto"):
         super().__init__(name, kind, data, shape)  # the type and shape checks
@@ -405,8 +425,6 @@ class Q6KMatrix(Q80Matrix):
     the kernels apply to its columns 0..15 and 16..31); 10 bits per weight instead of 6.5625. Exact:
     w = (d·sc)·(c - 32) as gguf computes it."""
 
-    format_kind = "q6_k"
-
     def __init__(self, name: str, kind: int, data: np.ndarray, shape: tuple[int, int], activations: str = "auto"):
         super().__init__(name, kind, data, shape, activations)
         self.scale = self.minimum = np.ascontiguousarray(self.scale.reshape(shape[0], shape[1] // 32, 2))
@@ -433,6 +451,7 @@ class FloatMatrix(QuantMatrix):
     must be a multiple of 32 (`quant_matrix` gives other widths to the row kernel)."""
 
     column_multiple = 32
+    kernel_name = "simd.matmul_blocks"
     _STORED = {F32: np.float32, F16: np.int16, BF16: np.uint16}
 
     def __init__(self, name: str, kind: int, data: np.ndarray, shape: tuple[int, int], activations: str = "auto"):
@@ -469,37 +488,21 @@ class FloatMatrix(QuantMatrix):
         return q.copy()
 
 
-# The classes whose kernels take either activation format (`intdot.activation_format`): an explicit
-# cpu_activations ("f32" or "i16") picks these for their types.
-_FORMATTED = {Q4_0: Q40Matrix, Q4_1: Q41Matrix, Q4_K: Q4KMatrix, Q5_0: Q50Matrix, Q6_K: Q6KMatrix, Q8_0: Q80Matrix}
-# Where `LowBitMatrix` replaces a type's formatted class by default, per path: where it measured faster at
-# batch 1 and at 16 (`hybridgate bench kernels`, docs/results/cpu-kernels-*.json). On avx2 the in-lane int16
-# kernels of `avx2` stay ahead for the types they take.
-_LOW_BIT = {"avx512": (Q5_0, Q5_1, Q5_K), "avx2": (Q5_1, Q5_K), "generic": (Q4_0, Q4_K, Q5_0, Q5_1, Q5_K)}
-# Kernels of one type on one path: on avx2, the K-quants' sub-block scales applied in integers (`superblock`:
-# Q4_K 1.5-1.7x the Q4_1 kernel at batch 16-256, 1.0-1.1x at batch 1, Q6_K 1.0-1.2x, 2 threads, a Zen 3 EPYC).
-_SUPER = {path: {Q4_K: Q45KSuperMatrix, Q5_K: Q45KSuperMatrix, Q6_K: Q6KSuperMatrix}
-          for path in ("avx2", "avx512")}.get(isa.selected().isa, {})
-SUPER_TYPES = tuple(LAYOUTS[kind].name for kind in _SUPER)  # e.g. ("Q4_K", "Q5_K", "Q6_K")
-# Types with a repacked fast path on this process's path; the others dequantize rows.
-_FAST = {**_FORMATTED, F32: FloatMatrix, F16: FloatMatrix, BF16: FloatMatrix,
-         **{kind: LowBitMatrix for kind in _LOW_BIT[isa.selected().isa]}, **_SUPER}
-# The fast paths `_FAST` replaced on this path, kept for `hybridgate bench kernels` to measure against;
-# and the kernel it did not choose, for the same table.
-_PREVIOUS = {kind: _FORMATTED[kind] for kind in _FAST if _FAST[kind] is not _FORMATTED.get(kind) and kind in _FORMATTED}
-_ALTERNATIVE = {kind: LowBitMatrix for kind in CODES if _FAST.get(kind) is not LowBitMatrix}
-
-
 def quant_matrix(name: str, kind: int, data: np.ndarray, shape: tuple[int, int],
                  activations: str = "auto") -> QuantMatrix:
-    """The matrix class for `kind`: its fast path on this path (`_FAST`: F32, F16 and BF16 with float32
-    activations), or with an explicit activation format ("f32", "i16") the class that takes it
-    (`_FORMATTED`, see `intdot.activation_format`); row dequantization for the other types and for
-    columns the chosen class does not take."""
-    cls = _FORMATTED[kind] if activations != "auto" and kind in _FORMATTED else _FAST.get(kind, QuantMatrix)
+    """The matrix multiplying a `kind` weight on this path under the cpu_activations setting `activations`
+    (`kernel_table.choose`: the one place the choice is made); the row-dequantizing `QuantMatrix` for
+    columns the chosen class does not take. Raises ValueError naming cpu_activations for an unknown
+    setting, and naming the tensor for a type without a kernel."""
+    if kind not in LAYOUTS:
+        return QuantMatrix(name, kind, data, shape)  # raises, naming the tensor and the supported types
+    row = kernel_table.choose(LAYOUTS[kind].name, activations, PATH)
+    cls = globals()[row.matrix]
     if shape[1] % cls.column_multiple:
-        cls = QuantMatrix
-    return cls(name, kind, data, shape, activations)
+        return QuantMatrix(name, kind, data, shape)
+    matrix = cls(name, kind, data, shape, row.decode.split("/")[0] if issubclass(cls, (Q41Matrix, Q80Matrix)) else activations)
+    matrix.prompt_kernel = row.prompt_kernel
+    return matrix
 
 
 class FusedMatrix:

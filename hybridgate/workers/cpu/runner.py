@@ -16,7 +16,7 @@ import numpy as np  # noqa: E402
 from hybridgate.mempool import DEFAULT_BLOCK_SIZE, PinnedPool, PoolStats  # noqa: E402
 from hybridgate.models import GGUFModel  # noqa: E402
 from hybridgate.workers.cpu import model as cpu_model  # noqa: E402
-from hybridgate.workers.cpu import blocks, intdot, kquant, quant, simd  # noqa: E402
+from hybridgate.workers.cpu import blocks, kernel_table, quant  # noqa: E402
 from hybridgate.workers.cpu.kvdtype import DEFAULT_KV_DTYPE, kv_dtype  # noqa: E402
 from hybridgate.workers.cpu.model import CpuModel  # noqa: E402
 from hybridgate.workers.cpu.threadfallback import ThreadFallback  # noqa: E402
@@ -30,10 +30,11 @@ from hybridgate.wire import TokenLogprobs  # noqa: E402
 
 log = logging.getLogger("hybridgate.worker")
 
+# The matmul kernels this path's table names under any cpu_activations, and the layers' own.
 KERNELS = [
-    ("matmul_blocks", simd.matmul_blocks), ("matmul_i16", intdot.matmul_i16),
-    ("matmul_packed", kquant.matmul_packed),
-    ("matmul_rows", quant.matmul_rows), ("dequant_row", blocks.dequant_row),
+    *((name.split(".")[1], quant.kernel(name)) for name in sorted({kernel_table.choose(t, fmt, quant.PATH).kernel
+                                                     for t in kernel_table.AUTO[quant.PATH] for fmt in kernel_table.FORMATS})),
+    ("dequant_row", blocks.dequant_row),
     ("rms_norm", cpu_model.rms_norm), ("rope_and_store", cpu_model.rope_and_store),
     ("paged_attention", cpu_model.paged_attention), ("silu_mul", cpu_model.silu_mul),
     ("import_kv_layer", cpu_model.import_kv_layer), ("rms_norm_serial", cpu_model.rms_norm_serial),
@@ -41,8 +42,16 @@ KERNELS = [
     ("silu_mul_serial", cpu_model.silu_mul_serial), ("qkv_prologue", cpu_model.qkv_prologue),
     ("qkv_prologue_serial", cpu_model.qkv_prologue_serial), ("gelu_tanh_mul", cpu_model.gelu_tanh_mul),
     ("gelu_tanh_mul_serial", cpu_model.gelu_tanh_mul_serial),
-    *([("matmul_superblock", quant.superblock.matmul_superblock)] if hasattr(quant, "superblock") else []),  # the avx2 and avx512 paths'
 ]
+
+
+def activations_summary(model: cpu_model.CpuModel, setting: str) -> str:
+    """The activation formats the model's matrices run, e.g. "auto: q4_1 i16/32, q6_k i16/256, q8_0 i16/32"."""
+    matrices = [m for layer in model.layers for m in layer.arrays() if hasattr(m, "kind") or hasattr(m, "parts")]
+    kinds = {part.kind for m in [*matrices, model.lm_head] for part in getattr(m, "parts", [m]) if hasattr(part, "kind")}
+    names = sorted(blocks.LAYOUTS[k].name for k in kinds if k in blocks.LAYOUTS)
+    return f"{setting}: " + ", ".join(
+        f"{name.lower()} {kernel_table.choose(name, setting, quant.PATH).decode}" for name in names)
 
 
 def kernel_cache_stats() -> tuple[int, int]:
@@ -74,10 +83,7 @@ class NumbaRunner:
         self.threads = threads
         self.thread_fallback = ThreadFallback(threads) if thread_fallback and threads > 1 else None
         self.model = CpuModel(model, activations=activations)
-        # e.g. "i16", or "auto: q4_1 f32, q8_0 i16, q6_k i16/256" (the K-quants' superblock kernels: per 256)
-        auto = {**intdot.AUTO[isa.selected().isa], **{name.lower(): "i16/256" for name in quant.SUPER_TYPES}}
-        self.cpu_activations = activations if activations != "auto" else "auto: " + ", ".join(
-            f"{k} {v}" for k, v in auto.items())
+        self.cpu_activations = activations_summary(self.model, activations)  # e.g. "auto: q4_1 i16/32, q8_0 i16/32"
         c = model.config
         self.max_model_len = c.max_model_len
         self.vocab_size = c.vocab_size
@@ -108,7 +114,8 @@ class NumbaRunner:
         target = isa.selected()
         self.cpu_isa = target.isa
         # Prompts of at least this many tokens multiply on AMX tiles (`amx`; None: no AMX in this process).
-        self.long_prompt = quant.amx.MIN_PROMPT if target.amx else None
+        self.long_prompt = quant.amx.MIN_PROMPT if target.amx and activations == "auto" else None  # the table's
+        # explicit formats keep prompts on the decode kernels
         log.info("CPU kernels: %s path (LLVM target %s%s%s), activations %s, cache %s", target.isa, target.cpu_name,
                  ", VNNI" if target.vnni else "", f", AMX-BF16 for prompts of {self.long_prompt}+ tokens"
                  if target.amx else "", self.cpu_activations, target.cache_dir)

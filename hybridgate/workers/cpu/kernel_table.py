@@ -1,0 +1,140 @@
+"""The CPU kernel table: which matrix class and kernels multiply each GGUF weight type on each path.
+
+This is the one place the choice is made. `AUTO` is literal: for every
+(path, weight type) the matrix class of `quant`, the kernel a step's decode
+rows (and every row of a short prompt) run on, its activation format, and the
+prompt kernel with its activation format and row threshold (a request's prompt
+of at least `prompt_rows` tokens multiplies its own tokens there). An explicit
+`cpu_activations` is a rule over the same data (`choose`): `f32` is float32
+activations for every type (the row-dequantizing `QuantMatrix` for types
+without a float32 fast kernel, Q5_1 and Q5_K), `i16` is int16 activations
+wherever a type has an int16 kernel; neither takes the AMX prompt kernel, so a
+prompt row gets the bits a decode row would.
+
+Paths: `avx512-amx` is the avx512 path with AMX-BF16 granted (`isa.Target.amx`);
+the others are `isa.ISAS`. Activation formats: `f32`; `i16/32` (int16 per
+32-column block, `intdot`, `avx2`, `kquant`); `i16/256` (int16 per 256-column
+super-block, the sub-block scales in integers, `superblock`); `bf16x2` (two
+bf16 halves on AMX tiles, `amx`).
+
+Why each row is what it is (`hybridgate bench kernels`, docs/results/cpu-kernels-*.json):
+on avx512 the float kernels beat int16 on Q4_1 (0.9x at batch 1, 0.5-0.8x at 16) and int16
+wins on Q8_0 (1.3x); on avx2 int16 wins on both (1.6-1.7x), where the 8-lane float kernels
+need twice the converts. `LowBitMatrix` (`kquant`) replaced the formatted classes where it
+measured faster at batch 1 and 16: Q5_0 and Q5_1 on avx512, Q5_1 on avx2 (the in-lane int16
+kernels of `avx2` stay ahead for the types they take), every low-bit type but Q4_1 on generic.
+The K-quants' super-block kernels (`superblock`) on avx2 measured Q4_K 1.5-1.7x the Q4_1 kernel at
+batch 16-256 and 1.0-1.1x at 1, Q6_K 1.0-1.2x (2 threads, a Zen 3 EPYC). The generic path is
+merely correct (unmeasured): float32 where it has a fast kernel.
+
+This module imports no Numba: `hybridgate info` prints the rows a file uses without compiling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FORMATS = ("auto", "f32", "i16")  # the cpu_activations setting's choices
+PATHS = ("avx512-amx", "avx512", "avx2", "generic")
+AMX_MIN_PROMPT = 32  # `amx.MIN_PROMPT`: shorter prompts stay on the decode kernel
+
+
+@dataclass(frozen=True)
+class KernelRow:
+    """How one weight type is multiplied on one path."""
+
+    matrix: str  # the class in `quant`
+    decode: str  # activation format of the decode kernel (see the module docstring)
+    kernel: str  # the decode kernel, "module.function" under hybridgate.workers.cpu
+    prompt: str = ""  # activation format of the prompt kernel ("": prompts run on the decode kernel)
+    prompt_kernel: str = ""  # "module.function"
+    prompt_rows: int | None = None  # a prompt of at least this many tokens runs on the prompt kernel
+
+    def describe(self) -> str:
+        """One line, e.g. "Q45KSuperMatrix i16/256 superblock.matmul_superblock; prompts of 32+ tokens bf16x2
+        amx.multiply"."""
+        text = f"{self.matrix} {self.decode} {self.kernel}"
+        if self.prompt_kernel:
+            text += f"; prompts of {self.prompt_rows}+ tokens {self.prompt} {self.prompt_kernel}"
+        return text
+
+
+_ROWS = "quant.matmul_rows"  # dequantize a row into float32, then dot it
+_FLOAT = KernelRow("FloatMatrix", "f32", "simd.matmul_blocks")
+_DEQUANT = KernelRow("QuantMatrix", "f32", _ROWS)
+_SUPER45 = KernelRow("Q45KSuperMatrix", "i16/256", "superblock.matmul_superblock")
+_SUPER6 = KernelRow("Q6KSuperMatrix", "i16/256", "superblock.matmul_superblock")
+_PACKED = KernelRow("LowBitMatrix", "i16/32", "kquant.matmul_packed")
+
+
+def _amx(row: KernelRow) -> KernelRow:
+    return KernelRow(row.matrix, row.decode, row.kernel, "bf16x2", "amx.multiply", AMX_MIN_PROMPT)
+
+
+# AUTO[path][type name]: every type of `blocks.LAYOUTS` on every path.
+_AVX512 = {
+    "F32": _FLOAT, "F16": _FLOAT, "BF16": _FLOAT,
+    "Q4_0": KernelRow("Q40Matrix", "f32", "simd.matmul_blocks"),
+    "Q4_1": KernelRow("Q41Matrix", "f32", "simd.matmul_blocks"),
+    "Q5_0": _PACKED, "Q5_1": _PACKED,
+    "Q8_0": KernelRow("Q80Matrix", "i16/32", "intdot.matmul_i16"),
+    "Q4_K": _SUPER45, "Q5_K": _SUPER45, "Q6_K": _SUPER6,
+}
+AUTO = {
+    "avx512-amx": {**_AVX512, **{name: _amx(_AVX512[name]) for name in  # the types `amx` has a format for
+                                 ("BF16", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")}},
+    "avx512": _AVX512,
+    "avx2": {
+        "F32": _FLOAT, "F16": _FLOAT, "BF16": _FLOAT,
+        "Q4_0": KernelRow("Q40Matrix", "i16/32", "avx2.matmul_i16"),
+        "Q4_1": KernelRow("Q41Matrix", "i16/32", "avx2.matmul_i16"),
+        "Q5_0": KernelRow("Q50Matrix", "i16/32", "avx2.matmul_i16"),
+        "Q5_1": _PACKED,
+        "Q8_0": KernelRow("Q80Matrix", "i16/32", "avx2.matmul_i16"),
+        "Q4_K": _SUPER45, "Q5_K": _SUPER45, "Q6_K": _SUPER6,
+    },
+    "generic": {
+        "F32": _FLOAT, "F16": _FLOAT, "BF16": _FLOAT,
+        "Q4_0": _PACKED,
+        "Q4_1": KernelRow("Q41Matrix", "f32", "simd.matmul_blocks"),
+        "Q5_0": _PACKED, "Q5_1": _PACKED,
+        "Q8_0": KernelRow("Q80Matrix", "f32", "simd.matmul_blocks"),
+        "Q4_K": _PACKED, "Q5_K": _PACKED,
+        "Q6_K": KernelRow("Q6KMatrix", "f32", "simd.matmul_blocks"),
+    },
+}
+# The classes that take either activation format on the 32-column kernels (`simd.matmul_blocks` for f32,
+# `intdot.matmul_i16` or on avx2 `avx2.matmul_i16` for i16), used by an explicit cpu_activations.
+FORMATTED = {"Q4_0": "Q40Matrix", "Q4_1": "Q41Matrix", "Q4_K": "Q4KMatrix", "Q5_0": "Q50Matrix",
+             "Q6_K": "Q6KMatrix", "Q8_0": "Q80Matrix"}
+
+
+def path_of(isa: str, amx: bool = False) -> str:
+    """The table's path of an `isa.Target` (its isa, and amx)."""
+    return "avx512-amx" if isa == "avx512" and amx else isa
+
+
+def choose(type_name: str, activations: str, path: str) -> KernelRow:
+    """The row multiplying a `type_name` ("Q4_K", `blocks.LAYOUTS[...].name`) weight on `path` under the
+    cpu_activations setting `activations` (one of FORMATS). Raises ValueError naming cpu_activations for
+    another setting, and KeyError for a path or type the table lacks."""
+    if activations not in FORMATS:
+        raise ValueError(f"cpu_activations: expected one of {', '.join(FORMATS)}, got {activations!r}")
+    auto = AUTO[path][type_name]
+    if activations == "auto":
+        return auto
+    i16 = "avx2.matmul_i16" if path == "avx2" else "intdot.matmul_i16"
+    formatted = FORMATTED.get(type_name)
+    decode_only = KernelRow(auto.matrix, auto.decode, auto.kernel)
+    if activations == "f32":
+        if auto.decode == "f32":
+            return decode_only
+        return KernelRow(formatted, "f32", "simd.matmul_blocks") if formatted else _DEQUANT
+    if auto.decode.startswith("i16") or not formatted:  # F32, F16, BF16: no int16 kernel
+        return decode_only
+    return KernelRow(formatted, "i16/32", i16)
+
+
+def table_lines(type_names: list[str], activations: str, path: str) -> list[str]:
+    """`hybridgate info`'s lines: one per type, "Q4_K: Q45KSuperMatrix i16/256 ..."."""
+    return [f"{name}: {choose(name, activations, path).describe()}" for name in type_names]

@@ -1,0 +1,73 @@
+"""The CPU kernel table: its rows as literal expectations, and the matrices `quant_matrix` builds follow them.
+
+The first test is the table as reviewed: a change of any row (a new kernel chosen, a type moved to another
+class) has to change this file too. The others build every type on this process's path and check that the
+class, activation format and kernel of what runs are the row's, and that `--cpu-activations f32` means
+float32 activations for every type (Q5_1 and Q5_K once stayed int16 under it).
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+
+from hybridgate.workers.cpu import kernel_table
+from tests.unit.test_cpu_kernels import random_blocks
+
+T = gguf.GGMLQuantizationType
+AMX = "; prompts of 32+ tokens bf16x2 amx.multiply"
+FLOATS = {name: "FloatMatrix f32 simd.matmul_blocks" for name in ("F32", "F16", "BF16")}
+K_QUANTS = {"Q4_K": "Q45KSuperMatrix i16/256 superblock.matmul_superblock",
+            "Q5_K": "Q45KSuperMatrix i16/256 superblock.matmul_superblock",
+            "Q6_K": "Q6KSuperMatrix i16/256 superblock.matmul_superblock"}
+PACKED = "LowBitMatrix i16/32 kquant.matmul_packed"
+EXPECTED = {
+    "avx512": {**FLOATS, "Q4_0": "Q40Matrix f32 simd.matmul_blocks", "Q4_1": "Q41Matrix f32 simd.matmul_blocks",
+               "Q5_0": PACKED, "Q5_1": PACKED, "Q8_0": "Q80Matrix i16/32 intdot.matmul_i16", **K_QUANTS},
+    "avx2": {**FLOATS, "Q4_0": "Q40Matrix i16/32 avx2.matmul_i16", "Q4_1": "Q41Matrix i16/32 avx2.matmul_i16",
+             "Q5_0": "Q50Matrix i16/32 avx2.matmul_i16", "Q5_1": PACKED, "Q8_0": "Q80Matrix i16/32 avx2.matmul_i16",
+             **K_QUANTS},
+    "generic": {**FLOATS, "Q4_0": PACKED, "Q4_1": "Q41Matrix f32 simd.matmul_blocks", "Q5_0": PACKED,
+                "Q5_1": PACKED, "Q8_0": "Q80Matrix f32 simd.matmul_blocks", "Q4_K": PACKED, "Q5_K": PACKED,
+                "Q6_K": "Q6KMatrix f32 simd.matmul_blocks"},
+}
+EXPECTED["avx512-amx"] = {name: row + (AMX if name in ("BF16", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+                                      else "") for name, row in EXPECTED["avx512"].items()}
+
+
+def test_the_auto_rows_are_the_reviewed_table():
+    got = {path: {name: row.describe() for name, row in rows.items()} for path, rows in kernel_table.AUTO.items()}
+    assert got == EXPECTED
+
+
+@pytest.mark.parametrize("path", kernel_table.PATHS)
+def test_f32_is_float32_for_every_type_and_i16_int16_wherever_a_type_has_it(path):
+    for name in kernel_table.AUTO[path]:
+        f32, i16 = (kernel_table.choose(name, fmt, path) for fmt in ("f32", "i16"))
+        assert f32.decode == "f32" and not f32.prompt_kernel, (path, name, f32)
+        assert f32.kernel in ("simd.matmul_blocks", "quant.matmul_rows"), (path, name, f32)
+        assert not i16.prompt_kernel
+        assert i16.decode.startswith("i16") == (name not in ("F32", "F16", "BF16")), (path, name, i16)
+    assert kernel_table.choose("Q5_K", "f32", path).matrix == "QuantMatrix"  # no float32 fast kernel: rows
+    with pytest.raises(ValueError, match="cpu_activations"):
+        kernel_table.choose("Q4_K", "i8", path)
+
+
+@pytest.mark.parametrize("activations", kernel_table.FORMATS)
+def test_matrices_run_the_row_this_path_chose(activations):
+    from hybridgate.workers.cpu import quant
+
+    rng = np.random.default_rng(5)
+    rows, cols = 32, 512
+    x = rng.standard_normal((3, cols)).astype(np.float32)
+    for name in kernel_table.AUTO[quant.PATH]:
+        row = kernel_table.choose(name, activations, quant.PATH)
+        data = random_blocks(name, rows, cols, rng)
+        m = quant.quant_matrix("w", int(T[name]), data, (rows, cols), activations)
+        assert (type(m).__name__, m.activations, m.kernel_name, m.prompt_kernel) == \
+               (row.matrix, row.decode.split("/")[0], row.kernel, row.prompt_kernel), (name, activations)
+        dense = np.asarray(gguf.quants.dequantize(data, T[name]), np.float64).reshape(rows, cols)
+        want = x.astype(np.float64) @ dense.T
+        bound = (1e-6 if m.activations == "f32" else 4e-5) * np.abs(x).max() * np.abs(dense).sum(axis=1)
+        assert (np.abs(m.matmul(x) - want) <= bound).all(), (name, activations)
