@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hybridgate.children import die_with_parent
+from hybridgate.cpuset import available_cores, format_cpulist, split, worker_cores
 from hybridgate.gateway.admission import Admission
 from hybridgate.gateway.models import ModelTable, ServedModel
 from hybridgate.gateway.server import Gateway
@@ -27,7 +28,7 @@ from hybridgate.scaleout import ExtraGateways, gateway_group
 from hybridgate.serveconf import LayoutConfig, ModelSpec
 from hybridgate.supervise import Supervisor
 from hybridgate.wire import WorkerState
-from hybridgate.workerconf import WorkerConfig
+from hybridgate.workerconf import EngineConfig, WorkerConfig
 
 if TYPE_CHECKING:
     from hybridgate.settings import Settings
@@ -283,6 +284,38 @@ def remove_stale_socket_dirs() -> list[str]:
     return removed
 
 
+def cpu_engines(engine: EngineConfig, kinds: Sequence[str], cuda: bool,
+                available: tuple[int, ...]) -> list[EngineConfig]:
+    """Each worker's engine settings, in `kinds`' order: the workers computing on the CPU (CPU workers, and
+    GPU workers too without CUDA: their torch device is the CPU) share its cores instead of each taking all.
+
+    Each gets its own contiguous slice of --cpu-cores (default: `available`, or --numa-node's cores among
+    them), and threads (unless --threads) as many as its slice's cores. A lone such worker is left
+    unpinned unless --cpu-cores or --numa-node names its cores; GPU workers on CUDA get no --cpu-cores (only
+    --numa-node's cores). With fewer cores than such workers there
+    are no disjoint slices: they share the cores (--cpu-cores'; by default unpinned), a warning says so,
+    and the threads are split as evenly as they go.
+    """
+    on_cpu = [kind == "cpu" or not cuda for kind in kinds]
+    count = sum(on_cpu)
+    named = worker_cores(engine.cpu_cores, engine.numa_node, available)
+    others = replace(engine, cpu_cores="")  # GPU workers on CUDA: --numa-node's cores at most
+    if count == 0 or (count == 1 and named is None):
+        return [engine if computes else others for computes in on_cpu]
+    cores = named or available
+    slices = split(cores, count)
+    if slices is None:
+        log.warning("%d cores (%s) for %d workers computing on the CPU: fewer cores than workers, so they are not "
+                    "pinned to disjoint cores%s", len(cores), format_cpulist(cores), count,
+                    " (each runs on all of --cpu-cores)" if engine.cpu_cores else "")
+        shared = replace(engine, threads=engine.threads or max(1, len(cores) // count))
+        placed = iter([shared] * count)
+    else:
+        placed = iter(replace(engine, cpu_cores=format_cpulist(part), threads=engine.threads or len(part))
+                      for part in slices)
+    return [next(placed) if computes else others for computes in on_cpu]
+
+
 def serve(config: Settings) -> int:
     """Gateway in this process, each model's workers (`worker_layout`) in spawned children; exit 0 on
     SIGINT/SIGTERM, no child left."""
@@ -291,16 +324,10 @@ def serve(config: Settings) -> int:
     specs = config.models
     layouts = [worker_layout(config.layout, spec) for spec in specs]
     kinds = [kind for layout in layouts for kind in layout]
-    threads = config.worker.engine.threads
-    # The workers that compute on the CPU share its cores instead of each taking all: the CPU workers,
-    # and the GPU workers too where there is no CUDA (their torch device is the CPU).
-    on_cpu = kinds.count("cpu") + (kinds.count("gpu") if "gpu" in kinds and not cuda_present() else 0)
-    if threads is None and on_cpu > 1:
-        threads = max(1, (os.cpu_count() or 1) // on_cpu)
+    engines = iter(cpu_engines(config.worker.engine, kinds, "gpu" in kinds and cuda_present(), available_cores()))
     remove_stale_socket_dirs()
     private = tempfile.mkdtemp(prefix="hybridgate-")  # mode 0700: only this user reaches the ipc sockets
     Path(private, "serve.pid").write_text(str(os.getpid()))
-    engine = replace(config.worker.engine, threads=threads)
     pools, configs = [], {}
     for spec, layout in zip(specs, layouts):
         path = resolved_path(spec)
@@ -309,7 +336,7 @@ def serve(config: Settings) -> int:
         endpoints = [f"ipc://{private}/worker-{len(configs) + i}.sock" for i in range(len(layout))]
         for name, kind, endpoint in zip(names, layout, endpoints):
             configs[name] = replace(config.worker, model_path=path, model_name=spec.name, endpoint=endpoint,
-                                    kind=kind, engine=engine, parent_pid=os.getpid(), name=name,
+                                    kind=kind, engine=next(engines), parent_pid=os.getpid(), name=name,
                                     max_model_len=config.worker.max_model_len or config.router.max_model_len)
         pools.append(ModelPool(spec.name, path, tuple(endpoints), tuple(names)))
     supervisor = Supervisor(configs, config.supervisor, private)  # its workers bind once loaded: no socket check

@@ -71,7 +71,8 @@ class LayoutConfig:
         None, "GPU workers (the PyTorch runner; on a CPU torch device where there is no CUDA); "
               "default: 1 where CUDA is present, else 0", low=0)
     cpu_workers: int = setting(1, "CPU workers (Numba kernels on the GGUF blocks); the workers that compute "
-                                  "on the CPU share its cores unless --threads is given", low=0)
+                                  "on the CPU get disjoint slices of its cores (--cpu-cores) and, unless "
+                                  "--threads is given, a thread per core", low=0)
     worker_endpoints: tuple[str, ...] = setting(
         (), "a running worker's endpoint (ipc://PATH or tcp://HOST:PORT); repeat for several", flag="--worker")
     gateways: int = setting(

@@ -103,7 +103,19 @@ class EngineConfig:
     """How a worker's runner uses its device: the settings `build_runner` passes on."""
 
     threads: int | None = setting(
-        None, "CPU threads per worker (default: all cores; under serve, the workers computing on the CPU split them)", low=1)
+        None, "CPU threads per worker (default: as many as its cores: --cpu-cores, else all the process may run on; "
+              "under serve, the workers computing on the CPU split them)", low=1)
+    cpu_cores: str = setting(
+        "", "the cores a worker's threads run on, a Linux cpulist such as 0-3,8 (the worker pins itself before its "
+            "compute threads start; its threads default to their count; default: unpinned). Under serve, the "
+            "cores that the workers computing on the CPU (CPU workers; GPU workers too without CUDA) split into "
+            "contiguous, disjoint slices, one per worker in start order; default there: the cores serve may run "
+            "on (or --numa-node's), split when there are at least as many as those workers (else unpinned, "
+            "with a warning), a lone such worker unpinned")
+    numa_node: int | None = setting(
+        None, "NUMA node whose cores a worker's threads run on (/sys/devices/system/node/nodeN/cpulist; with "
+              "--cpu-cores, those cores, which must lie on the node) and whose memory it prefers (set_mempolicy "
+              "MPOL_PREFERRED; a warning where that cannot be set); under serve, every worker's", low=0)
     device: str | None = setting(None, "torch device of the GPU worker (default: cuda if present, else cpu)")
     kv_cache_memory: str | None = setting(
         None, "KV cache size: bytes (e.g. 2GiB) or a fraction of free device memory after weights (GPU) "
@@ -158,6 +170,10 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_settings(self)
+        if self.cpu_cores or self.numa_node is not None:
+            from hybridgate.cpuset import worker_cores  # stdlib only; loaded where the settings are used
+
+            worker_cores(self.cpu_cores, self.numa_node)  # raises naming the setting: bad list, cores or node
 
 
 @dataclass(frozen=True)

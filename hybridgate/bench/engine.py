@@ -45,6 +45,7 @@ from hybridgate.bench.bandwidth import BandwidthProbe
 from hybridgate.config import resolve
 from hybridgate.models import Tokenizer, load_gguf, model_fingerprint
 from hybridgate.wire import AddRequest, SamplingParams
+from hybridgate.workers import affinity
 from hybridgate.workers.engine import EngineCore
 from hybridgate.workers.scheduler import SchedulerConfig
 
@@ -218,6 +219,7 @@ def run(args: argparse.Namespace) -> dict:
         print(f"model: {path}", flush=True)
     else:
         path = Path(settings.model_path)
+    threads = affinity.pin_engine(engine)  # before the weights are read and any compute thread starts
     model = load_gguf(path)
     tokenizer = Tokenizer.from_model(model)
     if cpu:
@@ -230,7 +232,7 @@ def run(args: argparse.Namespace) -> dict:
             log.warning("%s; the bench keeps the policy in force", exc)
         from hybridgate.workers.cpu.runner import NumbaRunner
 
-        ours = EngineBench(model, NumbaRunner(model, engine.kv_cache_memory or "1GiB", threads=engine.threads,
+        ours = EngineBench(model, NumbaRunner(model, engine.kv_cache_memory or "1GiB", threads=threads,
                                               activations=engine.cpu_activations,
                                               kv_cache_dtype=engine.kv_cache_dtype,
                                               thread_fallback=engine.cpu_thread_fallback))
@@ -247,8 +249,8 @@ def run(args: argparse.Namespace) -> dict:
     else:
         device = torch.device(engine.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        if engine.threads:
-            torch.set_num_threads(engine.threads)
+        if threads:
+            torch.set_num_threads(threads)
         ours = EngineBench.torch(model, device, dtype, engine.kv_cache_memory)
         out = {"kind": "gpu", "device": str(device), "dtype": str(dtype).removeprefix("torch."),
                "threads": torch.get_num_threads(), "baseline": baseline}

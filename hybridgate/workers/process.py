@@ -34,17 +34,21 @@ log = logging.getLogger("hybridgate.worker")
 
 
 def build_runner(config: WorkerConfig):
-    """The model runner of `config.kind` (torch imported only here)."""
+    """The model runner of `config.kind` (torch imported only here), its threads pinned to
+    --cpu-cores / --numa-node first (`affinity.pin`: before any compute thread starts or weight page is read);
+    threads default to the number of those cores."""
     from hybridgate.models import load_gguf
+    from hybridgate.workers import affinity
 
+    threads = affinity.pin_engine(config.engine)
     model = load_gguf(config.model_path)
     if config.kind == "gpu":
         import torch
 
         from hybridgate.workers.gpu.runner import TorchRunner
 
-        if config.threads:
-            torch.set_num_threads(config.threads)
+        if threads:
+            torch.set_num_threads(threads)
         device = torch.device(config.device) if config.device else None
         return TorchRunner(model, device, kv_cache_memory=config.kv_cache_memory, enforce_eager=config.enforce_eager,
                            max_num_seqs=config.max_num_seqs, attention=config.engine.gpu_attention,
@@ -55,7 +59,7 @@ def build_runner(config: WorkerConfig):
     threadwait.select(config.engine.cpu_thread_wait)  # before Numba's threads start
     from hybridgate.workers.cpu.runner import NumbaRunner
 
-    return NumbaRunner(model, kv_cache_memory=config.kv_cache_memory, threads=config.threads,
+    return NumbaRunner(model, kv_cache_memory=config.kv_cache_memory, threads=threads,
                        activations=config.engine.cpu_activations, kv_cache_dtype=config.engine.kv_cache_dtype,
                        thread_fallback=config.engine.cpu_thread_fallback), model
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 
@@ -13,6 +14,7 @@ isa.selected()  # before Numba is imported: it compiles for the chosen instructi
 import numba  # noqa: E402
 import numpy as np  # noqa: E402
 
+from hybridgate.cpuset import format_cpulist  # noqa: E402
 from hybridgate.mempool import DEFAULT_BLOCK_SIZE, PinnedPool, PoolStats  # noqa: E402
 from hybridgate.models import GGUFModel  # noqa: E402
 from hybridgate.workers.cpu import model as cpu_model  # noqa: E402
@@ -120,8 +122,9 @@ class NumbaRunner:
                  ", VNNI" if target.vnni else "", f", AMX-BF16 for prompts of {self.long_prompt}+ tokens"
                  if target.amx else "", self.cpu_activations, target.cache_dir)
         log.info("CPU runner: weights %.1f MiB in GGUF blocks, KV cache %d blocks of %d tokens (%.1f MiB, %s), "
-                 "%d threads", self.model.weight_bytes / 2**20, self.num_blocks, block_size,
-                 self.num_blocks * self.block_bytes / 2**20, self.kv_dtype.name, numba.get_num_threads())
+                 "threads %d on cores %s", self.model.weight_bytes / 2**20, self.num_blocks, block_size,
+                 self.num_blocks * self.block_bytes / 2**20, self.kv_dtype.name, numba.get_num_threads(),
+                 format_cpulist(os.sched_getaffinity(0)))
 
     def pool_stats(self) -> PoolStats:
         self.pool.drain()
