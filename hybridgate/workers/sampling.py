@@ -23,7 +23,9 @@ which give the same id for the same logits, parameters, seed and token index:
    the first token always stays.
 8. Gumbel-max: argmax(logit + g), g = -log(-log(u)) with u from a
    counter-based hash keyed by (seed, token index, vocab id), so a sequence's
-   noise depends on nothing but its seed and position. Arithmetic is float64.
+   noise depends on nothing but its seed and position. Arithmetic is float64
+   (the torch twin's `fp32` precision, the CUDA default, follows the same steps
+   in float32 without a whole-vocabulary sort: see `hybridgate.workers.gpu.sampling`).
 
 Log-probabilities (when a request asks for them, `SamplingParams.logprobs`):
 the log-softmax of the model's raw logits, before any penalty and the

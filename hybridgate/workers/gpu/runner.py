@@ -109,6 +109,9 @@ class TorchRunner:
                  "Triton paged kernels" if self.attention == "triton" else "gather + SDPA (reference)")
         self.pool = PinnedPool(STAGING_BUFFER_BYTES, 2, _pinned_slab if dev.type == "cuda" else aligned_slab)
         self._vocab_hash = torch.from_numpy(sampling.vocab_hash(model.config.vocab_size)).to(dev)
+        # float32 on CUDA (no whole-vocabulary sort in the common cases); on a CPU device the float64 twin, whose
+        # ids equal the numpy runner's (`gpu.sampling`'s docstring says why no contract needs more)
+        self.sampler_precision = "fp32" if dev.type == "cuda" else "fp64"
         self.timeline = StepTimeline(dev)  # when steps ran: the hand-off's hidden copy time is measured on it
 
     def kv_layout(self) -> tuple[int, int, int, str]:
@@ -163,6 +166,7 @@ class TorchRunner:
             generated=[s.generated_ids if s.params.presence_penalty or s.params.frequency_penalty else ()
                        for s in seqs],
             bitmask=batch.masks.for_rows(seqs) if batch.masks is not None else None,
+            precision=self.sampler_precision,
         )
         if any(s.params.logprobs is not None for s in seqs):
             lps = sampling.token_logprobs(logits[rows], sampled, [s.params.logprobs for s in seqs])
