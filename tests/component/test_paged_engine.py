@@ -377,7 +377,8 @@ def test_a_131072_token_model_starts_with_the_length_its_cache_holds(tmp_path, c
     fits = TorchRunner(model, torch.device("cpu"), torch.float32, kv_cache_memory="1MiB", max_model_len=256)
     assert fits.max_model_len == 256
     with pytest.raises(ValueError, match=r"--max-model-len 131072: the KV cache holds \d+ tokens; lower "
-                                         r"--max-model-len or give the cache more memory \(--kv-cache-memory\)"):
+                                         r"--max-model-len or give the cache more memory \(--gpu-memory-utilization "
+                                         r"on CUDA, --kv-cache-memory\)"):
         TorchRunner(model, torch.device("cpu"), torch.float32, kv_cache_memory="1MiB", max_model_len=131072)
     # Llama-3.2-1B: 16 layers, 8 KV heads of 64, bf16, 131,072 tokens: one layer's K and V at full length
     # (256 MiB) fill the default 256 MiB slab, which used to refuse the start.
