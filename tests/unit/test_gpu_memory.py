@@ -4,9 +4,11 @@ length, the hand-off buffers. Numbers are injected: no CUDA device is needed."""
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
+import zmq
 
 from hybridgate.workers.gpu.sizing import GRAPH_OVERHEAD_BYTES, graphs_allowance, profile_batches
 from hybridgate.workers.memory import kv_cache_budget
@@ -116,3 +118,40 @@ def test_an_explicit_kv_cache_memory_wins_over_the_utilization(tmp_path):
     memory = FakeMemory(64 * MiB, 25 * MiB, [6 * MiB])
     runner = TorchRunner(model, torch.device("cpu"), torch.float32, kv_cache_memory="2MiB", memory=memory)
     assert memory.steps == 0 and runner.num_blocks == 2 * MiB // 4096
+
+
+def _exporter(max_model_len: int, buffer_memory: int = 256 * MiB):
+    from hybridgate.workers.gpu.attention import PagedKVCache
+    from hybridgate.workers.gpu.export import KVExporter
+
+    # Llama-3.2-1B: 16 layers, 8 KV heads of 64, bf16 (a token's K and V of one layer: 2 KiB).
+    config = SimpleNamespace(num_layers=16, num_kv_heads=8, head_dim=64)
+    cache = PagedKVCache(config, 4, 16, torch.device("cpu"), torch.bfloat16)
+    fake = SimpleNamespace(cache=cache, max_model_len=max_model_len, model=SimpleNamespace(device=torch.device("cpu")))
+    ctx = zmq.Context()
+    return KVExporter(fake, ctx, lambda event: None, buffer_memory=buffer_memory), ctx
+
+
+@pytest.mark.parametrize("max_model_len, buffers, buffer_mib, max_tokens", [
+    (131072, 2, 128, 65536),  # one layer at full length is 256 MiB, the whole slab: half of it per buffer
+    (32768, 4, 64, 32768),  # the longest hand-off's layer fits one buffer
+    (1024, 16, 16, 8192),  # at least slab / 16
+])
+def test_handoff_buffers_hold_a_layer_of_the_longest_handoff_and_are_two_at_least(
+        max_model_len, buffers, buffer_mib, max_tokens, caplog):
+    with caplog.at_level(logging.INFO, logger="hybridgate.worker"):
+        exporter, ctx = _exporter(max_model_len)
+    try:
+        assert exporter.pool.buffer_bytes == buffer_mib * MiB and exporter.max_tokens == max_tokens
+        assert exporter.pool.slab.nbytes // exporter.pool.buffer_bytes == buffers
+        assert (f"KV hand-offs: {buffers} pinned buffers of {buffer_mib}.0 MiB (--handoff-buffer-memory 256.0 MiB), "
+                f"one layer's K and V of up to {max_tokens} tokens") in caplog.text
+        assert ("longer prompts stay on this worker" in caplog.text) == (max_tokens < max_model_len)
+    finally:
+        exporter.close()
+        ctx.term()
+
+
+def test_a_slab_too_small_for_two_buffers_is_refused():
+    with pytest.raises(ValueError, match="--handoff-buffer-memory"):
+        _exporter(131072, buffer_memory=48 * 1024)  # 32 KiB per block of one layer: one buffer
