@@ -119,7 +119,14 @@ class EngineConfig:
     device: str | None = setting(None, "torch device of the GPU worker (default: cuda if present, else cpu)")
     kv_cache_memory: str | None = setting(
         None, "KV cache size: bytes (e.g. 2GiB) or a fraction of free device memory after weights (GPU) "
-              "or of available memory (CPU); default 0.9 on a GPU, 1GiB on a CPU", check=_check_memory)
+              "or of available memory (CPU); default: on CUDA what --gpu-memory-utilization leaves, on a CPU "
+              "1GiB", check=_check_memory)
+    gpu_memory_utilization: float = setting(
+        0.9, "GPU worker on CUDA: the fraction of the device's total memory the worker may use, as vLLM's "
+             "--gpu-memory-utilization; the KV cache gets it less the weights, the runtime (and other processes "
+             "on the device), the peak activations of a profiled step of --max-num-batched-tokens tokens and "
+             "the decode graphs, as the start-up line says (--kv-cache-memory, when set, wins)",
+        low=0, low_open=True, high=1)
     prefix_caching: bool = setting(True, "reuse the KV blocks of cached prompt prefixes")
     enforce_eager: bool = setting(False, "on CUDA, run decode steps eagerly instead of replaying captured CUDA graphs")
     gpu_attention: str = setting(

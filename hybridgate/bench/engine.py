@@ -61,6 +61,9 @@ def prompts(tokenizer: Tokenizer, count: int, length: int) -> list[list[int]]:
     return [ids[i * 17 : i * 17 + length] for i in range(count)]
 
 
+BENCH_SCHEDULER = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192)  # the runner profiles its steps
+
+
 class EngineBench:
     def __init__(self, model, runner):
         self.runner = runner
@@ -69,15 +72,15 @@ class EngineBench:
 
     @classmethod
     def torch(cls, model, device: torch.device, dtype: torch.dtype, kv_cache_memory: str | None,
-              enforce_eager: bool = False) -> EngineBench:
+              enforce_eager: bool = False, gpu_memory_utilization: float = 0.9) -> EngineBench:
         from hybridgate.workers.gpu.runner import TorchRunner
 
         return cls(model, TorchRunner(model, device, dtype, kv_cache_memory=kv_cache_memory,
-                                      enforce_eager=enforce_eager))
+                                      enforce_eager=enforce_eager, gpu_memory_utilization=gpu_memory_utilization,
+                                      max_num_batched_tokens=BENCH_SCHEDULER.max_num_batched_tokens))
 
     def engine(self, prefix_caching: bool = False) -> EngineCore:
-        return EngineCore(self.runner, SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192),
-                          self.fingerprint, prefix_caching)
+        return EngineCore(self.runner, BENCH_SCHEDULER, self.fingerprint, prefix_caching)
 
     def _run(self, engine: EngineCore, batch: list[list[int]], new_tokens: int) -> float:
         for i, ids in enumerate(batch):
@@ -251,7 +254,8 @@ def run(args: argparse.Namespace) -> dict:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         if threads:
             torch.set_num_threads(threads)
-        ours = EngineBench.torch(model, device, dtype, engine.kv_cache_memory)
+        ours = EngineBench.torch(model, device, dtype, engine.kv_cache_memory,
+                                 gpu_memory_utilization=engine.gpu_memory_utilization)
         out = {"kind": "gpu", "device": str(device), "dtype": str(dtype).removeprefix("torch."),
                "threads": torch.get_num_threads(), "baseline": baseline}
     if args.profile_out:

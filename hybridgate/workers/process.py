@@ -52,7 +52,9 @@ def build_runner(config: WorkerConfig):
         device = torch.device(config.device) if config.device else None
         return TorchRunner(model, device, kv_cache_memory=config.kv_cache_memory, enforce_eager=config.enforce_eager,
                            max_num_seqs=config.max_num_seqs, attention=config.engine.gpu_attention,
-                           max_model_len=config.max_model_len), model
+                           max_model_len=config.max_model_len,
+                           gpu_memory_utilization=config.engine.gpu_memory_utilization,
+                           max_num_batched_tokens=config.max_num_batched_tokens), model
     from hybridgate.workers.cpu import isa, threadwait
 
     isa.select(config.engine.cpu_isa, config.engine.cpu_amx)  # before the kernels (and Numba) are imported

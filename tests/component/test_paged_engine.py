@@ -356,15 +356,11 @@ def test_triton_kernels_equal_the_reference_path_dynamic_and_padded(gguf_model, 
 def test_a_131072_token_model_starts_with_the_length_its_cache_holds(tmp_path, caplog):
     """A Llama 3.x-style context (131,072 tokens) and an injected budget (--kv-cache-memory 1MiB): the GPU
     worker lowers its max model length to what the cache holds and says so; asked for more than that, it
-    refuses in one line naming the flags; the hand-off exporter starts on a Llama-3.2-1B-shaped cache."""
+    refuses in one line naming the flags. (The budget of --gpu-memory-utilization, and the hand-off
+    exporter on a Llama-3.2-1B-shaped cache: tests/unit/test_gpu_memory.py.)"""
     import logging
-    from types import SimpleNamespace
-
-    import zmq
 
     from hybridgate.models import load_gguf
-    from hybridgate.workers.gpu.attention import PagedKVCache
-    from hybridgate.workers.gpu.export import KVExporter
     from tiny_gguf import write_tiny_llama
 
     model = load_gguf(write_tiny_llama(tmp_path / "long.gguf", heads=4, kv_heads=2, context=131072))
@@ -377,17 +373,6 @@ def test_a_131072_token_model_starts_with_the_length_its_cache_holds(tmp_path, c
     fits = TorchRunner(model, torch.device("cpu"), torch.float32, kv_cache_memory="1MiB", max_model_len=256)
     assert fits.max_model_len == 256
     with pytest.raises(ValueError, match=r"--max-model-len 131072: the KV cache holds \d+ tokens; lower "
-                                         r"--max-model-len or give the cache more memory \(--kv-cache-memory\)"):
+                                         r"--max-model-len or give the cache more memory \(--gpu-memory-utilization "
+                                         r"on CUDA, --kv-cache-memory\)"):
         TorchRunner(model, torch.device("cpu"), torch.float32, kv_cache_memory="1MiB", max_model_len=131072)
-    # Llama-3.2-1B: 16 layers, 8 KV heads of 64, bf16, 131,072 tokens: one layer's K and V at full length
-    # (256 MiB) fill the default 256 MiB slab, which used to refuse the start.
-    config = SimpleNamespace(num_layers=16, num_kv_heads=8, head_dim=64)
-    cache = PagedKVCache(config, 4, 16, torch.device("cpu"), torch.bfloat16)
-    fake = SimpleNamespace(cache=cache, max_model_len=131072, model=SimpleNamespace(device=torch.device("cpu")))
-    ctx = zmq.Context()
-    exporter = KVExporter(fake, ctx, lambda event: None, buffer_memory=256 << 20)
-    try:
-        assert exporter.max_tokens == 65536 and exporter.pool.slab.nbytes // exporter.pool.buffer_bytes >= 2
-    finally:
-        exporter.close()
-        ctx.term()

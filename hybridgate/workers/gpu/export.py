@@ -142,10 +142,16 @@ class KVExporter:
                  buffer_memory: int = DEFAULT_BUFFER_MEMORY, pauses: PauseHooks | None = None,
                  wait_s: float = BUFFER_WAIT_S, buffer_bytes: int | None = None, transport: Transport | None = None,
                  max_jobs: int = MAX_QUEUED_EXPORTS, refusals: Refusals | None = None):
-        """buffer_memory: the slab (the `handoff_buffer_memory` setting). buffer_bytes: one
-        buffer, by default the larger of slab / MAX_BUFFERS and one layer's K and V at the
-        model's length (so every hand-off fits, layer by layer); tests pass a smaller one.
-        transport: CURVE for a CPU worker's tcp:// hand-off socket (None: plain sockets)."""
+        """buffer_memory: the slab (the `handoff_buffer_memory` setting). buffer_bytes: one buffer; by
+        default one layer's K and V of the longest hand-off, which no setting bounds but the runner's
+        max model length (a hand-off carries the prompt and its first token), capped at half the slab so
+        that two buffers exist (one copying while the other sends), and at least slab / MAX_BUFFERS;
+        hand-offs longer than a buffer holds (`max_tokens`) stay on this worker. Tests pass a smaller one.
+        transport: CURVE for a CPU worker's tcp:// hand-off socket (None: plain sockets).
+
+        Raises:
+            ValueError: naming --handoff-buffer-memory, when it holds fewer than two buffers of a block.
+        """
         self.runner, self.ctx, self.notify, self.wait_s = runner, ctx, notify, wait_s
         self.transport = transport
         self.pauses = pauses or PauseHooks()
@@ -165,9 +171,10 @@ class KVExporter:
         if num_buffers < 2 or self.max_tokens < bs:
             raise ValueError(f"--handoff-buffer-memory: {buffer_memory} bytes hold fewer than 2 buffers of one "
                              f"block's K and V of one layer ({bs * row_bytes} bytes)")
-        if self.max_tokens < runner.max_model_len:
-            log.info("KV hand-offs up to %d tokens (--handoff-buffer-memory %d bytes); longer prompts stay on "
-                     "this worker", self.max_tokens, buffer_memory)
+        log.info("KV hand-offs: %d pinned buffers of %.1f MiB (--handoff-buffer-memory %.1f MiB), one layer's "
+                 "K and V of up to %d tokens%s", num_buffers, buffer_bytes / 2**20, buffer_memory / 2**20,
+                 self.max_tokens, "; longer prompts stay on this worker" if self.max_tokens < runner.max_model_len
+                 else f" (max model length {runner.max_model_len})")
         slab = (lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True).numpy()) if self.cuda else aligned_slab
         self.pool = PinnedPool(buffer_bytes, num_buffers, slab)
         self.pool.slab.fill(0)  # touch every page now, not during the first hand-offs

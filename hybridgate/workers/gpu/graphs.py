@@ -50,20 +50,34 @@ class DecodeGraphs:
         self.model, self.cache, self.scratch = model, cache, scratch_slot
         self.capture = capture and model.device.type == "cuda"
         self.kernels, self.num_splits = kernels, num_splits
-        self.batch_sizes = [b for b in BATCH_SIZES if b <= max_batch] or [max_batch]
+        self.batch_sizes = self.batch_sizes_for(max_batch)
         if kernels:  # one "bucket": every block table fits the widest one
             self.buckets = [-(-max_context // cache.block_size)]
             self.pad = scratch_slot // cache.block_size
         else:
-            # The reference path gathers a padded copy of the bucket: past 8192 tokens that copy would
-            # outgrow the memory a graph may hold (a 131,072-token bucket is GiBs per layer), so those steps
-            # run eagerly.
-            top = min(max_context, CONTEXT_BUCKETS[-1])
-            self.buckets = [w for w in CONTEXT_BUCKETS if w < top] + [top]
+            self.buckets = self.buckets_for(max_context)
             self.pad = scratch_slot
         self.replays = 0
         self._static: dict[tuple[int, int], _Static] = {}
         self._pool = None
+
+    @property
+    def captured(self) -> int:
+        """Graphs captured so far."""
+        return sum(s.graph is not None for s in self._static.values())
+
+    @staticmethod
+    def batch_sizes_for(max_batch: int) -> list[int]:
+        """The padded batch sizes captured for at most `max_batch` decodes, ascending."""
+        return [b for b in BATCH_SIZES if b <= max_batch] or [max_batch]
+
+    @staticmethod
+    def buckets_for(max_context: int) -> list[int]:
+        """The reference path's context buckets (tokens), ascending. It gathers a padded copy of the bucket:
+        past 8192 tokens that copy would outgrow the memory a graph may hold (a 131,072-token bucket is GiBs
+        per layer), so those steps run eagerly."""
+        top = min(max_context, CONTEXT_BUCKETS[-1])
+        return [w for w in CONTEXT_BUCKETS if w < top] + [top]
 
     def key(self, batch: int, width: int) -> tuple[int, int] | None:
         """(padded batch, bucket) of `batch` decodes whose longest context is `width` tokens (None: none fits)."""

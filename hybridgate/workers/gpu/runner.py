@@ -22,7 +22,8 @@ from hybridgate.workers.gpu.attention import (KernelAttention, KernelStep, Paged
                                               attention_kind, num_splits_for)
 from hybridgate.workers.gpu.export import StepTimeline, dtype_name
 from hybridgate.workers.gpu.graphs import DecodeGraphs
-from hybridgate.workers.memory import host_available_bytes, num_blocks_for
+from hybridgate.workers.gpu.sizing import CudaMemory, graphs_allowance, profile_batches
+from hybridgate.workers.memory import budget_text, host_available_bytes, kv_cache_budget, num_blocks_for, size_text
 from hybridgate.workers.gpu.model import DecoderModel
 from hybridgate.workers.faults import FaultHook
 from hybridgate.workers.scheduler import ScheduledBatch, SchedulerConfig
@@ -52,9 +53,10 @@ def fitted_max_model_len(context: int, asked: int | None, cache_tokens: int) -> 
         return want
     if asked:
         raise ValueError(f"--max-model-len {asked}: the KV cache holds {cache_tokens} tokens; lower --max-model-len "
-                         f"or give the cache more memory (--kv-cache-memory)")
+                         f"or give the cache more memory (--gpu-memory-utilization on CUDA, --kv-cache-memory)")
     log.warning("max model length lowered from the model's %d tokens to %d: what the KV cache holds (raise "
-                "--kv-cache-memory for more, or set --max-model-len)", context, cache_tokens)
+                "--gpu-memory-utilization on CUDA or --kv-cache-memory for more, or set --max-model-len)", context,
+                cache_tokens)
     return cache_tokens
 
 
@@ -71,7 +73,14 @@ class TorchRunner:
                  kv_cache_memory: str | float | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
                  max_num_blocks: int | None = None, enforce_eager: bool = False,
                  max_num_seqs: int = SchedulerConfig.max_num_seqs,
-                 block_gather: bool | None = None, attention: str = "auto", max_model_len: int | None = None):
+                 block_gather: bool | None = None, attention: str = "auto", max_model_len: int | None = None,
+                 gpu_memory_utilization: float = 0.9,
+                 max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens, memory=None):
+        """kv_cache_memory: bytes or a fraction of free memory (`parse_memory`); unset on CUDA, the
+        budget of `memory.kv_cache_budget` from `gpu_memory_utilization` and two profiled steps
+        (`sizing`), whose counters `memory` reads (default `CudaMemory` on CUDA; tests inject theirs,
+        which also selects that rule on a CPU device). Raises ValueError naming the flags when the
+        cache would not hold one block, or an asked `max_model_len`."""
         self.model = DecoderModel(model, device, dtype)
         dev = self.model.device
         self.attention = attention_kind(attention, dev)  # "triton" or "reference"
@@ -84,35 +93,79 @@ class TorchRunner:
         self.block_gather = dev.type == "cuda" if block_gather is None else block_gather
         self.block_size = block_size
         self.block_bytes = PagedKVCache.block_bytes(model.config, block_size, self.model.dtype)
-        self.num_blocks = num_blocks_for(kv_cache_memory, self.block_bytes, _available_bytes(dev), dev.type == "cuda")
-        if max_num_blocks is not None:
-            self.num_blocks = min(self.num_blocks, max_num_blocks)
-        self.max_model_len = fitted_max_model_len(model.config.max_model_len, max_model_len,
-                                                  self.num_blocks * block_size)
-        # One extra block beyond the allocator's: padding rows of captured decode graphs write there.
-        self.cache = PagedKVCache(model.config, self.num_blocks + 1, block_size, dev, self.model.dtype)
-        self.scratch_slot = self.num_blocks * block_size
-        for t in self.cache.k + self.cache.v:
-            # Padding reads these (masked): uninitialized memory could hold NaN, and 0 * NaN is NaN.
-            # Block gathers also read the unused tail of each last block, so zero everything then.
-            (t if self.block_gather else t[self.scratch_slot :]).zero_()
-        self.graphs = None
-        kv_heads = model.config.num_kv_heads
-        self._num_splits = lambda batch: num_splits_for(batch, 1, kv_heads, dev)  # noqa: E731
-        if dev.type == "cuda" and not enforce_eager:
-            self.graphs = DecodeGraphs(self.model, self.cache, self.scratch_slot, max_num_seqs,
-                                       self.max_model_len, kernels=self.attention == "triton",
-                                       num_splits=self._num_splits)
-        log.info("KV cache: %d blocks of %d tokens, %.1f MiB on %s (weights %.1f MiB); max model length %d; "
-                 "attention: %s", self.num_blocks, block_size, self.num_blocks * self.block_bytes / 2**20, dev,
-                 self.model.weight_bytes / 2**20, self.max_model_len,
-                 "Triton paged kernels" if self.attention == "triton" else "gather + SDPA (reference)")
         self.pool = PinnedPool(STAGING_BUFFER_BYTES, 2, _pinned_slab if dev.type == "cuda" else aligned_slab)
         self._vocab_hash = torch.from_numpy(sampling.vocab_hash(model.config.vocab_size)).to(dev)
         # float32 on CUDA (no whole-vocabulary sort in the common cases); on a CPU device the float64 twin, whose
         # ids equal the numpy runner's (`gpu.sampling`'s docstring says why no contract needs more)
         self.sampler_precision = "fp32" if dev.type == "cuda" else "fp64"
         self.timeline = StepTimeline(dev)  # when steps ran: the hand-off's hidden copy time is measured on it
+        kv_heads = model.config.num_kv_heads
+        self._num_splits = lambda batch: num_splits_for(batch, 1, kv_heads, dev)  # noqa: E731
+        self.graphs = None
+        captures = dev.type == "cuda" and not enforce_eager
+        if memory is None and kv_cache_memory is None and dev.type == "cuda":
+            memory = CudaMemory(dev)
+        self.budget = ""  # the budget's parts, on the start-up line (vLLM's rule only)
+        self.graphs_allowance = 0  # bytes the budget left the decode graphs (vLLM's rule only)
+        if kv_cache_memory is None and memory is not None:
+            asked = min(max_model_len, model.config.max_model_len) if max_model_len else 0
+            self.num_blocks = self._profiled_blocks(memory, gpu_memory_utilization, max_num_seqs,
+                                                    max_num_batched_tokens, captures, asked)
+        else:
+            self.num_blocks = num_blocks_for(kv_cache_memory, self.block_bytes, _available_bytes(dev),
+                                             dev.type == "cuda")
+        if max_num_blocks is not None:
+            self.num_blocks = min(self.num_blocks, max_num_blocks)
+        self.max_model_len = fitted_max_model_len(model.config.max_model_len, max_model_len,
+                                                  self.num_blocks * block_size)
+        self._allocate_cache(self.num_blocks)
+        if captures:
+            self.graphs = DecodeGraphs(self.model, self.cache, self.scratch_slot, max_num_seqs,
+                                       self.max_model_len, kernels=self.attention == "triton",
+                                       num_splits=self._num_splits)
+        log.info("KV cache: %d blocks of %d tokens, %.1f MiB on %s (weights %.1f MiB%s); max model length %d; "
+                 "attention: %s", self.num_blocks, block_size, self.num_blocks * self.block_bytes / 2**20, dev,
+                 self.model.weight_bytes / 2**20, f"; budget {self.budget}" if self.budget else "",
+                 self.max_model_len, "Triton paged kernels" if self.attention == "triton" else
+                 "gather + SDPA (reference)")
+
+    def _allocate_cache(self, num_blocks: int) -> None:
+        dev = self.model.device
+        # One extra block beyond the allocator's: padding rows of captured decode graphs write there.
+        self.cache = PagedKVCache(self.model.config, num_blocks + 1, self.block_size, dev, self.model.dtype)
+        self.scratch_slot = num_blocks * self.block_size
+        for t in self.cache.k + self.cache.v:
+            # Padding reads these (masked): uninitialized memory could hold NaN, and 0 * NaN is NaN.
+            # Block gathers also read the unused tail of each last block, so zero everything then.
+            (t if self.block_gather else t[self.scratch_slot :]).zero_()
+
+    def _profiled_blocks(self, memory, utilization: float, max_num_seqs: int, max_num_batched_tokens: int,
+                         captures: bool, asked: int) -> int:
+        """Blocks of the budget `kv_cache_budget` gives, after profiling the largest step and (when graphs will
+        be captured) the largest decode step on a temporary cache; `asked`: a max model length (0: none) whose
+        blocks the budget must hold."""
+        c = self.model.config
+        total, used = memory.total_and_used()
+        batch_sizes = DecodeGraphs.batch_sizes_for(max_num_seqs)
+        kernels = self.attention == "triton"
+        longest = asked or c.max_model_len
+        context = 1 if kernels else DecodeGraphs.buckets_for(longest)[-1]  # the widest graph's gather
+        tokens = min(max_num_batched_tokens, longest)
+        batches = profile_batches(tokens, max_num_seqs, batch_sizes[-1], context, self.block_size, c.vocab_size)
+        self._allocate_cache(batches.num_blocks - 1)
+        activations = memory.peak_growth(lambda: self._execute(batches.largest))
+        graphs = 0
+        if captures:
+            buckets = 1 if kernels else len(DecodeGraphs.buckets_for(longest))
+            graphs = graphs_allowance(batch_sizes, buckets, c.vocab_size,
+                                      memory.peak_growth(lambda: self._execute(batches.decode)))
+        del self.cache
+        self.graphs_allowance = graphs
+        need = -(-asked // self.block_size) * self.block_bytes if asked else self.block_bytes
+        nbytes = kv_cache_budget(total, used, activations, utilization, graphs, need)
+        self.budget = (f"{budget_text(total, used, activations, utilization, graphs)} = {size_text(nbytes)}, "
+                       f"a profiled step of {tokens} tokens")
+        return nbytes // self.block_bytes
 
     def kv_layout(self) -> tuple[int, int, int, str]:
         """(layers, KV heads, head dim, dtype) of this cache: a KV hand-off's header fields."""
@@ -144,6 +197,8 @@ class TorchRunner:
             self.pool.release(buf, self._done_check())
 
     def execute(self, batch: ScheduledBatch) -> dict[Sequence, int]:
+        if self.fault is not None:
+            self.fault.check(batch)
         self.timeline.begin()
         try:
             return self._execute(batch)
@@ -151,8 +206,6 @@ class TorchRunner:
             self.timeline.end()
 
     def _execute(self, batch: ScheduledBatch) -> dict[Sequence, int]:
-        if self.fault is not None:
-            self.fault.check(batch)
         self._logprobs = {}
         logits = self.forward(batch)
         ready = [(row, seq) for row, (seq, n) in enumerate(batch.entries) if seq.num_computed + n == seq.num_tokens]
@@ -244,4 +297,10 @@ class TorchRunner:
         seq.append(5)
         self.execute(ScheduledBatch([(seq, 1)]))
         if self.graphs is not None:
+            free = torch.cuda.mem_get_info(self.model.device)[0]
             self.graphs.capture_all()
+            took = free - torch.cuda.mem_get_info(self.model.device)[0]
+            over = self.budget and took > self.graphs_allowance  # the KV cache took memory the graphs needed
+            log.log(logging.WARNING if over else logging.INFO, "decode graphs: %d captured in %s%s",
+                    self.graphs.captured, size_text(took),
+                    f" (the KV cache budget allowed {size_text(self.graphs_allowance)})" if self.budget else "")
