@@ -99,6 +99,29 @@ class LlamaCppBaseline:
             self._decode([(t, start + j, seq, start + j == len(prompt) - 1) for j, t in enumerate(chunk)])
         return self._argmax(len(prompt) - 1 - (len(prompt) - 1) // 512 * 512)
 
+    def teacher_forced_logits(self, cases: list[dict]) -> np.ndarray:
+        """float64 `[cases * ids, vocab]`, case-major: the logits predicting each of a case's committed
+        ids, stepped as `accuracy.teacher_forced_logits` steps the runners (every prompt in one batch,
+        then one token of every case per decode step), so llama.cpp's figures against the fp32
+        reference sit beside theirs."""
+        if len(cases) > self.max_seqs or sum(len(c["prompt_ids"]) for c in cases) > 512:
+            raise ValueError(f"{len(cases)} cases: more than n_seq_max {self.max_seqs} or 512 prompt tokens")
+        self._clear()
+        entries, last = [], []
+        for s, case in enumerate(cases):
+            p = case["prompt_ids"]
+            entries += [(t, j, s, j == len(p) - 1) for j, t in enumerate(p)]
+            last.append(len(entries) - 1)
+        steps = len(cases[0]["ids"])
+        out = np.empty((len(cases), steps, self.n_vocab), dtype=np.float64)
+        for k in range(steps):
+            self._decode(entries)
+            for s, i in enumerate(last):
+                out[s, k] = np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, i), shape=(self.n_vocab,))
+            entries = [(c["ids"][k], len(c["prompt_ids"]) + k, s, True) for s, c in enumerate(cases)]
+            last = list(range(len(cases)))
+        return out.reshape(len(cases) * steps, self.n_vocab)
+
     def decode(self, batch: list[list[int]], new_tokens: int) -> float:
         """Tokens/s of len(batch) parallel greedy sequences, `new_tokens` each (prefill included)."""
         if len(batch) > self.max_seqs:
