@@ -51,6 +51,17 @@ def max_frame_bytes(max_model_len: int) -> int:
     return 16 * max_model_len + (64 << 10)
 
 
+def handoff_frame_bytes(max_model_len: int, num_kv_heads: int, head_dim: int) -> int:
+    """The largest frame a KV hand-off carries to this worker.
+
+    A hand-off of at most `max_model_len` tokens sends one K or V frame of
+    `[num_tokens, kv_heads, head_dim]` per layer, in at most 4 bytes an element
+    (float32, the widest of `wire.HANDOFF_DTYPES`); its header carries at most
+    a context of ids and the request's fields, as an ADD does (`max_frame_bytes`).
+    """
+    return max(max_model_len * num_kv_heads * head_dim * 4, max_frame_bytes(max_model_len))
+
+
 class WorkerIO:
     """The I/O thread: owns the ROUTER socket.
 
@@ -71,14 +82,20 @@ class WorkerIO:
 
     def __init__(self, ctx: zmq.Context, endpoint: str, hello: Hello, inbox: Inbox, heartbeat_s: float,
                  wire_errors: WireErrors | None = None, send_hwm: int = 100_000, transport: Transport | None = None,
-                 handoff_bind: str = ""):
+                 handoff_bind: str = "", handoff_max_frame_bytes: int = 0):
         self.max_frame_bytes = max_frame_bytes(hello.max_model_len)
         transport = transport or Transport(TransportConfig(insecure_tcp=True))  # tests' and benchmarks' sockets
         self.handoff_socket = None
         if hello.handoff_endpoint:  # CPU workers: KV hand-offs from GPU workers (header, then parts)
+            if handoff_max_frame_bytes < 1:
+                raise ValueError(f"handoff_max_frame_bytes {handoff_max_frame_bytes}: a worker with a hand-off "
+                                 "endpoint needs its largest hand-off frame (`handoff_frame_bytes`), at least 1")
             self.handoff_socket = ctx.socket(zmq.ROUTER)
             self.handoff_socket.setsockopt(zmq.LINGER, 0)
             self.handoff_socket.setsockopt(zmq.RCVBUF, 4 << 20)  # fewer, larger kernel copies (capped by rmem_max)
+            # libzmq checks each frame against this and drops the connection of a peer sending a larger one,
+            # unread: no frame past the largest a legitimate hand-off sends is ever buffered whole.
+            self.handoff_socket.setsockopt(zmq.MAXMSGSIZE, handoff_max_frame_bytes)
             bind = handoff_bind or hello.handoff_endpoint  # HELLO carries the advertised endpoint
             transport.server(self.handoff_socket, bind, "--handoff-endpoint")
             self.handoff_socket.bind(bind)
