@@ -268,6 +268,7 @@ class EngineStats(msgspec.Struct):
     handoff_parked: int = 0  # GPU worker: sequences exported and parked now
     handoff_reservations: int = 0  # CPU worker: live reservations now
     handoff_recomputed: int = 0  # CPU worker: imported sequences preempted and recomputed
+    handoff_replies_lost: int = 0  # CPU worker: refusals to hand-off senders that could not be sent
     # Load report for placement (hybridgate/router/costmodel.py); gauges, now.
     queued_prefill_tokens: int = 0  # prompt tokens not yet computed: waiting sequences and prefills in progress
     decoding: int = 0  # running sequences past their prompt: one token each per step

@@ -14,7 +14,6 @@ table in `hybridgate.gateway.errors`, never a traceback.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -419,8 +418,12 @@ class _Run:
                     self.series.finished("abort", len(s.stream.prompt_ids), len(s.stream.ids))
                 if self.door.log_requests:
                     self._log(s)
-                with contextlib.suppress(Exception):
+                try:
                     await s.stream.__aexit__(None, None, None)
+                except Exception as exc:  # the response has ended: said and counted, the other choices still closed
+                    self.series.close_failed()
+                    log.warning("request %s (choice %d): closing its stream failed (%s: %s); its abort may not "
+                                "have reached its worker", s.stream.request_id, s.index, type(exc).__name__, exc)
 
     @staticmethod
     def _log(s: ChoiceState) -> None:

@@ -31,6 +31,7 @@ class ModelSeries:
         self._prompt_hist, self._generation_hist = (h.labels(name) for h in (metrics.request_prompt_tokens,
                                                                              metrics.request_generation_tokens))
         self._success, self._rejected = metrics.success, metrics.rejected
+        self._close_errors = metrics.stream_close_errors.labels(name)
 
     def first_token(self, prompt_tokens: int) -> None:
         """A request's first output: its prompt was prefilled (vLLM counts prompt tokens then)."""
@@ -52,6 +53,10 @@ class ModelSeries:
     def rejected(self, reason: str) -> None:
         """A request was refused with RESOURCE_EXHAUSTED for `reason`."""
         self._rejected.labels(reason, self.name).inc()
+
+    def close_failed(self) -> None:
+        """Leaving a request's stream raised (its abort may not have reached its worker)."""
+        self._close_errors.inc()
 
 
 def buckets_1_2_5(max_value: int) -> list[int]:
@@ -119,6 +124,9 @@ class GatewayMetrics:
         # queue at --max-num-waiting), worker_memory (no worker had the memory or KV blocks)
         self.rejected = Counter("hybridgate:requests_rejected", "Requests refused with RESOURCE_EXHAUSTED, by reason.",
                                 ["reason", "model_name"], registry=self.registry)
+        self.stream_close_errors = Counter("hybridgate:stream_close_errors", "Streams whose close (the abort "
+                                           "sent to their worker) raised after their response ended; each is "
+                                           "logged at WARNING.", per_model, registry=self.registry)
         self._series: dict[str, ModelSeries] = {}
         self.loop_lag = Histogram("hybridgate:event_loop_lag_seconds",
                                   f"How late the gateway's event loop ran a timer due every {LAG_INTERVAL_S:g} s "
@@ -282,6 +290,9 @@ class _EngineCollector:
         wire_errors = CounterMetricFamily("hybridgate:wire_decode_errors",
                                           "Messages refused as malformed or inconsistent, by the side that refused them.",
                                           labels=["worker", "side"])
+        sends_lost = CounterMetricFamily("hybridgate:router_sends_lost", "Messages to a worker that the router "
+                                         "queued for sending and that then failed (each logged at WARNING).",
+                                         labels=["worker"])
         refusals = CounterMetricFamily("hybridgate:worker_queue_refusals", "Messages a worker refused because one "
                                        "of its queues was at its bound (inbox: ADDs, answered queue_full and placed "
                                        "elsewhere; kv_export: hand-offs decoded where they are).",
@@ -305,6 +316,7 @@ class _EngineCollector:
             hits.add_metric([name], s.kernel_cache_hits)
             misses.add_metric([name], s.kernel_cache_misses)
             wire_errors.add_metric([name, "worker"], s.wire_decode_errors)
+            sends_lost.add_metric([name], getattr(client, "sends_lost", 0))  # the in-process client sends none
             for queue, count in sorted(s.queue_refusals.items()):
                 refusals.add_metric([name, queue], count)
             for n, c in sorted(s.batch_size_counts.items()):
@@ -315,7 +327,7 @@ class _EngineCollector:
         if self._wire_errors is not None:  # the router's own refusals of worker messages, in the same family
             wire_errors.add_metric(["", "router"], self._wire_errors())
         yield from (steps, after, kv, blocks, committed, pinned, running, waiting, queued, prefill, by_size, batch, hits, misses, wire_errors,
-                    refusals)
+                    refusals, sends_lost)
         yield from handoff.families()
         yield from constraints.families()
 
@@ -379,6 +391,9 @@ class _HandoffFamilies:
                                             "Pinned hand-off buffer bytes held now.", labels=["worker"])
         self.pool_peak = GaugeMetricFamily("hybridgate:kv_handoff_pinned_peak_bytes",
                                            "Most pinned hand-off buffer bytes held at once.", labels=["worker"])
+        self.replies_lost = CounterMetricFamily("hybridgate:kv_handoff_replies_lost", "Refusals a CPU worker "
+                                                "could not send back to a hand-off's sender (each logged at "
+                                                "WARNING).", labels=["worker"])
         self.pool_waits = CounterMetricFamily("hybridgate:kv_handoff_pinned_waits",
                                               "Exports that waited for a free pinned buffer.", labels=["worker"])
         self.parked = GaugeMetricFamily("hybridgate:kv_handoff_parked_sequences",
@@ -403,10 +418,11 @@ class _HandoffFamilies:
         self.parked.add_metric([worker], s.handoff_parked)
         self.reservations.add_metric([worker], s.handoff_reservations)
         self.recomputed.add_metric([worker], s.handoff_recomputed)
+        self.replies_lost.add_metric([worker], s.handoff_replies_lost)
 
     def families(self):
         return (self.bytes, self.copy, self.hidden, self.export, self.imports, self.outcomes, self.pool_bytes,
-                self.pool_peak, self.pool_waits, self.parked, self.reservations, self.recomputed)
+                self.pool_peak, self.pool_waits, self.parked, self.reservations, self.recomputed, self.replies_lost)
 
 
 class _HandoffRouterCollector:

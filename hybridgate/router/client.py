@@ -15,6 +15,7 @@ for the same reason.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
@@ -167,6 +168,7 @@ class ZmqWorkerClient:
         self.dead_after_s = dead_after_s
         self.lifecycle = Lifecycle(name or endpoint, dead_after_s=dead_after_s, suspect_after_s=suspect_after_s)
         self.wire_errors = 0  # frames dropped by _dispatch
+        self.sends_lost = 0  # messages queued for sending that then failed (`_deferred_send_done`)
         self._name = name
         self._ctx = ctx or zmq.asyncio.Context.instance()
         self._socket: zmq.asyncio.Socket | None = None
@@ -260,7 +262,7 @@ class ZmqWorkerClient:
             # (only behind an earlier blocking send, which this client never makes, would it wait).
             sent = self._socket.send_multipart(wire.encode(msg), flags=zmq.NOBLOCK)
             if not sent.done():
-                sent.add_done_callback(lambda f: f.cancelled() or f.exception())
+                sent.add_done_callback(functools.partial(self._deferred_send_done, type(msg).__name__))
                 return True
             sent.result()
             return True
@@ -271,6 +273,15 @@ class ZmqWorkerClient:
         except zmq.ZMQError as exc:
             log.warning("worker %s: sending %s failed: %s", self.name, type(msg).__name__, exc)
             return False
+
+    def _deferred_send_done(self, what: str, sent: asyncio.Future) -> None:
+        """A send that went out after `_send` returned True; its failure is said and counted here, since
+        no caller waits for it (cancelled: this client closed or replaced its socket, which ends its work)."""
+        if sent.cancelled() or sent.exception() is None:
+            return
+        self.sends_lost += 1
+        log.warning("worker %s: a queued %s was not sent (%s: %s); it is lost", self.name, what,
+                    type(sent.exception()).__name__, sent.exception())
 
     # --- receiving ---
 

@@ -58,7 +58,6 @@ import asyncio
 import enum
 import logging
 import random
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -196,6 +195,19 @@ class HandoffMetrics:
 # --- the state machine -------------------------------------------------------------
 
 
+class LoopClock:
+    """The running event loop's clock (`time.monotonic` on asyncio's loops) and its timers: a `Handoff`'s
+    default. Tests hand in a clock of their own with the same two methods and advance it by hand."""
+
+    def now(self) -> float:
+        """Seconds, monotonic."""
+        return asyncio.get_running_loop().time()
+
+    def call_later(self, delay_s: float, callback: Callable, *args) -> asyncio.TimerHandle:
+        """Run `callback(*args)` once `delay_s` seconds have passed; the handle's `cancel()` stops it."""
+        return asyncio.get_running_loop().call_later(delay_s, callback, *args)
+
+
 class HandoffSink(Protocol):
     """What the hand-off needs of its stream."""
 
@@ -212,19 +224,23 @@ class Handoff:
     `request` is the AddRequest the GPU worker gets (without a target; one is
     added once the CPU worker reserved). Every method runs on the router's
     event loop; `on_message` takes the messages of both workers for this request.
+    `clock` times its timers (stall, answer, pauses) and the export-to-import
+    seconds: the loop's own (`LoopClock`) unless a test hands in one it advances.
     """
 
     def __init__(self, sink: HandoffSink, request: AddRequest, gpu: WorkerClient, cpu: WorkerClient,
-                 metrics: HandoffMetrics, pause: PauseHook, stall_s: float, answer_s: float = 10.0):
+                 metrics: HandoffMetrics, pause: PauseHook, stall_s: float, answer_s: float = 10.0,
+                 clock: LoopClock | None = None):
         self.sink, self.request, self.gpu, self.cpu = sink, request, gpu, cpu
         self.metrics, self.pause, self.stall_s, self.answer_s = metrics, pause, stall_s, answer_s
+        self.clock = clock or LoopClock()
         self.state = HandoffState.RESERVING
         self.reorder = Reorder(request.first_token_index)
         self.note = ""  # why it ran on the GPU, for the route
         self.imported = False  # C confirmed the import: it decodes from token 1 on
         self._cpu_failed: str | None = None  # C refused or was lost while G prefilled
         self._gpu_lost = False
-        self._export_started: float | None = None  # monotonic, from G's HandoffExported
+        self._export_started: float | None = None  # self.clock's, from G's HandoffExported
         self._export_bytes = 0  # K and V bytes G sent (HandoffExported.nbytes)
         self._imported_at: float | None = None  # set when C's confirmation came before G's HandoffExported
         self._early: list[SeqOutput] = []  # C's outputs before its import was confirmed here
@@ -299,7 +315,7 @@ class Handoff:
         for ready in self.reorder.push(out):
             self.sink.put(ready)
         if self.reorder.gap_since is not None and self._gap_timer is None:
-            self._gap_timer = asyncio.get_running_loop().call_later(self.stall_s, self._on_stall)
+            self._gap_timer = self.clock.call_later(self.stall_s, self._on_stall)
         elif self.reorder.gap_since is None and self._gap_timer is not None:
             self._gap_timer.cancel()
             self._gap_timer = None
@@ -330,7 +346,7 @@ class Handoff:
         if client is not self.gpu:
             return
         # G sends this once the KV send is queued, so the export started export_ms before.
-        self._export_started, self._export_bytes = time.monotonic() - msg.export_ms / 1e3, msg.nbytes
+        self._export_started, self._export_bytes = self.clock.now() - msg.export_ms / 1e3, msg.nbytes
         if self._imported_at is not None:  # C's confirmation overtook this message
             self.metrics.observe(max(0.0, self._imported_at - self._export_started), msg.nbytes)
         if self.state != HandoffState.PREFILLING:
@@ -359,9 +375,9 @@ class Handoff:
                 self._held.append((client, msg))
                 return
         if self._export_started is not None:
-            self.metrics.observe(time.monotonic() - self._export_started, self._export_bytes)
+            self.metrics.observe(self.clock.now() - self._export_started, self._export_bytes)
         else:
-            self._imported_at = time.monotonic()
+            self._imported_at = self.clock.now()
         self._count("done")
         self.imported = True
         early, self._early = self._early, []
@@ -455,7 +471,7 @@ class Handoff:
             self._answer_timer.cancel()
             self._answer_timer = None
         if self.state in (HandoffState.RESERVING, HandoffState.EXPORTED):
-            self._answer_timer = asyncio.get_running_loop().call_later(self.answer_s, self._on_no_answer, self.state)
+            self._answer_timer = self.clock.call_later(self.answer_s, self._on_no_answer, self.state)
 
     def _on_no_answer(self, state: HandoffState) -> None:
         self._answer_timer = None
@@ -484,7 +500,7 @@ class Handoff:
                 then()
             return
         self._held = []
-        asyncio.get_running_loop().call_later(hold, self._end_pause, state, then)
+        self.clock.call_later(hold, self._end_pause, state, then)
 
     def _end_pause(self, state: HandoffState, then: Callable[[], None] | None) -> None:
         if self.state != state or self._held is None:

@@ -37,6 +37,7 @@ import asyncio
 import collections
 import hashlib
 import logging
+import math
 import time
 from typing import TYPE_CHECKING
 
@@ -131,8 +132,13 @@ class RedisStore:
 
     `up`: whether the last call succeeded (None before the first). `bytes`:
     what this gateway wrote that has not expired yet (Redis holds what other
-    gateways wrote too).
+    gateways wrote too), counted in `WRITTEN_BINS` bins of expiry times per
+    TTL: a write's bytes leave the count at most ttl/WRITTEN_BINS late, and the
+    count's memory stays at most WRITTEN_BINS + 1 entries whatever the write rate
+    and whether or not anything reads `bytes`.
     """
+
+    WRITTEN_BINS = 64
 
     def __init__(self, redis: RedisConfig, max_bytes: int, ttl_s: float, clock=time.monotonic):
         if not redis.url:
@@ -147,10 +153,24 @@ class RedisStore:
 
     @property
     def bytes(self) -> int:
+        self._forget_expired()
+        return self._written_bytes
+
+    def _forget_expired(self) -> None:
         now = self.clock()
         while self._written and self._written[0][0] <= now:
             self._written_bytes -= self._written.popleft()[1]
-        return self._written_bytes
+
+    def _count_written(self, size: int) -> None:
+        """Adds a write's bytes to the bin of its expiry (rounded up to a bin's edge, so never early)."""
+        self._forget_expired()
+        width = self.ttl_s / self.WRITTEN_BINS
+        expires = math.ceil((self.clock() + self.ttl_s) / width) * width
+        if self._written and self._written[-1][0] >= expires:
+            self._written[-1] = (self._written[-1][0], self._written[-1][1] + size)
+        else:
+            self._written.append((expires, size))
+        self._written_bytes += size
 
     def _key(self, key: str) -> str:
         return f"{self.redis.prefix}:response:{key}"
@@ -162,8 +182,7 @@ class RedisStore:
         if len(blob) > self.max_bytes:
             return
         if await self._call(self._client.set(self._key(key), blob, px=max(1, int(self.ttl_s * 1e3)))):
-            self._written.append((self.clock() + self.ttl_s, len(blob)))
-            self._written_bytes += len(blob)
+            self._count_written(len(blob))
 
     async def _call(self, call):
         """One bounded Redis call; None when it failed, or while Redis is down (a probe watches for its return)."""

@@ -39,6 +39,7 @@ from hybridgate.workers.guard import WireErrors
 from hybridgate.workers.handoff import HandoffIncoming
 
 log = logging.getLogger("hybridgate.worker")
+_MSG_TYPES = {t.value for t in MsgType}
 
 
 def max_frame_bytes(max_model_len: int) -> int:
@@ -49,6 +50,17 @@ def max_frame_bytes(max_model_len: int) -> int:
     of thousands of request ids fits. Anything larger is refused unread.
     """
     return 16 * max_model_len + (64 << 10)
+
+
+def handoff_frame_bytes(max_model_len: int, num_kv_heads: int, head_dim: int) -> int:
+    """The largest frame a KV hand-off carries to this worker.
+
+    A hand-off of at most `max_model_len` tokens sends one K or V frame of
+    `[num_tokens, kv_heads, head_dim]` per layer, in at most 4 bytes an element
+    (float32, the widest of `wire.HANDOFF_DTYPES`); its header carries at most
+    a context of ids and the request's fields, as an ADD does (`max_frame_bytes`).
+    """
+    return max(max_model_len * num_kv_heads * head_dim * 4, max_frame_bytes(max_model_len))
 
 
 class WorkerIO:
@@ -71,14 +83,21 @@ class WorkerIO:
 
     def __init__(self, ctx: zmq.Context, endpoint: str, hello: Hello, inbox: Inbox, heartbeat_s: float,
                  wire_errors: WireErrors | None = None, send_hwm: int = 100_000, transport: Transport | None = None,
-                 handoff_bind: str = ""):
+                 handoff_bind: str = "", handoff_max_frame_bytes: int = 0):
         self.max_frame_bytes = max_frame_bytes(hello.max_model_len)
         transport = transport or Transport(TransportConfig(insecure_tcp=True))  # tests' and benchmarks' sockets
         self.handoff_socket = None
         if hello.handoff_endpoint:  # CPU workers: KV hand-offs from GPU workers (header, then parts)
+            if handoff_max_frame_bytes < 1:
+                raise ValueError(f"handoff_max_frame_bytes {handoff_max_frame_bytes}: a worker with a hand-off "
+                                 "endpoint needs its largest hand-off frame (`handoff_frame_bytes`), at least 1")
             self.handoff_socket = ctx.socket(zmq.ROUTER)
             self.handoff_socket.setsockopt(zmq.LINGER, 0)
+            self.handoff_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a gone sender fails, counted
             self.handoff_socket.setsockopt(zmq.RCVBUF, 4 << 20)  # fewer, larger kernel copies (capped by rmem_max)
+            # libzmq checks each frame against this and drops the connection of a peer sending a larger one,
+            # unread: no frame past the largest a legitimate hand-off sends is ever buffered whole.
+            self.handoff_socket.setsockopt(zmq.MAXMSGSIZE, handoff_max_frame_bytes)
             bind = handoff_bind or hello.handoff_endpoint  # HELLO carries the advertised endpoint
             transport.server(self.handoff_socket, bind, "--handoff-endpoint")
             self.handoff_socket.bind(bind)
@@ -98,6 +117,7 @@ class WorkerIO:
         self.hello, self.inbox, self.heartbeat_s = hello, inbox, heartbeat_s
         self.wire_errors = wire_errors or WireErrors()
         self.clients: set[bytes] = set()
+        self.handoff_replies_lost = 0  # replies to hand-off senders that could not be sent (`_reply_to_handoff`)
         self.congested: set[bytes] = set()  # routers told (or to be told) to the engine as congested
         self._pending_overload: dict[bytes, Overload] = {}  # OVERLOAD messages not yet sent
         self.stats = EngineStats()
@@ -158,6 +178,7 @@ class WorkerIO:
                     self._send(client, Ready(self.hello.kind))
             if time.monotonic() >= next_beat:
                 self.stats.wire_decode_errors = self.wire_errors.total
+                self.stats.handoff_replies_lost = self.handoff_replies_lost
                 for client in list(self.clients):
                     self._send(client, Load(self.stats))
                 next_beat = time.monotonic() + self.heartbeat_s
@@ -245,16 +266,26 @@ class WorkerIO:
             except zmq.Again:
                 return
             if not client:  # a reply on the hand-off socket: [b"", peer, kind, body]
-                try:
-                    self.handoff_socket.send_multipart(frames, zmq.NOBLOCK)
-                except (zmq.error.Again, zmq.error.ZMQError, AttributeError) as exc:
-                    log.info("hand-off peer unreachable (%s)", exc)
+                self._reply_to_handoff(frames)
                 continue
             kind, body = frames
             if kind == MsgType.OVERLOAD.value:
                 self._queue_overload(client, wire.decode([kind, body]))
             else:
                 self._send(client, None, [kind, body])
+
+    def _reply_to_handoff(self, frames: list[bytes]) -> None:
+        """Send the engine's reply [peer, kind, body] to a hand-off sender; one that cannot go (the sender
+        is gone or not reading, or this worker has no hand-off socket) is said and counted."""
+        try:
+            if self.handoff_socket is None:
+                raise zmq.ZMQError(errno.ENOTSUP, "this worker has no hand-off socket")
+            self.handoff_socket.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # zmq.Again included
+            self.handoff_replies_lost += 1
+            self.stats.handoff_replies_lost = self.handoff_replies_lost
+            kind = MsgType(frames[1]).name if len(frames) > 1 and frames[1] in _MSG_TYPES else "?"
+            log.warning("hand-off reply %s to %r lost: %s", kind, frames[0][:32], exc)
 
     def _queue_overload(self, client: bytes, msg: Overload) -> None:
         old = self._pending_overload.get(client)

@@ -27,7 +27,11 @@ from hybridgate.workerconf import EngineConfig, WorkerConfig  # noqa: F401 (Engi
 from hybridgate.workers.engine import EngineCore, EngineLoop, Inbox, default_constraints
 from hybridgate.workers.guard import WireErrors
 from hybridgate.workers.handoff import HandoffConfig
-from hybridgate.workers.io_thread import WorkerIO, max_frame_bytes  # noqa: F401 (max_frame_bytes: its old home)
+from hybridgate.workers.io_thread import (  # noqa: F401 (max_frame_bytes: its old home)
+    WorkerIO,
+    handoff_frame_bytes,
+    max_frame_bytes,
+)
 from hybridgate.workers.threads import EXIT_THREAD_DIED, exit_if_raises, worker_thread  # noqa: F401 (its old home)
 
 log = logging.getLogger("hybridgate.worker")
@@ -116,7 +120,7 @@ def run_worker(config: WorkerConfig, build: Callable[[WorkerConfig], tuple] = bu
     secure.authenticate(ctx)  # the ZAP handler admits only clients holding the deployment's key
     inbox = Inbox(config.scheduler.max_num_waiting)  # as many ADDs again as the scheduler queues
     wire_errors = WireErrors()  # counted by both threads, reported in every LOAD and OUTPUTS
-    io, io_thread = _start_io(ctx, config, hello, inbox, wire_errors, secure)
+    io, io_thread = _start_io(ctx, config, hello, inbox, wire_errors, secure, _handoff_frame_bytes(runner))
     runner.warm_up()
     engine = _engine(config, runner, hello, wire_errors)
     engine.refusals = inbox.refusals  # one count of the worker's queue refusals, in its LOAD reports
@@ -188,12 +192,20 @@ def _hello(config: WorkerConfig, runner, model) -> Hello:
                  model=config.model_name or model_name(model))
 
 
+def _handoff_frame_bytes(runner) -> int:
+    """The hand-off socket's frame cap: a runner without a KV layout takes no KV (its engine refuses every
+    reservation), so only a header can come legitimately."""
+    layout = getattr(runner, "kv_layout", None)
+    _, kv_heads, head_dim, _ = layout() if layout is not None else (0, 0, 0, "")
+    return handoff_frame_bytes(runner.max_model_len, kv_heads, head_dim)
+
+
 def _start_io(ctx: zmq.Context, config: WorkerConfig, hello: Hello, inbox: Inbox, wire_errors: WireErrors,
-              secure: Transport) -> tuple[WorkerIO, threading.Thread]:
+              secure: Transport, handoff_max_frame_bytes: int) -> tuple[WorkerIO, threading.Thread]:
     """The I/O thread, started on its bound sockets (OSError naming --endpoint if a bind fails)."""
     try:
         io = WorkerIO(ctx, config.endpoint, hello, inbox, config.heartbeat_s, wire_errors, transport=secure,
-                      handoff_bind=config.resolved_handoff_endpoint)
+                      handoff_bind=config.resolved_handoff_endpoint, handoff_max_frame_bytes=handoff_max_frame_bytes)
     except zmq.ZMQError as exc:
         ctx.destroy(0)
         raise OSError(_bind_error(config.endpoint, exc)) from None

@@ -10,7 +10,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import TIME_FACTOR
 from hybridgate.router.client import WorkerDead
 from hybridgate.router.handoff import Handoff, HandoffMetrics, HandoffState, PauseHook
 from hybridgate.router.reorder import Reorder
@@ -65,10 +64,42 @@ class FakeSink:
         self.moves.append((old, new))
 
 
-def make(pause: PauseHook | None = None, stall_s: float = 5.0, answer_s: float = 10.0):
+class FakeTimer:
+    def __init__(self, when: float, callback, args):
+        self.when, self.callback, self.args, self.cancelled = when, callback, args, False
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class FakeClock:
+    """A hand-off's clock that moves only when the test says: `advance` runs the timers due, in order."""
+
+    def __init__(self):
+        self.t, self.timers = 100.0, []
+
+    def now(self) -> float:
+        return self.t
+
+    def call_later(self, delay_s: float, callback, *args) -> FakeTimer:
+        timer = FakeTimer(self.t + delay_s, callback, args)
+        self.timers.append(timer)
+        return timer
+
+    def advance(self, seconds: float) -> None:
+        end = self.t + seconds
+        while due := [t for t in self.timers if not t.cancelled and t.when <= end]:
+            timer = min(due, key=lambda t: t.when)  # the first of equal times: the one set first
+            self.timers.remove(timer)
+            self.t = timer.when
+            timer.callback(*timer.args)
+        self.t = end
+
+
+def make(pause: PauseHook | None = None, stall_s: float = 5.0, answer_s: float = 10.0, clock: FakeClock | None = None):
     gpu, cpu, sink, metrics = FakeClient("gpu", "gpu-0"), FakeClient("cpu", "cpu-1"), FakeSink(), HandoffMetrics()
     request = AddRequest(RID, [5, 6, 7], SamplingParams(temperature=0), seed=1, max_tokens=8, eos_token_id=2)
-    h = Handoff(sink, request, gpu, cpu, metrics, pause or PauseHook(), stall_s, answer_s)
+    h = Handoff(sink, request, gpu, cpu, metrics, pause or PauseHook(), stall_s, answer_s, clock)
     h.start()
     return h, gpu, cpu, sink, metrics
 
@@ -126,13 +157,17 @@ async def test_export_then_import_releases_the_gpu_and_moves_the_stream():
 
 
 async def test_import_reported_before_export_counts_as_export_then_import():
-    h, gpu, cpu, sink, metrics = make()
+    clock = FakeClock()
+    h, gpu, cpu, sink, metrics = make(clock=clock)
     walk(h, gpu, cpu, S.PREFILLING)
     h.on_message(cpu, HandoffImported(RID, 1))  # C's message overtook G's HandoffExported
     assert h.state == S.DECODING_ON_CPU and gpu.sent[-1] == ("send", HandoffRelease(RID))
     assert metrics.outcomes["done"] == 1 and metrics.seconds_count == 0
+    clock.advance(0.01)
     h.on_message(gpu, HandoffExported(RID, 100, export_ms=30.0))  # late: only the clock
-    assert h.state == S.DECODING_ON_CPU and metrics.seconds_count == 1 and 0 <= metrics.seconds_sum <= 0.03
+    # The export started 30 ms before its message, which came 10 ms after the import: 20 ms from export to import.
+    assert h.state == S.DECODING_ON_CPU and metrics.seconds_count == 1
+    assert metrics.seconds_sum == pytest.approx(0.02)
 
 
 async def test_an_overtaking_import_still_meets_the_exported_pause():
@@ -245,12 +280,15 @@ async def test_cpu_outputs_wait_for_the_confirmed_import_and_are_dropped_on_resu
 
 
 async def test_a_loss_during_a_pause_ends_it_and_the_new_state_is_not_paused():
-    h, gpu, cpu, sink, _ = make(PauseHook.from_env({"HYBRIDGATE_TEST_ROUTER_HANDOFF_PAUSE": "EXPORTED:5"}), answer_s=0.05)
+    clock = FakeClock()
+    h, gpu, cpu, sink, _ = make(PauseHook.from_env({"HYBRIDGATE_TEST_ROUTER_HANDOFF_PAUSE": "EXPORTED:5"}),
+                                answer_s=0.05, clock=clock)
     walk(h, gpu, cpu, S.EXPORTED)
     h.on_message(cpu, HandoffImported(RID, 1))  # held by the pause
     h.on_message(cpu, WorkerDead("cpu killed"))
     assert h.state == S.ON_GPU and gpu.sent[-1] == ("send", HandoffResume(RID))
-    await asyncio.sleep(0.1)  # the stale import is offered to ON_GPU, which ignores it
+    await asyncio.sleep(0)  # the stale import is offered to ON_GPU (call_soon), which ignores it
+    clock.advance(10)  # past the pause and any answer timer
     assert h.state == S.ON_GPU and sink.moves == [] and not h.imported
 
 
@@ -265,42 +303,57 @@ async def test_cpu_outputs_before_the_import_message_are_passed_on_once_it_arriv
 
 
 async def test_a_gap_that_does_not_fill_within_the_stall_timeout_is_a_lost_worker():
-    h, gpu, cpu, sink, _ = make(stall_s=0.05)
+    clock = FakeClock()
+    h, gpu, cpu, sink, _ = make(stall_s=0.05, clock=clock)
     walk(h, gpu, cpu, S.DECODING_ON_CPU)
     h.on_message(cpu, SeqOutput(RID, 2, [12]))
-    assert sink.items == []
-    await asyncio.sleep(0.3 * TIME_FACTOR)
+    clock.advance(0.049)
+    assert sink.items == [] and h.state == S.DECODING_ON_CPU
+    clock.advance(0.001)
     assert isinstance(sink.items[-1], WorkerDead) and "index 0" in sink.items[-1].reason and h.state == S.CLOSED
 
 
 async def test_a_gap_that_fills_in_time_is_not_a_loss():
-    h, gpu, cpu, sink, _ = make(stall_s=0.2)
+    clock = FakeClock()
+    h, gpu, cpu, sink, _ = make(stall_s=0.2, clock=clock)
     walk(h, gpu, cpu, S.DECODING_ON_CPU)
     h.on_message(cpu, SeqOutput(RID, 1, [11]))
+    clock.advance(0.199)
     h.on_message(gpu, SeqOutput(RID, 0, [10]))
-    await asyncio.sleep(0.4)
+    clock.advance(1)
     assert [o.token_ids for o in sink.items] == [[10], [11]] and h.state == S.DECODING_ON_CPU
 
 
 async def test_a_silent_cpu_worker_counts_as_refusing_the_reservation():
-    h, gpu, cpu, sink, metrics = make(answer_s=0.05)
-    await asyncio.sleep(0.3 * TIME_FACTOR)
+    clock = FakeClock()
+    h, gpu, cpu, sink, metrics = make(answer_s=0.05, clock=clock)
+    clock.advance(0.049)
+    assert h.state == S.RESERVING and gpu.sent == []
+    clock.advance(0.001)
     assert h.state == S.ON_GPU and [k for k, _ in gpu.sent] == ["add"] and cpu.sent[-1] == ("abort", Abort([RID]))
     assert "did not answer within 0.05 s" in h.route() and metrics.outcomes["refused"] == 1
 
 
 async def test_a_silent_cpu_worker_after_export_resumes_on_the_gpu():
-    h, gpu, cpu, sink, metrics = make(answer_s=0.05)
+    clock = FakeClock()
+    h, gpu, cpu, sink, metrics = make(answer_s=0.05, clock=clock)
     walk(h, gpu, cpu, S.EXPORTED)
-    await asyncio.sleep(0.3 * TIME_FACTOR)
+    clock.advance(0.049)
+    assert h.state == S.EXPORTED
+    clock.advance(0.001)
     assert h.state == S.ON_GPU and gpu.sent[-1] == ("send", HandoffResume(RID)) and metrics.outcomes["resumed"] == 1
     assert cpu.sent[-1] == ("abort", Abort([RID]))
 
 
 async def test_the_answer_timer_starts_after_a_pause():
-    h, gpu, cpu, sink, _ = make(PauseHook.from_env({"HYBRIDGATE_TEST_ROUTER_HANDOFF_PAUSE": "EXPORTED:0.2"}), answer_s=0.15)
+    clock = FakeClock()
+    pause = PauseHook.from_env({"HYBRIDGATE_TEST_ROUTER_HANDOFF_PAUSE": "EXPORTED:0.2"})
+    h, gpu, cpu, sink, _ = make(pause, answer_s=0.15, clock=clock)
     walk(h, gpu, cpu, S.EXPORTED)
-    await asyncio.sleep(0.22)  # the pause (0.1-0.2 s) ended, the answer timer has not fired
+    [held] = [t for t in clock.timers if not t.cancelled]  # the pause: 0.1-0.2 s, drawn when EXPORTED began
+    assert 0.1 <= held.when - clock.now() <= 0.2
+    clock.advance(held.when - clock.now() + 0.149)  # the pause ended 149 ms ago: the answer timer has not fired
+    assert h.state == S.EXPORTED and ("send", HandoffResume(RID)) not in gpu.sent
     h.on_message(cpu, HandoffImported(RID, 1))
     assert h.state == S.DECODING_ON_CPU
 
@@ -323,20 +376,26 @@ def test_pause_hook_parses_and_names_its_variable():
 
 
 async def test_pause_holds_the_state_and_its_control_events_until_it_ends():
-    h, gpu, cpu, sink, _ = make(PauseHook.from_env({"HYBRIDGATE_TEST_ROUTER_HANDOFF_PAUSE": "IMPORTED:0.1"}))
+    clock = FakeClock()
+    h, gpu, cpu, sink, _ = make(PauseHook.from_env({"HYBRIDGATE_TEST_ROUTER_HANDOFF_PAUSE": "IMPORTED:0.1"}),
+                                clock=clock)
     walk(h, gpu, cpu, S.EXPORTED)
     h.on_message(cpu, HandoffImported(RID, 1))
     assert h.state == S.IMPORTED and ("send", HandoffRelease(RID)) not in gpu.sent  # the window tests cancel in
-    await asyncio.sleep(0.3 * TIME_FACTOR)
+    clock.advance(0.049)  # the pause lasts at least half its 0.1 s
+    assert h.state == S.IMPORTED
+    clock.advance(0.051)
     assert h.state == S.DECODING_ON_CPU and gpu.sent[-1] == ("send", HandoffRelease(RID))
 
 
 async def test_abort_during_a_pause_wins_over_the_held_transition():
-    h, gpu, cpu, sink, _ = make(PauseHook.from_env({"HYBRIDGATE_TEST_ROUTER_HANDOFF_PAUSE": "EXPORTED:0.05"}))
+    clock = FakeClock()
+    h, gpu, cpu, sink, _ = make(PauseHook.from_env({"HYBRIDGATE_TEST_ROUTER_HANDOFF_PAUSE": "EXPORTED:0.05"}),
+                                clock=clock)
     walk(h, gpu, cpu, S.EXPORTED)
     h.on_message(cpu, HandoffImported(RID, 1))  # held by the pause
     h.abort()
-    await asyncio.sleep(0.2 * TIME_FACTOR)
+    clock.advance(1)
     assert h.state == S.CLOSED and ("send", HandoffRelease(RID)) not in gpu.sent and sink.moves == []
 
 

@@ -107,3 +107,24 @@ def test_settings_flags_and_limits():
     with pytest.raises(ValueError, match="redis-url"):
         ResponseCache.from_config(ResponseCacheConfig(mode="redis"))
     assert ResponseCache.from_config(ResponseCacheConfig()) is None
+
+
+async def test_redis_store_written_count_stays_bounded_without_a_scrape(redis_server):
+    """Every put forgets what expired and bins the rest, so nothing has to read `bytes` to keep memory bounded."""
+    from hybridgate.redisconf import RedisConfig
+    from hybridgate.router.response_cache import RedisStore
+
+    now = [0.0]
+    store = RedisStore(RedisConfig(url=redis_server.url), max_bytes=1 << 20, ttl_s=64, clock=lambda: now[0])
+    try:
+        for i in range(1000):  # 100 s of writes, 10 a second, against a TTL of 64 s
+            now[0] = i / 10
+            await store.put(f"k{i}", b"x" * 10)
+            assert len(store._written) <= RedisStore.WRITTEN_BINS + 1
+        unexpired = sum(10 for i in range(1000) if i / 10 + 64 > now[0])
+        bin_s = 64 / RedisStore.WRITTEN_BINS  # a write leaves the count at most one bin late, never early
+        assert unexpired <= store.bytes <= unexpired + 10 * (bin_s * 10 + 1)
+        now[0] += 64 + bin_s
+        assert store.bytes == 0 and not store._written
+    finally:
+        await store.close()

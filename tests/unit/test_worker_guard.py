@@ -33,6 +33,7 @@ from hybridgate.workers.guard import WireErrors, check_add
 from hybridgate.workers.process import EXIT_THREAD_DIED, WorkerIO, max_frame_bytes
 from hybridgate.workers.scheduler import ScheduledBatch, SchedulerConfig
 from hybridgate.workers.sequence import Sequence
+from tests.conftest import TIME_FACTOR
 
 VOCAB, MAX_LEN = 1000, 64
 
@@ -346,3 +347,53 @@ def test_the_inbox_refuses_adds_past_its_bound_with_queue_full_and_counts_them(t
         d.close(0)
         io.close()
         ctx.term()
+
+
+def test_the_handoff_socket_drops_a_peer_sending_a_frame_past_the_largest_handoff_frame(tmp_path):
+    """A frame past the largest a hand-off carries (one layer's K of a full context in float32) ends the
+    sender's connection unread; one of exactly that size still arrives. (The socket used to take any size.)"""
+    from zmq.utils.monitor import recv_monitor_message
+
+    from hybridgate.workers.handoff import KVSpec
+    from hybridgate.workers.io_thread import handoff_frame_bytes
+
+    max_len, kv_heads, head_dim = 2048, 4, 64
+    largest = KVSpec("fp", 16, 1, kv_heads, head_dim).frame_bytes(max_len, "float32")  # 2 MiB
+    cap = handoff_frame_bytes(max_len, kv_heads, head_dim)
+    assert cap == largest
+    ctx = zmq.Context()
+    handoff = f"ipc://{tmp_path}/h.sock"
+    hello = Hello("cpu", "fp", 8, max_len, 1, True, handoff_endpoint=handoff)
+    io = WorkerIO(ctx, f"ipc://{tmp_path}/w.sock", hello, Inbox(), 0.1, handoff_max_frame_bytes=cap)
+    monitor = io.handoff_socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    senders = [ctx.socket(zmq.DEALER) for _ in range(2)]
+    part = wire.encode(wire.HandoffPart("r", "t", 0, 1))
+    try:
+        for s in senders:
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(handoff)
+        senders[0].send_multipart([*part, b"\0" * (cap + 1), b"\0" * 8])
+        assert monitor.poll(5000 * TIME_FACTOR), "the oversize sender was not disconnected"
+        assert recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED
+        senders[1].send_multipart([*part, b"\0" * cap, b"\0" * 8])
+        assert io.handoff_socket.poll(5000 * TIME_FACTOR)
+        io._recv_handoff()
+        _, got = io.inbox.requests.get_nowait()
+        assert [len(f.buffer) for f in got.frames] == [cap, 8] and io.inbox.requests.empty()
+    finally:
+        io.handoff_socket.disable_monitor()
+        monitor.close(0)
+        for s in senders:
+            s.close(0)
+        io.close()
+        ctx.term()
+
+
+def test_a_worker_with_a_handoff_endpoint_needs_its_frame_cap(tmp_path):
+    hello = Hello("cpu", "fp", 8, MAX_LEN, 1, True, handoff_endpoint=f"ipc://{tmp_path}/h.sock")
+    ctx = zmq.Context()
+    try:
+        with pytest.raises(ValueError, match="handoff_max_frame_bytes"):
+            WorkerIO(ctx, f"ipc://{tmp_path}/w.sock", hello, Inbox(), 0.1)
+    finally:
+        ctx.destroy(0)
