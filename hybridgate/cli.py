@@ -193,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_command_settings(gen, "generate")
     gen.set_defaults(func=_cmd_generate)
 
-    bench = sub.add_parser("bench", help="benchmarks with side-by-side baselines (engine, accuracy, handoff, gateway, cache, serve, sim, model, kernels, attention)")
+    bench = sub.add_parser("bench", help="benchmarks with side-by-side baselines (engine, accuracy, handoff, gateway, cache, serve, sim, model, kernels, attention; report renders the pages)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     from hybridgate.bench import (  # argparse only
         add_accuracy_parser,
@@ -204,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_handoff_parser,
         add_kernels_parser,
         add_model_parser,
+        add_report_parser,
         add_serve_parser,
         add_sim_parser,
     )
@@ -218,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_parser(bench_sub)
     add_attention_parser(bench_sub)
     add_kernels_parser(bench_sub)
+    add_report_parser(bench_sub)
 
     from hybridgate.health import add_health_parser  # argparse only
 

@@ -403,6 +403,21 @@ def _run_kernels(args) -> int:
     return kernels.run(args)
 
 
+def add_report_parser(sub) -> None:
+    p = sub.add_parser("report", help="render the benchmark pages' tables from the results JSON under docs/results/")
+    p.add_argument("--check", action="store_true",
+                   help="write nothing; exit 1 when a page differs from what it would render (for CI)")
+    p.add_argument("--docs", default="docs", metavar="DIR",
+                   help="the documentation folder holding results/ and the pages (default: docs)")
+    p.set_defaults(func=_run_report)
+
+
+def _run_report(args) -> int:
+    from hybridgate.bench import report
+
+    return report.run(args)
+
+
 def add_attention_parser(sub) -> None:
     from hybridgate.config import bounded
 

@@ -1,0 +1,228 @@
+"""`hybridgate bench report`: the benchmark pages' tables, rendered from the results JSON.
+
+Each `Table` says which results files (a glob under docs/results/) feed a
+generated block of which page, and how each column reads its value from a
+file's JSON (a dotted path, `*` standing for a record's only key). A block sits
+between `<!-- begin generated: bench report NAME -->` and
+`<!-- end generated -->`; the hand-written prose around it is kept as it is.
+`--check` renders without writing and fails when a page differs, for CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+BEGIN = "<!-- begin generated: bench report {name} -->"
+END = "<!-- end generated -->"
+MISSING = "—"
+
+
+def ratio(v: float) -> str:
+    return f"{v:.2f}×"
+
+
+def fixed(digits: int) -> Callable[[Any], str]:
+    return lambda v: f"{v:.{digits}f}"
+
+
+def percent(v: float) -> str:
+    return f"{100 * v:.1f}%"
+
+
+def sci(v: float) -> str:
+    return f"{v:.1e}"
+
+
+def basename(v: str) -> str:
+    return os.path.basename(v)
+
+
+def yes_no(v: bool) -> str:
+    return "yes" if v else "no"
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column: its header, where its value sits in the JSON, and how the value is written."""
+
+    header: str
+    path: str  # dotted keys into the record, e.g. "decode.1.ratio"; "*" matches a dict's only key
+    fmt: Callable[[Any], str] = str
+
+
+@dataclass(frozen=True)
+class Table:
+    """One generated block: results files -> rows of a table on a page.
+
+    With `rows` unset each file is one row, led by a link to the file. With
+    `rows` set (a dotted path to a list) each file gets a caption line naming
+    it, its machine and its command, and each record of the list is a row.
+    `keep` leaves out files without that path (another bench sharing the prefix).
+    """
+
+    name: str
+    page: str  # relative to docs/
+    pattern: str  # glob relative to docs/results/
+    columns: tuple[Column, ...]
+    rows: str | None = None
+    keep: str | None = None
+
+
+MACHINE = (Column("CPU", "machine.cpu_model"), Column("load", "machine.loadavg_1m", fixed(2)))
+
+TABLES: tuple[Table, ...] = (
+    Table("cpu-engine", "benchmarks/cpu-worker.md", "cpu-engine-*.json", (
+        Column("model", "model", basename),
+        *MACHINE,
+        Column("ISA", "cpu_isa"),
+        Column("AMX", "cpu_amx", yes_no),
+        Column("threads", "threads"),
+        Column("baseline", "baseline"),
+        Column("decode c=1 tok/s", "decode.1.hybridgate_tokens_per_s", fixed(1)),
+        Column("decode c=1", "decode.1.ratio", ratio),
+        Column("decode c=16", "decode.16.ratio", ratio),
+        Column("prefill", "prefill.*.ratio", ratio),
+        Column("TTFT cached/cold", "ttft.cached_over_cold", fixed(2)),
+        Column("step / bandwidth bound", "step_over_bandwidth_bound", fixed(2)),
+    )),
+    Table("accuracy", "benchmarks/cpu-worker.md", "accuracy-*.json", (
+        Column("model", "model", basename),
+        *MACHINE,
+        Column("ISA", "cpu_isa"),
+        Column("activations", "cpu_activations"),
+        Column("positions", "positions"),
+        Column("top-1 agreement", "top1_agreement", percent),
+        Column("KL mean", "kl_mean", sci),
+        Column("KL p99", "kl_p99", sci),
+    ), keep="top1_agreement"),
+    Table("cpu-kernels", "benchmarks/cpu-worker.md", "cpu-kernels-*.json", (
+        Column("ISA", "isa"),
+        Column("type", "type"),
+        Column("batch", "batch"),
+        Column("kernel", "fast.class"),
+        Column("activations", "fast.activations"),
+        Column("ms", "fast.ms", fixed(3)),
+        Column("GB/s", "fast.gb_s", fixed(1)),
+        Column("vs the path it replaced", "speedup_vs_other", ratio),
+        Column("vs row-dequantize", "speedup_vs_row-dequantize", ratio),
+    ), rows="rows"),
+    Table("gateway", "benchmarks/gateway.md", "gateway-*.json", (
+        Column("door", "protocol"),
+        Column("streams", "concurrency"),
+        Column("tokens/s", "tokens_per_s", fixed(0)),
+        Column("gateway CPU µs/token", "gateway_cpu_us_per_token", fixed(1)),
+        Column("messages/token", "messages_per_token", fixed(2)),
+        Column("TTFT p50 ms", "ttft_ms.p50", fixed(1)),
+        Column("ITL p99 ms", "itl_ms.p99", fixed(1)),
+        Column("errors", "errors"),
+    ), rows="results"),
+    Table("gateway-grpc-floor", "benchmarks/gateway.md", "gateway-*.json", (
+        Column("streams", "concurrency"),
+        Column("runs", "runs"),
+        Column("gRPC floor CPU µs/message", "floor_cpu_us_per_message", fixed(1)),
+        Column("gateway CPU µs/token", "gateway_cpu_us_per_token", fixed(1)),
+        Column("gateway less floor µs", "gateway_less_floor_us", fixed(1)),
+    ), rows="grpc_floor.summary"),
+)
+
+
+def lookup(record: Any, path: str) -> Any:
+    """The value at a dotted path, or None where a key is missing (or "*" meets more than one key)."""
+    for key in path.split("."):
+        if not isinstance(record, dict):
+            return None
+        if key == "*":
+            if len(record) != 1:
+                return None
+            key = next(iter(record))
+        record = record.get(key)
+    return record
+
+
+def cell(record: Any, column: Column) -> str:
+    value = lookup(record, column.path)
+    text = MISSING if value is None else column.fmt(value)
+    return text.replace("|", "\\|")
+
+
+def markdown_table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    return lines + ["| " + " | ".join(row) + " |" for row in rows]
+
+
+def file_link(table: Table, path: Path) -> str:
+    # Pages sit at docs/<page>; results at docs/results/.
+    up = "../" * table.page.count("/")
+    return f"[`{path.name}`]({up}results/{path.name})"
+
+
+def caption(table: Table, path: Path, doc: dict) -> str:
+    machine = lookup(doc, "machine.cpu_model") or MISSING
+    isa = lookup(doc, "machine.isa") or MISSING
+    load = lookup(doc, "machine.loadavg_1m")
+    command = doc.get("command")
+    text = f"{file_link(table, path)}: {machine}, {isa}"
+    text += f", load {load:.2f}" if load is not None else ""
+    return text + (f"; `{command}`" if command else "")
+
+
+def render_table(table: Table, files: list[tuple[Path, dict]]) -> str:
+    """The block's Markdown for these (path, parsed JSON) pairs, in the order given."""
+    headers = [c.header for c in table.columns]
+    kept = [(p, d) for p, d in files if table.keep is None or lookup(d, table.keep) is not None]
+    if table.rows is None:
+        rows = [[file_link(table, p)] + [cell(d, c) for c in table.columns] for p, d in kept]
+        return "\n".join(markdown_table(["file"] + headers, rows))
+    parts = []
+    for path, doc in kept:
+        records = lookup(doc, table.rows) or []
+        rows = [[cell(r, c) for c in table.columns] for r in records]
+        parts.append("\n".join([caption(table, path, doc), ""] + markdown_table(headers, rows)))
+    return "\n\n".join(parts)
+
+
+def load_results(results: Path, pattern: str) -> list[tuple[Path, dict]]:
+    return [(p, json.loads(p.read_text())) for p in sorted(results.glob(pattern))]
+
+
+def replace_block(page: str, name: str, body: str, where: str = "page") -> str:
+    """The page with the text between NAME's markers replaced by body; ValueError when the markers are missing."""
+    begin = BEGIN.format(name=name)
+    start = page.find(begin)
+    end = page.find(END, start + len(begin)) if start >= 0 else -1
+    if start < 0 or end < 0:
+        raise ValueError(f"{where} has no `{begin}` ... `{END}` block for the {name} table")
+    return page[:start + len(begin)] + "\n" + body + "\n" + page[end:]
+
+
+def render_pages(docs: Path, tables: tuple[Table, ...] | None = None) -> dict[str, str]:
+    """Every page that holds a generated block, as it would be rendered: {page relative to docs/: text}."""
+    pages: dict[str, str] = {}
+    for table in TABLES if tables is None else tables:
+        text = pages.get(table.page) or (docs / table.page).read_text()
+        body = render_table(table, load_results(docs / "results", table.pattern))
+        pages[table.page] = replace_block(text, table.name, body, where=f"docs/{table.page}")
+    return pages
+
+
+def run(args) -> int:
+    docs = Path(args.docs)
+    stale = []
+    for page, text in render_pages(docs).items():
+        target = docs / page
+        if target.read_text() == text:
+            continue
+        stale.append(page)
+        if not args.check:
+            target.write_text(text)
+    if args.check and stale:
+        print("stale benchmark pages (run `hybridgate bench report`): " + ", ".join(stale), file=sys.stderr)
+        return 1
+    print(("rewrote " + ", ".join(stale)) if stale else "benchmark pages are current")
+    return 0
