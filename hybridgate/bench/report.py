@@ -43,6 +43,14 @@ def basename(v: str) -> str:
     return os.path.basename(v)
 
 
+def seconds_from_ms(v: float) -> str:
+    return f"{v / 1000:.1f}"
+
+
+def ms_from_seconds(v: float) -> str:
+    return f"{v * 1000:.1f}"
+
+
 def yes_no(v: bool) -> str:
     return "yes" if v else "no"
 
@@ -61,7 +69,7 @@ class Table:
     """One generated block: results files -> rows of a table on a page.
 
     With `rows` unset each file is one row, led by a link to the file. With
-    `rows` set (a dotted path to a list) each file gets a caption line naming
+    `rows` set (a dotted path to a list, or a dict whose values are the records) each file gets a caption line naming
     it, its machine and its command, and each record of the list is a row.
     `keep` leaves out files without that path (another bench sharing the prefix).
     """
@@ -75,6 +83,16 @@ class Table:
 
 
 MACHINE = (Column("CPU", "machine.cpu_model"), Column("load", "machine.loadavg_1m", fixed(2)))
+
+POLICY_COLUMNS = (
+    Column("policy", "policy"),
+    Column("capacity req/s", "capacity", fixed(3)),
+    Column("at rate req/s", "headline_rate", fixed(3)),
+    Column("SLO attainment", "attainment", percent),
+    Column("best goodput req/s", "goodput", fixed(3)),
+    Column("TTFT p99 s", "ttft_p99", fixed(2)),
+    Column("TPOT p99 ms", "tpot_p99", ms_from_seconds),
+)
 
 TABLES: tuple[Table, ...] = (
     Table("cpu-engine", "benchmarks/cpu-worker.md", "cpu-engine-*.json", (
@@ -101,6 +119,19 @@ TABLES: tuple[Table, ...] = (
         Column("KL mean", "kl_mean", sci),
         Column("KL p99", "kl_p99", sci),
     ), keep="top1_agreement"),
+    Table("cpu-mixed-load", "benchmarks/cpu-worker.md", "cpu-mixed-load-*.json", (
+        Column("CPU", "machine_at_start.cpu_model"),
+        Column("load", "machine_at_start.loadavg_1m", fixed(2)),
+        Column("ISA", "cpu_isa"),
+        Column("busy core", "busy_core", yes_no),
+        Column("min chunk", "scheduler.min_prefill_chunk"),
+        Column("gap p50 alone ms", "mixed_load.unloaded.p50_ms", fixed(1)),
+        Column("gap p99 ms", "mixed_load.budgeted.p99_ms", fixed(1)),
+        Column("target p99 ms", "mixed_load.target_p99_ms", fixed(1)),
+        Column("meets it", "mixed_load.meets_target", yes_no),
+        Column("long prompt TTFT s", "mixed_load.budgeted.long_prompt_ttft_ms", seconds_from_ms),
+        Column("without the budget s", "mixed_load.budget_off.long_prompt_ttft_ms", seconds_from_ms),
+    )),
     Table("cpu-kernels", "benchmarks/cpu-worker.md", "cpu-kernels-*.json", (
         Column("ISA", "isa"),
         Column("type", "type"),
@@ -129,6 +160,8 @@ TABLES: tuple[Table, ...] = (
         Column("gateway CPU µs/token", "gateway_cpu_us_per_token", fixed(1)),
         Column("gateway less floor µs", "gateway_less_floor_us", fixed(1)),
     ), rows="grpc_floor.summary"),
+    Table("placement-serve", "benchmarks/placement.md", "placement-serve*.json", POLICY_COLUMNS, rows="policies"),
+    Table("placement-sim", "benchmarks/placement.md", "placement-sim-h200-*.json", POLICY_COLUMNS, rows="policies"),
 )
 
 
@@ -163,12 +196,12 @@ def file_link(table: Table, path: Path) -> str:
 
 
 def caption(table: Table, path: Path, doc: dict) -> str:
-    machine = lookup(doc, "machine.cpu_model") or MISSING
-    isa = lookup(doc, "machine.isa") or MISSING
+    """The file's link, then what of its machine, load and command it records (a simulation records none)."""
     load = lookup(doc, "machine.loadavg_1m")
+    facts = [f for f in (lookup(doc, "machine.cpu_model"), lookup(doc, "machine.isa"),
+                         None if load is None else f"load {load:.2f}") if f]
+    text = file_link(table, path) + (": " + ", ".join(facts) if facts else "")
     command = doc.get("command")
-    text = f"{file_link(table, path)}: {machine}, {isa}"
-    text += f", load {load:.2f}" if load is not None else ""
     return text + (f"; `{command}`" if command else "")
 
 
@@ -182,6 +215,7 @@ def render_table(table: Table, files: list[tuple[Path, dict]]) -> str:
     parts = []
     for path, doc in kept:
         records = lookup(doc, table.rows) or []
+        records = list(records.values()) if isinstance(records, dict) else records
         rows = [[cell(r, c) for c in table.columns] for r in records]
         parts.append("\n".join([caption(table, path, doc), ""] + markdown_table(headers, rows)))
     return "\n\n".join(parts)

@@ -76,6 +76,14 @@ def test_a_table_of_records_per_file_is_captioned():
     assert lines[4] == "| avx2 | Q4_K | 16 | — | — | 0.500 | 2.2 | 1.50× | — |"
 
 
+def test_records_keyed_by_name_and_a_file_without_a_machine():
+    sim = next(t for t in report.TABLES if t.name == "placement-sim")
+    doc = {"policies": {"cost": {"policy": "cost", "capacity": 1.25, "attainment": 0.9, "tpot_p99": 0.0694}}}
+    lines = report.render_table(sim, [(Path("placement-sim-a.json"), doc)]).splitlines()
+    assert lines[0] == "[`placement-sim-a.json`](../results/placement-sim-a.json)"
+    assert lines[4] == "| cost | 1.250 | — | 90.0% | — | — | 69.4 |"
+
+
 def test_keep_leaves_out_files_of_another_shape():
     accuracy = next(t for t in report.TABLES if t.name == "accuracy")
     body = report.render_table(accuracy, [(Path("accuracy-formats.json"), {"formats": []}),
