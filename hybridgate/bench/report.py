@@ -69,8 +69,9 @@ class Table:
     """One generated block: results files -> rows of a table on a page.
 
     With `rows` unset each file is one row, led by a link to the file. With
-    `rows` set (a dotted path to a list, or a dict whose values are the records) each file gets a caption line naming
-    it, its machine and its command, and each record of the list is a row.
+    `rows` set (a dotted path to a list of records, or to a dict whose values
+    are the records) each file gets a caption line naming it, its machine and
+    its command, and each record is a row.
     `keep` leaves out files without that path (another bench sharing the prefix).
     """
 
@@ -247,8 +248,13 @@ def render_pages(docs: Path, tables: tuple[Table, ...] | None = None) -> dict[st
 
 def run(args) -> int:
     docs = Path(args.docs)
+    try:
+        pages = render_pages(docs)
+    except ValueError as e:
+        print(f"hybridgate bench report: {e}", file=sys.stderr)
+        return 2
     stale = []
-    for page, text in render_pages(docs).items():
+    for page, text in pages.items():
         target = docs / page
         if target.read_text() == text:
             continue

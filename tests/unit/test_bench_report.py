@@ -123,3 +123,6 @@ def test_a_page_without_the_markers_is_refused(tmp_path):
     (tmp_path / "benchmarks" / "cpu-worker.md").write_text("# no block\n")
     with pytest.raises(ValueError, match="bench report cpu-engine"):
         report.render_pages(tmp_path, (engine_table(),))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(report, "TABLES", (engine_table(),))
+        assert report.run(argparse.Namespace(docs=str(tmp_path), check=True)) == 2
