@@ -270,6 +270,9 @@ class _EngineCollector:
                                       "its cache's blocks, running sequences will be preempted.", labels=["worker"])
         pinned = GaugeMetricFamily("hybridgate:pinned_bytes_in_use", "The runner's pinned host buffer bytes held "
                                    "now (hand-off buffers are kv_handoff_pinned_bytes_in_use).", labels=["worker"])
+        fallbacks = CounterMetricFamily("hybridgate:pinned_fallbacks", "Steps whose inputs the runner staged in "
+                                        "pageable memory instead of its pinned buffers (all in use, or the step "
+                                        "larger than a buffer).", labels=["worker"])
         running = GaugeMetricFamily("hybridgate:num_requests_running", "Sequences running.", labels=["worker"])
         waiting = GaugeMetricFamily("hybridgate:num_requests_waiting", "Requests queued on the worker, not yet "
                                     "running.", labels=["worker"])
@@ -309,6 +312,7 @@ class _EngineCollector:
             blocks.add_metric([name], s.blocks_used)
             committed.add_metric([name], s.blocks_committed)
             pinned.add_metric([name], s.pinned_bytes_in_use)
+            fallbacks.add_metric([name], s.pinned_fallbacks)
             running.add_metric([name], s.running)
             waiting.add_metric([name], s.waiting)
             queued.add_metric([name], s.queued_prefill_tokens)
@@ -326,8 +330,8 @@ class _EngineCollector:
             batch.add_metric([name], buckets, sum(n * c for n, c in s.batch_size_counts.items()))
         if self._wire_errors is not None:  # the router's own refusals of worker messages, in the same family
             wire_errors.add_metric(["", "router"], self._wire_errors())
-        yield from (steps, after, kv, blocks, committed, pinned, running, waiting, queued, prefill, by_size, batch, hits, misses, wire_errors,
-                    refusals, sends_lost)
+        yield from (steps, after, kv, blocks, committed, pinned, fallbacks, running, waiting, queued, prefill, by_size,
+                    batch, hits, misses, wire_errors, refusals, sends_lost)
         yield from handoff.families()
         yield from constraints.families()
 

@@ -30,19 +30,31 @@ def aligned_slab(nbytes: int) -> np.ndarray:
 class PoolStats:
     bytes_in_use: int = 0
     peak_bytes: int = 0
-    fallbacks: int = 0  # requests served outside the slab because it was exhausted
+    # requests served outside the slab: it was exhausted, or they were larger than a buffer (`PinnedBuffer.fit`)
+    fallbacks: int = 0
     buffers_in_use: int = 0
     waits: int = 0  # acquire(wait_s=...) calls that found no free buffer and waited
 
 
 class PinnedBuffer:
-    """A slice of the slab (or a fallback allocation); `array(dtype, n)` views it."""
+    """A slice of the slab (or a fallback allocation); `array(dtype, n)` views it, `fit(dtype, n)` too
+    when it is large enough."""
 
-    __slots__ = ("memory", "index", "done")
+    __slots__ = ("memory", "index", "done", "stats")
 
-    def __init__(self, memory: np.ndarray, index: int | None):
-        self.memory, self.index = memory, index
+    def __init__(self, memory: np.ndarray, index: int | None, stats: PoolStats | None = None):
+        self.memory, self.index, self.stats = memory, index, stats
         self.done: Callable[[], bool] = lambda: True
+
+    def fit(self, dtype, count: int) -> np.ndarray:
+        """`array(dtype, count)`, or a one-off (pageable) array when the buffer is too small, counted as a
+        fallback in its pool's stats: a request larger than a buffer means the pool was sized too small."""
+        dtype = np.dtype(dtype)
+        if count * dtype.itemsize <= self.memory.nbytes:
+            return self.array(dtype, count)
+        if self.stats is not None:
+            self.stats.fallbacks += 1
+        return np.empty(count, dtype)
 
     def array(self, dtype, count: int) -> np.ndarray:
         dtype = np.dtype(dtype)
@@ -89,11 +101,11 @@ class PinnedPool:
         self.stats.buffers_in_use += 1
         if not self._free:
             self.stats.fallbacks += 1
-            return PinnedBuffer(aligned_slab(self.buffer_bytes), None)
+            return PinnedBuffer(aligned_slab(self.buffer_bytes), None)  # counted already: no stats
         i = self._free.pop()
         self.stats.bytes_in_use += self.buffer_bytes
         self.stats.peak_bytes = max(self.stats.peak_bytes, self.stats.bytes_in_use)
-        return PinnedBuffer(self.slab[i * self.buffer_bytes : (i + 1) * self.buffer_bytes], i)
+        return PinnedBuffer(self.slab[i * self.buffer_bytes : (i + 1) * self.buffer_bytes], i, self.stats)
 
     def release(self, buf: PinnedBuffer, done: Callable[[], bool] | None = None) -> None:
         """Give `buf` back; it is reused only once `done()` is true (default: now)."""

@@ -71,6 +71,14 @@ class RouterConfig:
         64 << 10, "bytes (UTF-8) of a request's output constraint: its JSON schema as compact JSON, regex, grammar, "
                   "or choices together", low=1)
     max_constraint_choices: int = setting(1000, "strings in a request's choice constraint", low=1)
+    constraint_compile_threads: int = setting(
+        2, "threads that compile requests' output constraints (JSON schemas, regexes, grammars, tools) to check "
+           "them before they run; their own, so a burst of schemas never queues ahead of prompt tokenization or "
+           "/detokenize", low=1)
+    constraint_compile_timeout_s: float = setting(
+        10.0, "seconds a request's output constraint may take to compile (queueing for a thread not counted); "
+              "one that takes longer is refused as an invalid argument", low=0, low_open=True,
+        flag="--constraint-compile-timeout")
 
     def __post_init__(self) -> None:
         check_settings(self)

@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
+import contextlib
 import hashlib
 import json
 import re
@@ -361,20 +363,29 @@ def explain(constraint: Constraint) -> str | None:
 
 
 class ConstraintCheck:
-    """Each distinct grammar compiled once, on a thread; verdicts kept in an LRU of `size` by SHA-256 of the
-    text. Identical grammars checked at once share one compile. Counters (exported by the gateway's
+    """Each distinct grammar compiled once, on one of `threads` threads of its own (so compiles never queue
+    ahead of the default executor's short work: inline prompt encodes, /detokenize); verdicts kept in an LRU
+    of `size` by SHA-256 of the text. Identical grammars checked at once share one compile. A compile that
+    runs longer than `timeout_s` (from its start on a thread) is refused, and that verdict cached; its thread
+    stays busy until it ends (a compile cannot be interrupted). Counters (exported by the gateway's
     metrics): `compiles` (cache misses), `hits` (a verdict cached or a compile in flight joined), `refused`
     (checks answered with an error, cached verdicts included) and `compile_seconds` (wall time of the
-    compiles, on their threads)."""
+    compiles, on their threads, counted as each ends)."""
 
-    def __init__(self, size: int = CHECK_CACHE_SIZE):
-        self.size = size
+    def __init__(self, size: int = CHECK_CACHE_SIZE, threads: int = RouterConfig.constraint_compile_threads,
+                 timeout_s: float = RouterConfig.constraint_compile_timeout_s):
+        self.size, self.timeout_s = size, timeout_s
+        self._executor = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="constraint-compile")
         self._verdicts: collections.OrderedDict[str, str | None] = collections.OrderedDict()
         self._running: dict[str, asyncio.Future] = {}
         self.compiles = 0
         self.hits = 0
         self.refused = 0
         self.compile_seconds = 0.0
+
+    def close(self) -> None:
+        """Drop the compiles not started; those running end on their threads."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def check(self, constraint: Constraint | None, field: str = "constraint") -> None:
         """Return when `constraint` (None: nothing) compiles. Raises InvalidRequestError naming `field`."""
@@ -387,22 +398,48 @@ class ConstraintCheck:
             verdict = self._verdicts[key]
         elif key in self._running:
             self.hits += 1
-            verdict, _ = await asyncio.shield(self._running[key])
+            verdict = await asyncio.shield(self._running[key])
         else:
             self.compiles += 1
-            future = asyncio.ensure_future(asyncio.to_thread(_timed, explain, constraint))
+            future = asyncio.ensure_future(self._compile(constraint))
             self._running[key] = future
             try:
-                verdict, seconds = await asyncio.shield(future)
+                verdict = await asyncio.shield(future)
             finally:
                 self._running.pop(key, None)
-            self.compile_seconds += seconds
             self._verdicts[key] = verdict
             while len(self._verdicts) > self.size:
                 self._verdicts.popitem(last=False)
         if verdict is not None:
             self.refused += 1
             raise InvalidRequestError(field, verdict)
+
+
+    async def _compile(self, constraint: Constraint) -> str | None:
+        """`explain(constraint)` on the compile threads, or the refusal of a compile that ran past the timeout
+        (whether still running then, or measured on its thread when it ended first)."""
+        loop = asyncio.get_running_loop()
+        started = loop.create_future()
+
+        def run() -> tuple[str | None, float]:
+            with contextlib.suppress(RuntimeError):  # the loop closed while this waited for a thread
+                loop.call_soon_threadsafe(lambda: started.done() or started.set_result(None))
+            return _timed(explain, constraint)
+
+        future = loop.run_in_executor(self._executor, run)
+        future.add_done_callback(self._count_seconds)
+        await asyncio.wait([started, future], return_when=asyncio.FIRST_COMPLETED)  # queueing does not count
+        await asyncio.wait([future], timeout=self.timeout_s)
+        if future.done():
+            verdict, seconds = future.result()
+            if seconds <= self.timeout_s:
+                return verdict
+        kind = "" if constraint.kind == "tools" else constraint.kind + ": "  # as explain's
+        return f"{kind}took longer than {self.timeout_s:g} s to compile (--constraint-compile-timeout)"
+
+    def _count_seconds(self, future: asyncio.Future) -> None:
+        if not future.cancelled() and future.exception() is None:
+            self.compile_seconds += future.result()[1]
 
 
 def _timed(fn: Callable, *args) -> tuple[Any, float]:

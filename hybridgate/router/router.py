@@ -106,7 +106,9 @@ class Router:
         self.chat_template = ChatTemplate(self.tokenizer, template, template_token_ids(self.model.metadata))
         self.tool_format = choose_format(self.config.tool_call_format, template or self.tokenizer.chat_template)
         self.constraint_limits = ConstraintLimits.of(self.config)  # the doors build constraints within these
-        self.constraints = ConstraintCheck()  # every constraint compiled once (a thread) before its request runs
+        # every constraint compiled once, on the check's own threads, before its request runs
+        self.constraints = ConstraintCheck(threads=self.config.constraint_compile_threads,
+                                           timeout_s=self.config.constraint_compile_timeout_s)
         self.fingerprint = model_fingerprint(self.model)
         self.max_model_len = min(self.config.max_model_len or 1 << 62, self.model.config.max_model_len)
         self.prompts = Prompts(str(self.model.path), self.tokenizer, self.chat_template, self.max_model_len,
@@ -172,6 +174,7 @@ class Router:
             await self.response_cache.close()
         await asyncio.gather(*(c.close() for c in self.clients), return_exceptions=True)
         self.prompts.close()
+        self.constraints.close()
 
     async def add_client(self, client: WorkerClient) -> None:
         """A worker joins while the router runs (the registry found it); placement sees it once READY."""

@@ -67,7 +67,8 @@ def build_runner(config: WorkerConfig):
 
     return NumbaRunner(model, kv_cache_memory=config.kv_cache_memory, threads=threads,
                        activations=config.engine.cpu_activations, kv_cache_dtype=config.engine.kv_cache_dtype,
-                       thread_fallback=config.engine.cpu_thread_fallback), model
+                       thread_fallback=config.engine.cpu_thread_fallback, max_num_seqs=config.max_num_seqs,
+                       max_num_batched_tokens=config.max_num_batched_tokens), model
 
 
 def check_bindable(endpoint: str) -> None:

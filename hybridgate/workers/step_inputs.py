@@ -1,7 +1,9 @@
 """A scheduled batch as flat int64 arrays: what both runners feed their kernels.
 
-Written into one `PinnedPool` buffer per step (a plain array when the step is
-larger than a buffer), so staging allocates nothing on the hot path.
+Written into one `PinnedPool` buffer per step, so staging allocates nothing on
+the hot path; runners size their buffers with `staging_bytes`, so that no step
+is larger than a buffer (one that is goes to a plain array, counted as a pool
+fallback).
 """
 
 from __future__ import annotations
@@ -37,6 +39,16 @@ def context_slots(table: np.ndarray, block_size: int, length: int) -> np.ndarray
     return (table[:, None] * block_size + np.arange(block_size)).ravel()[:length]
 
 
+def staging_bytes(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> int:
+    """Bytes of the largest step `build_step_inputs` writes into its buffer: int64 ids, positions and slots
+    of at most `max_num_batched_tokens` rows, the last row of at most `max_num_seqs` entries, and the
+    contexts, each at most `max_model_len`, of at most min(max_num_seqs, max_num_batched_tokens) entries
+    (decodes' padded to the longest, prefills' whole). Reached by max_num_seqs - 1 decodes at
+    max_model_len tokens beside one prefill chunk of the rest of the token budget ending there."""
+    entries = min(max_num_seqs, max_num_batched_tokens)
+    return 8 * (3 * max_num_batched_tokens + entries + entries * max_model_len)
+
+
 def build_step_inputs(batch: ScheduledBatch, block_size: int, buf, pad_slot: int,
                       long_prompt: int | None = None) -> StepInputs:
     """The step's inputs; decode contexts are padded with `pad_slot` (which must hold finite values),
@@ -51,7 +63,7 @@ def build_step_inputs(batch: ScheduledBatch, block_size: int, buf, pad_slot: int
     t = batch.num_tokens
     sizes = [t, t, t, len(decodes) * width, sum(contexts[i] for i in prefills), len(entries)]
     total = sum(sizes)
-    flat = buf.array(np.int64, total) if buf is not None and total * 8 <= buf.memory.nbytes else np.empty(total, np.int64)
+    flat = buf.fit(np.int64, total) if buf is not None else np.empty(total, np.int64)
     ids, pos, slots, dctx, pctx, last = np.split(flat, np.cumsum(sizes)[:-1])
     row = 0
     for (seq, n), table in zip(entries, tables):

@@ -330,3 +330,64 @@ def test_grpc_tools_history_and_final_calls():
     msg = delta_to_proto(last, [ToolCall(0, "call_9", "w", '{"city": "Oslo"}')])
     assert [(t.id, t.name, t.arguments) for t in msg.tool_calls] == [("call_9", "w", '{"city": "Oslo"}')]
     assert not delta_to_proto(Delta("r", 0, "x", [5])).tool_calls
+
+
+def _many_patterns(n: int) -> dict:
+    """A schema of `n` required strings, each with its own pattern: about 20 ms to compile at 400."""
+    return {"type": "object", "additionalProperties": False, "required": [f"p{i}" for i in range(n)],
+            "properties": {f"p{i}": {"type": "string", "pattern": f"^[a-z]{{{i % 7 + 1},{i % 7 + 20}}}x[0-9]{{2,9}}$"}
+                           for i in range(n)}}
+
+
+def test_a_constraint_that_compiles_past_the_timeout_is_refused_naming_the_field_and_the_limit():
+    """A real schema whose compile (tens of ms) runs past a 1 ms limit; the verdict is cached, so the same
+    schema is refused again without compiling. (Compiles had no limit.)"""
+    slow = c.json_schema(_many_patterns(400), "f")
+    check = ConstraintCheck(timeout_s=0.001)
+
+    async def run():
+        for field in ("constraint", "tools"):
+            with pytest.raises(InvalidFieldError) as e:
+                await check.check(slow, field)
+            assert str(e.value) == f"{field}: json_schema: took longer than 0.001 s to compile (--constraint-compile-timeout)"
+            assert e.value.field == field
+
+    try:
+        asyncio.run(run())
+    finally:
+        check.close()
+    assert (check.compiles, check.hits, check.refused) == (1, 1, 2)
+
+
+def test_a_prompt_encode_is_not_queued_behind_a_burst_of_compiles(tokenizer, monkeypatch):
+    """Compiles blocked on their threads (more than the default executor has threads) leave the default
+    executor, where inline prompt encodes and /detokenize run, free: an encode completes at once. (Compiles
+    shared that executor, so the encode waited for them.)"""
+    import threading
+
+    release = threading.Event()
+
+    def blocked(constraint):
+        release.wait(30)
+        return None
+
+    monkeypatch.setattr(c, "explain", blocked)
+    check = ConstraintCheck(threads=2)
+    burst = 40  # more than the default executor's threads (at most 32)
+
+    async def run():
+        compiles = [asyncio.ensure_future(check.check(c.regex(f"a{i}", "f"))) for i in range(burst)]
+        await asyncio.sleep(0)  # every compile submitted
+        try:
+            ids = await asyncio.wait_for(asyncio.to_thread(tokenizer.encode, "hello world"), timeout=5)
+            assert tokenizer.decode(ids) == "hello world"
+            assert not any(f.done() for f in compiles)  # the compiles were still blocked meanwhile
+        finally:
+            release.set()
+        await asyncio.gather(*compiles)
+
+    try:
+        asyncio.run(run())
+    finally:
+        release.set()
+        check.close()

@@ -25,9 +25,9 @@ from hybridgate.workers.cpu.threadfallback import ThreadFallback  # noqa: E402
 from hybridgate.workers.faults import FaultHook  # noqa: E402
 from hybridgate.workers.memory import host_available_bytes, num_blocks_for  # noqa: E402
 from hybridgate.workers.sampling import sample, token_logprobs  # noqa: E402
-from hybridgate.workers.scheduler import ScheduledBatch  # noqa: E402
+from hybridgate.workers.scheduler import ScheduledBatch, SchedulerConfig  # noqa: E402
 from hybridgate.workers.sequence import Sequence  # noqa: E402
-from hybridgate.workers.step_inputs import build_step_inputs  # noqa: E402
+from hybridgate.workers.step_inputs import build_step_inputs, staging_bytes  # noqa: E402
 from hybridgate.wire import TokenLogprobs  # noqa: E402
 
 log = logging.getLogger("hybridgate.worker")
@@ -69,13 +69,16 @@ class NumbaRunner:
     kv_cache_dtype: the cache's element format, fp32, fp16 or bf16 (`kvdtype`); a 16-bit
     cache holds twice the blocks in the same kv_cache_memory. Raises ValueError naming the
     setting for any other value. thread_fallback: decode steps move to fewer threads while
-    those measure faster (`threadfallback`: cores shared with other processes)."""
+    those measure faster (`threadfallback`: cores shared with other processes). max_num_seqs,
+    max_num_batched_tokens: the scheduler's, which size the staging buffers (`staging_bytes`)."""
 
     kind = "cpu"
 
     def __init__(self, model: GGUFModel, kv_cache_memory: str | float | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE, max_num_blocks: int | None = None, threads: int | None = None,
-                 activations: str = "auto", kv_cache_dtype: str = DEFAULT_KV_DTYPE, thread_fallback: bool = False):
+                 activations: str = "auto", kv_cache_dtype: str = DEFAULT_KV_DTYPE, thread_fallback: bool = False,
+                 max_num_seqs: int = SchedulerConfig.max_num_seqs,
+                 max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens):
         self.kv_dtype = kv_dtype(kv_cache_dtype)
         if threads:
             numba.set_num_threads(threads)
@@ -112,7 +115,8 @@ class NumbaRunner:
             # otherwise land on the steps, and KV hand-off imports, that first use each block.
             k.fill(0)
             v.fill(0)
-        self.pool = PinnedPool(4 << 20, 2)
+        # two buffers, each holding the largest step's inputs, so none falls back
+        self.pool = PinnedPool(staging_bytes(max_num_batched_tokens, max_num_seqs, self.max_model_len), 2)
         target = isa.selected()
         self.cpu_isa = target.isa
         # Prompts of at least this many tokens multiply on AMX tiles (`amx`; None: no AMX in this process).

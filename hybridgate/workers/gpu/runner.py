@@ -28,12 +28,10 @@ from hybridgate.workers.gpu.model import DecoderModel
 from hybridgate.workers.faults import FaultHook
 from hybridgate.workers.scheduler import ScheduledBatch, SchedulerConfig
 from hybridgate.workers.sequence import Sequence
-from hybridgate.workers.step_inputs import StepInputs, build_step_inputs
+from hybridgate.workers.step_inputs import StepInputs, build_step_inputs, staging_bytes
 from hybridgate.wire import TokenLogprobs
 
 log = logging.getLogger("hybridgate.worker")
-
-STAGING_BUFFER_BYTES = 4 << 20
 
 
 def _available_bytes(device: torch.device) -> int:
@@ -93,7 +91,7 @@ class TorchRunner:
         self.block_gather = dev.type == "cuda" if block_gather is None else block_gather
         self.block_size = block_size
         self.block_bytes = PagedKVCache.block_bytes(model.config, block_size, self.model.dtype)
-        self.pool = PinnedPool(STAGING_BUFFER_BYTES, 2, _pinned_slab if dev.type == "cuda" else aligned_slab)
+        self._slab = _pinned_slab if dev.type == "cuda" else aligned_slab
         self._vocab_hash = torch.from_numpy(sampling.vocab_hash(model.config.vocab_size)).to(dev)
         # float32 on CUDA (no whole-vocabulary sort in the common cases); on a CPU device the float64 twin, whose
         # ids equal the numpy runner's (`gpu.sampling`'s docstring says why no contract needs more)
@@ -119,6 +117,7 @@ class TorchRunner:
         self.max_model_len = fitted_max_model_len(model.config.max_model_len, max_model_len,
                                                   self.num_blocks * block_size)
         self._allocate_cache(self.num_blocks)
+        self.pool = self._staging_pool(max_num_batched_tokens, max_num_seqs, self.max_model_len)
         if captures:
             self.graphs = DecodeGraphs(self.model, self.cache, self.scratch_slot, max_num_seqs,
                                        self.max_model_len, kernels=self.attention == "triton",
@@ -128,6 +127,10 @@ class TorchRunner:
                  self.model.weight_bytes / 2**20, f"; budget {self.budget}" if self.budget else "",
                  self.max_model_len, "Triton paged kernels" if self.attention == "triton" else
                  "gather + SDPA (reference)")
+
+    def _staging_pool(self, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> PinnedPool:
+        """Two buffers, each holding the largest step's inputs (`staging_bytes`), so none falls back."""
+        return PinnedPool(staging_bytes(max_num_batched_tokens, max_num_seqs, max_model_len), 2, self._slab)
 
     def _allocate_cache(self, num_blocks: int) -> None:
         dev = self.model.device
@@ -153,6 +156,7 @@ class TorchRunner:
         tokens = min(max_num_batched_tokens, longest)
         batches = profile_batches(tokens, max_num_seqs, batch_sizes[-1], context, self.block_size, c.vocab_size)
         self._allocate_cache(batches.num_blocks - 1)
+        self.pool = self._staging_pool(tokens, max_num_seqs, max(tokens, context))  # until max_model_len is known
         activations = memory.peak_growth(lambda: self._execute(batches.largest))
         graphs = 0
         if captures:
