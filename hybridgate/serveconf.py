@@ -21,7 +21,7 @@ _COUNT = re.compile(r"(gpu|cpu)=(\d+)")
 class ModelSpec:
     """One `--model` value: `PATH`, or `NAME=PATH` with optional per-model worker counts
     `NAME=PATH:gpu=N:cpu=N` (default: --gpu-workers / --cpu-workers). `name` "" is a model named
-    after its GGUF (`hybridgate.models.model_name`); `path` "" is the default model."""
+    after its GGUF file (`hybridgate.models.model_names`); `path` "" is the default model."""
 
     name: str
     path: str

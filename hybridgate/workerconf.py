@@ -221,7 +221,7 @@ class WorkerConfig:
         30.0, "CPU workers: seconds a KV hand-off reservation waits for its KV",
         low=0, low_open=True)
     model_name: str = setting("", "the served model's name, in HELLO and the registry (set from --model NAME=PATH; "
-                                  "default the GGUF's general.name)", cli=False)
+                                  "default the GGUF file's stem, hybridgate.models.served_name)", cli=False)
 
     def __post_init__(self) -> None:
         check_settings(self)

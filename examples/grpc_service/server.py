@@ -8,12 +8,14 @@ The service (`assistant.proto` beside this file; `assistant_pb2*.py` were genera
 --grpc_python_out=examples/grpc_service examples/grpc_service/assistant.proto`) is not hybridgate's API:
 the Router is a library here, the workers are hybridgate workers (`hybridgate worker --endpoint ...`).
 A client that cancels its call leaves the router's `async with`, which aborts the request on its worker.
+Ctrl-C (SIGINT) or SIGTERM stops the service: calls in flight get a second, then the router closes.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 
 import grpc
 
@@ -57,8 +59,15 @@ async def main() -> None:
         port = server.add_insecure_port(f"127.0.0.1:{args.port}")
         await server.start()
         print(f"assistant on 127.0.0.1:{port}", flush=True)
+        # As hybridgate's own gateway does: the handlers only set a flag, and the stop happens here, where
+        # the streams in flight get their grace period before the router's `async with` closes.
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
         try:
-            await server.wait_for_termination()
+            await stop.wait()
+            print("assistant: stopping (in-flight streams get 1 s)", flush=True)
         finally:
             await server.stop(1)
 

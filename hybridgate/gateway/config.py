@@ -33,7 +33,8 @@ class GatewayConfig:
               "/metrics) on --host; 0 picks a free one; an empty value turns it off", low=0, high=65535)
     served_model_name: tuple[str, ...] = setting(
         (), "the model name(s) the APIs answer to and report (GetModelInfo, /v1/models, the metrics' model_info; "
-            "the first is the name): default the GGUF's general.name, else the file's stem; repeat for aliases")
+            "the first is the name; repeat for aliases): default the GGUF file's stem (spaces and other "
+            "characters outside letters, digits and . _ - as -), with its general.name as an alias")
     allow_client_routes: bool = setting(
         False, "honour a request's `route` field (gpu, cpu, gpu->cpu): an operator's tool and the tests' handle; "
                "without it a route other than auto is INVALID_ARGUMENT")

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from hybridgate.gateway.admission import Admission
 from hybridgate.gateway.config import GatewayConfig
-from hybridgate.models import model_name
+from hybridgate.models import model_names
 from hybridgate.router import Router
 
 
@@ -65,8 +65,9 @@ class ModelTable:
     @classmethod
     def single(cls, router: Router, names: Sequence[str] = (), admission: Admission | None = None,
                max_inflight_requests: int = GatewayConfig.max_inflight_requests) -> ModelTable:
-        """A table of one model (the single-model gateway, or a service that embeds one router)."""
-        return cls([ServedModel(tuple(names) or (model_name(router.model),), router,
+        """A table of one model (the single-model gateway, or a service that embeds one router); `names`
+        default to the model's own (`hybridgate.models.model_names`: its file's stem, then its general.name)."""
+        return cls([ServedModel(tuple(names) or model_names(router.model), router,
                                 admission or Admission(max_inflight_requests))])
 
     @property

@@ -46,7 +46,7 @@ class GenerationService(pb_grpc.GenerationServicer):
     `log_request_text` adds the prompt (off: prompts stay out of logs unless asked).
     `router`: one router, or a `ModelTable` of several (the request's `model` picks one; NOT_FOUND
     naming the served ones for another). `model_id`: a single router's served name (default:
-    `hybridgate.models.model_name` of its model).
+    `hybridgate.models.model_names` of its model: its file's stem, its general.name as an alias).
     `max_inflight_requests`: a single router's requests accepted and not yet finished (a table's rows
     carry their own admission); one more is refused at once with RESOURCE_EXHAUSTED and a
     `grpc-retry-pushback-ms` trailer (hybridgate.gateway.admission)."""
@@ -202,4 +202,4 @@ def _model_info(served: ServedModel) -> pb.ModelInfo:
         for c in router.clients
     ]
     return pb.ModelInfo(model_id=served.name, fingerprint=router.fingerprint, max_model_len=router.max_model_len,
-                        workers=workers)
+                        workers=workers, aliases=served.names[1:])

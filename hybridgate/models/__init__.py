@@ -6,7 +6,7 @@ from hybridgate.models.detokenizer import IncrementalDetokenizer
 from hybridgate.models.fingerprint import model_fingerprint
 from hybridgate.models.gguf_file import GGUFModel, ModelConfig, ModelLoadError, TensorView, load_gguf
 from hybridgate.models.gguf_metadata import read_metadata
-from hybridgate.models.paths import default_model_path, model_name
+from hybridgate.models.paths import default_model_path, model_name, model_names, served_name
 from hybridgate.models.tokenizer import Tokenizer
 
 __all__ = [
@@ -26,5 +26,7 @@ __all__ = [
     "load_gguf",
     "model_fingerprint",
     "model_name",
+    "model_names",
     "read_metadata",
+    "served_name",
 ]

@@ -17,7 +17,7 @@ import gguf
 
 from hybridgate.models.chat import ChatTemplate, ChatTemplateError
 from hybridgate.models.gguf_file import GGUFModel, ModelLoadError, load_gguf
-from hybridgate.models.paths import model_name
+from hybridgate.models.paths import names_of
 from hybridgate.models.tokenizer import Tokenizer
 
 # The names llama.cpp writes in `tokenizer.ggml.model`, said in words (src/llama-vocab.cpp).
@@ -90,6 +90,12 @@ def describe(path: str | Path) -> ModelReport:
     return ModelReport(path, metadata, types, parameters, model, model_refusal, tokenizer_refusal, template_refusal)
 
 
+def _names(report: ModelReport) -> str:
+    """The served name and its alias, as `serve` would answer to them with no name given."""
+    names = names_of(report.path, report.metadata)
+    return names[0] + (f" (also answers to {names[1]!r}, its general.name)" if len(names) > 1 else "")
+
+
 def report_lines(report: ModelReport) -> list[tuple[str, str]]:
     """(label, value) pairs of `hybridgate info`, runners left out (they need the workers' packages)."""
     meta = report.metadata
@@ -101,8 +107,7 @@ def report_lines(report: ModelReport) -> list[tuple[str, str]]:
         template = f"present but refused: {report.template_refusal}"
     lines = [
         ("model", str(report.path)),
-        ("name", model_name(report.model) if report.model is not None else
-         str(meta.get("general.name") or report.path.stem)),
+        ("name", _names(report)),
         ("architecture", arch),
         ("parameters", f"{report.parameters:,} ({report.parameters / 1e6:.0f}M)"),
         ("quant mix", ", ".join(f"{name} {count}" for name, count in report.quant_mix)),

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
+import re
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from hybridgate.models.gguf_file import GGUFModel, ModelLoadError
 
@@ -33,8 +36,38 @@ def default_model_path() -> Path:
     )
 
 
+# What a derived name keeps of a file's stem: the characters a served name may hold
+# (hybridgate.serveconf.MODEL_NAME); every other run of characters, spaces included, becomes one "-".
+_NOT_IN_A_NAME = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def served_name(path: Path) -> str:
+    """The name a GGUF file is served under when the operator names none: its file stem, case kept
+    (`SmolLM2-135M-Instruct.Q4_1.gguf` -> `SmolLM2-135M-Instruct.Q4_1`), with each run of other characters
+    than letters, digits and `. _ -` (spaces included) turned into one `-`, trimmed to start with a letter
+    or digit and to 128 characters; "model" if nothing is left.
+
+    The stem, as llama.cpp's server reports the file it was given (without the folder, which differs
+    between hosts) and as vLLM reports a Hugging Face id (case kept): a name that is the same wherever
+    the file is served, and that a shell or a URL takes without quoting."""
+    name = _NOT_IN_A_NAME.sub("-", path.stem).lstrip("._-")[:128].rstrip("-")
+    return name or "model"
+
+
+def model_names(model: GGUFModel) -> tuple[str, ...]:
+    """Every name a model answers to when the operator names none: `served_name` of its file first (its
+    name in answers and metrics), then its GGUF `general.name` (stripped) where it has a different one, an
+    alias that requests may also give."""
+    return names_of(model.path, model.metadata)
+
+
+def names_of(path: Path, metadata: Mapping[str, Any]) -> tuple[str, ...]:
+    """`model_names` of the GGUF at `path` with header `metadata` (before, or without, loading it)."""
+    name = served_name(path)
+    alias = str(metadata.get("general.name") or "").strip()
+    return (name, alias) if alias and alias != name else (name,)
+
+
 def model_name(model: GGUFModel) -> str:
-    """The name a model is served under when the operator names none: its GGUF `general.name`
-    (stripped; as llama.cpp's server reports it), else the file's stem."""
-    name = str(model.metadata.get("general.name") or "").strip()
-    return name or model.path.stem
+    """The name a model is served under when the operator names none (`model_names`' first)."""
+    return served_name(model.path)

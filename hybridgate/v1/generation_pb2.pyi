@@ -205,15 +205,17 @@ class WorkerInfo(_message.Message):
     def __init__(self, endpoint: _Optional[str] = ..., kind: _Optional[str] = ..., ready: _Optional[bool] = ..., running: _Optional[int] = ..., cpu_isa: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "fingerprint", "max_model_len", "workers", "models")
+    __slots__ = ("model_id", "fingerprint", "max_model_len", "workers", "models", "aliases")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
+    ALIASES_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     fingerprint: str
     max_model_len: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
     models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
-    def __init__(self, model_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., max_model_len: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
+    aliases: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., max_model_len: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., aliases: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import urllib.parse
@@ -73,7 +74,7 @@ def test_router_imports_with_torch_and_numba_blocked(tmp_path):
     assert out.stdout.strip() == "blocked: torch is blocked in this test"  # the blocker really was in force
 
 
-def test_grpc_example_service_streams_an_answer(worker, tmp_path, model_path):
+def test_grpc_example_service_streams_an_answer_and_stops_on_ctrl_c(worker, tmp_path, model_path):
     sys.path.insert(0, str(EXAMPLES / "grpc_service"))
     try:
         import assistant_pb2
@@ -82,7 +83,7 @@ def test_grpc_example_service_streams_an_answer(worker, tmp_path, model_path):
         sys.path.pop(0)
     port = free_port()
     server = Popen([sys.executable, str(EXAMPLES / "grpc_service" / "server.py"), "--worker", worker, "--model",
-                    str(model_path), "--port", str(port)], tmp_path / "assistant.log")
+                    str(model_path), "--port", str(port)], tmp_path / "assistant.log", background_job=True)
     try:
         server.wait_for(rf"assistant on 127\.0\.0\.1:{port}", 60)
         stub = assistant_pb2_grpc.AssistantStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
@@ -92,7 +93,8 @@ def test_grpc_example_service_streams_an_answer(worker, tmp_path, model_path):
         assert [r.done for r in replies] == [False] * (len(replies) - 1) + [True]
         assert replies[-1].finish_reason == "eos"
     finally:
-        server.stop()
+        code = server.stop(signal.SIGINT, timeout=20)  # kill -INT (Ctrl-C): one that ignores it is killed at 20 s
+    assert code == 0 and "assistant: stopping" in server.text(), server.text()
 
 
 def test_grpc_example_generated_code_is_fresh(tmp_path):
@@ -129,8 +131,11 @@ def test_sse_example_streams_events(worker, tmp_path, model_path):
 class Popen(Proc):
     """A `Proc` for a program that is not the hybridgate command."""
 
-    def __init__(self, argv: list[str], log: Path):
+    def __init__(self, argv: list[str], log: Path, background_job: bool = False):
+        """`background_job`: started with SIGINT ignored, as a shell script's `program &` starts it (Python then
+        installs no KeyboardInterrupt handler: only a handler of the program's own makes Ctrl-C / kill -INT work)."""
         self.log = log
         self._out = open(log, "wb")
-        self.popen = subprocess.Popen(argv, stdout=self._out, stderr=subprocess.STDOUT,
+        ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if background_job else None
+        self.popen = subprocess.Popen(argv, stdout=self._out, stderr=subprocess.STDOUT, preexec_fn=ignore,
                                       env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)

@@ -80,10 +80,11 @@ def general_name(path) -> str:
 
 
 def test_both_doors_name_the_model(server, gemma3_path):
-    name = general_name(gemma3_path)
-    assert stub(server.target).GetModelInfo(pb.GetModelInfoRequest()).model_id == name
+    name, alias = gemma3_path.name.removesuffix(".gguf"), general_name(gemma3_path).strip()
+    info = stub(server.target).GetModelInfo(pb.GetModelInfoRequest())
+    assert (info.model_id, list(info.aliases)) == (name, [alias])
     status, body = http(server, "/v1/models")
-    assert status == 200 and [m["id"] for m in body["data"]] == [name]
+    assert status == 200 and [m["id"] for m in body["data"]] == [name, alias]
 
 
 def test_a_chat_needs_a_template(server):

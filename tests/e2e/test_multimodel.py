@@ -112,6 +112,7 @@ def test_every_model_is_listed_and_an_unknown_one_is_not_found(server):
     assert [m["id"] for m in listed["data"]] == [SMOL, TINY]
     info = stub(server.target).GetModelInfo(pb.GetModelInfoRequest())
     assert info.model_id == SMOL and [m.model_id for m in info.models] == [SMOL, TINY]
+    assert [list(m.aliases) for m in info.models] == [[], []]  # NAME=PATH is the only name: no general.name
     tiny = stub(server.target).GetModelInfo(pb.GetModelInfoRequest(model=TINY))
     assert tiny.model_id == TINY and [w.kind for w in tiny.workers] == ["gpu"]
     assert tiny.fingerprint != info.fingerprint and [w.kind for w in info.workers] == ["cpu"]

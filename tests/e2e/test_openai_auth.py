@@ -64,7 +64,8 @@ def test_a_missing_or_wrong_token_is_401(server):
 
 
 def test_the_right_token_is_served(server, model_path):
-    name = gguf.GGUFReader(model_path).fields["general.name"].contents()  # the served name by default
+    # The file's general.name (gguf's reader): an alias of the served name (the file's stem) by default.
+    name = gguf.GGUFReader(model_path).fields["general.name"].contents()
     r = sdk(server, TOKEN).chat.completions.create(model=name, temperature=0, max_tokens=3,
                                                   messages=[{"role": "user", "content": "What is the capital of France?"}])
     assert r.choices[0].message.content == "The capital of"

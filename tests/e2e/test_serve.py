@@ -8,6 +8,7 @@ import signal
 import subprocess
 import threading
 import time
+import urllib.request
 
 import gguf
 import grpc
@@ -22,8 +23,8 @@ from procs import HYBRIDGATE, Proc, Serve, metrics, stub, wait_metric
 GREEDY = golden_json("greedy.json")
 FRANCE = "What is the capital of France?"
 AFTER_ABORT = "hybridgate:engine_tokens_after_abort_total{}"
-# The served name: the default model's GGUF general.name, read by gguf's own reader.
-NAME = f"model_name={gguf.GGUFReader(default_model_path()).fields['general.name'].contents()}"
+# The served name: the default model's file name without .gguf (its general.name is an alias).
+NAME = f"model_name={default_model_path().name.removesuffix('.gguf')}"
 ABORTED = f"hybridgate:request_success_total{{finished_reason=abort,{NAME}}}"
 KV_BYTES = "hybridgate:kv_cache_bytes{}"
 
@@ -162,7 +163,15 @@ def test_health_reflection_and_model_info(server, model_path):
     assert check.status == health_pb2.HealthCheckResponse.SERVING
     info = stub(server.target).GetModelInfo(pb.GetModelInfoRequest())
     assert info.max_model_len == 8192 and len(info.fingerprint) == 64
-    assert info.model_id == gguf.GGUFReader(model_path).fields["general.name"].contents()  # no --served-model-name
+    # No --served-model-name: the file's name without .gguf, and its general.name (gguf's reader) as an alias.
+    alias = gguf.GGUFReader(model_path).fields["general.name"].contents()
+    assert info.model_id == model_path.name.removesuffix(".gguf") and list(info.aliases) == [alias]
+    assert [(m.model_id, list(m.aliases)) for m in info.models] == [(info.model_id, [alias])]
+    with urllib.request.urlopen(server.http_url + "/v1/models", timeout=30 * TIME_FACTOR) as r:
+        assert [(m["id"], m["root"]) for m in json.loads(r.read())["data"]] == \
+            [(info.model_id, info.model_id), (alias, info.model_id)]
+    named = stub(server.target).GetModelInfo(pb.GetModelInfoRequest(model=alias))  # the alias picks the model
+    assert named.model_id == info.model_id and named.fingerprint == info.fingerprint
     assert [(w.kind, w.ready) for w in info.workers] == [("gpu", True)]
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -196,7 +205,7 @@ def test_metrics_count_what_one_request_did(server, model_path):
     assert after[AFTER_ABORT] == before[AFTER_ABORT]
     ttft, e2e = f"hybridgate:time_to_first_token_seconds_sum{{{NAME}}}", f"hybridgate:e2e_request_latency_seconds_sum{{{NAME}}}"
     assert 0 < after[ttft] - before[ttft] <= after[e2e] - before[e2e]
-    name = gguf.GGUFReader(model_path).fields["general.name"].contents()
+    name = model_path.name.removesuffix(".gguf")
     info = stub(server.target).GetModelInfo(pb.GetModelInfoRequest())
     assert after[f"hybridgate:model_info{{fingerprint={info.fingerprint},model_name={name}}}"] == 1
     # The same observations under vLLM's names, labelled by the served model's name.

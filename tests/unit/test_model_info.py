@@ -1,20 +1,25 @@
-"""Issue 26: the served model's name, `hybridgate info`, a model without a chat template, and the
+"""Issues 26 and 43: the served model's names, `hybridgate info`, a model without a chat template, and the
 refusals at start-up (one line naming what is refused, exit 2, no worker started)."""
 
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
 import gguf
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from malformed_gguf import FAULTS, write_malformed
 from tiny_gguf import write_tiny_llama
 
 from hybridgate.cli import main
-from hybridgate.models import ChatTemplate, Tokenizer, load_gguf, model_name
+from hybridgate.models import ChatTemplate, Tokenizer, load_gguf, model_name, model_names, served_name
 from hybridgate.models.info import describe
 from hybridgate.router import Router
 from hybridgate.router.router import RouterConfig
+from hybridgate.serve import served_names
+from hybridgate.serveconf import MODEL_NAME
 from hybridgate.wire import InvalidFieldError
 
 CHAT = [{"role": "user", "content": "Hi"}]
@@ -45,11 +50,42 @@ def info_lines(capsys, path) -> tuple[int, dict[str, list[str]]]:
     return code, lines
 
 
-def test_served_name_is_general_name_else_the_file_stem(model_path, gguf_model, base):
-    reference = gguf.GGUFReader(model_path).fields["general.name"].contents()
-    assert model_name(gguf_model) == reference.strip() and reference
+def test_served_name_is_the_file_stem_and_general_name_an_alias(model_path, gguf_model, base):
+    reference = gguf.GGUFReader(model_path).fields["general.name"].contents().strip()
+    assert " " in reference  # the old default name, which a shell and a URL need quoted
+    assert model_name(gguf_model) == "SmolLM2-135M-Instruct.Q4_1" == model_path.name.removesuffix(".gguf")
+    assert model_names(gguf_model) == ("SmolLM2-135M-Instruct.Q4_1", reference)
     assert "general.name" not in gguf.GGUFReader(base).fields
-    assert model_name(load_gguf(base)) == "tiny-base"
+    assert model_names(load_gguf(base)) == ("tiny-base",)
+
+
+@pytest.mark.parametrize("file, name", [
+    ("SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct.Q4_1"),  # case kept, only .gguf goes
+    ("gemma-3-270m-it-Q8_0.gguf", "gemma-3-270m-it-Q8_0"),
+    ("My Model (v2).gguf", "My-Model-v2"),
+    ("  two   spaces\t.gguf", "two-spaces"),
+    (".hidden_model.gguf", "hidden_model"),
+    ("modèle.gguf", "mod-le"),
+    ("(((.gguf", "model"),
+    ("x" * 200 + ".gguf", "x" * 128),
+])
+def test_served_name_rules(file, name):
+    assert served_name(Path("/some folder") / file) == name
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(min_size=1, max_size=200).filter(lambda s: "/" not in s and "\x00" not in s))
+def test_served_name_has_no_space_and_is_a_name_the_flags_accept(stem):
+    name = served_name(Path(f"{stem}.gguf"))
+    assert not any(c.isspace() for c in name) and MODEL_NAME.fullmatch(name), name
+
+
+def test_the_operator_names_win_over_the_model_own(gguf_model):
+    own = model_names(gguf_model)
+    assert served_names("", (), gguf_model) == own  # nothing named: the file's stem, general.name as alias
+    assert served_names("smol", (), gguf_model) == ("smol",)  # a fleet's NAME=PATH: NAME only
+    assert served_names("", ("chat", "alias"), gguf_model) == ("chat", "alias")  # --served-model-name
+    assert served_names("smol", ("chat", "smol"), gguf_model) == ("smol", "chat")
 
 
 def test_info_counts_tensors_and_parameters_as_gguf_reads_them(capsys, base):
@@ -58,7 +94,7 @@ def test_info_counts_tensors_and_parameters_as_gguf_reads_them(capsys, base):
     params = sum(int(t.n_elements) for t in reader.tensors)
     code, lines = info_lines(capsys, base)
     assert code == 0
-    assert lines["architecture"] == ["llama"]
+    assert lines["name"] == ["tiny-base"] and lines["architecture"] == ["llama"]
     assert lines["parameters"][0].startswith(f"{params:,} ")
     assert lines["quant mix"] == [", ".join(f"{k} {v}" for k, v in mix.most_common())]
     assert lines["tokenizer"][0].startswith("gpt2 (byte-level BPE), pre-tokenizer smollm, 260 tokens")
