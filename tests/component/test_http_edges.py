@@ -169,12 +169,17 @@ def test_health_says_not_serving_after_stop_whatever_was_pending(gguf_model):
 class _Stream:
     """A stream of `n` one-token deltas, the last one finished."""
 
+    request_id = "r"
+
     def __init__(self, n: int):
         self.n, self.read = n, 0
         self.prompt_ids, self.ids = [1, 2, 3], []  # as GenerationStream's: the prompt, the ids handed out
 
     async def __aenter__(self):
         return self
+
+    async def __aexit__(self, *exc) -> bool:
+        return False
 
     def __aiter__(self):
         return self
