@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 
@@ -254,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # config and model errors name the field; no traceback for users
         print(f"hybridgate {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `hybridgate info | head`: the reader left; nothing is wrong (Python's signal docs)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 0
     except OSError as exc:  # a port in use, a socket path not writable
         print(f"hybridgate {args.command}: error: {exc}", file=sys.stderr)
         return 1

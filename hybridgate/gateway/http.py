@@ -2,7 +2,7 @@
 gateway's own event loop beside grpc.aio (hybridgate.gateway.http_server).
 
 Endpoints: POST /v1/chat/completions and /v1/completions (JSON, or server-sent
-events with `stream`), GET /v1/models, GET /health (200 only while a worker is
+events with `stream`), GET /v1/models (and /v1/models/{name}), GET /health (200 only while a worker is
 READY and the gateway is not draining), GET /metrics (the gateway's Prometheus
 registry), POST /tokenize and /detokenize (vLLM's shapes), and the schema at
 /openapi.json. Every route but /health wants the bearer token when one is set, and a body is at most
@@ -115,6 +115,7 @@ class OpenAIApp:
         app.post("/v1/chat/completions")(self.chat)
         app.post("/v1/completions")(self.completions)
         app.get("/v1/models")(self.models)
+        app.get("/v1/models/{model:path}")(self.model)
         app.get("/health")(self.health)
         app.get("/metrics")(self.prometheus)
         app.post("/tokenize")(self.tokenize)
@@ -152,10 +153,19 @@ class OpenAIApp:
 
     # --- the plain endpoints -------------------------------------------------------------------
 
+    def _model_card(self, name: str, m: ServedModel) -> dict:
+        return {"id": name, "object": "model", "created": self.format.created, "owned_by": "hybridgate",
+                "root": m.name, "max_model_len": m.router.max_model_len}
+
     async def models(self) -> dict:
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": self.format.created, "owned_by": "hybridgate",
-             "root": m.name, "max_model_len": m.router.max_model_len} for m in self.table for name in m.names]}
+        return {"object": "list", "data": [self._model_card(name, m) for m in self.table for name in m.names]}
+
+    async def model(self, model: str) -> dict:
+        """OpenAI's "retrieve model": the card of one served name (or alias); 404 model_not_found naming the
+        served ones otherwise."""
+        if not model:
+            raise ApiError(404, "invalid_request_error", "no model named ''", "model", "model_not_found")
+        return self._model_card(model, self._check_model(model))
 
     async def health(self) -> Response:
         ok = self.table.ready and not self.draining

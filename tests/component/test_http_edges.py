@@ -83,6 +83,15 @@ def test_every_route_but_health_wants_the_token(door, path):
     assert call(door.app, "GET", "/health")[0] == 503  # open, and no worker is READY here
 
 
+def test_one_model_is_retrieved_by_its_name_and_an_unknown_one_is_404(door):
+    status, _, listed = call(door.app, "GET", "/v1/models", headers=AUTH)
+    name = listed["data"][0]["id"]
+    status, _, card = call(door.app, "GET", f"/v1/models/{name}", headers=AUTH)
+    assert status == 200 and card == listed["data"][0]
+    status, _, body = call(door.app, "GET", "/v1/models/no-such-model", headers=AUTH)
+    assert status == 404 and body["error"]["code"] == "model_not_found" and name in body["error"]["message"]
+
+
 def test_a_body_over_4_mib_is_413_before_it_is_read(door):
     big = {"model": "m", "messages": [{"role": "user", "content": "x" * MAX_BODY_BYTES}]}
     status, headers, body = call(door.app, "POST", "/v1/chat/completions", big, AUTH)

@@ -101,3 +101,18 @@ def test_generate_model_names_the_served_model_not_a_settings_path():
     args = cli.build_parser().parse_args(["generate", "--model", "chat", "--max-tokens", "3", "hi"])
     assert build_request(args, "hi") == pb.GenerateRequest(prompt="hi", model="chat", max_tokens=3)
     assert not build_request(cli.build_parser().parse_args(["generate", "hi"]), "hi").HasField("model")
+
+
+def test_a_reader_that_leaves_early_is_no_error():
+    # `hybridgate info | head`: the command's writes meet a closed pipe; the CLI exits 0 with nothing on stderr
+    code = ("import sys; from hybridgate import cli\n"
+            "def info(args):\n"
+            "    for _ in range(100_000):\n"
+            "        print('x' * 100)\n"
+            "cli._cmd_info = info\n"
+            "sys.exit(cli.main(['info']))\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.readline()
+    proc.stdout.close()  # the reader leaves
+    assert proc.wait(timeout=60) == 0
+    assert proc.stderr.read() == b""
