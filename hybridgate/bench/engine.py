@@ -47,6 +47,7 @@ from hybridgate.models import Tokenizer, load_gguf, model_fingerprint
 from hybridgate.wire import AddRequest, SamplingParams
 from hybridgate.workers import affinity
 from hybridgate.workers.engine import EngineCore
+from hybridgate.workerconf import EngineConfig
 from hybridgate.workers.scheduler import SchedulerConfig
 
 log = logging.getLogger("hybridgate.bench")
@@ -72,7 +73,8 @@ class EngineBench:
 
     @classmethod
     def torch(cls, model, device: torch.device, dtype: torch.dtype, kv_cache_memory: str | None,
-              enforce_eager: bool = False, gpu_memory_utilization: float = 0.9) -> EngineBench:
+              enforce_eager: bool = False,
+              gpu_memory_utilization: float = EngineConfig.gpu_memory_utilization) -> EngineBench:
         from hybridgate.workers.gpu.runner import TorchRunner
 
         return cls(model, TorchRunner(model, device, dtype, kv_cache_memory=kv_cache_memory,

@@ -56,10 +56,11 @@ def result(request, tmp_path_factory):
 
 
 def test_the_path_picks_the_superblock_kernels_for_the_k_quants(result):
-    # an explicit activation format keeps Q4_K's and Q6_K's Q4_1-/Q8_0-style kernels; Q5_K had only int16 ones
-    assert result["classes"] == {"Q4_K": {"auto": "Q45KSuperMatrix", "i16": "Q4KMatrix"},
-                                 "Q5_K": {"auto": "Q45KSuperMatrix", "i16": "Q45KSuperMatrix"},
-                                 "Q6_K": {"auto": "Q6KSuperMatrix", "i16": "Q6KMatrix"}}
+    # auto and an explicit i16 (int16 wherever a type has it: `kernel_table.choose`) take the superblock
+    # kernels; f32 takes Q4_K's and Q6_K's Q4_1-/Q8_0-style float kernels and Q5_K's row-dequantizing one
+    assert result["classes"] == {"Q4_K": {"auto": "Q45KSuperMatrix", "i16": "Q45KSuperMatrix", "f32": "Q4KMatrix"},
+                                 "Q5_K": {"auto": "Q45KSuperMatrix", "i16": "Q45KSuperMatrix", "f32": "QuantMatrix"},
+                                 "Q6_K": {"auto": "Q6KSuperMatrix", "i16": "Q6KSuperMatrix", "f32": "Q6KMatrix"}}
 
 
 def test_every_case_within_the_int16_rounding_bound_of_the_dequantizer(result):
@@ -145,7 +146,8 @@ def _check(path: str) -> dict:
         invariant &= all(np.array_equal(m.matmul(x[b : b + 1], out)[0], got[b]) for b in range(batch))
         invariant &= np.array_equal(m.matmul(x[1:5]), got[1:5]) if batch >= 5 else True
     classes = {kind: {fmt: type(quant.quant_matrix("w", int(T[kind]), random_blocks(kind, 4, 256, rng), (4, 256),
-                                                   fmt)).__name__ for fmt in ("auto", "i16")} for kind in ("Q4_K", "Q5_K", "Q6_K")}
+                                                   fmt)).__name__ for fmt in ("auto", "i16", "f32")}
+               for kind in ("Q4_K", "Q5_K", "Q6_K")}
     asm = "\n".join(a for k in (superblock.matmul_superblock, superblock._gemm_rows, superblock._gemv_rows)
                     for a in k.inspect_asm().values())
     return {"path": path, "vnni": isa.selected().vnni, "vpdpwssd": "vpdpwssd" in asm,"worst_ratio": worst_ratio, "worst_relative": worst_relative, "rows_exact": bool(rows_exact),

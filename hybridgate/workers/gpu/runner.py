@@ -26,6 +26,7 @@ from hybridgate.workers.gpu.sizing import CudaMemory, graphs_allowance, profile_
 from hybridgate.workers.memory import budget_text, host_available_bytes, kv_cache_budget, num_blocks_for, size_text
 from hybridgate.workers.gpu.model import DecoderModel
 from hybridgate.workers.faults import FaultHook
+from hybridgate.workerconf import EngineConfig
 from hybridgate.workers.scheduler import ScheduledBatch, SchedulerConfig
 from hybridgate.workers.sequence import Sequence
 from hybridgate.workers.step_inputs import StepInputs, build_step_inputs, staging_bytes
@@ -72,7 +73,7 @@ class TorchRunner:
                  max_num_blocks: int | None = None, enforce_eager: bool = False,
                  max_num_seqs: int = SchedulerConfig.max_num_seqs,
                  block_gather: bool | None = None, attention: str = "auto", max_model_len: int | None = None,
-                 gpu_memory_utilization: float = 0.9,
+                 gpu_memory_utilization: float = EngineConfig.gpu_memory_utilization,
                  max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens, memory=None):
         """kv_cache_memory: bytes or a fraction of free memory (`parse_memory`); unset on CUDA, the
         budget of `memory.kv_cache_budget` from `gpu_memory_utilization` and two profiled steps
