@@ -46,7 +46,7 @@ def mixed_model(gguf_model):
 def test_numba_runner_on_a_mix_of_types_meets_the_accuracy_floor(mixed_model):
     import torch
 
-    from hybridgate.workers.cpu.quant import FusedMatrix
+    from hybridgate.workers.cpu.fused import FusedMatrix
     from hybridgate.workers.cpu.runner import NumbaRunner
     from hybridgate.workers.gpu.runner import TorchRunner
 

@@ -140,6 +140,7 @@ def _check(model_file: str) -> dict:
     import gguf
 
     from hybridgate.workers.cpu import quant
+    from hybridgate.workers.cpu.fused import concat_rows
     from hybridgate.workers.cpu.runner import NumbaRunner  # noqa: F401  (the runner's imports, as a worker has)
     from tests.unit.test_cpu_kernels import ALL_TYPES, FAST_TYPES, MIXES, T, edge_blocks, random_blocks
 
@@ -169,7 +170,7 @@ def _check(model_file: str) -> dict:
         edge_worst = max(edge_worst, float((np.abs(m.matmul(x) - x.astype(np.float64) @ dense.T) / size).max()))
     for kinds in MIXES:  # fused matrices of parts of different types
         parts = [(int(T[k]), random_blocks(k, 11, 256, rng), (11, 256)) for k in kinds]
-        fused = quant.concat_rows("+".join(kinds), parts)
+        fused = concat_rows("+".join(kinds), parts)
         dense = np.concatenate([gguf.quants.dequantize(d, T[k]).reshape(11, 256) for k, (_, d, _) in zip(kinds, parts)])
         x = rng.standard_normal((5, 256)).astype(np.float32)
         y = fused.matmul(x)

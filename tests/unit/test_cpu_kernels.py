@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from hybridgate.workers.cpu import quant
+from hybridgate.workers.cpu.fused import concat_rows
 
 T = gguf.GGMLQuantizationType
 QUANTIZABLE = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]  # gguf.quants.quantize's types
@@ -117,7 +118,7 @@ def test_fused_matrix_of_parts_of_different_types(kinds):
     part_rows = [24, 8, 13, 5][: len(kinds)]
     parts = [(int(T[k]), random_blocks(k, r, cols, rng), (r, cols)) for k, r in zip(kinds, part_rows)]
     names = [f"blk.0.part{i}.weight" for i in range(len(kinds))]
-    fused = quant.concat_rows("+".join(names), parts)
+    fused = concat_rows("+".join(names), parts)
     assert fused.shape == (sum(part_rows), cols)
     dense = np.concatenate([dense_reference(k, d, s[0], cols) for k, (_, d, s) in zip(kinds, parts)])
     x = rng.standard_normal((batch, cols)).astype(np.float32)
@@ -139,7 +140,7 @@ def test_fused_parts_must_share_their_columns():
     parts = [(int(T.Q8_0), random_blocks("Q8_0", 4, 64, rng), (4, 64)),
              (int(T.Q5_0), random_blocks("Q5_0", 4, 96, rng), (4, 96))]
     with pytest.raises(ValueError, match=r"'a\+b': parts differ in columns \(a 4x64, b 4x96\)"):
-        quant.concat_rows("a+b", parts)
+        concat_rows("a+b", parts)
 
 
 def test_a_type_without_kernel_or_a_partial_block_is_refused_by_name():

@@ -114,6 +114,17 @@ def path_of(isa: str, amx: bool = False) -> str:
     return "avx512-amx" if isa == "avx512" and amx else isa
 
 
+def formatted(type_name: str, fmt: str, path: str) -> KernelRow:
+    """The row of `type_name`'s class in `FORMATTED` under an explicit format: "f32" (`simd.matmul_blocks`) or
+    "i16" (int16 per 32 columns: `avx2.matmul_i16` on avx2, `intdot.matmul_i16` elsewhere). Raises ValueError
+    naming cpu_activations for another format, KeyError for a type without such a class."""
+    if fmt == "f32":
+        return KernelRow(FORMATTED[type_name], "f32", "simd.matmul_blocks")
+    if fmt == "i16":
+        return KernelRow(FORMATTED[type_name], "i16/32", "avx2.matmul_i16" if path == "avx2" else "intdot.matmul_i16")
+    raise ValueError(f"cpu_activations: expected one of {', '.join(FORMATS)}, got {fmt!r}")
+
+
 def choose(type_name: str, activations: str, path: str) -> KernelRow:
     """The row multiplying a `type_name` ("Q4_K", `blocks.LAYOUTS[...].name`) weight on `path` under the
     cpu_activations setting `activations` (one of FORMATS). Raises ValueError naming cpu_activations for
@@ -123,16 +134,15 @@ def choose(type_name: str, activations: str, path: str) -> KernelRow:
     auto = AUTO[path][type_name]
     if activations == "auto":
         return auto
-    i16 = "avx2.matmul_i16" if path == "avx2" else "intdot.matmul_i16"
-    formatted = FORMATTED.get(type_name)
     decode_only = KernelRow(auto.matrix, auto.decode, auto.kernel)
+    has_format = type_name in FORMATTED
     if activations == "f32":
         if auto.decode == "f32":
             return decode_only
-        return KernelRow(formatted, "f32", "simd.matmul_blocks") if formatted else _DEQUANT
-    if auto.decode.startswith("i16") or not formatted:  # F32, F16, BF16: no int16 kernel
+        return formatted(type_name, "f32", path) if has_format else _DEQUANT
+    if auto.decode.startswith("i16") or not has_format:  # F32, F16, BF16: no int16 kernel
         return decode_only
-    return KernelRow(formatted, "i16/32", i16)
+    return formatted(type_name, "i16", path)
 
 
 def table_lines(type_names: list[str], activations: str, path: str) -> list[str]:

@@ -46,7 +46,8 @@ from hybridgate.workers.cpu.layers import (  # noqa: E402, F401 (the kernels, fo
     silu_mul,
     silu_mul_serial,
 )
-from hybridgate.workers.cpu.quant import concat_rows, quant_matrix  # noqa: E402
+from hybridgate.workers.cpu.fused import concat_rows  # noqa: E402
+from hybridgate.workers.cpu.quant import quant_matrix  # noqa: E402
 from hybridgate.workers.cpu.simd import kv_encode  # noqa: E402
 from hybridgate.workers.step_inputs import StepInputs  # noqa: E402
 

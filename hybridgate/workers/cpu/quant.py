@@ -14,9 +14,7 @@ Q8_0's with a scale per 16 columns, the low-bit types for `kquant`, the K-quants
 tiles. Which class and kernel multiply a type on this path is `kernel_table`'s row, and only
 there (`quant_matrix`).
 
-A fused matrix (Q, K, V; gate and up) whose parts share type and columns is one
-matrix of stacked rows; parts of different types keep one matrix (and kernel) each
-(`FusedMatrix`), their outputs side by side.
+Fused matrices (Q, K, V; gate and up) are `fused`'s.
 """
 
 from __future__ import annotations
@@ -91,15 +89,12 @@ def kernel(name: str):
 
 
 def _format_row(kind: int, activations: str) -> kernel_table.KernelRow:
-    """The row of a class taking either activation format: the table's where `activations` is "auto",
-    else the explicit format's ("f32" or "i16", the class's own kernels)."""
+    """The row of a class taking either activation format (`kernel_table.formatted`): "f32" or "i16", or
+    for "auto" the format the table gives the type on this path."""
+    name = LAYOUTS[kind].name
     if activations == "auto":
-        return kernel_table.choose(LAYOUTS[kind].name, "auto", PATH)
-    if activations not in ("f32", "i16"):
-        raise ValueError(f"cpu_activations: expected one of {', '.join(kernel_table.FORMATS)}, got {activations!r}")
-    i16 = "avx2.matmul_i16" if PATH == "avx2" else "intdot.matmul_i16"
-    return kernel_table.KernelRow("", activations if activations == "f32" else "i16/32",
-                                  "simd.matmul_blocks" if activations == "f32" else i16)
+        activations = kernel_table.choose(name, "auto", PATH).decode.split("/")[0]
+    return kernel_table.formatted(name, activations, PATH)
 
 
 class QuantMatrix:
@@ -500,57 +495,6 @@ def quant_matrix(name: str, kind: int, data: np.ndarray, shape: tuple[int, int],
     cls = globals()[row.matrix]
     if shape[1] % cls.column_multiple:
         return QuantMatrix(name, kind, data, shape)
-    matrix = cls(name, kind, data, shape, row.decode.split("/")[0] if issubclass(cls, (Q41Matrix, Q80Matrix)) else activations)
+    matrix = cls(name, kind, data, shape, row.decode.split("/")[0])  # the classes of one format ignore it
     matrix.prompt_kernel = row.prompt_kernel
     return matrix
-
-
-class FusedMatrix:
-    """Weights of different types (or layouts) multiplied as one: `matmul(x)` → `[batch, Σ rows]`,
-    each part by its own kernel into its own output columns, in order. A row's result is its
-    part's, so batch invariance holds as it does for each part."""
-
-    def __init__(self, name: str, parts: list[QuantMatrix]):
-        self.name, self.parts = name, parts
-        self.shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
-        self.activations = "+".join(p.activations for p in parts)
-        self._starts = np.cumsum([0] + [p.shape[0] for p in parts])
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.parts)
-
-    def matmul(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        out = QuantMatrix._out(self, x, out)
-        for part, start in zip(self.parts, self._starts):
-            out[:, start : start + part.shape[0]] = part.matmul(x)
-        return out
-
-    def matmul_prompt(self, x: np.ndarray, prompt: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """`QuantMatrix.matmul_prompt` part by part."""
-        out = QuantMatrix._out(self, x, out)
-        for part, start in zip(self.parts, self._starts):
-            out[:, start : start + part.shape[0]] = part.matmul_prompt(x, prompt)
-        return out
-
-    def row(self, index: int) -> np.ndarray:
-        at = int(np.searchsorted(self._starts, index, side="right")) - 1
-        return self.parts[at].row(index - int(self._starts[at]))
-
-
-def concat_rows(name: str, parts: list[tuple[int, np.ndarray, tuple[int, int]]],
-                activations: str = "auto") -> QuantMatrix | FusedMatrix:
-    """One matrix of several weights `(kind, data, (rows, cols))` multiplying the same activations
-    (fused Q/K/V, gate/up): rows stacked into one matrix when they share a type, a `FusedMatrix`
-    of one matrix per part otherwise. name: the parts' names joined by "+". Raises ValueError
-    naming the parts when their column counts differ (they cannot take the same activations)."""
-    names = name.split("+") if name.count("+") == len(parts) - 1 else [f"{name}[{i}]" for i in range(len(parts))]
-    cols = {s[1] for _, _, s in parts}
-    if len(cols) != 1:
-        shapes = ", ".join(f"{n} {s[0]}x{s[1]}" for n, (_, _, s) in zip(names, parts))
-        raise ValueError(f"fused matrix {name!r}: parts differ in columns ({shapes}); they must share the input")
-    kinds = {k for k, _, _ in parts}
-    if len(kinds) == 1:
-        data = np.concatenate([np.ascontiguousarray(d) for _, d, _ in parts], axis=0)
-        return quant_matrix(name, kinds.pop(), data, (sum(s[0] for _, _, s in parts), cols.pop()), activations)
-    return FusedMatrix(name, [quant_matrix(n, k, d, s, activations) for n, (k, d, s) in zip(names, parts)])
