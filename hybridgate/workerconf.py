@@ -148,10 +148,12 @@ class EngineConfig:
     cpu_activations: str = setting(
         "auto", "CPU worker: the activation format of the quantized matmuls: f32 (float32 activations times "
                 "dequantized weights, for every weight type), i16 (activations quantized to int16 per 32- or 256-block "
-                "wherever a type has an int16 kernel, integer multiply-adds, about 2e-5 relative error), auto (the "
-                "kernel table's choice per weight type on this ISA path; `hybridgate info --model FILE` prints it); "
-                "f32 and i16 also keep prompts off the AMX kernels",
-        choices=("auto", "f32", "i16"))
+                "wherever a type has an int16 kernel, integer multiply-adds, about 2e-5 relative error), i8 (as i16, "
+                "but the prompt tokens of prompts of 32 tokens or more multiply with int8 activations per 32-block "
+                "where the type has an int8 prompt kernel: Q4_K and Q6_K on avx2), auto (the kernel table's choice per "
+                "weight type on this ISA path, int8 or AMX prompt kernels included; `hybridgate info --model FILE` "
+                "prints it); f32 and i16 keep prompts on the decode kernels",
+        choices=("auto", "f32", "i16", "i8"))
     cpu_thread_wait: str = setting(
         "passive", "CPU worker: how its kernel threads wait between parallel regions: passive sleeps at once (a "
                    "core another process keeps busy slows a step by little), active spins a while first (the "

@@ -53,7 +53,7 @@ def build_step_inputs(batch: ScheduledBatch, block_size: int, buf, pad_slot: int
                       long_prompt: int | None = None) -> StepInputs:
     """The step's inputs; decode contexts are padded with `pad_slot` (which must hold finite values),
     decode block tables with the block of `pad_slot`. long_prompt: the prompt length from which a
-    prompt's tokens are listed in `prompt_rows` (None: none are)."""
+    prompt's tokens are listed in `prompt_rows` (None: none are); a resumed stream's replayed ids are not."""
     entries = batch.entries
     tables = [np.asarray(s.block_table, dtype=np.int64) for s, _ in entries]
     decodes = [i for i, (_, n) in enumerate(entries) if n == 1]
@@ -91,7 +91,9 @@ def build_step_inputs(batch: ScheduledBatch, block_size: int, buf, pad_slot: int
     if long_prompt is not None:
         spans, row = [], 0
         for seq, n in entries:
-            prompt = len(seq.prompt_ids)
+            # the request's own prompt: a resumed stream's replayed ids (the last first_token_index of
+            # prompt_ids) run on the decode kernels, as they first did, so the stream continues bit for bit
+            prompt = len(seq.prompt_ids) - seq.first_token_index
             if prompt >= long_prompt and seq.num_computed < prompt:
                 spans.append(np.arange(row, row + min(n, prompt - seq.num_computed), dtype=np.int64))
             row += n

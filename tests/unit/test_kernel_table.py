@@ -17,6 +17,7 @@ from tests.unit.test_cpu_kernels import random_blocks
 
 T = gguf.GGMLQuantizationType
 AMX = "; prompts of 32+ tokens bf16x2 amx.multiply"
+I8 = "; prompts of 32+ tokens i8/32 int8.multiply"
 FLOATS = {name: "FloatMatrix f32 simd.matmul_blocks" for name in ("F32", "F16", "BF16")}
 K_QUANTS = {"Q4_K": "Q45KSuperMatrix i16/256 superblock.matmul_superblock",
             "Q5_K": "Q45KSuperMatrix i16/256 superblock.matmul_superblock",
@@ -27,7 +28,7 @@ EXPECTED = {
                "Q5_0": PACKED, "Q5_1": PACKED, "Q8_0": "Q80Matrix i16/32 intdot.matmul_i16", **K_QUANTS},
     "avx2": {**FLOATS, "Q4_0": "Q40Matrix i16/32 avx2.matmul_i16", "Q4_1": "Q41Matrix i16/32 avx2.matmul_i16",
              "Q5_0": "Q50Matrix i16/32 avx2.matmul_i16", "Q5_1": PACKED, "Q8_0": "Q80Matrix i16/32 avx2.matmul_i16",
-             **K_QUANTS},
+             "Q4_K": K_QUANTS["Q4_K"] + I8, "Q5_K": K_QUANTS["Q5_K"], "Q6_K": K_QUANTS["Q6_K"] + I8},
     "generic": {**FLOATS, "Q4_0": PACKED, "Q4_1": "Q41Matrix f32 simd.matmul_blocks", "Q5_0": PACKED,
                 "Q5_1": PACKED, "Q8_0": "Q80Matrix f32 simd.matmul_blocks", "Q4_K": PACKED, "Q5_K": PACKED,
                 "Q6_K": "Q6KMatrix f32 simd.matmul_blocks"},
@@ -51,7 +52,21 @@ def test_f32_is_float32_for_every_type_and_i16_int16_wherever_a_type_has_it(path
         assert i16.decode.startswith("i16") == (name not in ("F32", "F16", "BF16")), (path, name, i16)
     assert kernel_table.choose("Q5_K", "f32", path).matrix == "QuantMatrix"  # no float32 fast kernel: rows
     with pytest.raises(ValueError, match="cpu_activations"):
-        kernel_table.choose("Q4_K", "i8", path)
+        kernel_table.choose("Q4_K", "i4", path)
+
+
+@pytest.mark.parametrize("path", kernel_table.PATHS)
+def test_i8_takes_the_int8_prompt_kernel_where_a_type_has_one_and_i16_elsewhere(path):
+    for name in kernel_table.AUTO[path]:
+        i8, i16 = (kernel_table.choose(name, fmt, path) for fmt in ("i8", "i16"))
+        if EXPECTED[path][name].endswith(I8):
+            assert i8.describe() == EXPECTED[path][name], (path, name)
+        else:
+            assert i8 == i16, (path, name)
+    with_int8 = path == "avx2"  # the only path with int8 prompt kernels (Q4_K, Q6_K)
+    assert kernel_table.long_prompt("i8", path) == (32 if with_int8 else None)
+    assert kernel_table.long_prompt("auto", path) == (32 if with_int8 or path == "avx512-amx" else None)
+    assert kernel_table.long_prompt("i16", path) is None and kernel_table.long_prompt("f32", path) is None
 
 
 @pytest.mark.parametrize("activations", kernel_table.FORMATS)

@@ -8,13 +8,23 @@ of at least `prompt_rows` tokens multiplies its own tokens there). An explicit
 `cpu_activations` is a rule over the same data (`choose`): `f32` is float32
 activations for every type (the row-dequantizing `QuantMatrix` for types
 without a float32 fast kernel, Q5_1 and Q5_K), `i16` is int16 activations
-wherever a type has an int16 kernel; neither takes the AMX prompt kernel, so a
-prompt row gets the bits a decode row would.
+wherever a type has an int16 kernel; neither takes a prompt kernel, so a prompt
+row gets the bits a decode row would. `i8` is `auto` where the row's prompt
+kernel is the int8 one (`int8`), and `i16` elsewhere.
+
+Prompt kernels and a stream's continuity. A row's result does not depend on its
+batch on any kernel. A prompt row on a prompt kernel (`int8`, `amx`) differs
+from the same token as a decode row, so the prompt span is the request's own
+prompt: a resumed stream's replayed ids (the tail of its prompt, after
+`first_token_index`) run on the decode kernel as they first did, and the stream
+continues bit for bit (`step_inputs.build_step_inputs`). A GPU-to-CPU hand-off
+brings its KV along and decodes only.
 
 Paths: `avx512-amx` is the avx512 path with AMX-BF16 granted (`isa.Target.amx`);
 the others are `isa.ISAS`. Activation formats: `f32`; `i16/32` (int16 per
 32-column block, `intdot`, `avx2`, `kquant`); `i16/256` (int16 per 256-column
-super-block, the sub-block scales in integers, `superblock`); `bf16x2` (two
+super-block, the sub-block scales in integers, `superblock`); `i8/32` (int8 per 32-column block,
+eight weight rows interleaved in a scratch per pass, no memory kept: `int8`); `bf16x2` (two
 bf16 halves on AMX tiles, `amx`).
 
 Why each row is what it is (`hybridgate bench kernels`, docs/results/cpu-kernels-*.json):
@@ -34,9 +44,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-FORMATS = ("auto", "f32", "i16")  # the cpu_activations setting's choices
+FORMATS = ("auto", "f32", "i16", "i8")  # the cpu_activations setting's choices
 PATHS = ("avx512-amx", "avx512", "avx2", "generic")
 AMX_MIN_PROMPT = 32  # `amx.MIN_PROMPT`: shorter prompts stay on the decode kernel
+# Prompts from this many tokens multiply on `int8` (shorter ones stay on the decode kernel). On avx2 (a Zen 3
+# EPYC, 2 threads) the int8 GEMM measured 1.2-1.7x the int16 one at 64 and 256 rows (Q4_K and Q6_K, 2048 x 8192
+# and 8192 x 2048), and at 16 and 32 rows as the int16 GEMM's tiles: see docs/results/cpu-int8-*.json.
+I8_MIN_PROMPT = 32
 
 
 @dataclass(frozen=True)
@@ -71,6 +85,10 @@ def _amx(row: KernelRow) -> KernelRow:
     return KernelRow(row.matrix, row.decode, row.kernel, "bf16x2", "amx.multiply", AMX_MIN_PROMPT)
 
 
+def _i8(row: KernelRow) -> KernelRow:
+    return KernelRow(row.matrix, row.decode, row.kernel, "i8/32", "int8.multiply", I8_MIN_PROMPT)
+
+
 # AUTO[path][type name]: every type of `blocks.LAYOUTS` on every path.
 _AVX512 = {
     "F32": _FLOAT, "F16": _FLOAT, "BF16": _FLOAT,
@@ -91,7 +109,7 @@ AUTO = {
         "Q5_0": KernelRow("Q50Matrix", "i16/32", "avx2.matmul_i16"),
         "Q5_1": _PACKED,
         "Q8_0": KernelRow("Q80Matrix", "i16/32", "avx2.matmul_i16"),
-        "Q4_K": _SUPER45, "Q5_K": _SUPER45, "Q6_K": _SUPER6,
+        "Q4_K": _i8(_SUPER45), "Q5_K": _SUPER45, "Q6_K": _i8(_SUPER6),
     },
     "generic": {
         "F32": _FLOAT, "F16": _FLOAT, "BF16": _FLOAT,
@@ -132,7 +150,7 @@ def choose(type_name: str, activations: str, path: str) -> KernelRow:
     if activations not in FORMATS:
         raise ValueError(f"cpu_activations: expected one of {', '.join(FORMATS)}, got {activations!r}")
     auto = AUTO[path][type_name]
-    if activations == "auto":
+    if activations == "auto" or (activations == "i8" and auto.prompt == "i8/32"):
         return auto
     decode_only = KernelRow(auto.matrix, auto.decode, auto.kernel)
     has_format = type_name in FORMATTED
@@ -142,7 +160,14 @@ def choose(type_name: str, activations: str, path: str) -> KernelRow:
         return formatted(type_name, "f32", path) if has_format else _DEQUANT
     if auto.decode.startswith("i16") or not has_format:  # F32, F16, BF16: no int16 kernel
         return decode_only
-    return formatted(type_name, "i16", path)
+    return formatted(type_name, "i16", path)  # i16, and i8 for a type without an int8 prompt kernel
+
+
+def long_prompt(activations: str, path: str) -> int | None:
+    """The prompt length from which a request's prompt tokens run on a prompt kernel under `activations` on
+    `path` (the smallest `prompt_rows` of the path's rows), or None where no row has a prompt kernel."""
+    rows = [choose(name, activations, path) for name in AUTO[path]]
+    return min((row.prompt_rows for row in rows if row.prompt_kernel), default=None)
 
 
 def table_lines(type_names: list[str], activations: str, path: str) -> list[str]:

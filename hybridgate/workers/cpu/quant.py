@@ -141,12 +141,25 @@ class QuantMatrix:
         format, `amx._dequant_tile`), or None where it has no format there (the default)."""
         return None
 
+    def _int8_arrays(self) -> tuple | None:
+        """(qs, sc, d, ndmin, mins) as `int8.multiply` reads them, or None where it has no format there."""
+        return None
+
+    def _prompt_arrays(self) -> tuple | None:
+        """This matrix's arrays as its prompt kernel (`prompt_kernel`) reads them, or None (no prompt kernel,
+        or none for this matrix's format or shape)."""
+        if self.prompt_kernel == "int8.multiply":
+            return self._int8_arrays()
+        if self.prompt_kernel == "amx.multiply" and self.shape[0] % amx.PANEL == 0:
+            return self._amx_arrays()
+        return None
+
     def matmul_prompt(self, x: np.ndarray, prompt: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """x @ W.T like `matmul`, the rows `prompt` (int64 `[p]`, ascending: `StepInputs.prompt_rows`) on AMX
-        tiles (`amx`: bf16 weights, activations split hi + lo) where this process runs them and this matrix
-        has a format there, the other rows on `matmul`. Which kernel computes a row is fixed by the row's
-        request, so a row's bits do not depend on its batch."""
-        arrays = self._amx_arrays() if len(prompt) and self.prompt_kernel and self.shape[0] % amx.PANEL == 0 else None
+        """x @ W.T like `matmul`, the rows `prompt` (int64 `[p]`, ascending: `StepInputs.prompt_rows`) on the
+        table's prompt kernel (`prompt_kernel`: `amx`'s bf16 tiles or `int8`'s int8 GEMM) where this matrix has
+        a format there, the other rows on `matmul`. Which kernel computes a row is fixed by the row's request,
+        so a row's bits do not depend on its batch."""
+        arrays = self._prompt_arrays() if len(prompt) else None
         if arrays is None:
             return self.matmul(x, out)
         out = self._out(x, out)
@@ -154,7 +167,7 @@ class QuantMatrix:
             rest = np.ones(x.shape[0], dtype=bool)
             rest[prompt] = False
             out[rest] = self.matmul(x[rest])  # a boolean index copies: contiguous
-        amx.multiply(x, prompt, *arrays, out)
+        kernel(self.prompt_kernel)(x, prompt, *arrays, out)
         return out
 
     def rows(self, index: np.ndarray) -> np.ndarray:
@@ -296,6 +309,9 @@ class Q45KSuperMatrix(QuantMatrix):
     def _amx_arrays(self) -> tuple | None:
         return self.qs, self.sc, self.d, self.ndmin, self.mins
 
+    def _int8_arrays(self) -> tuple | None:
+        return (self.qs, self.sc, self.d, self.ndmin, self.mins) if self.qs.dtype == np.uint8 else None  # Q4_K
+
     def row(self, index: int) -> np.ndarray:
         if self.qs.dtype == np.int8:  # Q5_K: whole codes in column order
             codes = self.qs[index].reshape(-1, 32).astype(np.float32)
@@ -335,6 +351,9 @@ class Q6KSuperMatrix(QuantMatrix):
 
     def _amx_arrays(self) -> tuple | None:
         return (self.qs, self.sc, self.d, self.d, self.sc) if superblock.Q6K_PACKED else None
+
+    def _int8_arrays(self) -> tuple | None:
+        return None if superblock.Q6K_PACKED else (self.qs, self.sc, self.d, self._no_ndmin, self._no_mins)
 
     def row(self, index: int) -> np.ndarray:
         return self.rows(np.array([index]))[0]

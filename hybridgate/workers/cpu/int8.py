@@ -1,0 +1,348 @@
+"""Prompt matmuls with int8 activations on the avx2 path: Q4_K and Q6_K, eight weight rows interleaved.
+
+A prompt's rows are many, so its matmuls are bound by the multiply rate, not by the weights' bytes
+(issue "CPU tier ahead of llama.cpp"). `superblock`'s int16 GEMM tiles take two `vpmaddwd` (16
+products each) per 32 products. Here the activations are int8, quantized per 32 columns (xs =
+max|x_b| / 127: per 64 and per 256 columns measured below the accuracy floor,
+docs/results/accuracy-int8-granularity-*.json), and `vpmaddubsw` multiplies 32 unsigned bytes by 32
+signed ones into 16 int16 pair sums: one multiply per 32 products, the int16 sums widened by one
+`vpmaddwd` with the sub-block scales per block.
+
+Lanes. Eight weight rows are interleaved, 4 bytes of each in one 32-bit lane (ik_llama.cpp's `_R8` idea;
+our own layout), so lane r of every vector belongs to row r and an activation row's 4 bytes are
+broadcast to all lanes: no horizontal sums, and the float steps serve 8 rows at once. The
+interleaving is done per group of 8 rows into a scratch (`_interleave_q4k`, `_interleave_q6k`: a
+copy of 32-bit words, `cols / 8` a row) that every activation tile of the pass reads, so the weights
+keep one layout (the decode kernels') and cost no memory.
+
+- Q4_K (codes 0..15 in Q4_1's nibble order: byte j of a block is column j low, j + 16 high): a lane
+  holds bytes 4q..4q+3 of the block, so its low nibbles are columns 4q..4q+3 and its high ones
+  16 + 4q..; `vpmaddubsw(code, x)` pair sums are at most 2 · 15 · 127 = 3810, and the block's 8
+  (4 quads, low and high) summed in int16 at most 30,480 < 2^15: exact. One `vpmaddwd` with
+  [sc_r, sc_r] per lane pair gives lane r = sc_rb · P_rb in int32, then one float step per block:
+  S_r += float(sc_rb · P_rb) · xs_b, and per super-block out_r += S_r · d_r; the min term
+  out_r += (-dmin_r · min_rb) · (xs_b · Σ xq_b) per block (as `superblock`, in float32).
+- Q6_K (codes c - 32 in -32..31, column order): `vpmaddubsw(|c|, sign(x, c))` (`vpsignb`) is c · x
+  pair-summed, at most 2 · 32 · 127 = 8128, and the 4 quads of a 16-column half summed in int16 at
+  most 32,512 < 2^15: exact; then one `vpmaddwd` with the half's signed scale and the float step per
+  block as Q4_K's (no min term).
+
+Multiplies per 256 products and 8 rows: Q4_K 9 (8 `vpmaddubsw`, 1 `vpmaddwd`), Q6_K 10, against 16
+`vpmaddwd` on int16. A row's result does not depend on its batch (every activation row runs the same
+operations), but it differs from the int16 decode kernel's: see `kernel_table` for what a stream's
+continuity keeps.
+
+Error: the activations' rounding, at most xs_b / 2 = max|x_b| / 254 per element.
+
+Sources: ggml's `block_q4_K`, `block_q6_K` (ggml-common.h) and `ggml_vec_dot_q4_K_q8_K` (ggml-cpu,
+`vpmaddubsw` then `vpmaddwd` with the scales, and the sign trick of its q8_0 dot); Intel's intrinsics
+guide for `vpmaddubsw`, `vpsignb`, `vpmaddwd`; ik_llama.cpp's interleaved-rows idea (read, not copied).
+"""
+
+from __future__ import annotations
+
+from hybridgate.workers.cpu import isa
+
+isa.selected()  # before Numba is imported: it compiles for the chosen instruction set
+
+import numba as nb  # noqa: E402
+import numpy as np  # noqa: E402
+from llvmlite import ir  # noqa: E402
+from numba import prange  # noqa: E402
+from numba import types  # noqa: E402
+from numba.core import cgutils  # noqa: E402
+from numba.extending import intrinsic  # noqa: E402
+
+from hybridgate.workers.cpu.avx2 import _fma, _madd, _splat8  # noqa: E402
+from hybridgate.workers.cpu.simd import _load_vec, _ptr  # noqa: E402
+
+ROWS = 8  # weight rows a tile interleaves: one 32-bit lane each
+SUPER = 256
+XQ_MAX = 127.0
+TILE_X = 4  # activation rows a tile multiplies: 3 accumulators each, 12 of AVX2's 16 registers
+X_BYTES = 256 * 1024  # the int8 activations of one pass over the weights stay within a core's L2
+_CHUNKS = 16
+_I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+_V32B = ir.VectorType(_I8, 32)
+_V16S = ir.VectorType(_I16, 16)
+_V8I = ir.VectorType(_I32, 8)
+_V8F = ir.VectorType(ir.FloatType(), 8)
+QUADS = {"q4_k": 4, "q6_k": 8}  # 32-byte code vectors per block: Q4_K's nibbles hold two columns a byte
+SCALES = {"q4_k": 1, "q6_k": 2}  # sub-block scales per block
+
+
+def _maddubs(builder, u, s):
+    """vpmaddubsw: <32 x i8> u (unsigned) · s (signed) → <16 x i16>, lane t = u_2t·s_2t + u_2t+1·s_2t+1."""
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16S, [_V32B, _V32B]),
+                                        "llvm.x86.avx2.pmadd.ub.sw")
+    return builder.call(fn, [u, s])
+
+
+def _sign(builder, a, b):
+    """vpsignb: a with each byte negated where b's is negative, zeroed where b's is zero."""
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V32B, [_V32B, _V32B]),
+                                        "llvm.x86.avx2.psign.b")
+    return builder.call(fn, [a, b])
+
+
+def _broadcast4(builder, ptr):
+    """The 4 bytes at ptr (an i8*) in every 32-bit lane of a <32 x i8> (one vpbroadcastd)."""
+    word = builder.load(builder.bitcast(ptr, _I32.as_pointer()), align=1)
+    vec = builder.insert_element(ir.Constant(_V8I, ir.Undefined), word, ir.Constant(_I32, 0))
+    return builder.bitcast(builder.shuffle_vector(vec, vec, ir.Constant(_V8I, [0] * 8)), _V32B)
+
+
+def _make_tile(kind: str, xrows: int):
+    """An intrinsic: 8 interleaved weight rows of `kind` ("q4_k" or "q6_k") times `xrows` int8 activation rows.
+
+    f(wc, wsc, wm, wd, nblocks, xq, x_off, x_stride, xs, xsum, a_off, a_stride, out, o_off, o_stride) writes
+    out[o_off + k·o_stride + r] for the 8 weight rows r and activation rows k < xrows (see the module
+    docstring): wc uint8 `[nblocks · QUADS · 32]` the interleaved codes, wsc int16 `[nblocks · SCALES · 16]`
+    each row's sub-block scale in its two 16-bit lanes, wm float32 `[nblocks · 8]` (Q4_K: -dmin_r · min_rb;
+    Q6_K: unread), wd float32 `[nblocks / 8 · 8]` d_r per super-block; xq int8 (row k at x_off + k·x_stride,
+    columns in order), xs and xsum float32 per block at a_off + k·a_stride + b. nblocks: a multiple of 8.
+    """
+    quads, scales = QUADS[kind], SCALES[kind]
+
+    def generic(typingctx, wc, wsc, wm, wd, nblocks, xq, x_off, x_stride, xs, xsum, a_off, a_stride, out, o_off,
+                o_stride):
+        ip = types.intp
+        sig = types.void(wc, wsc, wm, wd, ip, xq, ip, ip, xs, xsum, ip, ip, out, ip, ip)
+
+        def codegen(context, builder, signature, args):
+            wca, wsa, wma, wda, n, xa, xo, xstr, xsa, xma, ao, astr, oa, oo, ostr = args
+            ty = signature.args
+            c = lambda v: ir.Constant(n.type, v)  # noqa: E731
+            zero_f = ir.Constant(_V8F, [0.0] * 8)
+            total = [cgutils.alloca_once_value(builder, zero_f) for _ in range(xrows)]
+            partial = [cgutils.alloca_once_value(builder, zero_f) for _ in range(xrows)]
+            low4 = ir.Constant(_V32B, [15] * 32)
+
+            def x_at(k, blk, column):
+                offset = builder.add(builder.add(xo, builder.mul(xstr, c(k))), builder.add(builder.mul(blk, c(32)),
+                                                                                         c(column)))
+                return _broadcast4(builder, _ptr(context, builder, ty[5], xa, offset))
+
+            def per_block(name, arr, k, blk):
+                return builder.load(_ptr(context, builder, ty[8 if name == "xs" else 9], arr,
+                                         builder.add(builder.add(ao, builder.mul(astr, c(k))), blk)))
+
+            def codes(blk, q):
+                return _load_vec(builder, _ptr(context, builder, ty[0], wca, builder.mul(
+                    builder.add(builder.mul(blk, c(quads)), c(q)), c(32))), _V32B, 1)
+
+            def scale_vec(blk, h):
+                return _load_vec(builder, _ptr(context, builder, ty[1], wsa, builder.mul(
+                    builder.add(builder.mul(blk, c(scales)), c(h)), c(16))), _V16S, 1)
+
+            def q4k_sums(blk):
+                acc = [None] * xrows
+                for q in range(quads):
+                    w = codes(blk, q)
+                    lo = builder.and_(w, low4)
+                    hi = builder.and_(builder.bitcast(builder.lshr(builder.bitcast(w, _V16S),
+                                                                   ir.Constant(_V16S, [4] * 16)), _V32B), low4)
+                    for k in range(xrows):
+                        pair = builder.add(_maddubs(builder, lo, x_at(k, blk, 4 * q)),
+                                           _maddubs(builder, hi, x_at(k, blk, 16 + 4 * q)))
+                        acc[k] = pair if acc[k] is None else builder.add(acc[k], pair)
+                sc = scale_vec(blk, 0)
+                return [_madd(builder, a, sc) for a in acc]
+
+            def q6k_sums(blk):
+                out = [None] * xrows
+                for h in range(2):
+                    acc = [None] * xrows
+                    for q in range(4 * h, 4 * h + 4):
+                        w = codes(blk, q)
+                        magnitude = builder.select(builder.icmp_signed("<", w, ir.Constant(_V32B, [0] * 32)),
+                                                   builder.neg(w), w)
+                        for k in range(xrows):
+                            prod = _maddubs(builder, magnitude, _sign(builder, x_at(k, blk, 4 * q), w))
+                            acc[k] = prod if acc[k] is None else builder.add(acc[k], prod)
+                    sc = scale_vec(blk, h)
+                    for k in range(xrows):
+                        part = _madd(builder, acc[k], sc)
+                        out[k] = part if out[k] is None else builder.add(out[k], part)
+                return out
+
+            with cgutils.for_range(builder, builder.sdiv(n, c(8))) as sloop:
+                s = sloop.index
+                for k in range(xrows):
+                    builder.store(zero_f, partial[k])
+                with cgutils.for_range(builder, c(8)) as bloop:
+                    blk = builder.add(builder.mul(s, c(8)), bloop.index)
+                    sums = q4k_sums(blk) if kind == "q4_k" else q6k_sums(blk)
+                    if kind == "q4_k":
+                        mins = _load_vec(builder, _ptr(context, builder, ty[2], wma, builder.mul(blk, c(8))), _V8F, 1)
+                    for k in range(xrows):
+                        xsv = _splat8(builder, per_block("xs", xsa, k, blk))
+                        builder.store(_fma(builder, builder.sitofp(sums[k], _V8F), xsv, builder.load(partial[k])),
+                                      partial[k])
+                        if kind == "q4_k":
+                            xsum = _splat8(builder, per_block("xsum", xma, k, blk))
+                            builder.store(_fma(builder, mins, xsum, builder.load(total[k])), total[k])
+                d = _load_vec(builder, _ptr(context, builder, ty[3], wda, builder.mul(s, c(8))), _V8F, 1)
+                for k in range(xrows):
+                    builder.store(_fma(builder, builder.load(partial[k]), d, builder.load(total[k])), total[k])
+            for k in range(xrows):
+                dst = _ptr(context, builder, ty[12], oa, builder.add(oo, builder.mul(ostr, c(k))))
+                builder.store(builder.load(total[k]), builder.bitcast(dst, _V8F.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    generic.__name__ = f"int8_{kind}_tile8x{xrows}"
+    return intrinsic(generic)
+
+
+tile_q4k, tile_q4k_1 = _make_tile("q4_k", TILE_X), _make_tile("q4_k", 1)
+tile_q6k, tile_q6k_1 = _make_tile("q6_k", TILE_X), _make_tile("q6_k", 1)
+
+_JIT = dict(nogil=True, fastmath=True, cache=True)
+_TILE_JIT = dict(nogil=True, fastmath=False, cache=True)  # no fast-math flags on the float steps (as `superblock`)
+
+
+@nb.njit(**_TILE_JIT)
+def _quantize_row(x, k, xq, xs, xsum):
+    """Row k of x float32 `[batch, cols]` → xq int8 `[batch, cols]` (rint(x / xs_b)), xs float32 `[batch,
+    cols / 32]` (max|x_b| / 127) and xsum float32 `[batch, cols / 32]` (xs_b · Σ xq_b)."""
+    for b in range(x.shape[1] // 32):
+        at = 32 * b
+        top = np.float32(0.0)
+        for j in range(32):
+            top = max(top, abs(x[k, at + j]))
+        inv = np.float32(XQ_MAX) / top if top > 0 else np.float32(0.0)
+        scale = top / np.float32(XQ_MAX)
+        total = 0
+        for j in range(32):
+            q = np.int32(np.rint(x[k, at + j] * inv))
+            xq[k, at + j] = np.int8(q)
+            total += q
+        xs[k, b] = scale
+        xsum[k, b] = np.float32(total) * scale
+
+
+@nb.njit(**_JIT)
+def quantize(x, xq, xs, xsum):
+    """`_quantize_row` for every row of x (xq, xs, xsum as there)."""
+    for k in range(x.shape[0]):
+        _quantize_row(x, k, xq, xs, xsum)
+
+
+@nb.njit(**_JIT)
+def _interleave_q4k(qs32, sc, d, ndmin, mins, r0, wc32, wsc, wm, wd):
+    """Weight rows r0 .. r0 + 8 (rows past the end repeat row r0: their results are not kept) of a Q4_K weight
+    split by `superblock.split_scales` (qs32 its nibbles viewed as uint32 `[rows, cols / 8]`) → the tile's
+    scratch: wc32 uint32 `[nblocks · 4 · 8]`, wsc int16 `[nblocks · 16]`, wm float32 `[nblocks · 8]`, wd
+    float32 `[nblocks / 8 · 8]`."""
+    rows, nblocks = qs32.shape[0], sc.shape[1]
+    for r in range(ROWS):
+        row = r0 + r if r0 + r < rows else r0
+        for b in range(nblocks):
+            for q in range(4):
+                wc32[(4 * b + q) * ROWS + r] = qs32[row, 4 * b + q]
+            wsc[16 * b + 2 * r] = wsc[16 * b + 2 * r + 1] = sc[row, b]
+            wm[ROWS * b + r] = ndmin[row, b // 8] * np.float32(mins[row, b])
+        for s in range(nblocks // 8):
+            wd[ROWS * s + r] = d[row, s]
+
+
+@nb.njit(**_JIT)
+def _interleave_q6k(qs32, sc, d, r0, wc32, wsc, wd):
+    """As `_interleave_q4k` for a Q6_K weight split by `superblock.split_q6k` (qs32 its int8 codes c - 32
+    viewed as uint32 `[rows, cols / 4]`, sc int8 `[rows, cols / 16]`): wc32 uint32 `[nblocks · 8 · 8]`, wsc
+    int16 `[nblocks · 32]` (the two halves' scales), wd as there."""
+    rows, nblocks = qs32.shape[0], qs32.shape[1] // 8
+    for r in range(ROWS):
+        row = r0 + r if r0 + r < rows else r0
+        for b in range(nblocks):
+            for q in range(8):
+                wc32[(8 * b + q) * ROWS + r] = qs32[row, 8 * b + q]
+            for h in range(2):
+                wsc[32 * b + 16 * h + 2 * r] = wsc[32 * b + 16 * h + 2 * r + 1] = sc[row, 2 * b + h]
+        for s in range(nblocks // 8):
+            wd[ROWS * s + r] = d[row, s]
+
+
+@nb.njit(**_TILE_JIT)
+def _tiles(q4k, wc, wsc, wm, wd, nblocks, xq, xs, xsum, out, r0, b0, b1, tmp):
+    """One interleaved group's 8 rows (from r0) against activation rows b0 .. b1; a group past the weight's last
+    row goes through tmp float32 `[TILE_X, 8]` and keeps only its rows."""
+    rows, cols = out.shape[1], xq.shape[1]
+    full = r0 + ROWS <= rows
+    b = b0
+    while b < b1:
+        xr = TILE_X if b + TILE_X <= b1 else 1
+        dst, off, stride = (out, b * rows + r0, rows) if full else (tmp, 0, ROWS)
+        if q4k:
+            if xr == TILE_X:
+                tile_q4k(wc, wsc, wm, wd, nblocks, xq, b * cols, cols, xs, xsum, b * nblocks,
+                         nblocks, dst, off, stride)
+            else:
+                tile_q4k_1(wc, wsc, wm, wd, nblocks, xq, b * cols, cols, xs, xsum,
+                           b * nblocks, nblocks, dst, off, stride)
+        elif xr == TILE_X:
+            tile_q6k(wc, wsc, wm, wd, nblocks, xq, b * cols, cols, xs, xsum, b * nblocks,
+                     nblocks, dst, off, stride)
+        else:
+            tile_q6k_1(wc, wsc, wm, wd, nblocks, xq, b * cols, cols, xs, xsum, b * nblocks,
+                       nblocks, dst, off, stride)
+        if not full:
+            for k in range(xr):
+                for r in range(rows - r0):
+                    out[b + k, r0 + r] = tmp[k, r]
+        b += xr
+
+
+@nb.njit(parallel=True, **_JIT)
+def matmul_i8(x, qs32, sc, d, ndmin, mins, out):
+    """out float32 `[batch, rows]` = x float32 `[batch, cols]` @ W.T, x quantized to int8 per 32 columns, for
+    a Q4_K weight (qs32: `superblock.split_scales`' nibbles viewed as uint32 `[rows, cols / 8]`; sc, d, ndmin,
+    mins as there) or a Q6_K one (qs32: `superblock.split_q6k`'s int8 codes viewed as uint32 `[rows, cols /
+    4]`; sc int8 `[rows, cols / 16]`; ndmin and mins unread), told apart by sc's columns (cols / 32 or cols /
+    16). cols: a multiple of 256. Error: the activations' rounding, at most max|x_b| / 254 per element."""
+    batch, cols = x.shape
+    nblocks = cols // 32
+    q4k = sc.shape[1] == nblocks
+    xq = np.empty((batch, cols), dtype=np.int8)
+    xs = np.empty((batch, nblocks), dtype=np.float32)
+    xsum = np.empty((batch, nblocks), dtype=np.float32)
+    for k in prange(batch):
+        _quantize_row(x, k, xq, xs, xsum)
+    rows = qs32.shape[0]
+    groups = (rows + ROWS - 1) // ROWS
+    per = (groups + _CHUNKS - 1) // _CHUNKS
+    x_tile = max(TILE_X, X_BYTES // cols // TILE_X * TILE_X)
+    quads = 4 if q4k else 8
+    for b0 in range(0, batch, x_tile):
+        b1 = min(batch, b0 + x_tile)
+        for chunk in prange(_CHUNKS):
+            wc32 = np.empty(nblocks * quads * ROWS, dtype=np.uint32)
+            wsc = np.empty(nblocks * 16 * (1 if q4k else 2), dtype=np.int16)
+            wm = np.zeros(nblocks * ROWS, dtype=np.float32)
+            wd = np.empty(nblocks // 8 * ROWS, dtype=np.float32)
+            tmp = np.empty((TILE_X, ROWS), dtype=np.float32)
+            for g in range(chunk * per, min(groups, (chunk + 1) * per)):
+                if q4k:
+                    _interleave_q4k(qs32, sc, d, ndmin, mins, ROWS * g, wc32, wsc, wm, wd)
+                else:
+                    _interleave_q6k(qs32, sc, d, ROWS * g, wc32, wsc, wd)
+                _tiles(q4k, wc32.view(np.uint8), wsc, wm, wd, nblocks, xq, xs, xsum, out, ROWS * g, b0, b1, tmp)
+
+
+def multiply(x: np.ndarray, rows: np.ndarray, qs: np.ndarray, sc: np.ndarray, d: np.ndarray, ndmin: np.ndarray,
+             mins: np.ndarray, out: np.ndarray) -> None:
+    """out[rows] = x[rows] @ W.T by `matmul_i8` (the prompt kernel's signature, as `amx.multiply`): qs the
+    weight's codes as its super-block matrix holds them (Q4_K nibbles uint8 `[n, cols / 2]`, Q6_K codes int8
+    `[n, cols]`), rows int64 `[m]`, m ≥ 1, ascending; out float32 `[batch, n]`. Raises ValueError when cols
+    is not a multiple of 256."""
+    if x.shape[1] % SUPER:
+        raise ValueError(f"int8 matmul: {x.shape[1]} columns: must be a multiple of {SUPER}")
+    qs32 = qs.view(np.uint32)
+    if len(rows) == x.shape[0]:
+        matmul_i8(x, qs32, sc, d, ndmin, mins, out)
+        return
+    part = np.empty((len(rows), out.shape[1]), dtype=np.float32)
+    matmul_i8(np.ascontiguousarray(x[rows]), qs32, sc, d, ndmin, mins, part)
+    out[rows] = part

@@ -1,0 +1,151 @@
+"""The avx2 path's int8 prompt kernel (`int8`: Q4_K and Q6_K, eight weight rows interleaved) against gguf's
+dequantizer.
+
+In a child on the avx2 path (Numba compiles for one target per process): random blocks, blocks at the formats'
+limits and shapes with a tail of weight rows past the last group of 8 and of activation rows past the last
+tile of 4, against (1) gguf's dequantizer times the int8-rounded activations in float64 (the integer sums are
+exact, so only float32 rounding of the per-block float steps separates them) and (2) the float64 product of
+the unrounded activations within the bound of the int8 rounding (max|x_b| / 254 per element); the extremes
+put every int16 pair-sum at its largest (Q4_K: codes 15, sub-scales 63, activations ±127 in every column:
+8 · 2 · 15 · 127 = 30,480 per lane; Q6_K: codes -32, sub-scales -128: 4 · 2 · 32 · 127 = 32,512), where a
+saturated or wrapped lane would miss (1) by far. Then a row's bits do not depend on its batch; rows outside
+the prompt span keep the decode kernel's bits (`matmul_prompt`); and the machine code is the path's.
+The avx512 and generic paths have no int8 kernel (`kernel_table`): nothing runs there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from hybridgate.workers.cpu import isa  # noqa: E402  (no Numba: safe to import here)
+from tests.conftest import TIME_FACTOR  # noqa: E402
+
+RUNS = isa.ISAS[isa.ISAS.index(isa.best(isa.host_features())):]
+# (rows, cols, batch): a tail of 5 rows past the groups of 8, one to eight super-blocks, batches through the
+# 4-row tiles and their 1-row tail, and a batch past one pass over the weights at 8192 columns (32 rows)
+SHAPES = [(37, 256, 3), (16, 768, 9), (8, 2048, 1), (13, 8192, 35)]
+
+pytestmark = pytest.mark.skipif("avx2" not in RUNS, reason="this CPU cannot run the avx2 path")
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    env = {k: v for k, v in os.environ.items() if k != isa.ENV}
+    env.update(PYTHONPATH=str(ROOT), NUMBA_CACHE_DIR=str(tmp_path_factory.mktemp("numba")))  # compiled: asm readable
+    proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=300 * TIME_FACTOR,
+                          cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_int8_sums_are_exact_against_the_dequantizer_times_the_rounded_activations(result):
+    for case, ratio in result["exact_ratio"].items():
+        assert ratio <= 1.0, (case, ratio)
+
+
+def test_within_the_int8_rounding_bound_of_the_float_product(result):
+    for case, ratio in result["rounding_ratio"].items():
+        assert ratio <= 1.0, (case, ratio)
+    # the int8 path ran: int16 activations would be about 250x closer
+    assert min(v for k, v in result["relative"].items() if " random " in k) > 1e-4
+
+
+def test_a_rows_result_does_not_depend_on_its_batch(result):
+    assert result["batch_invariant"]
+
+
+def test_rows_outside_the_prompt_span_keep_the_decode_kernels_bits(result):
+    assert result["decode_rows_kept"]
+    assert result["prompt_rows_int8"]
+
+
+def test_the_machine_code_is_avx2_with_vpmaddubsw(result):
+    assert "zmm" not in result["registers"] and "ymm" in result["registers"], result["registers"]
+    assert result["vpmaddubsw"] and result["vpsignb"]
+
+
+# ---- the child ----
+
+def _rounded(x: np.ndarray) -> np.ndarray:
+    """x float32 `[batch, cols]` → the int8-rounded activations as float64: rint(x · 127 / max|x_b|) ·
+    (max|x_b| / 127) per 32 columns, in `int8._quantize_row`'s float32 operations."""
+    b = x.reshape(x.shape[0], -1, 32)
+    top = np.abs(b).max(axis=2, keepdims=True)
+    inv = np.where(top > 0, np.float32(127.0) / np.where(top > 0, top, 1), 0).astype(np.float32)
+    q = np.rint(b * inv)
+    return (q.astype(np.float64) * (top / np.float32(127.0)).astype(np.float32)).reshape(x.shape)
+
+
+def _extremes(kind: str, rng, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
+    from tests.unit.test_cpu_kernels import random_blocks
+
+    data = random_blocks(kind, rows, cols, rng).reshape(rows, cols // 256, -1)
+    if kind == "Q4_K":
+        data[:, :, 4:] = 0xFF  # 6-bit scales and mins 63, every nibble 15
+    else:
+        data[:, :, 0:192] = 0x00  # every code 0 - 32
+        data[:, :, 192:208] = 0x80  # sub-scales -128
+    x = np.full((5, cols), 3.0, np.float32)
+    x[1] = -3.0
+    x[2, ::2] = -3.0  # alternating signs: vpsignb's both ways
+    return data.reshape(rows, -1), x
+
+
+def _check() -> dict:
+    import re
+
+    import gguf
+
+    from hybridgate.workers.cpu import int8, quant
+    from tests.unit.test_cpu_kernels import T, random_blocks
+
+    rng = np.random.default_rng(8)
+    exact, rounding, relative, invariant, kept, ran = {}, {}, {}, True, True, True
+    cases = []
+    for kind in ("Q4_K", "Q6_K"):
+        cases += [(f"{kind} random {r}x{c}", kind, random_blocks(kind, r, c, rng), None, r, c, b) for r, c, b in SHAPES]
+        cases.append((f"{kind} extremes 8x512", kind, *_extremes(kind, rng, 8, 512), 8, 512, 5))
+    for name, kind, data, x, rows, cols, batch in cases:
+        x = rng.standard_normal((batch, cols)).astype(np.float32) if x is None else x
+        dense = np.asarray(gguf.quants.dequantize(data, T[kind]), np.float64).reshape(rows, cols)
+        m = quant.quant_matrix("w", int(T[kind]), data, (rows, cols), "i8")
+        everything = np.arange(batch, dtype=np.int64)
+        got = m.matmul_prompt(x, everything)
+        ref = _rounded(x) @ dense.T
+        float_bound = 2e-6 * np.abs(_rounded(x)) @ np.abs(dense).T + 1e-30  # float32 steps over ≤ 256 blocks
+        exact[name] = float((np.abs(got - ref) / float_bound).max())
+        full = x.astype(np.float64) @ dense.T
+        x_max = np.abs(x.reshape(batch, -1, 32)).max(axis=2)
+        w_sum = np.abs(dense.reshape(rows, -1, 32)).sum(axis=2)
+        bound = (x_max / 254) @ w_sum.T * 1.001 + float_bound
+        rounding[name] = float((np.abs(got - full) / bound).max())
+        relative[name] = float(np.linalg.norm(got - full) / max(np.linalg.norm(full), 1e-30))
+        one = np.empty((1, rows), np.float32)
+        invariant &= all(np.array_equal(m.matmul_prompt(x[b : b + 1], everything[:1], one)[0], got[b])
+                         for b in range(batch))
+        if batch >= 3:  # prompt rows 1 .. batch-1; row 0 a decode row
+            mixed = m.matmul_prompt(x, everything[1:])
+            kept &= np.array_equal(mixed[0], m.matmul(x[:1])[0])
+            ran &= np.array_equal(mixed[1:], got[1:])
+            if " random " in name:  # (the extremes' activations, ±one value, round exactly in both formats)
+                ran &= not np.array_equal(got[0], m.matmul(x[:1])[0])
+    asm = "\n".join(a for k in (int8.matmul_i8, int8._tiles) for a in k.inspect_asm().values())
+    return {"exact_ratio": exact, "rounding_ratio": rounding, "relative": relative,
+            "batch_invariant": bool(invariant), "decode_rows_kept": bool(kept), "prompt_rows_int8": bool(ran),
+            "vpmaddubsw": "vpmaddubsw" in asm, "vpsignb": "vpsignb" in asm,
+            "registers": sorted(set(re.findall(r"%([xyz]mm)\d+", asm)))}
+
+
+if __name__ == "__main__":
+    isa.select("avx2")
+    print(json.dumps(_check()))
