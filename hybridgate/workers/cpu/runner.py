@@ -122,9 +122,10 @@ class NumbaRunner:
         # Prompts of at least this many tokens multiply on the table's prompt kernels (AMX tiles, int8 GEMMs;
         # None: this path has none under these activations)
         self.long_prompt = kernel_table.long_prompt(activations, quant.PATH)
+        prompts = "AMX-BF16" if target.amx else "int8"
         log.info("CPU kernels: %s path (LLVM target %s%s), activations %s%s, cache %s", target.isa, target.cpu_name,
-                 ", VNNI" if target.vnni else "", self.cpu_activations, f", prompt kernels ({'AMX-BF16' if target.amx
-                 else 'int8'}) for prompts of {self.long_prompt}+ tokens" if self.long_prompt else "", target.cache_dir)
+                 ", VNNI" if target.vnni else "", self.cpu_activations,
+                 f", {prompts} for prompts of {self.long_prompt}+ tokens" if self.long_prompt else "", target.cache_dir)
         log.info("CPU runner: weights %.1f MiB in GGUF blocks, KV cache %d blocks of %d tokens (%.1f MiB, %s), "
                  "threads %d on cores %s", self.model.weight_bytes / 2**20, self.num_blocks, block_size,
                  self.num_blocks * self.block_bytes / 2**20, self.kv_dtype.name, numba.get_num_threads(),
