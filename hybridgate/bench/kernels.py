@@ -6,9 +6,12 @@ its own process: Numba compiles for one target per process), a random weight of
 the given shape is multiplied at each batch size by the table's choice
 (cpu_activations auto), by the choice of the other activation format where that
 is another class or kernel (i16 for a float32 row, f32 for an int16 one), and by
-the row-dequantizing `QuantMatrix`, the three alternated in each repeat. Reported:
-median milliseconds per call, the weight bytes each class reads per call over
-that time (GB/s), and the fast class's speedups against the other two.
+the row-dequantizing `QuantMatrix`, the three alternated in each repeat; where the
+row has a prompt kernel (`int8`, `amx`) and the batch reaches its prompt length,
+the batch as prompt rows on it (`matmul_prompt`) too. Reported: median
+milliseconds per call, the weight bytes each class reads per call over that time
+(GB/s), the fast class's speedups against the other two, and the prompt kernel's
+against the fast class's decode kernel.
 """
 
 from __future__ import annotations
@@ -57,14 +60,15 @@ def table_types() -> list[int]:
 
 
 def _time(matrices: dict, x: np.ndarray, repeats: int) -> dict[str, float]:
-    """Median seconds per matmul of each matrix, the matrices alternated within each repeat."""
-    for m in matrices.values():
-        m.matmul(x)  # compile or load, and touch the weights once
+    """Median seconds per matmul of each matrix (or callable of x), the matrices alternated within each repeat."""
+    calls = {name: m if callable(m) else m.matmul for name, m in matrices.items()}
+    for call in calls.values():
+        call(x)  # compile or load, and touch the weights once
     times: dict[str, list[float]] = {name: [] for name in matrices}
     for _ in range(repeats):
-        for name, m in matrices.items():
+        for name, call in calls.items():
             start = time.perf_counter()
-            m.matmul(x)
+            call(x)
             times[name].append(time.perf_counter() - start)
     return {name: float(np.median(t)) for name, t in times.items()}
 
@@ -88,8 +92,15 @@ def measure(shape: tuple[int, int], batches: list[int], repeats: int, seed: int 
         matrices["row-dequantize"] = quant.QuantMatrix("w", kind, data, shape)
         for batch in batches:
             x = rng.standard_normal((batch, cols)).astype(np.float32)
-            seconds = _time(matrices, x, repeats if batch < 16 else max(3, repeats // 3))
+            timed = dict(matrices)
+            if fast.prompt_kernel and batch >= fast.prompt_rows:
+                every = np.arange(batch, dtype=np.int64)
+                timed["prompt"] = lambda x, m=matrices["fast"], every=every: m.matmul_prompt(x, every)
+            seconds = _time(timed, x, repeats if batch < 16 else max(3, repeats // 3))
             row = {"isa": isa.selected().isa, "type": LAYOUTS[kind].name, "rows": rows, "cols": cols, "batch": batch}
+            if "prompt" in seconds:
+                row["prompt"] = {"kernel": fast.prompt_kernel, "activations": fast.prompt, "ms": seconds["prompt"] * 1e3,
+                                 "speedup_vs_decode_kernel": seconds["fast"] / seconds["prompt"]}
             if "other" in matrices:
                 row["other_is"] = "not chosen"
             for name, m in matrices.items():
@@ -104,14 +115,15 @@ def measure(shape: tuple[int, int], batches: list[int], repeats: int, seed: int 
 
 def _format(rows: list[dict]) -> str:
     head = (f"{'path':7} {'type':5} {'batch':>5}  {'fast class':12} {'act':4} {'ms':>8} {'GB/s':>6}  "
-            f"{'other class':12} {'(role)':12} {'ms':>8} {'x':>5}  {'row-dequant ms':>14} {'x':>6}")
+            f"{'other class':12} {'(role)':12} {'ms':>8} {'x':>5}  {'row-dequant ms':>14} {'x':>6}  {'prompt ms':>9} {'x':>5}")
     lines = [head]
     for r in rows:
         f, o, d = r["fast"], r.get("other"), r["row-dequantize"]
         other = (f"{o['class']:12} {'(' + r['other_is'] + ')':12} {o['ms']:8.3f} {r['speedup_vs_other']:5.2f}" if o
                  else f"{'-':12} {'':12} {'':8} {'':5}")
         lines.append(f"{r['isa']:7} {r['type']:5} {r['batch']:5d}  {f['class']:12} {f['activations']:4} {f['ms']:8.3f} "
-                     f"{f['gb_s']:6.1f}  {other}  {d['ms']:14.3f} {r['speedup_vs_row-dequantize']:6.1f}")
+                     f"{f['gb_s']:6.1f}  {other}  {d['ms']:14.3f} {r['speedup_vs_row-dequantize']:6.1f}"
+                     + (f"  {r['prompt']['ms']:9.3f} {r['prompt']['speedup_vs_decode_kernel']:5.2f}" if "prompt" in r else ""))
     return "\n".join(lines)
 
 

@@ -39,7 +39,7 @@ def matrix(kind: str, data: np.ndarray, rows: int, cols: int):
     from hybridgate.workers.cpu import quant
 
     m = quant.quant_matrix("w", int(T[kind]), data, (rows, cols))
-    assert m._amx_arrays() is not None, type(m).__name__
+    assert m._prompt_arrays() is not None, type(m).__name__
     return m
 
 
@@ -66,7 +66,7 @@ def test_tiles_multiply_gguf_weights_rounded_to_bf16(case):
     kind, m, dense, x = case
     rows = np.arange(x.shape[0], dtype=np.int64)
     out = np.full((x.shape[0], m.shape[0]), np.nan, np.float32)
-    amx.multiply(x, rows, *m._amx_arrays(), out)
+    amx.multiply(x, rows, *m._prompt_arrays(), out)
     scale = np.abs(x).astype(np.float64) @ np.abs(dense).T + 1e-30  # Σ |x_j w_ij| per output
     # hi + lo keeps about 16 bits of each activation (2^-17 relative), float32 sums add k · 2^-24
     err = np.abs(out - x.astype(np.float64) @ bf16(dense).T) / scale
@@ -83,7 +83,7 @@ def test_only_the_given_rows_are_written_and_each_rows_bits_hold_in_any_batch(ca
     from hybridgate.workers.cpu import amx
 
     _, m, _, x = case
-    arrays = m._amx_arrays()
+    arrays = m._prompt_arrays()
     every = np.full((x.shape[0], m.shape[0]), np.nan, np.float32)
     amx.multiply(x, np.arange(x.shape[0], dtype=np.int64), *arrays, every)
     some = np.array([2, 5, 17, 40], np.int64)  # spread over two tile blocks, each at another place in its tile
@@ -105,7 +105,7 @@ def test_matmul_prompt_puts_the_prompt_rows_on_tiles_and_the_rest_on_the_matrix_
     prompt = np.arange(10, 45, dtype=np.int64)
     got = m.matmul_prompt(x, prompt)
     tiles = np.full_like(got, np.nan)
-    amx.multiply(x, np.arange(x.shape[0], dtype=np.int64), *m._amx_arrays(), tiles)
+    amx.multiply(x, np.arange(x.shape[0], dtype=np.int64), *m._prompt_arrays(), tiles)
     np.testing.assert_array_equal(got[prompt], tiles[prompt])
     np.testing.assert_array_equal(got[:10], m.matmul(np.ascontiguousarray(x[:10])))
     np.testing.assert_array_equal(m.matmul_prompt(x, np.empty(0, np.int64)), m.matmul(x))
@@ -119,7 +119,7 @@ def test_f32_and_f16_weights_stay_on_their_kernel(kind):
     rng = np.random.default_rng(4)
     m = quant.quant_matrix("w", int(T[kind]), random_blocks(kind, 32, 256, rng), (32, 256))
     x = rng.standard_normal((33, 256)).astype(np.float32)
-    assert m._amx_arrays() is None
+    assert m._prompt_arrays() is None
     np.testing.assert_array_equal(m.matmul_prompt(x, np.arange(33, dtype=np.int64)), m.matmul(x))
 
 

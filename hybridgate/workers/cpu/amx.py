@@ -189,7 +189,7 @@ _Q8_0 = superblock.Kind("q8_0", 32, 1, 0, False)
 # in byte b % 4 of each (`kquant.QUAD_COLUMNS`); d and m float32 per 32 columns: w = d·c + mscale·m.
 _LOW5 = superblock.Kind("q5_lowbit", 16, 1, 0, True)
 # BF16 as `quant.FloatMatrix` holds it (bfloat16 bits as uint16; sc its float32 placeholder): exactly itself. Not
-# F16 (rounded to bf16 it failed the top-1 floor) nor F32 (its file asks for float32): `FloatMatrix._amx_arrays`.
+# F16 (rounded to bf16 it failed the top-1 floor) nor F32 (its file asks for float32): `FloatMatrix._prompt_arrays`.
 _BF16 = superblock.Kind("bf16", 0, 0, 0, False)
 _FORMATS = {**{key: kind for key, kind in superblock.KINDS.items() if key != (types.int8, types.int8)},
             (types.int8, types.float32): _Q8_0, (types.uint8, types.float32): _LOW5,

@@ -12,9 +12,7 @@ activations) and `intdot`/`avx2` (int16), Q4_0, Q4_K and Q5_0 repacked onto thos
 Q8_0's with a scale per 16 columns, the low-bit types for `kquant`, the K-quants for
 `superblock` (sub-block scales in integers), and F32/F16/BF16 as stored for `simd`'s float
 tiles. Which class and kernel multiply a type on this path is `kernel_table`'s row, and only
-there (`quant_matrix`).
-
-Fused matrices (Q, K, V; gate and up) are `fused`'s.
+there (`quant_matrix`). Fused matrices (Q, K, V; gate and up) are `fused`'s.
 """
 
 from __future__ import annotations
@@ -136,30 +134,17 @@ class QuantMatrix:
         dequant_row(self.kind, self.data[index], self.scale[index], self.minimum[index], out)
         return out
 
-    def _amx_arrays(self) -> tuple | None:
-        """(qs, sc, d, ndmin, mins): this matrix's arrays as `amx.matmul_amx` reads them (their dtypes name the
-        format, `amx._dequant_tile`), or None where it has no format there (the default)."""
-        return None
-
-    def _int8_arrays(self) -> tuple | None:
-        """(qs, sc, d, ndmin, mins) as `int8.multiply` reads them, or None where it has no format there."""
-        return None
-
     def _prompt_arrays(self) -> tuple | None:
-        """This matrix's arrays as its prompt kernel (`prompt_kernel`) reads them, or None (no prompt kernel,
-        or none for this matrix's format or shape)."""
-        if self.prompt_kernel == "int8.multiply":
-            return self._int8_arrays()
-        if self.prompt_kernel == "amx.multiply" and self.shape[0] % amx.PANEL == 0:
-            return self._amx_arrays()
+        """(qs, sc, d, ndmin, mins) as the prompt kernel (`amx.multiply`: dtypes name the format, or
+        `int8.multiply`) reads them; None where it has no format there (the default)."""
         return None
 
     def matmul_prompt(self, x: np.ndarray, prompt: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """x @ W.T like `matmul`, the rows `prompt` (int64 `[p]`, ascending: `StepInputs.prompt_rows`) on the
-        table's prompt kernel (`prompt_kernel`: `amx`'s bf16 tiles or `int8`'s int8 GEMM) where this matrix has
-        a format there, the other rows on `matmul`. Which kernel computes a row is fixed by the row's request,
-        so a row's bits do not depend on its batch."""
-        arrays = self._prompt_arrays() if len(prompt) else None
+        prompt kernel (`amx`'s bf16 tiles, `int8`'s GEMM) where this matrix has a format there. Which kernel
+        computes a row is fixed by its request, so a row's bits do not depend on its batch."""
+        amx_panels = self.prompt_kernel != "amx.multiply" or self.shape[0] % amx.PANEL == 0
+        arrays = self._prompt_arrays() if len(prompt) and self.prompt_kernel and amx_panels else None
         if arrays is None:
             return self.matmul(x, out)
         out = self._out(x, out)
@@ -234,7 +219,7 @@ class Q80Matrix(QuantMatrix):
         self._kernel(x, self.qs, self.scale, self.scale, out)
         return out
 
-    def _amx_arrays(self) -> tuple | None:
+    def _prompt_arrays(self) -> tuple | None:
         if self.scale.shape[1] * 32 != self.shape[1]:  # Q6_K here: a scale per 16 columns
             return None
         return self.qs, self.scale, self.scale, self.scale, self.qs.view(np.uint8)
@@ -306,11 +291,8 @@ class Q45KSuperMatrix(QuantMatrix):
         superblock.matmul_superblock(x, self.qs, self.sc, self.d, self.ndmin, self.mins, out)
         return out
 
-    def _amx_arrays(self) -> tuple | None:
+    def _prompt_arrays(self) -> tuple | None:  # amx: Q4_K and Q5_K; int8: Q4_K (the table gives Q5_K none)
         return self.qs, self.sc, self.d, self.ndmin, self.mins
-
-    def _int8_arrays(self) -> tuple | None:
-        return (self.qs, self.sc, self.d, self.ndmin, self.mins) if self.qs.dtype == np.uint8 else None  # Q4_K
 
     def row(self, index: int) -> np.ndarray:
         if self.qs.dtype == np.int8:  # Q5_K: whole codes in column order
@@ -349,11 +331,10 @@ class Q6KSuperMatrix(QuantMatrix):
         superblock.matmul_superblock(x, self.qs, self.sc, self.d, self._no_ndmin, self._no_mins, out)
         return out
 
-    def _amx_arrays(self) -> tuple | None:
+    def _prompt_arrays(self) -> tuple | None:  # amx: the 6-bit codes (avx512); int8: the int8 codes (avx2)
+        if self.prompt_kernel == "int8.multiply":
+            return None if superblock.Q6K_PACKED else (self.qs, self.sc, self.d, self._no_ndmin, self._no_mins)
         return (self.qs, self.sc, self.d, self.d, self.sc) if superblock.Q6K_PACKED else None
-
-    def _int8_arrays(self) -> tuple | None:
-        return None if superblock.Q6K_PACKED else (self.qs, self.sc, self.d, self._no_ndmin, self._no_mins)
 
     def row(self, index: int) -> np.ndarray:
         return self.rows(np.array([index]))[0]
@@ -405,7 +386,7 @@ class LowBitMatrix(QuantMatrix):
         matmul_packed(x, self.qs, self.qh, self.d, self.m, self.mscale, out)
         return out
 
-    def _amx_arrays(self) -> tuple | None:
+    def _prompt_arrays(self) -> tuple | None:
         if self.qs.dtype != np.uint8 or self.qh.dtype != np.uint32:  # only the 5-bit types' bit-mask layout
             return None
         return self.qs, self.d, self.m, np.full((1, 1), self.mscale, np.float32), self.qh
@@ -483,7 +464,7 @@ class FloatMatrix(QuantMatrix):
         matmul_blocks(x, self.qs, self.scale, self.minimum, out)
         return out
 
-    def _amx_arrays(self) -> tuple | None:
+    def _prompt_arrays(self) -> tuple | None:
         """BF16 only (exact in bf16). F16 rounded to bf16 failed the top-1 floor (99.4% on the default model in
         F16, docs/results/accuracy-smollm2-requantized-f16-avx512-amx-xeon-207.json); an F32 file asks for float32."""
         return (self.qs, self.scale, self.scale, self.scale, self.qs) if self.kind == BF16 else None
