@@ -90,7 +90,9 @@ class GenerationStream:
         self._hops: list[tuple[str, int, WorkerClient]] = []  # (how, first token index, worker) of each placement
         self._refused: list[WorkerClient] = []
         self._queue = Mailbox(router.config.queue_size)
-        self._held = None  # an item taken off the queue by `_coalesce` and not yet handled
+        self._held = None  # an item taken off the queue by `_join` and not yet handled
+        # What a message carries (RouterConfig.stream_coalesce and stream_interval; `_join`).
+        self._coalesce, self._interval = router.config.stream_coalesce, router.config.stream_interval
         self._detok = IncrementalDetokenizer(router.tokenizer, params.skip_special_tokens)
         self._stop = StopMatcher(params.stop)
         self._eos = router.tokenizer.eos_token_id
@@ -377,7 +379,10 @@ class GenerationStream:
                     await self._queue.arrival()
                 item = self._queue.get_nowait()
             if type(item) is SeqOutput:
-                delta = self._on_output(self._coalesce(item))
+                want = self._interval if self.ids else 1
+                if not item.finish and (len(item.token_ids) < want or self._coalesce and not self._queue.empty()):
+                    item = await self._join(item, want)
+                delta = self._on_output(item)
                 if delta is not None:
                     return delta
             else:
@@ -385,21 +390,27 @@ class GenerationStream:
                 raise error_of(item)
         raise StopAsyncIteration
 
-    def _coalesce(self, out: SeqOutput) -> SeqOutput:
-        """`out` joined with the outputs queued behind it: a reader that fell behind gets one delta
-        for all of them (ids and token indexes exact), a reader that keeps up one per step.
-        Outputs are queued contiguous (`_on_output_event` numbers them), so joining is appending."""
-        if self._queue.empty() or out.finish:
-            return out
+    async def _join(self, out: SeqOutput, want: int) -> SeqOutput:
+        """`out` joined with the outputs after it that go in the same message: until it carries `want` ids
+        (waiting for them: the stream interval) or the last output; then, with coalescing, every output
+        queued now (a reader that fell behind gets one delta for all of them, one that keeps up one per
+        step). An error after some outputs is held for the next call. Outputs are queued contiguous
+        (`_on_output_event` numbers them), so joining is appending."""
         ids, finish, logprobs = list(out.token_ids), 0, list(out.logprobs)
-        while not finish and not self._queue.empty():
+        while not finish:
+            if self._queue.empty():
+                if len(ids) >= want:
+                    break
+                await self._queue.arrival()
             item = self._queue.get_nowait()
-            if not isinstance(item, SeqOutput):
+            if type(item) is not SeqOutput:
                 self._held = item  # an error after the outputs: read on the next call
                 break
             ids += item.token_ids
             logprobs += item.logprobs
             finish = item.finish
+            if not self._coalesce and len(ids) >= want:
+                break
         return SeqOutput(out.request_id, out.token_index, ids, finish, out.queue_ms, out.cached_tokens, logprobs)
 
     def _on_output(self, out: SeqOutput) -> Delta | None:

@@ -6,7 +6,12 @@ from __future__ import annotations
 import asyncio
 
 from hybridgate.router.local import LocalWorkerClient
-from hybridgate.wire import EngineStats, FinishReason, Hello, Outputs, SeqOutput
+from hybridgate.wire import EngineStats, FinishReason, Hello, Outputs, SeqOutput, TokenLogprobs
+
+
+def scripted_logprob(i: int) -> TokenLogprobs:
+    """The log-probability a ScriptedClient sends with its `i`-th id when the request asks for them."""
+    return TokenLogprobs(-(i + 1) / 8)
 
 
 class ScriptedClient(LocalWorkerClient):
@@ -36,7 +41,8 @@ class ScriptedClient(LocalWorkerClient):
             if request.request_id in self.aborted:
                 return
             last = i == len(self.script) - 1
-            out = SeqOutput(request.request_id, i, [tid], finish=int(self.finish) if last else 0)
+            logprobs = [scripted_logprob(i)] if request.params.logprobs is not None else []
+            out = SeqOutput(request.request_id, i, [tid], finish=int(self.finish) if last else 0, logprobs=logprobs)
             self._on_message(self, Outputs([out], self.stats))
 
     def abort(self, request_ids) -> None:
