@@ -8,8 +8,8 @@ concurrency it reports streamed tokens/s, response messages per token, the
 gateway's CPU seconds per streamed token (utime + stime of the process and
 all its threads, from /proc, over the measured window), the worker's and the
 client's CPU per token beside it, and client-side TTFT and ITL percentiles
-(ITL: the gap between two response messages divided by the ids the second
-carries). `--protocol openai` drives the OpenAI-compatible HTTP door of
+(ITL per token: a message of n ids after a gap t counts n gaps of t / n, as
+SGLang's bench_serving counts them). `--protocol openai` drives the OpenAI-compatible HTTP door of
 the same gateway instead (`/v1/completions`, server-sent events; a response
 message is one SSE chunk, tokens are counted from the usage chunk, and ITL is
 the gap between two chunks, one token each unless the door joined them).
@@ -32,6 +32,12 @@ bench's requests are deterministic and identical: a cache would replay them).
 CPU per streamed token. `--profile FILE` profiles the gateway over the
 measured runs (`hybridgate.bench.profile`: cProfile, or callgrind's
 instruction counts, which a busy machine does not disturb).
+`--coalesce on,off` starts a gateway per mode of its output coalescing
+(`--stream-coalesce`) on the same worker and measures them alternately, and
+`--stream-interval N` is passed to every gateway; with `--grpc-floor` each
+mode's gRPC door is set against the bare grpc.aio server's CPU per message:
+what it adds per message, and per token less the floor's cost of the
+messages it sent per token.
 """
 
 from __future__ import annotations

@@ -2,8 +2,10 @@
 HTTP door, timed as a client sees them.
 
 `run_client` starts it (spawned, so that its CPU time is its own) and returns its figures: wall and CPU
-seconds, each stream's TTFT, the ITL (gRPC: the gap between two messages over the ids the second carries;
-HTTP: the gap between two chunks), and the counts of tokens, messages, errors, short streams and tool calls.
+seconds, each stream's TTFT, the ITL, and the counts of tokens, messages, errors, short streams and tool
+calls. ITL per token as a client sees it, as SGLang's bench_serving counts it: over gRPC a message of n ids
+after a gap of t seconds gives n gaps of t / n (so percentiles weigh tokens, whether or not the gateway
+joined them into fewer messages); over HTTP, whose chunks carry text without a count of ids, one gap a chunk.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ async def _drive(target: str, concurrency: int, requests: int, max_tokens: int, 
                 if tokens == 0:
                     ttfts.append(now - start)
                 elif n:
-                    itls.append((now - last) / n)
+                    itls.extend([(now - last) / n] * n)
                 last, tokens = now, tokens + n
                 counts["messages"] += 1
                 counts["tool_calls"] += len(msg.tool_calls)  # the last message's parsed calls
