@@ -170,7 +170,7 @@ TABLES: tuple[Table, ...] = (
         Column("messages/token", "messages_per_token", fixed(2)),
         Column("gateway CPU µs/token", "gateway_cpu_us_per_token", fixed(1)),
         Column("gateway less floor µs", "gateway_less_floor_us", fixed(1)),
-    ), rows="grpc_floor.summary"),
+    ), rows="grpc_floor.summary", keep="grpc_floor.summary"),
     Table("placement-serve", "benchmarks/placement.md", "placement-serve*.json", POLICY_COLUMNS, rows="policies"),
     Table("placement-sim", "benchmarks/placement.md", "placement-sim-h200-*.json", POLICY_COLUMNS, rows="policies"),
 )
