@@ -16,11 +16,12 @@ def scripted_logprob(i: int) -> TokenLogprobs:
 
 class ScriptedClient(LocalWorkerClient):
     def __init__(self, fingerprint: str, script: list[int], *, finish=FinishReason.LENGTH, die_after: int | None = None,
-                 kind: str = "gpu", max_model_len: int = 8192):
+                 kind: str = "gpu", max_model_len: int = 8192, stall_after: int | None = None):
         self.endpoint = f"scripted-{id(self)}"
         self.kind, self.stats = kind, EngineStats()
         self.hello = Hello(kind, fingerprint, 8, max_model_len, 0, True)
         self.script, self.finish, self.die_after = script, finish, die_after
+        self.stall_after = stall_after  # the index of the last id sent: a worker that stalls after it
         self.requests, self.aborted = [], []
         self._tasks = []
 
@@ -38,7 +39,7 @@ class ScriptedClient(LocalWorkerClient):
             if self.die_after is not None and i >= self.die_after:
                 self.lost("killed by signal SIGKILL")
                 return
-            if request.request_id in self.aborted:
+            if request.request_id in self.aborted or self.stall_after is not None and i > self.stall_after:
                 return
             last = i == len(self.script) - 1
             logprobs = [scripted_logprob(i)] if request.params.logprobs is not None else []

@@ -24,6 +24,7 @@ from hybridgate.models import model_fingerprint
 from hybridgate.router import Router, RouterConfig
 from hybridgate.v1 import generation_pb2 as pb
 from hybridgate.v1 import generation_pb2_grpc as pb_grpc
+from hybridgate.wire import FinishReason, SamplingParams
 from scripted import ScriptedClient
 
 pytestmark = pytest.mark.asyncio
@@ -145,18 +146,45 @@ async def test_stream_interval_4_sends_4_ids_a_message(gguf_model, tokenizer, do
     assert got["logprobs"] == logprobs_of(26)
 
 
+BEFORE = "The city is "
+
+
+def stop_script(tokenizer) -> tuple[list[int], int]:
+    """Ids of BEFORE + "Paris" + more, "Paris" in three ids ("Pa", "r", "is") so that it spans whatever
+    message boundary falls in it; and how many ids stream: up to the one that completes the stop."""
+    stop_ids = tokenizer.encode("Pa") + tokenizer.encode("r") + tokenizer.encode("is")
+    script = tokenizer.encode(BEFORE) + stop_ids + tokenizer.encode(" and the keeper went home to sleep.")
+    return script, len(tokenizer.encode(BEFORE)) + len(stop_ids)
+
+
 @pytest.mark.parametrize("door", DOORS)
 @pytest.mark.parametrize("config", [{}, {"stream_interval": 4}], ids=["coalesced", "interval 4"])
 async def test_a_stop_string_split_across_a_joined_message_stops_exactly(gguf_model, tokenizer, door, config):
-    before, after = "The city is ", " and the keeper went home to sleep."
-    # "Paris" in three ids ("Pa", "r", "is"), so that it spans whatever message boundary falls in it
-    stop_ids = tokenizer.encode("Pa") + tokenizer.encode("r") + tokenizer.encode("is")
-    script = tokenizer.encode(before) + stop_ids + tokenizer.encode(after)
-    completing = len(tokenizer.encode(before)) + len(stop_ids)  # ids streamed: up to the stop's last one
+    script, completing = stop_script(tokenizer)
     async with gateway(gguf_model, script, **config) as gw:
         got = await DOORS[door](gw, PAUSE_S, len(script), stop=("Paris",))
-    assert got["text"] == before and got["finish"] == "stop"
+    assert got["text"] == BEFORE and got["finish"] == "stop"
     assert sum(got["sizes"]) == completing and got["usage"] == (1, completing)
     assert got["logprobs"] == logprobs_of(completing)
     if door == "grpc":
         assert got["ids"] == script[:completing]
+
+
+async def test_a_stop_inside_an_interval_ends_its_message_at_once(gguf_model, tokenizer):
+    # The id completing "Paris" is the 7th (index 6), inside the third message of 4 ids (indexes 5-8); the
+    # worker stalls after it. The stream stops there and then (as vLLM checks stops before its interval),
+    # rather than waiting for ids 7 and 8, which never come.
+    script, completing = stop_script(tokenizer)
+    assert completing == 7
+    client = ScriptedClient(model_fingerprint(gguf_model), script, stall_after=completing - 1)
+    async with Router(gguf_model, [client], RouterConfig(stream_interval=4)) as router:
+        async with router.generate("x", SamplingParams(stop=("Paris",), max_tokens=len(script))) as stream:
+            deltas = await asyncio.wait_for(_all(stream), 10 * TIME_FACTOR)
+    assert [len(d.token_ids) for d in deltas] == [1, 4, 2]
+    assert "".join(d.text for d in deltas) == BEFORE and deltas[-1].finish_reason == FinishReason.STOP
+    assert [t for d in deltas for t in d.token_ids] == script[:completing]
+    assert client.aborted == [client.requests[0].request_id]
+
+
+async def _all(stream) -> list:
+    return [d async for d in stream]
