@@ -208,8 +208,21 @@ def add_gateway_parser(sub) -> None:
                         "and report its CPU per message: the floor any grpc.aio server pays, and the gateway's "
                         "figure less it (needs --step-ms > 0: one message per token, and grpc among --protocol; not with "
                         "--tls or --tools)")
+    coalescing = ("the gateway's output coalescing (its --stream-coalesce), comma-separated on,off: each mode runs "
+                  "as its own gateway on the same worker, alternately, reported on its own line (default on)")
+    p.add_argument("--coalesce", type=_coalesce_modes, default=[True], help=coalescing)
+    p.add_argument("--stream-interval", type=bounded(int, 1), default=1, metavar="N",
+                   help="the gateways' --stream-interval: at most one message per N ids (default 1)")
     p.add_argument("--json", default=None, metavar="OUT", help="write the figures to this JSON file")
     p.set_defaults(func=_run_gateway)
+
+
+def _coalesce_modes(text: str) -> list[bool]:
+    """`--coalesce`'s comma-separated modes, each on or off."""
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    if not modes or any(m not in ("on", "off") for m in modes):
+        raise argparse.ArgumentTypeError(f"each mode must be on or off, got {text!r}")
+    return [m == "on" for m in dict.fromkeys(modes)]
 
 
 def _doors(text: str) -> list[str]:

@@ -8,8 +8,8 @@ concurrency it reports streamed tokens/s, response messages per token, the
 gateway's CPU seconds per streamed token (utime + stime of the process and
 all its threads, from /proc, over the measured window), the worker's and the
 client's CPU per token beside it, and client-side TTFT and ITL percentiles
-(ITL: the gap between two response messages divided by the ids the second
-carries). `--protocol openai` drives the OpenAI-compatible HTTP door of
+(ITL per token: a message of n ids after a gap t counts n gaps of t / n, as
+SGLang's bench_serving counts them). `--protocol openai` drives the OpenAI-compatible HTTP door of
 the same gateway instead (`/v1/completions`, server-sent events; a response
 message is one SSE chunk, tokens are counted from the usage chunk, and ITL is
 the gap between two chunks, one token each unless the door joined them).
@@ -32,11 +32,16 @@ bench's requests are deterministic and identical: a cache would replay them).
 CPU per streamed token. `--profile FILE` profiles the gateway over the
 measured runs (`hybridgate.bench.profile`: cProfile, or callgrind's
 instruction counts, which a busy machine does not disturb).
+`--coalesce on,off` starts a gateway per mode of its output coalescing
+(`--stream-coalesce`) on the same worker and measures them alternately, and
+`--stream-interval N` is passed to every gateway; with `--grpc-floor` each
+mode's gRPC door is set against the bare grpc.aio server's CPU per message:
+what it adds per message, and per token less the floor's cost of the
+messages it sent per token.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import multiprocessing as mp
 import os
@@ -49,14 +54,14 @@ import time
 from pathlib import Path
 
 from hybridgate.bench import safety
+from hybridgate.bench.gateway_client import run_client
 from hybridgate.bench.instant import run_instant_worker
 from hybridgate.bench.machine import describe, summary
 from hybridgate.bench.workload import percentile
+from hybridgate.router.config import RouterConfig
 from hybridgate.serveconf import LayoutConfig
 
-PROMPT = "Write a long story about a lighthouse keeper."
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-MAX_CONNECTIONS = 16
 
 
 def cpu_times(pid: int) -> tuple[float, float]:
@@ -86,152 +91,20 @@ def tree_cpu_times(pid: int) -> tuple[float, float]:
     return sum(t[0] for t in times), sum(t[1] for t in times)
 
 
-def _client_main(target: str, concurrency: int, requests: int, max_tokens: int, conn, tls_ca: str | None = None,
-                 token: str | None = None, protocol: str = "grpc", tools: bool | None = None) -> None:
-    """Client process: `requests` streams, `concurrency` at a time; sends the figures back on `conn`.
-    `tls_ca`: connect over TLS trusting that PEM; `token`: send it as the bearer token."""
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
-    drive = _drive_http(target, concurrency, requests, max_tokens, token, tools) if protocol == "openai" else \
-        _drive(target, concurrency, requests, max_tokens, tls_ca, token, tools)
-    conn.send(asyncio.run(drive))
-    conn.close()
-
-
-async def _drive(target: str, concurrency: int, requests: int, max_tokens: int, tls_ca: str | None = None,
-                 token: str | None = None, tools: bool | None = None) -> dict:
-    import grpc
-
-    from hybridgate.v1 import generation_pb2 as pb
-    from hybridgate.v1 import generation_pb2_grpc as pb_grpc
-
-    request = pb.GenerateRequest(prompt=PROMPT, max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                                 label="bench-gateway") if tools is None else _grpc_chat(max_tokens, tools)
-    ttfts: list[float] = []
-    itls: list[float] = []
-    counts = {"tokens": 0, "messages": 0, "errors": 0, "short": 0, "tool_calls": 0}
-    remaining = iter(range(requests))
-
-    async def one(stub) -> None:
-        start = last = time.perf_counter()
-        tokens = 0
-        try:
-            async for msg in stub.Generate(request, metadata=metadata):
-                now = time.perf_counter()
-                n = len(msg.token_ids)
-                if tokens == 0:
-                    ttfts.append(now - start)
-                elif n:
-                    itls.append((now - last) / n)
-                last, tokens = now, tokens + n
-                counts["messages"] += 1
-                counts["tool_calls"] += len(msg.tool_calls)  # the last message's parsed calls
-        except grpc.aio.AioRpcError:
-            counts["errors"] += 1
-        counts["tokens"] += tokens
-        counts["short"] += tokens != max_tokens
-
-    async def lane(stub) -> None:
-        for _ in remaining:
-            await one(stub)
-
-    # One connection per lane (a local subchannel pool each), so that the kernel can spread them over
-    # the gateways of `--gateways N`; with one gateway the streams' cost is the same.
-    metadata = (("authorization", f"Bearer {token}"),) if token else None
-    options = [("grpc.use_local_subchannel_pool", 1)]
-    credentials = grpc.ssl_channel_credentials(Path(tls_ca).read_bytes()) if tls_ca else None
-    channels = [grpc.aio.secure_channel(target, credentials, options=options) if credentials else
-                grpc.aio.insecure_channel(target, options=options) for _ in range(min(concurrency, MAX_CONNECTIONS))]
-    cpu0, start = time.process_time(), time.perf_counter()
-    await asyncio.gather(*(lane(pb_grpc.GenerationStub(channels[k % len(channels)])) for k in range(concurrency)))
-    wall, cpu = time.perf_counter() - start, time.process_time() - cpu0
-    await asyncio.gather(*(c.close() for c in channels))
-    return {"wall_s": wall, "client_cpu_s": cpu, "ttft_s": ttfts, "itl_s": itls, **counts}
-
-
-async def _drive_http(target: str, concurrency: int, requests: int, max_tokens: int, token: str | None = None,
-                      tools: bool | None = None) -> dict:
-    """`_drive` over the OpenAI HTTP door: /v1/completions streamed as server-sent events (chats: `_http_chat`)."""
-    from hybridgate.bench.serve import _sse_post
-
-    host, port = target.rsplit(":", 1)
-    body = json.dumps({"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-                       "stream": True, "stream_options": {"include_usage": True}, "user": "bench-gateway"}).encode()
-    path = "/v1/completions"
-    if tools is not None:
-        path, body = "/v1/chat/completions", _http_chat(max_tokens, tools)
-    ttfts: list[float] = []
-    itls: list[float] = []
-    counts = {"tokens": 0, "messages": 0, "errors": 0, "short": 0, "tool_calls": 0}
-    remaining = iter(range(requests))
-
-    async def one() -> None:
-        start = last = time.perf_counter()
-        tokens, first = 0, True
-        try:
-            async for event in _sse_post(host, int(port), path, body, token):
-                now = time.perf_counter()
-                if event == b"[DONE]":
-                    break
-                chunk = json.loads(event)
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
-                if not chunk.get("choices"):
-                    continue
-                calls = chunk["choices"][0].get("delta", {}).get("tool_calls") or ()
-                counts["tool_calls"] += sum(1 for call in calls if call.get("id"))  # a call's first delta
-                if first:
-                    ttfts.append(now - start)
-                    first = False
-                else:
-                    itls.append(now - last)
-                last = now
-                counts["messages"] += 1
-        except (OSError, asyncio.IncompleteReadError, ValueError):
-            counts["errors"] += 1
-        counts["tokens"] += tokens
-        counts["short"] += tokens != max_tokens
-
-    async def lane() -> None:
-        for _ in remaining:
-            await one()
-
-    cpu0, start = time.process_time(), time.perf_counter()
-    await asyncio.gather(*(lane() for _ in range(concurrency)))
-    wall, cpu = time.perf_counter() - start, time.process_time() - cpu0
-    return {"wall_s": wall, "client_cpu_s": cpu, "ttft_s": ttfts, "itl_s": itls, **counts}
-
-
-def _run_client(target: str, concurrency: int, requests: int, max_tokens: int, tls_ca: str | None = None,
-                token: str | None = None, protocol: str = "grpc", tools: bool | None = None) -> dict:
-    ctx = mp.get_context("spawn")
-    ours, theirs = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_client_main, name="bench-gateway-client",
-                       args=(target, concurrency, requests, max_tokens, theirs, tls_ca, token, protocol, tools))
-    proc.start()
-    theirs.close()
-    try:
-        result = ours.recv()
-    except EOFError:
-        raise RuntimeError(f"the bench client process exited ({proc.exitcode}) without its figures") from None
-    proc.join()
-    return result
-
-
 class _Gateway:
     """`hybridgate gateway` as a child process; `target` once it says READY. `token`: the bearer token it
-    requires (None: none); `profiler`: a `hybridgate.bench.profile` profiler it runs under. Its response
-    cache is off whatever the environment says."""
+    requires (None: none); `profiler`: a `hybridgate.bench.profile` profiler it runs under; `coalesce` and
+    `stream_interval`: its --stream-coalesce and --stream-interval. Its response cache is off whatever the
+    environment says."""
 
     def __init__(self, model: str, endpoint: str, timeout_s: float, gateways: int = LayoutConfig.gateways,
-                 extra: tuple = (), tls_ca: str | None = None, token: str | None = None, profiler=None):
+                 extra: tuple = (), tls_ca: str | None = None, token: str | None = None, profiler=None,
+                 coalesce: bool = RouterConfig.stream_coalesce, stream_interval: int = RouterConfig.stream_interval):
         args = ["gateway", "--model", model, "--port", "0", "--http-port", "0", "--worker", endpoint,
                 "--worker-startup-timeout", str(timeout_s), "--gateways", str(gateways), "--metrics-port", "0",
-                "--response-cache", "off", *extra]
+                "--response-cache", "off", "--stream-coalesce" if coalesce else "--no-stream-coalesce",
+                "--stream-interval", str(stream_interval), *extra]
+        self.coalesce, self.stream_interval = coalesce, stream_interval
         cmd = profiler.command(args) if profiler is not None else [sys.executable, "-m", "hybridgate.cli", *args]
         env = {k: v for k, v in os.environ.items() if k != safety.TOKEN_ENV}
         if token:
@@ -282,14 +155,14 @@ def measure(gateway: _Gateway, worker_pid: int, concurrency: int, requests: int,
     profiled over the measured run only (not the warm-up before it)."""
     tls = dict(tls_ca=gateway.tls_ca, token=gateway.token)
     target = gateway.http_target if protocol == "openai" else gateway.target
-    _run_client(target, concurrency, min(requests, 2 * concurrency), max_tokens, protocol=protocol, tools=tools,
+    run_client(target, concurrency, min(requests, 2 * concurrency), max_tokens, protocol=protocol, tools=tools,
                 **tls)  # warm-up
     lag0 = safety.lag_buckets(gateway.metrics_url)
     chats = safety.LargeChats(gateway.target, large_chat_bytes, **tls) if large_chat_bytes else None
     if gateway.profiler is not None:
         gateway.profiler.start(gateway.proc.pid)
     (user0, sys0), wk0 = tree_cpu_times(gateway.proc.pid), cpu_seconds(worker_pid)
-    r = _run_client(target, concurrency, requests, max_tokens, protocol=protocol, tools=tools, **tls)
+    r = run_client(target, concurrency, requests, max_tokens, protocol=protocol, tools=tools, **tls)
     (user, system), wk = tree_cpu_times(gateway.proc.pid), cpu_seconds(worker_pid) - wk0
     gw_sys = system - sys0
     gw = (user - user0) + gw_sys  # as `measure_floor`: the system share never exceeds the total by a rounding
@@ -306,11 +179,13 @@ def measure(gateway: _Gateway, worker_pid: int, concurrency: int, requests: int,
         "wall_s": r["wall_s"], "tokens_per_s": tokens / r["wall_s"] if r["wall_s"] else None,
         "messages_per_token": r["messages"] / tokens if tokens else None,
         "gateway_cpu_s": gw, "gateway_cpu_us_per_token": per_token(gw),
+        "gateway_cpu_us_per_message": gw / r["messages"] * 1e6 if r["messages"] else None,
         "gateway_system_share": gw_sys / gw if gw else None,  # in the kernel (syscalls), which callgrind misses
         "worker_cpu_us_per_token": per_token(wk), "client_cpu_us_per_token": per_token(r["client_cpu_s"]),
         "ttft_ms": {f"p{q}": ms(percentile(r["ttft_s"], q / 100)) for q in (50, 90, 99)},
         "itl_ms": {f"p{q}": ms(percentile(r["itl_s"], q / 100)) for q in (50, 90, 99)},
         "tls": gateway.tls_ca is not None, "auth": gateway.token is not None, "protocol": protocol,
+        "coalesce": gateway.coalesce, "stream_interval": gateway.stream_interval,
         "event_loop_lag": lag, "large_chats": large,
         "instructions_per_token": profiled["instructions"] / tokens if "instructions" in profiled and tokens else None,
         "profile_file": profiled.get("file"), "tools": tools,
@@ -320,30 +195,16 @@ def measure(gateway: _Gateway, worker_pid: int, concurrency: int, requests: int,
 def run(args) -> list[dict]:
     from hybridgate.bench import profile
     from hybridgate.config import resolve
-    from hybridgate.workers.process import WorkerConfig
 
-    if args.tls and args.protocol != ["grpc"]:
-        raise SystemExit("bench gateway: --tls measures the gRPC door; leave --protocol at grpc with it")
-    if args.profile and args.gateways > 1:
-        raise SystemExit("bench gateway: --profile profiles one gateway process; leave --gateways at 1 with it")
+    _check(args)
     profiler = profile.make(args.profiler, args.profile) if args.profile else None
-    if args.tls and args.tools:
-        raise SystemExit("bench gateway: --tools and --tls are separate comparisons; run them one at a time")
-    if args.grpc_floor and (args.tls or args.tools or "grpc" not in args.protocol or not args.step_ms):
-        raise SystemExit("bench gateway: --grpc-floor compares the plaintext gRPC door at one message per token: "
-                         "it needs --step-ms > 0 and grpc among --protocol, and not --tls or --tools")
     repeats = args.repeats or (3 if args.tls or args.tools else 1)
     model = resolve(args).settings.model_path
     machine = describe()  # before the run loads it
     print(summary(machine), flush=True)
     folder = tempfile.mkdtemp(prefix="hybridgate-bench-")  # mode 0700: the ipc socket's private folder
     endpoint = f"ipc://{folder}/instant-0"
-    ctx = mp.get_context("spawn")
-    worker = ctx.Process(target=run_instant_worker, name="bench-instant-worker",
-                         args=(WorkerConfig(model_path=model, endpoint=endpoint, parent_pid=os.getpid(),
-                                            name="instant-0"), args.step_ms / 1e3))
-    worker.start()
-    token = safety.new_token() if args.auth else None
+    worker = _start_worker(model, endpoint, args.step_ms)
     gateways: list[_Gateway] = []
     results, ratios, floors = [], [], []
     floor = None
@@ -352,35 +213,13 @@ def run(args) -> list[dict]:
             from hybridgate.bench.grpcfloor import FloorServer
 
             floor = FloorServer(args.step_ms / 1e3)
-        gateways.append(_Gateway(model, endpoint, args.startup_timeout, args.gateways, token=token, profiler=profiler,
-                                 extra=("--tool-call-format", "hermes") if args.tools else ()))
-        if args.tls:  # beside it on the same worker: TLS with a self-signed certificate, and a bearer token
-            cert, key = safety.self_signed(folder)
-            gateways.append(_Gateway(model, endpoint, args.startup_timeout, args.gateways,
-                                     extra=("--tls-cert", cert, "--tls-key", key), tls_ca=cert,
-                                     token=token or safety.new_token()))
+        gateways += _start_gateways(args, model, endpoint, folder, profiler)
         for concurrency in args.concurrency:
             if args.tools:
                 ratios += [_tools_pair(args, gateways[0], worker.pid, concurrency, results, protocol, repeats)
                            for protocol in args.protocol]
-                continue
-            rows: dict[bool, list[dict]] = {False: [], True: []}
-            for _ in range(repeats):
-                for protocol in args.protocol:  # the doors, alternately
-                    for gateway in gateways:  # plaintext, then TLS: side by side, alternately
-                        row = measure(gateway, worker.pid, concurrency, max(args.requests, concurrency),
-                                      args.max_tokens, args.large_chat_bytes, protocol)
-                        rows[row["tls"]].append(row)
-                        results.append(row)
-                        _print_row(row)
-                if floor is not None:
-                    floors.append(measure_floor(floor, concurrency, max(args.requests, concurrency), args.max_tokens))
-                    _print_floor(floors[-1])
-            if args.tls:
-                ratios.append(_tls_ratio(concurrency, rows[False], rows[True]))
-                print(f"concurrency {concurrency:>4}: TLS + auth / plaintext{' + auth' if args.auth else ''} "
-                      f"tokens/s = {ratios[-1]['ratio']:.3f} (medians of {len(rows[True])}: "
-                      f"{ratios[-1]['tls_tokens_per_s']:.0f} / {ratios[-1]['plain_tokens_per_s']:.0f})", flush=True)
+            else:
+                ratios += _side_by_side(args, gateways, worker.pid, concurrency, repeats, results, floor, floors)
     finally:
         for gateway in gateways:
             gateway.stop()
@@ -389,6 +228,80 @@ def run(args) -> list[dict]:
         worker.terminate()
         worker.join(30)
         shutil.rmtree(folder, ignore_errors=True)
+    _report(args, machine, results, ratios, floors)
+    return results
+
+
+def _check(args) -> None:
+    """Refuse the combinations of flags that measure nothing sensible (SystemExit naming them)."""
+    if args.tls and args.protocol != ["grpc"]:
+        raise SystemExit("bench gateway: --tls measures the gRPC door; leave --protocol at grpc with it")
+    if args.profile and (args.gateways > 1 or len(args.coalesce) > 1):
+        raise SystemExit("bench gateway: --profile profiles one gateway process; leave --gateways at 1 and "
+                         "--coalesce at one mode with it")
+    if args.tls and (args.tools or len(args.coalesce) > 1):
+        raise SystemExit("bench gateway: --tls, --tools and --coalesce on,off are separate comparisons; run them "
+                         "one at a time")
+    if args.grpc_floor and (args.tls or args.tools or "grpc" not in args.protocol or not args.step_ms):
+        raise SystemExit("bench gateway: --grpc-floor compares the plaintext gRPC door, a worker step at a time: "
+                         "it needs --step-ms > 0 and grpc among --protocol, and not --tls or --tools")
+
+
+def _start_worker(model: str, endpoint: str, step_ms: float):
+    from hybridgate.workers.process import WorkerConfig
+
+    worker = mp.get_context("spawn").Process(
+        target=run_instant_worker, name="bench-instant-worker",
+        args=(WorkerConfig(model_path=model, endpoint=endpoint, parent_pid=os.getpid(), name="instant-0"),
+              step_ms / 1e3))
+    worker.start()
+    return worker
+
+
+def _start_gateways(args, model: str, endpoint: str, folder: str, profiler) -> list[_Gateway]:
+    """One gateway per `--coalesce` mode on the same worker, and with `--tls` one more beside the first."""
+    token = safety.new_token() if args.auth else None
+    tools = ("--tool-call-format", "hermes") if args.tools else ()
+    gateways = [_Gateway(model, endpoint, args.startup_timeout, args.gateways, token=token, profiler=profiler,
+                         extra=tools, coalesce=coalesce, stream_interval=args.stream_interval)
+                for coalesce in args.coalesce]
+    if args.tls:  # beside it on the same worker: TLS with a self-signed certificate, and a bearer token
+        cert, key = safety.self_signed(folder)
+        gateways.append(_Gateway(model, endpoint, args.startup_timeout, args.gateways,
+                                 extra=("--tls-cert", cert, "--tls-key", key), tls_ca=cert,
+                                 token=token or safety.new_token(), coalesce=args.coalesce[0],
+                                 stream_interval=args.stream_interval))
+    return gateways
+
+
+def _side_by_side(args, gateways: list[_Gateway], worker_pid: int, concurrency: int, repeats: int,
+                  results: list[dict], floor, floors: list[dict]) -> list[dict]:
+    """`repeats` rounds at one concurrency, each door of each gateway (coalescing on, off; plaintext, TLS)
+    in turn and then the floor server; the rows go to `results` and `floors`. Returns the TLS ratio, if any."""
+    rows: dict[bool, list[dict]] = {False: [], True: []}
+    requests = max(args.requests, concurrency)
+    for _ in range(repeats):
+        for protocol in args.protocol:  # the doors, alternately
+            for gateway in gateways:  # side by side, alternately
+                row = measure(gateway, worker_pid, concurrency, requests, args.max_tokens, args.large_chat_bytes,
+                              protocol)
+                rows[row["tls"]].append(row)
+                results.append(row)
+                _print_row(row)
+        if floor is not None:
+            floors.append(measure_floor(floor, concurrency, requests, args.max_tokens))
+            _print_floor(floors[-1])
+    if not args.tls:
+        return []
+    ratio = _tls_ratio(concurrency, rows[False], rows[True])
+    print(f"concurrency {concurrency:>4}: TLS + auth / plaintext{' + auth' if args.auth else ''} "
+          f"tokens/s = {ratio['ratio']:.3f} (medians of {len(rows[True])}: "
+          f"{ratio['tls_tokens_per_s']:.0f} / {ratio['plain_tokens_per_s']:.0f})", flush=True)
+    return [ratio]
+
+
+def _report(args, machine: dict, results: list[dict], ratios: list[dict], floors: list[dict]) -> dict:
+    """Print the summaries per door and against the floor; write the JSON report (`--json`)."""
     doors = door_summary(results)
     for door in doors:
         _print_door(door, args.step_ms)
@@ -397,21 +310,22 @@ def run(args) -> list[dict]:
         _print_floor_door(f, args.step_ms)
     report = {"benchmark": "gateway", "protocol": ",".join(args.protocol), "gateways": args.gateways,
               "step_ms": args.step_ms, "auth": args.auth, "response_cache": "off", "cpus": os.cpu_count(),
+              "coalesce": [("on" if c else "off") for c in args.coalesce], "stream_interval": args.stream_interval,
               "machine": machine, "large_chat_bytes": args.large_chat_bytes,
               "profile": {"profiler": args.profiler, "file": args.profile} if args.profile else None,
               "results": results, "doors": doors, ("tools_ratios" if args.tools else "tls_ratios"): ratios,
               "grpc_floor": {"runs": floors, "summary": floor_doors} if args.grpc_floor else None}
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-    return results
+    return report
 
 
 def measure_floor(floor, concurrency: int, requests: int, max_tokens: int) -> dict:
     """One run of the same gRPC client against the grpc.aio floor server (`hybridgate.bench.grpcfloor`):
     its CPU per message (each message carries one id), user and system."""
-    _run_client(floor.target, concurrency, min(requests, 2 * concurrency), max_tokens)  # warm-up
+    run_client(floor.target, concurrency, min(requests, 2 * concurrency), max_tokens)  # warm-up
     user0, sys0 = cpu_times(floor.pid)
-    r = _run_client(floor.target, concurrency, requests, max_tokens)
+    r = run_client(floor.target, concurrency, requests, max_tokens)
     user, system = cpu_times(floor.pid)
     messages = r["messages"]
     per = (lambda s: s / messages * 1e6 if messages else None)
@@ -424,19 +338,25 @@ def measure_floor(floor, concurrency: int, requests: int, max_tokens: int) -> di
 
 
 def floor_summary(floors: list[dict], doors: list[dict]) -> list[dict]:
-    """Per concurrency: the floor's median CPU per message beside the plaintext gRPC door's median CPU per
-    streamed token, and the door's figure less the floor (per token: both at one id a message with a step)."""
+    """Per concurrency and coalescing mode: the floor's median CPU per message beside the plaintext gRPC
+    door's medians, and what the door adds above the floor: per message (its CPU per message less the
+    floor's) and per token (its CPU per token less the floor's cost of the messages it sent per token;
+    at one id a message the two are the same figure)."""
     import statistics
 
     out = []
     for c in dict.fromkeys(f["concurrency"] for f in floors):
         values = [f["cpu_us_per_message"] for f in floors if f["concurrency"] == c and f["cpu_us_per_message"]]
-        door = next((d for d in doors if d["concurrency"] == c and d["protocol"] == "grpc" and not d["tls"]), None)
         floor_us = statistics.median(values) if values else None
-        gateway_us = door["gateway_cpu_us_per_token"] if door else None
-        out.append({"concurrency": c, "runs": len(values), "floor_cpu_us_per_message": floor_us,
-                    "gateway_cpu_us_per_token": gateway_us,
-                    "gateway_less_floor_us": gateway_us - floor_us if None not in (gateway_us, floor_us) else None})
+        for door in [d for d in doors if d["concurrency"] == c and d["protocol"] == "grpc" and not d["tls"]]:
+            per_token, per_message, mpt = (door[k] for k in ("gateway_cpu_us_per_token", "gateway_cpu_us_per_message",
+                                                              "messages_per_token"))
+            known = floor_us is not None and None not in (per_token, per_message, mpt)
+            out.append({"concurrency": c, "coalesce": door["coalesce"], "runs": len(values),
+                        "floor_cpu_us_per_message": floor_us, "gateway_cpu_us_per_token": per_token,
+                        "gateway_cpu_us_per_message": per_message, "messages_per_token": mpt,
+                        "gateway_less_floor_us": per_token - floor_us * mpt if known else None,
+                        "gateway_less_floor_us_per_message": per_message - floor_us if known else None})
     return out
 
 
@@ -448,62 +368,48 @@ def _print_floor(f: dict) -> None:
 
 
 def _print_floor_door(f: dict, step_ms: float) -> None:
-    fmt = (lambda v: "-" if v is None else f"{v:.1f}")
-    print(f"per message, bare grpc.aio server at concurrency {f['concurrency']}, step {step_ms:g} ms: "
-          f"{fmt(f['floor_cpu_us_per_message'])} µs CPU (median of {f['runs']}); the gateway's gRPC door "
-          f"{fmt(f['gateway_cpu_us_per_token'])} µs a token, {fmt(f['gateway_less_floor_us'])} µs above it",
-          flush=True)
+    fmt = (lambda v, spec=".1f": "-" if v is None else format(v, spec))
+    print(f"bare grpc.aio server at concurrency {f['concurrency']}, step {step_ms:g} ms: "
+          f"{fmt(f['floor_cpu_us_per_message'])} µs CPU a message (median of {f['runs']}); the gateway's gRPC door, "
+          f"coalescing {'on' if f['coalesce'] else 'off'}: {fmt(f['gateway_cpu_us_per_message'])} µs a message, "
+          f"{fmt(f['gateway_less_floor_us_per_message'])} above it; {fmt(f['gateway_cpu_us_per_token'])} µs a token, "
+          f"{fmt(f['gateway_less_floor_us'])} above the floor's cost of its "
+          f"{fmt(f['messages_per_token'], '.2f')} messages a token", flush=True)
 
 
 def door_summary(results: list[dict]) -> list[dict]:
-    """Per (concurrency, door, TLS): the medians over its runs of the gateway's CPU per streamed token (µs),
-    its instructions per token (callgrind; None otherwise) and messages per token."""
+    """Per (concurrency, door, TLS, auth, coalescing, stream interval): the medians over its runs of the
+    gateway's CPU per streamed token and per message (µs), its instructions per token (callgrind; None
+    otherwise), messages per token, and the client's ITL p50 and p99 (ms)."""
     import statistics
 
     groups: dict[tuple, list[dict]] = {}
     for r in results:
-        groups.setdefault((r["concurrency"], r["protocol"], r["tls"], r["auth"]), []).append(r)
-    median = (lambda rows, key: statistics.median(v) if (v := [r[key] for r in rows if r[key] is not None]) else None)
-    return [{"concurrency": c, "protocol": p, "tls": tls, "auth": auth, "runs": len(rows),
-             "gateway_cpu_us_per_token": median(rows, "gateway_cpu_us_per_token"),
-             "instructions_per_token": median(rows, "instructions_per_token"),
-             "messages_per_token": median(rows, "messages_per_token")}
-            for (c, p, tls, auth), rows in groups.items()]
+        key = (r["concurrency"], r["protocol"], r["tls"], r["auth"], r["coalesce"], r["stream_interval"])
+        groups.setdefault(key, []).append(r)
+    median = (lambda vs: statistics.median(v) if (v := [x for x in vs if x is not None]) else None)
+    keys = ("gateway_cpu_us_per_token", "gateway_cpu_us_per_message", "instructions_per_token", "messages_per_token")
+    return [{"concurrency": c, "protocol": p, "tls": tls, "auth": auth, "coalesce": coalesce,
+             "stream_interval": interval, "runs": len(rows), **{k: median(r[k] for r in rows) for k in keys},
+             "itl_ms": {q: median(r["itl_ms"][q] for r in rows) for q in ("p50", "p99")}}
+            for (c, p, tls, auth, coalesce, interval), rows in groups.items()]
 
 
 def _print_door(d: dict, step_ms: float) -> None:
     fmt = (lambda v, spec=".1f": "-" if v is None else format(v, spec))
     door = {"grpc": "gRPC", "openai": "OpenAI HTTP"}[d["protocol"]] + (" + TLS" if d["tls"] else "")
     print(f"per streamed token, {door:<11} at concurrency {d['concurrency']}, step {step_ms:g} ms, "
-          f"auth {'on' if d['auth'] else 'off'}, response cache off: gateway {fmt(d['gateway_cpu_us_per_token'])} "
-          f"µs CPU" + (f", {fmt(d['instructions_per_token'], ',.0f')} instructions"
-                       if d["instructions_per_token"] is not None else "")
-          + f" ({fmt(d['messages_per_token'], '.2f')} messages/token; median of {d['runs']} run"
-          + ("s)" if d["runs"] > 1 else ")"), flush=True)
+          f"auth {'on' if d['auth'] else 'off'}, response cache off, coalescing {'on' if d['coalesce'] else 'off'}"
+          + (f", stream interval {d['stream_interval']}" if d["stream_interval"] > 1 else "")
+          + f": gateway {fmt(d['gateway_cpu_us_per_token'])} µs CPU"
+          + (f", {fmt(d['instructions_per_token'], ',.0f')} instructions"
+             if d["instructions_per_token"] is not None else "")
+          + f" ({fmt(d['gateway_cpu_us_per_message'])} a message, {fmt(d['messages_per_token'], '.2f')} messages/token;"
+          f" ITL p50 {fmt(d['itl_ms']['p50'], '.2f')} ms p99 {fmt(d['itl_ms']['p99'], '.2f')} ms; median of "
+          f"{d['runs']} run" + ("s)" if d["runs"] > 1 else ")"), flush=True)
 
 
 # --- --tools: chats without and with a tool, alternately ---------------------------------------------------------
-
-def _grpc_chat(max_tokens: int, tools: bool):
-    """The gRPC chat request of `--tools`: with the instant worker's tool (`auto`), or without."""
-    from hybridgate.bench.instant import TOOL_SCHEMA
-    from hybridgate.v1 import generation_pb2 as pb
-
-    tool = [pb.Tool(name="get_weather", parameters=json.dumps(TOOL_SCHEMA))] if tools else []
-    return pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="user", content=PROMPT)]), tools=tool,
-                              max_tokens=max_tokens, temperature=0.0, ignore_eos=True, label="bench-gateway")
-
-
-def _http_chat(max_tokens: int, tools: bool) -> bytes:
-    """`_grpc_chat` as an OpenAI chat body, streamed."""
-    from hybridgate.bench.instant import TOOL_SCHEMA
-
-    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, "user": "bench-gateway"}
-    if tools:
-        body["tools"] = [{"type": "function", "function": {"name": "get_weather", "parameters": TOOL_SCHEMA}}]
-    return json.dumps(body).encode()
-
 
 def _tools_pair(args, gateway: _Gateway, worker_pid: int, concurrency: int, results: list[dict], protocol: str,
                 repeats: int) -> dict:

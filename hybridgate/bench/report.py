@@ -55,6 +55,10 @@ def yes_no(v: bool) -> str:
     return "yes" if v else "no"
 
 
+def on_off(v: bool) -> str:
+    return "on" if v else "off"
+
+
 @dataclass(frozen=True)
 class Column:
     """One column: its header, where its value sits in the JSON, and how the value is written."""
@@ -147,20 +151,26 @@ TABLES: tuple[Table, ...] = (
     Table("gateway", "benchmarks/gateway.md", "gateway-*.json", (
         Column("door", "protocol"),
         Column("streams", "concurrency"),
+        Column("coalescing", "coalesce", on_off),
         Column("tokens/s", "tokens_per_s", fixed(0)),
         Column("gateway CPU µs/token", "gateway_cpu_us_per_token", fixed(1)),
         Column("messages/token", "messages_per_token", fixed(2)),
         Column("TTFT p50 ms", "ttft_ms.p50", fixed(1)),
+        Column("ITL p50 ms", "itl_ms.p50", fixed(2)),
         Column("ITL p99 ms", "itl_ms.p99", fixed(1)),
         Column("errors", "errors"),
     ), rows="results"),
     Table("gateway-grpc-floor", "benchmarks/gateway.md", "gateway-*.json", (
         Column("streams", "concurrency"),
+        Column("coalescing", "coalesce", on_off),
         Column("runs", "runs"),
         Column("gRPC floor CPU µs/message", "floor_cpu_us_per_message", fixed(1)),
+        Column("gateway CPU µs/message", "gateway_cpu_us_per_message", fixed(1)),
+        Column("less floor µs/message", "gateway_less_floor_us_per_message", fixed(1)),
+        Column("messages/token", "messages_per_token", fixed(2)),
         Column("gateway CPU µs/token", "gateway_cpu_us_per_token", fixed(1)),
         Column("gateway less floor µs", "gateway_less_floor_us", fixed(1)),
-    ), rows="grpc_floor.summary"),
+    ), rows="grpc_floor.summary", keep="grpc_floor.summary"),
     Table("placement-serve", "benchmarks/placement.md", "placement-serve*.json", POLICY_COLUMNS, rows="policies"),
     Table("placement-sim", "benchmarks/placement.md", "placement-sim-h200-*.json", POLICY_COLUMNS, rows="policies"),
 )

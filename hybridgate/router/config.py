@@ -26,6 +26,14 @@ class RouterConfig:
                                   flag="--worker-timeout", low=0, low_open=True)
     queue_size: int = setting(4096, "deltas buffered per request before it is aborted as too slow",
                               flag="--stream-queue-size", low=1)
+    stream_coalesce: bool = setting(
+        True, "a stream whose client has not yet taken its previous message (the door is still writing it) "
+              "takes every token that arrived meanwhile in its next message: text, ids and logprobs joined in "
+              "order, the finish last; a client that keeps up still gets one message per step; off: one message "
+              "per worker step (or per --stream-interval ids)")
+    stream_interval: int = setting(
+        1, "ids per streamed message: at most one message per N ids, the first (for TTFT) and the last always "
+           "sent at once (vLLM's, SGLang's and TensorRT-LLM's --stream-interval)", low=1)
     wait_for_workers: bool = setting(
         False, "keep waiting (up to the worker start-up timeout) for a worker whose ipc socket file does not "
                "exist yet, instead of exiting after saying so", flag="--wait-for-workers")

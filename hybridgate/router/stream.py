@@ -90,7 +90,9 @@ class GenerationStream:
         self._hops: list[tuple[str, int, WorkerClient]] = []  # (how, first token index, worker) of each placement
         self._refused: list[WorkerClient] = []
         self._queue = Mailbox(router.config.queue_size)
-        self._held = None  # an item taken off the queue by `_coalesce` and not yet handled
+        self._held = None  # an item taken off the queue by `_join_queued` or `_fill` and not yet handled
+        # What a message carries (RouterConfig.stream_coalesce and stream_interval).
+        self._coalesce, self._interval = router.config.stream_coalesce, router.config.stream_interval
         self._detok = IncrementalDetokenizer(router.tokenizer, params.skip_special_tokens)
         self._stop = StopMatcher(params.stop)
         self._eos = router.tokenizer.eos_token_id
@@ -377,15 +379,17 @@ class GenerationStream:
                     await self._queue.arrival()
                 item = self._queue.get_nowait()
             if type(item) is SeqOutput:
-                delta = self._on_output(self._coalesce(item))
+                want = self._interval if self.ids else 1  # the first message goes at once (TTFT)
+                delta = self._on_output(self._join_queued(item) if self._coalesce else item)
                 if delta is not None:
-                    return delta
+                    return delta if len(delta.token_ids) >= want or delta.finish_reason is not None else \
+                        await self._fill(delta, want)
             else:
                 self._fire(StreamEvent.READ_ERROR)
                 raise error_of(item)
         raise StopAsyncIteration
 
-    def _coalesce(self, out: SeqOutput) -> SeqOutput:
+    def _join_queued(self, out: SeqOutput) -> SeqOutput:
         """`out` joined with the outputs queued behind it: a reader that fell behind gets one delta
         for all of them (ids and token indexes exact), a reader that keeps up one per step.
         Outputs are queued contiguous (`_on_output_event` numbers them), so joining is appending."""
@@ -394,13 +398,34 @@ class GenerationStream:
         ids, finish, logprobs = list(out.token_ids), 0, list(out.logprobs)
         while not finish and not self._queue.empty():
             item = self._queue.get_nowait()
-            if not isinstance(item, SeqOutput):
+            if type(item) is not SeqOutput:
                 self._held = item  # an error after the outputs: read on the next call
                 break
             ids += item.token_ids
             logprobs += item.logprobs
             finish = item.finish
         return SeqOutput(out.request_id, out.token_index, ids, finish, out.queue_ms, out.cached_tokens, logprobs)
+
+    async def _fill(self, delta: Delta, want: int) -> Delta:
+        """`delta` and the deltas after it as one, until it carries `want` ids or is the last (the stream
+        interval). Each output is detokenized and matched against the stop strings as it arrives, so a
+        stop ends the message (and the request on its worker) at once. An error is held for the next call."""
+        parts, ids, logprobs, last = [delta.text], list(delta.token_ids), list(delta.logprobs), delta
+        while len(ids) < want and last.finish_reason is None and self._held is None:
+            if self._queue.empty():
+                await self._queue.arrival()
+            item = self._queue.get_nowait()
+            if type(item) is not SeqOutput:
+                self._held = item
+                break
+            d = self._on_output(self._join_queued(item) if self._coalesce else item)
+            if d is not None:
+                parts.append(d.text)
+                ids += d.token_ids
+                logprobs += d.logprobs
+                last = d
+        return msgspec.structs.replace(last, token_index=delta.token_index, text="".join(parts), token_ids=ids,
+                                       logprobs=tuple(logprobs))
 
     def _on_output(self, out: SeqOutput) -> Delta | None:
         skip = max(len(self.ids) - out.token_index, 0)  # duplicates from a resend

@@ -97,25 +97,37 @@ def test_bench_gateway_tools_compares_chats_with_and_without_a_tool(tmp_path):
     assert ratio["concurrency"] == 2 and ratio["gateway_cpu_ratio"] > 0 and ratio["runs"] == 1
 
 
-def test_bench_gateway_grpc_floor_beside_the_door(tmp_path):
+def test_bench_gateway_grpc_floor_beside_the_door_coalescing_on_and_off(tmp_path):
     out = tmp_path / "floor.json"
     proc = subprocess.run([HYBRIDGATE, "bench", "gateway", "--concurrency", "2", "--requests", "4",
-                           "--max-tokens", "32", "--step-ms", "2", "--grpc-floor", "--json", str(out)],
-                          capture_output=True, text=True, timeout=120 * TIME_FACTOR)
+                           "--max-tokens", "32", "--step-ms", "2", "--grpc-floor", "--coalesce", "on,off",
+                           "--json", str(out)], capture_output=True, text=True, timeout=120 * TIME_FACTOR)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    floor = json.loads(out.read_text())["grpc_floor"]
+    report = json.loads(out.read_text())
+    floor = report["grpc_floor"]
     (run,) = floor["runs"]
     # The bare server streamed every id, one a message, paced by its one step timer: 4 streams two at a
     # time, 32 steps of 2 ms each, so at least 2 x 32 x 2 ms of wall time.
     assert run["messages"] == 4 * 32 and run["errors"] == 0
     assert run["wall_s"] >= 2 * 32 * 0.002
     assert run["cpu_us_per_message"] > 0 and 0 <= run["system_us_per_message"] <= run["cpu_us_per_message"]
-    (summary,) = floor["summary"]
-    door = json.loads(out.read_text())["doors"][0]
-    assert summary["floor_cpu_us_per_message"] == run["cpu_us_per_message"]
-    assert abs(summary["gateway_less_floor_us"] - (door["gateway_cpu_us_per_token"] - run["cpu_us_per_message"])) \
-        < 1e-9
+    # One gateway per mode, side by side; coalescing off sends one message per worker step, one id each.
+    assert [(r["coalesce"], r["stream_interval"]) for r in report["results"]] == [(True, 1), (False, 1)]
+    off = report["results"][1]
+    assert off["messages"] == off["tokens"] == 4 * 32
+    assert abs(off["gateway_cpu_us_per_message"] - off["gateway_cpu_s"] / (4 * 32) * 1e6) < 1e-6
+    doors = {d["coalesce"]: d for d in report["doors"]}
+    assert [s["coalesce"] for s in floor["summary"]] == [True, False]
+    for summary in floor["summary"]:
+        door = doors[summary["coalesce"]]
+        assert summary["floor_cpu_us_per_message"] == run["cpu_us_per_message"]
+        # above the floor per message, and per token less the floor's cost of the door's messages per token
+        assert abs(summary["gateway_less_floor_us_per_message"]
+                   - (door["gateway_cpu_us_per_message"] - run["cpu_us_per_message"])) < 1e-9
+        assert abs(summary["gateway_less_floor_us"] - (door["gateway_cpu_us_per_token"]
+                                                       - run["cpu_us_per_message"] * door["messages_per_token"])) < 1e-9
     assert "bare grpc.aio server at concurrency 2, step 2 ms" in proc.stdout
+    assert "coalescing off: " in proc.stdout and "coalescing on: " in proc.stdout
 
 
 def test_bench_gateway_grpc_floor_needs_one_message_per_token():

@@ -105,6 +105,8 @@ def test_worker_defaults_to_the_cpu_runner_like_serve(capsys):
     (["serve", "--threads", "0"], ["--threads", ">= 1", "got 0"]),
     (["serve", "--port", "70000"], ["--port", "[0, 65535]", "70000"]),
     (["serve", "--worker-timeout", "0"], ["--worker-timeout", "> 0"]),
+    (["gateway", "--stream-interval", "0"], ["--stream-interval", ">= 1", "got 0"]),
+    (["bench", "gateway", "--coalesce", "on,maybe"], ["--coalesce", "on or off", "'on,maybe'"]),
     (["serve", "--kv-cache-memory", "abc"], ["--kv-cache-memory", "fraction in (0, 1]"]),
     (["serve", "--max-num-seqs", "many"], ["--max-num-seqs", "an integer", "many"]),
     (["worker", "--endpoint", "ipc:///x", "--kind", "tpu"], ["--kind", "tpu"]),
