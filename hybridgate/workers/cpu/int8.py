@@ -60,7 +60,7 @@ ROWS = 8  # weight rows a tile interleaves: one 32-bit lane each
 SUPER = 256
 XQ_MAX = 127.0
 TILE_X = 4  # activation rows a tile multiplies: 3 accumulators each, 12 of AVX2's 16 registers
-X_BYTES = 256 * 1024  # the int8 activations of one pass over the weights stay within a core's L2
+X_BYTES = 1024 * 1024  # int8 activations of one pass over the weights: each group of 8 rows is interleaved once a pass
 _CHUNKS = 16
 _I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
 _V32B = ir.VectorType(_I8, 32)
@@ -296,12 +296,13 @@ def _tiles(q4k, wc, wsc, wm, wd, nblocks, xq, xs, xsum, out, r0, b0, b1, tmp):
 
 
 @nb.njit(parallel=True, **_JIT)
-def matmul_i8(x, qs32, sc, d, ndmin, mins, out):
+def matmul_i8(x, qs32, sc, d, ndmin, mins, out, x_bytes=X_BYTES):
     """out float32 `[batch, rows]` = x float32 `[batch, cols]` @ W.T, x quantized to int8 per 32 columns, for
     a Q4_K weight (qs32: `superblock.split_scales`' nibbles viewed as uint32 `[rows, cols / 8]`; sc, d, ndmin,
     mins as there) or a Q6_K one (qs32: `superblock.split_q6k`'s int8 codes viewed as uint32 `[rows, cols /
     4]`; sc int8 `[rows, cols / 16]`; ndmin and mins unread), told apart by sc's columns (cols / 32 or cols /
-    16). cols: a multiple of 256. Error: the activations' rounding, at most max|x_b| / 254 per element."""
+    16). cols: a multiple of 256; x_bytes: the int8 activations of one pass over the weights (each group of 8
+    rows is interleaved once a pass). Error: the activations' rounding, at most max|x_b| / 254 per element."""
     batch, cols = x.shape
     nblocks = cols // 32
     q4k = sc.shape[1] == nblocks
@@ -313,7 +314,7 @@ def matmul_i8(x, qs32, sc, d, ndmin, mins, out):
     rows = qs32.shape[0]
     groups = (rows + ROWS - 1) // ROWS
     per = (groups + _CHUNKS - 1) // _CHUNKS
-    x_tile = max(TILE_X, X_BYTES // cols // TILE_X * TILE_X)
+    x_tile = max(TILE_X, x_bytes // cols // TILE_X * TILE_X)
     quads = 4 if q4k else 8
     for b0 in range(0, batch, x_tile):
         b1 = min(batch, b0 + x_tile)
