@@ -2,8 +2,8 @@
 
 `bench engine --kind gpu --shape NAME` measures the torch runner at a real model's
 shapes where no file of them can travel (an 8B model is 16 GB in bf16): every
-tensor is drawn on the device by a generator seeded with (seed, crc32 of the
-tensor's GGUF name), so a tensor does not depend on the order the loader asks
+tensor is drawn on the device by a generator seeded with the crc32 of
+`{seed}/{the tensor's GGUF name}`, so a tensor does not depend on the order the loader asks
 for them, and the same seed gives the same weights on the same device kind.
 Scales follow `model_files` (the random GGUF writer): matrices normal with
 standard deviation `gain / sqrt(columns)` (gain 4 for the embedding and LM head,
@@ -72,7 +72,8 @@ class RandomModel:
     def load(self, name: str) -> torch.Tensor:
         """The tensor `name` (a GGUF name), row-major, `dtype` on `device`; KeyError for a name the shape lacks."""
         dims = self.shapes[name]
-        g = torch.Generator(device=self.device).manual_seed((self.seed << 32) | zlib.crc32(name.encode()))
+        # 32 bits: the CPU generator (mt19937) keeps only the low 32 bits of a seed
+        g = torch.Generator(device=self.device).manual_seed(zlib.crc32(f"{self.seed}/{name}".encode()))
         t = torch.randn(dims, generator=g, device=self.device, dtype=torch.float32)
         if name.endswith("norm.weight"):
             t.mul_(NORM_STD).add_(1.0)

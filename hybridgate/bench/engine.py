@@ -93,8 +93,8 @@ class EngineBench:
                                max_num_batched_tokens=BENCH_SCHEDULER.max_num_batched_tokens),
                    model_fingerprint(model))
 
-    def engine(self, prefix_caching: bool = False) -> EngineCore:
-        return EngineCore(self.runner, BENCH_SCHEDULER, self.fingerprint, prefix_caching)
+    def engine(self, prefix_caching: bool = False, scheduler: SchedulerConfig = BENCH_SCHEDULER) -> EngineCore:
+        return EngineCore(self.runner, scheduler, self.fingerprint, prefix_caching)
 
     def _run(self, engine: EngineCore, batch: list[list[int]], new_tokens: int) -> float:
         for i, ids in enumerate(batch):

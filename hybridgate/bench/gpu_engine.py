@@ -29,6 +29,7 @@ import queue
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +43,7 @@ from hybridgate.wire import AddRequest, HandoffTarget, SamplingParams
 from hybridgate.workers.gpu.attention import PagedKVCache
 
 GREEDY = SamplingParams(temperature=0, ignore_eos=True)
+WHOLE_CHUNKS = replace(BENCH_SCHEDULER, mixed_step_budget=0)  # prompt chunks of the whole token budget
 HANDOFF_ENDPOINT = "inproc://bench-handoff"
 HANDOFF_TIMEOUT_S = 120.0
 # The issue's targets, printed beside each figure: (JSON path, comparison, bound).
@@ -133,9 +135,10 @@ def _timed_step(engine) -> float:
 def mixed_step(ours: EngineBench, rng, vocab: int, args) -> dict:
     """Medians (ms) of the pure decode step of `--mixed-decodes` sequences, of that step with one
     `--mixed-chunk`-token prompt added (the mixed step; the prompt finishes in it: one token out), and of the
-    chunk's step alone on an idle engine. Raises RuntimeError when the scheduler did not put the chunk and every
-    decode in one step (the figure would not be a mixed step)."""
-    engine = ours.engine()
+    chunk's step alone on an idle engine. The scheduler runs without --mixed-step-budget (which would cut the chunk
+    by the measured rates), so the step is exactly the chunk and the decodes; raises RuntimeError when it was not
+    (the figure would not be a mixed step)."""
+    engine = ours.engine(scheduler=WHOLE_CHUNKS)
     for i, ids in enumerate(random_prompts(rng, vocab, args.mixed_decodes, args.prompt_len)):
         _add(engine, AddRequest(f"d{i}", ids, GREEDY, 0, 2 * args.repeats + 8, -1))
     while engine.scheduler.waiting or any(s.num_computed < s.num_tokens - 1 for s in engine.scheduler.running):
@@ -229,23 +232,29 @@ def decode_step(ours: EngineBench, prompt: list[int], copy_gbs: float, repeats: 
             "bound_ms": bound_ms, "over_bound": ms / bound_ms}
 
 
-def throughput(ours: EngineBench, twin, rng, vocab: int, args, matmul_tflops: float) -> tuple[dict, dict]:
-    """({concurrency: decode row}, {prompt tokens: prefill row}), ours beside transformers where it runs."""
-    decode, prefill = {}, {}
+def decode_rows(ours: EngineBench, twin, rng, vocab: int, args) -> dict:
+    """{concurrency: row}: output tokens/s, ours beside transformers at `--baseline-concurrency`."""
+    rows = {}
     for c in args.concurrency:
         batch = random_prompts(rng, vocab, c, args.prompt_len)
         bases = {"transformers": twin} if twin is not None and c in args.baseline_concurrency else {}
-        decode[c] = row = _alternate(lambda b: b.decode(batch, args.new_tokens), ours, bases, args.repeats)
-        _print("decode", f"c={c}", row)
+        rows[c] = _alternate(lambda b: b.decode(batch, args.new_tokens), ours, bases, args.repeats)
+        _print("decode", f"c={c}", rows[c])
+    return rows
+
+
+def prefill_rows(ours: EngineBench, twin, rng, vocab: int, args, matmul_tflops: float) -> dict:
+    """{prompt tokens: row}: prefill tokens/s of one prompt and its fraction of the matmul rate, beside transformers."""
+    rows = {}
     for length in args.prefill_lens:
         batch = random_prompts(rng, vocab, 1, length)
-        prefill[length] = row = _alternate(lambda b: b.prefill(batch), ours, {} if twin is None else
-                                           {"transformers": twin}, args.repeats)
+        rows[length] = row = _alternate(lambda b: b.prefill(batch), ours, {} if twin is None else
+                                        {"transformers": twin}, args.repeats)
         row["hybridgate_tflops"] = prefill_flops(ours.runner.model.config, length) * \
             row["hybridgate_tokens_per_s"] / length / 1e12
         row["fraction_of_matmul_rate"] = row["hybridgate_tflops"] / matmul_tflops
         _print("prefill", f"{length}", row)
-    return decode, prefill
+    return rows
 
 
 def run(args, settings, threads: int | None) -> dict:
@@ -258,8 +267,7 @@ def run(args, settings, threads: int | None) -> dict:
     matmul = probe_matmul_tflops(device, 8192 if device.type == "cuda" else 256, model.dtype, probes)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"{s.name}: {name}, {str(model.dtype).removeprefix('torch.')}, weights "
-          f"{ours.runner.model.weight_bytes / 2**30:.2f} GiB; copy {copy_gbs:.0f} GB/s (read + written), matmul "
-          f"{matmul:.1f} TFLOP/s", flush=True)
+          f"{ours.runner.model.weight_bytes / 2**30:.2f} GiB", flush=True)
     out = {"kind": "gpu", "shape": s.name, "layers": s.layers, "seed": args.seed, "device": name,
            "dtype": str(model.dtype).removeprefix("torch."), "torch": torch.__version__, "machine": describe(),
            "command": "hybridgate bench " + " ".join(sys.argv[2:]), "repeats": args.repeats,
@@ -274,16 +282,25 @@ def run(args, settings, threads: int | None) -> dict:
     out["baseline"] = "transformers" if twin else "none"
     rng = np.random.default_rng(args.seed)
     vocab = s.vocab_size
-    out["decode_step"] = decode_step(ours, random_prompts(rng, vocab, 1, args.prompt_len)[0], copy_gbs, args.repeats)
-    out["decode"], out["prefill"] = throughput(ours, twin, rng, vocab, args, matmul)
+    printed = 0
+
+    def record(key: str, value) -> None:  # each figure printed and written as soon as it is measured
+        nonlocal printed
+        out[key] = value
+        lines = summary_lines(out)
+        for line in lines[printed:]:
+            print(line, flush=True)
+        printed = len(lines)
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+
+    record("decode_step", decode_step(ours, random_prompts(rng, vocab, 1, args.prompt_len)[0], copy_gbs, args.repeats))
+    record("decode", decode_rows(ours, twin, rng, vocab, args))
+    record("prefill", prefill_rows(ours, twin, rng, vocab, args, matmul))
     twin = None  # its activations and KV go before the cases that need the cache
-    out["mixed_step"] = mixed_step(ours, rng, vocab, args)
-    out["handoff"] = handoff(ours, rng, vocab, args)
-    for line in summary_lines(out):
-        print(line, flush=True)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    record("mixed_step", mixed_step(ours, rng, vocab, args))
+    record("handoff", handoff(ours, rng, vocab, args))
     return out
 
 
@@ -294,27 +311,32 @@ def _target(path: str, shape_name: str) -> str:
 
 
 def summary_lines(out: dict) -> list[str]:
-    """One `summary:` line per figure, each with the issue's target where it sets one for this shape."""
-    s, step = out["shape"], out["decode_step"]
+    """One `summary:` line per figure measured so far, each with the issue's target where it sets one for this
+    shape; in the order they are measured (the probes, the decode step, decode, prefill, mixed step, hand-off)."""
+    s = out["shape"]
     head = f"summary: {s} on {out['device']}:"
-    lines = [f"{head} copy bandwidth {out['copy_gb_per_s']:.0f} GB/s, bf16 matmul {out['matmul_tflops']:.3g} TFLOP/s"
-             if out["dtype"] == "bfloat16" else f"{head} copy bandwidth {out['copy_gb_per_s']:.0f} GB/s, "
-             f"{out['dtype']} matmul {out['matmul_tflops']:.3g} TFLOP/s",
-             f"{head} decode step at batch 1 {step['ms']:.3f} ms = {step['over_bound']:.2f}x (weights + KV) / copy "
-             f"bandwidth ({step['bound_ms']:.3f} ms){_target('decode_step.over_bound', s)}"]
-    for c, row in out["decode"].items():
+    lines = [f"{head} copy bandwidth {out['copy_gb_per_s']:.0f} GB/s (read + written), {out['dtype']} matmul "
+             f"{out['matmul_tflops']:.3g} TFLOP/s"]
+    if "decode_step" in out:
+        step = out["decode_step"]
+        lines.append(f"{head} decode step at batch 1 {step['ms']:.3f} ms = {step['over_bound']:.2f}x (weights + KV) / "
+                     f"copy bandwidth ({step['bound_ms']:.3f} ms){_target('decode_step.over_bound', s)}")
+    for c, row in out.get("decode", {}).items():
         versus = (f", {row['ratio']:.2f}x transformers generate ({row['transformers_tokens_per_s']:.0f})"
                   if "ratio" in row else "")
         lines.append(f"{head} output tokens/s at concurrency {c}: {row['hybridgate_tokens_per_s']:.0f}{versus}"
                      f"{_target(f'decode.{c}.ratio', s) if versus else ''}")
-    for length, row in out["prefill"].items():
+    for length, row in out.get("prefill", {}).items():
         lines.append(f"{head} prefill of {length} tokens {row['hybridgate_tokens_per_s']:.0f} tokens/s, "
                      f"{row['hybridgate_tflops']:.3g} TFLOP/s = {row['fraction_of_matmul_rate']:.1%} of the matmul "
                      f"rate{_target(f'prefill.{length}.fraction_of_matmul_rate', s)}")
-    m, h = out["mixed_step"], out["handoff"]
-    lines.append(f"{head} mixed step ({m['chunk_tokens']}-token chunk + {m['decodes']} decodes) {m['mixed_ms']:.2f} ms "
-                 f"= {m['over_sum']:.2f}x (decode step {m['decode_ms']:.2f} + chunk alone {m['chunk_alone_ms']:.2f})"
-                 f"{_target('mixed_step.over_sum', s)}")
-    lines.append(f"{head} hand-off of {h['tokens']} tokens: copy {h['copy_ms']:.2f} ms, {h['hidden_fraction']:.0%} "
-                 f"hidden behind {h['decodes']} decodes{_target('handoff.hidden_fraction', s)}")
+    if "mixed_step" in out:
+        m = out["mixed_step"]
+        lines.append(f"{head} mixed step ({m['chunk_tokens']}-token chunk + {m['decodes']} decodes) {m['mixed_ms']:.2f} "
+                     f"ms = {m['over_sum']:.2f}x (decode step {m['decode_ms']:.2f} + chunk alone "
+                     f"{m['chunk_alone_ms']:.2f}){_target('mixed_step.over_sum', s)}")
+    if "handoff" in out:
+        h = out["handoff"]
+        lines.append(f"{head} hand-off of {h['tokens']} tokens: copy {h['copy_ms']:.2f} ms, {h['hidden_fraction']:.0%} "
+                     f"hidden behind {h['decodes']} decodes{_target('handoff.hidden_fraction', s)}")
     return lines
