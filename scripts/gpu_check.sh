@@ -24,19 +24,19 @@ export PYTHONPATH="$PWD:$PWD/tests/reference${PYTHONPATH:+:$PYTHONPATH}"
 export TRITON_INTERPRET=0  # the kernels compiled for the GPU (the tests' conftest interprets them otherwise)
 status=0
 if compgen -G ".gpu-wheels/*.whl" > /dev/null; then
-  timeout 20 $PY -m pip install -q --no-index --no-deps --target .gpu-site .gpu-wheels/*.whl || status=$?
+  timeout 15 $PY -m pip install -q --no-index --no-deps --target .gpu-site .gpu-wheels/*.whl || status=$?
   export PYTHONPATH="$PWD/.gpu-site:$PYTHONPATH"
 fi
 DEVICE=$(timeout 10 $PY -c "import re, torch; n = torch.cuda.get_device_name(0); print(torch.__version__, n, file=__import__('sys').stderr); print(re.sub('[^a-z0-9]+', '-', n.lower().removeprefix('nvidia ')).strip('-'))" 2> "$LOGS/device.txt") || status=$?
 cat "$LOGS/device.txt"
 DEVICE=${DEVICE:-unknown}
 # Llama-3.2-1B: every concurrency, transformers beside at the two the issue sets a target for.
-timeout 75 $PY -m hybridgate.cli bench engine --kind gpu --shape llama-3.2-1b --repeats 2 \
+timeout 85 $PY -m hybridgate.cli bench engine --kind gpu --shape llama-3.2-1b --repeats 2 \
   --baseline-concurrency 64,256 --json "$DEST/gpu-engine-llama-3.2-1b-$DEVICE.json" \
   > "$LOGS/bench-llama-3.2-1b.log" 2>&1 || status=$?
 # Llama-3.1-8B: the memory-bound step, prefill at 8k, the mixed step and the hand-off; no transformers (its own KV
 # cache beside ours at 256 sequences would not fit, and its minutes are better spent on the 1B target).
-timeout 75 $PY -m hybridgate.cli bench engine --kind gpu --shape llama-3.1-8b --repeats 2 --concurrency 1,64 \
+timeout 60 $PY -m hybridgate.cli bench engine --kind gpu --shape llama-3.1-8b --repeats 2 --concurrency 1,64 \
   --baseline none --json "$DEST/gpu-engine-llama-3.1-8b-$DEVICE.json" \
   > "$LOGS/bench-llama-3.1-8b.log" 2>&1 || status=$?
 MODEL=${HYBRIDGATE_GPU_CHECK_MODEL:-/tmp/hybridgate-random-135m.gguf}
@@ -44,9 +44,9 @@ if [ ! -f "$MODEL" ]; then
   timeout 10 $PY -c "import sys; from pathlib import Path; from tiny_gguf import write_default_shaped; write_default_shaped(Path(sys.argv[1]))" "$MODEL" || status=$?
 fi
 export HYBRIDGATE_GPU_CHECK_MODEL="$MODEL"
-timeout 40 $PY -m pytest -q -p no:cacheprovider tests/unit/test_gpu_kernels.py --junitxml "$LOGS/gpu-kernel-tests.xml" \
+timeout 45 $PY -m pytest -q -p no:cacheprovider tests/unit/test_gpu_kernels.py --junitxml "$LOGS/gpu-kernel-tests.xml" \
   > "$LOGS/tests-gpu-kernels.log" 2>&1 || status=$?
-timeout 40 $PY -m pytest -q -s -p no:cacheprovider -m gpu tests/component/test_gpu.py tests/component/test_handoff_gpu.py \
+timeout 45 $PY -m pytest -q -s -p no:cacheprovider -m gpu tests/component/test_gpu.py tests/component/test_handoff_gpu.py \
   tests/component/test_architectures_gpu.py tests/component/test_constraints_gpu.py --junitxml "$LOGS/gpu-tests.xml" \
   > "$LOGS/tests-gpu.log" 2>&1 || status=$?
 grep -h '^summary:' "$LOGS"/bench-*.log

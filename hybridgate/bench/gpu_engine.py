@@ -88,7 +88,7 @@ def build(args, settings, threads: int | None):
     s = bench_shape(args)
     model = RandomModel(s, args.seed, device, dtype)
     need, longest = kv_tokens_needed(args)
-    memory = engine.kv_cache_memory or need // 16 * PagedKVCache.block_bytes(model.config, 16, dtype)
+    memory = engine.kv_cache_memory or max(1 << 20, need // 16 * PagedKVCache.block_bytes(model.config, 16, dtype))
     runner = TorchRunner(model, device, dtype, kv_cache_memory=memory, max_model_len=longest, load=model.load,
                          max_num_seqs=BENCH_SCHEDULER.max_num_seqs,
                          max_num_batched_tokens=BENCH_SCHEDULER.max_num_batched_tokens)
@@ -232,19 +232,22 @@ def decode_step(ours: EngineBench, prompt: list[int], copy_gbs: float, repeats: 
             "bound_ms": bound_ms, "over_bound": ms / bound_ms}
 
 
-def decode_rows(ours: EngineBench, twin, rng, vocab: int, args) -> dict:
-    """{concurrency: row}: output tokens/s, ours beside transformers at `--baseline-concurrency`."""
+def decode_rows(ours: EngineBench, twin, rng, vocab: int, args, done=lambda rows: None) -> dict:
+    """{concurrency: row}: output tokens/s, ours beside transformers at `--baseline-concurrency`; `done(rows)`
+    after each row."""
     rows = {}
     for c in args.concurrency:
         batch = random_prompts(rng, vocab, c, args.prompt_len)
         bases = {"transformers": twin} if twin is not None and c in args.baseline_concurrency else {}
         rows[c] = _alternate(lambda b: b.decode(batch, args.new_tokens), ours, bases, args.repeats)
         _print("decode", f"c={c}", rows[c])
+        done(rows)
     return rows
 
 
-def prefill_rows(ours: EngineBench, twin, rng, vocab: int, args, matmul_tflops: float) -> dict:
-    """{prompt tokens: row}: prefill tokens/s of one prompt and its fraction of the matmul rate, beside transformers."""
+def prefill_rows(ours: EngineBench, twin, rng, vocab: int, args, matmul_tflops: float, done=lambda rows: None) -> dict:
+    """{prompt tokens: row}: prefill tokens/s of one prompt and its fraction of the matmul rate, beside transformers;
+    `done(rows)` after each row."""
     rows = {}
     for length in args.prefill_lens:
         batch = random_prompts(rng, vocab, 1, length)
@@ -254,6 +257,7 @@ def prefill_rows(ours: EngineBench, twin, rng, vocab: int, args, matmul_tflops: 
             row["hybridgate_tokens_per_s"] / length / 1e12
         row["fraction_of_matmul_rate"] = row["hybridgate_tflops"] / matmul_tflops
         _print("prefill", f"{length}", row)
+        done(rows)
     return rows
 
 
@@ -295,12 +299,12 @@ def run(args, settings, threads: int | None) -> dict:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
 
+    # The longest case last: a run cut short by its time limit keeps the figures measured before.
     record("decode_step", decode_step(ours, random_prompts(rng, vocab, 1, args.prompt_len)[0], copy_gbs, args.repeats))
-    record("decode", decode_rows(ours, twin, rng, vocab, args))
-    record("prefill", prefill_rows(ours, twin, rng, vocab, args, matmul))
-    twin = None  # its activations and KV go before the cases that need the cache
+    prefill_rows(ours, twin, rng, vocab, args, matmul, lambda rows: record("prefill", rows))
     record("mixed_step", mixed_step(ours, rng, vocab, args))
     record("handoff", handoff(ours, rng, vocab, args))
+    decode_rows(ours, twin, rng, vocab, args, lambda rows: record("decode", rows))
     return out
 
 
@@ -312,7 +316,7 @@ def _target(path: str, shape_name: str) -> str:
 
 def summary_lines(out: dict) -> list[str]:
     """One `summary:` line per figure measured so far, each with the issue's target where it sets one for this
-    shape; in the order they are measured (the probes, the decode step, decode, prefill, mixed step, hand-off)."""
+    shape; in the order they are measured (the probes, the decode step, prefill, mixed step, hand-off, decode)."""
     s = out["shape"]
     head = f"summary: {s} on {out['device']}:"
     lines = [f"{head} copy bandwidth {out['copy_gb_per_s']:.0f} GB/s (read + written), {out['dtype']} matmul "
@@ -321,11 +325,6 @@ def summary_lines(out: dict) -> list[str]:
         step = out["decode_step"]
         lines.append(f"{head} decode step at batch 1 {step['ms']:.3f} ms = {step['over_bound']:.2f}x (weights + KV) / "
                      f"copy bandwidth ({step['bound_ms']:.3f} ms){_target('decode_step.over_bound', s)}")
-    for c, row in out.get("decode", {}).items():
-        versus = (f", {row['ratio']:.2f}x transformers generate ({row['transformers_tokens_per_s']:.0f})"
-                  if "ratio" in row else "")
-        lines.append(f"{head} output tokens/s at concurrency {c}: {row['hybridgate_tokens_per_s']:.0f}{versus}"
-                     f"{_target(f'decode.{c}.ratio', s) if versus else ''}")
     for length, row in out.get("prefill", {}).items():
         lines.append(f"{head} prefill of {length} tokens {row['hybridgate_tokens_per_s']:.0f} tokens/s, "
                      f"{row['hybridgate_tflops']:.3g} TFLOP/s = {row['fraction_of_matmul_rate']:.1%} of the matmul "
@@ -339,4 +338,9 @@ def summary_lines(out: dict) -> list[str]:
         h = out["handoff"]
         lines.append(f"{head} hand-off of {h['tokens']} tokens: copy {h['copy_ms']:.2f} ms, {h['hidden_fraction']:.0%} "
                      f"hidden behind {h['decodes']} decodes{_target('handoff.hidden_fraction', s)}")
+    for c, row in out.get("decode", {}).items():
+        versus = (f", {row['ratio']:.2f}x transformers generate ({row['transformers_tokens_per_s']:.0f})"
+                  if "ratio" in row else "")
+        lines.append(f"{head} output tokens/s at concurrency {c}: {row['hybridgate_tokens_per_s']:.0f}{versus}"
+                     f"{_target(f'decode.{c}.ratio', s) if versus else ''}")
     return lines

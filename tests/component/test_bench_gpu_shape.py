@@ -109,3 +109,13 @@ def test_random_weights_follow_the_seed_and_the_writers_scales():
     assert q.std().item() == pytest.approx(2 / 128**0.5, rel=0.1)  # gain 2 / sqrt(columns), as model_files
     assert a.load("blk.1.ffn_norm.weight").mean().item() == pytest.approx(1.0, abs=0.05)
     assert a.fingerprint != b.fingerprint
+
+
+def test_one_summary_line_per_figure_with_the_targets_that_apply(tiny_run):
+    from hybridgate.bench.gpu_engine import summary_lines
+
+    lines = summary_lines(tiny_run)
+    # probes, decode step, 2 prefill lengths, mixed step, hand-off, 2 concurrencies
+    assert len(lines) == 8 and all(line.startswith("summary: llama-3.2-1b-tiny on cpu: ") for line in lines)
+    # the targets are per shape (none for a tiny one) but for the mixed step and the hand-off
+    assert [line.rsplit("(target ", 1)[1] for line in lines if "(target " in line] == ["<= 1.3)", ">= 0.9)"]
