@@ -119,9 +119,16 @@ def _run_model(args) -> int:
 
 
 def _run_engine(args) -> int:
-    from hybridgate.bench import engine
+    from hybridgate.config import resolve
 
-    engine.run(args)
+    if args.shape and resolve(args).settings.worker.kind == "gpu":  # random weights made on the device
+        from hybridgate.bench import gpu_engine
+
+        gpu_engine.run(args)
+    else:
+        from hybridgate.bench import engine
+
+        engine.run(args)
     return 0
 
 

@@ -71,6 +71,15 @@ DEFAULTS = {
     "gpu-shape": dict(concurrency=[1, 16, 64, 256], prefill_lens=[512, 2048, 8192], prefill_prompts=1,
                       prompt_len=1024, new_tokens=256),
 }
+def apply_defaults(args: argparse.Namespace, mode: str) -> None:
+    """Fill the case flags left unset with `DEFAULTS[mode]`."""
+    args.concurrency_given = bool(args.concurrency)
+    for name, value in DEFAULTS[mode].items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+    args.baseline_concurrency = getattr(args, "baseline_concurrency", None) or args.concurrency
+
+
 BENCH_SCHEDULER = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192)  # the runner profiles its steps
 
 
@@ -223,12 +232,7 @@ def run(args: argparse.Namespace) -> dict:
     settings = resolve(args).settings
     engine = settings.worker.engine
     cpu = settings.worker.kind == "cpu"
-    args.concurrency_given = bool(args.concurrency)
-    mode = "cpu" if cpu else "gpu-shape" if args.shape else "gpu"
-    for name, value in DEFAULTS[mode].items():
-        if getattr(args, name, None) is None:
-            setattr(args, name, value)
-    args.baseline_concurrency = args.baseline_concurrency or args.concurrency
+    apply_defaults(args, "cpu" if cpu else "gpu")
     baseline = "none" if args.no_baseline else (args.baseline or ("none" if cpu else "transformers"))
     if baseline == "transformers" and cpu:
         raise ValueError("--baseline transformers: only with --kind gpu (use llama-cpp for the CPU runner)")
@@ -236,13 +240,7 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError("--baseline llama-cpp: only with --kind cpu")
     if args.shape and settings.model:
         raise ValueError("--shape and --model: name one model file, not both")
-    if mode == "gpu-shape":
-        if args.quant:
-            raise ValueError("--quant: only with --kind cpu (--kind gpu --shape makes bf16 weights on the device)")
-        from hybridgate.bench import gpu_engine
-
-        return gpu_engine.run(args, settings, affinity.pin_engine(engine))
-    if args.tiny:
+    if getattr(args, "tiny", False):
         raise ValueError("--tiny: only with --kind gpu --shape")
     if args.shape:
         from hybridgate.bench.model_files import named_bench_model

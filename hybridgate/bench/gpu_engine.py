@@ -37,8 +37,10 @@ import torch
 
 from hybridgate.bench.attention import probe_copy_gbs, probe_matmul_tflops
 from hybridgate.bench.device_weights import RandomModel, transformers_twin
-from hybridgate.bench.engine import BENCH_SCHEDULER, EngineBench, TransformersBaseline, _alternate, _median, _print
+from hybridgate.bench.engine import (BENCH_SCHEDULER, EngineBench, TransformersBaseline, _alternate, _median, _print,
+                                     apply_defaults)
 from hybridgate.bench.shapes import Shape, shape as named_shape
+from hybridgate.mempool import DEFAULT_BLOCK_SIZE as BLOCK
 from hybridgate.wire import AddRequest, HandoffTarget, SamplingParams
 from hybridgate.workers.gpu.attention import PagedKVCache
 
@@ -46,7 +48,7 @@ GREEDY = SamplingParams(temperature=0, ignore_eos=True)
 WHOLE_CHUNKS = replace(BENCH_SCHEDULER, mixed_step_budget=0)  # prompt chunks of the whole token budget
 HANDOFF_ENDPOINT = "inproc://bench-handoff"
 HANDOFF_TIMEOUT_S = 120.0
-# The issue's targets, printed beside each figure: (JSON path, comparison, bound).
+# The issue's targets, printed beside each figure: JSON path -> (comparison, bound or {shape: bound}).
 TARGETS = {"decode_step.over_bound": ("<=", {"llama-3.1-8b": 1.3, "llama-3.2-1b": 2.0}),
            "mixed_step.over_sum": ("<=", 1.3), "handoff.hidden_fraction": (">=", 0.9),
            "prefill.8192.fraction_of_matmul_rate": (">=", {"llama-3.1-8b": 0.5}),
@@ -63,9 +65,9 @@ def bench_shape(args) -> Shape:
 def kv_tokens_needed(args) -> tuple[int, int]:
     """(blocks' worth of tokens, the longest sequence) the cases need at once, so the KV cache is sized for the
     run (and transformers keeps the rest of the device): the largest of the decode runs, the longest prefill,
-    the mixed step's and the hand-off's sequences, each rounded up to whole blocks of 16 with one spare."""
+    the mixed step's and the hand-off's sequences, each rounded up to whole blocks with one spare."""
     def tokens(seqs: int, length: int) -> int:
-        return seqs * (-(-length // 16) + 1) * 16
+        return seqs * (-(-length // BLOCK) + 1) * BLOCK
 
     steps = 2 * args.repeats + 70  # decode steps of the mixed case's and batch-1 case's sequences at most
     longest = max(args.prompt_len + max(args.new_tokens, steps, 1024), max(args.prefill_lens) + 1,
@@ -88,7 +90,7 @@ def build(args, settings, threads: int | None):
     s = bench_shape(args)
     model = RandomModel(s, args.seed, device, dtype)
     need, longest = kv_tokens_needed(args)
-    memory = engine.kv_cache_memory or max(1 << 20, need // 16 * PagedKVCache.block_bytes(model.config, 16, dtype))
+    memory = engine.kv_cache_memory or max(1 << 20, need // BLOCK * PagedKVCache.block_bytes(model.config, BLOCK, dtype))
     runner = TorchRunner(model, device, dtype, kv_cache_memory=memory, max_model_len=longest, load=model.load,
                          max_num_seqs=BENCH_SCHEDULER.max_num_seqs,
                          max_num_batched_tokens=BENCH_SCHEDULER.max_num_batched_tokens)
@@ -261,10 +263,22 @@ def prefill_rows(ours: EngineBench, twin, rng, vocab: int, args, matmul_tflops: 
     return rows
 
 
-def run(args, settings, threads: int | None) -> dict:
-    """The cases of the module docstring; returns (and with `--json` writes) the figures."""
+def run(args) -> dict:
+    """The cases of the module docstring; returns (and with `--json` writes) the figures. Raises ValueError for
+    flags of a GGUF file (--quant, --model) and a shape without transformers' twin (unless --baseline none)."""
     from hybridgate.bench.machine import describe
+    from hybridgate.config import resolve
+    from hybridgate.workers import affinity
 
+    settings = resolve(args).settings
+    if args.quant:
+        raise ValueError("--quant: only with --kind cpu (--kind gpu --shape makes bf16 weights on the device)")
+    if settings.model:
+        raise ValueError("--shape and --model: name one model, not both")
+    if args.baseline == "llama-cpp":
+        raise ValueError("--baseline llama-cpp: only with --kind cpu")
+    apply_defaults(args, "gpu-shape")
+    threads = affinity.pin_engine(settings.worker.engine)  # before any compute thread starts
     ours, model, s, device = build(args, settings, threads)
     probes = 10 if device.type == "cuda" else 3
     copy_gbs = probe_copy_gbs(device, 1024 if device.type == "cuda" else 16, probes)
