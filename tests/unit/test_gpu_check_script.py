@@ -41,5 +41,8 @@ def test_the_tests_it_names_exist_and_the_makefile_runs_it():
     named = {p for line in commands() for p in re.findall(r"tests/\S+\.py", line)}
     assert "tests/unit/test_gpu_kernels.py" in named and "tests/component/test_handoff_gpu.py" in named
     assert all((ROOT / p).is_file() for p in named), named
+    marked = {str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
+              if re.search(r"^(pytestmark\b.*|@)pytest\.mark\.gpu\b", p.read_text(), re.M)}
+    assert marked and marked <= named, marked - named  # every test marked gpu runs there
     make = (ROOT / "Makefile").read_text()
     assert re.search(r"^gpu-check:\n\tbash scripts/gpu_check\.sh$", make, re.M)
