@@ -309,9 +309,11 @@ def run(args) -> dict:
         for line in lines[printed:]:
             print(line, flush=True)
         printed = len(lines)
-        if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+        if args.json:  # whole or not at all: a time limit may end the run at any moment
+            path = Path(args.json)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.with_suffix(".part").write_text(json.dumps(out, indent=1) + "\n")
+            path.with_suffix(".part").replace(path)
 
     # The longest case last: a run cut short by its time limit keeps the figures measured before.
     record("decode_step", decode_step(ours, random_prompts(rng, vocab, 1, args.prompt_len)[0], copy_gbs, args.repeats))
