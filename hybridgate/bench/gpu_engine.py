@@ -90,7 +90,8 @@ def build(args, settings, threads: int | None):
     s = bench_shape(args)
     model = RandomModel(s, args.seed, device, dtype)
     need, longest = kv_tokens_needed(args)
-    memory = engine.kv_cache_memory or max(1 << 20, need // BLOCK * PagedKVCache.block_bytes(model.config, BLOCK, dtype))
+    sized = need // BLOCK * PagedKVCache.block_bytes(model.config, BLOCK, dtype)
+    memory = engine.kv_cache_memory or max(1 << 20, sized)
     runner = TorchRunner(model, device, dtype, kv_cache_memory=memory, max_model_len=longest, load=model.load,
                          max_num_seqs=BENCH_SCHEDULER.max_num_seqs,
                          max_num_batched_tokens=BENCH_SCHEDULER.max_num_batched_tokens)
@@ -347,8 +348,8 @@ def summary_lines(out: dict) -> list[str]:
                      f"rate{_target(f'prefill.{length}.fraction_of_matmul_rate', s)}")
     if "mixed_step" in out:
         m = out["mixed_step"]
-        lines.append(f"{head} mixed step ({m['chunk_tokens']}-token chunk + {m['decodes']} decodes) {m['mixed_ms']:.2f} "
-                     f"ms = {m['over_sum']:.2f}x (decode step {m['decode_ms']:.2f} + chunk alone "
+        lines.append(f"{head} mixed step ({m['chunk_tokens']}-token chunk + {m['decodes']} decodes) "
+                     f"{m['mixed_ms']:.2f} ms = {m['over_sum']:.2f}x (decode step {m['decode_ms']:.2f} + chunk alone "
                      f"{m['chunk_alone_ms']:.2f}){_target('mixed_step.over_sum', s)}")
     if "handoff" in out:
         h = out["handoff"]
