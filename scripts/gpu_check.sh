@@ -9,11 +9,11 @@
 # msgspec, gguf (with its pyyaml) and llguidance come as cp312 wheels in .gpu-wheels/ (`make gpu-wheels` here; the
 # folder is git-ignored, so carry it along). Nothing large travels: the benches make their weights on the device,
 # and the tests' 135M-shaped GGUF is written there with random weights.
-# JSON: under $OUT when it is set (a lent machine hands back only what is under $OUT), else under docs/results/,
+# JSON: under $OUT when it is set (the folder the caller collects from the machine), else under docs/results/,
 # named gpu-engine-SHAPE-DEVICE.json (`hybridgate bench report` renders them into docs/benchmarks/gpu-worker.md);
 # logs and test reports beside them under $OUT, else under gpu-check-out/.
 # Every command runs under a time limit; the limits sum to 270 s (tests/unit/test_gpu_check_script.py), so the whole
-# check and one rerun fit what a lent device allows. The benches come first: their figures matter most.
+# check and one rerun fit in ten minutes of a GPU. The benches come first: their figures matter most.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DEST=${OUT:-docs/results}
