@@ -48,9 +48,10 @@ bench-check: install
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) -m pytest -q -p no:cacheprovider bench/test_llama_cpp_baseline.py bench/test_bench_mixes_llama_cpp.py
 
-# On a CUDA machine (bare: its own python3 with torch); see bench/gpu_check.sh.
+# On a CUDA machine (bare: its own python3 with torch; carry .gpu-wheels/ along): the GPU benches and tests in one
+# command whose time limits sum to 270 s; JSON under $OUT when set, else docs/results/. See scripts/gpu_check.sh.
 gpu-check:
-	bash bench/gpu_check.sh
+	bash scripts/gpu_check.sh
 
 # cp312 wheels the GPU test machine lacks, to carry along in .gpu-wheels/.
 gpu-wheels:

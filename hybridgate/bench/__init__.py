@@ -19,14 +19,30 @@ def add_engine_parser(sub) -> None:
     p = sub.add_parser("engine", help="drive the engine in-process; decode, prefill and TTFT against a baseline")
     add_command_settings(p, "bench engine")
     p.add_argument("--concurrency", type=bounded(int, 1, many=True), default=None,
-                   help="decode concurrencies, comma-separated (default 1,4,16,64 for gpu, 1,4,16 for cpu)")
-    p.add_argument("--prompt-len", type=bounded(int, 1), default=32,
-                   help="prompt tokens of each decode request (default 32)")
-    p.add_argument("--new-tokens", type=bounded(int, 1), default=64, help="new tokens per decode request (default 64)")
+                   help="decode concurrencies, comma-separated (default 1,4,16,64 for gpu, 1,4,16 for cpu, "
+                        "1,16,64,256 for gpu --shape)")
+    p.add_argument("--prompt-len", type=bounded(int, 1), default=None,
+                   help="prompt tokens of each decode request (default 32; 1024 for gpu --shape)")
+    p.add_argument("--new-tokens", type=bounded(int, 1), default=None,
+                   help="new tokens per decode request (default 64; 256 for gpu --shape)")
     p.add_argument("--prefill-lens", type=bounded(int, 1, many=True), default=None,
-                   help="prefill prompt lengths, comma-separated (default 128,512,2048 for gpu, 128,512 for cpu)")
+                   help="prefill prompt lengths, comma-separated (default 128,512,2048 for gpu, 128,512 for cpu, "
+                        "512,2048,8192 for gpu --shape)")
     p.add_argument("--prefill-prompts", type=bounded(int, 1), default=None,
-                   help="prompts per prefill case (default 16 for gpu, 4 for cpu)")
+                   help="prompts per prefill case (default 16 for gpu, 4 for cpu, 1 for gpu --shape)")
+    shaped = p.add_argument_group("--kind gpu --shape: random bf16 weights made on the device, the device's roofline "
+                                  "and transformers on the same weights (hybridgate/bench/gpu_engine.py)")
+    shaped.add_argument("--tiny", action="store_true",
+                        help="the shape's family at tiny widths (2 blocks, head dim 16, vocabulary 512): a run a "
+                             "CPU torch device finishes in seconds")
+    shaped.add_argument("--baseline-concurrency", type=bounded(int, 1, many=True), default=None,
+                        help="the decode concurrencies transformers runs at too (default: every --concurrency)")
+    shaped.add_argument("--mixed-chunk", type=bounded(int, 1), default=512,
+                        help="prompt tokens of the mixed step's chunk (default 512)")
+    shaped.add_argument("--mixed-decodes", type=bounded(int, 1), default=63,
+                        help="decodes in the mixed step, and beside the hand-off (default 63)")
+    shaped.add_argument("--handoff-len", type=bounded(int, 1), default=2048,
+                        help="prompt tokens of the hand-off whose export is timed under decodes (default 2048)")
     p.add_argument("--ttft-len", type=bounded(int, 1), default=1024,
                    help="prompt tokens of the TTFT case (default 1024)")
     p.add_argument("--repeats", type=bounded(int, 1), default=3, help="runs per case; medians are reported (default 3)")
@@ -103,9 +119,16 @@ def _run_model(args) -> int:
 
 
 def _run_engine(args) -> int:
-    from hybridgate.bench import engine
+    from hybridgate.config import resolve
 
-    engine.run(args)
+    if args.shape and resolve(args).settings.worker.kind == "gpu":  # random weights made on the device
+        from hybridgate.bench import gpu_engine
+
+        gpu_engine.run(args)
+    else:
+        from hybridgate.bench import engine
+
+        engine.run(args)
     return 0
 
 

@@ -62,14 +62,34 @@ def prompts(tokenizer: Tokenizer, count: int, length: int) -> list[list[int]]:
     return [ids[i * 17 : i * 17 + length] for i in range(count)]
 
 
+# Each mode's defaults of the case flags: --kind cpu, --kind gpu on a file, --kind gpu --shape (random weights made
+# on the device: the issue's cases, 1k-token prompts and 256 new tokens).
+DEFAULTS = {
+    "cpu": dict(concurrency=[1, 4, 16], prefill_lens=[128, 512], prefill_prompts=4, prompt_len=32, new_tokens=64),
+    "gpu": dict(concurrency=[1, 4, 16, 64], prefill_lens=[128, 512, 2048], prefill_prompts=16, prompt_len=32,
+                new_tokens=64),
+    "gpu-shape": dict(concurrency=[1, 16, 64, 256], prefill_lens=[512, 2048, 8192], prefill_prompts=1,
+                      prompt_len=1024, new_tokens=256),
+}
+def apply_defaults(args: argparse.Namespace, mode: str) -> None:
+    """Fill the case flags left unset with `DEFAULTS[mode]`."""
+    args.concurrency_given = bool(args.concurrency)
+    for name, value in DEFAULTS[mode].items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+    args.baseline_concurrency = getattr(args, "baseline_concurrency", None) or args.concurrency
+
+
 BENCH_SCHEDULER = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192)  # the runner profiles its steps
 
 
 class EngineBench:
-    def __init__(self, model, runner):
+    """Engines over one warmed-up runner; `fingerprint` keys their prefix cache (a file's, or a random model's)."""
+
+    def __init__(self, runner, fingerprint: str):
         self.runner = runner
         self.runner.warm_up()
-        self.fingerprint = model_fingerprint(model)
+        self.fingerprint = fingerprint
 
     @classmethod
     def torch(cls, model, device: torch.device, dtype: torch.dtype, kv_cache_memory: str | None,
@@ -77,12 +97,13 @@ class EngineBench:
               gpu_memory_utilization: float = EngineConfig.gpu_memory_utilization) -> EngineBench:
         from hybridgate.workers.gpu.runner import TorchRunner
 
-        return cls(model, TorchRunner(model, device, dtype, kv_cache_memory=kv_cache_memory,
-                                      enforce_eager=enforce_eager, gpu_memory_utilization=gpu_memory_utilization,
-                                      max_num_batched_tokens=BENCH_SCHEDULER.max_num_batched_tokens))
+        return cls(TorchRunner(model, device, dtype, kv_cache_memory=kv_cache_memory,
+                               enforce_eager=enforce_eager, gpu_memory_utilization=gpu_memory_utilization,
+                               max_num_batched_tokens=BENCH_SCHEDULER.max_num_batched_tokens),
+                   model_fingerprint(model))
 
-    def engine(self, prefix_caching: bool = False) -> EngineCore:
-        return EngineCore(self.runner, BENCH_SCHEDULER, self.fingerprint, prefix_caching)
+    def engine(self, prefix_caching: bool = False, scheduler: SchedulerConfig = BENCH_SCHEDULER) -> EngineCore:
+        return EngineCore(self.runner, scheduler, self.fingerprint, prefix_caching)
 
     def _run(self, engine: EngineCore, batch: list[list[int]], new_tokens: int) -> float:
         for i, ids in enumerate(batch):
@@ -118,12 +139,17 @@ class EngineBench:
 
 
 class TransformersBaseline:
-    def __init__(self, path: Path, device: torch.device, dtype: torch.dtype):
+    """transformers' causal LM `model` on `device`, timed as the engine is: `generate` and one forward."""
+
+    def __init__(self, model, device: torch.device):
+        self.model, self.device = model, device
+
+    @classmethod
+    def from_gguf(cls, path: Path, device: torch.device, dtype: torch.dtype) -> TransformersBaseline:
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype,
-                                                          attn_implementation="sdpa").to(device).eval()
-        self.device = device
+        return cls(AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype,
+                                                        attn_implementation="sdpa").to(device).eval(), device)
 
     def _sync(self):
         if self.device.type == "cuda":
@@ -206,10 +232,7 @@ def run(args: argparse.Namespace) -> dict:
     settings = resolve(args).settings
     engine = settings.worker.engine
     cpu = settings.worker.kind == "cpu"
-    args.concurrency_given = bool(args.concurrency)
-    args.concurrency = args.concurrency or ([1, 4, 16] if cpu else [1, 4, 16, 64])
-    args.prefill_lens = args.prefill_lens or ([128, 512] if cpu else [128, 512, 2048])
-    args.prefill_prompts = args.prefill_prompts or (4 if cpu else 16)
+    apply_defaults(args, "cpu" if cpu else "gpu")
     baseline = "none" if args.no_baseline else (args.baseline or ("none" if cpu else "transformers"))
     if baseline == "transformers" and cpu:
         raise ValueError("--baseline transformers: only with --kind gpu (use llama-cpp for the CPU runner)")
@@ -217,6 +240,8 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError("--baseline llama-cpp: only with --kind cpu")
     if args.shape and settings.model:
         raise ValueError("--shape and --model: name one model file, not both")
+    if getattr(args, "tiny", False):
+        raise ValueError("--tiny: only with --kind gpu --shape")
     if args.shape:
         from hybridgate.bench.model_files import named_bench_model
 
@@ -237,10 +262,9 @@ def run(args: argparse.Namespace) -> dict:
             log.warning("%s; the bench keeps the policy in force", exc)
         from hybridgate.workers.cpu.runner import NumbaRunner
 
-        ours = EngineBench(model, NumbaRunner(model, engine.kv_cache_memory or "1GiB", threads=threads,
-                                              activations=engine.cpu_activations,
-                                              kv_cache_dtype=engine.kv_cache_dtype,
-                                              thread_fallback=engine.cpu_thread_fallback))
+        ours = EngineBench(NumbaRunner(model, engine.kv_cache_memory or "1GiB", threads=threads,
+                                       activations=engine.cpu_activations, kv_cache_dtype=engine.kv_cache_dtype,
+                                       thread_fallback=engine.cpu_thread_fallback), model_fingerprint(model))
         import numba
 
         out: dict = {"kind": "cpu", "cpu_isa": ours.runner.cpu_isa, "threads": numba.get_num_threads(),
@@ -274,7 +298,7 @@ def run(args: argparse.Namespace) -> dict:
     out.update({"model": str(path), "machine": describe(), "repeats": args.repeats, "decode": {}, "prefill": {}})
     bases: dict = {}
     if baseline == "transformers":
-        bases["transformers"] = TransformersBaseline(path, device, dtype)
+        bases["transformers"] = TransformersBaseline.from_gguf(path, device, dtype)
     elif baseline == "llama-cpp":
         out["peak_rss_mib_before_baseline"] = _peak_rss_mib()  # the baselines run in their own processes
         bases = _llama_cpp_baselines(path, out, max(args.concurrency), args.llama_cpp_path)

@@ -77,6 +77,8 @@ class Table:
     are the records) each file gets a caption line naming it, its machine and
     its command, and each record is a row.
     `keep` leaves out files without that path (another bench sharing the prefix).
+    `pending` is rendered while no file matches: why none exists yet and what writes one (figures taken only
+    on a machine the project borrows); a table without it must read some file.
     """
 
     name: str
@@ -85,6 +87,7 @@ class Table:
     columns: tuple[Column, ...]
     rows: str | None = None
     keep: str | None = None
+    pending: str = ""
 
 
 MACHINE = (Column("CPU", "machine.cpu_model"), Column("load", "machine.loadavg_1m", fixed(2)))
@@ -171,6 +174,19 @@ TABLES: tuple[Table, ...] = (
         Column("gateway CPU µs/token", "gateway_cpu_us_per_token", fixed(1)),
         Column("gateway less floor µs", "gateway_less_floor_us", fixed(1)),
     ), rows="grpc_floor.summary", keep="grpc_floor.summary"),
+    Table("gpu-engine", "benchmarks/gpu-worker.md", "gpu-engine-*.json", (
+        Column("shape", "shape"),
+        Column("device", "device"),
+        Column("decode step ms", "decode_step.ms", fixed(2)),
+        Column("step / (weights + KV) bound", "decode_step.over_bound", ratio),
+        Column("c=1 tok/s", "decode.1.hybridgate_tokens_per_s", fixed(0)),
+        Column("c=64 tok/s", "decode.64.hybridgate_tokens_per_s", fixed(0)),
+        Column("c=64 vs transformers", "decode.64.ratio", ratio),
+        Column("c=256 vs transformers", "decode.256.ratio", ratio),
+        Column("prefill 8k of matmul rate", "prefill.8192.fraction_of_matmul_rate", percent),
+        Column("mixed / (decode + chunk)", "mixed_step.over_sum", ratio),
+        Column("hand-off hidden", "handoff.hidden_fraction", percent),
+    ), pending="No run recorded yet: `make gpu-check` on a lent GPU writes `gpu-engine-SHAPE-DEVICE.json`."),
     Table("placement-serve", "benchmarks/placement.md", "placement-serve*.json", POLICY_COLUMNS, rows="policies"),
     Table("placement-sim", "benchmarks/placement.md", "placement-sim-h200-*.json", POLICY_COLUMNS, rows="policies"),
 )
@@ -220,6 +236,8 @@ def render_table(table: Table, files: list[tuple[Path, dict]]) -> str:
     """The block's Markdown for these (path, parsed JSON) pairs, in the order given."""
     headers = [c.header for c in table.columns]
     kept = [(p, d) for p, d in files if table.keep is None or lookup(d, table.keep) is not None]
+    if not kept and table.pending:
+        return table.pending
     if table.rows is None:
         rows = [[file_link(table, p)] + [cell(d, c) for c in table.columns] for p, d in kept]
         return "\n".join(markdown_table(["file"] + headers, rows))

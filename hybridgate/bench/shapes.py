@@ -82,6 +82,14 @@ class Shape:
             raise ValueError(f"layers: expected 1 to {self.layers} for shape {self.name!r}, got {layers}")
         return self if layers == self.layers else replace(self, layers=layers)
 
+    def tiny(self) -> Shape:
+        """The same family, tied or separate LM head, RoPE and GQA group at widths a CPU runs in seconds
+        (tests of the benches): 2 blocks, 2 KV heads of 16, the group's query heads, hidden = query width,
+        FFN 2x hidden, a vocabulary of 512; named `<name>-tiny`."""
+        group = self.heads // self.kv_heads
+        return replace(self, name=f"{self.name}-tiny", layers=2, hidden=2 * group * 16, ffn=4 * group * 16,
+                       heads=2 * group, kv_heads=2, head_dim=16, vocab_size=512)
+
     def config(self, bos: int = 0, eos: int = 0) -> ModelConfig:
         from hybridgate.models.architectures import ARCHITECTURES
         from hybridgate.models.gguf_file import ModelConfig

@@ -39,9 +39,23 @@ def test_the_command_checks_the_committed_pages():
 
 
 def test_every_table_reads_some_file():
-    # A table whose glob matches nothing (results renamed or moved) would render an empty block silently.
+    # A table whose glob matches nothing (results renamed or moved) would render an empty block silently;
+    # only a table that says why none exists yet (`pending`: figures of a borrowed GPU) may match nothing.
     for table in report.TABLES:
-        assert sorted((ROOT / "docs" / "results").glob(table.pattern)), table.pattern
+        assert table.pending or sorted((ROOT / "docs" / "results").glob(table.pattern)), table.pattern
+
+
+def test_a_pending_table_says_so_until_a_file_exists():
+    gpu = next(t for t in report.TABLES if t.name == "gpu-engine")
+    assert report.render_table(gpu, []) == gpu.pending
+    run = {"shape": "llama-3.1-8b", "device": "NVIDIA H100", "decode_step": {"ms": 6.41, "over_bound": 1.2345},
+           "decode": {"64": {"ratio": 5.5}}, "prefill": {"8192": {"fraction_of_matmul_rate": 0.612}},
+           "handoff": {"hidden_fraction": 0.95}}
+    header, _, row = report.render_table(gpu, [(Path("gpu-engine-x.json"), run)]).splitlines()
+    cells = dict(zip(split_row(header), split_row(row)))
+    assert (cells["decode step ms"], cells["step / (weights + KV) bound"]) == ("6.41", "1.23×")
+    assert (cells["c=64 vs transformers"], cells["c=256 vs transformers"]) == ("5.50×", "—")
+    assert (cells["prefill 8k of matmul rate"], cells["hand-off hidden"]) == ("61.2%", "95.0%")
 
 
 def engine_table():

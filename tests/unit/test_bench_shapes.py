@@ -96,3 +96,13 @@ def test_unknown_names_are_named():
         mix("Q3_K_S")
     with pytest.raises(ValueError, match="layers: expected 1 to 16"):
         SHAPES["llama-3.2-1b"].with_layers(17)
+
+
+@pytest.mark.parametrize("name", ["llama-3.2-1b", "llama-3.1-8b", "qwen2.5-0.5b"])
+def test_tiny_keeps_the_family_head_group_and_lm_head(name):
+    real, tiny = shape(name), shape(name).tiny()
+    assert (tiny.arch, tiny.tied, tiny.rope_scaling, tiny.rope_theta) == \
+        (real.arch, real.tied, real.rope_scaling, real.rope_theta)
+    assert tiny.heads // tiny.kv_heads == real.heads // real.kv_heads and tiny.kv_heads == 2
+    assert (tiny.layers, tiny.head_dim, tiny.vocab_size, tiny.hidden) == (2, 16, 512, tiny.heads * 16)
+    assert tiny.name == f"{name}-tiny"

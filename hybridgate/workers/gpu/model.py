@@ -19,7 +19,7 @@ the attention softcap from the config of the cache they hold.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -114,13 +114,19 @@ class DecoderModel:
     architecture row (`config.arch`). On the "meta" device nothing is
     dequantized or allocated: every check of the build runs on the tensors'
     shapes alone (`hybridgate info`'s verdict on an 8B file costs no 32 GB).
+    `load` replaces the file as the source of every tensor: a GGUF tensor name ->
+    its row-major tensor (`[out, in]` for matrices), made on `device` in any float
+    dtype (`bench.device_weights`: random weights from a seed, nothing read).
     """
 
-    def __init__(self, model: GGUFModel, device: torch.device | None = None, dtype: torch.dtype | None = None):
+    def __init__(self, model: GGUFModel, device: torch.device | None = None, dtype: torch.dtype | None = None,
+                 load: Callable[[str], torch.Tensor] | None = None):
         self.config = config = model.config
         self.device = device or default_device()
         self.dtype = dtype or default_dtype(self.device)
-        if self.device.type == "meta":
+        if load is not None:
+            self._load = load
+        elif self.device.type == "meta":
             self._load = lambda name: torch.empty(model.tensors[name].shape, device="meta")  # noqa: E731
         else:
             self._load = lambda name: torch.from_numpy(model.tensors[name].dequantize())  # noqa: E731

@@ -74,13 +74,14 @@ class TorchRunner:
                  max_num_seqs: int = SchedulerConfig.max_num_seqs,
                  block_gather: bool | None = None, attention: str = "auto", max_model_len: int | None = None,
                  gpu_memory_utilization: float = EngineConfig.gpu_memory_utilization,
-                 max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens, memory=None):
+                 max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens, memory=None, load=None):
         """kv_cache_memory: bytes or a fraction of free memory (`parse_memory`); unset on CUDA, the
         budget of `memory.kv_cache_budget` from `gpu_memory_utilization` and two profiled steps
         (`sizing`), whose counters `memory` reads (default `CudaMemory` on CUDA; tests inject theirs,
-        which also selects that rule on a CPU device). Raises ValueError naming the flags when the
-        cache would not hold one block, or an asked `max_model_len`."""
-        self.model = DecoderModel(model, device, dtype)
+        which also selects that rule on a CPU device). load: each tensor by name instead of the file's
+        (`DecoderModel`). Raises ValueError naming the flags when the cache would not hold one block, or
+        an asked `max_model_len`."""
+        self.model = DecoderModel(model, device, dtype, load)
         dev = self.model.device
         self.attention = attention_kind(attention, dev)  # "triton" or "reference"
         self.vocab_size = model.config.vocab_size
