@@ -45,7 +45,8 @@ def tiny_path(tiny_models) -> Path:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, model_path, tiny_path):
     proc = Serve(tmp_path_factory.mktemp("multimodel") / "serve.log",
-                 "--model", f"{SMOL}={model_path}:gpu=0:cpu=1", "--model", f"{TINY}={tiny_path}:gpu=1:cpu=0",
+                 "--model", f"{SMOL}={model_path},gpu-workers=0,cpu-workers=1",
+                 "--model", f"{TINY}={tiny_path},gpu-workers=1,cpu-workers=0",
                  "--allow-client-routes", "--no-measure-rates", "--worker-max-restarts", "0")
     yield proc
     assert proc.stop() == 0, proc.text()
