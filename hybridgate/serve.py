@@ -323,19 +323,19 @@ def cpu_engines(engine: EngineConfig, kinds: Sequence[str], cuda: bool,
     return [next(placed) if computes else others for computes in on_cpu]
 
 
-def serve(config: Settings) -> int:
-    """Gateway in this process, each model's workers (`worker_layout`) in spawned children; exit 0 on
-    SIGINT/SIGTERM, no child left."""
+def fleet_workers(config: Settings, private: str,
+                  available: tuple[int, ...]) -> tuple[list[ModelPool], dict[str, WorkerConfig]]:
+    """The pools `serve` runs and each worker's settings by name: each model's workers (`worker_layout` of its
+    own settings) with its own engine, KV cache and max model length, on ipc endpoints in `private`; the
+    workers computing on the CPU split `available` cores across every model's (`cpu_engines`).
+    Raises ValueError naming the setting (and the model) as worker_layout and the settings do."""
     from hybridgate.settings import resolved_path
 
     specs = config.models
     owns = [config.model_settings(i) for i in range(len(specs))]  # each model's own settings
     layouts = [worker_layout(own.layout, spec.name) for spec, own in zip(specs, owns)]
     kinds = [kind for layout in layouts for kind in layout]
-    placed = iter(cpu_engines(config.worker.engine, kinds, "gpu" in kinds and cuda_present(), available_cores()))
-    remove_stale_socket_dirs()
-    private = tempfile.mkdtemp(prefix="hybridgate-")  # mode 0700: only this user reaches the ipc sockets
-    Path(private, "serve.pid").write_text(str(os.getpid()))
+    placed = iter(cpu_engines(config.worker.engine, kinds, "gpu" in kinds and cuda_present(), available))
     pools, configs = [], {}
     for spec, own, layout in zip(specs, owns, layouts):
         path = resolved_path(spec)
@@ -349,6 +349,20 @@ def serve(config: Settings) -> int:
                                     kind=kind, engine=engine, parent_pid=os.getpid(), name=name,
                                     max_model_len=own.worker.max_model_len or own.router.max_model_len)
         pools.append(ModelPool(spec.name, path, tuple(endpoints), tuple(names)))
+    return pools, configs
+
+
+def serve(config: Settings) -> int:
+    """Gateway in this process, each model's workers (`fleet_workers`) in spawned children; exit 0 on
+    SIGINT/SIGTERM, no child left."""
+    remove_stale_socket_dirs()
+    private = tempfile.mkdtemp(prefix="hybridgate-")  # mode 0700: only this user reaches the ipc sockets
+    Path(private, "serve.pid").write_text(str(os.getpid()))
+    try:
+        pools, configs = fleet_workers(config, private, available_cores())
+    except BaseException:
+        shutil.rmtree(private, ignore_errors=True)
+        raise
     supervisor = Supervisor(configs, config.supervisor, private)  # its workers bind once loaded: no socket check
     try:
         with gateway_group(config, pools, gateway_main) as (config, extra):

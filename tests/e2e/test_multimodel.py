@@ -35,6 +35,7 @@ from hybridgate.v1 import generation_pb2 as pb
 from procs import HYBRIDGATE, Serve, children_of, metrics, stub
 
 SMOL, TINY = "smol", "tiny"
+TINY_ALIAS = "tiny-base"  # the tiny model's own --served-model-name (per model: served-model-name=...)
 GREEDY = golden_json("greedy.json")["france"]
 TINY_PROMPT = "The quick brown fox jumps over the lazy dog and"
 STEPS = 12
@@ -56,7 +57,8 @@ def server(tmp_path_factory, model_path, tiny_path):
     template.write_text(TINY_TEMPLATE)
     proc = Serve(folder / "serve.log",
                  "--model", f"{SMOL}={model_path},gpu-workers=0,cpu-workers=1",
-                 "--model", f"{TINY}={tiny_path},gpu-workers=1,cpu-workers=0,chat-template={template}",
+                 "--model", f"{TINY}={tiny_path},gpu-workers=1,cpu-workers=0,chat-template={template},"
+                 f"served-model-name={TINY_ALIAS}",
                  "--allow-client-routes", "--no-measure-rates", "--worker-max-restarts", "0")
     yield proc
     assert proc.stop() == 0, proc.text()
@@ -154,10 +156,12 @@ def test_each_models_chat_renders_with_its_own_template_through_both_doors(serve
 def test_every_model_is_listed_and_an_unknown_one_is_not_found(server):
     with urllib.request.urlopen(server.http_url + "/v1/models", timeout=10) as resp:
         listed = json.loads(resp.read())
-    assert [m["id"] for m in listed["data"]] == [SMOL, TINY]
+    # Each name and each alias its own entry; the alias is the tiny model's own (per model), smol has none.
+    assert [(m["id"], m["root"]) for m in listed["data"]] == [(SMOL, SMOL), (TINY, TINY), (TINY_ALIAS, TINY)]
     info = stub(server.target).GetModelInfo(pb.GetModelInfoRequest())
     assert info.model_id == SMOL and [m.model_id for m in info.models] == [SMOL, TINY]
-    assert [list(m.aliases) for m in info.models] == [[], []]  # NAME=PATH is the only name: no general.name
+    assert [list(m.aliases) for m in info.models] == [[], [TINY_ALIAS]]  # no general.name in a fleet
+    assert stub(server.target).GetModelInfo(pb.GetModelInfoRequest(model=TINY_ALIAS)).model_id == TINY
     tiny = stub(server.target).GetModelInfo(pb.GetModelInfoRequest(model=TINY))
     assert tiny.model_id == TINY and [w.kind for w in tiny.workers] == ["gpu"]
     assert tiny.fingerprint != info.fingerprint and [w.kind for w in info.workers] == ["cpu"]

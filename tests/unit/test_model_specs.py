@@ -158,3 +158,23 @@ def test_config_shows_each_models_settings_and_where_each_came_from(tmp_path):
                for line in text.splitlines()), text
     assert json.loads(report(resolved, as_json=True, models=model_rows(resolved)))["models"]["base"] == \
         model_rows(resolved)["base"]
+
+
+def test_serve_gives_each_models_workers_its_own_settings():
+    """The worker settings `serve` spawns: each model's count, KV cache, activations and max model length;
+    the two cores split across the workers of both models (disjoint, one each)."""
+    from hybridgate.serve import fleet_workers
+
+    s = resolve(parse("serve", "--kv-cache-dtype", "bf16", "--max-model-len", "1024", "--cpu-workers", "1",
+                      "--gpu-workers", "0", "--model", "a=x.gguf",
+                      "--model", "b=y.gguf,kv-cache-dtype=fp32,cpu-activations=f32,max-model-len=512"),
+                environ={}).settings
+    pools, configs = fleet_workers(s, "/run/hg", available=(0, 1))
+    assert [(p.name, p.worker_names) for p in pools] == [("a", ("a-cpu-0",)), ("b", ("b-cpu-0",))]
+    a, b = configs["a-cpu-0"], configs["b-cpu-0"]
+    assert (a.model_path, a.model_name, b.model_path, b.model_name) == ("x.gguf", "a", "y.gguf", "b")
+    assert (a.engine.kv_cache_dtype, b.engine.kv_cache_dtype) == ("bf16", "fp32")
+    assert (a.engine.cpu_activations, b.engine.cpu_activations) == ("auto", "f32")
+    assert (a.max_model_len, b.max_model_len) == (1024, 512)
+    assert (a.engine.cpu_cores, a.engine.threads, b.engine.cpu_cores, b.engine.threads) == ("0", 1, "1", 1)
+    assert (a.endpoint, b.endpoint) == ("ipc:///run/hg/worker-0.sock", "ipc:///run/hg/worker-1.sock")
