@@ -13,7 +13,8 @@ environment variable `HYBRIDGATE_MAX_NUM_SEQS` and the TOML key `max-num-seqs`
 (or `max_num_seqs`). The TOML file is flat: one key per setting, no sections,
 since every name is unique across the root (argparse would refuse two flags of
 one name anyway); a list setting takes a list, or a table whose `NAME = "VALUE"`
-entries read as `NAME=VALUE` values (`[model]` then `chat = "a.gguf"`). The root itself (`hybridgate.settings.Settings`) and which
+entries read as `NAME=VALUE` values (`[model]` then `chat = "a.gguf"`); a setting may also read a
+table of tables (`setting(table=...)`: the fleet's `[models.NAME]`). The root itself (`hybridgate.settings.Settings`) and which
 parts each command uses live in `hybridgate.settings`.
 
     parser = argparse.ArgumentParser()

@@ -178,3 +178,11 @@ def test_serve_gives_each_models_workers_its_own_settings():
     assert (a.max_model_len, b.max_model_len) == (1024, 512)
     assert (a.engine.cpu_cores, a.engine.threads, b.engine.cpu_cores, b.engine.threads) == ("0", 1, "1", 1)
     assert (a.endpoint, b.endpoint) == ("ipc:///run/hg/worker-0.sock", "ipc:///run/hg/worker-1.sock")
+
+
+def test_the_model_flags_help_names_every_per_model_key():
+    from hybridgate.config import specs
+
+    help_text = next(s for s in specs(Settings) if s.path == "model").meta["help"]
+    named = help_text.replace(" (repeat it for several aliases)", "").split("with the keys ", 1)[1].split(" (")[0]
+    assert [k.strip() for k in named.split(",")] == list(model_keys())
