@@ -25,6 +25,7 @@ import numpy as np
 
 from hybridgate.config import environment
 from hybridgate.models.architectures import ARCHITECTURES, Architecture, RopeLayout
+from hybridgate.models.gguf_metadata import ModelLoadError, read_header
 
 log = logging.getLogger("hybridgate.models")
 
@@ -44,10 +45,6 @@ _POSITIVE_FIELDS = (
     "num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
     "head_dim", "max_model_len", "rope_theta", "rms_norm_eps", "vocab_size",
 )
-
-
-class ModelLoadError(ValueError):
-    """A model file is missing, malformed, or uses something this project does not support."""
 
 
 @dataclass(frozen=True)
@@ -337,8 +334,6 @@ def _read_header(path: Path) -> tuple[dict[str, Any], list[tuple[str, int, list[
         return metadata, [tuple(i) for i in infos], np.memmap(path, dtype=np.uint8, mode="r")
     except (OSError, msgspec.DecodeError, ValueError, TypeError):
         pass
-    from hybridgate.models.gguf_metadata import read_header  # it imports this module's ModelLoadError
-
     metadata, infos = read_header(path)
     _check_types(infos)
     try:

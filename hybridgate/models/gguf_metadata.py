@@ -26,7 +26,11 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from hybridgate.models.gguf_file import ModelLoadError
+
+class ModelLoadError(ValueError):
+    """A model file is missing, malformed, or uses something this project does not support (also
+    `hybridgate.models.ModelLoadError`)."""
+
 
 # Value type -> (struct format, numpy dtype) of the fixed-width types.
 _SCALARS = {
