@@ -25,7 +25,7 @@ from hybridgate.redisconf import redacted
 from hybridgate.router import Router, ZmqWorkerClient
 from hybridgate.router.client import missing_ipc_socket
 from hybridgate.scaleout import ExtraGateways, gateway_group
-from hybridgate.serveconf import LayoutConfig, ModelSpec
+from hybridgate.serveconf import LayoutConfig
 from hybridgate.supervise import Supervisor
 from hybridgate.wire import WorkerState
 from hybridgate.workerconf import EngineConfig, WorkerConfig
