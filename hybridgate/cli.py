@@ -108,12 +108,12 @@ def _cmd_info(args: argparse.Namespace) -> int:
     report = describe(settings.model_path)
     lines = report_lines(report)
     if report.model is not None:
-        lines.append(("fingerprint", model_fingerprint(report.model)))
-        from hybridgate.workers.support import RUNNER_MODELS, runner_refusal
+        fingerprint = model_fingerprint(report.model)
+        lines.append(("fingerprint", fingerprint))
+        from hybridgate.workers.support import runner_verdicts
 
         served = 0
-        for runner in RUNNER_MODELS:
-            refusal = runner_refusal(runner, report.model)
+        for runner, refusal in runner_verdicts(report.model, fingerprint):
             served += not refusal
             lines.append((f"runner {runner.kind}", f"{runner.description}: " + (f"no: {refusal}" if refusal else "yes")))
             if runner.kind == "cpu" and not refusal:

@@ -14,7 +14,8 @@ environment variable `HYBRIDGATE_MAX_NUM_SEQS` and the TOML key `max-num-seqs`
 since every name is unique across the root (argparse would refuse two flags of
 one name anyway); a list setting takes a list, or a table whose `NAME = "VALUE"`
 entries read as `NAME=VALUE` values (`[model]` then `chat = "a.gguf"`); a setting may also read a
-table of tables (`setting(table=...)`: the fleet's `[models.NAME]`). The root itself (`hybridgate.settings.Settings`) and which
+table of tables (`setting(table=...)`: the fleet's `[models.NAME]`). The root itself
+(`hybridgate.settings.Settings`) and which
 parts each command uses live in `hybridgate.settings`.
 
     parser = argparse.ArgumentParser()
@@ -54,7 +55,7 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 ENVIRONMENT = {
     "HYBRIDGATE_LOG_LEVEL": "every command's --log-level (read before the command's settings are parsed)",
     "HYBRIDGATE_AUTH_TOKEN": "generate's --auth-token, the client's (the gateway's is the setting of the same name)",
-    "HYBRIDGATE_CACHE_DIR": "the cache folder of GGUF headers (default ~/.cache/hybridgate)",
+    "HYBRIDGATE_CACHE_DIR": "the cache folder of GGUF headers and info's runner verdicts (default ~/.cache/hybridgate)",
     "HYBRIDGATE_CPU_ISA": "the CPU kernels' ISA path when no settings chose one (the cpu_isa setting's variable)",
     "HYBRIDGATE_CPU_AMX": "auto or off: AMX prompt matmuls when no settings chose (the cpu_amx setting's variable)",
     "HYBRIDGATE_TEST_CRASH_AT_START": "test-only: a supervised worker raises at once",

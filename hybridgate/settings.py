@@ -160,7 +160,8 @@ def model_rows(resolved: Resolved) -> dict[str, dict[str, dict]]:
             for part in path.split("."):
                 value = getattr(value, part)
             if spec.given(path):
-                source, via = resolved.sources.get("model", "default"), f"--model {spec.name or 'PATH'}=...,{setting_spec.name}="
+                source = resolved.sources.get("model", "default")
+                via = f"--model {spec.name or 'PATH'}=...,{setting_spec.name}="
             elif reach == "first" and i > 0:
                 source, via = "default", f"(--{setting_spec.name} names the first model only)"
             else:
