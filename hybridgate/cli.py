@@ -38,15 +38,19 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         raise ValueError("--endpoint: give where to bind, ipc://PATH or tcp://127.0.0.1:PORT")
     if len(settings.models) > 1:
         raise ValueError(f"--model: a worker serves one model, got {len(settings.models)}")
-    run_worker(replace(settings.worker, model_path=settings.model_path, model_name=settings.models[0].name),
+    own = settings.model_settings(0)  # --model NAME=PATH,kv-cache-dtype=...: the model's own settings
+    run_worker(replace(own.worker, model_path=settings.model_path, model_name=settings.models[0].name,
+                       max_model_len=own.worker.max_model_len or own.router.max_model_len),
                redis=settings.redis, transport=settings.transport, metrics_port=settings.gateway.metrics_port)
     return 0
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
     from hybridgate.config import report, resolve
+    from hybridgate.settings import model_rows
 
-    print(report(resolve(args), as_json=args.json))
+    resolved = resolve(args)
+    print(report(resolved, as_json=args.json, models=model_rows(resolved)))
     return 0
 
 
@@ -100,19 +104,20 @@ def _cmd_info(args: argparse.Namespace) -> int:
     from hybridgate.models.info import describe, report_lines
 
     settings = _settings(args)
+    own = settings.model_settings(0)  # --model PATH,cpu-activations=...
     report = describe(settings.model_path)
     lines = report_lines(report)
     if report.model is not None:
-        lines.append(("fingerprint", model_fingerprint(report.model)))
-        from hybridgate.workers.support import RUNNER_MODELS, runner_refusal
+        fingerprint = model_fingerprint(report.model)
+        lines.append(("fingerprint", fingerprint))
+        from hybridgate.workers.support import runner_verdicts
 
         served = 0
-        for runner in RUNNER_MODELS:
-            refusal = runner_refusal(runner, report.model)
+        for runner, refusal in runner_verdicts(report.model, fingerprint):
             served += not refusal
             lines.append((f"runner {runner.kind}", f"{runner.description}: " + (f"no: {refusal}" if refusal else "yes")))
             if runner.kind == "cpu" and not refusal:
-                lines += _cpu_kernel_lines(report, settings.worker.engine)
+                lines += _cpu_kernel_lines(report, own.worker.engine)
     else:
         served = 0
         lines.append(("runners", "none (the file is refused above)"))

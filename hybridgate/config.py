@@ -13,7 +13,9 @@ environment variable `HYBRIDGATE_MAX_NUM_SEQS` and the TOML key `max-num-seqs`
 (or `max_num_seqs`). The TOML file is flat: one key per setting, no sections,
 since every name is unique across the root (argparse would refuse two flags of
 one name anyway); a list setting takes a list, or a table whose `NAME = "VALUE"`
-entries read as `NAME=VALUE` values (`[model]` then `chat = "a.gguf"`). The root itself (`hybridgate.settings.Settings`) and which
+entries read as `NAME=VALUE` values (`[model]` then `chat = "a.gguf"`); a setting may also read a
+table of tables (`setting(table=...)`: the fleet's `[models.NAME]`). The root itself
+(`hybridgate.settings.Settings`) and which
 parts each command uses live in `hybridgate.settings`.
 
     parser = argparse.ArgumentParser()
@@ -53,7 +55,7 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 ENVIRONMENT = {
     "HYBRIDGATE_LOG_LEVEL": "every command's --log-level (read before the command's settings are parsed)",
     "HYBRIDGATE_AUTH_TOKEN": "generate's --auth-token, the client's (the gateway's is the setting of the same name)",
-    "HYBRIDGATE_CACHE_DIR": "the cache folder of GGUF headers (default ~/.cache/hybridgate)",
+    "HYBRIDGATE_CACHE_DIR": "the cache folder of GGUF headers and info's runner verdicts (default ~/.cache/hybridgate)",
     "HYBRIDGATE_CPU_ISA": "the CPU kernels' ISA path when no settings chose one (the cpu_isa setting's variable)",
     "HYBRIDGATE_CPU_AMX": "auto or off: AMX prompt matmuls when no settings chose (the cpu_amx setting's variable)",
     "HYBRIDGATE_TEST_CRASH_AT_START": "test-only: a supervised worker raises at once",
@@ -74,7 +76,9 @@ def environment(name: str, default: str | None = None) -> str | None:
 
 def setting(default: Any, help: str, *, flag: str | None = None, low: float | None = None,
             high: float | None = None, low_open: bool = False, choices: tuple | None = None,
-            secret: bool = False, cli: bool = True, check: Callable[[Any], Any] | None = None) -> Any:
+            secret: bool = False, cli: bool = True, check: Callable[[Any], Any] | None = None,
+            split: Callable[[str], tuple[str, ...]] | None = None,
+            table: tuple[str, Callable[[dict], tuple[str, ...]]] | None = None) -> Any:
     """A dataclass field that is also a setting.
 
     `help` is the flag's help text (the default is appended where the flag is
@@ -84,11 +88,13 @@ def setting(default: Any, help: str, *, flag: str | None = None, low: float | No
     field that is plumbing (set by `serve`, not by users) off the command line,
     the environment and the file. `check(value)` validates what bounds cannot
     (raising ValueError with the limit in its message). A mutable default
-    (a list) is not allowed: use a tuple.
+    (a list) is not allowed: use a tuple. For a tuple setting, `split(text)` reads its environment
+    variable (default: comma-separated items), and `table` = (KEY, convert) reads a TOML table of
+    tables under KEY as its value (`convert(table)`, raising ValueError naming the entry).
     """
     return dataclasses.field(default=default, repr=not secret, metadata={
         "help": help, "flag": flag, "low": low, "high": high, "low_open": low_open,
-        "choices": choices, "secret": secret, "cli": cli, "check": check,
+        "choices": choices, "secret": secret, "cli": cli, "check": check, "split": split, "table": table,
     })
 
 
@@ -228,7 +234,8 @@ def parse_text(spec: Spec, text: str) -> Any:
             raise ValueError(f"must be one of {', '.join(_TRUE + _FALSE)}, got {text!r}")
         value = text.strip().lower() in _TRUE
     elif spec.kind is tuple:
-        value = tuple(x.strip() for x in text.split(",") if x.strip())
+        value = spec.meta["split"](text) if spec.meta.get("split") else \
+            tuple(x.strip() for x in text.split(",") if x.strip())
     else:
         try:
             value = spec.kind(text)
@@ -349,14 +356,22 @@ def read_file(path: str, root: type | None = None) -> dict[str, Any]:
         except tomllib.TOMLDecodeError as exc:
             raise ValueError(f"{path}: not valid TOML: {exc}") from None
     by_name = {s.name: s for s in select(root)}
+    tables = {s.meta["table"][0]: s for s in by_name.values() if s.meta.get("table")}
     values: dict[str, Any] = {}
     for key, value in data.items():
         spec = by_name.get(key.replace("_", "-"))
+        if spec is None and key in tables and isinstance(value, dict):  # [models.NAME] tables: one setting
+            spec = tables[key]
+            try:
+                value = spec.meta["table"][1](value)
+            except ValueError as exc:
+                raise ValueError(f"{path}: [{key}]: {exc}") from None
         if spec is None:
             raise ValueError(f"{path}: {key}: unknown setting (keys are the flag names without --, "
                              f"e.g. max-num-seqs; sections are not used)")
         if spec.path in values:
-            raise ValueError(f"{path}: {key}: given twice (as {spec.name} and {spec.name.replace('-', '_')})")
+            raise ValueError(f"{path}: {key}: given twice (as {spec.name}, {spec.name.replace('-', '_')} or a "
+                             "table)")
         if spec.kind is tuple and isinstance(value, list):
             value = tuple(value)
         if spec.kind is tuple and isinstance(value, dict):  # a table of NAME = "VALUE": NAME=VALUE each
@@ -379,6 +394,21 @@ def _build(cls: type, prefix: str, values: Mapping[str, Any]) -> Any:
         elif prefix + f.name in values:
             kwargs[f.name] = values[prefix + f.name]
     return cls(**kwargs)
+
+
+def replaced(obj: Any, values: Mapping[str, Any]) -> Any:
+    """A copy of the frozen config `obj` with the settings at `values`' paths ("router.chat_template")
+    replaced, each section rebuilt (so checked) once. Raises ValueError as the constructors do."""
+    if not values:
+        return obj
+    own = {path: v for path, v in values.items() if "." not in path}
+    nested: dict[str, dict[str, Any]] = {}
+    for path, v in values.items():
+        if "." in path:
+            head, _, rest = path.partition(".")
+            nested.setdefault(head, {})[rest] = v
+    own.update({head: replaced(getattr(obj, head), inner) for head, inner in nested.items()})
+    return dataclasses.replace(obj, **own)
 
 
 def resolve(args: argparse.Namespace | None = None, environ: Mapping[str, str] | None = None,
@@ -437,14 +467,24 @@ def shown_value(spec: Spec, value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
-def report(resolved: Resolved, as_json: bool = False) -> str:
+def report(resolved: Resolved, as_json: bool = False,
+           models: Mapping[str, Mapping[str, Mapping[str, Any]]] | None = None) -> str:
     """The effective settings and where each came from, as text lines or one JSON object
-    {"config_file": ..., "settings": {path: {"value", "source", "flag", "env"}}}."""
+    {"config_file": ..., "settings": {path: {"value", "source", "flag", "env"}}}. `models`: per served
+    model, its own rows of the same shape ("flag" then names what set it: a per-model key or a flag),
+    printed after the root's as `models.NAME.path` lines and under "models" in the JSON."""
     rows = {s.path: {"value": shown_value(s, _value_at(resolved.settings, s.path)),
                      "source": resolved.sources[s.path], "flag": s.flag, "env": s.env} for s in resolved.chosen}
     if as_json:
-        return json.dumps({"config_file": resolved.config_file, "settings": rows}, indent=2)
-    width = max(len(p) for p in rows)
+        out: dict[str, Any] = {"config_file": resolved.config_file, "settings": rows}
+        if models is not None:
+            out["models"] = models
+        return json.dumps(out, indent=2)
+    every = dict(rows)
+    for name, own in (models or {}).items():
+        every.update({f"models.{name or '(default)'}.{path}": r for path, r in own.items()})
+    width = max(len(p) for p in every)
     lines = [f"# config file: {resolved.config_file or '(none)'}"]
-    lines += [f"{path:<{width}}  {json.dumps(r['value']):<24} {r['source']:<8} {r['flag']}" for path, r in rows.items()]
+    lines += [f"{path:<{width}}  {json.dumps(r['value']):<24} {r['source']:<8} {r['flag']}"
+              for path, r in every.items()]
     return "\n".join(lines)

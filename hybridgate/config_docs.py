@@ -30,7 +30,8 @@ part's frozen config, composed into one root (`hybridgate.settings.Settings`).
 Its flag, environment variable and TOML key are derived from the field, with the
 precedence flag > environment > file > default. The file is given by
 `--config FILE` (or `{CONFIG_ENV}`); it is flat, one key per setting named like
-its flag without `--` (`-` or `_` both work). Booleans take `--x`/`--no-x` on
+its flag without `--` (`-` or `_` both work), but for the `[models.NAME]`
+tables of a fleet's per-model settings ([Running a fleet](serving.md#running-a-fleet)). Booleans take `--x`/`--no-x` on
 the command line and `1/0`, `true/false`, `yes/no`, `on/off` in the
 environment; a list setting repeats its flag and takes a comma-separated list
 in its variable. `hybridgate config` prints each setting's effective value and

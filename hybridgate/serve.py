@@ -25,7 +25,7 @@ from hybridgate.redisconf import redacted
 from hybridgate.router import Router, ZmqWorkerClient
 from hybridgate.router.client import missing_ipc_socket
 from hybridgate.scaleout import ExtraGateways, gateway_group
-from hybridgate.serveconf import LayoutConfig, ModelSpec
+from hybridgate.serveconf import LayoutConfig
 from hybridgate.supervise import Supervisor
 from hybridgate.wire import WorkerState
 from hybridgate.workerconf import EngineConfig, WorkerConfig
@@ -48,20 +48,18 @@ def cuda_present() -> bool:
     return torch.cuda.is_available()
 
 
-def worker_layout(layout: LayoutConfig, spec: ModelSpec | None = None) -> list[str]:
-    """The kinds of the workers `serve` starts for one model: by default one CPU worker without CUDA,
-    one GPU worker and one CPU worker with it; --gpu-workers / --cpu-workers override either count, and
-    a model's own `NAME=PATH:gpu=N:cpu=N` overrides those.
+def worker_layout(layout: LayoutConfig, model: str = "") -> list[str]:
+    """The kinds of the workers `serve` starts for one model (`layout`: that model's, `Settings.model_settings`):
+    by default one CPU worker without CUDA, one GPU worker and one CPU worker with it; --gpu-workers /
+    --cpu-workers (or the model's own gpu-workers=N, cpu-workers=N) override either count.
 
-    Raises ValueError naming the flags when both counts are zero (LayoutConfig refuses negatives).
+    Raises ValueError naming the settings (and `model`, when named) when both counts are zero
+    (LayoutConfig refuses negatives).
     """
     gpu = layout.gpu_workers if layout.gpu_workers is not None else int(cuda_present())
     cpu = layout.cpu_workers
-    if spec is not None:
-        gpu = spec.gpu_workers if spec.gpu_workers is not None else gpu
-        cpu = spec.cpu_workers if spec.cpu_workers is not None else cpu
     if gpu + cpu == 0:
-        where = f" of model {spec.name}" if spec is not None and spec.name else ""
+        where = f" of model {model}" if model else ""
         raise ValueError(f"--gpu-workers, --cpu-workers: at least one worker is needed{where} (both are 0)")
     return ["gpu"] * gpu + ["cpu"] * cpu
 
@@ -126,7 +124,9 @@ def build_models(config: Settings, pools: Sequence[ModelPool], transport: Transp
     from hybridgate.router.response_cache import ResponseCache
 
     rows = []
-    for i, pool in enumerate(pools):
+    index = {spec.name: i for i, spec in enumerate(config.models)}
+    for pool in pools:
+        own = config.model_settings(index[pool.name])  # the model's chat template, aliases, max model length
         names = pool.worker_names or ("",) * len(pool.endpoints)
         clients = [ZmqWorkerClient(ep, dead_after_s=config.router.dead_after_s, name=name, transport=transport)
                    for ep, name in zip(pool.endpoints, names)]
@@ -136,9 +136,8 @@ def build_models(config: Settings, pools: Sequence[ModelPool], transport: Transp
 
             registry = RedisRegistry(config.redis, dead_after_s=config.router.dead_after_s, transport=transport)
         cache = ResponseCache.from_config(config.response_cache, config.redis)
-        router = Router(pool.path, clients, config.router, registry=registry, response_cache=cache)
-        aliases = config.gateway.served_model_name if i == 0 else ()
-        rows.append(ServedModel(served_names(pool.name, aliases, router.model), router,
+        router = Router(pool.path, clients, own.router, registry=registry, response_cache=cache)
+        rows.append(ServedModel(served_names(pool.name, own.gateway.served_model_name, router.model), router,
                                 Admission(config.gateway.max_inflight_requests)))
     fingerprints = {row.router.fingerprint for row in rows}
     for row in rows:
@@ -324,29 +323,46 @@ def cpu_engines(engine: EngineConfig, kinds: Sequence[str], cuda: bool,
     return [next(placed) if computes else others for computes in on_cpu]
 
 
-def serve(config: Settings) -> int:
-    """Gateway in this process, each model's workers (`worker_layout`) in spawned children; exit 0 on
-    SIGINT/SIGTERM, no child left."""
+def fleet_workers(config: Settings, private: str,
+                  available: tuple[int, ...]) -> tuple[list[ModelPool], dict[str, WorkerConfig]]:
+    """The pools `serve` runs and each worker's settings by name: each model's workers (`worker_layout` of its
+    own settings) with its own engine, KV cache and max model length, on ipc endpoints in `private`; the
+    workers computing on the CPU split `available` cores across every model's (`cpu_engines`).
+    Raises ValueError naming the setting (and the model) as worker_layout and the settings do."""
     from hybridgate.settings import resolved_path
 
     specs = config.models
-    layouts = [worker_layout(config.layout, spec) for spec in specs]
+    owns = [config.model_settings(i) for i in range(len(specs))]  # each model's own settings
+    layouts = [worker_layout(own.layout, spec.name) for spec, own in zip(specs, owns)]
     kinds = [kind for layout in layouts for kind in layout]
-    engines = iter(cpu_engines(config.worker.engine, kinds, "gpu" in kinds and cuda_present(), available_cores()))
-    remove_stale_socket_dirs()
-    private = tempfile.mkdtemp(prefix="hybridgate-")  # mode 0700: only this user reaches the ipc sockets
-    Path(private, "serve.pid").write_text(str(os.getpid()))
+    placed = iter(cpu_engines(config.worker.engine, kinds, "gpu" in kinds and cuda_present(), available))
     pools, configs = [], {}
-    for spec, layout in zip(specs, layouts):
+    for spec, own, layout in zip(specs, owns, layouts):
         path = resolved_path(spec)
         prefix = f"{spec.name}-" if len(specs) > 1 else ""  # gpu-0, cpu-0, ...; with several models chat-cpu-0
         names = [f"{prefix}{kind}-{layout[:i].count(kind)}" for i, kind in enumerate(layout)]
         endpoints = [f"ipc://{private}/worker-{len(configs) + i}.sock" for i in range(len(layout))]
         for name, kind, endpoint in zip(names, layout, endpoints):
-            configs[name] = replace(config.worker, model_path=path, model_name=spec.name, endpoint=endpoint,
-                                    kind=kind, engine=next(engines), parent_pid=os.getpid(), name=name,
-                                    max_model_len=config.worker.max_model_len or config.router.max_model_len)
+            cores = next(placed)  # the cores and threads of this worker; the rest of its engine is its model's
+            engine = replace(own.worker.engine, cpu_cores=cores.cpu_cores, threads=cores.threads)
+            configs[name] = replace(own.worker, model_path=path, model_name=spec.name, endpoint=endpoint,
+                                    kind=kind, engine=engine, parent_pid=os.getpid(), name=name,
+                                    max_model_len=own.worker.max_model_len or own.router.max_model_len)
         pools.append(ModelPool(spec.name, path, tuple(endpoints), tuple(names)))
+    return pools, configs
+
+
+def serve(config: Settings) -> int:
+    """Gateway in this process, each model's workers (`fleet_workers`) in spawned children; exit 0 on
+    SIGINT/SIGTERM, no child left."""
+    remove_stale_socket_dirs()
+    private = tempfile.mkdtemp(prefix="hybridgate-")  # mode 0700: only this user reaches the ipc sockets
+    Path(private, "serve.pid").write_text(str(os.getpid()))
+    try:
+        pools, configs = fleet_workers(config, private, available_cores())
+    except BaseException:
+        shutil.rmtree(private, ignore_errors=True)
+        raise
     supervisor = Supervisor(configs, config.supervisor, private)  # its workers bind once loaded: no socket check
     try:
         with gateway_group(config, pools, gateway_main) as (config, extra):

@@ -7,54 +7,75 @@ Data only (the settings root composes it); `hybridgate.serve` and
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
-from hybridgate.config import check_settings, setting
+from hybridgate.config import Spec, check_settings, parse_text, setting
 
 # A served model's name: what the OpenAI `model` field, the gRPC `model` field and the health service
 # name carry (letters, digits and . _ - / :, as Hugging Face ids such as org/model-1.5B).
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:-]{0,127}")
-_COUNT = re.compile(r"(gpu|cpu)=(\d+)")
+_OLD_COUNTS = re.compile(r".*:(gpu|cpu)=\d+")  # the NAME=PATH:gpu=N:cpu=N form of before
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """One `--model` value: `PATH`, or `NAME=PATH` with optional per-model worker counts
-    `NAME=PATH:gpu=N:cpu=N` (default: --gpu-workers / --cpu-workers). `name` "" is a model named
-    after its GGUF file (`hybridgate.models.model_names`); `path` "" is the default model."""
+    """One `--model` value: `PATH`, or `NAME=PATH` followed by the model's own settings,
+    `NAME=PATH,key=value,...` (keys: `hybridgate.settings.MODEL_SETTINGS`' flag names). `name` "" is a model
+    named after its GGUF file (`hybridgate.models.model_names`); `path` "" is the default model. `values`:
+    the settings given for this model, (setting path, value) in the order given."""
 
     name: str
     path: str
-    gpu_workers: int | None = None
-    cpu_workers: int | None = None
+    values: tuple[tuple[str, Any], ...] = ()
+
+    def given(self, path: str) -> bool:
+        return any(p == path for p, _ in self.values)
 
 
-def parse_model_spec(text: str) -> ModelSpec:
-    """A `--model` value as a ModelSpec. Raises ValueError naming --model and the accepted forms."""
-    name, sep, rest = text.partition("=")
+def parse_model_spec(text: str, keys: Mapping[str, Spec]) -> ModelSpec:
+    """A `--model` value as a ModelSpec; `keys`: the per-model settings by flag name.
+
+    Raises ValueError naming --model, the model, and the accepted forms, the unknown key and the keys
+    there are, or the key and its limit ("must be one of auto, f32, i16, got 'x'").
+    """
+    head, *pairs = text.split(",")
+    name, sep, path = head.partition("=")
     if not sep:
-        return ModelSpec("", text)
-    if not MODEL_NAME.fullmatch(name):
-        raise ValueError(f"--model: the name in {text!r} must be 1-128 letters, digits or . _ - / : "
-                         "(starting with a letter or digit); give PATH or NAME=PATH[:gpu=N][:cpu=N]")
-    counts: dict[str, int] = {}
-    path = rest
-    while True:
-        head, colon, tail = path.rpartition(":")
-        match = _COUNT.fullmatch(tail) if colon else None
-        if match is None:
-            break
-        counts.setdefault(match[1], int(match[2]))
-        path = head
+        name, path = "", head
+    elif not MODEL_NAME.fullmatch(name) or name in keys:
+        raise ValueError(f"--model: the name in {text!r} must be 1-128 letters, digits or . _ - / : (starting "
+                         "with a letter or digit, and no per-model key); give PATH or NAME=PATH[,key=value...]")
+    who = f"model {name!r}" if name else "the model"
+    if _OLD_COUNTS.fullmatch(path):
+        raise ValueError(f"--model: {who}: per-model settings follow commas now: NAME=PATH,gpu-workers=N,"
+                         f"cpu-workers=N (got {text!r})")
     if not path:
-        raise ValueError(f"--model: {text!r} names no GGUF file; give NAME=PATH[:gpu=N][:cpu=N]")
-    return ModelSpec(name, path, counts.get("gpu"), counts.get("cpu"))
+        raise ValueError(f"--model: {text!r} names no GGUF file; give NAME=PATH[,key=value...]")
+    values: dict[str, Any] = {}
+    for pair in pairs:
+        key, eq, raw = pair.strip().partition("=")
+        spec = keys.get(key)
+        if spec is None or not eq:
+            raise ValueError(f"--model: {who}: {key!r} is not a per-model key=value; the keys are "
+                             f"{', '.join(keys)}")
+        try:
+            value = parse_text(spec, raw)
+        except ValueError as exc:
+            raise ValueError(f"--model: {who}, key {key}: {exc}") from None
+        if spec.kind is tuple:  # repeated, as its flag is: served-model-name=a,served-model-name=b
+            value = values.get(spec.path, ()) + value
+        elif spec.path in values:
+            raise ValueError(f"--model: {who}, key {key}: given twice")
+        values[spec.path] = value
+    return ModelSpec(name, path, tuple(values.items()))
 
 
-def check_model_specs(values: tuple[str, ...]) -> None:
+def check_model_specs(values: tuple[str, ...], keys: Mapping[str, Spec]) -> None:
     """The `model` setting: each value parses, names are unique, at most one model is unnamed, and
     several models are all named (requests pick them by name). Raises ValueError naming --model."""
-    specs = [parse_model_spec(v) for v in values]
+    specs = [parse_model_spec(v, keys) for v in values]
     names = [s.name for s in specs]
     if len(specs) > 1 and "" in names:
         raise ValueError("--model: with several models, name each one: NAME=PATH (the first is the default)")

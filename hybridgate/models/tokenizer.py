@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,9 +62,10 @@ SPM_VARIANTS = {
 
 @dataclass(frozen=True)
 class _Parts:
-    """What a tokenizer model contributes: the BPE model, text steps and the bytes of each id."""
+    """What a tokenizer model contributes: the BPE model (built by `model()`, the costly part: its merges),
+    text steps and the bytes of each id."""
 
-    model: models.Model
+    model: Callable[[], models.Model]
     normalizer: normalizers.Normalizer | None
     pre_tokenizer: Any
     decoder: decoders.Decoder
@@ -108,9 +109,12 @@ def _byte_level(meta: dict[str, Any], tokens: list[str], types: list[int]) -> _P
     if "tokenizer.ggml.merges" not in meta:
         raise ModelLoadError("GGUF metadata key 'tokenizer.ggml.merges' is missing")
     rules = pre_tokenizer(name)
-    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
     vocab = _vocab(tokens)
-    model = models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False, ignore_merges=rules.ignore_merges)
+
+    def model() -> models.Model:
+        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+        return models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False, ignore_merges=rules.ignore_merges)
+
     table = _byte_decoder()
     token_bytes = [t.encode("utf-8") if k in (_CONTROL, _USER_DEFINED) or not all(c in table for c in t)
                    else bytes(table[c] for c in t) for t, k in zip(tokens, types)]
@@ -160,13 +164,16 @@ def _sentencepiece(meta: dict[str, Any], tokens: list[str], types: list[int]) ->
     vocab = _vocab(pieces)
     unk_id = meta.get("tokenizer.ggml.unknown_token_id")
     unk = pieces[int(unk_id)] if unk_id is not None and 0 <= int(unk_id) < len(pieces) else None
-    if "tokenizer.ggml.merges" in meta:  # a BPE-trained SentencePiece-style vocabulary (`gemma4`) lists its merges
-        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-    else:
-        ranks = ([-float(i) for i in range(len(pieces))] if variant.merges_by_file_order
-                 else [float(s) for s in meta["tokenizer.ggml.scores"]])
-        merges = _spm_merges(pieces, ranks, types)
-    model = models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
+
+    def model() -> models.Model:
+        if "tokenizer.ggml.merges" in meta:  # a BPE-trained SentencePiece-style vocabulary (`gemma4`) lists them
+            merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+        else:
+            ranks = ([-float(i) for i in range(len(pieces))] if variant.merges_by_file_order
+                     else [float(s) for s in meta["tokenizer.ggml.scores"]])
+            merges = _spm_merges(pieces, ranks, types)
+        return models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
+
     space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
     steps = [normalizers.Replace(" ", SPACE)]
     decode = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
@@ -201,13 +208,17 @@ class Tokenizer:
     text as the vocabulary writes it, unused ones too: what a grammar engine matches); `unused_ids`;
     `chat_template`.
 
+    `build=False` leaves the encoder (the BPE model and its merges: about 3 s of CPU for the
+    262,144 pieces of Gemma 3's SentencePiece vocabulary) to the first encode or decode, for a
+    reader of the metadata alone (`hybridgate info`); every check below is made either way.
+
     Raises (at construction):
         ModelLoadError: `tokenizer.ggml.model` is not in `TOKENIZER_MODELS`, or
             `tokenizer.ggml.pre` is not a supported pre-tokenizer (both named,
             with the supported list), or a key the model needs is missing.
     """
 
-    def __init__(self, metadata: dict[str, Any]):
+    def __init__(self, metadata: dict[str, Any], build: bool = True):
         kind = metadata.get("tokenizer.ggml.model")
         if kind not in TOKENIZER_MODELS:
             raise ModelLoadError(f"tokenizer.ggml.model {kind!r} is not supported (supported: "
@@ -223,10 +234,9 @@ class Tokenizer:
         self.add_bos_token = bool(metadata.get("tokenizer.ggml.add_bos_token", parts.add_bos))
         self.add_eos_token = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
         self.chat_template: str | None = metadata.get("tokenizer.chat_template")
-        self._tokens = tokens
-        self._with_special = self._build(parts, tokens, types)
-        self._as_text = self._build(parts, tokens, types)
-        self._as_text.encode_special_tokens = True
+        self._tokens, self._types, self._parts = tokens, types, parts
+        if build:
+            self._as_text  # noqa: B018  builds both (the model is shared)
         # Filler tokens (type unused: Phi-3's `<|placeholder…|>`, `[PAD…]`) render as nothing, as llama.cpp's
         # `token_to_piece` renders them; their written text stays with the grammar engine (`written_bytes`).
         self.unused_ids: frozenset[int] = frozenset(i for i, k in enumerate(types) if k == _UNUSED)
@@ -259,9 +269,24 @@ class Tokenizer:
         ids = {self.eos_token_id, self.eot_token_id, self.eom_token_id} | ends
         self.stop_token_ids: frozenset[int] = frozenset(i for i in ids if i >= 0)
 
+    @functools.cached_property
+    def _model(self) -> models.Model:
+        return self._parts.model()
+
+    @functools.cached_property
+    def _with_special(self) -> _HFTokenizer:
+        return self._build(self._parts, self._model, self._tokens, self._types)
+
+    @functools.cached_property
+    def _as_text(self) -> _HFTokenizer:
+        tok = self._build(self._parts, self._model, self._tokens, self._types)
+        tok.encode_special_tokens = True
+        self._with_special  # noqa: B018  the two are built together
+        return tok
+
     @staticmethod
-    def _build(parts: _Parts, tokens: list[str], types: list[int]) -> _HFTokenizer:
-        tok = _HFTokenizer(parts.model)
+    def _build(parts: _Parts, model: models.Model, tokens: list[str], types: list[int]) -> _HFTokenizer:
+        tok = _HFTokenizer(model)
         if parts.normalizer is not None:
             tok.normalizer = parts.normalizer
         if parts.pre_tokenizer is not None:

@@ -1,5 +1,5 @@
 """Two models behind one `serve`: routed by name through both doors, listed, refused when unknown, each
-with its own workers, hand-offs and health.
+with its own workers, hand-offs, health and chat template.
 
 The models: the default SmolLM2 (`smol`: one CPU worker) and a tiny random-weight Llama GGUF with a real
 llama.cpp vocabulary (`tiny`: one GPU worker, the torch runner on this CPU), so that each model has a
@@ -7,7 +7,10 @@ worker kind the other lacks: a hand-off that crossed models would find one.
 References: SmolLM2's greedy ids are transformers' (tests/golden/greedy.json); the tiny model's are the
 torch runner's own forward pass over a contiguous cache, in this process (the runner that
 tests/component/test_architectures.py holds to transformers within 1e-3 on these files), from the prompt
-ids the gateway's /tokenize reports for that model. One serve for the module; the worker kill runs last.
+ids the gateway's /tokenize reports for that model. Chat prompts: SmolLM2's own template (the file's) as
+transformers renders and tokenizes it (tests/golden/chat.json), and the tiny model's per-model
+`chat-template=FILE` as transformers' `render_jinja_template` renders it. One serve for the module; the
+worker kill runs last.
 """
 
 from __future__ import annotations
@@ -32,9 +35,14 @@ from hybridgate.v1 import generation_pb2 as pb
 from procs import HYBRIDGATE, Serve, children_of, metrics, stub
 
 SMOL, TINY = "smol", "tiny"
+TINY_ALIAS = "tiny-base"  # the tiny model's own --served-model-name (per model: served-model-name=...)
 GREEDY = golden_json("greedy.json")["france"]
 TINY_PROMPT = "The quick brown fox jumps over the lazy dog and"
 STEPS = 12
+# The tiny model's own chat template (a base model's plain "### Role:" turns), given per model only: SmolLM2
+# keeps the ChatML template of its file.
+TINY_TEMPLATE = ("{% for message in messages %}### {{ message['role'] | capitalize }}:\n{{ message['content'] }}\n\n"
+                 "{% endfor %}{% if add_generation_prompt %}### Assistant:\n{% endif %}")
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +52,13 @@ def tiny_path(tiny_models) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, model_path, tiny_path):
-    proc = Serve(tmp_path_factory.mktemp("multimodel") / "serve.log",
-                 "--model", f"{SMOL}={model_path}:gpu=0:cpu=1", "--model", f"{TINY}={tiny_path}:gpu=1:cpu=0",
+    folder = tmp_path_factory.mktemp("multimodel")
+    template = folder / "tiny.jinja"
+    template.write_text(TINY_TEMPLATE)
+    proc = Serve(folder / "serve.log",
+                 "--model", f"{SMOL}={model_path},gpu-workers=0,cpu-workers=1",
+                 "--model", f"{TINY}={tiny_path},gpu-workers=1,cpu-workers=0,chat-template={template},"
+                 f"served-model-name={TINY_ALIAS}",
                  "--allow-client-routes", "--no-measure-rates", "--worker-max-restarts", "0")
     yield proc
     assert proc.stop() == 0, proc.text()
@@ -106,13 +119,49 @@ def test_each_model_answers_its_own_reference_through_both_doors(server, tiny_pa
     assert body["usage"]["completion_tokens"] == STEPS
 
 
+def test_each_models_chat_renders_with_its_own_template_through_both_doors(server):
+    """A per-model template reaches its model only: SmolLM2's chats stay ChatML (its file's template, as
+    transformers renders and tokenizes it), the tiny model's follow its own file (transformers' rendering
+    of that template), through /tokenize, /v1/chat/completions and gRPC Generate alike."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    case = golden_json("chat.json")["user_only"]
+    messages = case["messages"]
+    [tiny_text], _ = render_jinja_template([messages], chat_template=TINY_TEMPLATE, add_generation_prompt=True)
+    for model, text in ((SMOL, case["text"]), (TINY, tiny_text)):
+        status, tokenized = post(server, "/tokenize", {"model": model, "messages": messages})
+        assert status == 200, tokenized
+        ids = tokenized["tokens"]
+        if model == SMOL:
+            assert ids == case["ids"]  # transformers' apply_chat_template(tokenize=True)
+        status, decoded = post(server, "/detokenize", {"model": model, "tokens": ids})
+        assert status == 200 and decoded["prompt"] == text, (model, decoded)
+        # The same ids as a token-id prompt: both doors' chats must have rendered exactly these.
+        status, plain = post(server, "/v1/completions", {"model": model, "prompt": ids, "temperature": 0,
+                                                         "max_tokens": 4, "ignore_eos": True,
+                                                         "skip_special_tokens": False})
+        assert status == 200, plain
+        status, chat = post(server, "/v1/chat/completions", {"model": model, "messages": messages,
+                                                             "temperature": 0, "max_tokens": 4, "ignore_eos": True,
+                                                             "skip_special_tokens": False})
+        assert status == 200 and chat["usage"]["prompt_tokens"] == len(ids), chat
+        assert chat["choices"][0]["message"]["content"] == plain["choices"][0]["text"], (model, chat, plain)
+        grpc_chat = pb.Chat(messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages])
+        streamed = generate(server, chat=grpc_chat, model=model, max_tokens=4, ignore_eos=True,
+                            skip_special_tokens=False)
+        assert streamed[-1].usage.prompt_tokens == len(ids)
+        assert "".join(m.text for m in streamed) == plain["choices"][0]["text"], model
+
+
 def test_every_model_is_listed_and_an_unknown_one_is_not_found(server):
     with urllib.request.urlopen(server.http_url + "/v1/models", timeout=10) as resp:
         listed = json.loads(resp.read())
-    assert [m["id"] for m in listed["data"]] == [SMOL, TINY]
+    # Each name and each alias its own entry; the alias is the tiny model's own (per model), smol has none.
+    assert [(m["id"], m["root"]) for m in listed["data"]] == [(SMOL, SMOL), (TINY, TINY), (TINY_ALIAS, TINY)]
     info = stub(server.target).GetModelInfo(pb.GetModelInfoRequest())
     assert info.model_id == SMOL and [m.model_id for m in info.models] == [SMOL, TINY]
-    assert [list(m.aliases) for m in info.models] == [[], []]  # NAME=PATH is the only name: no general.name
+    assert [list(m.aliases) for m in info.models] == [[], [TINY_ALIAS]]  # no general.name in a fleet
+    assert stub(server.target).GetModelInfo(pb.GetModelInfoRequest(model=TINY_ALIAS)).model_id == TINY
     tiny = stub(server.target).GetModelInfo(pb.GetModelInfoRequest(model=TINY))
     assert tiny.model_id == TINY and [w.kind for w in tiny.workers] == ["gpu"]
     assert tiny.fingerprint != info.fingerprint and [w.kind for w in info.workers] == ["cpu"]

@@ -184,3 +184,18 @@ def test_a_tensor_no_runner_reads_is_refused_by_name(tmp_path):
     _rename(path, length + b"output.weight", length + b"outpux.weight")
     with pytest.raises(ModelLoadError, match=r"tensor 'outpux\.weight' is not read by architecture 'llama'"):
         load_gguf(path)
+
+
+def test_the_header_walk_equals_gguf_readers(model_path, tmp_path):
+    """`read_header` (load_gguf's first read of a file) against gguf's own GGUFReader: every metadata value,
+    and each tensor's name, type, shape (row-major), file offset and byte count."""
+    import gguf
+
+    from hybridgate.models.gguf_metadata import read_header
+
+    for path in (model_path, write_tiny_llama(tmp_path / "t.gguf", heads=4, kv_heads=2)):
+        reader = gguf.GGUFReader(path)
+        metadata, infos = read_header(path)
+        assert metadata == {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+        assert infos == [(t.name, int(t.tensor_type), [int(d) for d in reversed(t.shape.tolist())],
+                          int(t.data_offset), int(t.n_bytes)) for t in reader.tensors]

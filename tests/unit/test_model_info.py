@@ -164,3 +164,26 @@ def test_template_gets_every_special_token_the_file_names(base, folder):
     chat = ChatTemplate(Tokenizer(meta), "{{ bos_token }}|{{ eos_token }}|{{ unk_token }}|{{ pad_token }}",
                         template_token_ids(meta))
     assert chat.render(CHAT) == "|".join(tokens[i] for i in (1, 2, 0, 2))
+
+
+def test_runner_verdicts_are_kept_per_model_code_and_packages(base, tmp_path, monkeypatch):
+    """The second `info` of a file takes the runners' verdicts from the cache (no torch import, no repacking);
+    another version of a runner's package checks again."""
+    from hybridgate.models import model_fingerprint
+    from hybridgate.workers import support
+
+    monkeypatch.setenv("HYBRIDGATE_CACHE_DIR", str(tmp_path))
+    model = load_gguf(base)
+    fingerprint = model_fingerprint(model)
+    first = support.runner_verdicts(model, fingerprint)
+    assert [(r.kind, refusal) for r, refusal in first] == [("gpu", ""), ("cpu", "")]  # head_dim 16: both build
+    assert len(list((tmp_path / "runners").glob("*.json"))) == 1
+
+    def refuse(runner, model):
+        return f"checked again ({runner.kind})"
+
+    monkeypatch.setattr(support, "runner_refusal", refuse)
+    assert support.runner_verdicts(model, fingerprint) == first
+    monkeypatch.setattr(support, "version", lambda name: "99.0" if name == "numba" else "1.0")
+    assert [refusal for _, refusal in support.runner_verdicts(model, fingerprint)] == \
+        ["checked again (gpu)", "checked again (cpu)"]

@@ -38,3 +38,14 @@ def test_metadata(tokenizer):
     assert (tokenizer.vocab_size, tokenizer.bos_token_id, tokenizer.eos_token_id) == (49152, 1, 2)
     assert tokenizer.add_bos_token is False
     assert len(tokenizer.special_tokens) == 17
+
+
+def test_a_tokenizer_built_on_first_use_encodes_as_the_reference(gguf_model):
+    """`build=False` (hybridgate info) makes every check at once and the encoder at the first encode."""
+    from hybridgate.models import Tokenizer
+
+    lazy = Tokenizer(gguf_model.metadata, build=False)
+    assert "_with_special" not in vars(lazy) and "_as_text" not in vars(lazy)
+    for text, ids, decoded in CASES[:20]:  # transformers' ids
+        assert lazy.encode(text) == ids and lazy.decode(ids) == decoded
+    assert lazy.encode("<|im_end|>", special_tokens=False) != [2]  # the as-text encoder, built with it

@@ -151,29 +151,43 @@ class DecoderModel:
         put_t = lambda t: self._put(t.t())  # noqa: E731  [out, in] -> [in, out]
         qk_norm = None
         if row.qk_norm:  # per-head weights laid out as the joint Q|K heads they scale
-            qk_norm = self._put(torch.cat([w("attn_q_norm").expand(c.num_heads, -1),
+            qk_norm = self._put(self._cat([w("attn_q_norm").expand(c.num_heads, -1),
                                            w("attn_k_norm").expand(c.num_kv_heads, -1)]))
         return LayerWeights(
             attn_norm=self._put(w("attn_norm")),
-            w_qkv=put_t(torch.cat([w(n) for n in row.qkv_tensors])),
+            w_qkv=put_t(self._cat([w(n) for n in row.qkv_tensors])),
             wo=put_t(w("attn_output")),
             ffn_norm=self._put(w("ffn_norm")),
-            w_gate_up=put_t(torch.cat([w(n) for n in row.gate_up_tensors])),
+            w_gate_up=put_t(self._cat([w(n) for n in row.gate_up_tensors])),
             w_down=put_t(w("ffn_down")),
-            b_qkv=self._put(torch.cat([w(n, "bias") for n in row.qkv_tensors])) if row.qkv_bias else None,
+            b_qkv=self._put(self._cat([w(n, "bias") for n in row.qkv_tensors])) if row.qkv_bias else None,
             qk_norm=qk_norm,
             post_attn_norm=self._put(w("post_attention_norm")) if row.post_norms else None,
             post_ffn_norm=self._put(w("post_ffw_norm")) if row.post_norms else None,
         )
 
+    def _cat(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """`torch.cat(parts)` along rows. On the meta device the result's shape alone, checked as cat checks
+        it: torch's meta kernel for cat is Python whose first call imports torch._dynamo (about 3 s of
+        `hybridgate info`). Raises ValueError when the parts' other dimensions differ."""
+        if self.device.type != "meta":
+            return torch.cat(parts)
+        rest = {tuple(p.shape[1:]) for p in parts}
+        if len(rest) != 1:
+            raise ValueError(f"cannot join tensors of shapes {[tuple(p.shape) for p in parts]} along their rows")
+        return torch.empty((sum(p.shape[0] for p in parts), *rest.pop()), device="meta")
+
     def _inv_freq(self, theta: float) -> torch.Tensor:
         """float32 `[head_dim / 2]`: theta^(-2i/d) as transformers computes it, over the file's frequency
         divisors (Llama 3 `rope_freqs`, Phi-3 LongRoPE factors; llama.cpp's `freq_factors`)."""
         d = self.config.head_dim
-        inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=self.device).float() / d))
+        # On the meta device (shapes only) the table is made on the CPU: meta arithmetic runs torch's Python
+        # reference kernels, whose first call imports torch._dynamo (seconds of `hybridgate info`).
+        device = torch.device("cpu") if self.device.type == "meta" else self.device
+        inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
         if self.config.rope_freq_factors:
-            inv = inv / torch.tensor(self.config.rope_freq_factors, dtype=torch.float32, device=self.device)
-        return inv
+            inv = inv / torch.tensor(self.config.rope_freq_factors, dtype=torch.float32, device=device)
+        return inv.to(self.device)
 
     @property
     def weight_bytes(self) -> int:
