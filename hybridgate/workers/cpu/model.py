@@ -47,6 +47,7 @@ from hybridgate.workers.cpu.layers import (  # noqa: E402, F401 (the kernels, fo
     silu_mul_serial,
 )
 from hybridgate.workers.cpu.fused import concat_rows  # noqa: E402
+from hybridgate.workers.cpu.moe import CpuExperts, experts_ffn, load_experts  # noqa: E402
 from hybridgate.workers.cpu.quant import quant_matrix  # noqa: E402
 from hybridgate.workers.cpu.simd import kv_encode  # noqa: E402
 from hybridgate.workers.step_inputs import StepInputs  # noqa: E402
@@ -126,12 +127,13 @@ class CpuLayer:
     wo: object  # matrix [hidden, q_dim]
     post_attn_norm: np.ndarray | None  # float32 [hidden] (gemma) or None
     ffn_norm: np.ndarray  # float32 [hidden]
-    gate_up: object  # matrix [2 ffn, hidden]: gate rows then up rows
-    down: object  # matrix [hidden, ffn]
+    gate_up: object  # matrix [2 ffn, hidden]: gate rows then up rows; None: experts
+    down: object  # matrix [hidden, ffn]; None: experts
     post_ffn_norm: np.ndarray | None  # float32 [hidden] (gemma) or None
     window: int  # sliding window in tokens; 0: full causal attention
     cos: np.ndarray  # float32 [max_len, head_dim / 2], shared by layers of one RoPE base and scale
     sin: np.ndarray
+    experts: CpuExperts | None = None  # the FFN's router and experts (`arch.moe`); None: dense
 
     @property
     def has_prologue(self) -> bool:
@@ -139,8 +141,8 @@ class CpuLayer:
 
     def arrays(self) -> list:
         """The arrays and matrices held (each has `nbytes`)."""
-        values = [getattr(self, f) for f in self.__dataclass_fields__]
-        return [v for v in values if hasattr(v, "nbytes")]
+        values = [getattr(self, f) for f in self.__dataclass_fields__ if f != "experts"]
+        return [v for v in values if hasattr(v, "nbytes")] + (self.experts.arrays() if self.experts else [])
 
 
 def _matrix(model: GGUFModel, names: list[str], activations: str):
@@ -168,6 +170,7 @@ def load_layer(model: GGUFModel, i: int, activations: str, rope: dict) -> CpuLay
     post = {n: _vector(model, p + n + ".weight", (c.hidden_size,), True) if row.post_norms else None
             for n in ("post_attention_norm", "post_ffw_norm")}
     cos, sin = rope[(c.layer_rope_theta[i], c.layer_rope_scale[i])]
+    dense = row.moe is None
     return CpuLayer(
         attn_norm=_vector(model, p + "attn_norm.weight", (c.hidden_size,), True),
         qkv=_matrix(model, [p + n + ".weight" for n in row.qkv_tensors], activations),
@@ -177,12 +180,13 @@ def load_layer(model: GGUFModel, i: int, activations: str, rope: dict) -> CpuLay
         wo=_matrix(model, [p + "attn_output.weight"], activations),
         post_attn_norm=post["post_attention_norm"],
         ffn_norm=_vector(model, p + "ffn_norm.weight", (c.hidden_size,), True),
-        gate_up=_matrix(model, [p + n + ".weight" for n in row.gate_up_tensors], activations),
-        down=_matrix(model, [p + "ffn_down.weight"], activations),
+        gate_up=_matrix(model, [p + n + ".weight" for n in row.gate_up_tensors], activations) if dense else None,
+        down=_matrix(model, [p + "ffn_down.weight"], activations) if dense else None,
         post_ffn_norm=post["post_ffw_norm"],
         window=c.layer_windows[i],
         cos=cos,
         sin=sin,
+        experts=None if dense else load_experts(model, i, activations),
     )
 
 
@@ -235,7 +239,8 @@ class CpuModel:
             return kept
         c = self.config
         qkv_width = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-        ffn = c.intermediate_size  # every layer's (the file's shapes are checked against it at load)
+        # every layer's (the file's shapes are checked against it at load); experts size their own per expert
+        ffn = c.intermediate_size if c.arch.moe is None else 0
         new = StepBuffers(*(np.empty((tokens,) + shape, np.float32) for shape in (
             (c.hidden_size,), (qkv_width,), (c.num_heads, c.head_dim), (c.num_heads, c.head_dim),
             (c.hidden_size,), (2 * ffn,), (ffn,))))
@@ -253,7 +258,7 @@ class CpuModel:
         x = self.embed_rows(h.ids)  # [tokens, hidden]
         buf = self._step_buffers(x.shape[0])
         serial = x.shape[0] <= SERIAL_TOKENS
-        norm, activation, prompt = (rms_norm_serial if serial else rms_norm), self.activation[serial], h.prompt_rows
+        norm, prompt = (rms_norm_serial if serial else rms_norm), h.prompt_rows
         self.kernel_calls = 0
         for i, layer in enumerate(self.layers):
             norm(x, layer.attn_norm, c.rms_norm_eps, buf.normed)
@@ -261,10 +266,8 @@ class CpuModel:
                                    (offset, starts[layer.window], length, slots, tiles))
             self._residual(x, layer.wo.matmul_prompt(attn, prompt, buf.proj), layer.post_attn_norm, serial)
             norm(x, layer.ffn_norm, c.rms_norm_eps, buf.normed)
-            gate_up = layer.gate_up.matmul_prompt(buf.normed, prompt, buf.gate_up)
-            activation(gate_up, buf.act)  # (parallel, serial) kernels
-            self._residual(x, layer.down.matmul_prompt(buf.act, prompt, buf.proj), layer.post_ffn_norm, serial)
-            self.kernel_calls += 6
+            self._residual(x, self._ffn(layer, buf, prompt, serial), layer.post_ffn_norm, serial)
+            self.kernel_calls += 3
         last = np.ascontiguousarray(x[h.last])
         out = np.empty_like(last)
         norm(last, self.out_norm, c.rms_norm_eps, out)
@@ -294,6 +297,17 @@ class CpuModel:
                         np.float32(c.attn_softcap), buf.attn)
         self.kernel_calls += 3
         return buf.attn.reshape(tokens, c.num_heads * c.head_dim)
+
+    def _ffn(self, layer: CpuLayer, buf: StepBuffers, prompt: np.ndarray, serial: bool) -> np.ndarray:
+        """The FFN sublayer's output float32 `[tokens, hidden]` (in `buf.proj`) from the normed input in
+        `buf.normed`: the dense gated FFN, or the experts the router chose (`moe.experts_ffn`)."""
+        if layer.experts is not None:
+            self.kernel_calls += experts_ffn(buf.normed, layer.experts, self.activation, buf.proj)
+            return buf.proj
+        gate_up = layer.gate_up.matmul_prompt(buf.normed, prompt, buf.gate_up)
+        self.activation[serial](gate_up, buf.act)
+        self.kernel_calls += 3
+        return layer.down.matmul_prompt(buf.act, prompt, buf.proj)
 
     def _residual(self, x: np.ndarray, y: np.ndarray, post_norm: np.ndarray | None, serial: bool) -> None:
         """x += y, or x += rms_norm(y) · post_norm where the architecture norms the sublayer's output."""
