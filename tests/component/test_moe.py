@@ -13,8 +13,6 @@ transformers' logits whichever of them is chosen. The refused families fail at l
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import numpy as np
 import pytest
 import torch
@@ -23,27 +21,20 @@ from hf_reference import assert_greedy_matches, greedy
 from hybridgate.models import REFUSED_ARCHITECTURES, ModelLoadError, load_gguf, model_fingerprint
 from hybridgate.wire import AddRequest, SamplingParams
 from hybridgate.workers.cpu.runner import NumbaRunner
-from hybridgate.workers.engine import EngineCore, output_of
+from hybridgate.workers.engine import EngineCore
 from hybridgate.workers.gpu.model import DecoderModel
 from hybridgate.workers.gpu.runner import TorchRunner
 from hybridgate.workers.scheduler import ScheduledBatch, SchedulerConfig
 from hybridgate.workers.sequence import Sequence
+from test_cpu_architectures import run_engine
 from tiny_moe import VOCAB, make_qwen3moe, write_qwen3moe_gguf
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 TOL = 1e-3
 PROMPT_LENGTHS = (5, 23, 40)
 GREEDY_STEPS = 16
 GREEDY = SamplingParams(temperature=0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @torch.inference_mode()
@@ -86,16 +77,6 @@ def numba_packed(runner: NumbaRunner, prompts: list[list[int]]) -> np.ndarray:
 def torch_packed(model: DecoderModel, prompts: list[list[int]]) -> np.ndarray:
     caches = [model.new_cache() for _ in prompts]
     return model.forward(torch.tensor([i for p in prompts for i in p]), [len(p) for p in prompts], caches).numpy()
-
-
-def run_engine(engine: EngineCore, requests: list[AddRequest]) -> dict[str, list[int]]:
-    for r in requests:
-        assert engine.add(r, b"router") is None
-    out: dict[str, list[int]] = defaultdict(list)
-    while engine.has_work():
-        for s in engine.step():
-            out[s.request_id] += output_of(s).token_ids
-    return out
 
 
 def test_torch_runner_logits_match_transformers(case):
