@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from hf_reference import assert_greedy_matches, greedy
+from hybridgate.cli import main
 from hybridgate.models import REFUSED_ARCHITECTURES, ModelLoadError, load_gguf, model_fingerprint
 from hybridgate.wire import AddRequest, SamplingParams
 from hybridgate.workers.cpu.runner import NumbaRunner
@@ -152,3 +153,16 @@ def test_refused_families_fail_at_load_naming_the_architecture_and_why(small_hf,
         load_gguf(path)
     message = str(info.value)
     assert "\n" not in message and repr(arch) in message and REFUSED_ARCHITECTURES[arch] in message
+
+
+def test_info_shows_the_experts_and_the_active_parameters(case, capsys):
+    c = case.hf.config
+    assert main(["info", "--model", str(case.gguf.path)]) == 0
+    lines = dict(line.split(":", 1) for line in capsys.readouterr().out.splitlines() if ":" in line)
+    assert lines["experts"].strip().startswith(
+        f"{c.num_experts} per block, {c.num_experts_per_tok} active per token (softmax gating, renormalised), "
+        f"width {c.moe_intermediate_size}, no shared expert")
+    total = sum(p.numel() for p in case.hf.parameters())
+    experts = 3 * c.num_hidden_layers * c.num_experts * c.moe_intermediate_size * c.hidden_size
+    active = total - experts + experts * c.num_experts_per_tok // c.num_experts
+    assert f"({active:,} active parameters" in lines["read per token"]
