@@ -6,7 +6,8 @@ top-k-then-softmax gives the same pair; sigmoid gating with a selection bias of 
 3 (sigmoid(0) + 2 = 2.5) and then 1, weighted by the unbiased sigmoid(0) and sigmoid(3). Ties choose
 the lower index. The experts' sum is checked against a float64 loop over each token's chosen experts,
 on a router that sends every token to expert 3 first and, its other scores tied, to expert 0 second:
-six experts receive no token.
+six experts receive no token; and with a shared expert behind a sigmoid gate added for every token
+(llama.cpp's qwen2moe), against the same loop.
 """
 
 from __future__ import annotations
@@ -91,6 +92,22 @@ def _reference(x, gate_up, down) -> np.ndarray:
     return out
 
 
+def _shared(seed: int = 1):
+    """A shared expert's gate|up `[2 FFN, HIDDEN]`, down `[HIDDEN, FFN]` and gate `[HIDDEN]` (float32)."""
+    rng = np.random.default_rng(seed)
+    return ((rng.standard_normal((2 * FFN, HIDDEN)) / math.sqrt(HIDDEN)).astype(np.float32),
+            (rng.standard_normal((HIDDEN, FFN)) / math.sqrt(FFN)).astype(np.float32),
+            rng.standard_normal(HIDDEN).astype(np.float32))
+
+
+def _shared_reference(x, gate_up, down, gate) -> np.ndarray:
+    """float64: sigmoid(x · gate) · down(silu(g) · u) for each token."""
+    h = x.astype(np.float64) @ gate_up.T.astype(np.float64)
+    g, u = h[:, :FFN], h[:, FFN:]
+    y = (g / (1.0 + np.exp(-g)) * u) @ down.T.astype(np.float64)
+    return y / (1.0 + np.exp(-(x.astype(np.float64) @ gate.astype(np.float64))))[:, None]
+
+
 def test_torch_experts_every_token_to_one_expert_and_idle_experts():
     x, router, gate_up, down = _weights()
     weights, experts = gpu_moe.route(torch.from_numpy(x @ router.T), MixtureOfExperts(normalize=True), K)
@@ -98,16 +115,27 @@ def test_torch_experts_every_token_to_one_expert_and_idle_experts():
     got = gpu_moe.experts_ffn(torch.from_numpy(x), weights, experts, torch.from_numpy(gate_up).transpose(1, 2),
                               torch.from_numpy(down).transpose(1, 2), torch.nn.functional.silu)
     np.testing.assert_allclose(got.numpy(), _reference(x, gate_up, down), atol=1e-5)
+    sgu, sd, sg = _shared()
+    shared = gpu_moe.shared_expert(torch.from_numpy(x), torch.from_numpy(sgu).t(), torch.from_numpy(sd).t(),
+                                   torch.from_numpy(sg), torch.nn.functional.silu)
+    np.testing.assert_allclose(shared.numpy(), _shared_reference(x, sgu, sd, sg), atol=1e-5)
 
 
-def test_numba_experts_every_token_to_one_expert_and_idle_experts():
+@pytest.mark.parametrize("with_shared", [False, True])
+def test_numba_experts_every_token_to_one_expert_and_idle_experts(with_shared):
     x, router, gate_up, down = _weights()
+    sgu, sd, sg = _shared()
     matrix = lambda name, w: quant_matrix(name, F32, w.view(np.uint8), w.shape, "f32")  # noqa: E731
+    shared = dict(shared_gate_up=matrix("shared_gate_up", sgu), shared_down=matrix("shared_down", sd),
+                  shared_gate=sg) if with_shared else {}
     experts = cpu_moe.CpuExperts(
-        moe=MixtureOfExperts(normalize=True), router=matrix("router", router), bias=np.empty(0, np.float32),
+        moe=MixtureOfExperts(normalize=True, shared_expert=with_shared, shared_expert_gate=with_shared),
+        router=matrix("router", router), bias=np.empty(0, np.float32),
         gate_up=[matrix(f"gate_up[{e}]", gate_up[e]) for e in range(EXPERTS)],
-        down=[matrix(f"down[{e}]", down[e]) for e in range(EXPERTS)], k=K, scale=1.0)
+        down=[matrix(f"down[{e}]", down[e]) for e in range(EXPERTS)], k=K, scale=1.0, **shared)
     out = np.full((TOKENS, HIDDEN), np.nan, np.float32)
     calls = cpu_moe.experts_ffn(x, experts, GATED_ACTIVATIONS["silu"], out)
-    np.testing.assert_allclose(out, _reference(x, gate_up, down), atol=1e-5)
-    assert calls == 1 + 3 * 2  # the router, then three kernels for each of the two experts read
+    want = _reference(x, gate_up, down) + (_shared_reference(x, sgu, sd, sg) if with_shared else 0.0)
+    np.testing.assert_allclose(out, want, atol=1e-5)
+    # the router, three kernels for each of the two experts read, three for the shared expert
+    assert calls == 1 + 3 * 2 + 3 * with_shared

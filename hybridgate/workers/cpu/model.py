@@ -46,9 +46,8 @@ from hybridgate.workers.cpu.layers import (  # noqa: E402, F401 (the kernels, fo
     silu_mul,
     silu_mul_serial,
 )
-from hybridgate.workers.cpu.fused import concat_rows  # noqa: E402
+from hybridgate.workers.cpu.fused import tensor_matrix  # noqa: E402
 from hybridgate.workers.cpu.moe import CpuExperts, experts_ffn, load_experts  # noqa: E402
-from hybridgate.workers.cpu.quant import quant_matrix  # noqa: E402
 from hybridgate.workers.cpu.simd import kv_encode  # noqa: E402
 from hybridgate.workers.step_inputs import StepInputs  # noqa: E402
 
@@ -145,14 +144,6 @@ class CpuLayer:
         return [v for v in values if hasattr(v, "nbytes")] + (self.experts.arrays() if self.experts else [])
 
 
-def _matrix(model: GGUFModel, names: list[str], activations: str):
-    """One matrix of the named tensors' rows, in order (fused when several)."""
-    parts = [(int(model.tensors[n].ggml_type), model.tensors[n].data, model.tensors[n].shape) for n in names]
-    if len(parts) > 1:
-        return concat_rows("+".join(names), parts, activations)
-    return quant_matrix(names[0], *parts[0], activations)
-
-
 def _vector(model: GGUFModel, name: str, shape: tuple[int, ...], present: bool) -> np.ndarray:
     """A float32 tensor (norms, biases) of `shape`, or an empty array of that rank when not `present`."""
     if not present:
@@ -173,15 +164,15 @@ def load_layer(model: GGUFModel, i: int, activations: str, rope: dict) -> CpuLay
     dense = row.moe is None
     return CpuLayer(
         attn_norm=_vector(model, p + "attn_norm.weight", (c.hidden_size,), True),
-        qkv=_matrix(model, [p + n + ".weight" for n in row.qkv_tensors], activations),
+        qkv=tensor_matrix(model, [p + n + ".weight" for n in row.qkv_tensors], activations),
         qkv_bias=bias,
         q_norm=_vector(model, p + "attn_q_norm.weight", (dim,), row.qk_norm),
         k_norm=_vector(model, p + "attn_k_norm.weight", (dim,), row.qk_norm),
-        wo=_matrix(model, [p + "attn_output.weight"], activations),
+        wo=tensor_matrix(model, [p + "attn_output.weight"], activations),
         post_attn_norm=post["post_attention_norm"],
         ffn_norm=_vector(model, p + "ffn_norm.weight", (c.hidden_size,), True),
-        gate_up=_matrix(model, [p + n + ".weight" for n in row.gate_up_tensors], activations) if dense else None,
-        down=_matrix(model, [p + "ffn_down.weight"], activations) if dense else None,
+        gate_up=tensor_matrix(model, [p + n + ".weight" for n in row.gate_up_tensors], activations) if dense else None,
+        down=tensor_matrix(model, [p + "ffn_down.weight"], activations) if dense else None,
         post_ffn_norm=post["post_ffw_norm"],
         window=c.layer_windows[i],
         cos=cos,
@@ -207,8 +198,8 @@ class CpuModel:
         rope = {key: rope_table(c, *key, self.max_model_len)
                 for key in sorted(set(zip(c.layer_rope_theta, c.layer_rope_scale)))}
         self.layers = [load_layer(model, i, activations, rope) for i in range(c.num_layers)]
-        self.embed = _matrix(model, ["token_embd.weight"], activations)
-        self.lm_head = self.embed if c.tie_word_embeddings else _matrix(model, ["output.weight"], activations)
+        self.embed = tensor_matrix(model, ["token_embd.weight"], activations)
+        self.lm_head = self.embed if c.tie_word_embeddings else tensor_matrix(model, ["output.weight"], activations)
         self.out_norm = model.tensors["output_norm.weight"].dequantize()
         self.rope_pair = ROPE_PAIRS[c.rope_layout](c.head_dim)
         self.activation = GATED_ACTIVATIONS[c.arch.activation.value]

@@ -17,12 +17,12 @@ scale; ties in the scores choose the lower expert index (a stable sort), as `gpu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from hybridgate.models import GGUFModel, Gating, MixtureOfExperts
-from hybridgate.workers.cpu.fused import concat_rows
+from hybridgate.workers.cpu.fused import concat_rows, tensor_matrix
 from hybridgate.workers.cpu.layers import SERIAL_TOKENS
 from hybridgate.workers.cpu.quant import quant_matrix
 
@@ -70,14 +70,19 @@ class CpuExperts:
     down: list  # per expert: matrix [hidden, expert_ffn]
     k: int  # experts per token
     scale: float  # the chosen weights' multiplier
+    shared_gate_up: object = None  # matrix [2 shared_ffn, hidden] of the shared expert; None: none
+    shared_down: object = None  # matrix [hidden, shared_ffn]
+    shared_gate: np.ndarray = field(default_factory=lambda: np.empty(0, np.float32))  # float32 [hidden]: sigmoid(x · it)
+    # scales the shared expert; (0,): no gate
 
     def arrays(self) -> list:
         """The matrices held (each has `nbytes`)."""
-        return [self.router, *self.gate_up, *self.down]
+        shared = [] if self.shared_gate_up is None else [self.shared_gate_up, self.shared_down]
+        return [self.router, *self.gate_up, *self.down, *shared]
 
     @property
     def nbytes(self) -> int:
-        return sum(m.nbytes for m in self.arrays()) + self.bias.nbytes
+        return sum(m.nbytes for m in self.arrays()) + self.bias.nbytes + self.shared_gate.nbytes
 
 
 def _slices(model: GGUFModel, name: str, experts: int) -> list[tuple[int, np.ndarray, tuple[int, int]]]:
@@ -92,12 +97,19 @@ def load_experts(model: GGUFModel, i: int, activations: str) -> CpuExperts:
     c = model.config
     moe, e, p = c.arch.moe, c.num_experts, f"blk.{i}."
     parts = [_slices(model, p + n + ".weight", e) for n in moe.expert_tensors]
-    router = model.tensors[p + "ffn_gate_inp.weight"]
     bias = model.tensors[p + "exp_probs_b.bias"].dequantize().reshape(-1) if moe.selection_bias else \
         np.empty(0, np.float32)
+    shared = {}
+    if moe.shared_expert:
+        names = [p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight"]
+        shared = {"shared_gate_up": tensor_matrix(model, names, activations),
+                  "shared_down": tensor_matrix(model, [p + "ffn_down_shexp.weight"], activations)}
+        if moe.shared_expert_gate:
+            shared["shared_gate"] = np.ascontiguousarray(
+                model.tensors[p + "ffn_gate_inp_shexp.weight"].dequantize().reshape(-1), np.float32)
     return CpuExperts(
         moe=moe,
-        router=quant_matrix(router.name, int(router.ggml_type), router.data, router.shape, activations),
+        router=tensor_matrix(model, [p + "ffn_gate_inp.weight"], activations),
         bias=np.ascontiguousarray(bias, np.float32),
         gate_up=[concat_rows("+".join(f"{p}{n}.weight[{x}]" for n in moe.expert_tensors), [part[x] for part in parts],
                              activations) for x in range(e)],
@@ -105,6 +117,7 @@ def load_experts(model: GGUFModel, i: int, activations: str) -> CpuExperts:
               for x, s in enumerate(_slices(model, p + "ffn_down_exps.weight", e))],
         k=c.experts_per_token,
         scale=c.expert_weight_scale,
+        **shared,
     )
 
 
@@ -131,4 +144,19 @@ def experts_ffn(x: np.ndarray, experts: CpuExperts, activation: tuple, out: np.n
         out[rows] += experts.down[e].matmul(act) * pair_weights[start : start + n, None]
         start += n
         calls += 3
+    if experts.shared_gate_up is not None:
+        calls += _shared_expert(x, experts, activation, out)
     return calls
+
+
+def _shared_expert(x: np.ndarray, experts: CpuExperts, activation: tuple, out: np.ndarray) -> int:
+    """out += the shared expert's FFN of x, times sigmoid(x · shared_gate) where there is that gate (llama.cpp
+    src/models/qwen2moe.cpp); returns kernel calls. Each row's gate is its own sum (batch invariant)."""
+    gate_up = experts.shared_gate_up.matmul(x)  # [tokens, 2 shared_ffn]
+    act = np.empty((x.shape[0], gate_up.shape[1] // 2), np.float32)
+    activation[x.shape[0] <= SERIAL_TOKENS](gate_up, act)
+    y = experts.shared_down.matmul(act)
+    if experts.shared_gate.size:
+        y *= np.float32(1.0) / (np.float32(1.0) + np.exp(-(x * experts.shared_gate).sum(axis=1, keepdims=True)))
+    out += y
+    return 3

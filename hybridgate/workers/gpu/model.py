@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from hybridgate.models import GGUFModel, ModelConfig
 from hybridgate.workers.gpu.layers import ACTIVATIONS, ROTATIONS, causal_sdpa, rms_norm, softcap
-from hybridgate.workers.gpu.moe import experts_ffn, route
+from hybridgate.workers.gpu.moe import experts_ffn, route, shared_expert
 
 __all__ = ["DecoderModel", "LlamaModel", "causal_sdpa", "default_device", "default_dtype"]
 
@@ -61,6 +61,9 @@ class LayerWeights:
     router_bias: torch.Tensor | None = None  # [experts] selection bias (`exp_probs_b`), float32
     experts_gate_up: torch.Tensor | None = None  # [experts, hidden, 2 * expert_ffn]: gate columns then up
     experts_down: torch.Tensor | None = None  # [experts, expert_ffn, hidden]
+    shared_gate_up: torch.Tensor | None = None  # [hidden, 2 * shared_ffn]: the shared expert's gate then up columns
+    shared_down: torch.Tensor | None = None  # [shared_ffn, hidden]
+    shared_gate: torch.Tensor | None = None  # [hidden] float32: sigmoid(h · it) scales the shared expert
 
 
 class Attention(Protocol):
@@ -173,12 +176,18 @@ class DecoderModel:
         moe = self.config.arch.moe
         w = lambda n, kind="weight": self._load(f"blk.{i}.{n}.{kind}")  # noqa: E731
         put_t = lambda t: self._put(t.transpose(-1, -2))  # noqa: E731
-        return {
-            "router": w("ffn_gate_inp").t().to(self.device, torch.float32).contiguous(),
-            "router_bias": w("exp_probs_b", "bias").to(self.device, torch.float32) if moe.selection_bias else None,
+        f32 = lambda t: t.to(self.device, torch.float32).contiguous()  # noqa: E731
+        out = {
+            "router": f32(w("ffn_gate_inp").t()),
+            "router_bias": f32(w("exp_probs_b", "bias")) if moe.selection_bias else None,
             "experts_gate_up": put_t(torch.cat([w(n) for n in moe.expert_tensors], dim=1)),
             "experts_down": put_t(w("ffn_down_exps")),
         }
+        if moe.shared_expert:
+            out |= {"shared_gate_up": put_t(torch.cat([w("ffn_gate_shexp"), w("ffn_up_shexp")])),
+                    "shared_down": put_t(w("ffn_down_shexp")),
+                    "shared_gate": f32(w("ffn_gate_inp_shexp")) if moe.shared_expert_gate else None}
+        return out
 
     def _inv_freq(self, theta: float) -> torch.Tensor:
         """float32 `[head_dim / 2]`: theta^(-2i/d) as transformers computes it, over the file's frequency
@@ -267,7 +276,10 @@ class DecoderModel:
         c = self.config
         weights, experts = route(h.float() @ layer.router, c.arch.moe, c.experts_per_token, c.expert_weight_scale,
                                  layer.router_bias)
-        return experts_ffn(h, weights, experts, layer.experts_gate_up, layer.experts_down, self._act)
+        out = experts_ffn(h, weights, experts, layer.experts_gate_up, layer.experts_down, self._act)
+        if layer.shared_gate_up is None:
+            return out
+        return out + shared_expert(h, layer.shared_gate_up, layer.shared_down, layer.shared_gate, self._act)
 
     def _rope(self, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin `[num_tokens, head_dim / 2]` in the model's dtype, times the config's attention factor."""

@@ -78,3 +78,13 @@ def experts_ffn(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, g
         out.index_add_(0, token, y * pair_weights[start : start + n, None])
         start += n
     return out
+
+
+def shared_expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, gate: torch.Tensor | None,
+                  act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The shared expert every token runs: down(act(gate x) · up x), times sigmoid(gate_inp · x) when the row has
+    that gate (llama.cpp src/models/qwen2moe.cpp). x `[tokens, hidden]`; gate_up `[hidden, 2 shared_ffn]`, down
+    `[shared_ffn, hidden]` in x's dtype; gate float32 `[hidden]` or None. Returns `[tokens, hidden]`."""
+    g, up = (x @ gate_up).chunk(2, dim=-1)
+    y = (act(g) * up) @ down
+    return y if gate is None else y * torch.sigmoid(x.float() @ gate).to(x.dtype)[:, None]
