@@ -5,7 +5,8 @@ The reference is the transformers model itself (fp32, eager), made with random w
 over 2 KV heads, 8 experts choosing 2 and 16 choosing 8 (Qwen3-30B-A3B's k), 260 tokens. Per
 case: last-position logits of three packed prompts within 1e-3 on both runners (F32 file); greedy
 ids for 16 tokens equal (or the first difference where the reference's top-2 gap is below 1e-3),
-through the paged cache with chunked prefill and a prefix-cache hit on both runners. The Numba
+through the paged cache with chunked prefill and a prefix-cache hit on both runners, and through a
+GPU→CPU hand-off (`test_cpu_architectures`' test on these files). The Numba
 runner's experts on a Q8_0 file against the torch runner's fp32 weights from gguf's dequantizer,
 still in their Q8_0 codes. Router ties: two experts with equal router rows and equal weights give
 transformers' logits whichever of them is chosen. The refused families fail at load in one line.
@@ -27,7 +28,9 @@ from hybridgate.workers.gpu.model import DecoderModel
 from hybridgate.workers.gpu.runner import TorchRunner
 from hybridgate.workers.scheduler import ScheduledBatch, SchedulerConfig
 from hybridgate.workers.sequence import Sequence
-from test_cpu_architectures import run_engine
+# The dense families' GPU→CPU hand-off test, run here on this module's `case`: the experts change no KV.
+from test_cpu_architectures import run_engine, torch_engine  # noqa: F401 (a fixture of the test below)
+from test_cpu_architectures import test_a_gpu_to_cpu_handoff_decodes_the_ids_of_the_cpu_runner_alone  # noqa: F401
 from tiny_moe import VOCAB, make_qwen3moe, write_qwen3moe_gguf
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
@@ -47,12 +50,13 @@ class Case:
     """transformers' model, its GGUF file, and its answers."""
 
     def __init__(self, hf, path):
-        self.hf, self.gguf = hf, load_gguf(path)
+        self.hf, self.gguf, self.name = hf, load_gguf(path), path.stem
         rng = np.random.default_rng(hf.config.num_experts)
         self.prompts = [rng.integers(0, VOCAB, size=n).tolist() for n in PROMPT_LENGTHS]
         self.want_logits = hf_logits(hf, self.prompts)
         self.want_greedy, self.gaps = greedy(hf, self.prompts[-1], GREEDY_STEPS)
         self.fingerprint = model_fingerprint(self.gguf)
+        self.runner = numba_runner(self.gguf)
 
 
 @pytest.fixture(scope="module", params=[(8, 2), (16, 8)], ids=lambda p: f"{p[0]}experts-top{p[1]}")
@@ -87,7 +91,7 @@ def test_torch_runner_logits_match_transformers(case):
 
 
 def test_numba_runner_logits_match_transformers(case):
-    got = numba_packed(numba_runner(case.gguf), case.prompts)
+    got = numba_packed(case.runner, case.prompts)
     err = np.abs(got - case.want_logits).max(axis=1)
     assert (err < TOL).all(), err
 
