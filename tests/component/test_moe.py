@@ -37,6 +37,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 TOL = 1e-3
 PROMPT_LENGTHS = (5, 23, 40)
+PROMPTS = [np.random.default_rng(1).integers(0, VOCAB, size=n).tolist() for n in PROMPT_LENGTHS]
 GREEDY_STEPS = 16
 GREEDY = SamplingParams(temperature=0, ignore_eos=True)
 
@@ -124,6 +125,28 @@ def test_numba_experts_in_q8_0_match_gguf_dequantized_weights(case, tmp_path):
     c = model.config
     assert experts.down[0].nbytes == c.hidden_size * c.expert_intermediate_size * (1 + 4 / 32)
     got = numba_packed(runner, case.prompts)
+    err = np.abs(got - want).max(axis=1)
+    assert (err < TOL).all(), err
+
+
+@pytest.fixture(scope="module")
+def wide_hf():
+    """Rows of 256 (hidden and expert width) for the K-quants' super-blocks; one layer."""
+    return make_qwen3moe(hidden=256, heads=8, head_dim=32, expert_ffn=256, layers=1)
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q4_0"])  # Q4_0: repacked onto the Q4_1 kernels
+def test_numba_experts_in_k_quants_match_gguf_dequantized_weights(wide_hf, kind, tmp_path):
+    # Q4_K and Q6_K: llama.cpp's Q4_K_M experts (random blocks: gguf cannot quantize them), held to the torch
+    # runner's fp32 weights from gguf's dequantizer, and kept in their blocks (under a third of fp32's bytes).
+    model = load_gguf(write_qwen3moe_gguf(wide_hf, tmp_path / f"{kind}.gguf", kind))
+    assert model.tensors["blk.0.ffn_gate_exps.weight"].ggml_type.name == kind
+    prompts = [p[:12] for p in PROMPTS]
+    want = torch_packed(DecoderModel(model, torch.device("cpu"), torch.float32), prompts)
+    runner = numba_runner(model)
+    experts, c = runner.model.layers[0].experts, model.config
+    assert experts.down[0].nbytes < c.hidden_size * c.expert_intermediate_size * 4 / 3
+    got = numba_packed(runner, prompts)
     err = np.abs(got - want).max(axis=1)
     assert (err < TOL).all(), err
 

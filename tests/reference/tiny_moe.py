@@ -15,7 +15,7 @@ import gguf
 import numpy as np
 import torch
 
-from tiny_gguf import byte_level_alphabet
+from tiny_gguf import _typed, byte_level_alphabet
 
 VOCAB = 260
 
@@ -64,12 +64,16 @@ def gguf_tensors(model) -> dict[str, np.ndarray]:
     return {k: np.ascontiguousarray(v, np.float32) for k, v in out.items()}
 
 
-def write_qwen3moe_gguf(model, path: Path, ggml_type: str = "F32", arch: str = "qwen3moe") -> Path:
-    """`model` as a GGUF file: matrices and expert tensors as `ggml_type` (F32, F16, or a type gguf
-    quantizes: Q8_0, Q4_0, ...); norms and the router F32 (llama.cpp's quantizer leaves `ffn_gate_inp`
-    unquantized). `arch` other than qwen3moe writes the same tensors under that name (a file to refuse)."""
+def write_qwen3moe_gguf(model, path: Path, ggml_type: str = "F32", arch: str = "qwen3moe", seed: int = 0) -> Path:
+    """`model` as a GGUF file: matrices and expert tensors as `ggml_type` (`tiny_gguf.write_tiny_model`'s
+    types: F32, F16, BF16 and gguf's quantized ones hold the model's weights; Q4_K, Q5_K and Q6_K, which
+    gguf cannot quantize, are random blocks of the same size drawn from `seed`, so such a file is no
+    longer `model`); rows that do not fit the type's blocks, norms and the router stay F32 (llama.cpp's
+    quantizer leaves `ffn_gate_inp` unquantized). `arch` other than qwen3moe writes the same tensors
+    under that name (a file to refuse)."""
     c = model.config
     kind = gguf.GGMLQuantizationType[ggml_type]
+    rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(path), arch)
     for add, value in [(writer.add_block_count, c.num_hidden_layers), (writer.add_context_length, 4096),
                        (writer.add_embedding_length, c.hidden_size),
@@ -90,12 +94,11 @@ def write_qwen3moe_gguf(model, path: Path, ggml_type: str = "F32", arch: str = "
     writer.add_eos_token_id(2)
     writer.add_add_bos_token(False)
     for name, values in gguf_tensors(model).items():
-        if values.ndim == 1 or kind == gguf.GGMLQuantizationType.F32 or name.endswith("ffn_gate_inp.weight"):
+        if values.ndim == 1 or name.endswith("ffn_gate_inp.weight"):
             writer.add_tensor(name, values)
-        elif kind == gguf.GGMLQuantizationType.F16:
-            writer.add_tensor(name, values.astype(np.float16))
-        else:
-            writer.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
+            continue
+        data, raw = _typed(rng, values.reshape(-1, values.shape[-1]), kind)  # experts' rows stacked, as GGUF's
+        writer.add_tensor(name, data.reshape(*values.shape[:-1], -1), raw_dtype=raw)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
