@@ -348,7 +348,8 @@ def _ffn_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     if row.moe is None:
         out = {n + ".weight": (f * 2 // len(row.gate_up_tensors), h) for n in row.gate_up_tensors}
         return out | {"ffn_down.weight": (h, f)}
-    moe, e, fe, fs = row.moe, config.num_experts, config.expert_intermediate_size, config.shared_expert_intermediate_size
+    moe, e, fe = row.moe, config.num_experts, config.expert_intermediate_size
+    fs = config.shared_expert_intermediate_size
     out = {n + ".weight": (e, fe * 2 // len(moe.expert_tensors), h) for n in moe.expert_tensors}
     out |= {"ffn_gate_inp.weight": (e, h), "ffn_down_exps.weight": (e, h, fe)}
     if moe.selection_bias:

@@ -139,3 +139,13 @@ def test_numba_experts_every_token_to_one_expert_and_idle_experts(with_shared):
     np.testing.assert_allclose(out, want, atol=1e-5)
     # the router, three kernels for each of the two experts read, three for the shared expert
     assert calls == 1 + 3 * 2 + 3 * with_shared
+
+
+@pytest.mark.parametrize("experts, used", [(8, 9), (8, 0), (0, 8)])
+def test_config_refuses_more_experts_per_token_than_experts(experts, used):
+    from hybridgate.models import ARCHITECTURES, ModelConfig, ModelLoadError
+
+    with pytest.raises(ModelLoadError, match=f"expert_used_count {used} must be in 1..expert_count {experts}"):
+        ModelConfig("qwen3moe", "", 1, 64, 192, 4, 2, 16, 4096, 1e6, 1e-6, 260, 1, 2, False,
+                    arch=ARCHITECTURES["qwen3moe"], num_experts=experts, experts_per_token=used,
+                    expert_intermediate_size=32)

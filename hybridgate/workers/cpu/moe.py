@@ -72,8 +72,8 @@ class CpuExperts:
     scale: float  # the chosen weights' multiplier
     shared_gate_up: object = None  # matrix [2 shared_ffn, hidden] of the shared expert; None: none
     shared_down: object = None  # matrix [hidden, shared_ffn]
-    shared_gate: np.ndarray = field(default_factory=lambda: np.empty(0, np.float32))  # float32 [hidden]: sigmoid(x · it)
-    # scales the shared expert; (0,): no gate
+    # float32 [hidden]: sigmoid(x · it) scales the shared expert; (0,): no gate
+    shared_gate: np.ndarray = field(default_factory=lambda: np.empty(0, np.float32))
 
     def arrays(self) -> list:
         """The matrices held (each has `nbytes`)."""
