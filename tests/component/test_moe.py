@@ -129,6 +129,18 @@ def test_numba_experts_in_q8_0_match_gguf_dequantized_weights(case, tmp_path):
     assert (err < TOL).all(), err
 
 
+def test_numba_logits_do_not_depend_on_batch_mates(case, tmp_path):
+    # The design's contract (a request's tokens whatever its batch): with its batch mates a prompt's tokens
+    # route with theirs through shared expert matmuls, its logits bit for bit those it has alone (Q8_0 on
+    # this path's own activation format).
+    runner = NumbaRunner(load_gguf(write_qwen3moe_gguf(case.hf, tmp_path / "q8_0.gguf", "Q8_0")),
+                         kv_cache_memory="4MiB", threads=2)
+    a, b = case.prompts[0], case.prompts[2]
+    alone = numba_packed(runner, [a])[0]
+    assert np.array_equal(numba_packed(runner, [a, b])[0], alone)
+    assert np.array_equal(numba_packed(runner, [b, a])[1], alone)
+
+
 @pytest.fixture(scope="module")
 def wide_hf():
     """Rows of 256 (hidden and expert width) for the K-quants' super-blocks; one layer."""
