@@ -25,12 +25,14 @@ export HYBRIDGATE_GPU_CHECK_MODEL="$MODEL"
 $PY -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))" | tee "$OUT/device.txt"
 status=0
 export TRITON_INTERPRET=0  # the kernels compiled for the GPU (the tests' conftest interprets them otherwise)
-# Time limits sum to 300 s: a rerun fits in what a lent device allows.
+# Time limits sum to 360 s: a rerun fits in what a lent device allows.
 timeout 100 $PY -m pytest -q -s tests/unit/test_gpu_kernels.py -p no:cacheprovider \
   --junitxml "$OUT/gpu-kernel-tests.xml" || status=$?
 timeout 80 $PY -m pytest -q -s -m gpu tests/component/test_gpu.py tests/component/test_handoff_gpu.py \
   tests/component/test_architectures_gpu.py tests/component/test_constraints_gpu.py -p no:cacheprovider \
   --junitxml "$OUT/gpu-tests.xml" || status=$?
+timeout 60 $PY -m pytest -q -s -m gpu tests/component/test_moe.py -p no:cacheprovider \
+  --junitxml "$OUT/gpu-moe-tests.xml" || status=$?
 # Our paged attention against the gather+SDPA path and dense SDPA (Llama-3.1-8B's heads, bf16), with the copy
 # bandwidth and matmul rate probed in the same run.
 timeout 60 $PY -m hybridgate.cli bench attention --repeats 10 --json "$OUT/attention.json" || status=$?

@@ -205,3 +205,25 @@ def test_info_shows_the_experts_and_the_active_parameters(case, capsys):
     experts = 3 * c.num_hidden_layers * c.num_experts * c.moe_intermediate_size * c.hidden_size
     active = total - experts + experts * c.num_experts_per_tok // c.num_experts
     assert f"({active:,} active parameters" in lines["read per token"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cuda_runner_follows_transformers(case, dtype):
+    # On CUDA (run by `make gpu-check`): no decode graphs for an MoE model (its experts' counts come back to the
+    # host each layer); fp32 within 1e-3 of transformers and its greedy ids; bf16 within a tenth of the logits'
+    # range (8 bits of mantissa through every layer) and the same ids up to the first gap below twice that error.
+    runner = TorchRunner(case.gguf, torch.device("cuda"), dtype, kv_cache_memory="1GiB", max_num_seqs=4)
+    runner.warm_up()
+    assert runner.graphs is None
+    model = runner.model
+    caches = [model.new_cache() for _ in case.prompts]
+    ids = torch.tensor([i for p in case.prompts for i in p], device="cuda")
+    got = model.forward(ids, list(PROMPT_LENGTHS), caches).float().cpu().numpy()
+    err = float(np.abs(got - case.want_logits).max())
+    limit = TOL if dtype == torch.float32 else 0.1 * float(np.abs(case.want_logits).max())
+    assert err < limit, (err, limit)
+    engine = EngineCore(runner, SchedulerConfig(max_num_batched_tokens=12), case.fingerprint)
+    greedy_ids = run_engine(engine, [AddRequest("a", case.prompts[-1], GREEDY, 0, GREEDY_STEPS, -1)])["a"]
+    assert_greedy_matches(greedy_ids, case.want_greedy, case.gaps, tie=max(TOL, 2 * err))
