@@ -47,7 +47,7 @@ export HYBRIDGATE_GPU_CHECK_MODEL="$MODEL"
 timeout 45 $PY -m pytest -q -p no:cacheprovider tests/unit/test_gpu_kernels.py --junitxml "$LOGS/gpu-kernel-tests.xml" \
   > "$LOGS/tests-gpu-kernels.log" 2>&1 || status=$?
 timeout 45 $PY -m pytest -q -s -p no:cacheprovider -m gpu tests/component/test_gpu.py tests/component/test_handoff_gpu.py \
-  tests/component/test_architectures_gpu.py tests/component/test_constraints_gpu.py --junitxml "$LOGS/gpu-tests.xml" \
+  tests/component/test_architectures_gpu.py tests/component/test_constraints_gpu.py tests/component/test_moe.py --junitxml "$LOGS/gpu-tests.xml" \
   > "$LOGS/tests-gpu.log" 2>&1 || status=$?
 grep -h '^summary:' "$LOGS"/bench-*.log
 for log in "$LOGS"/tests-*.log; do

@@ -213,6 +213,18 @@ def gemma3_path() -> Path:
         missing(f"the Gemma 3 270M file ({exc})")
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch on one thread for a module: models this small gain nothing from a second thread, and on a shared,
+    loaded machine two threads spinning at every op's barrier ran the paged engine 20x slower (0.45 s against 10 s)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory, llama_vocab_dir):
     """`tiny_models(name, ggml_type="F32", window=None, seed=0) -> Path`: a tiny random-weight GGUF of

@@ -1,6 +1,14 @@
 """Model formats without torch: GGUF reading, config, tokenizer, chat template, fingerprint."""
 
-from hybridgate.models.architectures import ARCHITECTURES, Activation, Architecture, RopeLayout
+from hybridgate.models.architectures import (
+    ARCHITECTURES,
+    REFUSED_ARCHITECTURES,
+    Activation,
+    Architecture,
+    Gating,
+    MixtureOfExperts,
+    RopeLayout,
+)
 from hybridgate.models.chat import ChatTemplate, ChatTemplateError
 from hybridgate.models.detokenizer import IncrementalDetokenizer
 from hybridgate.models.fingerprint import model_fingerprint
@@ -13,6 +21,9 @@ __all__ = [
     "ARCHITECTURES",
     "Activation",
     "Architecture",
+    "Gating",
+    "MixtureOfExperts",
+    "REFUSED_ARCHITECTURES",
     "RopeLayout",
     "ChatTemplate",
     "ChatTemplateError",

@@ -30,6 +30,18 @@ Sources, per field:
 - Phi-3: Q, K, V fused in `attn_qkv` (rows Q then K then V); `ffn_up` holds the
   gate rows then the up rows (llama.cpp `LLM_FFN_SWIGLU` on one tensor;
   transformers' `Phi3MLP` chunks it the same way).
+- Mixture-of-experts (`MixtureOfExperts`): llama.cpp `llm_graph_context::build_moe_ffn`
+  (src/llama-graph.cpp): router logits `ffn_gate_inp` · x; probabilities by the gating
+  function; the top `expert_used_count` chosen on the probabilities plus the optional
+  selection bias `exp_probs_b` (which only chooses, never weighs); the chosen weights
+  renormalised to sum 1 where the row says so, then times the weight scale; each chosen
+  expert a gated FFN over its slice of the 3-D `ffn_{gate,up,down}_exps` (or fused
+  `ffn_gate_up_exps`); shared experts (`ffn_*_shexp`) added for every token, through a
+  sigmoid of `ffn_gate_inp_shexp` · x where the row has that gate (qwen2moe).
+  qwen3moe: softmax over all experts, top 8, renormalised (src/models/qwen3moe.cpp;
+  transformers' `Qwen3MoeTopKRouter` with `norm_topk_prob`), QK-norm as qwen3.
+- Refused families (`REFUSED_ARCHITECTURES`): named with the reason, so a file of one
+  fails at load in one line rather than as an unknown name.
 """
 
 from __future__ import annotations
@@ -50,6 +62,38 @@ class Activation(str, Enum):
 
     SILU = "silu"  # SwiGLU (Shazeer 2020)
     GELU_TANH = "gelu_tanh"  # GeGLU with GELU's tanh approximation (ggml_gelu; HF gelu_pytorch_tanh)
+
+
+class Gating(str, Enum):
+    """How the router's logits become expert probabilities (llama.cpp `llama_expert_gating_func_type`)."""
+
+    SOFTMAX = "softmax"  # softmax over all experts, then the top k (Mixtral, Qwen MoE)
+    SIGMOID = "sigmoid"  # each expert's sigmoid, then the top k (DeepSeek V3)
+    TOPK_SOFTMAX = "topk_softmax"  # the top k logits, then softmax over those k (gpt-oss: SOFTMAX_WEIGHT)
+
+
+@dataclass(frozen=True)
+class MixtureOfExperts:
+    """A family's sparse FFN, read by both runners; counts and widths come from the file's metadata
+    (`{arch}.expert_count`, `expert_used_count`, `expert_feed_forward_length`).
+
+    Tensors per block (`[out, in]` per expert, experts outermost): `ffn_gate_inp` `[experts, hidden]`
+    (the router), `ffn_gate_exps` and `ffn_up_exps` `[experts, expert_ffn, hidden]` (or one
+    `ffn_gate_up_exps` `[experts, 2 expert_ffn, hidden]`, gate rows first), `ffn_down_exps`
+    `[experts, hidden, expert_ffn]`.
+    """
+
+    gating: Gating = Gating.SOFTMAX
+    selection_bias: bool = False  # `exp_probs_b` [experts] added to the probabilities to choose, not to weigh
+    normalize: bool = False  # the chosen k weights divided by their sum
+    weight_scale: float = 1.0  # the chosen weights times this (`{arch}.expert_weights_scale` overrides)
+    fused_gate_up: bool = False  # `ffn_gate_up_exps` instead of `ffn_gate_exps` + `ffn_up_exps`
+    shared_expert: bool = False  # `ffn_{gate,up,down}_shexp`, width `{arch}.expert_shared_feed_forward_length`
+    shared_expert_gate: bool = False  # the shared expert's output times sigmoid(`ffn_gate_inp_shexp` · x)
+
+    @property
+    def expert_tensors(self) -> tuple[str, ...]:
+        return ("ffn_gate_up_exps",) if self.fused_gate_up else ("ffn_gate_exps", "ffn_up_exps")
 
 
 @dataclass(frozen=True)
@@ -76,6 +120,7 @@ class Architecture:
     softcap_keys: tuple[str, ...] = ()  # `{arch}.` metadata keys read over those defaults
     hidden_scale_block_counts: tuple[int, ...] = ()  # block counts whose scale is 1/sqrt(hidden/heads)
     long_rope: bool = False  # rope_factors_long/short tensors and original_context_length (phi3 LongRoPE)
+    moe: MixtureOfExperts | None = None  # every block's FFN is this mixture of experts; None: a dense FFN
 
     @property
     def fused_qkv(self) -> bool:
@@ -107,5 +152,20 @@ ARCHITECTURES: dict[str, Architecture] = {
                      hidden_scale_block_counts=(62,), softcap_keys=("final_logit_softcapping",)),
         Architecture("phi3", RopeLayout.HALVES, qkv_tensors=("attn_qkv",), gate_up_tensors=("ffn_up",),
                      long_rope=True),
+        Architecture("qwen3moe", RopeLayout.HALVES, qk_norm=True,
+                     moe=MixtureOfExperts(Gating.SOFTMAX, normalize=True)),
     )
+}
+
+_RECURRENT = "its linear-attention layers (Gated DeltaNet) carry a recurrent state that needs a state cache"
+# Families llama.cpp names that these runners refuse, and why (one line at load).
+REFUSED_ARCHITECTURES: dict[str, str] = {
+    "qwen35": _RECURRENT,
+    "qwen35moe": _RECURRENT,
+    "qwen3next": _RECURRENT,
+    "gemma3n": "its per-layer embeddings, AltUp and Laurel blocks are not implemented",
+    "llama4": "its chunked attention with layers without RoPE (iRoPE) and its interleaved experts are not "
+              "implemented",
+    "granitehybrid": "its Mamba-2 layers carry a recurrent state that needs a state cache",
+    "lfm2": "its short-convolution layers carry a convolution state that needs a state cache",
 }

@@ -24,7 +24,7 @@ import msgspec
 import numpy as np
 
 from hybridgate.config import environment
-from hybridgate.models.architectures import ARCHITECTURES, Architecture, RopeLayout
+from hybridgate.models.architectures import ARCHITECTURES, REFUSED_ARCHITECTURES, Architecture, RopeLayout
 from hybridgate.models.gguf_metadata import ModelLoadError, read_header
 
 log = logging.getLogger("hybridgate.models")
@@ -84,6 +84,11 @@ class ModelConfig:
     layer_rope_scale: tuple[float, ...] = ()  # per layer: position multiplier (linear scaling: 1/factor)
     rope_freq_factors: tuple[float, ...] = ()  # [head_dim / 2] divisors of RoPE frequencies; () = none
     rope_attn_factor: float = 1.0  # cos and sin multiplied by it (LongRoPE's attention factor)
+    num_experts: int = 0  # experts per block (`arch.moe`); 0: a dense FFN
+    experts_per_token: int = 0  # experts chosen for each token (expert_used_count)
+    expert_intermediate_size: int = 0  # each expert's FFN width (expert_feed_forward_length)
+    shared_expert_intermediate_size: int = 0  # the shared expert's FFN width; 0: none
+    expert_weight_scale: float = 1.0  # the chosen experts' weights times this
 
     def __post_init__(self) -> None:
         for name in _POSITIVE_FIELDS:
@@ -105,6 +110,9 @@ class ModelConfig:
                                      f"expected block_count {self.num_layers}")
         if not self.attention_scale:
             object.__setattr__(self, "attention_scale", self.head_dim ** -0.5)
+        if self.arch.moe is not None and not 0 < self.experts_per_token <= self.num_experts:
+            raise ModelLoadError(f"model config: expert_used_count {self.experts_per_token} must be in "
+                                 f"1..expert_count {self.num_experts}")
         if self.rope_freq_factors and len(self.rope_freq_factors) != self.head_dim // 2:
             raise ModelLoadError(f"model config: {len(self.rope_freq_factors)} RoPE frequency factors, "
                                  f"expected head_dim / 2 = {self.head_dim // 2}")
@@ -173,6 +181,8 @@ def _require(meta: dict[str, Any], key: str) -> Any:
 def _config(meta: dict[str, Any], tensors: dict[str, TensorView]) -> ModelConfig:
     arch = _require(meta, "general.architecture")
     row = ARCHITECTURES.get(arch)
+    if arch in REFUSED_ARCHITECTURES:
+        raise ModelLoadError(f"general.architecture {arch!r} is not supported: {REFUSED_ARCHITECTURES[arch]}")
     if row is None:
         raise ModelLoadError(f"general.architecture {arch!r} is not supported "
                              f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
@@ -219,7 +229,22 @@ def _config(meta: dict[str, Any], tensors: dict[str, TensorView]) -> ModelConfig
         **_layer_values(row, meta, layers),
         rope_freq_factors=factors,
         rope_attn_factor=attn_factor,
+        **_expert_values(row, meta),
     )
+
+
+def _expert_values(row: Architecture, meta: dict[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts fields of `ModelConfig` from `{arch}.expert_*` metadata (none for a dense row)."""
+    if row.moe is None:
+        return {}
+    key = lambda name: int(_require(meta, f"{row.name}.{name}"))  # noqa: E731
+    return {
+        "num_experts": key("expert_count"),
+        "experts_per_token": key("expert_used_count"),
+        "expert_intermediate_size": key("expert_feed_forward_length"),
+        "shared_expert_intermediate_size": key("expert_shared_feed_forward_length") if row.moe.shared_expert else 0,
+        "expert_weight_scale": float(meta.get(f"{row.name}.expert_weights_scale", row.moe.weight_scale)),
+    }
 
 
 def _layer_values(row: Architecture, meta: dict[str, Any], layers: int) -> dict[str, tuple]:
@@ -275,15 +300,14 @@ OPTIONAL_TENSORS = ("output.weight", "rope_freqs.weight", "rope_factors_short.we
 
 def expected_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Name -> row-major shape of every tensor `config`'s architecture reads (`[out, in]` for matrices)."""
-    row, h, f, d = config.arch, config.hidden_size, config.intermediate_size, config.head_dim
+    row, h, d = config.arch, config.hidden_size, config.head_dim
     q, kv = config.q_dim, config.kv_dim
     qkv = {"attn_q": (q, h), "attn_k": (kv, h), "attn_v": (kv, h), "attn_qkv": (q + 2 * kv, h)}
-    layer = {"attn_norm.weight": (h,), "attn_output.weight": (h, q), "ffn_norm.weight": (h,),
-             "ffn_down.weight": (h, f)}
+    layer = {"attn_norm.weight": (h,), "attn_output.weight": (h, q), "ffn_norm.weight": (h,)}
     layer |= {n + ".weight": qkv[n] for n in row.qkv_tensors}
     if row.qkv_bias:
         layer |= {n + ".bias": qkv[n][:1] for n in row.qkv_tensors}
-    layer |= {n + ".weight": (f * 2 // len(row.gate_up_tensors), h) for n in row.gate_up_tensors}
+    layer |= _ffn_tensors(config)
     if row.qk_norm:
         layer |= {"attn_q_norm.weight": (d,), "attn_k_norm.weight": (d,)}
     if row.post_norms:
@@ -292,6 +316,25 @@ def expected_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     out |= {f"blk.{i}.{n}": shape for i in range(config.num_layers) for n, shape in layer.items()}
     if not config.tie_word_embeddings:
         out["output.weight"] = (config.vocab_size, h)
+    return out
+
+
+def _ffn_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The FFN's tensors of one block: the dense gate/up/down, or the row's experts and router."""
+    row, h, f = config.arch, config.hidden_size, config.intermediate_size
+    if row.moe is None:
+        out = {n + ".weight": (f * 2 // len(row.gate_up_tensors), h) for n in row.gate_up_tensors}
+        return out | {"ffn_down.weight": (h, f)}
+    moe, e, fe = row.moe, config.num_experts, config.expert_intermediate_size
+    fs = config.shared_expert_intermediate_size
+    out = {n + ".weight": (e, fe * 2 // len(moe.expert_tensors), h) for n in moe.expert_tensors}
+    out |= {"ffn_gate_inp.weight": (e, h), "ffn_down_exps.weight": (e, h, fe)}
+    if moe.selection_bias:
+        out["exp_probs_b.bias"] = (e,)
+    if moe.shared_expert:
+        out |= {"ffn_gate_shexp.weight": (fs, h), "ffn_up_shexp.weight": (fs, h), "ffn_down_shexp.weight": (h, fs)}
+    if moe.shared_expert_gate:
+        out["ffn_gate_inp_shexp.weight"] = (h,)
     return out
 
 

@@ -96,6 +96,38 @@ def _names(report: ModelReport) -> str:
     return names[0] + (f" (also answers to {names[1]!r}, its general.name)" if len(names) > 1 else "")
 
 
+def read_per_token(model: GGUFModel) -> tuple[int, int]:
+    """(weight bytes, parameters) one token's forward reads: every tensor, but of each 3-D expert tensor
+    (`*_exps`) only the `expert_used_count / expert_count` share its chosen experts hold (the "active
+    parameters" of a mixture of experts). The token embedding counts in full, as the LM head reads it
+    when tied and as model cards count it."""
+    c = model.config
+    share = c.experts_per_token / c.num_experts if c.num_experts else 1.0
+    nbytes = parameters = 0.0
+    for name, t in model.tensors.items():
+        f = share if name.endswith("_exps.weight") else 1.0
+        nbytes += f * t.data.nbytes
+        parameters += f * math.prod(t.shape)
+    return round(nbytes), round(parameters)
+
+
+def _expert_lines(report: ModelReport) -> list[tuple[str, str]]:
+    """The experts (count, active per token, shared) where the family has them, and what a token reads."""
+    model, lines = report.model, []
+    c, moe = model.config, model.config.arch.moe
+    if moe is not None:
+        shared = f"a shared expert of width {c.shared_expert_intermediate_size}" + \
+            (" behind its own gate" if moe.shared_expert_gate else "") if moe.shared_expert else "no shared expert"
+        lines.append(("experts", f"{c.num_experts} per block, {c.experts_per_token} active per token "
+                                 f"({moe.gating.value} gating{', renormalised' if moe.normalize else ''}), "
+                                 f"width {c.expert_intermediate_size}, {shared}"))
+    nbytes, parameters = read_per_token(model)
+    size = report.path.stat().st_size
+    lines.append(("read per token", f"{nbytes / 2**20:,.1f} MiB of weights ({parameters:,} active parameters, "
+                                    f"{parameters / 1e6:.0f}M) of a {size / 2**20:,.1f} MiB file"))
+    return lines
+
+
 def report_lines(report: ModelReport) -> list[tuple[str, str]]:
     """(label, value) pairs of `hybridgate info`, runners left out (they need the workers' packages)."""
     meta = report.metadata
@@ -117,6 +149,8 @@ def report_lines(report: ModelReport) -> list[tuple[str, str]]:
         ("chat template", template),
         ("context", str(meta.get(f"{arch}.context_length", "?"))),
     ]
+    if report.model is not None:
+        lines += _expert_lines(report)
     if report.model_refusal:
         lines.append(("refused", report.model_refusal))
     if report.tokenizer_refusal:

@@ -32,7 +32,7 @@ from hybridgate.workers.gpu.runner import TorchRunner
 from hybridgate.workers.scheduler import SchedulerConfig
 from tiny_gguf import TINY_SPECS
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 TOL = 1e-3
 GOLDEN = json.loads((Path(__file__).resolve().parents[1] / "golden" / "tiny_logits.json").read_text())
@@ -46,16 +46,6 @@ def golden_of(entry: dict, model) -> dict:
     assert weights_digest(model) == entry["weights_sha256"], \
         "the tiny fixture changed: run tests/reference/make_tiny_golden.py again"
     return entry
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    # Models this small gain nothing from a second thread, and on a shared, loaded machine two
-    # threads spinning at every op's barrier ran the paged engine 20x slower (0.45 s against 10 s).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 class Case:

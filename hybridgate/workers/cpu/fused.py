@@ -61,3 +61,11 @@ def concat_rows(name: str, parts: list[tuple[int, np.ndarray, tuple[int, int]]],
         data = np.concatenate([np.ascontiguousarray(d) for _, d, _ in parts], axis=0)
         return quant_matrix(name, kinds.pop(), data, (sum(s[0] for _, _, s in parts), cols.pop()), activations)
     return FusedMatrix(name, [quant_matrix(n, k, d, s, activations) for n, (k, d, s) in zip(names, parts)])
+
+
+def tensor_matrix(model, names: list[str], activations: str):
+    """One matrix of the named tensors of a `GGUFModel`, their rows in order (`concat_rows` when several)."""
+    parts = [(int(model.tensors[n].ggml_type), model.tensors[n].data, model.tensors[n].shape) for n in names]
+    if len(parts) > 1:
+        return concat_rows("+".join(names), parts, activations)
+    return quant_matrix(names[0], *parts[0], activations)

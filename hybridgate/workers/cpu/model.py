@@ -46,8 +46,8 @@ from hybridgate.workers.cpu.layers import (  # noqa: E402, F401 (the kernels, fo
     silu_mul,
     silu_mul_serial,
 )
-from hybridgate.workers.cpu.fused import concat_rows  # noqa: E402
-from hybridgate.workers.cpu.quant import quant_matrix  # noqa: E402
+from hybridgate.workers.cpu.fused import tensor_matrix  # noqa: E402
+from hybridgate.workers.cpu.moe import CpuExperts, experts_ffn, load_experts  # noqa: E402
 from hybridgate.workers.cpu.simd import kv_encode  # noqa: E402
 from hybridgate.workers.step_inputs import StepInputs  # noqa: E402
 
@@ -126,12 +126,13 @@ class CpuLayer:
     wo: object  # matrix [hidden, q_dim]
     post_attn_norm: np.ndarray | None  # float32 [hidden] (gemma) or None
     ffn_norm: np.ndarray  # float32 [hidden]
-    gate_up: object  # matrix [2 ffn, hidden]: gate rows then up rows
-    down: object  # matrix [hidden, ffn]
+    gate_up: object  # matrix [2 ffn, hidden]: gate rows then up rows; None: experts
+    down: object  # matrix [hidden, ffn]; None: experts
     post_ffn_norm: np.ndarray | None  # float32 [hidden] (gemma) or None
     window: int  # sliding window in tokens; 0: full causal attention
     cos: np.ndarray  # float32 [max_len, head_dim / 2], shared by layers of one RoPE base and scale
     sin: np.ndarray
+    experts: CpuExperts | None = None  # the FFN's router and experts (`arch.moe`); None: dense
 
     @property
     def has_prologue(self) -> bool:
@@ -139,16 +140,8 @@ class CpuLayer:
 
     def arrays(self) -> list:
         """The arrays and matrices held (each has `nbytes`)."""
-        values = [getattr(self, f) for f in self.__dataclass_fields__]
-        return [v for v in values if hasattr(v, "nbytes")]
-
-
-def _matrix(model: GGUFModel, names: list[str], activations: str):
-    """One matrix of the named tensors' rows, in order (fused when several)."""
-    parts = [(int(model.tensors[n].ggml_type), model.tensors[n].data, model.tensors[n].shape) for n in names]
-    if len(parts) > 1:
-        return concat_rows("+".join(names), parts, activations)
-    return quant_matrix(names[0], *parts[0], activations)
+        values = [getattr(self, f) for f in self.__dataclass_fields__ if f != "experts"]
+        return [v for v in values if hasattr(v, "nbytes")] + (self.experts.arrays() if self.experts else [])
 
 
 def _vector(model: GGUFModel, name: str, shape: tuple[int, ...], present: bool) -> np.ndarray:
@@ -168,21 +161,23 @@ def load_layer(model: GGUFModel, i: int, activations: str, rope: dict) -> CpuLay
     post = {n: _vector(model, p + n + ".weight", (c.hidden_size,), True) if row.post_norms else None
             for n in ("post_attention_norm", "post_ffw_norm")}
     cos, sin = rope[(c.layer_rope_theta[i], c.layer_rope_scale[i])]
+    dense = row.moe is None
     return CpuLayer(
         attn_norm=_vector(model, p + "attn_norm.weight", (c.hidden_size,), True),
-        qkv=_matrix(model, [p + n + ".weight" for n in row.qkv_tensors], activations),
+        qkv=tensor_matrix(model, [p + n + ".weight" for n in row.qkv_tensors], activations),
         qkv_bias=bias,
         q_norm=_vector(model, p + "attn_q_norm.weight", (dim,), row.qk_norm),
         k_norm=_vector(model, p + "attn_k_norm.weight", (dim,), row.qk_norm),
-        wo=_matrix(model, [p + "attn_output.weight"], activations),
+        wo=tensor_matrix(model, [p + "attn_output.weight"], activations),
         post_attn_norm=post["post_attention_norm"],
         ffn_norm=_vector(model, p + "ffn_norm.weight", (c.hidden_size,), True),
-        gate_up=_matrix(model, [p + n + ".weight" for n in row.gate_up_tensors], activations),
-        down=_matrix(model, [p + "ffn_down.weight"], activations),
+        gate_up=tensor_matrix(model, [p + n + ".weight" for n in row.gate_up_tensors], activations) if dense else None,
+        down=tensor_matrix(model, [p + "ffn_down.weight"], activations) if dense else None,
         post_ffn_norm=post["post_ffw_norm"],
         window=c.layer_windows[i],
         cos=cos,
         sin=sin,
+        experts=None if dense else load_experts(model, i, activations),
     )
 
 
@@ -203,8 +198,8 @@ class CpuModel:
         rope = {key: rope_table(c, *key, self.max_model_len)
                 for key in sorted(set(zip(c.layer_rope_theta, c.layer_rope_scale)))}
         self.layers = [load_layer(model, i, activations, rope) for i in range(c.num_layers)]
-        self.embed = _matrix(model, ["token_embd.weight"], activations)
-        self.lm_head = self.embed if c.tie_word_embeddings else _matrix(model, ["output.weight"], activations)
+        self.embed = tensor_matrix(model, ["token_embd.weight"], activations)
+        self.lm_head = self.embed if c.tie_word_embeddings else tensor_matrix(model, ["output.weight"], activations)
         self.out_norm = model.tensors["output_norm.weight"].dequantize()
         self.rope_pair = ROPE_PAIRS[c.rope_layout](c.head_dim)
         self.activation = GATED_ACTIVATIONS[c.arch.activation.value]
@@ -235,7 +230,8 @@ class CpuModel:
             return kept
         c = self.config
         qkv_width = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-        ffn = c.intermediate_size  # every layer's (the file's shapes are checked against it at load)
+        # every layer's (the file's shapes are checked against it at load); experts size their own per expert
+        ffn = c.intermediate_size if c.arch.moe is None else 0
         new = StepBuffers(*(np.empty((tokens,) + shape, np.float32) for shape in (
             (c.hidden_size,), (qkv_width,), (c.num_heads, c.head_dim), (c.num_heads, c.head_dim),
             (c.hidden_size,), (2 * ffn,), (ffn,))))
@@ -253,7 +249,7 @@ class CpuModel:
         x = self.embed_rows(h.ids)  # [tokens, hidden]
         buf = self._step_buffers(x.shape[0])
         serial = x.shape[0] <= SERIAL_TOKENS
-        norm, activation, prompt = (rms_norm_serial if serial else rms_norm), self.activation[serial], h.prompt_rows
+        norm, prompt = (rms_norm_serial if serial else rms_norm), h.prompt_rows
         self.kernel_calls = 0
         for i, layer in enumerate(self.layers):
             norm(x, layer.attn_norm, c.rms_norm_eps, buf.normed)
@@ -261,10 +257,8 @@ class CpuModel:
                                    (offset, starts[layer.window], length, slots, tiles))
             self._residual(x, layer.wo.matmul_prompt(attn, prompt, buf.proj), layer.post_attn_norm, serial)
             norm(x, layer.ffn_norm, c.rms_norm_eps, buf.normed)
-            gate_up = layer.gate_up.matmul_prompt(buf.normed, prompt, buf.gate_up)
-            activation(gate_up, buf.act)  # (parallel, serial) kernels
-            self._residual(x, layer.down.matmul_prompt(buf.act, prompt, buf.proj), layer.post_ffn_norm, serial)
-            self.kernel_calls += 6
+            self._residual(x, self._ffn(layer, buf, prompt, serial), layer.post_ffn_norm, serial)
+            self.kernel_calls += 3
         last = np.ascontiguousarray(x[h.last])
         out = np.empty_like(last)
         norm(last, self.out_norm, c.rms_norm_eps, out)
@@ -294,6 +288,17 @@ class CpuModel:
                         np.float32(c.attn_softcap), buf.attn)
         self.kernel_calls += 3
         return buf.attn.reshape(tokens, c.num_heads * c.head_dim)
+
+    def _ffn(self, layer: CpuLayer, buf: StepBuffers, prompt: np.ndarray, serial: bool) -> np.ndarray:
+        """The FFN sublayer's output float32 `[tokens, hidden]` (in `buf.proj`) from the normed input in
+        `buf.normed`: the dense gated FFN, or the experts the router chose (`moe.experts_ffn`)."""
+        if layer.experts is not None:
+            self.kernel_calls += experts_ffn(buf.normed, layer.experts, self.activation, buf.proj)
+            return buf.proj
+        gate_up = layer.gate_up.matmul_prompt(buf.normed, prompt, buf.gate_up)
+        self.activation[serial](gate_up, buf.act)
+        self.kernel_calls += 3
+        return layer.down.matmul_prompt(buf.act, prompt, buf.proj)
 
     def _residual(self, x: np.ndarray, y: np.ndarray, post_norm: np.ndarray | None, serial: bool) -> None:
         """x += y, or x += rms_norm(y) · post_norm where the architecture norms the sublayer's output."""

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from hybridgate.models import GGUFModel, ModelConfig
 from hybridgate.workers.gpu.layers import ACTIVATIONS, ROTATIONS, causal_sdpa, rms_norm, softcap
+from hybridgate.workers.gpu.moe import experts_ffn, route, shared_expert
 
 __all__ = ["DecoderModel", "LlamaModel", "causal_sdpa", "default_device", "default_dtype"]
 
@@ -50,12 +51,19 @@ class LayerWeights:
     w_qkv: torch.Tensor  # [hidden, (heads + 2 * kv_heads) * head_dim]: Q, K, V columns, one GEMM
     wo: torch.Tensor  # [heads * head_dim, hidden]
     ffn_norm: torch.Tensor  # [hidden]
-    w_gate_up: torch.Tensor  # [hidden, 2 * ffn]: gate columns then up columns, one GEMM
-    w_down: torch.Tensor  # [ffn, hidden]
+    w_gate_up: torch.Tensor | None  # [hidden, 2 * ffn]: gate columns then up columns, one GEMM; None: experts
+    w_down: torch.Tensor | None  # [ffn, hidden]
     b_qkv: torch.Tensor | None = None  # [(heads + 2 * kv_heads) * head_dim] (qwen2)
     qk_norm: torch.Tensor | None = None  # [heads + kv_heads, head_dim]: each Q head's norm, then each K head's
     post_attn_norm: torch.Tensor | None = None  # [hidden] (gemma2/3)
     post_ffn_norm: torch.Tensor | None = None  # [hidden] (gemma2/3)
+    router: torch.Tensor | None = None  # [hidden, experts] (`ffn_gate_inp`), float32
+    router_bias: torch.Tensor | None = None  # [experts] selection bias (`exp_probs_b`), float32
+    experts_gate_up: torch.Tensor | None = None  # [experts, hidden, 2 * expert_ffn]: gate columns then up
+    experts_down: torch.Tensor | None = None  # [experts, expert_ffn, hidden]
+    shared_gate_up: torch.Tensor | None = None  # [hidden, 2 * shared_ffn]: the shared expert's gate then up columns
+    shared_down: torch.Tensor | None = None  # [shared_ffn, hidden]
+    shared_gate: torch.Tensor | None = None  # [hidden] float32: sigmoid(h · it) scales the shared expert
 
 
 class Attention(Protocol):
@@ -153,17 +161,19 @@ class DecoderModel:
         if row.qk_norm:  # per-head weights laid out as the joint Q|K heads they scale
             qk_norm = self._put(self._cat([w("attn_q_norm").expand(c.num_heads, -1),
                                            w("attn_k_norm").expand(c.num_kv_heads, -1)]))
+        dense = row.moe is None
         return LayerWeights(
             attn_norm=self._put(w("attn_norm")),
             w_qkv=put_t(self._cat([w(n) for n in row.qkv_tensors])),
             wo=put_t(w("attn_output")),
             ffn_norm=self._put(w("ffn_norm")),
-            w_gate_up=put_t(self._cat([w(n) for n in row.gate_up_tensors])),
-            w_down=put_t(w("ffn_down")),
+            w_gate_up=put_t(self._cat([w(n) for n in row.gate_up_tensors])) if dense else None,
+            w_down=put_t(w("ffn_down")) if dense else None,
             b_qkv=self._put(self._cat([w(n, "bias") for n in row.qkv_tensors])) if row.qkv_bias else None,
             qk_norm=qk_norm,
             post_attn_norm=self._put(w("post_attention_norm")) if row.post_norms else None,
             post_ffn_norm=self._put(w("post_ffw_norm")) if row.post_norms else None,
+            **({} if dense else self._experts(i)),
         )
 
     def _cat(self, parts: list[torch.Tensor]) -> torch.Tensor:
@@ -176,6 +186,25 @@ class DecoderModel:
         if len(rest) != 1:
             raise ValueError(f"cannot join tensors of shapes {[tuple(p.shape) for p in parts]} along their rows")
         return torch.empty((sum(p.shape[0] for p in parts), *rest.pop()), device="meta")
+
+    def _experts(self, i: int) -> dict[str, torch.Tensor | None]:
+        """Block `i`'s router (float32: the choice of experts is made in float32, as transformers does) and
+        experts, transposed to `[experts, in, out]`."""
+        moe = self.config.arch.moe
+        w = lambda n, kind="weight": self._load(f"blk.{i}.{n}.{kind}")  # noqa: E731
+        put_t = lambda t: self._put(t.transpose(-1, -2))  # noqa: E731
+        f32 = lambda t: t.to(self.device, torch.float32).contiguous()  # noqa: E731
+        out = {
+            "router": f32(w("ffn_gate_inp").t()),
+            "router_bias": f32(w("exp_probs_b", "bias")) if moe.selection_bias else None,
+            "experts_gate_up": put_t(torch.cat([w(n) for n in moe.expert_tensors], dim=1)),
+            "experts_down": put_t(w("ffn_down_exps")),
+        }
+        if moe.shared_expert:
+            out |= {"shared_gate_up": put_t(torch.cat([w("ffn_gate_shexp"), w("ffn_up_shexp")])),
+                    "shared_down": put_t(w("ffn_down_shexp")),
+                    "shared_gate": f32(w("ffn_gate_inp_shexp")) if moe.shared_expert_gate else None}
+        return out
 
     def _inv_freq(self, theta: float) -> torch.Tensor:
         """float32 `[head_dim / 2]`: theta^(-2i/d) as transformers computes it, over the file's frequency
@@ -254,12 +283,23 @@ class DecoderModel:
             v = qkv[:, q_dim + kv_dim :].reshape(-1, c.num_kv_heads, c.head_dim)
             out = attention(i, q, k, v).reshape(-1, q_dim) @ layer.wo
             x = x + (out if layer.post_attn_norm is None else rms_norm(out, layer.post_attn_norm, c.rms_norm_eps))
-            h = rms_norm(x, layer.ffn_norm, c.rms_norm_eps)
-            gate, up = (h @ layer.w_gate_up).chunk(2, dim=-1)
-            out = (self._act(gate) * up) @ layer.w_down
+            out = self._ffn(layer, rms_norm(x, layer.ffn_norm, c.rms_norm_eps))
             x = x + (out if layer.post_ffn_norm is None else rms_norm(out, layer.post_ffn_norm, c.rms_norm_eps))
         h = rms_norm(x[last_rows.to(self.device, non_blocking=True)], self.out_norm, c.rms_norm_eps)
         return softcap(F.linear(h, self.lm_head).float(), c.final_softcap)  # [num_seqs, vocab]
+
+    def _ffn(self, layer: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+        """The gated FFN of normed `h` `[num_tokens, hidden]`: dense, or the chosen experts' weighted sum."""
+        if layer.router is None:
+            gate, up = (h @ layer.w_gate_up).chunk(2, dim=-1)
+            return (self._act(gate) * up) @ layer.w_down
+        c = self.config
+        weights, experts = route(h.float() @ layer.router, c.arch.moe, c.experts_per_token, c.expert_weight_scale,
+                                 layer.router_bias)
+        out = experts_ffn(h, weights, experts, layer.experts_gate_up, layer.experts_down, self._act)
+        if layer.shared_gate_up is None:
+            return out
+        return out + shared_expert(h, layer.shared_gate_up, layer.shared_down, layer.shared_gate, self._act)
 
     def _rope(self, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin `[num_tokens, head_dim / 2]` in the model's dtype, times the config's attention factor."""

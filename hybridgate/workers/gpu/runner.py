@@ -102,7 +102,8 @@ class TorchRunner:
         kv_heads = model.config.num_kv_heads
         self._num_splits = lambda batch: num_splits_for(batch, 1, kv_heads, dev)  # noqa: E731
         self.graphs = None
-        captures = dev.type == "cuda" and not enforce_eager
+        # The experts' FFN reads its per-expert counts on the host (`gpu.moe`): no graph can hold it.
+        captures = dev.type == "cuda" and not enforce_eager and model.config.arch.moe is None
         if memory is None and kv_cache_memory is None and dev.type == "cuda":
             memory = CudaMemory(dev)
         self.budget = ""  # the budget's parts, on the start-up line (vLLM's rule only)
