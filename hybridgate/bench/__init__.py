@@ -429,6 +429,8 @@ def add_kernels_parser(sub) -> None:
     p.add_argument("--repeats", type=bounded(int, 1), default=15,
                    help="calls per case, alternated between the kernels; medians are reported (default 15)")
     p.add_argument("--threads", type=bounded(int, 1), default=1, help="kernel threads (default 1)")
+    p.add_argument("--types", type=lambda v: v.split(","), default=None, metavar="TYPES",
+                   help="weight types, comma-separated, e.g. Q4_K,Q6_K (default: every type of the path's kernel table)")
     p.add_argument("--json", default=None, metavar="OUT", help="write the figures to this JSON file")
     p.set_defaults(func=_run_kernels)
 

@@ -50,13 +50,18 @@ def random_weight(kind: int, rows: int, cols: int, rng: np.random.Generator) -> 
     return raw.reshape(rows, -1)
 
 
-def table_types() -> list[int]:
-    """The GGUF type ids of this path's kernel table, in its order."""
+def table_types(names: list[str] | None = None) -> list[int]:
+    """The GGUF type ids of this path's kernel table, in its order (those named in `names` only, if given).
+    Raises ValueError naming --types for a type the table lacks."""
     from hybridgate.workers.cpu import quant
     from hybridgate.workers.cpu.blocks import LAYOUTS
 
     ids = {layout.name: kind for kind, layout in LAYOUTS.items()}
-    return [ids[name] for name in kernel_table.AUTO[quant.PATH]]
+    table = list(kernel_table.AUTO[quant.PATH])
+    unknown = sorted(set(names or ()) - set(table))
+    if unknown:
+        raise ValueError(f"--types: {', '.join(unknown)} not in the kernel table (it has {', '.join(table)})")
+    return [ids[name] for name in table if names is None or name in names]
 
 
 def _time(matrices: dict, x: np.ndarray, repeats: int) -> dict[str, float]:
@@ -73,7 +78,8 @@ def _time(matrices: dict, x: np.ndarray, repeats: int) -> dict[str, float]:
     return {name: float(np.median(t)) for name, t in times.items()}
 
 
-def measure(shape: tuple[int, int], batches: list[int], repeats: int, seed: int = 0) -> list[dict]:
+def measure(shape: tuple[int, int], batches: list[int], repeats: int, seed: int = 0,
+            types: list[str] | None = None) -> list[dict]:
     """The rows of the table for this process's path (see the module docstring)."""
     from hybridgate.workers.cpu import isa, quant
     from hybridgate.workers.cpu.blocks import LAYOUTS
@@ -81,7 +87,7 @@ def measure(shape: tuple[int, int], batches: list[int], repeats: int, seed: int 
     rng = np.random.default_rng(seed)
     rows, cols = shape
     out = []
-    for kind in table_types():
+    for kind in table_types(types):
         data = random_weight(kind, rows, cols, rng)
         matrices = {"fast": quant.quant_matrix("w", kind, data, shape)}
         name = LAYOUTS[kind].name
@@ -129,7 +135,7 @@ def _format(rows: list[dict]) -> str:
 
 def _child_command(path: str, args) -> list[str]:
     return [sys.executable, "-m", "hybridgate.bench.kernels", path, f"{args.shape[0]}x{args.shape[1]}",
-            ",".join(map(str, args.batch)), str(args.repeats), str(args.threads)]
+            ",".join(map(str, args.batch)), str(args.repeats), str(args.threads), ",".join(args.types or [])]
 
 
 def run(args) -> int:
@@ -142,6 +148,10 @@ def run(args) -> int:
     for path in paths:
         if path not in runnable:
             raise ValueError(f"--isa: this CPU cannot run {path} (it runs {', '.join(runnable)})")
+    known = {name for table in kernel_table.AUTO.values() for name in table}
+    if set(args.types or ()) - known:
+        raise ValueError(f"--types: {', '.join(sorted(set(args.types) - known))} is no weight type of the kernel table "
+                         f"({', '.join(sorted(known))})")
     rows = []
     for path in paths:
         env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CACHE_DIR", isa.ENV)}
@@ -158,6 +168,7 @@ def run(args) -> int:
         from hybridgate.bench.machine import describe
 
         doc = {"benchmark": "kernels", "command": " ".join(["hybridgate", *sys.argv[1:]]), "machine": describe(),
+               "shape": list(args.shape),
                "threads": args.threads, "repeats": args.repeats, "rows": rows}
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
@@ -165,7 +176,7 @@ def run(args) -> int:
 
 
 def _child_main(argv: list[str]) -> None:
-    path, shape, batches, repeats, threads = argv
+    path, shape, batches, repeats, threads, types = argv
     from hybridgate.workers.cpu import isa
 
     isa.select(path)
@@ -173,7 +184,8 @@ def _child_main(argv: list[str]) -> None:
 
     numba.set_num_threads(int(threads))
     rows, cols = (int(v) for v in shape.split("x"))
-    print(json.dumps(measure((rows, cols), [int(b) for b in batches.split(",")], int(repeats))))
+    print(json.dumps(measure((rows, cols), [int(b) for b in batches.split(",")], int(repeats),
+                             types=types.split(",") if types else None)))
 
 
 if __name__ == "__main__":
