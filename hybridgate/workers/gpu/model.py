@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from hybridgate.models import GGUFModel, ModelConfig
-from hybridgate.workers.gpu.layers import ACTIVATIONS, ROTATIONS, causal_sdpa, rms_norm, softcap
+from hybridgate.workers.gpu.layers import causal_sdpa, softcap
+from hybridgate.workers.gpu.ops import EagerOps, FusedOps
 
 __all__ = ["DecoderModel", "LlamaModel", "causal_sdpa", "default_device", "default_dtype"]
 
@@ -114,9 +115,12 @@ class DecoderModel:
     architecture row (`config.arch`). On the "meta" device nothing is
     dequantized or allocated: every check of the build runs on the tensors'
     shapes alone (`hybridgate info`'s verdict on an 8B file costs no 32 GB).
+    Norms, RoPE and the FFN activation run as torch ops (`ops.EagerOps`, the reference) or, with `fused`,
+    as one Triton launch each (`ops.FusedOps`: CUDA's path; on a CPU device only under Triton's interpreter).
     """
 
-    def __init__(self, model: GGUFModel, device: torch.device | None = None, dtype: torch.dtype | None = None):
+    def __init__(self, model: GGUFModel, device: torch.device | None = None, dtype: torch.dtype | None = None,
+                 fused: bool = False):
         self.config = config = model.config
         self.device = device or default_device()
         self.dtype = dtype or default_dtype(self.device)
@@ -129,8 +133,7 @@ class DecoderModel:
         self.out_norm = self._put(self._load("output_norm.weight"))
         self.layers = [self._layer(i) for i in range(config.num_layers)]
         del self._load
-        self._rotate = ROTATIONS[config.rope_layout]
-        self._act = ACTIVATIONS[config.arch.activation]
+        self.ops = FusedOps(config) if fused else EagerOps(config)
         # One inverse-frequency table per distinct (base, position scale); each layer names its own.
         ropes = list(dict.fromkeys(zip(config.layer_rope_theta, config.layer_rope_scale)))
         self.layer_rope = tuple(ropes.index(r) for r in zip(config.layer_rope_theta, config.layer_rope_scale))
@@ -219,27 +222,32 @@ class DecoderModel:
         c = self.config
         positions = positions.to(self.device, non_blocking=True)
         ropes = [self._rope(positions, inv, scale) for inv, scale in self.rope_tables]
-        x = self.embed[token_ids.to(self.device, non_blocking=True)] * c.embedding_scale  # [num_tokens, hidden]
-        q_dim, kv_dim, heads = c.q_dim, c.kv_dim, c.num_heads + c.num_kv_heads
+        out = self.embed[token_ids.to(self.device, non_blocking=True)] * c.embedding_scale  # [num_tokens, hidden]
+        residual = None  # the residual stream; each layer's output is added to it by the next norm
         for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.attn_norm, c.rms_norm_eps)
-            qkv = h @ layer.w_qkv  # [num_tokens, q_dim + 2 * kv_dim]
-            if layer.b_qkv is not None:
-                qkv = qkv + layer.b_qkv
-            qk = qkv[:, : q_dim + kv_dim].reshape(-1, heads, c.head_dim)  # [num_tokens, heads + kv_heads, head_dim]
-            if layer.qk_norm is not None:
-                qk = rms_norm(qk, layer.qk_norm, c.rms_norm_eps)
-            qk = self._rotate(qk, *ropes[self.layer_rope[i]])
-            q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]  # [num_tokens, heads | kv_heads, head_dim]
-            v = qkv[:, q_dim + kv_dim :].reshape(-1, c.num_kv_heads, c.head_dim)
-            out = attention(i, q, k, v).reshape(-1, q_dim) @ layer.wo
-            x = x + (out if layer.post_attn_norm is None else rms_norm(out, layer.post_attn_norm, c.rms_norm_eps))
-            h = rms_norm(x, layer.ffn_norm, c.rms_norm_eps)
-            gate, up = (h @ layer.w_gate_up).chunk(2, dim=-1)
-            out = (self._act(gate) * up) @ layer.w_down
-            x = x + (out if layer.post_ffn_norm is None else rms_norm(out, layer.post_ffn_norm, c.rms_norm_eps))
-        h = rms_norm(x[last_rows.to(self.device, non_blocking=True)], self.out_norm, c.rms_norm_eps)
+            out, residual = self._decoder_layer(i, layer, out, residual, ropes[self.layer_rope[i]], attention)
+        rows = last_rows.to(self.device, non_blocking=True)
+        h, _ = self.ops.add_norm(out[rows], residual[rows], self.out_norm, self.layers[-1].post_ffn_norm)
         return softcap(F.linear(h, self.lm_head).float(), c.final_softcap)  # [num_seqs, vocab]
+
+    def _decoder_layer(self, i: int, layer: LayerWeights, out: torch.Tensor, residual: torch.Tensor | None,
+                       rope: tuple[torch.Tensor, torch.Tensor], attention: Attention):
+        """(this layer's FFN output, the residual stream before it is added), both `[num_tokens, hidden]`:
+        the previous sublayer's `out` is added (through its post norm) by the norm that follows it."""
+        c = self.config
+        q_dim, kv_dim, heads = c.q_dim, c.kv_dim, c.num_heads + c.num_kv_heads
+        before = self.layers[i - 1].post_ffn_norm if i else None
+        h, residual = self.ops.add_norm(out, residual, layer.attn_norm, before)
+        qkv = h @ layer.w_qkv  # [num_tokens, q_dim + 2 * kv_dim]
+        if layer.b_qkv is not None:
+            qkv = qkv + layer.b_qkv
+        qk = qkv[:, : q_dim + kv_dim].reshape(-1, heads, c.head_dim)  # [num_tokens, heads + kv_heads, head_dim]
+        qk = self.ops.rope(qk, *rope, layer.qk_norm)
+        q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]  # [num_tokens, heads | kv_heads, head_dim]
+        v = qkv[:, q_dim + kv_dim :].reshape(-1, c.num_kv_heads, c.head_dim)
+        out = attention(i, q, k, v).reshape(-1, q_dim) @ layer.wo
+        h, residual = self.ops.add_norm(out, residual, layer.ffn_norm, layer.post_attn_norm)
+        return self.ops.act_mul(h @ layer.w_gate_up) @ layer.w_down, residual
 
     def _rope(self, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin `[num_tokens, head_dim / 2]` in the model's dtype, times the config's attention factor."""

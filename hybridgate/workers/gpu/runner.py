@@ -24,7 +24,7 @@ from hybridgate.workers.gpu.export import StepTimeline, dtype_name
 from hybridgate.workers.gpu.graphs import DecodeGraphs
 from hybridgate.workers.gpu.sizing import CudaMemory, graphs_allowance, profile_batches
 from hybridgate.workers.memory import budget_text, host_available_bytes, kv_cache_budget, num_blocks_for, size_text
-from hybridgate.workers.gpu.model import DecoderModel
+from hybridgate.workers.gpu.model import DecoderModel, default_device
 from hybridgate.workers.faults import FaultHook
 from hybridgate.workerconf import EngineConfig
 from hybridgate.workers.scheduler import ScheduledBatch, SchedulerConfig
@@ -80,9 +80,10 @@ class TorchRunner:
         (`sizing`), whose counters `memory` reads (default `CudaMemory` on CUDA; tests inject theirs,
         which also selects that rule on a CPU device). Raises ValueError naming the flags when the
         cache would not hold one block, or an asked `max_model_len`."""
-        self.model = DecoderModel(model, device, dtype)
-        dev = self.model.device
+        dev = device or default_device()
         self.attention = attention_kind(attention, dev)  # "triton" or "reference"
+        # The Triton path fuses the layer's norms, RoPE and activation too; the reference path is all eager.
+        self.model = DecoderModel(model, dev, dtype, fused=self.attention == "triton")
         self.vocab_size = model.config.vocab_size
         self.metadata = model.metadata  # the tokenizer constraints are enforced with is built from it
         self.fault = FaultHook.from_env()  # tests only: None unless HYBRIDGATE_TEST_FAULT is set
