@@ -35,6 +35,13 @@ def _bf16_rne(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and bool(triton.knobs.runtime.interpret)
 
 
+def _rows_per_program(tokens: int) -> int:
+    """Token rows one program handles: one on a GPU (a program per row, as norm kernels are usually
+    launched); under Triton's interpreter, whose cost is per program and per operation rather than per
+    element, up to 64 (the whole step of a test), which makes an interpreted forward tens of times faster."""
+    return min(64, triton.next_power_of_2(max(tokens, 1))) if triton.knobs.runtime.interpret else 1
+
+
 @triton.jit
 def _round(x, like_ptr, BF16_RNE: tl.constexpr):
     """float32 x rounded to the dtype `like_ptr` points at (to nearest even), back in float32: what storing
@@ -48,25 +55,28 @@ def _round(x, like_ptr, BF16_RNE: tl.constexpr):
 
 @triton.jit
 def _normalize(x, w, n, eps, like_ptr, BF16_RNE: tl.constexpr):
-    """`w * round(x * rsqrt(mean(x^2) + eps))` of a float32 row x (padding lanes 0), rounded to the dtype."""
-    inv = 1.0 / tl.sqrt(tl.sum(x * x, 0) / n + eps)
+    """`w * round(x * rsqrt(mean(x^2) + eps))` of float32 rows x `[rows, n padded]` (padding lanes 0),
+    rounded to the dtype."""
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, 1)[:, None] / n + eps)
     return _round(w * _round(x * inv, like_ptr, BF16_RNE), like_ptr, BF16_RNE)
 
 
 @triton.jit
-def _add_rms_norm(x_ptr, res_ptr, w_ptr, post_ptr, out_ptr, n, eps, x_stride, res_stride, out_stride,
-                  HAS_RESIDUAL: tl.constexpr, HAS_POST: tl.constexpr, BLOCK: tl.constexpr, BF16_RNE: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    ok = cols < n
+def _add_rms_norm(x_ptr, res_ptr, w_ptr, post_ptr, out_ptr, tokens, n, eps, x_stride, res_stride, out_stride,
+                  HAS_RESIDUAL: tl.constexpr, HAS_POST: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                  BF16_RNE: tl.constexpr):
+    row = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
+    cols = tl.arange(0, BLOCK)[None, :]
+    ok = (row < tokens) & (cols < n)
     x = tl.load(x_ptr + row * x_stride + cols, mask=ok, other=0.0).to(tl.float32)
     if HAS_POST:  # Gemma's sandwich norm: the sublayer's output is normalized before the residual add
-        x = _normalize(x, tl.load(post_ptr + cols, mask=ok, other=0.0).to(tl.float32), n, eps, out_ptr, BF16_RNE)
+        post = tl.load(post_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)
+        x = _normalize(x, post, n, eps, out_ptr, BF16_RNE)
     if HAS_RESIDUAL:
         x = _round(x + tl.load(res_ptr + row * res_stride + cols, mask=ok, other=0.0).to(tl.float32), out_ptr,
                    BF16_RNE)
         tl.store(res_ptr + row * res_stride + cols, x.to(res_ptr.dtype.element_ty), mask=ok)
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * out_stride + cols,
              _normalize(x, w, n, eps, out_ptr, BF16_RNE).to(out_ptr.dtype.element_ty), mask=ok)
 
@@ -98,22 +108,24 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     out = torch.empty_like(x)
     if tokens:
         res = x if residual is None else residual
-        _add_rms_norm[(tokens,)](x, res, weight, weight if post_weight is None else post_weight, out, n, eps,
-                                 x.stride(0), res.stride(0), out.stride(0), HAS_RESIDUAL=residual is not None,
-                                 HAS_POST=post_weight is not None, BLOCK=triton.next_power_of_2(n),
-                                 BF16_RNE=_bf16_rne(x.dtype))
+        rows = _rows_per_program(tokens)
+        _add_rms_norm[(triton.cdiv(tokens, rows),)](
+            x, res, weight, weight if post_weight is None else post_weight, out, tokens, n, eps, x.stride(0),
+            res.stride(0), out.stride(0), HAS_RESIDUAL=residual is not None, HAS_POST=post_weight is not None,
+            ROWS=rows, BLOCK=triton.next_power_of_2(n),
+            BF16_RNE=_bf16_rne(x.dtype))
     return out, (x if residual is None else residual)
 
 
 @triton.jit
-def _rope(x_ptr, cos_ptr, sin_ptr, w_ptr, x_stride_t, x_stride_h, cs_stride, heads, eps,
-          HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr, LAYOUT: tl.constexpr,
-          QK_NORM: tl.constexpr, BF16_RNE: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+def _rope(x_ptr, cos_ptr, sin_ptr, w_ptr, tokens, x_stride_t, x_stride_h, cs_stride, heads, eps,
+          HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
+          LAYOUT: tl.constexpr, QK_NORM: tl.constexpr, BF16_RNE: tl.constexpr):
     HALF: tl.constexpr = HEAD_DIM // 2
-    h = tl.arange(0, HEADS_PAD)[:, None]
-    j = tl.arange(0, HALF_PAD)[None, :]
-    ok = (h < heads) & (j < HALF)
+    t = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None, None]  # [ROWS, 1, 1]
+    h = tl.arange(0, HEADS_PAD)[None, :, None]  # [1, HEADS_PAD, 1]
+    j = tl.arange(0, HALF_PAD)[None, None, :]  # [1, 1, HALF_PAD]
+    ok = (t < tokens) & (h < heads) & (j < HALF)
     if LAYOUT == 0:  # adjacent pairs (x[2j], x[2j + 1])
         i0 = 2 * j
         i1 = 2 * j + 1
@@ -121,16 +133,17 @@ def _rope(x_ptr, cos_ptr, sin_ptr, w_ptr, x_stride_t, x_stride_h, cs_stride, hea
         i0 = j
         i1 = j + HALF
     row = x_ptr + t * x_stride_t + h * x_stride_h
-    x0 = tl.load(row + i0, mask=ok, other=0.0).to(tl.float32)  # [HEADS_PAD, HALF_PAD]
+    x0 = tl.load(row + i0, mask=ok, other=0.0).to(tl.float32)  # [ROWS, HEADS_PAD, HALF_PAD]
     x1 = tl.load(row + i1, mask=ok, other=0.0).to(tl.float32)
     if QK_NORM:  # each head's RMSNorm over its head_dim values, weights [heads, head_dim]
-        inv = 1.0 / tl.sqrt((tl.sum(x0 * x0, 1) + tl.sum(x1 * x1, 1)) / HEAD_DIM + eps)[:, None]
+        inv = 1.0 / tl.sqrt((tl.sum(x0 * x0, 2) + tl.sum(x1 * x1, 2)) / HEAD_DIM + eps)[:, :, None]
         w0 = tl.load(w_ptr + h * HEAD_DIM + i0, mask=ok, other=0.0).to(tl.float32)
         w1 = tl.load(w_ptr + h * HEAD_DIM + i1, mask=ok, other=0.0).to(tl.float32)
         x0 = _round(w0 * _round(x0 * inv, x_ptr, BF16_RNE), x_ptr, BF16_RNE)
         x1 = _round(w1 * _round(x1 * inv, x_ptr, BF16_RNE), x_ptr, BF16_RNE)
-    c = tl.load(cos_ptr + t * cs_stride + j, mask=j < HALF, other=0.0).to(tl.float32)  # [1, HALF_PAD]
-    s = tl.load(sin_ptr + t * cs_stride + j, mask=j < HALF, other=0.0).to(tl.float32)
+    at = (t < tokens) & (j < HALF)
+    c = tl.load(cos_ptr + t * cs_stride + j, mask=at, other=0.0).to(tl.float32)  # [ROWS, 1, HALF_PAD]
+    s = tl.load(sin_ptr + t * cs_stride + j, mask=at, other=0.0).to(tl.float32)
     tl.store(row + i0, _round(x0 * c - x1 * s, x_ptr, BF16_RNE).to(x_ptr.dtype.element_ty), mask=ok)
     tl.store(row + i1, _round(x0 * s + x1 * c, x_ptr, BF16_RNE).to(x_ptr.dtype.element_ty), mask=ok)
 
@@ -153,19 +166,21 @@ def rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: int, no
     if norm_weight is not None and norm_weight.shape != (heads, d):
         raise ValueError(f"the Q/K norm weights must be [{heads}, {d}], got {tuple(norm_weight.shape)}")
     if tokens:
-        _rope[(tokens,)](qk, cos, sin, cos if norm_weight is None else norm_weight.contiguous(), qk.stride(0),
-                         qk.stride(1), cos.stride(0), heads, eps, HEAD_DIM=d, HEADS_PAD=triton.next_power_of_2(heads),
-                         HALF_PAD=triton.next_power_of_2(d // 2), LAYOUT=layout, QK_NORM=norm_weight is not None,
-                         BF16_RNE=_bf16_rne(qk.dtype))
+        rows = _rows_per_program(tokens)
+        _rope[(triton.cdiv(tokens, rows),)](
+            qk, cos, sin, cos if norm_weight is None else norm_weight.contiguous(), tokens, qk.stride(0),
+            qk.stride(1), cos.stride(0), heads, eps, HEAD_DIM=d, ROWS=rows, HEADS_PAD=triton.next_power_of_2(heads),
+            HALF_PAD=triton.next_power_of_2(d // 2), LAYOUT=layout, QK_NORM=norm_weight is not None,
+            BF16_RNE=_bf16_rne(qk.dtype))
     return qk
 
 
 @triton.jit
-def _act_mul(x_ptr, out_ptr, ffn, x_stride, out_stride, ACT: tl.constexpr, BLOCK: tl.constexpr,
-             BF16_RNE: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < ffn
+def _act_mul(x_ptr, out_ptr, tokens, ffn, x_stride, out_stride, ACT: tl.constexpr, ROWS: tl.constexpr,
+             BLOCK: tl.constexpr, BF16_RNE: tl.constexpr):
+    t = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
+    cols = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
+    ok = (t < tokens) & (cols < ffn)
     gate = tl.load(x_ptr + t * x_stride + cols, mask=ok, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + t * x_stride + ffn + cols, mask=ok, other=0.0).to(tl.float32)
     if ACT == 0:  # SiLU: x * sigmoid(x)
@@ -189,6 +204,8 @@ def act_mul(gate_up: torch.Tensor, act: int) -> torch.Tensor:
     out = gate_up.new_empty(tokens, ffn)
     block = min(1024, triton.next_power_of_2(ffn))
     if tokens:
-        _act_mul[(tokens, triton.cdiv(ffn, block))](gate_up, out, ffn, gate_up.stride(0), out.stride(0), ACT=act,
-                                                   BLOCK=block, BF16_RNE=_bf16_rne(out.dtype))
+        rows = _rows_per_program(tokens)
+        _act_mul[(triton.cdiv(tokens, rows), triton.cdiv(ffn, block))](
+            gate_up, out, tokens, ffn, gate_up.stride(0), out.stride(0), ACT=act, ROWS=rows, BLOCK=block,
+            BF16_RNE=_bf16_rne(out.dtype))
     return out
