@@ -26,7 +26,7 @@ $PY -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_na
 status=0
 export TRITON_INTERPRET=0  # the kernels compiled for the GPU (the tests' conftest interprets them otherwise)
 # Time limits sum to 300 s: a rerun fits in what a lent device allows.
-timeout 100 $PY -m pytest -q -s tests/unit/test_gpu_kernels.py -p no:cacheprovider \
+timeout 100 $PY -m pytest -q -s tests/unit/test_gpu_kernels.py tests/unit/test_fused_kernels.py -p no:cacheprovider \
   --junitxml "$OUT/gpu-kernel-tests.xml" || status=$?
 timeout 80 $PY -m pytest -q -s -m gpu tests/component/test_gpu.py tests/component/test_handoff_gpu.py \
   tests/component/test_architectures_gpu.py tests/component/test_constraints_gpu.py -p no:cacheprovider \

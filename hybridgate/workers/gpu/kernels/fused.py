@@ -3,12 +3,14 @@ residual add + RMSNorm, RoPE on Q and K, and the gated FFN's activation times up
 
 Each kernel reads its inputs once and writes its outputs once, computing in float32 and rounding to the
 tensors' dtype where the eager torch path (`hybridgate.workers.gpu.layers`, the reference) rounds, so in
-bf16 the two differ only by the order of float32 operations before the same rounding:
+bf16 the two differ by the order of float32 operations before the same rounding (RoPE rounds once where
+the eager path rounds each product, so it is nearer the exact value):
 
 - `add_rms_norm`: RMSNorm (Zhang & Sennrich 2019) over the last dim: `w * round(x / rms(x))`, rms in
   float32 as transformers computes it, optionally after adding the sublayer's output to the residual
   stream (rounded, as `x + out` is) and, for Gemma 2/3's sandwich norms, after normalizing that output
-  with its own post-norm weight first. One program per token row.
+  with its own post-norm weight first. Gemma's `(1 + w)` weights need no offset: llama.cpp's converter
+  stores `w + 1` in the GGUF (`hybridgate.models.architectures`), so every family's norm is `w * x / rms`.
 - `rope`: rotary position embedding (Su et al. 2021) of every Q and K head of a token in one program,
   in place; the architecture row's layout as data: adjacent pairs (x[2i], x[2i+1], llama.cpp NORM, the
   project's convention for GGUF's permuted Q/K rows) or halves (x[i], x[i + d/2], NEOX); optionally each
@@ -16,7 +18,7 @@ bf16 the two differ only by the order of float32 operations before the same roun
 - `act_mul`: `act(gate) * up` of the gated FFN (SwiGLU, Shazeer 2020; GeGLU with GELU's tanh
   approximation, Hendrycks & Gimpel 2016) from the one `[tokens, 2 * ffn]` gate|up product.
 
-Launches per layer: see `hybridgate.workers.gpu.ops`.
+A program handles one token row on a GPU (`_rows_per_program`). Launches per layer: `hybridgate.workers.gpu.ops`.
 """
 
 from __future__ import annotations
