@@ -32,6 +32,7 @@ VIEWS = {"aten::slice", "aten::select", "aten::reshape", "aten::view", "aten::tr
          "aten::flatten", "aten::_unsafe_view"}
 COPIES = {"aten::copy_", "aten::clone", "aten::contiguous"}
 KERNELS = {fused_kernels: ("add_rms_norm", "rope", "act_mul"), attention_kernels: ("write_kv", "paged_attention")}
+KERNEL_NAMES = {name for names in KERNELS.values() for name in names}
 # The fused path's launches per layer (module doc of hybridgate/workers/gpu/ops.py): the plain layer's ten,
 # plus Qwen 2's bias add; Q/K norms and Gemma's post norms ride in the rope and add_rms_norm launches.
 PLAIN = Counter({"aten::matmul": 4, "add_rms_norm": 2, "rope": 1, "act_mul": 1, "write_kv": 1, "paged_attention": 1})
@@ -82,9 +83,6 @@ def launches(event, children) -> int:
             return 1
         stack += children.get(e.id, ())
     return 0
-
-
-KERNEL_NAMES = {name for names in KERNELS.values() for name in names}
 
 
 def layer_launches(runner: TorchRunner, batch: ScheduledBatch, monkeypatch) -> list[Counter]:
