@@ -130,9 +130,12 @@ class EngineConfig:
     prefix_caching: bool = setting(True, "reuse the KV blocks of cached prompt prefixes")
     enforce_eager: bool = setting(False, "on CUDA, run decode steps eagerly instead of replaying captured CUDA graphs")
     gpu_attention: str = setting(
-        "auto", "GPU worker's attention: triton (our paged Triton kernels, reading the KV cache in place through "
-                "the block table), reference (gather the context, then SDPA), auto (triton on CUDA, reference "
-                "on a CPU device)", choices=("auto", "triton", "reference"))
+        "auto", "GPU worker's kernels: triton (our paged Triton attention, reading the KV cache in place through "
+                "the block table, with the layer's residual add + RMSNorm, RoPE and activation fused in Triton; "
+                "on CUDA decode steps replay CUDA graphs, one per batch size, unless --enforce-eager), reference "
+                "(torch ops throughout: gather the context, then SDPA; decode steps run eagerly), auto (triton on "
+                "CUDA, reference on a CPU device)",
+        choices=("auto", "triton", "reference"))
     measure_rates: bool = setting(
         True, "before READY, time prefill steps of 32 and 256 tokens and decode steps of 1 and 8 "
               "sequences, so the router's cost model places the first requests on this worker's own figures "

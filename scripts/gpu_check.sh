@@ -44,7 +44,7 @@ if [ ! -f "$MODEL" ]; then
   timeout 10 $PY -c "import sys; from pathlib import Path; from tiny_gguf import write_default_shaped; write_default_shaped(Path(sys.argv[1]))" "$MODEL" || status=$?
 fi
 export HYBRIDGATE_GPU_CHECK_MODEL="$MODEL"
-timeout 45 $PY -m pytest -q -p no:cacheprovider tests/unit/test_gpu_kernels.py --junitxml "$LOGS/gpu-kernel-tests.xml" \
+timeout 45 $PY -m pytest -q -p no:cacheprovider tests/unit/test_gpu_kernels.py tests/unit/test_fused_kernels.py --junitxml "$LOGS/gpu-kernel-tests.xml" \
   > "$LOGS/tests-gpu-kernels.log" 2>&1 || status=$?
 timeout 45 $PY -m pytest -q -s -p no:cacheprovider -m gpu tests/component/test_gpu.py tests/component/test_handoff_gpu.py \
   tests/component/test_architectures_gpu.py tests/component/test_constraints_gpu.py tests/component/test_moe.py --junitxml "$LOGS/gpu-tests.xml" \

@@ -84,9 +84,11 @@ def test_cuda_bf16_graph_replay_is_bitwise_equal_to_eager(case):
     for s in seqs:
         s.num_computed = s.num_tokens
         s.output_ids.append(7)
-    h = runner._host_inputs(ScheduledBatch([(s, 1) for s in seqs]), runner.pool.acquire())
-    eager = DecodeGraphs(runner.model, runner.cache, runner.scratch_slot, 4, runner.max_model_len, capture=False)
-    args = (h.ids, h.positions, h.slots, h.decode_context, np.asarray(h.contexts))
+    batch = ScheduledBatch([(s, 1) for s in seqs])
+    h = runner._host_inputs(batch, runner.pool.acquire())
+    eager = DecodeGraphs(runner.model, runner.cache, runner.scratch_slot, 4, runner.max_model_len, capture=False,
+                         num_splits=runner._num_splits)
+    args = (h.ids, h.positions, h.slots, runner._block_tables(batch, h), np.asarray(h.contexts))
     before = runner.graphs.replays
     replayed = runner.graphs.run(*args).clone()
     assert runner.graphs.replays == before + 1

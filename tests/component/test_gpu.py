@@ -48,9 +48,9 @@ def test_graph_replay_is_bitwise_equal_to_eager_at_the_same_padded_size(cuda_run
     seqs, _ = _prefilled(cuda_runner, (5, 20, 33))
     batch = ScheduledBatch([(s, 1) for s in seqs])
     h = cuda_runner._host_inputs(batch, cuda_runner.pool.acquire())
-    eager = DecodeGraphs(cuda_runner.model, cuda_runner.cache, cuda_runner.num_blocks * cuda_runner.block_size, 16,
-                         cuda_runner.max_model_len, capture=False)
-    args = (h.ids, h.positions, h.slots, h.decode_context, np.asarray(h.contexts))
+    eager = DecodeGraphs(cuda_runner.model, cuda_runner.cache, cuda_runner.scratch_slot, 16,
+                         cuda_runner.max_model_len, capture=False, num_splits=cuda_runner._num_splits)
+    args = (h.ids, h.positions, h.slots, cuda_runner._block_tables(batch, h), np.asarray(h.contexts))
     before = cuda_runner.graphs.replays
     replayed = cuda_runner.graphs.run(*args).clone()
     assert cuda_runner.graphs.replays == before + 1

@@ -224,20 +224,6 @@ def prefilled_decode_batch(runner, lengths, stride: int, next_from: int) -> Sche
     return ScheduledBatch([(s, 1) for s in seqs])
 
 
-def test_static_padded_decode_equals_the_dynamic_path(torch_runner):
-    runner = torch_runner
-    from hybridgate.workers.gpu.graphs import DecodeGraphs
-
-    graphs = DecodeGraphs(runner.model, runner.cache, runner.num_blocks * runner.block_size, 8, runner.max_model_len,
-                          capture=False)
-    batch = prefilled_decode_batch(runner, (5, 20, 33), stride=9, next_from=500)
-    dynamic = runner.forward(batch).numpy()
-    h = runner._host_inputs(batch, runner.pool.acquire())
-    static = graphs.run(h.ids, h.positions, h.slots, h.decode_context, np.asarray(h.contexts)).numpy()
-    assert graphs.key(3, h.width) == (4, 256)  # padded to batch 4 and the 256-token bucket
-    np.testing.assert_allclose(static, dynamic, atol=1e-4, rtol=0)
-
-
 def test_an_abort_that_overtakes_its_request_drops_it(runner, fingerprint):
     engine = EngineCore(runner, SchedulerConfig(), fingerprint)
     assert engine.abort(["late"]) == []
@@ -344,12 +330,12 @@ def test_triton_kernels_equal_the_reference_path_dynamic_and_padded(gguf_model, 
                (torch_runner, kernels)]
     np.testing.assert_allclose(results[1].numpy(), results[0].numpy(), atol=1e-4, rtol=0)
     graphs = DecodeGraphs(kernels.model, kernels.cache, kernels.scratch_slot, 8, kernels.max_model_len,
-                          capture=False, kernels=True, num_splits=lambda batch: 2)
+                          capture=False, num_splits=lambda batch: 2)
     batch = prefilled_decode_batch(kernels, (7, 17), stride=13, next_from=600)
     dynamic = kernels.forward(batch).numpy()
     h = kernels._host_inputs(batch, kernels.pool.acquire())
     static = graphs.run(h.ids, h.positions, h.slots, kernels._block_tables(batch, h), np.asarray(h.contexts))
-    assert graphs.key(2, h.width) == (2, -(-kernels.max_model_len // kernels.block_size))  # no context buckets
+    assert graphs.padded(2) == 2 and graphs.max_blocks == -(-kernels.max_model_len // kernels.block_size)
     np.testing.assert_allclose(static.numpy(), dynamic, atol=1e-4, rtol=0)
 
 

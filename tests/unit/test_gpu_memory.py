@@ -67,8 +67,8 @@ def test_profile_steps_are_the_largest_step_and_the_largest_decode():
 
 
 def test_graphs_allowance_is_the_decode_peak_the_logits_and_an_overhead_per_graph():
-    assert graphs_allowance([1, 2, 4, 8], 1, 1000, MiB) == MiB + 15 * 1000 * 4 + 4 * GRAPH_OVERHEAD_BYTES
-    assert graphs_allowance([1, 2], 3, 10, 0) == 3 * 3 * 10 * 4 + 6 * GRAPH_OVERHEAD_BYTES
+    assert graphs_allowance([1, 2, 4, 8], 1000, MiB) == MiB + 15 * 1000 * 4 + 4 * GRAPH_OVERHEAD_BYTES
+    assert graphs_allowance([1, 2], 10, 0) == 3 * 10 * 4 + 2 * GRAPH_OVERHEAD_BYTES
 
 
 class FakeMemory:

@@ -3,7 +3,8 @@ gather-by-block-table reference path (`PagedAttention`, the CPU device's and the
 
 One choice point, `attention_kind`: `--gpu-attention auto` runs the kernels on CUDA and the reference
 elsewhere; `triton` or `reference` force one (the kernels on a CPU device only under Triton's interpreter,
-`TRITON_INTERPRET=1`, as the tests run them).
+`TRITON_INTERPRET=1`, as the tests run them). The same choice picks the layer's fused Triton ops or its
+eager torch ops (`gpu.ops`) and whether decode graphs are captured (`gpu.graphs`).
 
 The reference path:
 

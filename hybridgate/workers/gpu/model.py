@@ -27,8 +27,9 @@ import torch
 import torch.nn.functional as F
 
 from hybridgate.models import GGUFModel, ModelConfig
-from hybridgate.workers.gpu.layers import ACTIVATIONS, ROTATIONS, causal_sdpa, rms_norm, softcap
+from hybridgate.workers.gpu.layers import ACTIVATIONS, causal_sdpa, softcap
 from hybridgate.workers.gpu.moe import experts_ffn, route, shared_expert
+from hybridgate.workers.gpu.ops import EagerOps, FusedOps
 
 __all__ = ["DecoderModel", "LlamaModel", "causal_sdpa", "default_device", "default_dtype"]
 
@@ -125,10 +126,12 @@ class DecoderModel:
     `load` replaces the file as the source of every tensor: a GGUF tensor name ->
     its row-major tensor (`[out, in]` for matrices), made on `device` in any float
     dtype (`bench.device_weights`: random weights from a seed, nothing read).
+    Norms, RoPE and the FFN activation run as torch ops (`ops.EagerOps`, the reference) or, with `fused`,
+    as one Triton launch each (`ops.FusedOps`: CUDA's path; on a CPU device only under Triton's interpreter).
     """
 
     def __init__(self, model: GGUFModel, device: torch.device | None = None, dtype: torch.dtype | None = None,
-                 load: Callable[[str], torch.Tensor] | None = None):
+                 load: Callable[[str], torch.Tensor] | None = None, fused: bool = False):
         self.config = config = model.config
         self.device = device or default_device()
         self.dtype = dtype or default_dtype(self.device)
@@ -143,8 +146,7 @@ class DecoderModel:
         self.out_norm = self._put(self._load("output_norm.weight"))
         self.layers = [self._layer(i) for i in range(config.num_layers)]
         del self._load
-        self._rotate = ROTATIONS[config.rope_layout]
-        self._act = ACTIVATIONS[config.arch.activation]
+        self.ops = FusedOps(config) if fused else EagerOps(config)
         # One inverse-frequency table per distinct (base, position scale); each layer names its own.
         ropes = list(dict.fromkeys(zip(config.layer_rope_theta, config.layer_rope_scale)))
         self.layer_rope = tuple(ropes.index(r) for r in zip(config.layer_rope_theta, config.layer_rope_scale))
@@ -268,38 +270,46 @@ class DecoderModel:
         c = self.config
         positions = positions.to(self.device, non_blocking=True)
         ropes = [self._rope(positions, inv, scale) for inv, scale in self.rope_tables]
-        x = self.embed[token_ids.to(self.device, non_blocking=True)] * c.embedding_scale  # [num_tokens, hidden]
-        q_dim, kv_dim, heads = c.q_dim, c.kv_dim, c.num_heads + c.num_kv_heads
+        out = self.embed[token_ids.to(self.device, non_blocking=True)] * c.embedding_scale  # [num_tokens, hidden]
+        residual = None  # the residual stream; each layer's output is added to it by the next norm
         for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.attn_norm, c.rms_norm_eps)
-            qkv = h @ layer.w_qkv  # [num_tokens, q_dim + 2 * kv_dim]
-            if layer.b_qkv is not None:
-                qkv = qkv + layer.b_qkv
-            qk = qkv[:, : q_dim + kv_dim].reshape(-1, heads, c.head_dim)  # [num_tokens, heads + kv_heads, head_dim]
-            if layer.qk_norm is not None:
-                qk = rms_norm(qk, layer.qk_norm, c.rms_norm_eps)
-            qk = self._rotate(qk, *ropes[self.layer_rope[i]])
-            q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]  # [num_tokens, heads | kv_heads, head_dim]
-            v = qkv[:, q_dim + kv_dim :].reshape(-1, c.num_kv_heads, c.head_dim)
-            out = attention(i, q, k, v).reshape(-1, q_dim) @ layer.wo
-            x = x + (out if layer.post_attn_norm is None else rms_norm(out, layer.post_attn_norm, c.rms_norm_eps))
-            out = self._ffn(layer, rms_norm(x, layer.ffn_norm, c.rms_norm_eps))
-            x = x + (out if layer.post_ffn_norm is None else rms_norm(out, layer.post_ffn_norm, c.rms_norm_eps))
-        h = rms_norm(x[last_rows.to(self.device, non_blocking=True)], self.out_norm, c.rms_norm_eps)
+            out, residual = self._decoder_layer(i, layer, out, residual, ropes[self.layer_rope[i]], attention)
+        rows = last_rows.to(self.device, non_blocking=True)
+        h, _ = self.ops.add_norm(out[rows], residual[rows], self.out_norm, self.layers[-1].post_ffn_norm)
         return softcap(F.linear(h, self.lm_head).float(), c.final_softcap)  # [num_seqs, vocab]
 
-    def _ffn(self, layer: LayerWeights, h: torch.Tensor) -> torch.Tensor:
-        """The gated FFN of normed `h` `[num_tokens, hidden]`: dense, or the chosen experts' weighted sum."""
-        if layer.router is None:
-            gate, up = (h @ layer.w_gate_up).chunk(2, dim=-1)
-            return (self._act(gate) * up) @ layer.w_down
+    def _decoder_layer(self, i: int, layer: LayerWeights, out: torch.Tensor, residual: torch.Tensor | None,
+                       rope: tuple[torch.Tensor, torch.Tensor], attention: Attention):
+        """(this layer's FFN output, the residual stream before it is added), both `[num_tokens, hidden]`:
+        the previous sublayer's `out` is added (through its post norm) by the norm that follows it."""
         c = self.config
+        q_dim, kv_dim, heads = c.q_dim, c.kv_dim, c.num_heads + c.num_kv_heads
+        before = self.layers[i - 1].post_ffn_norm if i else None
+        h, residual = self.ops.add_norm(out, residual, layer.attn_norm, before)
+        qkv = h @ layer.w_qkv  # [num_tokens, q_dim + 2 * kv_dim]
+        if layer.b_qkv is not None:
+            qkv = qkv + layer.b_qkv
+        qk = qkv[:, : q_dim + kv_dim].reshape(-1, heads, c.head_dim)  # [num_tokens, heads + kv_heads, head_dim]
+        qk = self.ops.rope(qk, *rope, layer.qk_norm)
+        q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]  # [num_tokens, heads | kv_heads, head_dim]
+        v = qkv[:, q_dim + kv_dim :].reshape(-1, c.num_kv_heads, c.head_dim)
+        out = attention(i, q, k, v).reshape(-1, q_dim) @ layer.wo
+        h, residual = self.ops.add_norm(out, residual, layer.ffn_norm, layer.post_attn_norm)
+        return self._ffn(layer, h), residual
+
+    def _ffn(self, layer: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+        """The gated FFN of normed `h` `[num_tokens, hidden]`: dense, or the chosen experts' weighted sum (their
+        activation as torch ops: `ACTIVATIONS`)."""
+        if layer.router is None:
+            return self.ops.act_mul(h @ layer.w_gate_up) @ layer.w_down
+        c = self.config
+        act = ACTIVATIONS[c.arch.activation]
         weights, experts = route(h.float() @ layer.router, c.arch.moe, c.experts_per_token, c.expert_weight_scale,
                                  layer.router_bias)
-        out = experts_ffn(h, weights, experts, layer.experts_gate_up, layer.experts_down, self._act)
+        out = experts_ffn(h, weights, experts, layer.experts_gate_up, layer.experts_down, act)
         if layer.shared_gate_up is None:
             return out
-        return out + shared_expert(h, layer.shared_gate_up, layer.shared_down, layer.shared_gate, self._act)
+        return out + shared_expert(h, layer.shared_gate_up, layer.shared_down, layer.shared_gate, act)
 
     def _rope(self, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin `[num_tokens, head_dim / 2]` in the model's dtype, times the config's attention factor."""

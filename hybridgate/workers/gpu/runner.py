@@ -24,7 +24,7 @@ from hybridgate.workers.gpu.export import StepTimeline, dtype_name
 from hybridgate.workers.gpu.graphs import DecodeGraphs
 from hybridgate.workers.gpu.sizing import CudaMemory, graphs_allowance, profile_batches
 from hybridgate.workers.memory import budget_text, host_available_bytes, kv_cache_budget, num_blocks_for, size_text
-from hybridgate.workers.gpu.model import DecoderModel
+from hybridgate.workers.gpu.model import DecoderModel, default_device
 from hybridgate.workers.faults import FaultHook
 from hybridgate.workerconf import EngineConfig
 from hybridgate.workers.scheduler import ScheduledBatch, SchedulerConfig
@@ -81,9 +81,10 @@ class TorchRunner:
         which also selects that rule on a CPU device). load: each tensor by name instead of the file's
         (`DecoderModel`). Raises ValueError naming the flags when the cache would not hold one block, or
         an asked `max_model_len`."""
-        self.model = DecoderModel(model, device, dtype, load)
-        dev = self.model.device
+        dev = device or default_device()
         self.attention = attention_kind(attention, dev)  # "triton" or "reference"
+        # The Triton path fuses the layer's norms, RoPE and activation too; the reference path is all eager.
+        self.model = DecoderModel(model, dev, dtype, load, fused=self.attention == "triton")
         self.vocab_size = model.config.vocab_size
         self.metadata = model.metadata  # the tokenizer constraints are enforced with is built from it
         self.fault = FaultHook.from_env()  # tests only: None unless HYBRIDGATE_TEST_FAULT is set
@@ -102,8 +103,10 @@ class TorchRunner:
         kv_heads = model.config.num_kv_heads
         self._num_splits = lambda batch: num_splits_for(batch, 1, kv_heads, dev)  # noqa: E731
         self.graphs = None
-        # The experts' FFN reads its per-expert counts on the host (`gpu.moe`): no graph can hold it.
-        captures = dev.type == "cuda" and not enforce_eager and model.config.arch.moe is None
+        # Graphs over the Triton kernels only (graphs.py: why); the experts' FFN reads its per-expert counts on
+        # the host (`gpu.moe`): no graph can hold it.
+        captures = (dev.type == "cuda" and not enforce_eager and self.attention == "triton"
+                    and model.config.arch.moe is None)
         if memory is None and kv_cache_memory is None and dev.type == "cuda":
             memory = CudaMemory(dev)
         self.budget = ""  # the budget's parts, on the start-up line (vLLM's rule only)
@@ -123,8 +126,7 @@ class TorchRunner:
         self.pool = self._staging_pool(max_num_batched_tokens, max_num_seqs, self.max_model_len)
         if captures:
             self.graphs = DecodeGraphs(self.model, self.cache, self.scratch_slot, max_num_seqs,
-                                       self.max_model_len, kernels=self.attention == "triton",
-                                       num_splits=self._num_splits)
+                                       self.max_model_len, num_splits=self._num_splits)
         log.info("KV cache: %d blocks of %d tokens, %.1f MiB on %s (weights %.1f MiB%s); max model length %d; "
                  "attention: %s", self.num_blocks, block_size, self.num_blocks * self.block_bytes / 2**20, dev,
                  self.model.weight_bytes / 2**20, f"; budget {self.budget}" if self.budget else "",
@@ -153,18 +155,15 @@ class TorchRunner:
         c = self.model.config
         total, used = memory.total_and_used()
         batch_sizes = DecodeGraphs.batch_sizes_for(max_num_seqs)
-        kernels = self.attention == "triton"
-        longest = asked or c.max_model_len
-        context = 1 if kernels else DecodeGraphs.buckets_for(longest)[-1]  # the widest graph's gather
-        tokens = min(max_num_batched_tokens, longest)
-        batches = profile_batches(tokens, max_num_seqs, batch_sizes[-1], context, self.block_size, c.vocab_size)
+        tokens = min(max_num_batched_tokens, asked or c.max_model_len)
+        # The captured decode step's memory does not grow with context (graphs.py): profiled at one token.
+        batches = profile_batches(tokens, max_num_seqs, batch_sizes[-1], 1, self.block_size, c.vocab_size)
         self._allocate_cache(batches.num_blocks - 1)
-        self.pool = self._staging_pool(tokens, max_num_seqs, max(tokens, context))  # until max_model_len is known
+        self.pool = self._staging_pool(tokens, max_num_seqs, tokens)  # until max_model_len is known
         activations = memory.peak_growth(lambda: self._execute(batches.largest))
         graphs = 0
         if captures:
-            buckets = 1 if kernels else len(DecodeGraphs.buckets_for(longest))
-            graphs = graphs_allowance(batch_sizes, buckets, c.vocab_size,
+            graphs = graphs_allowance(batch_sizes, c.vocab_size,
                                       memory.peak_growth(lambda: self._execute(batches.decode)))
         del self.cache
         self.graphs_allowance = graphs
@@ -192,10 +191,9 @@ class TorchRunner:
         try:
             host = self._host_inputs(batch, buf)
             tables = self._block_tables(batch, host) if self.attention == "triton" else None
-            if self.graphs is not None and len(host.decodes) == len(batch) and self.graphs.key(len(batch), host.width):
+            if self.graphs is not None and len(host.decodes) == len(batch) and self.graphs.padded(len(batch)):
                 lengths = np.asarray(host.contexts, dtype=np.int64)
-                context = host.decode_context if tables is None else tables
-                return self.graphs.run(host.ids, host.positions, host.slots, context, lengths)
+                return self.graphs.run(host.ids, host.positions, host.slots, tables, lengths)
             if tables is not None:
                 return self._forward_kernels(batch, host, tables)
             ids, positions, step, last_rows = self._to_device(host)

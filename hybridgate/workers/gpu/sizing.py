@@ -84,9 +84,9 @@ def profile_batches(tokens: int, max_num_seqs: int, decode_batch: int, decode_co
                           max(chunk_blocks + singles, len(shared)) + 1)
 
 
-def graphs_allowance(batch_sizes: list[int], buckets: int, vocab_size: int, decode_peak: int) -> int:
+def graphs_allowance(batch_sizes: list[int], vocab_size: int, decode_peak: int) -> int:
     """Bytes the captured decode graphs hold: their shared pool, at least the largest decode step's
     intermediates (`decode_peak`, measured); the float32 logits `[batch, vocab]` every graph keeps as its
-    output; and `GRAPH_OVERHEAD_BYTES` per graph. An estimate: `TorchRunner.warm_up` logs what capture took."""
-    graphs = len(batch_sizes) * buckets
-    return decode_peak + buckets * sum(batch_sizes) * vocab_size * 4 + graphs * GRAPH_OVERHEAD_BYTES
+    output; and `GRAPH_OVERHEAD_BYTES` per graph (one per batch size). An estimate: `TorchRunner.warm_up` logs
+    what capture took."""
+    return decode_peak + sum(batch_sizes) * vocab_size * 4 + len(batch_sizes) * GRAPH_OVERHEAD_BYTES
