@@ -87,6 +87,9 @@ class ModelConfig:
     layer_rope_scale: tuple[float, ...] = ()  # per layer: position multiplier (linear scaling: 1/factor)
     rope_freq_factors: tuple[float, ...] = ()  # [head_dim / 2] divisors of RoPE frequencies; () = none
     rope_attn_factor: float = 1.0  # cos and sin multiplied by it (LongRoPE's attention factor)
+    # `<arch>.pooling_type` (llama.cpp's numbers, `hybridgate.wire.PoolingType`): how an embedding model pools
+    # its final hidden states; 0 (none) when absent, as in generation models.
+    pooling_type: int = 0
 
     def __post_init__(self) -> None:
         for name in _POSITIVE_FIELDS:
@@ -242,6 +245,7 @@ def _config(meta: dict[str, Any], tensors: dict[str, TensorView]) -> ModelConfig
         **_layer_values(row, meta, layers),
         rope_freq_factors=factors,
         rope_attn_factor=attn_factor,
+        pooling_type=int(opt("pooling_type", 0)),
     )
 
 

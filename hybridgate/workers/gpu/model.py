@@ -216,6 +216,26 @@ class DecoderModel:
 
         token_ids, positions: int64 `[num_tokens]`; attention stores K/V and attends.
         """
+        return self.logits(self.hidden_states(token_ids, positions, attention), last_rows)
+
+    @torch.inference_mode()
+    def forward_pooled(self, token_ids: torch.Tensor, positions: torch.Tensor, attention: Attention,
+                       last_rows: torch.Tensor, pool_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward_tokens`' logits, and the hidden states after the final norm at rows `pool_rows` (int64
+        `[k]`): float32 `[k, hidden]`, what embedding requests pool (`hybridgate.workers.pooling`)."""
+        x = self.hidden_states(token_ids, positions, attention)
+        normed = rms_norm(x[pool_rows.to(self.device, non_blocking=True)], self.out_norm, self.config.rms_norm_eps)
+        return self.logits(x, last_rows), normed.float()
+
+    def logits(self, x: torch.Tensor, last_rows: torch.Tensor) -> torch.Tensor:
+        """float32 `[len(last_rows), vocab]`: the final norm and LM head at rows `last_rows` of `x`."""
+        c = self.config
+        h = rms_norm(x[last_rows.to(self.device, non_blocking=True)], self.out_norm, c.rms_norm_eps)
+        return softcap(F.linear(h, self.lm_head).float(), c.final_softcap)  # [num_seqs, vocab]
+
+    def hidden_states(self, token_ids: torch.Tensor, positions: torch.Tensor, attention: Attention) -> torch.Tensor:
+        """`[num_tokens, hidden]` in the model's dtype: the residual stream after the last layer, before
+        the final norm. token_ids, positions: int64 `[num_tokens]`; attention stores K/V and attends."""
         c = self.config
         positions = positions.to(self.device, non_blocking=True)
         ropes = [self._rope(positions, inv, scale) for inv, scale in self.rope_tables]
@@ -238,8 +258,7 @@ class DecoderModel:
             gate, up = (h @ layer.w_gate_up).chunk(2, dim=-1)
             out = (self._act(gate) * up) @ layer.w_down
             x = x + (out if layer.post_ffn_norm is None else rms_norm(out, layer.post_ffn_norm, c.rms_norm_eps))
-        h = rms_norm(x[last_rows.to(self.device, non_blocking=True)], self.out_norm, c.rms_norm_eps)
-        return softcap(F.linear(h, self.lm_head).float(), c.final_softcap)  # [num_seqs, vocab]
+        return x
 
     def _rope(self, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin `[num_tokens, head_dim / 2]` in the model's dtype, times the config's attention factor."""
