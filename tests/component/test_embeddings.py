@@ -22,7 +22,7 @@ from hybridgate.workers.cpu.runner import NumbaRunner
 from hybridgate.workers.engine import EngineCore, output_of
 from hybridgate.workers.gpu.runner import TorchRunner
 from hybridgate.workers.scheduler import SchedulerConfig
-from tiny_gguf import write_hf_qwen3
+from hf_embedding import tiny_qwen3_embedder, want_embedding
 
 TOL = 1e-4
 PROMPTS = ([5, 17, 99, 3, 250], list(range(40, 80)), [7] * 3 + list(range(100, 130)))  # 5, 40, 33 tokens
@@ -33,30 +33,8 @@ ROUTER = b"router-1"
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """(the GGUF, transformers' model) of a tiny random Qwen3 with random norm weights."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
-                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-                         tie_word_embeddings=True, max_position_embeddings=512, attn_implementation="eager")
-    model = Qwen3ForCausalLM(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):  # transformers initialises norms to 1: make them matter
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-    path = write_hf_qwen3(tmp_path_factory.mktemp("qwen3-embed") / "qwen3-embed.gguf", model,
-                          pooling_type=PoolingType.LAST)
+    path, model = tiny_qwen3_embedder(tmp_path_factory.mktemp("qwen3-embed"))
     return load_gguf(path), model
-
-
-def want_embedding(model, prompt: list[int], pooling: PoolingType) -> np.ndarray:
-    """transformers' final-norm hidden states pooled as asked, L2-normalised (float64)."""
-    with torch.no_grad():
-        hidden = model.model(torch.tensor([prompt])).last_hidden_state[0].double().numpy()
-    pooled = {PoolingType.LAST: hidden[-1], PoolingType.MEAN: hidden.mean(0), PoolingType.CLS: hidden[0]}[pooling]
-    return pooled / np.linalg.norm(pooled)
 
 
 def want_greedy(model, prompt: list[int]) -> list[int]:
