@@ -285,6 +285,9 @@ class Router:
         """One embedding per input, each a prefill-only request on the workers, pooled as the model's file (or
         RouterConfig.pooling) says, truncated to `dimensions` and L2-normalised (`hybridgate.router.embeddings`;
         no response cache). Raises InvalidRequestError naming the field before any work."""
+        label_bytes = len(label.encode("utf-8", "replace"))
+        if label_bytes > MAX_LABEL_BYTES:
+            raise InvalidRequestError("label", f"at most {MAX_LABEL_BYTES} bytes, got {label_bytes} bytes")
         return await embeddings.embed(self, inputs, dimensions, label, route, deadline_s)
 
     def _with_tools(self, messages: Prompt, params: SamplingParams, tools: ToolRequest | None):

@@ -1,5 +1,5 @@
-"""POST /v1/embeddings through the `openai` client: a real uvicorn socket, the HTTP app, a router and an
-in-process torch worker (fp32) on a tiny random Qwen3 written with last-token pooling. Reference:
+"""POST /v1/embeddings through the `openai` client and the gRPC `Embed` method: a gateway on real sockets,
+a router and an in-process torch worker (fp32) on a tiny random Qwen3 written with last-token pooling. Reference:
 transformers' final-norm last hidden state of the ids the router ran, L2-normalised (`hf_embedding`).
 Also the refusals: `dimensions` on a model not trained to be truncated, a model whose file has no pooling
 type, a bad encoding_format; each a 400 in the OpenAI error shape naming the field."""
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import numpy as np
 import openai
 import pytest
@@ -19,8 +20,11 @@ from hybridgate.gateway.admission import Admission
 from hybridgate.gateway.http import OpenAIApp
 from hybridgate.gateway.http_server import HttpDoor
 from hybridgate.gateway.metrics import GatewayMetrics
+from hybridgate.gateway.server import Gateway, GatewayConfig
 from hybridgate.models import load_gguf, model_fingerprint
 from hybridgate.router import Router, RouterConfig
+from hybridgate.v1 import generation_pb2 as pb
+from hybridgate.v1 import generation_pb2_grpc as pb_grpc
 from hybridgate.wire import PoolingType
 from hybridgate.workers.gpu.runner import TorchRunner
 from hybridgate.workers.inprocess import InProcessClient
@@ -36,19 +40,21 @@ def reference(tmp_path_factory):
 
 
 def serve_and_call(gguf_model, config: RouterConfig, call):
-    """Run `await call(sdk, router)` against a gateway over one in-process torch worker; its result."""
+    """Run `await call(sdk, router, stub)` against a gateway (HTTP and gRPC on free ports) over one
+    in-process torch worker; its result."""
     async def main():
         runner = TorchRunner(gguf_model, torch.device("cpu"), torch.float32, kv_cache_memory="4MiB")
         async with Router(gguf_model, [InProcessClient(runner, model_fingerprint(gguf_model))], config) as router:
-            door = HttpDoor(OpenAIApp(router, GatewayMetrics(), Admission(8), (NAME,)).app, "127.0.0.1", 0, 1.0)
-            await door.start()
-            sdk = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{door.port}/v1", api_key="none", max_retries=0,
-                                     timeout=60 * TIME_FACTOR)
+            gateway = Gateway(router, GatewayConfig(port=0, http_port=0, served_model_name=(NAME,)))
+            await gateway.start()
+            sdk = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{gateway.http_port}/v1", api_key="none",
+                                     max_retries=0, timeout=60 * TIME_FACTOR)
             try:
-                return await call(sdk, router)
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+                    return await call(sdk, router, pb_grpc.GenerationStub(channel))
             finally:
                 await sdk.close()
-                await door.stop()
+                await gateway.stop()
 
     return asyncio.run(main())
 
@@ -58,7 +64,7 @@ def test_embeddings_create_round_trip(reference):
     texts = ["The capital of France is Paris.", "t", "hello world, hello"]
     ids = [[3, 77, 250, 9], [200, 201, 202]]
 
-    async def call(sdk, router):
+    async def call(sdk, router, stub):
         texts_b64 = await sdk.embeddings.create(model=NAME, input=texts)  # the client asks for base64
         texts_float = await sdk.embeddings.create(model=NAME, input=texts, encoding_format="float")
         one = await sdk.embeddings.create(model=NAME, input=texts[0])
@@ -84,7 +90,7 @@ def test_dimensions_truncate_only_a_matryoshka_model(reference):
     gguf_model, model = reference
     prompt = [10, 20, 30, 40, 50]
 
-    async def refused(sdk, router):
+    async def refused(sdk, router, stub):
         with pytest.raises(openai.BadRequestError) as e:
             await sdk.embeddings.create(model=NAME, input=prompt, dimensions=16)
         return e.value
@@ -93,7 +99,7 @@ def test_dimensions_truncate_only_a_matryoshka_model(reference):
     assert error.status_code == 400 and error.body["param"] == "dimensions"
     assert "--matryoshka" in error.body["message"]
 
-    async def truncated(sdk, router):
+    async def truncated(sdk, router, stub):
         answer = await sdk.embeddings.create(model=NAME, input=prompt, dimensions=16, encoding_format="float")
         with pytest.raises(openai.BadRequestError) as e:
             await sdk.embeddings.create(model=NAME, input=prompt, dimensions=65)
@@ -106,11 +112,32 @@ def test_dimensions_truncate_only_a_matryoshka_model(reference):
     assert too_many.body["param"] == "dimensions" and "[1, 64]" in too_many.body["message"]
 
 
+def test_grpc_embed(reference):
+    gguf_model, model = reference
+    ids = [[3, 77, 250, 9], [200, 201, 202, 5, 6]]
+
+    async def call(sdk, router, stub):
+        inputs = [pb.EmbedInput(tokens=pb.TokenIds(token_ids=p)) for p in ids] + [pb.EmbedInput(text="hello")]
+        answer = await stub.Embed(pb.EmbedRequest(inputs=inputs, model=NAME), timeout=60 * TIME_FACTOR)
+        with pytest.raises(grpc.aio.AioRpcError) as dims:
+            await stub.Embed(pb.EmbedRequest(inputs=inputs, dimensions=8))
+        with pytest.raises(grpc.aio.AioRpcError) as unset:
+            await stub.Embed(pb.EmbedRequest(inputs=[pb.EmbedInput()]))
+        return answer, dims.value, unset.value, router.tokenize("hello")
+
+    answer, dims, unset, hello = serve_and_call(gguf_model, RouterConfig(), call)
+    assert answer.prompt_tokens == 9 + len(hello) and len(answer.embeddings) == 3
+    for got, prompt in zip(answer.embeddings, [*ids, hello]):
+        assert np.abs(np.asarray(got.values) - want_embedding(model, prompt, PoolingType.LAST)).max() < TOL
+    assert dims.code() == grpc.StatusCode.INVALID_ARGUMENT and dims.details().startswith("dimensions:")
+    assert unset.code() == grpc.StatusCode.INVALID_ARGUMENT and unset.details() == "inputs[0]: set text or tokens"
+
+
 def test_the_pooling_setting_overrides_the_file(reference):
     gguf_model, model = reference
     prompt = [10, 20, 30, 40, 50, 60]
 
-    async def call(sdk, router):
+    async def call(sdk, router, stub):
         return await sdk.embeddings.create(model=NAME, input=prompt, encoding_format="float")
 
     answer = serve_and_call(gguf_model, RouterConfig(pooling="mean"), call)
