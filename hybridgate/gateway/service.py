@@ -39,6 +39,7 @@ class _Outcome:
 
 
 PUSHBACK_KEY = "grpc-retry-pushback-ms"  # gRFC A6: the trailer gRPC's retry policy reads
+MAX_MESSAGE_BYTES = 4 << 20  # the gRPC server's largest message either way (DESIGN.md, Limits)
 
 
 class GenerationService(pb_grpc.GenerationServicer):
@@ -196,6 +197,10 @@ class GenerationService(pb_grpc.GenerationServicer):
             inputs = embed_inputs_to_native(request)
         except InvalidFieldError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        dims = request.dimensions if request.HasField("dimensions") else served.router.model.config.hidden_size
+        if len(inputs) * (4 * dims + 16) > MAX_MESSAGE_BYTES:  # packed float32s and each vector's tags and lengths
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{len(inputs)} vectors of {dims} floats pass "
+                                f"the {MAX_MESSAGE_BYTES >> 20} MiB message limit; send fewer inputs per call")
         if not served.admission.try_enter(1):
             await self._refuse(context, "max_inflight_requests", f"the gateway holds {served.admission.limit} "
                                f"requests of model {served.name}, its limit (--max-inflight-requests)", served)

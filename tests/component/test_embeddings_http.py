@@ -123,14 +123,17 @@ def test_grpc_embed(reference):
             await stub.Embed(pb.EmbedRequest(inputs=inputs, dimensions=8))
         with pytest.raises(grpc.aio.AioRpcError) as unset:
             await stub.Embed(pb.EmbedRequest(inputs=[pb.EmbedInput()]))
-        return answer, dims.value, unset.value, router.tokenize("hello")
+        with pytest.raises(grpc.aio.AioRpcError) as large:  # 16000 x (4 x 64 + 16) bytes > 4 MiB
+            await stub.Embed(pb.EmbedRequest(inputs=[pb.EmbedInput(tokens=pb.TokenIds(token_ids=[1]))] * 16000))
+        return answer, dims.value, unset.value, large.value, router.tokenize("hello")
 
-    answer, dims, unset, hello = serve_and_call(gguf_model, RouterConfig(), call)
+    answer, dims, unset, large, hello = serve_and_call(gguf_model, RouterConfig(), call)
     assert answer.prompt_tokens == 9 + len(hello) and len(answer.embeddings) == 3
     for got, prompt in zip(answer.embeddings, [*ids, hello]):
         assert np.abs(np.asarray(got.values) - want_embedding(model, prompt, PoolingType.LAST)).max() < TOL
     assert dims.code() == grpc.StatusCode.INVALID_ARGUMENT and dims.details().startswith("dimensions:")
     assert unset.code() == grpc.StatusCode.INVALID_ARGUMENT and unset.details() == "inputs[0]: set text or tokens"
+    assert large.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "16000 vectors of 64 floats" in large.details()
 
 
 def test_the_pooling_setting_overrides_the_file(reference):
