@@ -199,12 +199,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_command_settings(gen, "generate")
     gen.set_defaults(func=_cmd_generate)
 
-    bench = sub.add_parser("bench", help="benchmarks with side-by-side baselines (engine, accuracy, handoff, gateway, cache, serve, sim, model, kernels, attention; report renders the pages)")
+    bench = sub.add_parser("bench", help="benchmarks with side-by-side baselines (engine, accuracy, handoff, gateway, cache, serve, sim, model, kernels, attention, embeddings; report renders the pages)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     from hybridgate.bench import (  # argparse only
         add_accuracy_parser,
         add_attention_parser,
         add_cache_parser,
+        add_embeddings_parser,
         add_engine_parser,
         add_gateway_parser,
         add_handoff_parser,
@@ -225,6 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_parser(bench_sub)
     add_attention_parser(bench_sub)
     add_kernels_parser(bench_sub)
+    add_embeddings_parser(bench_sub)
     add_report_parser(bench_sub)
 
     from hybridgate.health import add_health_parser  # argparse only

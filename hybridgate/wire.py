@@ -133,6 +133,21 @@ class FinishReason(enum.IntEnum):
     ABORT = 4
 
 
+class PoolingType(enum.IntEnum):
+    """How an embedding request's final hidden states become one vector: llama.cpp's `llama_pooling_type`
+    numbers, as GGUF stores them in `<arch>.pooling_type` (gguf-py's `PoolingType`; RANK, 4, is not served).
+
+    NONE on an `AddRequest` means a generation. MEAN: the average over the prompt's tokens; CLS: the first
+    token's; LAST: the last token's (decoder embedding models such as Qwen3-Embedding). Each is the hidden
+    state after the model's final norm, unnormalised (the router normalises).
+    """
+
+    NONE = 0
+    MEAN = 1
+    CLS = 2
+    LAST = 3
+
+
 class WorkerState(enum.IntEnum):
     """A worker as a router sees it (transitions: `hybridgate.router.lifecycle.Lifecycle`)."""
 
@@ -226,6 +241,9 @@ class AddRequest(msgspec.Struct, frozen=True):
     # Seconds the request may wait on the worker for its first step, from its arrival there; 0: no limit.
     # One that waits longer is dropped unrun, answered with ERROR_DEADLINE_EXCEEDED.
     deadline_s: float = 0.0
+    # A PoolingType: NONE, a generation; otherwise an embedding request, prefill only (no token sampled): the
+    # worker answers one SeqOutput with finish STOP, no ids, and the pooled hidden state in `embedding`.
+    pooling: int = 0
 
 
 class Abort(msgspec.Struct, frozen=True):
@@ -314,6 +332,9 @@ class SeqOutput(msgspec.Struct, frozen=True, array_like=True):
     cached_tokens: int = 0
     # One per id of token_ids when the request asked for logprobs (SamplingParams.logprobs), else empty.
     logprobs: list[TokenLogprobs] = []
+    # An embedding request's answer (AddRequest.pooling): float32 little-endian `[hidden]`, pooled after the
+    # final norm, not normalised; empty for a generation.
+    embedding: bytes = b""
 
     def tail(self, skip: int, token_index: int) -> SeqOutput:
         """This output less its first `skip` ids (and their logprobs), numbered from `token_index`."""

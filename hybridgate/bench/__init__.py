@@ -490,3 +490,28 @@ def _run_attention(args) -> int:
     from hybridgate.bench import attention
 
     return attention.run(args)
+
+
+def add_embeddings_parser(sub) -> None:
+    from hybridgate.config import bounded
+
+    p = sub.add_parser("embeddings", help="N short inputs in one embeddings request against the same prompts' "
+                                          "prefill tokens/s, in-process on one worker")
+    p.add_argument("--model", default=None, metavar="PATH", help="GGUF file (default: the default model)")
+    p.add_argument("--kind", choices=("cpu", "gpu"), default="cpu",
+                   help="the worker: cpu (the Numba runner) or gpu (the torch runner) (default cpu)")
+    p.add_argument("--device", default=None, help="--kind gpu: torch device (default: cuda if present, else cpu)")
+    p.add_argument("--threads", type=bounded(int, 1), default=None, help="--kind cpu: threads (default: Numba's)")
+    p.add_argument("--inputs", type=bounded(int, 1), default=64, help="inputs of the request (default 64)")
+    p.add_argument("--pooling", choices=("mean", "cls", "last"), default="last",
+                   help="the pooling of a file that names none (default last)")
+    p.add_argument("--repeats", type=bounded(int, 1), default=3, help="runs of each case, alternated; medians "
+                                                                       "(default 3)")
+    p.add_argument("--json", default=None, metavar="OUT", help="write the figures to this JSON file")
+    p.set_defaults(func=_run_embeddings)
+
+
+def _run_embeddings(args) -> int:
+    from hybridgate.bench import embeddings
+
+    return embeddings.run(args)

@@ -8,6 +8,7 @@ import msgspec
 
 from hybridgate.router import Delta, constraints
 from hybridgate.router.constraints import ConstraintLimits
+from hybridgate.router.prompts import TokenIds
 from hybridgate.router.router import Prompt
 from hybridgate.router.toolparse import ToolCall
 from hybridgate.router.tools import ToolRequest
@@ -97,6 +98,18 @@ def request_to_native(req: pb.GenerateRequest, limits: ConstraintLimits = Constr
     params = _sampling_params(req)
     constraint = _constraint(req, limits)
     return prompt, params if constraint is None else msgspec.structs.replace(params, constraint=constraint)
+
+
+def embed_inputs_to_native(req: pb.EmbedRequest) -> list[str | TokenIds]:
+    """The request's inputs as the router takes them (texts, `TokenIds`). Raises InvalidFieldError naming
+    an input that sets neither text nor tokens."""
+    inputs = []
+    for i, item in enumerate(req.inputs):
+        kind = item.WhichOneof("input")
+        if kind is None:
+            raise InvalidFieldError(f"inputs[{i}]", "set text or tokens")
+        inputs.append(item.text if kind == "text" else TokenIds(item.tokens.token_ids))
+    return inputs
 
 
 def delta_to_proto(delta: Delta, calls: list[ToolCall] = ()) -> pb.GenerateResponse:

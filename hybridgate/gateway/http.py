@@ -2,7 +2,7 @@
 gateway's own event loop beside grpc.aio (hybridgate.gateway.http_server).
 
 Endpoints: POST /v1/chat/completions and /v1/completions (JSON, or server-sent
-events with `stream`), GET /v1/models (and /v1/models/{name}), GET /health (200 only while a worker is
+events with `stream`), POST /v1/embeddings, GET /v1/models (and /v1/models/{name}), GET /health (200 only while a worker is
 READY and the gateway is not draining), GET /metrics (the gateway's Prometheus
 registry), POST /tokenize and /detokenize (vLLM's shapes), and the schema at
 /openapi.json. Every route but /health wants the bearer token when one is set, and a body is at most
@@ -118,6 +118,7 @@ class OpenAIApp:
         app.get("/v1/models/{model:path}")(self.model)
         app.get("/health")(self.health)
         app.get("/metrics")(self.prometheus)
+        app.post("/v1/embeddings")(self.embeddings)
         app.post("/tokenize")(self.tokenize)
         app.post("/detokenize")(self.detokenize)
         return app
@@ -208,6 +209,35 @@ class OpenAIApp:
         if len(body.tokens) <= INLINE_IDS:
             return {"prompt": router.tokenizer.decode(body.tokens)}
         return {"prompt": await asyncio.to_thread(router.tokenizer.decode, body.tokens)}
+
+    async def embeddings(self, body: api.EmbeddingRequest, request: Request) -> Response:
+        """OpenAI's embeddings (`Router.embed`: each input a prefill-only request, no response cache); the
+        request takes one admission slot whatever its number of inputs; a client that leaves aborts them."""
+        if self.draining:
+            raise ApiError(503, "service_unavailable_error", DRAINING, headers={"Retry-After": str(DRAINING_RETRY_S)})
+        api.unknown_fields.note(body)
+        served = self._check_model(body.model)
+        try:
+            inputs = api.embedding_inputs(body)
+        except InvalidFieldError as exc:
+            raise api_error(exc, body) from None
+        if not served.admission.try_enter(1):
+            self.metrics.of(served.name).rejected("max_inflight_requests")
+            raise api_error(ResourceExhaustedError(
+                f"the gateway holds at most {served.admission.limit} requests of model {served.name} "
+                "(--max-inflight-requests)"), retry_ms=served.admission.pushback_ms())
+        result = []
+        try:
+            work = served.router.embed(inputs, body.dimensions, label=body.user or "")
+            if not await _unless_disconnected(_into(result, work), request):
+                return Response(status_code=499)  # nobody reads it: its inputs were aborted
+        except ROUTER_ERRORS as exc:
+            raise api_error(exc, body, served.admission.pushback_ms()) from None
+        finally:
+            served.admission.leave(1)
+        answer = api.embedding_body(result[0].vectors, result[0].prompt_tokens, body.model or served.name,
+                                    body.encoding_format)
+        return Response(msgspec.json.encode(answer), media_type="application/json")
 
     # --- generation ------------------------------------------------------------------------------
 
@@ -313,6 +343,10 @@ async def _unless_disconnected(work, request: Request) -> bool:
         return False
     task.result()
     return True
+
+
+async def _into(out: list, work) -> None:
+    out.append(await work)
 
 
 def _with_seed(params, seed: int):

@@ -1,6 +1,6 @@
 """The OpenAI API's request bodies (pydantic) and their conversion to the router's values.
 
-Fields follow the OpenAI API reference (Chat Completions, Completions) and the
+Fields follow the OpenAI API reference (Chat Completions, Completions, Embeddings) and the
 extensions vLLM users rely on (top_k, min_p, repetition_penalty,
 stop_token_ids, ignore_eos, min_tokens, skip_special_tokens). A field outside the API is
 ignored, as vLLM does (and logged once per name); a field of the API that is
@@ -14,9 +14,11 @@ constraint: `response_format` (json_object, json_schema), vLLM's
 
 from __future__ import annotations
 
+import base64
 import logging
 from typing import Any
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from hybridgate.router import constraints
@@ -104,6 +106,44 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+
+
+class EmbeddingRequest(_Body):
+    """OpenAI's embeddings request: `input` a text, texts, token ids or lists of them."""
+
+    input: str | list[str] | list[int] | list[list[int]]
+    model: str | None = None
+    encoding_format: str = "float"
+    dimensions: int | None = None
+    user: str | None = None
+
+
+ENCODING_FORMATS = ("float", "base64")
+
+
+def embedding_inputs(body: EmbeddingRequest) -> list:
+    """The request's inputs as the router takes them: texts, and token ids as `TokenIds` (a flat list of ints
+    is one input). Raises InvalidFieldError naming `encoding_format` when it is not float or base64."""
+    if body.encoding_format not in ENCODING_FORMATS:
+        raise InvalidFieldError("encoding_format", f"must be one of {', '.join(ENCODING_FORMATS)}, "
+                                f"got {body.encoding_format!r}")
+    given = body.input
+    if isinstance(given, str):
+        return [given]
+    if given and all(isinstance(t, int) for t in given):
+        return [TokenIds(given)]
+    return [TokenIds(p) if isinstance(p, list) else p for p in given]
+
+
+def embedding_body(vectors: list[np.ndarray], prompt_tokens: int, model: str, encoding_format: str) -> dict:
+    """OpenAI's embeddings answer: each vector as a list of floats, or as base64 of its float32
+    little-endian bytes (what OpenAI's clients decode with `np.frombuffer(..., "float32")`)."""
+    def encoded(v: np.ndarray):
+        return base64.b64encode(v.astype("<f4").tobytes()).decode() if encoding_format == "base64" else v.tolist()
+
+    data = [{"object": "embedding", "index": i, "embedding": encoded(v)} for i, v in enumerate(vectors)]
+    return {"object": "list", "data": data, "model": model,
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
 
 
 class TokenizeRequest(_Body):

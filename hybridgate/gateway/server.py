@@ -21,7 +21,7 @@ from hybridgate.gateway.http_server import HttpDoor
 from hybridgate.gateway.metrics import GatewayMetrics, chained
 from hybridgate.gateway.models import ModelTable
 from hybridgate.gateway.security import BearerInterceptor, server_credentials
-from hybridgate.gateway.service import GenerationService
+from hybridgate.gateway.service import MAX_MESSAGE_BYTES, GenerationService
 from hybridgate.router import Router, UnavailableError
 from hybridgate.router.handoff import HandoffMetrics
 from hybridgate.v1 import generation_pb2 as pb
@@ -29,7 +29,6 @@ from hybridgate.v1 import generation_pb2_grpc as pb_grpc
 
 log = logging.getLogger("hybridgate.gateway")
 
-MAX_MESSAGE_BYTES = 4 << 20
 CLOSE_S = 2.0  # after the grace period: for the streams cut then to send their last message
 IDLE_POLL_S = 0.02  # how often a drain looks whether every request has finished
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name

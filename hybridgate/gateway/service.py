@@ -11,7 +11,7 @@ import grpc
 
 from hybridgate.gateway.admission import Admission
 from hybridgate.gateway.config import GatewayConfig
-from hybridgate.gateway.convert import delta_to_proto, request_to_native, tools_to_native
+from hybridgate.gateway.convert import delta_to_proto, embed_inputs_to_native, request_to_native, tools_to_native
 from hybridgate.gateway.metrics import GatewayMetrics
 from hybridgate.gateway.models import ModelNotFoundError, ModelTable, ServedModel
 from hybridgate.router.router import DEFAULT_MAX_TOKENS_CAP
@@ -39,6 +39,7 @@ class _Outcome:
 
 
 PUSHBACK_KEY = "grpc-retry-pushback-ms"  # gRFC A6: the trailer gRPC's retry policy reads
+MAX_MESSAGE_BYTES = 4 << 20  # the gRPC server's largest message either way (DESIGN.md, Limits)
 
 
 class GenerationService(pb_grpc.GenerationServicer):
@@ -186,6 +187,34 @@ class GenerationService(pb_grpc.GenerationServicer):
             raise InvalidFieldError("route", f"{route!r} is honoured only when the gateway runs with "
                                     "--allow-client-routes (an operator's setting); leave it unset or auto")
         return route
+
+    async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
+        """One vector per input (`Router.embed`); the call takes one admission slot whatever its inputs."""
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
+        served = self.models.default if not request.HasField("model") else await self._pick(request.model, context)
+        try:
+            inputs = embed_inputs_to_native(request)
+        except InvalidFieldError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        dims = request.dimensions if request.HasField("dimensions") else served.router.model.config.hidden_size
+        if len(inputs) * (4 * dims + 16) > MAX_MESSAGE_BYTES:  # packed float32s and each vector's tags and lengths
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{len(inputs)} vectors of {dims} floats pass "
+                                f"the {MAX_MESSAGE_BYTES >> 20} MiB message limit; send fewer inputs per call")
+        if not served.admission.try_enter(1):
+            await self._refuse(context, "max_inflight_requests", f"the gateway holds {served.admission.limit} "
+                               f"requests of model {served.name}, its limit (--max-inflight-requests)", served)
+        try:
+            result = await served.router.embed(inputs, request.dimensions if request.HasField("dimensions") else None,
+                                               label=request.label, deadline_s=context.time_remaining())
+        except ResourceExhaustedError as exc:
+            await self._refuse(context, exc.reason, str(exc), served)
+        except ROUTER_ERRORS as exc:
+            await context.abort(status_of(exc), str(exc))
+        finally:
+            served.admission.leave(1)
+        return pb.EmbedResponse(embeddings=[pb.Embedding(values=v) for v in result.vectors],
+                                prompt_tokens=result.prompt_tokens)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         served = await self._pick(request.model if request.HasField("model") else None, context)

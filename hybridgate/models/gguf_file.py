@@ -89,6 +89,9 @@ class ModelConfig:
     expert_intermediate_size: int = 0  # each expert's FFN width (expert_feed_forward_length)
     shared_expert_intermediate_size: int = 0  # the shared expert's FFN width; 0: none
     expert_weight_scale: float = 1.0  # the chosen experts' weights times this
+    # `<arch>.pooling_type` (llama.cpp's numbers, `hybridgate.wire.PoolingType`): how an embedding model pools
+    # its final hidden states; 0 (none) when absent, as in generation models.
+    pooling_type: int = 0
 
     def __post_init__(self) -> None:
         for name in _POSITIVE_FIELDS:
@@ -230,6 +233,7 @@ def _config(meta: dict[str, Any], tensors: dict[str, TensorView]) -> ModelConfig
         rope_freq_factors=factors,
         rope_attn_factor=attn_factor,
         **_expert_values(row, meta),
+        pooling_type=int(opt("pooling_type", 0)),
     )
 
 

@@ -14,6 +14,7 @@ from hybridgate.config import check_settings, setting
 POLICIES = ("cost", "least_loaded", "round_robin", "power_of_two", "prefix_affinity")
 CACHE_MODES = ("off", "memory", "redis")
 TOOL_CALL_FORMATS = ("auto", "hermes", "llama3_json", "mistral", "generic")  # hybridgate.router.tools.FORMATS
+POOLINGS = ("file", "mean", "cls", "last")  # hybridgate.router.embeddings: the file's, or wire.PoolingType's names
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,17 @@ class RouterConfig:
         10.0, "seconds a request's output constraint may take to compile (queueing for a thread not counted); "
               "one that takes longer is refused as an invalid argument", low=0, low_open=True,
         flag="--constraint-compile-timeout")
+
+    pooling: str = setting(
+        "file", "how /v1/embeddings pools the final hidden states: file (the GGUF's <arch>.pooling_type), or mean, "
+                "cls or last (llama.cpp's --pooling); a model whose file names none serves embeddings only with one "
+                "of these", choices=POOLINGS)
+    embedding_normalize: bool = setting(
+        True, "L2-normalise embeddings (as OpenAI's and sentence-transformers' Normalize module); off: the pooled "
+              "hidden state as the model gives it")
+    matryoshka: bool = setting(
+        False, "the model was trained with Matryoshka representation learning (Qwen3-Embedding is), so an "
+               "embeddings request's `dimensions` may truncate its vectors; off: such a request is refused")
 
     def __post_init__(self) -> None:
         check_settings(self)

@@ -25,6 +25,8 @@ from hybridgate.models.chat import template_token_ids
 from hybridgate.router.client import RateLimitedLog, StateChange, WorkerClient, WorkerDead, ZmqWorkerClient
 from hybridgate.router.config import RouterConfig
 from hybridgate.router.constraints import ConstraintCheck, ConstraintLimits
+from hybridgate.router import embeddings
+from hybridgate.router.embeddings import Embeddings
 from hybridgate.router.errors import InvalidRequestError, UnavailableError
 from hybridgate.router.handoff import HandoffMetrics, PauseHook
 from hybridgate.router.membership import Membership
@@ -277,6 +279,16 @@ class Router:
         stream.template_tools = template_tools
         out = self.response_cache.wrap(stream) if self.response_cache is not None else stream
         return ToolCallStream(out, syntax) if syntax is not None else out
+
+    async def embed(self, inputs: Sequence[str | TokenIds], dimensions: int | None = None, label: str = "",
+                    route: str = "auto", deadline_s: float | None = None) -> Embeddings:
+        """One embedding per input, each a prefill-only request on the workers, pooled as the model's file (or
+        RouterConfig.pooling) says, truncated to `dimensions` and L2-normalised (`hybridgate.router.embeddings`;
+        no response cache). Raises InvalidRequestError naming the field before any work."""
+        label_bytes = len(label.encode("utf-8", "replace"))
+        if label_bytes > MAX_LABEL_BYTES:
+            raise InvalidRequestError("label", f"at most {MAX_LABEL_BYTES} bytes, got {label_bytes} bytes")
+        return await embeddings.embed(self, inputs, dimensions, label, route, deadline_s)
 
     def _with_tools(self, messages: Prompt, params: SamplingParams, tools: ToolRequest | None):
         """(messages, the template's tools, params with the calls' constraint, the syntax to parse) of a chat

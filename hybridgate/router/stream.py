@@ -76,6 +76,7 @@ class GenerationStream:
         self.worker_request_id = request_id  # this placement's id on its worker
         self.client = None
         self.handoff: Handoff | None = None  # a gpu->cpu request's hand-off (hybridgate/router/handoff.py)
+        self.pooling = 0  # AddRequest.pooling: 0 a generation; an embedding request's PoolingType (never handed off)
         self._handoff_route = ""  # the hand-off's part of the route, once the request moved on from it
         self.prompt_ids: list[int] = []
         self.template_tools: list | None = None  # the chat template's `tools` (hybridgate.router.tools)
@@ -176,7 +177,8 @@ class GenerationStream:
             left = self._time_left()
             sent = client.add(AddRequest(self.worker_request_id, self.prompt_ids + self.received, self.params,
                                          self.seed, self.max_tokens - k, self._eos, first_token_index=k,
-                                         deadline_s=max(left, 1e-3) if left is not None and not k else 0.0))
+                                         deadline_s=max(left, 1e-3) if left is not None and not k else 0.0,
+                                         pooling=self.pooling))
             if sent is not False:
                 self._hops.append((how, k, client))
                 return
@@ -211,7 +213,7 @@ class GenerationStream:
         self.uncached_tokens = len(self.prompt_ids)
         if self.plan == "auto":
             left = self._time_left()
-            self.placement = self.router.plan(self.prompt_ids, self.max_tokens, left)
+            self.placement = self.router.plan(self.prompt_ids, self.max_tokens, left, handoff=not self.pooling)
             self.uncached_tokens = self.placement.uncached_tokens
             if left is not None and left < self.placement.fastest_ttft_s:
                 raise DeadlineExceededError(
@@ -265,8 +267,8 @@ class GenerationStream:
                         len(self.received))
             return
         if skip or out.request_id != self.request_id:  # numbered as the caller sees it (an output as sent is)
-            out = SeqOutput(self.request_id, len(self.received), out.token_ids[skip:], out.finish, out.queue_ms,
-                            out.cached_tokens, out.logprobs[skip:])
+            out = msgspec.structs.replace(out, request_id=self.request_id, token_index=len(self.received),
+                                          token_ids=out.token_ids[skip:], logprobs=out.logprobs[skip:])
         if not out.token_ids and not out.finish:
             return  # progress only (a prefill chunk) or a duplicate
         if self._queue.full():

@@ -5,7 +5,7 @@ import warnings
 
 from hybridgate.v1 import generation_pb2 as hybridgate_dot_v1_dot_generation__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.85.4'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -45,6 +45,11 @@ class GenerationStub:
                 request_serializer=hybridgate_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=hybridgate_dot_v1_dot_generation__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/hybridgate.v1.Generation/Embed',
+                request_serializer=hybridgate_dot_v1_dot_generation__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=hybridgate_dot_v1_dot_generation__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -70,6 +75,19 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embed returns one vector per input, as OpenAI's /v1/embeddings: each input a prefill-only request on
+        the same workers (placed by its size, batched with generations), its final-norm hidden states pooled
+        as the model's GGUF says (<arch>.pooling_type: mean, cls or last; the gateway's --pooling overrides
+        it), the first `dimensions` components kept, L2-normalised (unless --no-embedding-normalize). Not
+        cached. Errors: INVALID_ARGUMENT naming the field (`model` for a model whose file has no pooling
+        type; `dimensions` for a model not served with --matryoshka), and UNAVAILABLE, RESOURCE_EXHAUSTED,
+        DEADLINE_EXCEEDED as Generate's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -82,6 +100,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=hybridgate_dot_v1_dot_generation__pb2.GetModelInfoRequest.FromString,
                     response_serializer=hybridgate_dot_v1_dot_generation__pb2.ModelInfo.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=hybridgate_dot_v1_dot_generation__pb2.EmbedRequest.FromString,
+                    response_serializer=hybridgate_dot_v1_dot_generation__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -139,6 +162,33 @@ class Generation:
             '/hybridgate.v1.Generation/GetModelInfo',
             hybridgate_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
             hybridgate_dot_v1_dot_generation__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hybridgate.v1.Generation/Embed',
+            hybridgate_dot_v1_dot_generation__pb2.EmbedRequest.SerializeToString,
+            hybridgate_dot_v1_dot_generation__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

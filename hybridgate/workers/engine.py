@@ -51,6 +51,7 @@ from hybridgate.workers.constraints import (
 )
 from hybridgate.workers.faults import InjectedFault
 from hybridgate.workers.guard import Refusals, WireErrors, check_add
+from hybridgate.workers import pooling
 from hybridgate.workers.handoff import EngineHandoffs, HandoffConfig, KVSpec
 from hybridgate.workers.rates import StepCost, StepRates
 from hybridgate.workers.scheduler import ScheduledBatch, Scheduler, SchedulerConfig, SchedulerStats
@@ -110,6 +111,8 @@ class EngineCore:
         self._failures: list[tuple[Sequence, RequestError]] = []
         self._logprobs: dict = {}  # Sequence → TokenLogprobs of the step being run
         self._take_logprobs = getattr(runner, "take_logprobs", None)
+        self._pooled: dict = {}  # Sequence → partial sum of its pooled hidden states in the step being run
+        self._take_pooled = getattr(runner, "take_pooled", None)
         layout = getattr(runner, "kv_layout", None)
         spec = KVSpec(fingerprint, runner.block_size, *layout()) if layout is not None else None
         self.handoffs = EngineHandoffs(self, handoff or HandoffConfig(), spec)
@@ -247,8 +250,11 @@ class EngineCore:
             batch = ScheduledBatch([(s, n) for s, n in batch.entries if s not in failed])
             for seq, exc in failed.items():
                 self._fail_one(seq, exc)
-        self.last_prefilled = [seq for seq, _ in batch.entries if seq not in sampled]
+        pooled, self._pooled = self._pooled, {}
+        self.last_prefilled = [seq for seq, _ in batch.entries if seq not in sampled and not seq.pooling]
         for seq, n in batch.entries:
+            if seq in pooled:
+                pooling.accumulate(seq, pooled[seq])
             seq.num_computed += n
         self.scheduler.after_step(batch)
         logprobs, self._logprobs = self._logprobs, {}
@@ -265,7 +271,16 @@ class EngineCore:
         self.handoffs.after_step(sampled)  # gpu->cpu: park and export after the first token
         self.stats.steps += 1
         self.stats.batch_size_counts[len(batch)] = self.stats.batch_size_counts.get(len(batch), 0) + 1
-        return list(sampled)
+        return list(sampled) + self._finish_embeddings(batch)
+
+    def _finish_embeddings(self, batch: ScheduledBatch) -> list[Sequence]:
+        """The embedding sequences whose whole prompt is computed now: finished (stop) with their vector."""
+        done = [s for s, _ in batch.entries if s.pooling and s.num_computed == s.num_tokens]
+        for seq in done:
+            seq.embedding = pooling.embedding_bytes(seq)
+            self._by_id.pop((seq.client, seq.request_id), None)
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+        return done
 
     def _advance_matcher(self, seq: Sequence, token: int) -> None:
         """Feed the sampled id to the sequence's matcher; a grammar that admits nothing more ends it (stop)."""
@@ -291,6 +306,8 @@ class EngineCore:
             sampled = self.runner.execute(ScheduledBatch(entries, masks))
             if self._take_logprobs is not None:
                 self._logprobs.update(self._take_logprobs())
+            if self._take_pooled is not None:
+                self._pooled.update(self._take_pooled())
             return sampled, {}
         except Exception as exc:
             if len(entries) == 1:
@@ -429,6 +446,7 @@ def output_of(seq: Sequence) -> SeqOutput:
         queue_ms=seq.queue_ms if first else 0.0,
         cached_tokens=seq.cached_tokens if first else 0,
         logprobs=seq.output_logprobs[seq.sent :] if seq.params.logprobs is not None else [],
+        embedding=seq.embedding,
     )
     seq.sent = len(seq.output_ids)
     return out

@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 
-from hybridgate.wire import MAX_SEED, AddRequest, InvalidFieldError
+from hybridgate.wire import MAX_SEED, AddRequest, InvalidFieldError, PoolingType
 
 log = logging.getLogger("hybridgate.worker")
 
@@ -31,7 +31,7 @@ def check_add(request: AddRequest, vocab_size: int, max_model_len: int) -> None:
     Checks every field the engine and the kernels rely on: a prompt of 1 to
     max_model_len ids, each in [0, vocab_size); the sampling parameters within
     their limits (stop_token_ids within the vocabulary too); max_tokens >= 1 with prompt + max_tokens <= max_model_len; seed in
-    [0, 2**64 - 1]; eos_token_id in [-1, vocab_size) (-1: none); first_token_index >= 0.
+    [0, 2**64 - 1]; eos_token_id in [-1, vocab_size) (-1: none); first_token_index >= 0; pooling a PoolingType.
 
     Raises:
         InvalidFieldError: naming the field and its limit.
@@ -64,6 +64,9 @@ def check_add(request: AddRequest, vocab_size: int, max_model_len: int) -> None:
         raise InvalidFieldError("first_token_index", f"must be >= 0, got {request.first_token_index}")
     if not 0 <= request.deadline_s < float("inf"):  # NaN fails too
         raise InvalidFieldError("deadline_s", f"must be a finite number >= 0, got {request.deadline_s}")
+    if request.pooling not in set(PoolingType):
+        raise InvalidFieldError("pooling", f"must be one of {[int(p) for p in PoolingType]} (PoolingType), "
+                                f"got {request.pooling}")
 
 
 class Refusals:

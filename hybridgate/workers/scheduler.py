@@ -24,6 +24,7 @@ from hybridgate.workerconf import SchedulerConfig
 from hybridgate.mempool import BlockAllocator, block_hash, prefix_block_hashes
 from hybridgate.workers.rates import StepCost
 from hybridgate.workers.sequence import Sequence, SequenceStatus
+from hybridgate.wire import PoolingType
 
 
 @dataclass
@@ -160,6 +161,8 @@ class Scheduler:
             return
         ids = seq.all_ids
         usable = (len(ids) - 1) // self.allocator.block_size  # the last token is always computed
+        if seq.pooling in (PoolingType.MEAN, PoolingType.CLS):  # embeddings pooled over the prompt from position 0
+            usable = 0
         hashes = prefix_block_hashes(ids, self.fingerprint, self.allocator.block_size, usable)
         seq.block_table = self.allocator.lookup(hashes)
         seq.block_hashes = hashes[: len(seq.block_table)]

@@ -64,6 +64,11 @@ class Sequence:
         # With a constraint: its llguidance matcher, fed every generated id (None until its grammar is
         # compiled, and again once it finishes; `hybridgate.workers.constraints`).
         self.matcher = None
+        # An embedding request (a PoolingType; 0: a generation): prefill only, its final-norm hidden states
+        # summed across chunks (`hybridgate.workers.pooling`), answered as `embedding` bytes when finished.
+        self.pooling = request.pooling
+        self.pool_sum = None  # float64 [hidden] once a chunk ran
+        self.embedding = b""
 
     @property
     def num_tokens(self) -> int:

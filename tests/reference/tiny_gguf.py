@@ -334,3 +334,49 @@ def _tiny_tensors(rng: np.random.Generator, spec: TinySpec, vocab: int) -> dict[
     if not spec.tied:
         out["output.weight"] = mat(vocab, h, 4.0)
     return out
+
+
+# transformers' Qwen3 parameter names (under `model.`) → GGUF's, per layer then global (llama.cpp's
+# `convert_hf_to_gguf.py` and gguf-py's tensor map; qwen3 keeps Q/K rows in HF's order: no permutation).
+QWEN3_LAYER_TENSORS = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+
+
+def write_hf_qwen3(path: Path, model, pooling_type: int | None = None) -> Path:
+    """A GGUF (F32 tensors, tied LM head) of a transformers `Qwen3Model` whose vocabulary is
+    `write_tiny_llama`'s byte-level one (its `vocab_size` must be 260), with `qwen3.pooling_type`
+    written when given (llama.cpp's numbers: 1 mean, 2 cls, 3 last): an embedding model's file."""
+    c = model.config
+    alphabet = byte_level_alphabet()
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + alphabet + ["Ġt"]
+    if c.vocab_size != len(tokens):
+        raise ValueError(f"vocab_size: must be {len(tokens)} (the byte-level vocabulary), got {c.vocab_size}")
+    writer = gguf.GGUFWriter(str(path), "qwen3")
+    for add, value in [(writer.add_block_count, c.num_hidden_layers), (writer.add_context_length, 512),
+                       (writer.add_embedding_length, c.hidden_size), (writer.add_feed_forward_length, c.intermediate_size),
+                       (writer.add_head_count, c.num_attention_heads), (writer.add_head_count_kv, c.num_key_value_heads),
+                       (writer.add_key_length, c.head_dim), (writer.add_value_length, c.head_dim),
+                       (writer.add_rope_freq_base, float(c.rope_parameters["rope_theta"])),
+                       (writer.add_rope_dimension_count, c.head_dim), (writer.add_layer_norm_rms_eps, c.rms_norm_eps),
+                       (writer.add_vocab_size, c.vocab_size), (writer.add_tokenizer_model, "gpt2"),
+                       (writer.add_tokenizer_pre, "qwen2"), (writer.add_token_list, tokens),
+                       (writer.add_token_types, [3, 3, 3] + [1] * 257), (writer.add_token_merges, ["Ġ t"]),
+                       (writer.add_bos_token_id, 0), (writer.add_eos_token_id, 0), (writer.add_add_bos_token, False)]:
+        add(value)
+    if pooling_type is not None:
+        writer.add_pooling_type(gguf.PoolingType(pooling_type))
+    weights = {k.removeprefix("model."): v.detach().float().numpy() for k, v in model.state_dict().items()}
+    writer.add_tensor("token_embd.weight", weights["embed_tokens.weight"])
+    for i in range(c.num_hidden_layers):
+        for hf, name in QWEN3_LAYER_TENSORS.items():
+            writer.add_tensor(f"blk.{i}.{name}.weight", weights[f"layers.{i}.{hf}.weight"])
+    writer.add_tensor("output_norm.weight", weights["norm.weight"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -243,6 +243,36 @@ class CpuModel:
 
         k_cache: per layer `[blocks, kv_heads, head_dim, block_size]`; v_cache: per layer
         `[slots, kv_heads, head_dim]`; of one element type (`kvdtype`; see `attention.paged_attention`)."""
+        return self.logits(self.hidden_states(h, k_cache, v_cache), h.last)
+
+    def forward_pooled(self, h: StepInputs, k_cache: list[np.ndarray], v_cache: list[np.ndarray],
+                       pool_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`forward`'s logits, and the hidden states after the final norm at rows `pool_rows` (int64 `[k]`):
+        float32 `[k, hidden]`, what embedding requests pool (`hybridgate.workers.pooling`)."""
+        x = self.hidden_states(h, k_cache, v_cache)
+        return self.logits(x, h.last), self.final_norm(x, pool_rows)
+
+    def final_norm(self, x: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """float32 `[len(rows), hidden]`: the final RMSNorm of rows `rows` of the residual stream `x`."""
+        picked = np.ascontiguousarray(x[rows])
+        out = np.empty_like(picked)
+        (rms_norm_serial if picked.shape[0] <= SERIAL_TOKENS else rms_norm)(
+            picked, self.out_norm, self.config.rms_norm_eps, out)
+        return out
+
+    def logits(self, x: np.ndarray, last: np.ndarray) -> np.ndarray:
+        """float32 `[len(last), vocab]`: the final norm and LM head at rows `last` of `x`."""
+        c = self.config
+        logits = self.lm_head.matmul(self.final_norm(x, last))
+        self.kernel_calls += 2
+        if c.final_softcap:  # Gemma 2: cap · tanh(logits / cap)
+            cap = np.float32(c.final_softcap)
+            logits = np.tanh(logits / cap) * cap
+        return logits
+
+    def hidden_states(self, h: StepInputs, k_cache: list[np.ndarray], v_cache: list[np.ndarray]) -> np.ndarray:
+        """float32 `[tokens, hidden]`: the residual stream after the last layer, before the final norm; K/V
+        written to their slots (caches as in `forward`)."""
         c = self.config
         offset, length, slots, tiles = token_contexts(h)
         starts = {w: window_starts(length, w) for w in {layer.window for layer in self.layers}}
@@ -259,15 +289,7 @@ class CpuModel:
             norm(x, layer.ffn_norm, c.rms_norm_eps, buf.normed)
             self._residual(x, self._ffn(layer, buf, prompt, serial), layer.post_ffn_norm, serial)
             self.kernel_calls += 3
-        last = np.ascontiguousarray(x[h.last])
-        out = np.empty_like(last)
-        norm(last, self.out_norm, c.rms_norm_eps, out)
-        logits = self.lm_head.matmul(out)
-        self.kernel_calls += 2
-        if c.final_softcap:  # Gemma 2: cap · tanh(logits / cap)
-            cap = np.float32(c.final_softcap)
-            logits = np.tanh(logits / cap) * cap
-        return logits
+        return x
 
     def _attention(self, layer: CpuLayer, buf: StepBuffers, h: StepInputs, k_cache: np.ndarray,
                    v_cache: np.ndarray, serial: bool, contexts: tuple) -> np.ndarray:

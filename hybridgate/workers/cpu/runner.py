@@ -22,6 +22,7 @@ from hybridgate.workers.cpu import blocks, kernel_table, quant  # noqa: E402
 from hybridgate.workers.cpu.kvdtype import DEFAULT_KV_DTYPE, kv_dtype  # noqa: E402
 from hybridgate.workers.cpu.model import CpuModel  # noqa: E402
 from hybridgate.workers.cpu.threadfallback import ThreadFallback  # noqa: E402
+from hybridgate.workers import pooling  # noqa: E402
 from hybridgate.workers.faults import FaultHook  # noqa: E402
 from hybridgate.workers.memory import host_available_bytes, num_blocks_for  # noqa: E402
 from hybridgate.workers.sampling import sample, token_logprobs  # noqa: E402
@@ -95,6 +96,7 @@ class NumbaRunner:
         self.metadata = model.metadata  # the tokenizer constraints are enforced with is built from it
         self.fault = FaultHook.from_env()  # tests only: None unless HYBRIDGATE_TEST_FAULT is set
         self._logprobs: dict[Sequence, TokenLogprobs] = {}  # of the last execute (take_logprobs)
+        self._pooled: dict[Sequence, np.ndarray] = {}  # of the last execute (take_pooled)
         self.block_size = block_size
         self.block_bytes = 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * self.kv_dtype.itemsize
         self.num_blocks = num_blocks_for(kv_cache_memory, self.block_bytes, host_available_bytes(), gpu=False)
@@ -170,20 +172,27 @@ class NumbaRunner:
         return self.kv_dtype.widen(k[:num_tokens]), self.kv_dtype.widen(v[:num_tokens])
 
     def forward(self, batch: ScheduledBatch) -> np.ndarray:
-        """float32 logits `[len(batch), vocab]` at each entry's last new token."""
+        """float32 logits `[len(batch), vocab]` at each entry's last new token. The step's embedding
+        entries' pooled partial sums are kept for `take_pooled`."""
         buf = self.pool.acquire()
         try:
             inputs = build_step_inputs(batch, self.block_size, buf, self.scratch_slot, self.long_prompt)
-            return self.model.forward(inputs, self.k_cache, self.v_cache)
+            rows, plan = pooling.pool_plan(batch)
+            if not plan:
+                return self.model.forward(inputs, self.k_cache, self.v_cache)
+            logits, hidden = self.model.forward_pooled(inputs, self.k_cache, self.v_cache, rows)
+            self._pooled = pooling.partial_sums(hidden, plan)
+            return logits
         finally:
             self.pool.release(buf)
 
     def execute(self, batch: ScheduledBatch) -> dict[Sequence, int]:
         if self.fault is not None:
             self.fault.check(batch)
-        self._logprobs = {}
+        self._logprobs, self._pooled = {}, {}
         logits = self._timed_forward(batch)
-        ready = [(row, s) for row, (s, n) in enumerate(batch.entries) if s.num_computed + n == s.num_tokens]
+        ready = [(row, s) for row, (s, n) in enumerate(batch.entries)
+                 if s.num_computed + n == s.num_tokens and not s.pooling]  # embeddings sample nothing
         if not ready:
             return {}
         seqs = [s for _, s in ready]
@@ -216,6 +225,12 @@ class NumbaRunner:
     def take_logprobs(self) -> dict[Sequence, TokenLogprobs]:
         """The logprobs of the last `execute`, for the sequences that asked (then forgotten)."""
         out, self._logprobs = self._logprobs, {}
+        return out
+
+    def take_pooled(self) -> dict[Sequence, np.ndarray]:
+        """The last `execute`'s pooled partial sums of its embedding entries (`pooling.partial_sums`; then
+        forgotten)."""
+        out, self._pooled = self._pooled, {}
         return out
 
     def warm_up(self, progress: bool = True) -> None:

@@ -267,6 +267,32 @@ class DecoderModel:
 
         token_ids, positions: int64 `[num_tokens]`; attention stores K/V and attends.
         """
+        return self.logits(self.hidden_states(token_ids, positions, attention), last_rows)
+
+    @torch.inference_mode()
+    def forward_pooled(self, token_ids: torch.Tensor, positions: torch.Tensor, attention: Attention,
+                       last_rows: torch.Tensor, pool_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward_tokens`' logits, and the hidden states after the final norm at rows `pool_rows` (int64
+        `[k]`): float32 `[k, hidden]`, what embedding requests pool (`hybridgate.workers.pooling`)."""
+        state = self.hidden_states(token_ids, positions, attention)
+        return self.logits(state, last_rows), self._final_norm(state, pool_rows).float()
+
+    def _final_norm(self, state: tuple[torch.Tensor, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
+        """`[len(rows), hidden]`: the final norm at `rows` of the stream `state` (`hidden_states`)."""
+        out, residual = state
+        rows = rows.to(self.device, non_blocking=True)  # indexing copies: the fused norm's in-place add is local
+        h, _ = self.ops.add_norm(out[rows], residual[rows], self.out_norm, self.layers[-1].post_ffn_norm)
+        return h
+
+    def logits(self, state: tuple[torch.Tensor, torch.Tensor], last_rows: torch.Tensor) -> torch.Tensor:
+        """float32 `[len(last_rows), vocab]`: the final norm and LM head at rows `last_rows` of `state`."""
+        return softcap(F.linear(self._final_norm(state, last_rows), self.lm_head).float(), self.config.final_softcap)
+
+    def hidden_states(self, token_ids: torch.Tensor, positions: torch.Tensor,
+                      attention: Attention) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the last layer's FFN output, the residual stream before it is added), each `[num_tokens, hidden]`
+        in the model's dtype: the stream after the last layer, the final norm adds them (`_final_norm`).
+        token_ids, positions: int64 `[num_tokens]`; attention stores K/V and attends."""
         c = self.config
         positions = positions.to(self.device, non_blocking=True)
         ropes = [self._rope(positions, inv, scale) for inv, scale in self.rope_tables]
@@ -274,9 +300,7 @@ class DecoderModel:
         residual = None  # the residual stream; each layer's output is added to it by the next norm
         for i, layer in enumerate(self.layers):
             out, residual = self._decoder_layer(i, layer, out, residual, ropes[self.layer_rope[i]], attention)
-        rows = last_rows.to(self.device, non_blocking=True)
-        h, _ = self.ops.add_norm(out[rows], residual[rows], self.out_norm, self.layers[-1].post_ffn_norm)
-        return softcap(F.linear(h, self.lm_head).float(), c.final_softcap)  # [num_seqs, vocab]
+        return out, residual
 
     def _decoder_layer(self, i: int, layer: LayerWeights, out: torch.Tensor, residual: torch.Tensor | None,
                        rope: tuple[torch.Tensor, torch.Tensor], attention: Attention):

@@ -25,6 +25,7 @@ from hybridgate.workers.gpu.graphs import DecodeGraphs
 from hybridgate.workers.gpu.sizing import CudaMemory, graphs_allowance, profile_batches
 from hybridgate.workers.memory import budget_text, host_available_bytes, kv_cache_budget, num_blocks_for, size_text
 from hybridgate.workers.gpu.model import DecoderModel, default_device
+from hybridgate.workers import pooling
 from hybridgate.workers.faults import FaultHook
 from hybridgate.workerconf import EngineConfig
 from hybridgate.workers.scheduler import ScheduledBatch, SchedulerConfig
@@ -89,6 +90,7 @@ class TorchRunner:
         self.metadata = model.metadata  # the tokenizer constraints are enforced with is built from it
         self.fault = FaultHook.from_env()  # tests only: None unless HYBRIDGATE_TEST_FAULT is set
         self._logprobs: dict[Sequence, TokenLogprobs] = {}  # of the last execute (take_logprobs)
+        self._pooled: dict[Sequence, np.ndarray] = {}  # of the last execute (take_pooled)
         # Decode attention gathers whole blocks on CUDA (fewer, larger copies); per-slot
         # index_select on the CPU, where it measured as fast and needs no padding to a block.
         self.block_gather = dev.type == "cuda" if block_gather is None else block_gather
@@ -186,18 +188,27 @@ class TorchRunner:
         return self.pool.stats
 
     def forward(self, batch: ScheduledBatch) -> torch.Tensor:
-        """float32 logits `[len(batch), vocab]` at each entry's last new token; K/V go to the cache."""
+        """float32 logits `[len(batch), vocab]` at each entry's last new token; K/V go to the cache. The
+        step's embedding entries' pooled partial sums are kept for `take_pooled`."""
         buf = self.pool.acquire()
         try:
             host = self._host_inputs(batch, buf)
+            rows, plan = pooling.pool_plan(batch)
             tables = self._block_tables(batch, host) if self.attention == "triton" else None
-            if self.graphs is not None and len(host.decodes) == len(batch) and self.graphs.padded(len(batch)):
+            if (self.graphs is not None and not plan and len(host.decodes) == len(batch)
+                    and self.graphs.padded(len(batch))):
                 lengths = np.asarray(host.contexts, dtype=np.int64)
                 return self.graphs.run(host.ids, host.positions, host.slots, tables, lengths)
             if tables is not None:
-                return self._forward_kernels(batch, host, tables)
-            ids, positions, step, last_rows = self._to_device(host)
-            return self.model.forward_tokens(ids, positions, PagedAttention(self.cache, step), last_rows)
+                ids, positions, attention, last_rows = self._kernel_inputs(batch, host, tables)
+            else:
+                ids, positions, step, last_rows = self._to_device(host)
+                attention = PagedAttention(self.cache, step)
+            if not plan:
+                return self.model.forward_tokens(ids, positions, attention, last_rows)
+            logits, hidden = self.model.forward_pooled(ids, positions, attention, last_rows, torch.from_numpy(rows))
+            self._pooled = pooling.partial_sums(hidden.cpu().numpy(), plan)
+            return logits
         finally:
             self.pool.release(buf, self._done_check())
 
@@ -211,9 +222,10 @@ class TorchRunner:
             self.timeline.end()
 
     def _execute(self, batch: ScheduledBatch) -> dict[Sequence, int]:
-        self._logprobs = {}
+        self._logprobs, self._pooled = {}, {}
         logits = self.forward(batch)
-        ready = [(row, seq) for row, (seq, n) in enumerate(batch.entries) if seq.num_computed + n == seq.num_tokens]
+        ready = [(row, seq) for row, (seq, n) in enumerate(batch.entries)
+                 if seq.num_computed + n == seq.num_tokens and not seq.pooling]  # embeddings sample nothing
         if not ready:
             return {}
         rows = torch.tensor([r for r, _ in ready], device=logits.device)
@@ -236,6 +248,12 @@ class TorchRunner:
         out, self._logprobs = self._logprobs, {}
         return out
 
+    def take_pooled(self) -> dict[Sequence, np.ndarray]:
+        """The last `execute`'s pooled partial sums of its embedding entries (`pooling.partial_sums`; then
+        forgotten)."""
+        out, self._pooled = self._pooled, {}
+        return out
+
     def _done_check(self):
         if self.model.device.type != "cuda":
             return None
@@ -254,7 +272,8 @@ class TorchRunner:
             tables[i, : used[i]] = seq.block_table[: used[i]]
         return tables
 
-    def _forward_kernels(self, batch: ScheduledBatch, h: StepInputs, tables: np.ndarray) -> torch.Tensor:
+    def _kernel_inputs(self, batch: ScheduledBatch, h: StepInputs, tables: np.ndarray):
+        """(ids, positions, the Triton kernels' attention, last rows) of the step, on the device."""
         dev = self.model.device
         to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev, non_blocking=True)  # noqa: E731
         q_starts = np.zeros(len(batch) + 1, dtype=np.int32)
@@ -262,7 +281,7 @@ class TorchRunner:
         max_q = max(n for _, n in batch.entries)
         step = KernelStep(to(h.slots), to(tables), to(np.asarray(h.contexts, dtype=np.int32)), to(q_starts), max_q,
                           num_splits_for(len(batch), max_q, self.cache.config.num_kv_heads, dev))
-        return self.model.forward_tokens(to(h.ids), to(h.positions), KernelAttention(self.cache, step), to(h.last))
+        return to(h.ids), to(h.positions), KernelAttention(self.cache, step), to(h.last)
 
     def _to_device(self, h: StepInputs):
         dev = self.model.device
