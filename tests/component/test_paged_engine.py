@@ -22,6 +22,7 @@ from hybridgate.workers.gpu.runner import TorchRunner
 from hybridgate.workers.inprocess import InProcessClient
 from hybridgate.workers.scheduler import ScheduledBatch, SchedulerConfig
 from hybridgate.workers.sequence import Sequence
+from hybridgate.workers.step_inputs import build_step_inputs
 
 LONG_IDS = golden_npz("logits.npz")["long_ids"].tolist()
 
@@ -232,7 +233,7 @@ def test_static_padded_decode_equals_the_dynamic_path(torch_runner):
                           capture=False)
     batch = prefilled_decode_batch(runner, (5, 20, 33), stride=9, next_from=500)
     dynamic = runner.forward(batch).numpy()
-    h = runner._host_inputs(batch, runner.pool.acquire())
+    h = build_step_inputs(batch, runner.block_size, None, runner.scratch_slot)
     static = graphs.run(h.ids, h.positions, h.slots, h.decode_context, np.asarray(h.contexts)).numpy()
     assert graphs.key(3, h.width) == (4, 256)  # padded to batch 4 and the 256-token bucket
     np.testing.assert_allclose(static, dynamic, atol=1e-4, rtol=0)
@@ -347,8 +348,8 @@ def test_triton_kernels_equal_the_reference_path_dynamic_and_padded(gguf_model, 
                           capture=False, kernels=True, num_splits=lambda batch: 2)
     batch = prefilled_decode_batch(kernels, (7, 17), stride=13, next_from=600)
     dynamic = kernels.forward(batch).numpy()
-    h = kernels._host_inputs(batch, kernels.pool.acquire())
-    static = graphs.run(h.ids, h.positions, h.slots, kernels._block_tables(batch, h), np.asarray(h.contexts))
+    h = build_step_inputs(batch, kernels.block_size, None, kernels.scratch_slot)
+    static = graphs.run(h.ids, h.positions, h.slots, h.decode_tables.astype(np.int32), np.asarray(h.contexts))
     assert graphs.key(2, h.width) == (2, -(-kernels.max_model_len // kernels.block_size))  # no context buckets
     np.testing.assert_allclose(static.numpy(), dynamic, atol=1e-4, rtol=0)
 

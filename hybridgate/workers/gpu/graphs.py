@@ -135,14 +135,15 @@ class DecodeGraphs:
             s.logits = self._step(s)
         self._static[(b, w)] = s
 
-    def run(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, context: np.ndarray,
-            lengths: np.ndarray) -> torch.Tensor:
+    def run(self, ids, positions, slots, context, lengths) -> torch.Tensor:
         """Logits float32 `[n, vocab]` for n decodes; context int64 `[n, width]` (padded with any slot), or
-        with the kernels block tables `[n, blocks]`."""
+        with the kernels block tables `[n, blocks]`. Inputs on the device (the runner's) are copied on the
+        device; numpy arrays (tests) are copied there first."""
         n, width = context.shape
         b, w = self.key(n, width)
         s = self._static.get((b, w)) or self._static.setdefault((b, w), self._buffers(b, w))
-        to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(s.ids.device, non_blocking=True)  # noqa: E731
+        to = lambda a: a if isinstance(a, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(a)).to(  # noqa: E731
+            s.ids.device, non_blocking=True)
         s.ids[:n].copy_(to(ids)), s.positions[:n].copy_(to(positions)), s.slots[:n].copy_(to(slots))
         s.context[:n, :width].copy_(to(context))
         s.context[:n, width:].fill_(self.pad)
