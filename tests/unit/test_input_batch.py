@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybridgate.mempool import BlockAllocator
 from hybridgate.wire import AddRequest, SamplingParams
@@ -167,3 +168,44 @@ def test_a_decode_writes_a_table_cell_only_when_it_starts_a_block():
         n = 1
     assert cells_per_step == [[1, 2], [], [], [3], []]
     assert tables.table[rows[0], :3].tolist() == [1, 2, 3] and tables.rebuilds == 0 and tables.appended == 1
+
+
+class _HostTensors(TorchDispatchMode):
+    """Counts tensors made from host data (`aten.lift_fresh`: torch.tensor, torch.from_numpy, indexing by a
+    list): on CUDA each is a host-to-device copy."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten.lift_fresh.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_every_step_copies_its_inputs_once_and_its_sampled_ids_once(tmp_path):
+    """Chunked prefills (steps that sample nothing), decodes, a penalized seeded request beside greedy ones:
+    one tensor from host data per step (the packed inputs) and one copy of the sampled ids when any."""
+    from hybridgate.models import load_gguf
+    from hybridgate.workers.engine import EngineCore
+    from hybridgate.workers.gpu.runner import TorchRunner
+    from tiny_gguf import write_tiny_llama
+
+    runner = TorchRunner(load_gguf(write_tiny_llama(tmp_path / "m.gguf", heads=4, kv_heads=2)), torch.device("cpu"),
+                         torch.float32, kv_cache_memory="1MiB")
+    engine = EngineCore(runner, SchedulerConfig(max_num_batched_tokens=24), "fp")
+    penalized = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, repetition_penalty=1.2, presence_penalty=0.3,
+                               frequency_penalty=0.2)
+    for i, (n, params) in enumerate([(40, SamplingParams(temperature=0)), (9, penalized), (5, SamplingParams())]):
+        engine.add(AddRequest(f"r{i}", list(range(3, 3 + n)), params, 7, 6, -1))
+    per_step = []
+    while engine.has_work():
+        before = (runner.inputs.copies.host_to_device, runner.inputs.copies.device_to_host)
+        with _HostTensors() as made:
+            sampled = engine.step()
+        copies = runner.inputs.copies
+        per_step.append((made.count, copies.host_to_device - before[0], copies.device_to_host - before[1],
+                         bool(sampled)))
+    assert len(per_step) >= 7 and any(not s for *_, s in per_step)  # steps that sample nothing too
+    assert all((made, up, down) == (1, 1, int(s)) for made, up, down, s in per_step), per_step
+    assert runner.pool.stats.fallbacks == 0

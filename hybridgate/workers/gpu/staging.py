@@ -101,7 +101,7 @@ class DeviceStep:
             rows = torch.repeat_interleave(torch.arange(ready, device=dev), lengths, output_size=total)
             if p.repetition:
                 seen = torch.zeros(ready, vocab_size, dtype=torch.bool, device=dev)
-                seen[rows, ids] = True
+                seen[rows, ids] = torch.ones_like(ids, dtype=torch.bool)  # a Python True would be a copy
             if p.openai:
                 starts = torch.cumsum(lengths, 0) - lengths
                 generated = (torch.arange(total, device=dev) - starts[rows]) >= self.view("generated_starts")[rows]
