@@ -8,8 +8,9 @@ sequence whether its row still holds. A row holds while the sequence keeps the s
 shorter than the row, and its `num_computed` is where the previous step left it; the allocator only
 appends to a list in place (`BlockAllocator.ensure`), and everything that gives blocks back (preemption,
 abort, finish, a hand-off's release) empties the list or replaces it and resets `num_computed`. A row
-that no longer holds is rebuilt from the sequence (counted in `rebuilds`); rows of sequences that left
-(finished, waiting again after a preemption, their table emptied or replaced) are dropped before each step.
+that no longer holds is rebuilt from the sequence (counted in `rebuilds`); before each step, the rows of
+sequences out of its batch that are not running (finished, waiting again after a preemption) or whose row
+no longer holds (their blocks given back) are dropped.
 
 `build_step_inputs` (`step_inputs.py`) rebuilds the same inputs from every sequence's whole slot list: it
 is the reference the incremental ones are tested against.
@@ -55,7 +56,9 @@ class BlockTables:
     def update(self, entries: list[tuple[Sequence, int]]) -> tuple[np.ndarray, np.ndarray]:
         """(rows int64 `[entries]`, cells int64 `[3, n]`: row, column, block of each cell written)."""
         in_batch = {seq for seq, _ in entries}
-        for seq in [s for s in self.rows if s not in in_batch and not self._holds(s)]:
+        # A sequence out of the batch keeps its row only while it runs (decodes to come) or is parked.
+        for seq in [s for s in self.rows
+                    if s not in in_batch and (s.status != SequenceStatus.RUNNING or not self._holds(s))]:
             self._drop(seq)
         rows = np.empty(len(entries), dtype=np.int64)
         cells: list[tuple[int, int, list[int]]] = []
