@@ -13,6 +13,7 @@ from hybridgate.workers.engine import EngineCore, output_of
 from hybridgate.workers.gpu.model import DecoderModel
 from hybridgate.workers.gpu.runner import TorchRunner
 from hybridgate.workers.scheduler import SchedulerConfig
+from hybridgate.workers.step_inputs import build_step_inputs
 from tiny_gguf import TINY_SPECS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -84,11 +85,10 @@ def test_cuda_bf16_graph_replay_is_bitwise_equal_to_eager(case):
     for s in seqs:
         s.num_computed = s.num_tokens
         s.output_ids.append(7)
-    batch = ScheduledBatch([(s, 1) for s in seqs])
-    h = runner._host_inputs(batch, runner.pool.acquire())
+    h = build_step_inputs(ScheduledBatch([(s, 1) for s in seqs]), runner.block_size, None, runner.scratch_slot)
     eager = DecodeGraphs(runner.model, runner.cache, runner.scratch_slot, 4, runner.max_model_len, capture=False,
                          num_splits=runner._num_splits)
-    args = (h.ids, h.positions, h.slots, runner._block_tables(batch, h), np.asarray(h.contexts))
+    args = (h.ids, h.positions, h.slots, h.decode_tables.astype(np.int32), np.asarray(h.contexts))
     before = runner.graphs.replays
     replayed = runner.graphs.run(*args).clone()
     assert runner.graphs.replays == before + 1

@@ -44,13 +44,14 @@ def _prefilled(runner, lengths):
 def test_graph_replay_is_bitwise_equal_to_eager_at_the_same_padded_size(cuda_runner):
     from hybridgate.workers.gpu.graphs import DecodeGraphs
     from hybridgate.workers.scheduler import ScheduledBatch
+    from hybridgate.workers.step_inputs import build_step_inputs
 
     seqs, _ = _prefilled(cuda_runner, (5, 20, 33))
     batch = ScheduledBatch([(s, 1) for s in seqs])
-    h = cuda_runner._host_inputs(batch, cuda_runner.pool.acquire())
+    h = build_step_inputs(batch, cuda_runner.block_size, None, cuda_runner.scratch_slot)
     eager = DecodeGraphs(cuda_runner.model, cuda_runner.cache, cuda_runner.scratch_slot, 16,
                          cuda_runner.max_model_len, capture=False, num_splits=cuda_runner._num_splits)
-    args = (h.ids, h.positions, h.slots, cuda_runner._block_tables(batch, h), np.asarray(h.contexts))
+    args = (h.ids, h.positions, h.slots, h.decode_tables.astype(np.int32), np.asarray(h.contexts))
     before = cuda_runner.graphs.replays
     replayed = cuda_runner.graphs.run(*args).clone()
     assert cuda_runner.graphs.replays == before + 1
@@ -65,10 +66,10 @@ def test_cuda_decode_matches_the_gather_reference(cuda_runner):
 
     seqs, _ = _prefilled(cuda_runner, (17, 64, 100, 250))
     batch = ScheduledBatch([(s, 1) for s in seqs])
-    h = cuda_runner._host_inputs(batch, cuda_runner.pool.acquire())
-    ids, pos, step, last = cuda_runner._to_device(h)
-    assert step.decode_blocks is not None  # the CUDA path gathers whole blocks
-    model = cuda_runner.model
+    device_step = cuda_runner._stage(batch)
+    step = device_step.paged_step(block_gather=True)
+    assert step.decode_blocks is not None  # the block-gather path copies whole blocks
+    model, ids, pos, last = cuda_runner.model, device_step.ids, device_step.positions, device_step.last
     fast = model.forward_tokens(ids, pos, PagedAttention(cuda_runner.cache, step), last).float()
     slot_step = dataclasses.replace(step, decode_blocks=None, decode_block_mask=None)
     ref = model.forward_tokens(ids, pos, PagedAttention(cuda_runner.cache, slot_step), last).float()

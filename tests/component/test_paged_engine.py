@@ -22,6 +22,7 @@ from hybridgate.workers.gpu.runner import TorchRunner
 from hybridgate.workers.inprocess import InProcessClient
 from hybridgate.workers.scheduler import ScheduledBatch, SchedulerConfig
 from hybridgate.workers.sequence import Sequence
+from hybridgate.workers.step_inputs import build_step_inputs
 
 LONG_IDS = golden_npz("logits.npz")["long_ids"].tolist()
 
@@ -333,8 +334,8 @@ def test_triton_kernels_equal_the_reference_path_dynamic_and_padded(gguf_model, 
                           capture=False, num_splits=lambda batch: 2)
     batch = prefilled_decode_batch(kernels, (7, 17), stride=13, next_from=600)
     dynamic = kernels.forward(batch).numpy()
-    h = kernels._host_inputs(batch, kernels.pool.acquire())
-    static = graphs.run(h.ids, h.positions, h.slots, kernels._block_tables(batch, h), np.asarray(h.contexts))
+    h = build_step_inputs(batch, kernels.block_size, None, kernels.scratch_slot)
+    static = graphs.run(h.ids, h.positions, h.slots, h.decode_tables.astype(np.int32), np.asarray(h.contexts))
     assert graphs.padded(2) == 2 and graphs.max_blocks == -(-kernels.max_model_len // kernels.block_size)
     np.testing.assert_allclose(static.numpy(), dynamic, atol=1e-4, rtol=0)
 

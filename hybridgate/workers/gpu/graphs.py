@@ -111,14 +111,15 @@ class DecodeGraphs:
             s.logits = self._step(s)
         self._static[b] = s
 
-    def run(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, tables: np.ndarray,
-            lengths: np.ndarray) -> torch.Tensor:
+    def run(self, ids, positions, slots, tables, lengths) -> torch.Tensor:
         """Logits float32 `[n, vocab]` for n decodes (n at most the largest batch size); tables int32
-        `[n, blocks]` (blocks at most `max_blocks`), lengths `[n]` each context, this token included."""
+        `[n, blocks]` (blocks at most `max_blocks`), lengths `[n]` each context, this token included. Inputs
+        on the device (the runner's) are copied on the device; numpy arrays (tests) are copied there first."""
         n, width = tables.shape
         b = self.padded(n)
         s = self._static.get(b) or self._static.setdefault(b, self._buffers(b))
-        to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(s.ids.device, non_blocking=True)  # noqa: E731
+        to = lambda a: a if isinstance(a, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(a)).to(  # noqa: E731
+            s.ids.device, non_blocking=True)
         s.ids[:n].copy_(to(ids)), s.positions[:n].copy_(to(positions)), s.slots[:n].copy_(to(slots))
         s.tables[:n, :width].copy_(to(tables))
         s.tables[:n, width:].fill_(self.pad)

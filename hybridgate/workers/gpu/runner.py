@@ -1,11 +1,14 @@
 """The torch model runner over a paged KV cache: a scheduled batch in, sampled ids out.
 
-Step inputs (token ids, positions, slot mapping, context slots, last rows)
-are written into one `PinnedPool` buffer per step and reach the device with
-non-blocking copies; on CUDA the buffer goes back to the pool when an event
-recorded after the copies has completed (two buffers in flight at most, so
-staging the next step overlaps the current one). On the CPU the same pool is
-used and the check is immediate.
+A step makes one copy each way (`gpu.staging`): its host inputs (token ids,
+positions, the rows of the persistent block tables, the block-table cells added
+since the last step, the sampler's fields and the penalties' ids) are packed
+into one `PinnedPool` buffer and reach the device with one non-blocking copy;
+slots and contexts are expanded there from the device's block tables; the
+sampled ids come back with one non-blocking copy into pinned memory, then one
+sync. On CUDA the buffer goes back to the pool when an event recorded after its
+copy has completed (two buffers, so packing a step never waits on the last
+one's copy). On the CPU the same pool is used and the check is immediate.
 """
 
 from __future__ import annotations
@@ -18,8 +21,8 @@ import torch
 from hybridgate.mempool import DEFAULT_BLOCK_SIZE, PinnedPool, PoolStats, aligned_slab
 from hybridgate.models import GGUFModel
 from hybridgate.workers.gpu import sampling
-from hybridgate.workers.gpu.attention import (KernelAttention, KernelStep, PagedAttention, PagedKVCache, PagedStep,
-                                              attention_kind, num_splits_for)
+from hybridgate.workers.gpu.attention import (KernelAttention, PagedAttention, PagedKVCache, attention_kind,
+                                              num_splits_for)
 from hybridgate.workers.gpu.export import StepTimeline, dtype_name
 from hybridgate.workers.gpu.graphs import DecodeGraphs
 from hybridgate.workers.gpu.sizing import CudaMemory, graphs_allowance, profile_batches
@@ -30,7 +33,8 @@ from hybridgate.workers.faults import FaultHook
 from hybridgate.workerconf import EngineConfig
 from hybridgate.workers.scheduler import ScheduledBatch, SchedulerConfig
 from hybridgate.workers.sequence import Sequence
-from hybridgate.workers.step_inputs import StepInputs, build_step_inputs, staging_bytes
+from hybridgate.workers.gpu.staging import DeviceInputs, DeviceStep
+from hybridgate.workers.input_batch import BlockTables, pack_step, packed_words
 from hybridgate.wire import TokenLogprobs
 
 log = logging.getLogger("hybridgate.worker")
@@ -125,7 +129,7 @@ class TorchRunner:
         self.max_model_len = fitted_max_model_len(model.config.max_model_len, max_model_len,
                                                   self.num_blocks * block_size)
         self._allocate_cache(self.num_blocks)
-        self.pool = self._staging_pool(max_num_batched_tokens, max_num_seqs, self.max_model_len)
+        self._staging(max_num_batched_tokens, max_num_seqs, self.max_model_len)
         if captures:
             self.graphs = DecodeGraphs(self.model, self.cache, self.scratch_slot, max_num_seqs,
                                        self.max_model_len, num_splits=self._num_splits)
@@ -135,9 +139,14 @@ class TorchRunner:
                  self.max_model_len, "Triton paged kernels" if self.attention == "triton" else
                  "gather + SDPA (reference)")
 
-    def _staging_pool(self, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> PinnedPool:
-        """Two buffers, each holding the largest step's inputs (`staging_bytes`), so none falls back."""
-        return PinnedPool(staging_bytes(max_num_batched_tokens, max_num_seqs, max_model_len), 2, self._slab)
+    def _staging(self, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> None:
+        """The step's staging: two pinned buffers, each holding the largest step's packed inputs (`packed_words`),
+        so none falls back, the persistent block tables and the device buffers they are copied to."""
+        words = packed_words(max_num_batched_tokens, max_num_seqs, max_model_len, self.block_size)
+        self.pool = PinnedPool(8 * words, 2, self._slab)
+        self.tables = BlockTables(-(-max_model_len // self.block_size), max_num_seqs,
+                                  pad_block=self.scratch_slot // self.block_size)
+        self.inputs = DeviceInputs(self.model.device, words, self.tables, self.block_size, self.scratch_slot)
 
     def _allocate_cache(self, num_blocks: int) -> None:
         dev = self.model.device
@@ -161,7 +170,7 @@ class TorchRunner:
         # The captured decode step's memory does not grow with context (graphs.py): profiled at one token.
         batches = profile_batches(tokens, max_num_seqs, batch_sizes[-1], 1, self.block_size, c.vocab_size)
         self._allocate_cache(batches.num_blocks - 1)
-        self.pool = self._staging_pool(tokens, max_num_seqs, tokens)  # until max_model_len is known
+        self._staging(tokens, max_num_seqs, tokens)  # until max_model_len is known
         activations = memory.peak_growth(lambda: self._execute(batches.largest))
         graphs = 0
         if captures:
@@ -190,27 +199,31 @@ class TorchRunner:
     def forward(self, batch: ScheduledBatch) -> torch.Tensor:
         """float32 logits `[len(batch), vocab]` at each entry's last new token; K/V go to the cache. The
         step's embedding entries' pooled partial sums are kept for `take_pooled`."""
+        return self._forward(batch, self._stage(batch))
+
+    def _stage(self, batch: ScheduledBatch) -> DeviceStep:
+        """Pack the step's host inputs into a pinned buffer and copy them to the device (one copy)."""
         buf = self.pool.acquire()
         try:
-            host = self._host_inputs(batch, buf)
-            rows, plan = pooling.pool_plan(batch)
-            tables = self._block_tables(batch, host) if self.attention == "triton" else None
-            if (self.graphs is not None and not plan and len(host.decodes) == len(batch)
-                    and self.graphs.padded(len(batch))):
-                lengths = np.asarray(host.contexts, dtype=np.int64)
-                return self.graphs.run(host.ids, host.positions, host.slots, tables, lengths)
-            if tables is not None:
-                ids, positions, attention, last_rows = self._kernel_inputs(batch, host, tables)
-            else:
-                ids, positions, step, last_rows = self._to_device(host)
-                attention = PagedAttention(self.cache, step)
-            if not plan:
-                return self.model.forward_tokens(ids, positions, attention, last_rows)
-            logits, hidden = self.model.forward_pooled(ids, positions, attention, last_rows, torch.from_numpy(rows))
-            self._pooled = pooling.partial_sums(hidden.cpu().numpy(), plan)
-            return logits
+            return self.inputs.upload(pack_step(batch, self.tables, buf.fit, self.vocab_size), self.tables)
         finally:
             self.pool.release(buf, self._done_check())
+
+    def _forward(self, batch: ScheduledBatch, step: DeviceStep) -> torch.Tensor:
+        p = step.packed
+        rows, plan = pooling.pool_plan(batch)
+        if self.graphs is not None and not plan and len(p.decodes) == len(batch) and self.graphs.padded(len(batch)):
+            return self.graphs.run(step.ids, step.positions, step.slots, step.block_tables, step.seq_lens)
+        if self.attention == "triton":
+            splits = num_splits_for(len(batch), p.max_q, self.cache.config.num_kv_heads, self.model.device)
+            attention = KernelAttention(self.cache, step.kernel_step(splits))
+        else:
+            attention = PagedAttention(self.cache, step.paged_step(self.block_gather))
+        if not plan:
+            return self.model.forward_tokens(step.ids, step.positions, attention, step.last)
+        logits, hidden = self.model.forward_pooled(step.ids, step.positions, attention, step.last, torch.from_numpy(rows))
+        self._pooled = pooling.partial_sums(hidden.cpu().numpy(), plan)
+        return logits
 
     def execute(self, batch: ScheduledBatch) -> dict[Sequence, int]:
         if self.fault is not None:
@@ -222,26 +235,27 @@ class TorchRunner:
             self.timeline.end()
 
     def _execute(self, batch: ScheduledBatch) -> dict[Sequence, int]:
+        """One step: one host-to-device copy of its inputs (the sampler's and the penalties' with them), the
+        forward pass, the sampler, one device-to-host copy of the sampled ids. A constrained step adds the
+        copy of its token bitmasks, which fill while the forward pass runs; logprobs, when asked, theirs."""
         self._logprobs, self._pooled = {}, {}
-        logits = self.forward(batch)
-        ready = [(row, seq) for row, (seq, n) in enumerate(batch.entries)
-                 if seq.num_computed + n == seq.num_tokens and not seq.pooling]  # embeddings sample nothing
-        if not ready:
+        step = self._stage(batch)
+        logits = self._forward(batch, step)
+        seqs = step.packed.ready  # embeddings sample nothing (`pack_step`)
+        if not seqs:
             return {}
-        rows = torch.tensor([r for r, _ in ready], device=logits.device)
-        seqs = [s for _, s in ready]
-        sampled = sampling.sample(
-            logits[rows], [s.params for s in seqs], [s.seed for s in seqs], [s.next_token_index for s in seqs],
-            [s.all_ids if s.params.repetition_penalty != 1.0 else () for s in seqs], self._vocab_hash,
-            generated=[s.generated_ids if s.params.presence_penalty or s.params.frequency_penalty else ()
-                       for s in seqs],
-            bitmask=batch.masks.for_rows(seqs) if batch.masks is not None else None,
-            precision=self.sampler_precision,
-        )
+        rows = step.view("ready")
+        bitmask = batch.masks.for_rows(seqs) if batch.masks is not None else None
+        allowed = None
+        if bitmask is not None:
+            allowed = sampling.allowed_of_bitmask(self.inputs.upload_bitmask(bitmask), self.vocab_size)
+        sampled = sampling.sample_tensors(logits[rows], **step.sampling(self.vocab_size), allowed=allowed,
+                                          vocab_ids_hash=self._vocab_hash, precision=self.sampler_precision)
+        ids = self.inputs.download(sampled)
         if any(s.params.logprobs is not None for s in seqs):
             lps = sampling.token_logprobs(logits[rows], sampled, [s.params.logprobs for s in seqs])
             self._logprobs = {s: lp for s, lp in zip(seqs, lps) if lp is not None}
-        return dict(zip(seqs, sampled.tolist()))
+        return dict(zip(seqs, ids))
 
     def take_logprobs(self) -> dict[Sequence, TokenLogprobs]:
         """The logprobs of the last `execute`, for the sequences that asked (then forgotten)."""
@@ -260,55 +274,6 @@ class TorchRunner:
         event = torch.cuda.Event()
         event.record()
         return event.query
-
-    def _host_inputs(self, batch: ScheduledBatch, buf) -> StepInputs:
-        return build_step_inputs(batch, self.block_size, buf, self.scratch_slot)
-
-    def _block_tables(self, batch: ScheduledBatch, h: StepInputs) -> np.ndarray:
-        """int32 `[entries, max_blocks]`: each entry's blocks up to its context, padded with the scratch block."""
-        used = [-(-c // self.block_size) for c in h.contexts]
-        tables = np.full((len(used), max(used)), self.scratch_slot // self.block_size, dtype=np.int32)
-        for i, (seq, _) in enumerate(batch.entries):
-            tables[i, : used[i]] = seq.block_table[: used[i]]
-        return tables
-
-    def _kernel_inputs(self, batch: ScheduledBatch, h: StepInputs, tables: np.ndarray):
-        """(ids, positions, the Triton kernels' attention, last rows) of the step, on the device."""
-        dev = self.model.device
-        to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev, non_blocking=True)  # noqa: E731
-        q_starts = np.zeros(len(batch) + 1, dtype=np.int32)
-        q_starts[1:] = h.last + 1
-        max_q = max(n for _, n in batch.entries)
-        step = KernelStep(to(h.slots), to(tables), to(np.asarray(h.contexts, dtype=np.int32)), to(q_starts), max_q,
-                          num_splits_for(len(batch), max_q, self.cache.config.num_kv_heads, dev))
-        return to(h.ids), to(h.positions), KernelAttention(self.cache, step), to(h.last)
-
-    def _to_device(self, h: StepInputs):
-        dev = self.model.device
-        to = lambda a: torch.from_numpy(a).to(dev, non_blocking=True)  # noqa: E731
-        mask = lens = None
-        lengths = [h.contexts[i] for i in h.decodes]
-        if h.decodes:
-            lens = torch.tensor(lengths, device=dev)  # [num_decodes]
-        if h.decodes and any(n != h.width for n in lengths):
-            mask = (torch.arange(h.width, device=dev)[None, :] < lens[:, None])[:, None, None, :]
-        pctx = to(h.prefill_context)
-        blocks = block_mask = None
-        if self.block_gather and h.decodes:
-            blocks = to(h.decode_tables)
-            span = h.decode_tables.shape[1] * self.block_size
-            block_mask = (torch.arange(span, device=dev)[None, :] < lens[:, None])[:, None, None, :]
-        step = PagedStep(
-            slots=to(h.slots),
-            decode_rows=to(h.last[h.decodes]) if h.decodes else None,
-            decode_context=to(h.decode_context) if h.decodes else None,
-            decode_mask=mask,
-            prefills=[(start, n, pctx[o : o + c]) for start, n, o, c in h.prefills],
-            decode_blocks=blocks,
-            decode_block_mask=block_mask,
-            decode_lengths=lens,
-        )
-        return to(h.ids), to(h.positions), step, to(h.last)
 
     def warm_up(self) -> None:
         """One prefill and one decode step through the paged path, on scratch blocks."""
