@@ -150,6 +150,9 @@ TABLES: tuple[Table, ...] = (
         Column("GB/s", "fast.gb_s", fixed(1)),
         Column("vs the path it replaced", "speedup_vs_other", ratio),
         Column("vs row-dequantize", "speedup_vs_row-dequantize", ratio),
+        Column("prompt kernel", "prompt.kernel"),
+        Column("prompt kernel ms", "prompt.ms", fixed(3)),
+        Column("prompt vs decode kernel", "prompt.speedup_vs_decode_kernel", ratio),
     ), rows="rows"),
     Table("gateway", "benchmarks/gateway.md", "gateway-*.json", (
         Column("door", "protocol"),
