@@ -49,12 +49,13 @@ KERNELS = [
 
 
 def activations_summary(model: cpu_model.CpuModel, setting: str) -> str:
-    """The activation formats the model's matrices run, e.g. "auto: q4_1 i16/32, q6_k i16/256, q8_0 i16/32"."""
+    """The activation formats the model's matrices run, e.g. "auto: q4_1 i16/32, q4_k i16/256 (prompts i8/32)"."""
     matrices = [m for layer in model.layers for m in layer.arrays() if hasattr(m, "kind") or hasattr(m, "parts")]
     kinds = {part.kind for m in [*matrices, model.lm_head] for part in getattr(m, "parts", [m]) if hasattr(part, "kind")}
     names = sorted(blocks.LAYOUTS[k].name for k in kinds if k in blocks.LAYOUTS)
-    return f"{setting}: " + ", ".join(
-        f"{name.lower()} {kernel_table.choose(name, setting, quant.PATH).decode}" for name in names)
+    rows = {name: kernel_table.choose(name, setting, quant.PATH) for name in names}
+    return f"{setting}: " + ", ".join(f"{name.lower()} {row.decode}" + (f" (prompts {row.prompt})" if row.prompt else "")
+                                      for name, row in rows.items())
 
 
 def kernel_cache_stats() -> tuple[int, int]:
@@ -124,10 +125,12 @@ class NumbaRunner:
         # Prompts of at least this many tokens multiply on the table's prompt kernels (AMX tiles, int8 GEMMs;
         # None: this path has none under these activations)
         self.long_prompt = kernel_table.long_prompt(activations, quant.PATH)
-        prompts = "AMX-BF16" if target.amx else "int8"
+        # the prompt kernels' name, for the logs and the benches' JSON (None: none under these activations)
+        self.prompt_kernels = ("AMX-BF16" if target.amx else "int8") if self.long_prompt else None
         log.info("CPU kernels: %s path (LLVM target %s%s), activations %s%s, cache %s", target.isa, target.cpu_name,
                  ", VNNI" if target.vnni else "", self.cpu_activations,
-                 f", {prompts} for prompts of {self.long_prompt}+ tokens" if self.long_prompt else "", target.cache_dir)
+                 f", {self.prompt_kernels} for prompts of {self.long_prompt}+ tokens" if self.long_prompt else "",
+                 target.cache_dir)
         log.info("CPU runner: weights %.1f MiB in GGUF blocks, KV cache %d blocks of %d tokens (%.1f MiB, %s), "
                  "threads %d on cores %s", self.model.weight_bytes / 2**20, self.num_blocks, block_size,
                  self.num_blocks * self.block_bytes / 2**20, self.kv_dtype.name, numba.get_num_threads(),
