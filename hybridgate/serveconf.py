@@ -38,7 +38,7 @@ def parse_model_spec(text: str, keys: Mapping[str, Spec]) -> ModelSpec:
     """A `--model` value as a ModelSpec; `keys`: the per-model settings by flag name.
 
     Raises ValueError naming --model, the model, and the accepted forms, the unknown key and the keys
-    there are, or the key and its limit ("must be one of auto, f32, i16, got 'x'").
+    there are, or the key and its limit ("must be one of auto, f32, i16, i8, got 'x'").
     """
     head, *pairs = text.split(",")
     name, sep, path = head.partition("=")

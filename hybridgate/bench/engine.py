@@ -269,12 +269,12 @@ def run(args: argparse.Namespace) -> dict:
 
         out: dict = {"kind": "cpu", "cpu_isa": ours.runner.cpu_isa, "threads": numba.get_num_threads(),
                      "baseline": baseline}
-        prompts = ours.runner.prompt_kernels
+        kernels = ours.runner.prompt_kernels
         print(f"CPU kernels: {ours.runner.cpu_isa} path, activations {ours.runner.cpu_activations}, "
               f"KV cache {ours.runner.kv_dtype.name}"
-              f"{f', {prompts} for prompts of {ours.runner.long_prompt}+ tokens' if prompts else ''}", flush=True)
+              f"{f', {kernels} for prompts of {ours.runner.long_prompt}+ tokens' if kernels else ''}", flush=True)
         out["cpu_activations"], out["kv_cache_dtype"] = ours.runner.cpu_activations, ours.runner.kv_dtype.name
-        out["cpu_amx"], out["cpu_prompt_kernels"] = prompts == "AMX-BF16", prompts
+        out["cpu_amx"], out["cpu_prompt_kernels"] = kernels == "AMX-BF16", kernels
     else:
         device = torch.device(engine.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

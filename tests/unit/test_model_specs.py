@@ -43,7 +43,7 @@ def test_model_values(text, spec):
     (["--model", "a=x.gguf:gpu=0:cpu=1"], ["model 'a'", "gpu-workers=N"]),  # the old form says the new one
     (["--model", "a=x.gguf,threads=2"], ["model 'a'", "'threads' is not a per-model", "chat-template",
                                          "cpu-activations"]),
-    (["--model", "a=x.gguf,cpu-activations=i8"], ["model 'a', key cpu-activations", "auto, f32, i16", "'i8'"]),
+    (["--model", "a=x.gguf,cpu-activations=i9"], ["model 'a', key cpu-activations", "auto, f32, i16, i8", "'i9'"]),
     (["--model", "a=x.gguf,cpu-workers=-1"], ["model 'a', key cpu-workers", ">= 0"]),
     (["--model", "a=x.gguf,max-model-len=64,max-model-len=128"], ["key max-model-len", "twice"]),
     (["--model", "cpu-workers=x.gguf"], ["no per-model key"]),
@@ -89,7 +89,7 @@ def test_models_tables_in_the_config_file(tmp_path):
     assert (chat.layout.cpu_workers, base.layout.cpu_workers) == (2, 1)
     assert (chat.worker.engine.kv_cache_dtype, base.worker.engine.kv_cache_dtype) == ("fp16", "fp32")
     assert (chat.gateway.served_model_name, base.gateway.served_model_name) == (("c1", "c2"), ())
-    cfg.write_text('[models.base]\npath = "y.gguf"\ncpu-activations = "i8"\n')
+    cfg.write_text('[models.base]\npath = "y.gguf"\ncpu-activations = "i9"\n')
     with pytest.raises(ValueError, match=r"hg.toml: models: .*model 'base', key cpu-activations: .*auto, f32, i16"):
         resolve(parse("serve", "--config", str(cfg)), environ={})
     cfg.write_text('[models.base]\nchat-template = "t.jinja"\n')

@@ -163,10 +163,11 @@ def choose(type_name: str, activations: str, path: str) -> KernelRow:
     return formatted(type_name, "i16", path)  # i16, and i8 for a type without an int8 prompt kernel
 
 
-def long_prompt(activations: str, path: str) -> int | None:
+def long_prompt(activations: str, path: str, type_names: list[str] | None = None) -> int | None:
     """The prompt length from which a request's prompt tokens run on a prompt kernel under `activations` on
-    `path` (the smallest `prompt_rows` of the path's rows), or None where no row has a prompt kernel."""
-    rows = [choose(name, activations, path) for name in AUTO[path]]
+    `path` (the smallest `prompt_rows` of the rows of `type_names`, default every type of the path), or None
+    where none of those rows has a prompt kernel."""
+    rows = [choose(name, activations, path) for name in (AUTO[path] if type_names is None else type_names)]
     return min((row.prompt_rows for row in rows if row.prompt_kernel), default=None)
 
 

@@ -48,12 +48,16 @@ KERNELS = [
 ]
 
 
-def activations_summary(model: cpu_model.CpuModel, setting: str) -> str:
-    """The activation formats the model's matrices run, e.g. "auto: q4_1 i16/32, q4_k i16/256 (prompts i8/32)"."""
+def type_names(model: cpu_model.CpuModel) -> list[str]:
+    """The weight types ("Q4_K", ...) of the model's matrices, sorted."""
     matrices = [m for layer in model.layers for m in layer.arrays() if hasattr(m, "kind") or hasattr(m, "parts")]
     kinds = {part.kind for m in [*matrices, model.lm_head] for part in getattr(m, "parts", [m]) if hasattr(part, "kind")}
-    names = sorted(blocks.LAYOUTS[k].name for k in kinds if k in blocks.LAYOUTS)
-    rows = {name: kernel_table.choose(name, setting, quant.PATH) for name in names}
+    return sorted(blocks.LAYOUTS[k].name for k in kinds if k in blocks.LAYOUTS)
+
+
+def activations_summary(model: cpu_model.CpuModel, setting: str) -> str:
+    """The activation formats the model's matrices run, e.g. "auto: q4_1 i16/32, q4_k i16/256 (prompts i8/32)"."""
+    rows = {name: kernel_table.choose(name, setting, quant.PATH) for name in type_names(model)}
     return f"{setting}: " + ", ".join(f"{name.lower()} {row.decode}" + (f" (prompts {row.prompt})" if row.prompt else "")
                                       for name, row in rows.items())
 
@@ -124,7 +128,7 @@ class NumbaRunner:
         self.cpu_isa = target.isa
         # Prompts of at least this many tokens multiply on the table's prompt kernels (AMX tiles, int8 GEMMs;
         # None: this path has none under these activations)
-        self.long_prompt = kernel_table.long_prompt(activations, quant.PATH)
+        self.long_prompt = kernel_table.long_prompt(activations, quant.PATH, type_names(self.model))
         # the prompt kernels' name, for the logs and the benches' JSON (None: none under these activations)
         self.prompt_kernels = ("AMX-BF16" if target.amx else "int8") if self.long_prompt else None
         log.info("CPU kernels: %s path (LLVM target %s%s), activations %s%s, cache %s", target.isa, target.cpu_name,
