@@ -19,6 +19,7 @@ from hybridgate.models.chat import ChatTemplate, ChatTemplateError
 from hybridgate.models.gguf_file import GGUFModel, ModelLoadError, load_gguf
 from hybridgate.models.paths import names_of
 from hybridgate.models.tokenizer import Tokenizer
+from hybridgate.wire import PoolingType
 
 # The names llama.cpp writes in `tokenizer.ggml.model`, said in words (src/llama-vocab.cpp).
 TOKENIZER_MODELS = {"gpt2": "byte-level BPE", "llama": "SentencePiece", "bert": "WordPiece", "t5": "Unigram",
@@ -112,7 +113,8 @@ def read_per_token(model: GGUFModel) -> tuple[int, int]:
 
 
 def _expert_lines(report: ModelReport) -> list[tuple[str, str]]:
-    """The experts (count, active per token, shared) where the family has them, and what a token reads."""
+    """The experts (count, active per token, shared) where the family has them, the pooling of an embedding
+    model (`<arch>.pooling_type` other than none), and what a token reads."""
     model, lines = report.model, []
     c, moe = model.config, model.config.arch.moe
     if moe is not None:
@@ -121,6 +123,9 @@ def _expert_lines(report: ModelReport) -> list[tuple[str, str]]:
         lines.append(("experts", f"{c.num_experts} per block, {c.experts_per_token} active per token "
                                  f"({moe.gating.value} gating{', renormalised' if moe.normalize else ''}), "
                                  f"width {c.expert_intermediate_size}, {shared}"))
+    if c.pooling_type:
+        name = PoolingType(c.pooling_type).name.lower() if c.pooling_type in iter(PoolingType) else "unknown"
+        lines.append(("pooling", f"{name} (pooling_type {c.pooling_type}): an embedding model, POST /v1/embeddings"))
     nbytes, parameters = read_per_token(model)
     size = report.path.stat().st_size
     lines.append(("read per token", f"{nbytes / 2**20:,.1f} MiB of weights ({parameters:,} active parameters, "

@@ -187,3 +187,17 @@ def test_runner_verdicts_are_kept_per_model_code_and_packages(base, tmp_path, mo
     monkeypatch.setattr(support, "version", lambda name: "99.0" if name == "numba" else "1.0")
     assert [refusal for _, refusal in support.runner_verdicts(model, fingerprint)] == \
         ["checked again (gpu)", "checked again (cpu)"]
+
+
+def test_info_names_an_embedding_models_pooling_and_nothing_for_a_generation_model(base):
+    import dataclasses
+
+    from hybridgate.models.info import describe, report_lines
+
+    report = describe(base)
+    assert "pooling" not in dict(report_lines(report))  # pooling_type 0: a generation model
+    for number, name in ((1, "mean"), (2, "cls"), (3, "last")):  # llama.cpp's llama_pooling_type numbers
+        config = dataclasses.replace(report.model.config, pooling_type=number)
+        pooled = dataclasses.replace(report, model=dataclasses.replace(report.model, config=config))
+        line = dict(report_lines(pooled))["pooling"]
+        assert line.startswith(f"{name} (pooling_type {number})") and "/v1/embeddings" in line
