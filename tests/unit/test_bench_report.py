@@ -87,7 +87,7 @@ def test_a_table_of_records_per_file_is_captioned():
                      "speedup_vs_other": 1.5}]}
     lines = report.render_table(kernels, [(Path("cpu-kernels-a.json"), doc)]).splitlines()
     assert lines[0] == "[`cpu-kernels-a.json`](../results/cpu-kernels-a.json): Xeon, avx2; `hybridgate bench kernels`"
-    assert lines[4] == "| avx2 | Q4_K | 16 | — | — | 0.500 | 2.2 | 1.50× | — |"
+    assert lines[4] == "| avx2 | Q4_K | 16 | — | — | 0.500 | 2.2 | 1.50× | — | — | — | — |"  # no prompt kernel here
 
 
 def test_records_keyed_by_name_and_a_file_without_a_machine():
