@@ -209,11 +209,11 @@ def build_parser() -> argparse.ArgumentParser:
         add_engine_parser,
         add_gateway_parser,
         add_handoff_parser,
-        add_kernels_parser,
         add_model_parser,
         add_report_parser,
         add_serve_parser,
         add_sim_parser,
+        kernels,
     )
 
     add_engine_parser(bench_sub)
@@ -225,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_cache_parser(bench_sub)
     add_model_parser(bench_sub)
     add_attention_parser(bench_sub)
-    add_kernels_parser(bench_sub)
+    kernels.add_parser(bench_sub)
     add_embeddings_parser(bench_sub)
     add_report_parser(bench_sub)
 

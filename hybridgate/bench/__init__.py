@@ -415,32 +415,6 @@ def _run_cache(args) -> int:
     return 0 if c is not None and not c["errors"] else 1
 
 
-def add_kernels_parser(sub) -> None:
-    from hybridgate.config import bounded
-
-    p = sub.add_parser("kernels", help="each weight type's CPU matmul per ISA path, batch 1 and 16, against the "
-                                       "path it replaced and the row-dequantizing one")
-    p.add_argument("--isa", type=lambda v: v.split(","), default=None,
-                   help="paths, comma-separated, of avx512, avx2, generic (default: every path this CPU runs)")
-    p.add_argument("--shape", type=lambda v: tuple(int(n) for n in v.split("x")), default=(8192, 2048),
-                   metavar="ROWSxCOLS", help="the weight's shape (default 8192x2048: a 1B model's FFN gate)")
-    p.add_argument("--batch", type=bounded(int, 1, many=True), default=[1, 16],
-                   help="activation rows, comma-separated (default 1,16)")
-    p.add_argument("--repeats", type=bounded(int, 1), default=15,
-                   help="calls per case, alternated between the kernels; medians are reported (default 15)")
-    p.add_argument("--threads", type=bounded(int, 1), default=1, help="kernel threads (default 1)")
-    p.add_argument("--types", type=lambda v: v.split(","), default=None, metavar="TYPES",
-                   help="weight types, comma-separated, e.g. Q4_K,Q6_K (default: every type of the path's kernel table)")
-    p.add_argument("--json", default=None, metavar="OUT", help="write the figures to this JSON file")
-    p.set_defaults(func=_run_kernels)
-
-
-def _run_kernels(args) -> int:
-    from hybridgate.bench import kernels
-
-    return kernels.run(args)
-
-
 def add_report_parser(sub) -> None:
     p = sub.add_parser("report", help="render the benchmark pages' tables from the results JSON under docs/results/")
     p.add_argument("--check", action="store_true",

@@ -24,7 +24,6 @@ import time
 
 import numpy as np
 
-from hybridgate.workers.cpu import kernel_table  # data only: no Numba before the child selects its path
 
 BASELINES = ("other", "row-dequantize")
 
@@ -53,7 +52,7 @@ def random_weight(kind: int, rows: int, cols: int, rng: np.random.Generator) -> 
 def table_types(names: list[str] | None = None) -> list[int]:
     """The GGUF type ids of this path's kernel table, in its order (those named in `names` only, if given).
     Raises ValueError naming --types for a type the table lacks."""
-    from hybridgate.workers.cpu import quant
+    from hybridgate.workers.cpu import kernel_table, quant
     from hybridgate.workers.cpu.blocks import LAYOUTS
 
     ids = {layout.name: kind for kind, layout in LAYOUTS.items()}
@@ -81,7 +80,7 @@ def _time(matrices: dict, x: np.ndarray, repeats: int) -> dict[str, float]:
 def measure(shape: tuple[int, int], batches: list[int], repeats: int, seed: int = 0,
             types: list[str] | None = None) -> list[dict]:
     """The rows of the table for this process's path (see the module docstring)."""
-    from hybridgate.workers.cpu import isa, quant
+    from hybridgate.workers.cpu import isa, kernel_table, quant
     from hybridgate.workers.cpu.blocks import LAYOUTS
 
     rng = np.random.default_rng(seed)
@@ -141,7 +140,7 @@ def _child_command(path: str, args) -> list[str]:
 def run(args) -> int:
     """Every path asked for (default: all this CPU runs), each in a child process; print the table and
     write `--json`."""
-    from hybridgate.workers.cpu import isa
+    from hybridgate.workers.cpu import isa, kernel_table  # data only: no Numba before the child selects its path
 
     runnable = isa.ISAS[isa.ISAS.index(isa.best(isa.host_features())):]
     paths = args.isa or list(runnable)
@@ -186,6 +185,27 @@ def _child_main(argv: list[str]) -> None:
     rows, cols = (int(v) for v in shape.split("x"))
     print(json.dumps(measure((rows, cols), [int(b) for b in batches.split(",")], int(repeats),
                              types=types.split(",") if types else None)))
+
+
+def add_parser(sub) -> None:
+    """`hybridgate bench kernels`' flags (the parser lives beside the bench: no Numba is imported here)."""
+    from hybridgate.config import bounded
+
+    p = sub.add_parser("kernels", help="each weight type's CPU matmul per ISA path, batch 1 and 16, against the "
+                                       "path it replaced and the row-dequantizing one")
+    p.add_argument("--isa", type=lambda v: v.split(","), default=None,
+                   help="paths, comma-separated, of avx512, avx2, generic (default: every path this CPU runs)")
+    p.add_argument("--shape", type=lambda v: tuple(int(n) for n in v.split("x")), default=(8192, 2048),
+                   metavar="ROWSxCOLS", help="the weight's shape (default 8192x2048: a 1B model's FFN gate)")
+    p.add_argument("--batch", type=bounded(int, 1, many=True), default=[1, 16],
+                   help="activation rows, comma-separated (default 1,16)")
+    p.add_argument("--repeats", type=bounded(int, 1), default=15,
+                   help="calls per case, alternated between the kernels; medians are reported (default 15)")
+    p.add_argument("--threads", type=bounded(int, 1), default=1, help="kernel threads (default 1)")
+    p.add_argument("--types", type=lambda v: v.split(","), default=None, metavar="TYPES",
+                   help="weight types, comma-separated, e.g. Q4_K,Q6_K (default: every type of the path's kernel table)")
+    p.add_argument("--json", default=None, metavar="OUT", help="write the figures to this JSON file")
+    p.set_defaults(func=run)
 
 
 if __name__ == "__main__":
