@@ -91,15 +91,21 @@ def test_last_position_logits_match_the_torch_runner(case):
 def test_greedy_through_chunked_prefill_windows_and_the_prefix_cache(case):
     # The 40-token prompt in chunks of 12 (the 16-token windows start mid-chunk and cross 16-slot chunk
     # boundaries), then 16 decodes; then again beside a prompt sharing its first 32 tokens: prefix hits.
+    case.numba_greedy = greedy_through_chunks_and_prefix(case.runner, case)
+
+
+def greedy_through_chunks_and_prefix(runner, case) -> list[int]:
+    """The last prompt greedy in chunks of 12 against the reference's ids, then again beside a prompt sharing
+    its first 32 tokens: the same ids, at least 32 tokens from the prefix cache, every block back. Its ids."""
     prompt = case.prompts[-1]
-    engine = EngineCore(case.runner, SchedulerConfig(max_num_batched_tokens=12), case.fingerprint)
+    engine = EngineCore(runner, SchedulerConfig(max_num_batched_tokens=12), case.fingerprint)
     first = run_engine(engine, [AddRequest("a", prompt, GREEDY, 0, GREEDY_STEPS, -1)])["a"]
     assert_greedy_matches(first, case.want_greedy, case.gaps)
     again = run_engine(engine, [AddRequest("a", prompt, GREEDY, 0, GREEDY_STEPS, -1),
                                 AddRequest("b", prompt[:32] + prompt[33:], GREEDY, 0, GREEDY_STEPS, -1)])
     assert again["a"] == first
     assert engine.refresh_stats().cached_tokens >= 32 and engine.allocator.num_used == 0
-    case.numba_greedy = first
+    return first
 
 
 @pytest.fixture(scope="module")

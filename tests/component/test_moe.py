@@ -29,7 +29,8 @@ from hybridgate.workers.gpu.runner import TorchRunner
 from hybridgate.workers.scheduler import ScheduledBatch, SchedulerConfig
 from hybridgate.workers.sequence import Sequence
 # The dense families' GPU→CPU hand-off test, run here on this module's `case`: the experts change no KV.
-from test_cpu_architectures import run_engine, torch_engine  # noqa: F401 (a fixture of the test below)
+from test_cpu_architectures import greedy_through_chunks_and_prefix, run_engine
+from test_cpu_architectures import torch_engine  # noqa: F401 (a fixture of the test below)
 from test_cpu_architectures import test_a_gpu_to_cpu_handoff_decodes_the_ids_of_the_cpu_runner_alone  # noqa: F401
 from tiny_moe import VOCAB, make_qwen3moe, write_qwen3moe_gguf
 
@@ -103,14 +104,7 @@ def test_greedy_through_chunked_prefill_and_the_prefix_cache(case, kind):
     # tokens (prefix-cache hits, decode batches of two whose tokens route to different experts).
     runner = TorchRunner(case.gguf, torch.device("cpu"), torch.float32, kv_cache_memory="4MiB") if kind == "gpu" \
         else numba_runner(case.gguf)
-    engine = EngineCore(runner, SchedulerConfig(max_num_batched_tokens=12), case.fingerprint)
-    prompt = case.prompts[-1]
-    first = run_engine(engine, [AddRequest("a", prompt, GREEDY, 0, GREEDY_STEPS, -1)])["a"]
-    assert_greedy_matches(first, case.want_greedy, case.gaps)
-    again = run_engine(engine, [AddRequest("a", prompt, GREEDY, 0, GREEDY_STEPS, -1),
-                                AddRequest("b", prompt[:32] + prompt[33:], GREEDY, 0, GREEDY_STEPS, -1)])
-    assert again["a"] == first
-    assert engine.refresh_stats().cached_tokens >= 32 and engine.allocator.num_used == 0
+    greedy_through_chunks_and_prefix(runner, case)
 
 
 def test_numba_experts_in_q8_0_match_gguf_dequantized_weights(case, tmp_path):
