@@ -2,7 +2,8 @@
 files, against the torch runner.
 
 Runs with AMX where the kernels were compiled with it (a Xeon since Sapphire Rapids), with int8 on the avx2
-path; skipped elsewhere (avx512 without AMX has no prompt kernel). The files are `tiny_gguf.QUANT_SPEC`
+and avx512 paths (Q6_K only on avx2: the kernel table gives avx512's Q6_K no prompt kernel); skipped on the
+generic path. The files are `tiny_gguf.QUANT_SPEC`
 (llama, rows of 256) with every matrix Q4_K or Q6_K. Prompts of at least the table's length (32) run
 their matmuls on the prompt kernel, shorter ones and generated tokens on the int16 kernels; so checked
 here: logits against the fp32 torch runner (for AMX's rows, on the same weights rounded to bf16 as the
@@ -24,9 +25,8 @@ from hybridgate.workers.cpu import isa
 from hybridgate.workers.scheduler import ScheduledBatch
 from hybridgate.workers.sequence import Sequence
 
-KERNEL = "amx" if isa.selected().amx else "int8" if isa.selected().isa == "avx2" else None
-pytestmark = pytest.mark.skipif(KERNEL is None, reason="no prompt kernel on this path (AMX-BF16 needs a Xeon "
-                                                       "since Sapphire Rapids; int8 runs on the avx2 path)")
+KERNEL = "amx" if isa.selected().amx else "int8" if isa.selected().isa in ("avx2", "avx512") else None
+pytestmark = pytest.mark.skipif(KERNEL is None, reason="no prompt kernel on the generic path")
 
 PROMPT_LENGTHS = (40, 24, 33)  # two on the prompt kernel, one (under its 32 tokens) on the int16 kernels
 ON_TILES = (True, False, True)
@@ -64,9 +64,12 @@ def rounded_to_bf16(model):
 
 @pytest.fixture(scope="module", params=("Q4_K", "Q6_K"))
 def case(request, tiny_models):
+    from hybridgate.workers.cpu import kernel_table, quant
     from hybridgate.workers.cpu.runner import NumbaRunner
     from hybridgate.workers.gpu.model import DecoderModel
 
+    if not kernel_table.choose(request.param, "auto", quant.PATH).prompt_kernel:
+        pytest.skip(f"{request.param} has no prompt kernel on the {quant.PATH} path (kernel_table)")
     assert PROMPT_LENGTHS[1] < 32 <= min(PROMPT_LENGTHS[0], PROMPT_LENGTHS[2])
     model = load_gguf(tiny_models("quant", ggml_type=request.param))
     rng = np.random.default_rng(9)

@@ -1,4 +1,11 @@
-"""Prompt matmuls with int8 activations on the avx2 path: Q4_K and Q6_K, eight weight rows interleaved.
+"""Prompt matmuls with int8 activations: Q4_K and Q6_K, eight weight rows interleaved, 256-bit vectors.
+
+The kernel table runs them on the avx2 path (Q4_K, Q6_K) and on the avx512 path (Q4_K only). There, with
+AVX-512 VNNI, Q4_K's tile sums with `vpdpbusd` into int32 (two chains a row, against its latency) and
+scales with one `vpmulld` a block: the same integers as the avx2 tile, so the same bits. Q6_K's int8 tile,
+with or without `vpdpbusd` (codes as c + 32 less 32 · Σx per half), measured 0.9-1.2x the avx512 path's
+512-bit `vpdpwssd` int16 GEMM on a Zen 4 EPYC and stays int16 there; a tile of 8 activation rows in
+AVX-512's 32 registers measured no faster than 4.
 
 A prompt's rows are many, so its matmuls are bound by the multiply rate, not by the weights' bytes
 (issue "CPU tier ahead of llama.cpp"). `superblock`'s int16 GEMM tiles take two `vpmaddwd` (16
@@ -43,7 +50,7 @@ from __future__ import annotations
 
 from hybridgate.workers.cpu import isa
 
-isa.selected()  # before Numba is imported: it compiles for the chosen instruction set
+_TARGET = isa.selected()  # before Numba is imported: it compiles for the chosen instruction set
 
 import numba as nb  # noqa: E402
 import numpy as np  # noqa: E402
@@ -60,6 +67,7 @@ ROWS = 8  # weight rows a tile interleaves: one 32-bit lane each
 SUPER = 256
 XQ_MAX = 127.0
 TILE_X = 4  # activation rows a tile multiplies: 3 accumulators each, 12 of AVX2's 16 registers
+VNNI = _TARGET.vnni  # the avx512 path on a CPU with AVX-512 VNNI: Q4_K's `vpdpbusd` sums into int32 (docstring)
 X_BYTES = 1024 * 1024  # int8 activations of one pass over the weights: each group of 8 rows is interleaved once a pass
 _CHUNKS = 16
 _I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
@@ -85,6 +93,14 @@ def _sign(builder, a, b):
     return builder.call(fn, [a, b])
 
 
+def _dpbusd(builder, acc, u, s):
+    """vpdpbusd: <8 x i32> acc + the sums of 4 products of <32 x i8> u (unsigned) · s (signed) per 32-bit lane
+    (no saturation: exact while the sums stay in int32)."""
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8I, [_V8I, _V8I, _V8I]),
+                                        "llvm.x86.avx512.vpdpbusd.256")
+    return builder.call(fn, [acc, builder.bitcast(u, _V8I), builder.bitcast(s, _V8I)])
+
+
 def _broadcast4(builder, ptr):
     """The 4 bytes at ptr (an i8*) in every 32-bit lane of a <32 x i8> (one vpbroadcastd)."""
     word = builder.load(builder.bitcast(ptr, _I32.as_pointer()), align=1)
@@ -92,14 +108,16 @@ def _broadcast4(builder, ptr):
     return builder.bitcast(builder.shuffle_vector(vec, vec, ir.Constant(_V8I, [0] * 8)), _V32B)
 
 
-def _make_tile(kind: str, xrows: int):
-    """An intrinsic: 8 interleaved weight rows of `kind` ("q4_k" or "q6_k") times `xrows` int8 activation rows.
+def _make_tile(kind: str, xrows: int, vnni: bool = False):
+    """An intrinsic: 8 interleaved weight rows of `kind` ("q4_k" or "q6_k") times `xrows` int8 activation rows,
+    with `vpmaddubsw` and int16 sums, or (vnni, Q4_K) `vpdpbusd` and int32 sums (the same integers, so the
+    same bits).
 
     f(wc, wsc, wm, wd, nblocks, xq, x_off, x_stride, xs, xsum, a_off, a_stride, out, o_off, o_stride) writes
     out[o_off + k·o_stride + r] for the 8 weight rows r and activation rows k < xrows (see the module
     docstring): wc uint8 `[nblocks · QUADS · 32]` the interleaved codes, wsc int16 `[nblocks · SCALES · 16]`
-    each row's sub-block scale in its two 16-bit lanes, wm float32 `[nblocks · 8]` (Q4_K: -dmin_r · min_rb;
-    Q6_K: unread), wd float32 `[nblocks / 8 · 8]` d_r per super-block; xq int8 (row k at x_off + k·x_stride,
+    each row's sub-block scale in its two 16-bit lanes (Q4_K with VNNI: as one int32 lane), wm float32
+    `[nblocks · 8]` (Q4_K: -dmin_r · min_rb; Q6_K: unread), wd float32 `[nblocks / 8 · 8]` d_r per super-block; xq int8 (row k at x_off + k·x_stride,
     columns in order), xs and xsum float32 per block at a_off + k·a_stride + b. nblocks: a multiple of 8.
     """
     quads, scales = QUADS[kind], SCALES[kind]
@@ -134,6 +152,23 @@ def _make_tile(kind: str, xrows: int):
             def scale_vec(blk, h):
                 return _load_vec(builder, _ptr(context, builder, ty[1], wsa, builder.mul(
                     builder.add(builder.mul(blk, c(scales)), c(h)), c(16))), _V16S, 1)
+
+            def scale32(blk, h):
+                return builder.bitcast(scale_vec(blk, h), _V8I)
+
+            def q4k_sums_vnni(blk):
+                acc = [ir.Constant(_V8I, [0] * 8)] * xrows
+                acc2 = list(acc)
+                for q in range(quads):
+                    w = codes(blk, q)
+                    lo = builder.and_(w, low4)
+                    hi = builder.and_(builder.bitcast(builder.lshr(builder.bitcast(w, _V16S),
+                                                                   ir.Constant(_V16S, [4] * 16)), _V32B), low4)
+                    for k in range(xrows):  # two chains a row (low and high nibbles): vpdpbusd's latency
+                        acc[k] = _dpbusd(builder, acc[k], lo, x_at(k, blk, 4 * q))
+                        acc2[k] = _dpbusd(builder, acc2[k], hi, x_at(k, blk, 16 + 4 * q))
+                sc = scale32(blk, 0)
+                return [builder.mul(builder.add(a, a2), sc) for a, a2 in zip(acc, acc2)]
 
             def q4k_sums(blk):
                 acc = [None] * xrows
@@ -172,7 +207,7 @@ def _make_tile(kind: str, xrows: int):
                     builder.store(zero_f, partial[k])
                 with cgutils.for_range(builder, c(8)) as bloop:
                     blk = builder.add(builder.mul(s, c(8)), bloop.index)
-                    sums = q4k_sums(blk) if kind == "q4_k" else q6k_sums(blk)
+                    sums = (q4k_sums_vnni if vnni else q4k_sums)(blk) if kind == "q4_k" else q6k_sums(blk)
                     if kind == "q4_k":
                         mins = _load_vec(builder, _ptr(context, builder, ty[2], wma, builder.mul(blk, c(8))), _V8F, 1)
                     for k in range(xrows):
@@ -192,11 +227,11 @@ def _make_tile(kind: str, xrows: int):
 
         return sig, codegen
 
-    generic.__name__ = f"int8_{kind}_tile8x{xrows}"
+    generic.__name__ = f"int8_{kind}_tile8x{xrows}{'_vnni' if vnni else ''}"
     return intrinsic(generic)
 
 
-tile_q4k, tile_q4k_1 = _make_tile("q4_k", TILE_X), _make_tile("q4_k", 1)
+tile_q4k, tile_q4k_1 = _make_tile("q4_k", TILE_X, VNNI), _make_tile("q4_k", 1, VNNI)
 tile_q6k, tile_q6k_1 = _make_tile("q6_k", TILE_X), _make_tile("q6_k", 1)
 
 _JIT = dict(nogil=True, fastmath=True, cache=True)
@@ -242,7 +277,9 @@ def _interleave_q4k(qs32, sc, d, ndmin, mins, r0, wc32, wsc, wm, wd):
         for b in range(nblocks):
             for q in range(4):
                 wc32[(4 * b + q) * ROWS + r] = qs32[row, 4 * b + q]
-            wsc[16 * b + 2 * r] = wsc[16 * b + 2 * r + 1] = sc[row, b]
+            # twice for `vpmaddwd`'s pair; with VNNI the int32 lane the two make (the scale is 0..63)
+            wsc[16 * b + 2 * r] = sc[row, b]
+            wsc[16 * b + 2 * r + 1] = 0 if VNNI else sc[row, b]
             wm[ROWS * b + r] = ndmin[row, b // 8] * np.float32(mins[row, b])
         for s in range(nblocks // 8):
             wd[ROWS * s + r] = d[row, s]
@@ -329,7 +366,8 @@ def matmul_i8(x, qs32, sc, d, ndmin, mins, out, x_bytes=X_BYTES):
                     _interleave_q4k(qs32, sc, d, ndmin, mins, ROWS * g, wc32, wsc, wm, wd)
                 else:
                     _interleave_q6k(qs32, sc, d, ROWS * g, wc32, wsc, wd)
-                _tiles(q4k, wc32.view(np.uint8), wsc, wm, wd, nblocks, xq, xs, xsum, out, ROWS * g, b0, b1, tmp)
+                _tiles(q4k, wc32.view(np.uint8), wsc, wm, wd, nblocks, xq, xs, xsum, out, ROWS * g, b0,
+                       b1, tmp)
 
 
 def multiply(x: np.ndarray, rows: np.ndarray, qs: np.ndarray, sc: np.ndarray, d: np.ndarray, ndmin: np.ndarray,

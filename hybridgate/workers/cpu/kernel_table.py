@@ -96,7 +96,7 @@ _AVX512 = {
     "Q4_1": KernelRow("Q41Matrix", "f32", "simd.matmul_blocks"),
     "Q5_0": _PACKED, "Q5_1": _PACKED,
     "Q8_0": KernelRow("Q80Matrix", "i16/32", "intdot.matmul_i16"),
-    "Q4_K": _SUPER45, "Q5_K": _SUPER45, "Q6_K": _SUPER6,
+    "Q4_K": _i8(_SUPER45), "Q5_K": _SUPER45, "Q6_K": _SUPER6,
 }
 AUTO = {
     "avx512-amx": {**_AVX512, **{name: _amx(_AVX512[name]) for name in  # the types `amx` has a format for
