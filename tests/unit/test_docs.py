@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 
 from hybridgate import config_docs
@@ -46,6 +48,23 @@ def test_readme_is_a_landing_page():
     first_sh = re.search(r"```sh\n(.*?)```", readme, re.S).group(1)
     assert "make serve" in first_sh and "make test" in first_sh
     assert "Python ≥ 3.11" in readme and "C compiler" in readme  # what `make test` needs
+
+
+# What a first `make install` costs, said in the same words wherever a newcomer meets it (measured on a fresh
+# 2-core machine), and the kernel compile of the first start in one range.
+INSTALL_TIME = "about three minutes the first time on a 2-core machine"
+KERNEL_COMPILE = "10–30 s"
+INSTALL_TIME_PLACES = ("README.md", "docs/getting-started.md", "docs/troubleshooting.md", "Makefile")
+
+
+@pytest.mark.parametrize("place", INSTALL_TIME_PLACES)
+def test_install_time_is_one_statement(place):
+    text = " ".join((ROOT / place).read_text().replace("#", " ").split())  # across line breaks and comment marks
+    assert INSTALL_TIME in text, place
+    other = re.findall(r"(?:one to two|a few|two and a half|half a) minutes?|\b\d+(?:\.\d+)? ?min\b|10-30 s", text)
+    assert not other, (place, other)
+    if place != "Makefile":
+        assert KERNEL_COMPILE in text, place
 
 
 def test_readme_links_point_at_pages_that_exist():
