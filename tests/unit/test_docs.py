@@ -33,6 +33,38 @@ def test_configuration_reference_is_current():
         "docs/configuration.md is stale: python -m hybridgate.config_docs > docs/configuration.md"
 
 
+def test_grpc_reference_is_current():
+    from hybridgate.v1 import proto_docs
+
+    committed = (ROOT / "docs" / "grpc-reference.md").read_text()
+    assert proto_docs.render() == committed, \
+        "docs/grpc-reference.md is stale: python -m hybridgate.v1.proto_docs > docs/grpc-reference.md"
+
+
+def test_grpc_reference_names_every_method_field_and_value_protobuf_knows():
+    # The compiled descriptor (protoc's reading of the same file) is the reference for what the API holds.
+    from hybridgate.v1 import generation_pb2, proto_docs
+
+    page = proto_docs.render()
+    for method in generation_pb2.DESCRIPTOR.services_by_name["Generation"].methods:
+        assert f"| `{method.name}` | `{method.input_type.name}` → " in page, method.name
+    for message in generation_pb2.DESCRIPTOR.message_types_by_name.values():
+        section = page.split(f"## message `{message.name}`\n", 1)[1].split("\n## ", 1)[0]
+        for f in message.fields:
+            assert re.search(rf"^\| `{f.name}` \| [^|]*= {f.number} \|", section, re.M), (message.name, f.name)
+    for enum in generation_pb2.DESCRIPTOR.enum_types_by_name.values():
+        section = page.split(f"## enum `{enum.name}`\n", 1)[1].split("\n## ", 1)[0]
+        for value in enum.values:
+            assert f"| `{value.name}` | {value.number} |" in section, (enum.name, value.name)
+
+
+def test_grpc_reference_refuses_a_construct_it_does_not_read():
+    from hybridgate.v1 import proto_docs
+
+    with pytest.raises(ValueError, match=r":3: not a construct .*map<string, string> labels = 1;"):
+        proto_docs.parse("message A {\n  // a map\n  map<string, string> labels = 1;\n}\n")
+
+
 def test_configuration_reference_names_every_setting():
     from hybridgate.config import select
     from hybridgate.settings import Settings
