@@ -14,9 +14,10 @@ TORCH := torch==2.13.0
 
 install: $(STAMP)
 
-# Each step says what it does, and the long downloads show pip's progress bars (a first install takes a few
-# minutes); the stamp keeps a re-run with nothing changed silent.
+# Each step says what it does, and the long downloads show pip's progress bars (about three minutes the first time
+# on a 2-core machine); the stamp keeps a re-run with nothing changed silent.
 $(STAMP): pyproject.toml Makefile
+	@echo "make install: about three minutes the first time on a 2-core machine; each step below says what it does"
 	@test -x $(PY) || { echo "make install: creating the virtual environment $(VENV)..."; $(PYTHON) -m venv $(VENV); }
 	@echo "make install: upgrading pip..."
 	@$(PY) -m pip install -q --upgrade pip

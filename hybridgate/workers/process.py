@@ -111,7 +111,7 @@ def run_worker(config: WorkerConfig, build: Callable[[WorkerConfig], tuple] = bu
     a tcp:// endpoint without keys raises ValueError unless it allows insecure tcp. `metrics_port`: serve the
     engine's figures under vLLM's names there (`workers.metrics`; None: off)."""
     die_with_parent(config.parent_pid)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
+    logging.basicConfig(level=logging.INFO, format=log_format(config))
     stop, stop_signals = _stop_on_signals(config)
     secure = _checked_transport(config, transport)
     runner, model = build(config)
@@ -256,6 +256,15 @@ def _serve_metrics(config: WorkerConfig, hello: Hello, engine: EngineCore, port:
     else:
         log.info("%s worker metrics on %s", config.kind, where)
     return httpd
+
+
+def log_format(config: WorkerConfig) -> str:
+    """The worker's log line format: its name (its kind without one) and its served model's name, so that the
+    lines of a fleet's workers, which share serve's stderr, say whose they are ("worker chat-cpu-0 (chat) INFO ...")."""
+    who = config.name or config.kind
+    if config.model_name:
+        who += f" ({config.model_name})"
+    return "%(asctime)s worker " + who.replace("%", "%%") + " %(levelname)s %(message)s"
 
 
 def _say_ready(config: WorkerConfig) -> None:

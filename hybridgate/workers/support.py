@@ -9,7 +9,8 @@ so its checks run on shapes without dequantizing the file.
 The verdicts are kept (`runner_verdicts`) per model fingerprint and code: importing torch and
 repacking the CPU runner's weights cost `hybridgate info` most of its time (about 4 s of CPU for
 Gemma 3 270M on 2 cores), and neither answer changes until the file, hybridgate's runner code or
-the runners' packages do, which are all in the key.
+the runners' packages do, which are all in the key. A model's first check runs the two side by side
+(`side_by_side`: torch's import in a forked child while this process repacks the CPU runner's weights).
 """
 
 from __future__ import annotations
@@ -94,7 +95,8 @@ def runner_verdicts(model: GGUFModel, fingerprint: str) -> list[tuple[RunnerMode
         return [(runner, kept[runner.kind]) for runner in RUNNER_MODELS]
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    verdicts = [(runner, runner_refusal(runner, model)) for runner in RUNNER_MODELS]
+    verdicts = side_by_side([lambda runner=runner: runner_refusal(runner, model) for runner in RUNNER_MODELS])
+    verdicts = list(zip(RUNNER_MODELS, verdicts))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -103,3 +105,46 @@ def runner_verdicts(model: GGUFModel, fingerprint: str) -> list[tuple[RunnerMode
     except OSError as exc:
         log.debug("runner verdicts not cached: %s", exc)
     return verdicts
+
+
+def side_by_side(checks: list[Callable[[], str]]) -> list[str]:
+    """Each check's text, every check but the last run in a forked child while this process runs the last, so that
+    the runners' checks overlap: torch's import (about 2 s of CPU, and its libraries' first read from disk) beside
+    the CPU runner's weight repacking (a second for Gemma 3 270M). One after another where there is no fork.
+    Raises RuntimeError naming a child's error (its type and message) when a check raised there."""
+    if not hasattr(os, "fork"):
+        return [check() for check in checks]
+    waits = [_in_child(check) for check in checks[:-1]]
+    try:
+        last = checks[-1]()
+    finally:  # the children are waited for whatever this process's check did
+        answers = [wait() for wait in waits]
+    return answers + [last]
+
+
+def _in_child(check: Callable[[], str]) -> Callable[[], str]:
+    """Start `check` in a forked child; the call returned waits for the child and returns its text. The child
+    writes "ok" or "error" and the text through a pipe, then leaves by os._exit (no atexit, no second flush)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child
+        os.close(read)
+        try:
+            answer = "ok\0" + check()
+        except BaseException as exc:  # whatever it was, the parent raises it by name
+            answer = f"error\0{type(exc).__name__}: {exc}"
+        with os.fdopen(write, "wb") as out:
+            out.write(answer.encode("utf-8", "replace"))
+        os._exit(0)
+    os.close(write)
+
+    def wait() -> str:
+        with os.fdopen(read, "rb") as answer:
+            status, _, text = answer.read().decode("utf-8").partition("\0")
+        _, code = os.waitpid(pid, 0)
+        if status != "ok":
+            raise RuntimeError(f"a runner check failed in its child process (pid {pid}, wait status {code}): "
+                               f"{text or 'no answer'}")
+        return text
+
+    return wait

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -182,6 +183,15 @@ def test_every_model_is_listed_and_an_unknown_one_is_not_found(server):
     out = subprocess.run([HYBRIDGATE, "generate", "--target", server.target, "--model", "nope", "hi"],
                          capture_output=True, text=True, timeout=60 * TIME_FACTOR)
     assert out.returncode != 0 and "NOT_FOUND" in out.stderr, out.stdout + out.stderr
+
+
+def test_each_workers_log_lines_name_its_model(server):
+    # The workers share serve's stderr: each one's lines carry its name and its served model's.
+    text = server.text()
+    for name, kind, model in ((f"{SMOL}-cpu-0", "cpu", SMOL), (f"{TINY}-gpu-0", "gpu", TINY)):
+        assert re.search(rf"worker {name} \({model}\) INFO {kind} worker ready on ipc://", text), text
+    unnamed = [line for line in text.splitlines() if re.search(r" worker (INFO|WARNING|ERROR) ", line)]
+    assert not unnamed, unnamed
 
 
 def test_a_handoff_never_crosses_models(server):

@@ -189,6 +189,30 @@ def test_runner_verdicts_are_kept_per_model_code_and_packages(base, tmp_path, mo
         ["checked again (gpu)", "checked again (cpu)"]
 
 
+def test_runner_checks_run_side_by_side_and_their_answers_cross_intact(base, tmp_path, monkeypatch):
+    """The first check of a file runs the gpu runner's in a forked child beside the cpu runner's here; each
+    verdict reaches the caller as the check wrote it, and a child's unexpected error is raised by name."""
+    import os
+
+    from hybridgate.models import model_fingerprint
+    from hybridgate.workers import support
+
+    monkeypatch.setenv("HYBRIDGATE_CACHE_DIR", str(tmp_path))
+    model = load_gguf(base)
+    here = os.getpid()
+    monkeypatch.setattr(support, "runner_refusal", lambda runner, model: f"{runner.kind} in {os.getpid()}: ü ✓")
+    (gpu, in_gpu), (cpu, in_cpu) = support.runner_verdicts(model, model_fingerprint(model))
+    assert (gpu.kind, cpu.kind) == ("gpu", "cpu") and in_cpu == f"cpu in {here}: ü ✓"
+    assert in_gpu.startswith("gpu in ") and in_gpu.endswith(": ü ✓") and in_gpu != f"gpu in {here}: ü ✓"
+
+    def fails():
+        raise MemoryError("out of memory building the weights")
+
+    with pytest.raises(RuntimeError, match="MemoryError: out of memory building the weights"):
+        support.side_by_side([fails, lambda: "fine"])
+    assert support.side_by_side([lambda: "a", lambda: "b", lambda: "c"]) == ["a", "b", "c"]
+
+
 def test_info_names_an_embedding_models_pooling_and_nothing_for_a_generation_model(base):
     import dataclasses
 

@@ -1,5 +1,5 @@
-"""The router embedded in a user's own programs, against a live worker process: docs/embedding.md's snippet run as
-written, the grpc.aio example service and the aiohttp SSE example; `hybridgate.router` without torch or numba."""
+"""The router as a library in a user's own programs, against a live worker process: docs/library.md's snippet run
+as written, the grpc.aio example service and the aiohttp SSE example; `hybridgate.router` without torch or numba."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ sys.meta_path.insert(0, _Blocked())
 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory, model_path):
-    folder = tmp_path_factory.mktemp("embedding")
+    folder = tmp_path_factory.mktemp("library")
     endpoint = f"ipc://{folder}/w0.sock"
     proc = Proc(["worker", "--endpoint", endpoint, "--threads", "1"], folder / "worker.log")
     try:
@@ -46,8 +46,8 @@ def worker(tmp_path_factory, model_path):
         proc.stop()
 
 
-def readme_snippet() -> str:
-    section = (ROOT / "docs" / "embedding.md").read_text().split("# Embedding the router", 1)[1]
+def library_snippet() -> str:
+    section = (ROOT / "docs" / "library.md").read_text().split("# The router as a library", 1)[1]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
@@ -56,9 +56,9 @@ def run_python(code: str, env: dict[str, str], cwd: Path, *args: str, timeout: f
                           capture_output=True, text=True, timeout=timeout * TIME_FACTOR)
 
 
-def test_readme_snippet_runs_as_a_script_without_torch_or_numba(worker, tmp_path, model_path):
-    script = tmp_path / "embed.py"
-    script.write_text(readme_snippet())
+def test_library_page_snippet_runs_as_a_script_without_torch_or_numba(worker, tmp_path, model_path):
+    script = tmp_path / "client.py"
+    script.write_text(library_snippet())
     code = BLOCKER + f"import runpy; runpy.run_path({str(script)!r}, run_name='__main__')\n"
     out = run_python(code, {"HYBRIDGATE_WORKER": worker, "HYBRIDGATE_MODEL": str(model_path)}, tmp_path)
     assert out.returncode == 0, out.stderr
