@@ -25,7 +25,7 @@ import dataclasses
 import json
 import re
 import urllib.parse
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +33,8 @@ import msgspec
 
 from hybridgate.router.constraints import with_separators
 from hybridgate.router.errors import InvalidRequestError
+from hybridgate.router.gemma4 import Gemma4Parser
+from hybridgate.router.harmony import HarmonyParser
 from hybridgate.router.toolparse import ANY, CallSyntax, ToolCall, ToolCallDelta, ToolCallParser
 from hybridgate.wire import Constraint
 
@@ -137,20 +139,36 @@ class ToolFormat:
     between regions; `auto` says how a free answer and calls mix: "lazy" (free text until the
     trigger), "leading" (an answer that starts like a call is one) or "envelope" (JSON either way).
     `native`: the template renders the tools; `special_trigger`: the trigger is a control token,
-    whose text the detokenizer must keep."""
+    whose text the detokenizer must keep. `architectures`: the GGUF `general.architecture` values
+    that choose the format under `auto` before any template marker.
+
+    A format whose calls are not a JSON value (`syntax` None) names its own `parser` class
+    (`feed`/`finish` as `ToolCallParser`'s, and `take_reasoning`), builds no grammar (tool_choice
+    `required` and a named function are asked of the model, not enforced), and with `channels`
+    has its output parsed on every chat, with or without tools, so that its reasoning is kept out
+    of the content; `turn_end` (not None) replaces the vocabulary's end-of-turn tokens by these
+    control tokens (harmony's `<|end|>` ends a message, not the turn)."""
 
     name: str
     detect: tuple[str, ...]
-    syntax: CallSyntax
-    head: str
-    tail: str
-    open: str
-    close: str
-    sep: str
-    listed: bool
-    auto: str
+    syntax: CallSyntax | None
+    head: str = ""
+    tail: str = ""
+    open: str = ""
+    close: str = ""
+    sep: str = ""
+    listed: bool = False
+    auto: str = "lazy"
     native: bool = True
     special_trigger: bool = False
+    architectures: tuple[str, ...] = ()
+    parser: Callable[[], Any] | None = None
+    channels: bool = False
+    turn_end: tuple[str, ...] | None = None
+
+    def new_parser(self):
+        """A fresh parser of one output in this format."""
+        return self.parser() if self.parser is not None else ToolCallParser(self.syntax)
 
 
 FORMATS = {
@@ -167,15 +185,23 @@ FORMATS = {
     "generic": ToolFormat("generic", (), CallSyntax("", calls_at=(("tool_calls", ANY), ("tool_call",)),
                                                     content_at=("response",), repeat=False),
                           "", "", "", "", "", listed=True, auto="envelope", native=False),
+    "harmony": ToolFormat("harmony", ("<|channel|>", "to=functions"), None, architectures=("gpt-oss",),
+                          parser=HarmonyParser, channels=True, turn_end=("<|return|>", "<|call|>")),
+    "gemma4": ToolFormat("gemma4", ("<|tool_call>",), None, architectures=("gemma4",), parser=Gemma4Parser,
+                         channels=True, turn_end=("<turn|>",)),
 }
 FORMAT_NAMES = tuple(FORMATS)  # RouterConfig.tool_call_format takes these or "auto"
 
 
-def choose_format(setting: str, template_source: str | None) -> ToolFormat:
-    """The format named by `setting`, or for "auto" the first row whose markers all appear in a template
-    that mentions `tools`; otherwise the generic one."""
+def choose_format(setting: str, template_source: str | None, architecture: str = "") -> ToolFormat:
+    """The format named by `setting`, or for "auto" the row of the model's `architecture` (GGUF
+    `general.architecture`), else the first row whose markers all appear in a template that mentions
+    `tools`; otherwise the generic one."""
     if setting != "auto":
         return FORMATS[setting]
+    for fmt in FORMATS.values():
+        if architecture and architecture in fmt.architectures:
+            return fmt
     source = template_source or ""
     if "tools" in source:
         for fmt in FORMATS.values():
@@ -375,6 +401,7 @@ class ToolPlan:
     constraint: Constraint | None
     syntax: CallSyntax | None
     keep_special: bool
+    new_parser: Callable[[], Any] | None = None  # the output's parser (None: not parsed)
 
 
 def plan(fmt: ToolFormat, messages: Sequence[Mapping[str, Any]], request: ToolRequest | None,
@@ -382,9 +409,10 @@ def plan(fmt: ToolFormat, messages: Sequence[Mapping[str, Any]], request: ToolRe
     """The `ToolPlan` of a chat in format `fmt` (`request` None: a history with calls but no tools)."""
     rendered, tools = render_messages(fmt, messages, request)
     if request is None or request.choice == "none":
-        return ToolPlan(rendered, tools, None, None, False)
-    constraint = Constraint(kind="tools", grammar=build_grammar(fmt, request, special_ids))
-    return ToolPlan(rendered, tools, constraint, fmt.syntax, fmt.special_trigger)
+        return ToolPlan(rendered, tools, None, None, fmt.channels, fmt.new_parser if fmt.channels else None)
+    constraint = None if fmt.syntax is None else \
+        Constraint(kind="tools", grammar=build_grammar(fmt, request, special_ids))
+    return ToolPlan(rendered, tools, constraint, fmt.syntax, fmt.special_trigger or fmt.channels, fmt.new_parser)
 
 
 # --- the stream -------------------------------------------------------------------------------------------------
@@ -405,8 +433,9 @@ def merge_deltas(first: list[ToolCallDelta], second: list[ToolCallDelta]) -> lis
 
 class ToolCallStream:
     """A request stream (GenerationStream or the response cache's) whose deltas have the calls parsed out:
-    `Delta.text` is the content only and `Delta.tool_calls` the calls' deltas; `calls` the calls so far.
-    Everything else is the wrapped stream's.
+    `Delta.text` is the content only, `Delta.tool_calls` the calls' deltas and `Delta.reasoning` the
+    reasoning (a format with channels); `calls` the calls so far. Everything else is the wrapped stream's.
+    `parser`: a `CallSyntax` (parsed by `ToolCallParser`) or a parser (`ToolFormat.new_parser`).
 
     Only complete calls are streamed (docs: "a call cut by max_tokens"): a call's deltas are held until its
     JSON object closes, then sent together (its id, name and whole arguments), so every call a client
@@ -414,9 +443,10 @@ class ToolCallStream:
     is never sent, and `calls` leaves it out; its tokens still count in the usage.
     """
 
-    def __init__(self, stream, syntax: CallSyntax):
+    def __init__(self, stream, parser):
         self._stream = stream
-        self.parser = ToolCallParser(syntax)
+        self.parser = ToolCallParser(parser) if isinstance(parser, CallSyntax) else parser
+        self._take_reasoning = getattr(self.parser, "take_reasoning", str)  # str() is ""
         self._held: list[ToolCallDelta] = []  # deltas of calls not yet complete
 
     def __getattr__(self, name: str):
@@ -446,4 +476,4 @@ class ToolCallStream:
         complete = {c.index for c in self.parser.calls if c.complete}
         self._held = [d for d in held if d.index not in complete]
         ready = tuple(d for d in held if d.index in complete)
-        return msgspec.structs.replace(delta, text=content, tool_calls=ready)
+        return msgspec.structs.replace(delta, text=content, tool_calls=ready, reasoning=self._take_reasoning())

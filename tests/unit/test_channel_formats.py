@@ -1,0 +1,180 @@
+"""gpt-oss's harmony and Gemma 4's output formats: recorded generations (tests/golden/channel_outputs.json,
+written after OpenAI's harmony guide and Gemma 4's chat template, each with the reasoning, content and calls
+it holds written out by hand) parsed whole, split at every byte boundary and split at random: the same
+reasoning, content and calls every way, and no reasoning in the content."""
+
+from __future__ import annotations
+
+import codecs
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hybridgate.router.config import TOOL_CALL_FORMATS
+from hybridgate.router.gemma4 import parse_arguments
+from hybridgate.router.tools import FORMATS, ToolCallStream, ToolRequest, choose_format, plan
+
+SAMPLES = json.loads((Path(__file__).parents[1] / "golden" / "channel_outputs.json").read_text())
+CASES = [(fmt, s) for fmt, samples in SAMPLES.items() for s in samples]
+IDS = [f"{fmt}-{s['name']}" for fmt, s in CASES]
+MARKERS = ("<|channel|>", "<|message|>", "<|start|>", "<|end|>", "<|call|>", "<|return|>", "<|constrain|>",
+           "<|channel>", "<channel|>", "<|tool_call>call:")
+
+
+def wanted(fmt: str, sample: dict) -> tuple[str, str, list]:
+    """(reasoning, content, calls) as the sample writes them; a harmony call's arguments are its body as
+    written, a Gemma 4 call's the JSON of its value."""
+    calls = [(name, args if fmt == "harmony" else json.dumps(args, ensure_ascii=False))
+             for name, args in sample["calls"]]
+    return sample["reasoning"], sample["content"], calls
+
+
+def parse_pieces(fmt: str, pieces: list[bytes]) -> tuple[str, str, list]:
+    """Feed the pieces of an output's UTF-8 bytes as the detokenizer would (never half a character); returns
+    (reasoning, content, calls) rebuilt from what was streamed, and checks the parser's own record agrees."""
+    parser = FORMATS[fmt].new_parser()
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    reasoning, content, sent = [], [], {}
+    for k, piece in enumerate(pieces):
+        c, deltas = parser.feed(decoder.decode(piece, final=k == len(pieces) - 1))
+        content.append(c)
+        reasoning.append(parser.take_reasoning())
+        for d in deltas:
+            assert d.index not in sent and d.id.startswith("call_")
+            sent[d.index] = (d.name, d.arguments)
+    c, deltas = parser.finish()
+    content.append(c)
+    reasoning.append(parser.take_reasoning())
+    sent.update({d.index: (d.name, d.arguments) for d in deltas})
+    calls = [sent[i] for i in sorted(sent)]
+    assert [(c.name, c.arguments) for c in parser.calls] == calls and all(c.complete for c in parser.calls)
+    assert "".join(parser.content) == "".join(content) and "".join(parser.reasoning) == "".join(reasoning)
+    return "".join(reasoning), "".join(content), calls
+
+
+@pytest.mark.parametrize(("fmt", "sample"), CASES, ids=IDS)
+def test_every_byte_split_gives_the_recorded_reasoning_content_and_calls(fmt, sample):
+    raw = sample["text"].encode()
+    want = wanted(fmt, sample)
+    assert parse_pieces(fmt, [raw]) == want
+    for cut in range(1, len(raw)):
+        assert parse_pieces(fmt, [raw[:cut], raw[cut:]]) == want, cut
+    assert parse_pieces(fmt, [raw[i:i + 1] for i in range(len(raw))]) == want  # byte by byte
+
+
+@pytest.mark.parametrize(("fmt", "sample"), CASES, ids=IDS)
+def test_reasoning_and_markup_never_reach_the_content(fmt, sample):
+    reasoning, content, _ = parse_pieces(fmt, [sample["text"].encode()])
+    if reasoning:
+        assert reasoning not in content
+    if not sample["name"].startswith("malformed"):  # a Gemma 4 block that does not parse is content as written
+        assert not any(m in content for m in MARKERS)
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_random_splits_give_the_recorded_reasoning_content_and_calls(data):
+    fmt, sample = data.draw(st.sampled_from(CASES))
+    raw = sample["text"].encode()
+    cuts = sorted(data.draw(st.sets(st.integers(1, len(raw) - 1), max_size=40)))
+    pieces = [raw[a:b] for a, b in zip([0, *cuts], [*cuts, len(raw)])]
+    assert parse_pieces(fmt, pieces) == wanted(fmt, sample)
+
+
+@pytest.mark.parametrize(("text", "want"), [
+    ('{city:<|"|>Paris<|"|>}', {"city": "Paris"}),
+    ('{a:1,b:-2.5e3,c:true,d:false,e:null}', {"a": 1, "b": -2500.0, "c": True, "d": False, "e": None}),
+    ('{ q : <|"|>a "quoted", {braced} [text]<|"|> , n : [ 1 , <|"|>x<|"|> , {k:[]} ] }',
+     {"q": 'a "quoted", {braced} [text]', "n": [1, "x", {"k": []}]}),
+    ('{"json_key":"json \\"string\\""}', {"json_key": 'json "string"'}),
+    ("{}", {}),
+])
+def test_gemma4_arguments_are_read_as_its_template_writes_them(text, want):
+    assert parse_arguments(text) == want
+
+
+@pytest.mark.parametrize("text", ['{a:<|"|>open}', "{a:1", "{a 1}", "{a:1,}", '{a:1} tail'])
+def test_gemma4_arguments_out_of_its_syntax_are_refused(text):
+    with pytest.raises(ValueError):
+        parse_arguments(text)
+
+
+def test_the_formats_are_chosen_by_architecture_and_template_and_named_in_the_setting():
+    assert {"harmony", "gemma4"} <= set(TOOL_CALL_FORMATS)
+    assert choose_format("auto", None, "gpt-oss").name == "harmony"
+    assert choose_format("auto", None, "gemma4").name == "gemma4"
+    assert choose_format("auto", "{% if tools %}<|start|>assistant<|channel|>commentary to=functions.x{% endif %}",
+                         "llama").name == "harmony"
+    assert choose_format("auto", "{% if tools %}<|tool_call>call:{% endif %}", "llama").name == "gemma4"
+    assert choose_format("hermes", None, "gpt-oss").name == "hermes"  # a named format wins
+
+
+def test_a_chat_in_a_format_with_channels_is_parsed_and_keeps_control_tokens_without_tools():
+    messages = [{"role": "user", "content": "hi"}]
+    for fmt in ("harmony", "gemma4"):
+        for request in (None, ToolRequest.from_openai([{"type": "function", "function": {"name": "f"}}], "none")):
+            step = plan(FORMATS[fmt], messages, request, {})
+            assert step.keep_special and step.new_parser == FORMATS[fmt].new_parser and step.constraint is None
+        step = plan(FORMATS[fmt], messages, ToolRequest.from_openai([{"type": "function", "function": {"name": "f"}}]),
+                    {})
+        assert step.template_tools[0]["function"]["name"] == "f" and step.constraint is None
+
+
+class _Replay:
+    """A request stream replaying the given texts as deltas, the last one finished (`finish`)."""
+
+    def __init__(self, texts: list[str], finish: FinishReason):
+        self.prompt_ids, self.ids = [1, 2, 3], []
+        self._deltas = [Delta("r", i, t, [i], finish if i == len(texts) - 1 else None,
+                              Usage(3, len(texts), 0) if i == len(texts) - 1 else None,
+                              Timings(1.0, 1.0, 2.0) if i == len(texts) - 1 else None)
+                        for i, t in enumerate(texts)]
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if not self._deltas:
+            raise StopAsyncIteration
+        self.ids.append(len(self.ids))
+        return self._deltas.pop(0)
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        return None
+
+
+def _pieces(text: str, size: int) -> list[str]:
+    return [text[i:i + size] for i in range(0, len(text), size)]
+
+
+def test_a_router_in_a_format_with_channels_parses_every_chat_and_ends_turns_at_the_formats_tokens(gguf_model,
+                                                                                                   gemma3_path):
+    """A chat's stream is parsed and keeps control tokens' text, a completion is left as it is; the turn ends at
+    the format's tokens instead of the vocabulary's: Gemma 3's `<end_of_turn>` ends no Gemma 4 turn (`<turn|>`
+    would; its vocabulary has none), EOS still does."""
+    from hybridgate.models import load_gguf
+    from hybridgate.router import Router, RouterConfig
+
+    plain = Router(gguf_model, [], RouterConfig(prompt_processes=1))
+    router = Router(gguf_model, [], RouterConfig(prompt_processes=1, tool_call_format="harmony"))
+    gemma3 = load_gguf(gemma3_path)
+    as_gemma4 = Router(gemma3, [], RouterConfig(prompt_processes=1, tool_call_format="gemma4"))
+    try:
+        chat = router.generate([{"role": "user", "content": "hi"}])
+        assert isinstance(chat, ToolCallStream) and isinstance(chat.parser, type(FORMATS["harmony"].new_parser()))
+        assert chat.params.skip_special_tokens is False
+        assert not isinstance(router.generate("hi"), ToolCallStream)
+        assert not isinstance(plain.generate([{"role": "user", "content": "hi"}]), ToolCallStream)
+        tokenizer = as_gemma4.tokenizer
+        end_of_turn = tokenizer.special_tokens["<end_of_turn>"]
+        assert end_of_turn in tokenizer.stop_token_ids and as_gemma4.end_of_turn_ids == {tokenizer.eos_token_id}
+        assert end_of_turn not in as_gemma4.generate("hi").params.stop_token_ids
+    finally:
+        for r in (plain, router, as_gemma4):
+            r.prompts.close()
