@@ -1,21 +1,27 @@
 """gpt-oss's harmony and Gemma 4's output formats: recorded generations (tests/golden/channel_outputs.json,
 written after OpenAI's harmony guide and Gemma 4's chat template, each with the reasoning, content and calls
-it holds written out by hand) parsed whole, split at every byte boundary and split at random: the same
-reasoning, content and calls every way, and no reasoning in the content."""
+it holds written out by hand) parsed whole, split at every byte boundary, split at random, and streamed
+through the router's ToolCallStream and the OpenAI door's formatting: the same reasoning, content and calls
+every way, and no reasoning in the content."""
 
 from __future__ import annotations
 
+import asyncio
 import codecs
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hybridgate.gateway.convert import delta_to_proto
 from hybridgate.router.config import TOOL_CALL_FORMATS
 from hybridgate.router.gemma4 import parse_arguments
+from hybridgate.router.stream import Delta, Timings, Usage
 from hybridgate.router.tools import FORMATS, ToolCallStream, ToolRequest, choose_format, plan
+from hybridgate.wire import FinishReason
 
 SAMPLES = json.loads((Path(__file__).parents[1] / "golden" / "channel_outputs.json").read_text())
 CASES = [(fmt, s) for fmt, samples in SAMPLES.items() for s in samples]
@@ -151,6 +157,75 @@ class _Replay:
 
 def _pieces(text: str, size: int) -> list[str]:
     return [text[i:i + size] for i in range(0, len(text), size)]
+
+
+@pytest.mark.parametrize(("fmt", "sample"), CASES, ids=IDS)
+def test_the_router_stream_and_the_grpc_response_carry_reasoning_apart(fmt, sample):
+    want_reasoning, want_content, want_calls = wanted(fmt, sample)
+    for size in (1, 3, 7, 1 << 20):
+        stream = ToolCallStream(_Replay(_pieces(sample["text"], size), FinishReason.EOS), FORMATS[fmt].new_parser())
+
+        async def collect(stream=stream):
+            return [d async for d in stream]
+
+        deltas = asyncio.run(collect())
+        protos = [delta_to_proto(d, stream.calls if d.finish_reason is not None else ()) for d in deltas]
+        assert "".join(p.reasoning_content for p in protos) == want_reasoning
+        assert "".join(p.text for p in protos) == want_content
+        assert [(c.name, c.arguments) for c in protos[-1].tool_calls] == want_calls
+        assert [(c.name, c.arguments) for d in deltas for c in d.tool_calls] == want_calls
+
+
+@pytest.fixture(scope="module")
+def formatter(gguf_model):
+    from hybridgate.gateway.openai_format import Formatter
+    from hybridgate.router import Router, RouterConfig
+
+    router = Router(gguf_model, [], RouterConfig(prompt_processes=1))
+    yield Formatter(router, "m")
+    router.prompts.close()
+
+
+@pytest.mark.parametrize(("fmt", "sample"), CASES, ids=IDS)
+def test_the_openai_door_answers_reasoning_content_apart_streamed_or_not(formatter, fmt, sample):
+    """vLLM's shape: `message.reasoning_content` and `delta.reasoning_content` beside `content` and `tool_calls`,
+    through the door's own run of a request's choices and its response and chunk builders."""
+    from hybridgate.gateway.admission import Admission
+    from hybridgate.gateway.http import _Run
+    from hybridgate.gateway.metrics import GatewayMetrics
+    from hybridgate.gateway.openai_format import ChoiceState
+
+    want_reasoning, want_content, want_calls = wanted(fmt, sample)
+    door = SimpleNamespace(metrics=GatewayMetrics(), log_requests=False)
+
+    async def answer(stream: bool):
+        stream_of = ToolCallStream(_Replay(_pieces(sample["text"], 5), FinishReason.EOS), FORMATS[fmt].new_parser())
+        states = [ChoiceState(0, stream_of)]
+        run = _Run(door, states, SimpleNamespace(name="m", admission=Admission(4)))
+        await run.enter()
+        if not stream:
+            await run.finish()
+            await run.close()
+            return formatter.whole("chat", states)
+        chunks = formatter.chunks("chat", states, include_usage=False)
+        out = [c for c in chunks.opening()]
+        async for state, delta in run.deltas():
+            out += chunks.delta(state, delta)
+        await run.close()
+        return [json.loads(c.removeprefix(b"data: ")) for c in out]
+
+    whole = asyncio.run(answer(False))["choices"][0]
+    message = whole["message"]
+    assert message.get("reasoning_content", "") == want_reasoning
+    assert (message["content"] or "") == want_content
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])] == want_calls
+    assert whole["finish_reason"] == ("tool_calls" if want_calls else "stop")
+    chunks = [c["choices"][0] for c in asyncio.run(answer(True))]
+    assert "".join(c["delta"].get("reasoning_content", "") for c in chunks) == want_reasoning
+    assert "".join(c["delta"].get("content") or "" for c in chunks) == want_content
+    streamed = [(t["function"]["name"], t["function"]["arguments"])
+                for c in chunks for t in c["delta"].get("tool_calls", [])]
+    assert streamed == want_calls
 
 
 def test_a_router_in_a_format_with_channels_parses_every_chat_and_ends_turns_at_the_formats_tokens(gguf_model,
