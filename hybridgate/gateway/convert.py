@@ -51,6 +51,8 @@ def _message(m: pb.ChatMessage) -> dict:
                              for c in m.tool_calls]
     if m.tool_call_id:
         out["tool_call_id"] = m.tool_call_id
+    if m.reasoning_content:
+        out["reasoning_content"] = m.reasoning_content
     return out
 
 

@@ -147,7 +147,8 @@ class ToolFormat:
     `required` and a named function are asked of the model, not enforced), and with `channels`
     has its output parsed on every chat, with or without tools, so that its reasoning is kept out
     of the content; `turn_end` (not None) replaces the vocabulary's end-of-turn tokens by these
-    control tokens (harmony's `<|end|>` ends a message, not the turn)."""
+    control tokens (harmony's `<|end|>` ends a message, not the turn). An assistant message's
+    `reasoning_content` is passed to the template as `reasoning_key` (gpt-oss's reads `thinking`)."""
 
     name: str
     detect: tuple[str, ...]
@@ -165,6 +166,7 @@ class ToolFormat:
     parser: Callable[[], Any] | None = None
     channels: bool = False
     turn_end: tuple[str, ...] | None = None
+    reasoning_key: str = ""  # the message key its template reads an assistant's reasoning under
 
     def new_parser(self):
         """A fresh parser of one output in this format."""
@@ -186,7 +188,8 @@ FORMATS = {
                                                     content_at=("response",), repeat=False),
                           "", "", "", "", "", listed=True, auto="envelope", native=False),
     "harmony": ToolFormat("harmony", ("<|channel|>", "to=functions"), None, architectures=("gpt-oss",),
-                          parser=HarmonyParser, channels=True, turn_end=("<|return|>", "<|call|>")),
+                          parser=HarmonyParser, channels=True, turn_end=("<|return|>", "<|call|>"),
+                          reasoning_key="thinking"),
     "gemma4": ToolFormat("gemma4", ("<|tool_call>",), None, architectures=("gemma4",), parser=Gemma4Parser,
                          channels=True, turn_end=("<turn|>",)),
 }
@@ -367,6 +370,8 @@ def render_messages(fmt: ToolFormat, messages: Sequence[Mapping[str, Any]],
         if calls:
             m["tool_calls"] = [{**c, "function": {**c.get("function", {}), "arguments": _arguments_object(
                 c.get("function", {}).get("arguments"))}} for c in calls]
+        if fmt.reasoning_key and m.get("reasoning_content"):
+            m[fmt.reasoning_key] = m["reasoning_content"]
         if not fmt.native:
             m = _generic_message(m)
         m["content"] = m.get("content") or ""

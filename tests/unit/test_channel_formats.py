@@ -2,7 +2,8 @@
 written after OpenAI's harmony guide and Gemma 4's chat template, each with the reasoning, content and calls
 it holds written out by hand) parsed whole, split at every byte boundary, split at random, and streamed
 through the router's ToolCallStream and the OpenAI door's formatting: the same reasoning, content and calls
-every way, and no reasoning in the content."""
+every way, and no reasoning in the content. The Gemma 4 samples are also read by transformers' own response
+parser, which gives what the test data says."""
 
 from __future__ import annotations
 
@@ -71,6 +72,23 @@ def test_every_byte_split_gives_the_recorded_reasoning_content_and_calls(fmt, sa
     assert parse_pieces(fmt, [raw[i:i + 1] for i in range(len(raw))]) == want  # byte by byte
 
 
+@pytest.mark.parametrize("sample", SAMPLES["gemma4"], ids=[s["name"] for s in SAMPLES["gemma4"]])
+def test_the_gemma4_samples_read_as_transformers_reads_them(sample):
+    """transformers' own response parser with its Gemma 4 response template (`transformers serve`'s) reads
+    each sample as written out in the test data; a call cut short it refuses (the test data: no call)."""
+    from transformers.cli.serving.utils import _RESPONSE_TEMPLATE_FALLBACKS
+    from transformers.utils.chat_parsing import parse_response
+
+    template = next(t for names, t in _RESPONSE_TEMPLATE_FALLBACKS.items() if "gemma4" in names)
+    if sample["name"] == "call_cut_by_max_tokens":
+        with pytest.raises(ValueError):
+            parse_response(sample["text"], template, prefix="<|turn>model\n")
+        return
+    got = parse_response(sample["text"], template, prefix="<|turn>model\n")
+    assert got.get("reasoning_content", "") == sample["reasoning"] and got.get("content", "") == sample["content"]
+    assert [[c["function"]["name"], c["function"]["arguments"]] for c in got.get("tool_calls", [])] == sample["calls"]
+
+
 @pytest.mark.parametrize(("fmt", "sample"), CASES, ids=IDS)
 def test_reasoning_and_markup_never_reach_the_content(fmt, sample):
     reasoning, content, _ = parse_pieces(fmt, [sample["text"].encode()])
@@ -127,6 +145,24 @@ def test_a_chat_in_a_format_with_channels_is_parsed_and_keeps_control_tokens_wit
         step = plan(FORMATS[fmt], messages, ToolRequest.from_openai([{"type": "function", "function": {"name": "f"}}]),
                     {})
         assert step.template_tools[0]["function"]["name"] == "f" and step.constraint is None
+
+
+def test_an_assistants_reasoning_goes_back_to_a_template_that_takes_it():
+    """gpt-oss's template renders an assistant's `thinking` as its analysis message (the reasoning that led to
+    a call must be given back, the harmony guide says); the HTTP door and gRPC take it as reasoning_content."""
+    from hybridgate.gateway import openai_api as api
+    from hybridgate.gateway.convert import _message
+    from hybridgate.v1 import generation_pb2 as pb
+
+    history = [{"role": "user", "content": "2+2?"},
+               {"role": "assistant", "content": "", "reasoning_content": "Need add.",
+                "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "add", "arguments": "{}"}}]}]
+    assert plan(FORMATS["harmony"], history, None, {}).messages[1]["thinking"] == "Need add."
+    assert "thinking" not in plan(FORMATS["gemma4"], history, None, {}).messages[1]
+    body = api.ChatCompletionRequest(messages=history)
+    assert api.chat_messages(body)[1]["reasoning_content"] == "Need add."
+    msg = pb.ChatMessage(role="assistant", content="", reasoning_content="Need add.")
+    assert _message(msg)["reasoning_content"] == "Need add."
 
 
 class _Replay:
