@@ -15,7 +15,9 @@ first line) is not part of the reasoning.
 Only a possible start of a marker is held back; a call is held until its
 `<tool_call|>` and then sent whole. A block whose body does not parse is content
 as written (as a trigger without a call is in `toolparse`); a block the output
-ends inside is no call and no content.
+ends inside is no call and no content. The turn's end, `<turn|>` or (after its
+calls, the model waiting for their results) `<|tool_response>`, is a stop token
+whose text comes last: it and anything after it are neither content nor thinking.
 """
 
 from __future__ import annotations
@@ -28,7 +30,10 @@ from hybridgate.router.toolparse import ToolCallDelta
 
 CALL_OPEN, CALL_CLOSE, QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
 THOUGHT_OPEN, THOUGHT_CLOSE = "<|channel>", "<channel|>"
-_OPENERS = (CALL_OPEN, THOUGHT_OPEN)
+TURN_ENDS = ("<turn|>", "<|tool_response>")  # stop tokens, whose text a stream keeping control tokens has
+_OPENERS = (CALL_OPEN, THOUGHT_OPEN, *TURN_ENDS)
+_THOUGHT_ENDS = (THOUGHT_CLOSE, *TURN_ENDS)
+_CALL_ENDS = (CALL_CLOSE, *TURN_ENDS)
 _CALL = re.compile(r"\s*call:([A-Za-z0-9_.\-]+)\s*(\{.*\})\s*", re.S)
 _BARE_END = re.compile(r"[,}\]:]")
 _WS = " \t\r\n"
@@ -118,7 +123,7 @@ class Gemma4Parser(ChannelParser):
     """Content, thinking and calls of one Gemma 4 output, fed delta by delta (see the module doc)."""
 
     def __init__(self) -> None:
-        super().__init__("content")  # content | thought_name | thought | call
+        super().__init__("content")  # content | thought_name | thought | call | ended
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
         """The output ended: held text is content (or thinking) as written; a call block not closed is dropped."""
@@ -140,7 +145,7 @@ class Gemma4Parser(ChannelParser):
             return False
         self._to_content(self._buf[:at])
         self._buf = self._buf[at + len(marker):]
-        self._mode = "call" if marker == CALL_OPEN else "thought_name"
+        self._mode = "call" if marker == CALL_OPEN else "thought_name" if marker == THOUGHT_OPEN else "ended"
         return True
 
     def _in_thought_name(self) -> bool:
@@ -153,19 +158,27 @@ class Gemma4Parser(ChannelParser):
         return True
 
     def _in_thought(self) -> bool:
-        at = self._buf.find(THOUGHT_CLOSE)
+        at, marker = first_of(self._buf, _THOUGHT_ENDS)
         if at < 0:
-            keep = held_prefix(self._buf, (THOUGHT_CLOSE,))
+            keep = held_prefix(self._buf, _THOUGHT_ENDS)
             self._to_reasoning(self._buf[: len(self._buf) - keep])
             self._buf = self._buf[len(self._buf) - keep:]
             return False
         self._to_reasoning(self._buf[:at])
-        self._buf, self._mode = self._buf[at + len(THOUGHT_CLOSE):], "content"
+        self._buf, self._mode = self._buf[at + len(marker):], "content" if marker == THOUGHT_CLOSE else "ended"
         return True
 
+    def _in_ended(self) -> bool:
+        """After the turn's end (its stop token's text): nothing more is the answer's."""
+        self._buf = ""
+        return False
+
     def _in_call(self) -> bool:
-        at = self._buf.find(CALL_CLOSE)
+        at, marker = first_of(self._buf, _CALL_ENDS)
         if at < 0:
+            return False
+        if marker != CALL_CLOSE:  # the turn ended inside the block: cut, no call
+            self._buf, self._mode = "", "ended"
             return False
         body, self._buf, self._mode = self._buf[:at], self._buf[at + len(CALL_CLOSE):], "content"
         m = _CALL.fullmatch(body)

@@ -191,7 +191,7 @@ FORMATS = {
                           parser=HarmonyParser, channels=True, turn_end=("<|return|>", "<|call|>"),
                           reasoning_key="thinking"),
     "gemma4": ToolFormat("gemma4", ("<|tool_call>",), None, architectures=("gemma4",), parser=Gemma4Parser,
-                         channels=True, turn_end=("<turn|>",)),
+                         channels=True, turn_end=("<turn|>", "<|tool_response>")),
 }
 FORMAT_NAMES = tuple(FORMATS)  # RouterConfig.tool_call_format takes these or "auto"
 
