@@ -309,8 +309,8 @@ class Router:
 
     def tokenize(self, prompt: Prompt, add_generation_prompt: bool = True, tools: ToolRequest | None = None) -> list[int]:
         """The prompt's ids, on this thread (`Prompts.tokenize`; a chat with `tools` rendered as `generate`
-        renders it). Raises InvalidRequestError."""
-        if not isinstance(prompt, (str, TokenIds)) and tools is not None:
+        renders it, as is any chat in a format with channels). Raises InvalidRequestError."""
+        if not isinstance(prompt, (str, TokenIds)) and (tools is not None or self.tool_format.channels):
             plan = plan_tools(self.tool_format, prompt, tools, self.tokenizer.special_tokens)
             return self.prompts.tokenize(plan.messages, add_generation_prompt, plan.template_tools)
         return self.prompts.tokenize(prompt, add_generation_prompt)
