@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from hybridgate.router.channels import ChannelParser, first_of, held_prefix
@@ -61,6 +62,26 @@ def route_of(header: str) -> Route:
             else Route("reasoning")
     channel = _CHANNEL.search(header)
     return Route("content" if channel is not None and channel.group(1) in _CONTENT_CHANNELS else "reasoning")
+
+
+def grammar(functions: Sequence[tuple[str, Mapping]], special_ids: Mapping[str, int]) -> str | None:
+    """The llguidance grammar (Lark syntax) of an answer that calls one of `functions` ((name, JSON schema of
+    its arguments)) as the harmony guide writes a call: an optional analysis message, then
+    `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>ARGUMENTS<|call|>` (one call: `<|call|>`
+    stops the turn). None when the vocabulary (`special_ids`, control token -> id) lacks one of those tokens."""
+    needed = (CHANNEL, MESSAGE, END, START, CONSTRAIN, CALL)
+    if any(t not in special_ids for t in needed):
+        return None
+    tok = {t: f"<[{special_ids[t]}]>" for t in needed}
+    rules = ["%llguidance {}"]
+    for i, (name, schema) in enumerate(functions):
+        rules.append(f'fn_{i}: {json.dumps(name + " ")} {tok[CONSTRAIN]} "json" {tok[MESSAGE]} args_{i}')
+        rules.append(f"args_{i}: %json " + json.dumps(schema))
+    rules += ["fn: " + " | ".join(f"fn_{i}" for i in range(len(functions))),
+              "TEXT: /(.|\\n)*/",
+              f'analysis: {tok[CHANNEL]} "analysis" {tok[MESSAGE]} TEXT {tok[END]} {tok[START]} "assistant"',
+              f'start: analysis? {tok[CHANNEL]} "commentary to=functions." fn {tok[CALL]}']
+    return "\n".join(rules) + "\n"
 
 
 class HarmonyParser(ChannelParser):

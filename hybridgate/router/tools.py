@@ -35,6 +35,7 @@ from hybridgate.router.constraints import with_separators
 from hybridgate.router.errors import InvalidRequestError
 from hybridgate.router.gemma4 import Gemma4Parser
 from hybridgate.router.harmony import HarmonyParser
+from hybridgate.router.harmony import grammar as harmony_grammar
 from hybridgate.router.toolparse import ANY, CallSyntax, ToolCall, ToolCallDelta, ToolCallParser
 from hybridgate.wire import Constraint
 
@@ -143,8 +144,9 @@ class ToolFormat:
     that choose the format under `auto` before any template marker.
 
     A format whose calls are not a JSON value (`syntax` None) names its own `parser` class
-    (`feed`/`finish` as `ToolCallParser`'s, and `take_reasoning`), builds no grammar (tool_choice
-    `required` and a named function are asked of the model, not enforced), and with `channels`
+    (`feed`/`finish` as `ToolCallParser`'s, and `take_reasoning`) and builds no grammar for `auto`;
+    tool_choice `required` and a named function are enforced by its `forced_grammar` (harmony's),
+    else only asked of the model (gemma4, whose arguments are not JSON), and with `channels`
     has its output parsed on every chat, with or without tools, so that its reasoning is kept out
     of the content; `turn_end` (not None) replaces the vocabulary's end-of-turn tokens by these
     control tokens (harmony's `<|end|>` ends a message, not the turn). An assistant message's
@@ -167,6 +169,7 @@ class ToolFormat:
     channels: bool = False
     turn_end: tuple[str, ...] | None = None
     reasoning_key: str = ""  # the message key its template reads an assistant's reasoning under
+    forced_grammar: Callable[..., str | None] | None = None  # (functions, special ids) -> required call's grammar
 
     def new_parser(self):
         """A fresh parser of one output in this format."""
@@ -189,7 +192,7 @@ FORMATS = {
                           "", "", "", "", "", listed=True, auto="envelope", native=False),
     "harmony": ToolFormat("harmony", ("<|channel|>", "to=functions"), None, architectures=("gpt-oss",),
                           parser=HarmonyParser, channels=True, turn_end=("<|return|>", "<|call|>"),
-                          reasoning_key="thinking"),
+                          reasoning_key="thinking", forced_grammar=harmony_grammar),
     "gemma4": ToolFormat("gemma4", ("<|tool_call>",), None, architectures=("gemma4",), parser=Gemma4Parser,
                          channels=True, turn_end=("<turn|>", "<|tool_response>")),
 }
@@ -415,9 +418,17 @@ def plan(fmt: ToolFormat, messages: Sequence[Mapping[str, Any]], request: ToolRe
     rendered, tools = render_messages(fmt, messages, request)
     if request is None or request.choice == "none":
         return ToolPlan(rendered, tools, None, None, fmt.channels, fmt.new_parser if fmt.channels else None)
-    constraint = None if fmt.syntax is None else \
-        Constraint(kind="tools", grammar=build_grammar(fmt, request, special_ids))
+    constraint = Constraint(kind="tools", grammar=build_grammar(fmt, request, special_ids)) if fmt.syntax else \
+        _forced_constraint(fmt, request, special_ids)
     return ToolPlan(rendered, tools, constraint, fmt.syntax, fmt.special_trigger or fmt.channels, fmt.new_parser)
+
+
+def _forced_constraint(fmt: ToolFormat, request: ToolRequest, special_ids: Mapping[str, int]) -> Constraint | None:
+    """A format without a JSON call syntax: the grammar of a required (or named) call, if it has one."""
+    if request.choice == "auto" or fmt.forced_grammar is None:
+        return None
+    grammar = fmt.forced_grammar([(f.name, with_separators(f.parameters)) for f in request.chosen()], special_ids)
+    return Constraint(kind="tools", grammar=grammar) if grammar is not None else None
 
 
 # --- the stream -------------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from hybridgate.wire import FinishReason
 
 SAMPLES = json.loads((Path(__file__).parents[1] / "golden" / "channel_outputs.json").read_text())
 CASES = [(fmt, s) for fmt, samples in SAMPLES.items() for s in samples]
+BY_NAME = {s["name"]: s["text"] for s in SAMPLES["harmony"]}
 IDS = [f"{fmt}-{s['name']}" for fmt, s in CASES]
 MARKERS = ("<|channel|>", "<|message|>", "<|start|>", "<|end|>", "<|call|>", "<|return|>", "<|constrain|>",
            "<|channel>", "<channel|>", "<|tool_call>call:", "<turn|>", "<|tool_response>")
@@ -289,3 +290,50 @@ def test_a_router_in_a_format_with_channels_parses_every_chat_and_ends_turns_at_
     finally:
         for r in (plain, router, as_gemma4):
             r.prompts.close()
+
+
+HARMONY_TOKENS = ("<|channel|>", "<|message|>", "<|end|>", "<|start|>", "<|constrain|>", "<|call|>", "<|return|>")
+ADD = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": ADD}},
+         {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+
+
+@pytest.fixture(scope="module")
+def harmony_vocab(tokenizer):
+    """SmolLM2's vocabulary with harmony's control tokens added (gpt-oss's own is not at hand): (the
+    tokenizers object, llguidance's tokenizer, control token -> id)."""
+    import llguidance
+    import tokenizers
+
+    hf = tokenizers.Tokenizer.from_str(tokenizer._with_special.to_str())
+    hf.add_special_tokens(list(HARMONY_TOKENS))
+    return hf, llguidance.LLTokenizer(hf.to_str(), eos_token=tokenizer.eos_token_id), \
+        {t: hf.token_to_id(t) for t in HARMONY_TOKENS}
+
+
+@pytest.mark.parametrize(("choice", "text", "accepted"), [
+    ("required", BY_NAME["call_ended_by_its_stop_token"] + "<|call|>", True),  # reasoning, then add's call
+    ("required", '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}'
+                 "<|call|>", True),
+    ("required", "<|channel|>final<|message|>4<|return|>", False),  # an answer without a call
+    ("required", '<|channel|>commentary to=functions.add <|constrain|>json<|message|>{"a": 1}<|call|>', False),
+    ("required", "<|channel|>analysis<|message|>a <|call|> inside<|end|><|start|>assistant", False),
+    ("add", '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>',
+     False),
+    ("add", BY_NAME["call_ended_by_its_stop_token"] + "<|call|>", True),
+])
+def test_a_required_harmony_call_is_held_to_its_schema_by_the_grammar(harmony_vocab, choice, text, accepted):
+    """llguidance's own matcher over the harmony grammar: an optional analysis message, then one call of a chosen
+    function whose arguments fit its schema (as structured output writes JSON); `auto` builds none."""
+    import llguidance
+
+    hf, ll_tokenizer, ids = harmony_vocab
+    tool_choice = choice if choice == "required" else {"type": "function", "function": {"name": choice}}
+    step = plan(FORMATS["harmony"], [{"role": "user", "content": "x"}], ToolRequest.from_openai(TOOLS, tool_choice),
+                ids)
+    matcher = llguidance.LLMatcher(ll_tokenizer, step.constraint.grammar, log_level=0)
+    ok = matcher.consume_tokens(hf.encode(text, add_special_tokens=False).ids)
+    assert (ok and not matcher.is_error() and matcher.is_accepting()) == accepted
+    assert plan(FORMATS["harmony"], [], ToolRequest.from_openai(TOOLS), ids).constraint is None
+    assert plan(FORMATS["harmony"], [], ToolRequest.from_openai(TOOLS, "required"), {}).constraint is None
