@@ -51,6 +51,8 @@ def _message(m: pb.ChatMessage) -> dict:
                              for c in m.tool_calls]
     if m.tool_call_id:
         out["tool_call_id"] = m.tool_call_id
+    if m.reasoning_content:
+        out["reasoning_content"] = m.reasoning_content
     return out
 
 
@@ -115,7 +117,7 @@ def embed_inputs_to_native(req: pb.EmbedRequest) -> list[str | TokenIds]:
 def delta_to_proto(delta: Delta, calls: list[ToolCall] = ()) -> pb.GenerateResponse:
     """The response of one delta; the last one carries `calls` (a request with tools: the parsed calls)."""
     msg = pb.GenerateResponse(request_id=delta.request_id, token_index=delta.token_index, text=delta.text,
-                              token_ids=delta.token_ids)
+                              token_ids=delta.token_ids, reasoning_content=delta.reasoning)
     if delta.logprobs:  # most requests ask for none: no empty list built and converted per message
         msg.logprobs.extend(pb.TokenLogprob(logprob=lp.logprob, top=[pb.TopLogprob(token_id=i, logprob=v)
                                                                      for i, v in zip(lp.top_ids, lp.top_logprobs)])

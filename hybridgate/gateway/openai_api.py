@@ -52,6 +52,7 @@ class ChatMessage(_Body):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls: {id, type, function: {name, arguments}}
     tool_call_id: str | None = None  # a tool message's: the call it answers
+    reasoning_content: str | None = None  # an assistant's reasoning as answered (for a template that takes it)
 
 
 class _Sampling(_Body):
@@ -238,6 +239,8 @@ def _with_tool_fields(i: int, m: ChatMessage, out: dict) -> dict:
         if m.tool_call_id is None:
             raise InvalidFieldError(f"messages[{i}].tool_call_id", "a tool message needs the id of its call")
         out["tool_call_id"] = m.tool_call_id
+    if m.reasoning_content and m.role == "assistant":
+        out["reasoning_content"] = m.reasoning_content
     if m.name is not None:
         out["name"] = m.name
     return out

@@ -47,6 +47,7 @@ class ChoiceState:
     started: float = field(default_factory=time.monotonic)
     first_at: float | None = None
     texts: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)  # a format with channels: the reasoning, out of `texts`
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     offset: int = 0  # characters of text already streamed (completions' text_offset)
     tokens: int = 0  # ids streamed so far
@@ -58,6 +59,8 @@ class ChoiceState:
         if delta.tool_calls:
             self._add_calls(delta.tool_calls)
         self.texts.append(delta.text)
+        if delta.reasoning:
+            self.reasoning.append(delta.reasoning)
         self.tokens += len(delta.token_ids)
         self.logprobs.extend(delta.logprobs)
         if delta.finish_reason is not None:
@@ -80,12 +83,16 @@ class ChoiceState:
         return _FINISH.get(self.finish, "stop")
 
     def message(self) -> dict:
-        """The chat message: content null when empty beside calls; `tool_calls` when there are any."""
+        """The chat message: content null when empty beside calls; `tool_calls` when there are any;
+        `reasoning_content` (vLLM's field) when the model wrote reasoning in its channel."""
         text = "".join(self.texts)
-        if not self.calls:
-            return {"role": "assistant", "content": text}
-        return {"role": "assistant", "content": text or None,
-                "tool_calls": [self.calls[i] for i in sorted(self.calls)]}
+        out = {"role": "assistant", "content": text}
+        if self.reasoning:
+            out["reasoning_content"] = "".join(self.reasoning)
+        if self.calls:
+            out["content"] = text or None
+            out["tool_calls"] = [self.calls[i] for i in sorted(self.calls)]
+        return out
 
 
 def tool_call_deltas(deltas) -> list[dict]:
@@ -216,14 +223,17 @@ class Chunks:
     def delta(self, state: ChoiceState, delta: Delta) -> list[bytes]:
         finish = state.finish_reason if delta.finish_reason is not None else None
         want = state.logprobs_wanted
-        if delta.text and finish is None and not delta.tool_calls and not want and not self.continuous:
+        plain = not delta.tool_calls and not delta.reasoning
+        if delta.text and finish is None and plain and not want and not self.continuous:
             return [self._text_chunk(state.index, delta.text)]
-        if not delta.text and finish is None and not delta.tool_calls and \
+        if not delta.text and finish is None and plain and \
                 not ((want or self.continuous) and delta.token_ids):
             return []
         ids = delta.token_ids[: len(delta.logprobs)]
         if self.kind == "chat":
             body = {"content": delta.text} if delta.text else {}
+            if delta.reasoning:
+                body["reasoning_content"] = delta.reasoning
             if delta.tool_calls:
                 body["tool_calls"] = tool_call_deltas(delta.tool_calls)
             choice = {"index": state.index, "delta": body,

@@ -13,7 +13,8 @@ from hybridgate.config import check_settings, setting
 
 POLICIES = ("cost", "least_loaded", "round_robin", "power_of_two", "prefix_affinity")
 CACHE_MODES = ("off", "memory", "redis")
-TOOL_CALL_FORMATS = ("auto", "hermes", "llama3_json", "mistral", "generic")  # hybridgate.router.tools.FORMATS
+# hybridgate.router.tools.FORMATS
+TOOL_CALL_FORMATS = ("auto", "hermes", "llama3_json", "mistral", "generic", "harmony", "gemma4")
 POOLINGS = ("file", "mean", "cls", "last")  # hybridgate.router.embeddings: the file's, or wire.PoolingType's names
 
 
@@ -71,9 +72,12 @@ class RouterConfig:
         None, "a file holding a Jinja chat template to render chats with instead of the model's own "
               "(tokenizer.chat_template); a model without one (a base model) serves chats only with it")
     tool_call_format: str = setting(
-        "auto", "how the model writes tool calls: auto (from the chat template: hermes for <tool_call>, mistral "
-                "for [TOOL_CALLS], llama3_json for <|python_tag|>; generic for a template without tools), hermes, "
-                "llama3_json, mistral, or generic (tools in a system message, the answer a JSON envelope)",
+        "auto", "how the model writes tool calls: auto (harmony for a gpt-oss file, gemma4 for a gemma4 file, "
+                "else from the chat template: hermes for <tool_call>, mistral for [TOOL_CALLS], llama3_json for "
+                "<|python_tag|>; generic for a template without tools), hermes, llama3_json, mistral, generic (tools "
+                "in a system message, the answer a JSON envelope), harmony (gpt-oss's channels: the analysis is "
+                "reasoning_content, calls go to=functions.NAME) or gemma4 (<|tool_call>call:NAME{...}<tool_call|>, "
+                "thinking in <|channel>thought...<channel|> is reasoning_content)",
         choices=TOOL_CALL_FORMATS)
 
     max_constraint_bytes: int = setting(

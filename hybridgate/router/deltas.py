@@ -44,6 +44,7 @@ class Delta(msgspec.Struct, frozen=True):
     """New text and ids of one step; the last delta has finish_reason, usage, timings and route.
     `logprobs`: one per id of `token_ids` when the request asked for them (SamplingParams.logprobs), else empty.
     `tool_calls`: with tools, the calls' deltas (`toolparse.ToolCallDelta`); `text` is then the content only.
+    `reasoning`: the reasoning a format with channels (harmony's analysis) writes, parsed out of `text`.
     A frozen msgspec Struct, not a dataclass: one is made per streamed message, and a frozen dataclass's
     __init__ costs several times as much (copy one with `msgspec.structs.replace`)."""
 
@@ -57,6 +58,7 @@ class Delta(msgspec.Struct, frozen=True):
     route: str = ""
     logprobs: tuple[TokenLogprobs, ...] = ()
     tool_calls: tuple = ()  # ToolCallDelta of a request with tools (hybridgate.router.tools.ToolCallStream)
+    reasoning: str = ""  # a chat in a format with a reasoning channel: its new text (never part of `text`)
 
 
 def error_of(item) -> BaseException:

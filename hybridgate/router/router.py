@@ -106,7 +106,9 @@ class Router:
         template = read_chat_template(self.config.chat_template)
         # Without a template (a base model): completions only; a chat names --chat-template.
         self.chat_template = ChatTemplate(self.tokenizer, template, template_token_ids(self.model.metadata))
-        self.tool_format = choose_format(self.config.tool_call_format, template or self.tokenizer.chat_template)
+        self.tool_format = choose_format(self.config.tool_call_format, template or self.tokenizer.chat_template,
+                                         self.model.config.architecture)
+        self.end_of_turn_ids = self._end_of_turn_ids()
         self.constraint_limits = ConstraintLimits.of(self.config)  # the doors build constraints within these
         # every constraint compiled once, on the check's own threads, before its request runs
         self.constraints = ConstraintCheck(threads=self.config.constraint_compile_threads,
@@ -257,10 +259,11 @@ class Router:
         A chat whose history holds calls or tool results needs no `tools` to render.
         """
         params = (params or SamplingParams()).validate()
-        template_tools, syntax = None, None
+        template_tools, new_parser = None, None
         chat = not isinstance(prompt, (str, TokenIds))
-        if chat and (tools is not None or any(m.get("tool_calls") or m.get("role") == "tool" for m in prompt)):
-            prompt, template_tools, params, syntax = self._with_tools(prompt, params, tools)
+        if chat and (tools is not None or self.tool_format.channels or
+                     any(m.get("tool_calls") or m.get("role") == "tool" for m in prompt)):
+            prompt, template_tools, params, new_parser = self._with_tools(prompt, params, tools)
         bad = [t for t in params.stop_token_ids if t >= self.tokenizer.vocab_size]
         if bad:
             raise InvalidRequestError("stop_token_ids", f"every id must be in [0, {self.tokenizer.vocab_size}), "
@@ -278,7 +281,7 @@ class Router:
                                   deadline_s=deadline_s)
         stream.template_tools = template_tools
         out = self.response_cache.wrap(stream) if self.response_cache is not None else stream
-        return ToolCallStream(out, syntax) if syntax is not None else out
+        return ToolCallStream(out, new_parser()) if new_parser is not None else out
 
     async def embed(self, inputs: Sequence[str | TokenIds], dimensions: int | None = None, label: str = "",
                     route: str = "auto", deadline_s: float | None = None) -> Embeddings:
@@ -291,8 +294,9 @@ class Router:
         return await embeddings.embed(self, inputs, dimensions, label, route, deadline_s)
 
     def _with_tools(self, messages: Prompt, params: SamplingParams, tools: ToolRequest | None):
-        """(messages, the template's tools, params with the calls' constraint, the syntax to parse) of a chat
-        with tools or a history of calls. Raises InvalidRequestError when tools meet another constraint."""
+        """(messages, the template's tools, params with the calls' constraint, the output's parser class or None)
+        of a chat with tools, a history of calls, or any chat in a format with channels. Raises
+        InvalidRequestError when tools meet another constraint."""
         plan = plan_tools(self.tool_format, messages, tools, self.tokenizer.special_tokens)
         if plan.constraint is not None:
             if params.constraint is not None:
@@ -301,20 +305,29 @@ class Router:
             params = msgspec.structs.replace(params, constraint=plan.constraint)
         if plan.keep_special:
             params = msgspec.structs.replace(params, skip_special_tokens=False)
-        return plan.messages, plan.template_tools, params, plan.syntax
+        return plan.messages, plan.template_tools, params, plan.new_parser
 
     def tokenize(self, prompt: Prompt, add_generation_prompt: bool = True, tools: ToolRequest | None = None) -> list[int]:
         """The prompt's ids, on this thread (`Prompts.tokenize`; a chat with `tools` rendered as `generate`
-        renders it). Raises InvalidRequestError."""
-        if not isinstance(prompt, (str, TokenIds)) and tools is not None:
+        renders it, as is any chat in a format with channels). Raises InvalidRequestError."""
+        if not isinstance(prompt, (str, TokenIds)) and (tools is not None or self.tool_format.channels):
             plan = plan_tools(self.tool_format, prompt, tools, self.tokenizer.special_tokens)
             return self.prompts.tokenize(plan.messages, add_generation_prompt, plan.template_tools)
         return self.prompts.tokenize(prompt, add_generation_prompt)
 
+    def _end_of_turn_ids(self) -> frozenset[int]:
+        """The ids that end the model's turn: the vocabulary's (`Tokenizer.stop_token_ids`), or EOS and the
+        tool-call format's `turn_end` tokens where it names them (harmony's `<|end|>` ends a message only)."""
+        ends = self.tool_format.turn_end
+        if ends is None:
+            return self.tokenizer.stop_token_ids
+        special = self.tokenizer.special_tokens
+        return frozenset({self.tokenizer.eos_token_id, *(special[t] for t in ends if t in special)}) - {-1}
+
     def _with_end_of_turn(self, params: SamplingParams) -> SamplingParams:
         """`params` with the vocabulary's end-of-turn ids (`Tokenizer.stop_token_ids` less EOS, which the worker
         stops on already: `<|eot_id|>`, `<end_of_turn>`, ...) among its stop token ids, unless it ignores EOS."""
-        extra = self.tokenizer.stop_token_ids - {self.tokenizer.eos_token_id} - set(params.stop_token_ids)
+        extra = self.end_of_turn_ids - {self.tokenizer.eos_token_id} - set(params.stop_token_ids)
         if params.ignore_eos or not extra:
             return params
         ids = params.stop_token_ids + tuple(sorted(extra))

@@ -25,7 +25,7 @@ import dataclasses
 import json
 import re
 import urllib.parse
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +33,9 @@ import msgspec
 
 from hybridgate.router.constraints import with_separators
 from hybridgate.router.errors import InvalidRequestError
+from hybridgate.router.gemma4 import Gemma4Parser
+from hybridgate.router.harmony import HarmonyParser
+from hybridgate.router.harmony import grammar as harmony_grammar
 from hybridgate.router.toolparse import ANY, CallSyntax, ToolCall, ToolCallDelta, ToolCallParser
 from hybridgate.wire import Constraint
 
@@ -137,20 +140,40 @@ class ToolFormat:
     between regions; `auto` says how a free answer and calls mix: "lazy" (free text until the
     trigger), "leading" (an answer that starts like a call is one) or "envelope" (JSON either way).
     `native`: the template renders the tools; `special_trigger`: the trigger is a control token,
-    whose text the detokenizer must keep."""
+    whose text the detokenizer must keep. `architectures`: the GGUF `general.architecture` values
+    that choose the format under `auto` before any template marker.
+
+    A format whose calls are not a JSON value (`syntax` None) names its own `parser` class
+    (`feed`/`finish` as `ToolCallParser`'s, and `take_reasoning`) and builds no grammar for `auto`;
+    tool_choice `required` and a named function are enforced by its `forced_grammar` (harmony's),
+    else only asked of the model (gemma4, whose arguments are not JSON), and with `channels`
+    has its output parsed on every chat, with or without tools, so that its reasoning is kept out
+    of the content; `turn_end` (not None) replaces the vocabulary's end-of-turn tokens by these
+    control tokens (harmony's `<|end|>` ends a message, not the turn). An assistant message's
+    `reasoning_content` is passed to the template as `reasoning_key` (gpt-oss's reads `thinking`)."""
 
     name: str
     detect: tuple[str, ...]
-    syntax: CallSyntax
-    head: str
-    tail: str
-    open: str
-    close: str
-    sep: str
-    listed: bool
-    auto: str
+    syntax: CallSyntax | None
+    head: str = ""
+    tail: str = ""
+    open: str = ""
+    close: str = ""
+    sep: str = ""
+    listed: bool = False
+    auto: str = "lazy"
     native: bool = True
     special_trigger: bool = False
+    architectures: tuple[str, ...] = ()
+    parser: Callable[[], Any] | None = None
+    channels: bool = False
+    turn_end: tuple[str, ...] | None = None
+    reasoning_key: str = ""  # the message key its template reads an assistant's reasoning under
+    forced_grammar: Callable[..., str | None] | None = None  # (functions, special ids) -> required call's grammar
+
+    def new_parser(self):
+        """A fresh parser of one output in this format."""
+        return self.parser() if self.parser is not None else ToolCallParser(self.syntax)
 
 
 FORMATS = {
@@ -167,15 +190,24 @@ FORMATS = {
     "generic": ToolFormat("generic", (), CallSyntax("", calls_at=(("tool_calls", ANY), ("tool_call",)),
                                                     content_at=("response",), repeat=False),
                           "", "", "", "", "", listed=True, auto="envelope", native=False),
+    "harmony": ToolFormat("harmony", ("<|channel|>", "to=functions"), None, architectures=("gpt-oss",),
+                          parser=HarmonyParser, channels=True, turn_end=("<|return|>", "<|call|>"),
+                          reasoning_key="thinking", forced_grammar=harmony_grammar),
+    "gemma4": ToolFormat("gemma4", ("<|tool_call>",), None, architectures=("gemma4",), parser=Gemma4Parser,
+                         channels=True, turn_end=("<turn|>", "<|tool_response>")),
 }
 FORMAT_NAMES = tuple(FORMATS)  # RouterConfig.tool_call_format takes these or "auto"
 
 
-def choose_format(setting: str, template_source: str | None) -> ToolFormat:
-    """The format named by `setting`, or for "auto" the first row whose markers all appear in a template
-    that mentions `tools`; otherwise the generic one."""
+def choose_format(setting: str, template_source: str | None, architecture: str = "") -> ToolFormat:
+    """The format named by `setting`, or for "auto" the row of the model's `architecture` (GGUF
+    `general.architecture`), else the first row whose markers all appear in a template that mentions
+    `tools`; otherwise the generic one."""
     if setting != "auto":
         return FORMATS[setting]
+    for fmt in FORMATS.values():
+        if architecture and architecture in fmt.architectures:
+            return fmt
     source = template_source or ""
     if "tools" in source:
         for fmt in FORMATS.values():
@@ -341,6 +373,8 @@ def render_messages(fmt: ToolFormat, messages: Sequence[Mapping[str, Any]],
         if calls:
             m["tool_calls"] = [{**c, "function": {**c.get("function", {}), "arguments": _arguments_object(
                 c.get("function", {}).get("arguments"))}} for c in calls]
+        if fmt.reasoning_key and m.get("reasoning_content"):
+            m[fmt.reasoning_key] = m["reasoning_content"]
         if not fmt.native:
             m = _generic_message(m)
         m["content"] = m.get("content") or ""
@@ -375,6 +409,7 @@ class ToolPlan:
     constraint: Constraint | None
     syntax: CallSyntax | None
     keep_special: bool
+    new_parser: Callable[[], Any] | None = None  # the output's parser (None: not parsed)
 
 
 def plan(fmt: ToolFormat, messages: Sequence[Mapping[str, Any]], request: ToolRequest | None,
@@ -382,9 +417,18 @@ def plan(fmt: ToolFormat, messages: Sequence[Mapping[str, Any]], request: ToolRe
     """The `ToolPlan` of a chat in format `fmt` (`request` None: a history with calls but no tools)."""
     rendered, tools = render_messages(fmt, messages, request)
     if request is None or request.choice == "none":
-        return ToolPlan(rendered, tools, None, None, False)
-    constraint = Constraint(kind="tools", grammar=build_grammar(fmt, request, special_ids))
-    return ToolPlan(rendered, tools, constraint, fmt.syntax, fmt.special_trigger)
+        return ToolPlan(rendered, tools, None, None, fmt.channels, fmt.new_parser if fmt.channels else None)
+    constraint = Constraint(kind="tools", grammar=build_grammar(fmt, request, special_ids)) if fmt.syntax else \
+        _forced_constraint(fmt, request, special_ids)
+    return ToolPlan(rendered, tools, constraint, fmt.syntax, fmt.special_trigger or fmt.channels, fmt.new_parser)
+
+
+def _forced_constraint(fmt: ToolFormat, request: ToolRequest, special_ids: Mapping[str, int]) -> Constraint | None:
+    """A format without a JSON call syntax: the grammar of a required (or named) call, if it has one."""
+    if request.choice == "auto" or fmt.forced_grammar is None:
+        return None
+    grammar = fmt.forced_grammar([(f.name, with_separators(f.parameters)) for f in request.chosen()], special_ids)
+    return Constraint(kind="tools", grammar=grammar) if grammar is not None else None
 
 
 # --- the stream -------------------------------------------------------------------------------------------------
@@ -405,8 +449,9 @@ def merge_deltas(first: list[ToolCallDelta], second: list[ToolCallDelta]) -> lis
 
 class ToolCallStream:
     """A request stream (GenerationStream or the response cache's) whose deltas have the calls parsed out:
-    `Delta.text` is the content only and `Delta.tool_calls` the calls' deltas; `calls` the calls so far.
-    Everything else is the wrapped stream's.
+    `Delta.text` is the content only, `Delta.tool_calls` the calls' deltas and `Delta.reasoning` the
+    reasoning (a format with channels); `calls` the calls so far. Everything else is the wrapped stream's.
+    `parser`: a `CallSyntax` (parsed by `ToolCallParser`) or a parser (`ToolFormat.new_parser`).
 
     Only complete calls are streamed (docs: "a call cut by max_tokens"): a call's deltas are held until its
     JSON object closes, then sent together (its id, name and whole arguments), so every call a client
@@ -414,9 +459,10 @@ class ToolCallStream:
     is never sent, and `calls` leaves it out; its tokens still count in the usage.
     """
 
-    def __init__(self, stream, syntax: CallSyntax):
+    def __init__(self, stream, parser):
         self._stream = stream
-        self.parser = ToolCallParser(syntax)
+        self.parser = ToolCallParser(parser) if isinstance(parser, CallSyntax) else parser
+        self._take_reasoning = getattr(self.parser, "take_reasoning", str)  # str() is ""
         self._held: list[ToolCallDelta] = []  # deltas of calls not yet complete
 
     def __getattr__(self, name: str):
@@ -446,4 +492,4 @@ class ToolCallStream:
         complete = {c.index for c in self.parser.calls if c.complete}
         self._held = [d for d in held if d.index not in complete]
         ready = tuple(d for d in held if d.index in complete)
-        return msgspec.structs.replace(delta, text=content, tool_calls=ready)
+        return msgspec.structs.replace(delta, text=content, tool_calls=ready, reasoning=self._take_reasoning())

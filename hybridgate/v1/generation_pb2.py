@@ -24,53 +24,53 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ehybridgate/v1/generation.proto\x12\rhybridgate.v1\"o\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12+\n\ntool_calls\x18\x03 \x03(\x0b\x32\x17.hybridgate.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"4\n\x04\x43hat\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.hybridgate.v1.ChatMessage\"\xd4\x07\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12#\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x13.hybridgate.v1.ChatH\x00\x12\x17\n\nmax_tokens\x18\x03 \x01(\rH\x03\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x04\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x05\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x07\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x08\x88\x01\x01\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\r\n\x05label\x18\x0b \x01(\t\x12 \n\x13skip_special_tokens\x18\x0c \x01(\x08H\t\x88\x01\x01\x12\x12\n\x05route\x18\r \x01(\tH\n\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0e \x01(\x02H\x0b\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0f \x01(\x02H\x0c\x88\x01\x01\x12\x12\n\x05min_p\x18\x10 \x01(\x02H\r\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x11 \x03(\r\x12\x15\n\x08logprobs\x18\x12 \x01(\rH\x0e\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x13 \x01(\tH\x01\x12\x0f\n\x05regex\x18\x14 \x01(\tH\x01\x12\x11\n\x07grammar\x18\x15 \x01(\tH\x01\x12(\n\x06\x63hoice\x18\x16 \x01(\x0b\x32\x16.hybridgate.v1.ChoicesH\x01\x12\"\n\x05tools\x18\x17 \x03(\x0b\x32\x13.hybridgate.v1.Tool\x12\x13\n\ttool_mode\x18\x18 \x01(\tH\x02\x12\x17\n\rtool_function\x18\x19 \x01(\tH\x02\x12 \n\x13parallel_tool_calls\x18\x1a \x01(\x08H\x0f\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x1b \x01(\rH\x10\x88\x01\x01\x12\x12\n\x05model\x18\x1e \x01(\tH\x11\x88\x01\x01\x42\x07\n\x05inputB\x0c\n\nconstraintB\r\n\x0btool_choiceB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x16\n\x14_skip_special_tokensB\x08\n\x06_routeB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x08\n\x06_min_pB\x0b\n\t_logprobsB\x16\n\x14_parallel_tool_callsB\r\n\x0b_min_tokensB\x08\n\x06_model\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"G\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12&\n\x03top\x18\x02 \x03(\x0b\x32\x19.hybridgate.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\">\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01\"\xc9\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btoken_index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.hybridgate.v1.FinishReason\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.hybridgate.v1.Usage\x12\'\n\x07timings\x18\x07 \x01(\x0b\x32\x16.hybridgate.v1.Timings\x12\r\n\x05route\x18\x08 \x01(\t\x12-\n\x08logprobs\x18\t \x03(\x0b\x32\x1b.hybridgate.v1.TokenLogprob\x12+\n\ntool_calls\x18\n \x03(\x0b\x32\x17.hybridgate.v1.ToolCall\"3\n\x13GetModelInfoRequest\x12\x12\n\x05model\x18\x01 \x01(\tH\x00\x88\x01\x01\x42\x08\n\x06_model\"]\n\nWorkerInfo\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\r\n\x05ready\x18\x03 \x01(\x08\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x0f\n\x07\x63pu_isa\x18\x05 \x01(\t\"\xb0\x01\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12*\n\x07workers\x18\x04 \x03(\x0b\x32\x19.hybridgate.v1.WorkerInfo\x12(\n\x06models\x18\x05 \x03(\x0b\x32\x18.hybridgate.v1.ModelInfo\x12\x0f\n\x07\x61liases\x18\x06 \x03(\t\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"P\n\nEmbedInput\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\x06tokens\x18\x02 \x01(\x0b\x32\x17.hybridgate.v1.TokenIdsH\x00\x42\x07\n\x05input\"\x8e\x01\n\x0c\x45mbedRequest\x12)\n\x06inputs\x18\x01 \x03(\x0b\x32\x19.hybridgate.v1.EmbedInput\x12\x17\n\ndimensions\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x12\n\x05model\x18\x03 \x01(\tH\x01\x88\x01\x01\x12\r\n\x05label\x18\x04 \x01(\tB\r\n\x0b_dimensionsB\x08\n\x06_model\"\x1b\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\"T\n\rEmbedResponse\x12,\n\nembeddings\x18\x01 \x03(\x0b\x32\x18.hybridgate.v1.Embedding\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r*\x8f\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x04\x32\xed\x01\n\nGeneration\x12M\n\x08Generate\x12\x1e.hybridgate.v1.GenerateRequest\x1a\x1f.hybridgate.v1.GenerateResponse0\x01\x12L\n\x0cGetModelInfo\x12\".hybridgate.v1.GetModelInfoRequest\x1a\x18.hybridgate.v1.ModelInfo\x12\x42\n\x05\x45mbed\x12\x1b.hybridgate.v1.EmbedRequest\x1a\x1c.hybridgate.v1.EmbedResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ehybridgate/v1/generation.proto\x12\rhybridgate.v1\"\x8a\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12+\n\ntool_calls\x18\x03 \x03(\x0b\x32\x17.hybridgate.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x19\n\x11reasoning_content\x18\x05 \x01(\t\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"4\n\x04\x43hat\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.hybridgate.v1.ChatMessage\"\xd4\x07\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12#\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x13.hybridgate.v1.ChatH\x00\x12\x17\n\nmax_tokens\x18\x03 \x01(\rH\x03\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x04\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x05\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x07\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x08\x88\x01\x01\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\r\n\x05label\x18\x0b \x01(\t\x12 \n\x13skip_special_tokens\x18\x0c \x01(\x08H\t\x88\x01\x01\x12\x12\n\x05route\x18\r \x01(\tH\n\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0e \x01(\x02H\x0b\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0f \x01(\x02H\x0c\x88\x01\x01\x12\x12\n\x05min_p\x18\x10 \x01(\x02H\r\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x11 \x03(\r\x12\x15\n\x08logprobs\x18\x12 \x01(\rH\x0e\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x13 \x01(\tH\x01\x12\x0f\n\x05regex\x18\x14 \x01(\tH\x01\x12\x11\n\x07grammar\x18\x15 \x01(\tH\x01\x12(\n\x06\x63hoice\x18\x16 \x01(\x0b\x32\x16.hybridgate.v1.ChoicesH\x01\x12\"\n\x05tools\x18\x17 \x03(\x0b\x32\x13.hybridgate.v1.Tool\x12\x13\n\ttool_mode\x18\x18 \x01(\tH\x02\x12\x17\n\rtool_function\x18\x19 \x01(\tH\x02\x12 \n\x13parallel_tool_calls\x18\x1a \x01(\x08H\x0f\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x1b \x01(\rH\x10\x88\x01\x01\x12\x12\n\x05model\x18\x1e \x01(\tH\x11\x88\x01\x01\x42\x07\n\x05inputB\x0c\n\nconstraintB\r\n\x0btool_choiceB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x16\n\x14_skip_special_tokensB\x08\n\x06_routeB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x08\n\x06_min_pB\x0b\n\t_logprobsB\x16\n\x14_parallel_tool_callsB\r\n\x0b_min_tokensB\x08\n\x06_model\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"G\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12&\n\x03top\x18\x02 \x03(\x0b\x32\x19.hybridgate.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\">\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01\"\xe4\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btoken_index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.hybridgate.v1.FinishReason\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.hybridgate.v1.Usage\x12\'\n\x07timings\x18\x07 \x01(\x0b\x32\x16.hybridgate.v1.Timings\x12\r\n\x05route\x18\x08 \x01(\t\x12-\n\x08logprobs\x18\t \x03(\x0b\x32\x1b.hybridgate.v1.TokenLogprob\x12+\n\ntool_calls\x18\n \x03(\x0b\x32\x17.hybridgate.v1.ToolCall\x12\x19\n\x11reasoning_content\x18\x0b \x01(\t\"3\n\x13GetModelInfoRequest\x12\x12\n\x05model\x18\x01 \x01(\tH\x00\x88\x01\x01\x42\x08\n\x06_model\"]\n\nWorkerInfo\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\r\n\x05ready\x18\x03 \x01(\x08\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x0f\n\x07\x63pu_isa\x18\x05 \x01(\t\"\xb0\x01\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12*\n\x07workers\x18\x04 \x03(\x0b\x32\x19.hybridgate.v1.WorkerInfo\x12(\n\x06models\x18\x05 \x03(\x0b\x32\x18.hybridgate.v1.ModelInfo\x12\x0f\n\x07\x61liases\x18\x06 \x03(\t\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"P\n\nEmbedInput\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\x06tokens\x18\x02 \x01(\x0b\x32\x17.hybridgate.v1.TokenIdsH\x00\x42\x07\n\x05input\"\x8e\x01\n\x0c\x45mbedRequest\x12)\n\x06inputs\x18\x01 \x03(\x0b\x32\x19.hybridgate.v1.EmbedInput\x12\x17\n\ndimensions\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x12\n\x05model\x18\x03 \x01(\tH\x01\x88\x01\x01\x12\r\n\x05label\x18\x04 \x01(\tB\r\n\x0b_dimensionsB\x08\n\x06_model\"\x1b\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\"T\n\rEmbedResponse\x12,\n\nembeddings\x18\x01 \x03(\x0b\x32\x18.hybridgate.v1.Embedding\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r*\x8f\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x04\x32\xed\x01\n\nGeneration\x12M\n\x08Generate\x12\x1e.hybridgate.v1.GenerateRequest\x1a\x1f.hybridgate.v1.GenerateResponse0\x01\x12L\n\x0cGetModelInfo\x12\".hybridgate.v1.GetModelInfoRequest\x1a\x18.hybridgate.v1.ModelInfo\x12\x42\n\x05\x45mbed\x12\x1b.hybridgate.v1.EmbedRequest\x1a\x1c.hybridgate.v1.EmbedResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'hybridgate.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2648
-  _globals['_FINISHREASON']._serialized_end=2791
-  _globals['_CHATMESSAGE']._serialized_start=49
-  _globals['_CHATMESSAGE']._serialized_end=160
-  _globals['_CHOICES']._serialized_start=162
-  _globals['_CHOICES']._serialized_end=188
-  _globals['_TOOL']._serialized_start=190
-  _globals['_TOOL']._serialized_end=251
-  _globals['_TOOLCALL']._serialized_start=253
-  _globals['_TOOLCALL']._serialized_end=308
-  _globals['_CHAT']._serialized_start=310
-  _globals['_CHAT']._serialized_end=362
-  _globals['_GENERATEREQUEST']._serialized_start=365
-  _globals['_GENERATEREQUEST']._serialized_end=1345
-  _globals['_TOPLOGPROB']._serialized_start=1347
-  _globals['_TOPLOGPROB']._serialized_end=1394
-  _globals['_TOKENLOGPROB']._serialized_start=1396
-  _globals['_TOKENLOGPROB']._serialized_end=1467
-  _globals['_USAGE']._serialized_start=1469
-  _globals['_USAGE']._serialized_end=1549
-  _globals['_TIMINGS']._serialized_start=1551
-  _globals['_TIMINGS']._serialized_end=1613
-  _globals['_GENERATERESPONSE']._serialized_start=1616
-  _globals['_GENERATERESPONSE']._serialized_end=1945
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1947
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1998
-  _globals['_WORKERINFO']._serialized_start=2000
-  _globals['_WORKERINFO']._serialized_end=2093
-  _globals['_MODELINFO']._serialized_start=2096
-  _globals['_MODELINFO']._serialized_end=2272
-  _globals['_TOKENIDS']._serialized_start=2274
-  _globals['_TOKENIDS']._serialized_end=2303
-  _globals['_EMBEDINPUT']._serialized_start=2305
-  _globals['_EMBEDINPUT']._serialized_end=2385
-  _globals['_EMBEDREQUEST']._serialized_start=2388
-  _globals['_EMBEDREQUEST']._serialized_end=2530
-  _globals['_EMBEDDING']._serialized_start=2532
-  _globals['_EMBEDDING']._serialized_end=2559
-  _globals['_EMBEDRESPONSE']._serialized_start=2561
-  _globals['_EMBEDRESPONSE']._serialized_end=2645
-  _globals['_GENERATION']._serialized_start=2794
-  _globals['_GENERATION']._serialized_end=3031
+  _globals['_FINISHREASON']._serialized_start=2703
+  _globals['_FINISHREASON']._serialized_end=2846
+  _globals['_CHATMESSAGE']._serialized_start=50
+  _globals['_CHATMESSAGE']._serialized_end=188
+  _globals['_CHOICES']._serialized_start=190
+  _globals['_CHOICES']._serialized_end=216
+  _globals['_TOOL']._serialized_start=218
+  _globals['_TOOL']._serialized_end=279
+  _globals['_TOOLCALL']._serialized_start=281
+  _globals['_TOOLCALL']._serialized_end=336
+  _globals['_CHAT']._serialized_start=338
+  _globals['_CHAT']._serialized_end=390
+  _globals['_GENERATEREQUEST']._serialized_start=393
+  _globals['_GENERATEREQUEST']._serialized_end=1373
+  _globals['_TOPLOGPROB']._serialized_start=1375
+  _globals['_TOPLOGPROB']._serialized_end=1422
+  _globals['_TOKENLOGPROB']._serialized_start=1424
+  _globals['_TOKENLOGPROB']._serialized_end=1495
+  _globals['_USAGE']._serialized_start=1497
+  _globals['_USAGE']._serialized_end=1577
+  _globals['_TIMINGS']._serialized_start=1579
+  _globals['_TIMINGS']._serialized_end=1641
+  _globals['_GENERATERESPONSE']._serialized_start=1644
+  _globals['_GENERATERESPONSE']._serialized_end=2000
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2002
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2053
+  _globals['_WORKERINFO']._serialized_start=2055
+  _globals['_WORKERINFO']._serialized_end=2148
+  _globals['_MODELINFO']._serialized_start=2151
+  _globals['_MODELINFO']._serialized_end=2327
+  _globals['_TOKENIDS']._serialized_start=2329
+  _globals['_TOKENIDS']._serialized_end=2358
+  _globals['_EMBEDINPUT']._serialized_start=2360
+  _globals['_EMBEDINPUT']._serialized_end=2440
+  _globals['_EMBEDREQUEST']._serialized_start=2443
+  _globals['_EMBEDREQUEST']._serialized_end=2585
+  _globals['_EMBEDDING']._serialized_start=2587
+  _globals['_EMBEDDING']._serialized_end=2614
+  _globals['_EMBEDRESPONSE']._serialized_start=2616
+  _globals['_EMBEDRESPONSE']._serialized_end=2700
+  _globals['_GENERATION']._serialized_start=2849
+  _globals['_GENERATION']._serialized_end=3086
 # @@protoc_insertion_point(module_scope)

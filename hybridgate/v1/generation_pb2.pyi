@@ -21,16 +21,18 @@ FINISH_REASON_EOS: FinishReason
 FINISH_REASON_ABORT: FinishReason
 
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content", "tool_calls", "tool_call_id")
+    __slots__ = ("role", "content", "tool_calls", "tool_call_id", "reasoning_content")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    REASONING_CONTENT_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
     tool_call_id: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ...) -> None: ...
+    reasoning_content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ..., reasoning_content: _Optional[str] = ...) -> None: ...
 
 class Choices(_message.Message):
     __slots__ = ("choices",)
@@ -161,7 +163,7 @@ class Timings(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_index", "text", "token_ids", "finish_reason", "usage", "timings", "route", "logprobs", "tool_calls")
+    __slots__ = ("request_id", "token_index", "text", "token_ids", "finish_reason", "usage", "timings", "route", "logprobs", "tool_calls", "reasoning_content")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_INDEX_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +174,7 @@ class GenerateResponse(_message.Message):
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    REASONING_CONTENT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_index: int
     text: str
@@ -182,7 +185,8 @@ class GenerateResponse(_message.Message):
     route: str
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
-    def __init__(self, request_id: _Optional[str] = ..., token_index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., route: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ...) -> None: ...
+    reasoning_content: str
+    def __init__(self, request_id: _Optional[str] = ..., token_index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., route: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., reasoning_content: _Optional[str] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ("model",)

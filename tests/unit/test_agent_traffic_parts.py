@@ -71,7 +71,7 @@ def test_the_envelope_accepts_exactly_what_each_tool_accepts(name, arguments, pa
                                       "ship", "tree"}
 
 
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("fmt", sorted(f for f in FORMATS if FORMATS[f].syntax is not None))  # those with grammars
 @pytest.mark.parametrize("choice", ["auto", "required", {"type": "function", "function": {"name": "ship"}}])
 def test_every_format_compiles_tools_with_definitions(fmt, choice):
     grammar = build_grammar(FORMATS[fmt], ToolRequest.from_openai(TOOLS, choice), {"[TOOL_CALLS]": 5})
