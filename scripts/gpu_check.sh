@@ -10,13 +10,14 @@
 # folder is git-ignored, so carry it along). Nothing large travels: the benches make their weights on the device,
 # and the tests' 135M-shaped GGUF is written there with random weights.
 # JSON: under $OUT when it is set (the folder the caller collects from the machine), else under docs/results/,
-# named gpu-engine-SHAPE-DEVICE.json (`hybridgate bench report` renders them into docs/benchmarks/gpu-worker.md);
+# as gpu-engine/DATE-DEVICE-SHAPE.json (`hybridgate bench report` renders them into docs/benchmarks/gpu-worker.md);
 # logs and test reports beside them under $OUT, else under gpu-check-out/.
 # Every command runs under a time limit; the limits sum to 270 s (tests/unit/test_gpu_check_script.py), so the whole
 # check and one rerun fit in ten minutes of a GPU. The benches come first: their figures matter most.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-DEST=${OUT:-docs/results}
+DEST=${OUT:-docs/results}/gpu-engine
+DAY=$(date -u +%F)
 LOGS=${OUT:-gpu-check-out}
 PY=${PYTHON:-python3}
 mkdir -p "$DEST" "$LOGS"
@@ -32,12 +33,12 @@ cat "$LOGS/device.txt"
 DEVICE=${DEVICE:-unknown}
 # Llama-3.2-1B: every concurrency, transformers beside at the two the issue sets a target for.
 timeout 85 $PY -m hybridgate.cli bench engine --kind gpu --shape llama-3.2-1b --repeats 2 \
-  --baseline-concurrency 64,256 --json "$DEST/gpu-engine-llama-3.2-1b-$DEVICE.json" \
+  --baseline-concurrency 64,256 --json "$DEST/$DAY-$DEVICE-llama-3.2-1b.json" \
   > "$LOGS/bench-llama-3.2-1b.log" 2>&1 || status=$?
 # Llama-3.1-8B: the memory-bound step, prefill at 8k, the mixed step, the hand-off, 1 and 64 sequences; no
 # transformers and no 256 sequences (the issue's transformers target is on the 1B shape; their seconds go there).
 timeout 60 $PY -m hybridgate.cli bench engine --kind gpu --shape llama-3.1-8b --repeats 2 --concurrency 1,64 \
-  --baseline none --json "$DEST/gpu-engine-llama-3.1-8b-$DEVICE.json" \
+  --baseline none --json "$DEST/$DAY-$DEVICE-llama-3.1-8b.json" \
   > "$LOGS/bench-llama-3.1-8b.log" 2>&1 || status=$?
 MODEL=${HYBRIDGATE_GPU_CHECK_MODEL:-/tmp/hybridgate-random-135m.gguf}
 if [ ! -f "$MODEL" ]; then

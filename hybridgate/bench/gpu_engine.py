@@ -18,7 +18,7 @@ dtype (`bench.attention`'s probes). Then, each figure a median over `--repeats`:
 - the KV hand-off's export (`KVExporter` to a real ZeroMQ socket, `--handoff-len` tokens) while
   `--mixed-decodes` sequences go on decoding: the fraction of its copy time hidden behind their steps.
 Each figure is also printed as one `summary:` line with the issue's target beside it; `--json` writes all of
-them, `bench report` renders `gpu-engine-*.json` into the GPU worker's benchmark page. `--tiny` (the shape's
+them, `bench report` renders `results/gpu-engine/*.json` into the GPU worker's benchmark page. `--tiny` (the shape's
 family at tiny widths, `Shape.tiny`) and `--layers` make a run that a CPU torch device finishes in seconds.
 """
 

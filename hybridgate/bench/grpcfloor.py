@@ -12,7 +12,7 @@ detokenizer, admission or auth behind it.
 Its CPU per message is what any grpc.aio server pays for the C core's write,
 the completion queue's wake-up of the event loop and the async generator
 (measured: 39.1 µs a message at 64 streams and 10 ms steps on an idle 2-core
-Xeon, a third of it system time: docs/results/gateway-grpc-floor-xeon-emr-idle.json);
+Xeon, a third of it system time: docs/results/gateway/2026-12-06-xeon-emr-instant-worker-grpc-floor-idle.json);
 the gateway's figure less this one is what the gateway itself adds, and that
 difference holds across machines where the absolute figures do not.
 """

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +20,16 @@ from pathlib import Path
 from typing import Any
 
 BEGIN = "<!-- begin generated: bench report {name} -->"
+# A results file's path under docs/results/: <bench>/<date>-<machine>-<model>[-<variant>].json, its plot beside it
+# as .png. The machine: the ISA path where the run forced or names one, then the host (epyc-zen3, xeon-207, a GPU's
+# device name); the model: a model file's family and weight type, or what a bench runs instead (random weights of a
+# kernel's shape, the gateway bench's instant worker). scripts/results_layout.py moves flat names into it.
+QUANT = r"(?:q\d_k(?:_[sml])?|q\d_\d|f16|bf16|f32)"
+RESULT_PATH = re.compile(
+    r"(?P<bench>accuracy|cpu-engine|cpu-kernels|cpu-mixed-load|cpu-pinning|gateway|gpu-engine|placement-serve"
+    r"|placement-sim)/(?P<date>20\d\d-[01]\d-[0-3]\d)-(?P<machine>(?:(?:avx2|avx512)(?:-amx)?-)?[a-z][a-z0-9-]*?)"
+    rf"-(?P<model>(?:smollm2(?:-requantized)?|llama-\d\.\d-\d+b|qwen2\.5-\d\.\db)(?:-{QUANT})?|random-\d+x\d+"
+    r"|instant-worker)(?:-(?P<variant>[a-z0-9][a-z0-9.-]*))?\.(?:json|png)")
 END = "<!-- end generated -->"
 MISSING = "—"
 
@@ -83,7 +94,7 @@ class Table:
 
     name: str
     page: str  # relative to docs/
-    pattern: str  # glob relative to docs/results/
+    pattern: str  # glob relative to docs/results/, whose files are <bench>/<date>-<machine>-<model>[-<variant>].json
     columns: tuple[Column, ...]
     rows: str | None = None
     keep: str | None = None
@@ -103,7 +114,7 @@ POLICY_COLUMNS = (
 )
 
 TABLES: tuple[Table, ...] = (
-    Table("cpu-engine", "benchmarks/cpu-worker.md", "cpu-engine-*.json", (
+    Table("cpu-engine", "benchmarks/cpu-worker.md", "cpu-engine/*.json", (
         Column("model", "model", basename),
         *MACHINE,
         Column("ISA", "cpu_isa"),
@@ -117,7 +128,7 @@ TABLES: tuple[Table, ...] = (
         Column("TTFT cached/cold", "ttft.cached_over_cold", fixed(2)),
         Column("step / bandwidth bound", "step_over_bandwidth_bound", fixed(2)),
     )),
-    Table("accuracy", "benchmarks/cpu-worker.md", "accuracy-*.json", (
+    Table("accuracy", "benchmarks/cpu-worker.md", "accuracy/*.json", (
         Column("model", "model", basename),
         *MACHINE,
         Column("ISA", "cpu_isa"),
@@ -127,7 +138,7 @@ TABLES: tuple[Table, ...] = (
         Column("KL mean", "kl_mean", sci),
         Column("KL p99", "kl_p99", sci),
     ), keep="top1_agreement"),
-    Table("cpu-mixed-load", "benchmarks/cpu-worker.md", "cpu-mixed-load-*.json", (
+    Table("cpu-mixed-load", "benchmarks/cpu-worker.md", "cpu-mixed-load/*.json", (
         Column("CPU", "machine_at_start.cpu_model"),
         Column("load", "machine_at_start.loadavg_1m", fixed(2)),
         Column("ISA", "cpu_isa"),
@@ -140,7 +151,7 @@ TABLES: tuple[Table, ...] = (
         Column("long prompt TTFT s", "mixed_load.budgeted.long_prompt_ttft_ms", seconds_from_ms),
         Column("without the budget s", "mixed_load.budget_off.long_prompt_ttft_ms", seconds_from_ms),
     )),
-    Table("cpu-kernels", "benchmarks/cpu-worker.md", "cpu-kernels-*.json", (
+    Table("cpu-kernels", "benchmarks/cpu-worker.md", "cpu-kernels/*.json", (
         Column("ISA", "isa"),
         Column("type", "type"),
         Column("batch", "batch"),
@@ -154,7 +165,7 @@ TABLES: tuple[Table, ...] = (
         Column("prompt kernel ms", "prompt.ms", fixed(3)),
         Column("prompt vs decode kernel", "prompt.speedup_vs_decode_kernel", ratio),
     ), rows="rows"),
-    Table("gateway", "benchmarks/gateway.md", "gateway-*.json", (
+    Table("gateway", "benchmarks/gateway.md", "gateway/*.json", (
         Column("door", "protocol"),
         Column("streams", "concurrency"),
         Column("coalescing", "coalesce", on_off),
@@ -166,7 +177,7 @@ TABLES: tuple[Table, ...] = (
         Column("ITL p99 ms", "itl_ms.p99", fixed(1)),
         Column("errors", "errors"),
     ), rows="results"),
-    Table("gateway-grpc-floor", "benchmarks/gateway.md", "gateway-*.json", (
+    Table("gateway-grpc-floor", "benchmarks/gateway.md", "gateway/*.json", (
         Column("streams", "concurrency"),
         Column("coalescing", "coalesce", on_off),
         Column("runs", "runs"),
@@ -177,7 +188,7 @@ TABLES: tuple[Table, ...] = (
         Column("gateway CPU µs/token", "gateway_cpu_us_per_token", fixed(1)),
         Column("gateway less floor µs", "gateway_less_floor_us", fixed(1)),
     ), rows="grpc_floor.summary", keep="grpc_floor.summary"),
-    Table("gpu-engine", "benchmarks/gpu-worker.md", "gpu-engine-*.json", (
+    Table("gpu-engine", "benchmarks/gpu-worker.md", "gpu-engine/*.json", (
         Column("shape", "shape"),
         Column("device", "device"),
         Column("decode step ms", "decode_step.ms", fixed(2)),
@@ -189,9 +200,9 @@ TABLES: tuple[Table, ...] = (
         Column("prefill 8k of matmul rate", "prefill.8192.fraction_of_matmul_rate", percent),
         Column("mixed / (decode + chunk)", "mixed_step.over_sum", ratio),
         Column("hand-off hidden", "handoff.hidden_fraction", percent),
-    ), pending="No run recorded yet: `make gpu-check` on a lent GPU writes `gpu-engine-SHAPE-DEVICE.json`."),
-    Table("placement-serve", "benchmarks/placement.md", "placement-serve*.json", POLICY_COLUMNS, rows="policies"),
-    Table("placement-sim", "benchmarks/placement.md", "placement-sim-h200-*.json", POLICY_COLUMNS, rows="policies"),
+    ), pending="No run recorded yet: `make gpu-check` on a lent GPU writes `gpu-engine/DATE-DEVICE-SHAPE.json`."),
+    Table("placement-serve", "benchmarks/placement.md", "placement-serve/*.json", POLICY_COLUMNS, rows="policies"),
+    Table("placement-sim", "benchmarks/placement.md", "placement-sim/*-h200-*.json", POLICY_COLUMNS, rows="policies"),
 )
 
 
@@ -220,9 +231,9 @@ def markdown_table(headers: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def file_link(table: Table, path: Path) -> str:
-    # Pages sit at docs/<page>; results at docs/results/.
+    # Pages sit at docs/<page>; results at docs/results/<bench>/ (path is relative to docs/results/).
     up = "../" * table.page.count("/")
-    return f"[`{path.name}`]({up}results/{path.name})"
+    return f"[`{path.name}`]({up}results/{path.as_posix()})"
 
 
 def caption(table: Table, path: Path, doc: dict) -> str:
@@ -254,7 +265,8 @@ def render_table(table: Table, files: list[tuple[Path, dict]]) -> str:
 
 
 def load_results(results: Path, pattern: str) -> list[tuple[Path, dict]]:
-    return [(p, json.loads(p.read_text())) for p in sorted(results.glob(pattern))]
+    """(path relative to results, parsed JSON) of each file the glob matches, by path: by date within a bench."""
+    return [(p.relative_to(results), json.loads(p.read_text())) for p in sorted(results.glob(pattern))]
 
 
 def replace_block(page: str, name: str, body: str, where: str = "page") -> str:

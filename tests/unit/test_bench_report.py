@@ -51,7 +51,8 @@ def test_a_pending_table_says_so_until_a_file_exists():
     run = {"shape": "llama-3.1-8b", "device": "NVIDIA H100", "decode_step": {"ms": 6.41, "over_bound": 1.2345},
            "decode": {"64": {"ratio": 5.5}}, "prefill": {"8192": {"fraction_of_matmul_rate": 0.612}},
            "handoff": {"hidden_fraction": 0.95}}
-    header, _, row = report.render_table(gpu, [(Path("gpu-engine-x.json"), run)]).splitlines()
+    path = Path("gpu-engine/2026-12-07-h100-llama-3.1-8b.json")
+    header, _, row = report.render_table(gpu, [(path, run)]).splitlines()
     cells = dict(zip(split_row(header), split_row(row)))
     assert (cells["decode step ms"], cells["step / (weights + KV) bound"]) == ("6.41", "1.23×")
     assert (cells["c=64 vs transformers"], cells["c=256 vs transformers"]) == ("5.50×", "—")
@@ -67,10 +68,11 @@ def split_row(line: str) -> list[str]:
 
 
 def test_engine_row_from_a_literal_run():
-    body = report.render_table(engine_table(), [(Path("cpu-engine-x.json"), ENGINE_RUN)])
+    body = report.render_table(engine_table(), [(Path("cpu-engine/2026-12-06-avx512-epyc-x.json"), ENGINE_RUN)])
     header, rule, row = body.splitlines()
     cells = dict(zip(split_row(header), split_row(row)))
-    assert cells["file"] == "[`cpu-engine-x.json`](../results/cpu-engine-x.json)"
+    # The page is docs/benchmarks/cpu-worker.md, the file docs/results/cpu-engine/...
+    assert cells["file"] == "[`2026-12-06-avx512-epyc-x.json`](../results/cpu-engine/2026-12-06-avx512-epyc-x.json)"
     assert cells["model"] == "llama-3.2-1b-16l-Q4_K_M-seed0-v1.gguf"
     assert cells["CPU"] == "AMD EPYC" and cells["load"] == "1.17" and cells["ISA"] == "avx512"
     assert cells["AMX"] == "—"  # absent from the file
@@ -85,24 +87,24 @@ def test_a_table_of_records_per_file_is_captioned():
     doc = {"command": "hybridgate bench kernels", "machine": {"cpu_model": "Xeon", "isa": "avx2"},
            "rows": [{"isa": "avx2", "type": "Q4_K", "batch": 16, "fast": {"ms": 0.5, "gb_s": 2.25},
                      "speedup_vs_other": 1.5}]}
-    lines = report.render_table(kernels, [(Path("cpu-kernels-a.json"), doc)]).splitlines()
-    assert lines[0] == "[`cpu-kernels-a.json`](../results/cpu-kernels-a.json): Xeon, avx2; `hybridgate bench kernels`"
+    lines = report.render_table(kernels, [(Path("cpu-kernels/a.json"), doc)]).splitlines()
+    assert lines[0] == "[`a.json`](../results/cpu-kernels/a.json): Xeon, avx2; `hybridgate bench kernels`"
     assert lines[4] == "| avx2 | Q4_K | 16 | — | — | 0.500 | 2.2 | 1.50× | — | — | — | — |"  # no prompt kernel here
 
 
 def test_records_keyed_by_name_and_a_file_without_a_machine():
     sim = next(t for t in report.TABLES if t.name == "placement-sim")
     doc = {"policies": {"cost": {"policy": "cost", "capacity": 1.25, "attainment": 0.9, "tpot_p99": 0.0694}}}
-    lines = report.render_table(sim, [(Path("placement-sim-a.json"), doc)]).splitlines()
-    assert lines[0] == "[`placement-sim-a.json`](../results/placement-sim-a.json)"
+    lines = report.render_table(sim, [(Path("placement-sim/a.json"), doc)]).splitlines()
+    assert lines[0] == "[`a.json`](../results/placement-sim/a.json)"
     assert lines[4] == "| cost | 1.250 | — | 90.0% | — | — | 69.4 |"
 
 
 def test_keep_leaves_out_files_of_another_shape():
     accuracy = next(t for t in report.TABLES if t.name == "accuracy")
-    body = report.render_table(accuracy, [(Path("accuracy-formats.json"), {"formats": []}),
-                                          (Path("accuracy-b.json"), {"top1_agreement": 0.988, "kl_mean": 3.8e-4})])
-    assert "accuracy-formats" not in body
+    body = report.render_table(accuracy, [(Path("accuracy/formats.json"), {"formats": []}),
+                                          (Path("accuracy/b.json"), {"top1_agreement": 0.988, "kl_mean": 3.8e-4})])
+    assert "formats.json" not in body
     assert "| 98.8% | 3.8e-04 | — |" in body
 
 
@@ -112,8 +114,8 @@ def test_star_matches_only_a_single_key():
 
 
 def test_check_fails_on_a_stale_page_and_writing_fixes_it(tmp_path, capsys):
-    (tmp_path / "results").mkdir()
-    (tmp_path / "results" / "cpu-engine-x.json").write_text(json.dumps(ENGINE_RUN))
+    (tmp_path / "results" / "cpu-engine").mkdir(parents=True)
+    (tmp_path / "results" / "cpu-engine" / "2026-12-06-avx512-epyc-x.json").write_text(json.dumps(ENGINE_RUN))
     page = tmp_path / "benchmarks" / "cpu-worker.md"
     page.parent.mkdir()
     page.write_text("# Prose\n\n<!-- begin generated: bench report cpu-engine -->\nSTALE\n"
@@ -129,6 +131,7 @@ def test_check_fails_on_a_stale_page_and_writing_fixes_it(tmp_path, capsys):
     text = page.read_text()
     assert text.startswith("# Prose\n\n") and text.endswith("<!-- end generated -->\n\nmore\n")
     assert "| 0.83× |" in text and "STALE" not in text
+    assert "(../results/cpu-engine/2026-12-06-avx512-epyc-x.json)" in text
 
 
 def test_a_page_without_the_markers_is_refused(tmp_path):

@@ -29,11 +29,13 @@ def test_every_python_command_runs_under_a_time_limit():
 
 def test_json_goes_under_out_when_set_else_docs_results():
     lines = commands()
-    assert 'DEST=${OUT:-docs/results}' in lines
+    # docs/results/<bench>/<date>-<machine>-<model>.json, the layout tests/unit/test_results_layout.py holds every
+    # results file to; under $OUT the same gpu-engine/ folder, to copy into docs/results/ as it is.
+    assert 'DEST=${OUT:-docs/results}/gpu-engine' in lines and "DAY=$(date -u +%F)" in lines
     benches = [line for line in lines if "bench engine" in line]
     shapes = [re.search(r"--shape (\S+)", line).group(1) for line in benches]
     assert shapes == ["llama-3.2-1b", "llama-3.1-8b"]
-    assert all(re.search(r'--json "\$DEST/gpu-engine-' + re.escape(s) + r'-\$DEVICE\.json"', line)
+    assert all(re.search(r'--json "\$DEST/\$DAY-\$DEVICE-' + re.escape(s) + r'\.json"', line)
                for s, line in zip(shapes, benches))
 
 

@@ -8,7 +8,7 @@ from hybridgate.bench.workload import builtin_items, parse_mix
 
 def test_the_default_draws_do_not_change_with_a_class_of_weight_zero():
     # The three classes of the documented default, written out here: the workloads of earlier reports
-    # (docs/results/placement-*.json, seed 0) must come out the same whatever classes were added since.
+    # (docs/results/placement-*/*.json, seed 0) must come out the same whatever classes were added since.
     three = {"short": (0.7, (16, 96), (16, 48)), "summary": (0.15, (1000, 4000), (16, 32)),
              "long": (0.15, (16, 96), (128, 256))}
     assert builtin_items(200, seed=0) == builtin_items(200, seed=0, mix=three)

@@ -11,7 +11,7 @@ A prompt's rows are many, so its matmuls are bound by the multiply rate, not by 
 (issue "CPU tier ahead of llama.cpp"). `superblock`'s int16 GEMM tiles take two `vpmaddwd` (16
 products each) per 32 products. Here the activations are int8, quantized per 32 columns (xs =
 max|x_b| / 127: per 64 and per 256 columns measured below the accuracy floor,
-docs/results/accuracy-int8-granularity-*.json), and `vpmaddubsw` multiplies 32 unsigned bytes by 32
+docs/results/accuracy/*-int8-granularity.json), and `vpmaddubsw` multiplies 32 unsigned bytes by 32
 signed ones into 16 int16 pair sums: one multiply per 32 products, the int16 sums widened by one
 `vpmaddwd` with the sub-block scales per block.
 

@@ -27,7 +27,7 @@ super-block, the sub-block scales in integers, `superblock`); `i8/32` (int8 per 
 eight weight rows interleaved in a scratch per pass, no memory kept: `int8`); `bf16x2` (two
 bf16 halves on AMX tiles, `amx`).
 
-Why each row is what it is (`hybridgate bench kernels`, docs/results/cpu-kernels-*.json):
+Why each row is what it is (`hybridgate bench kernels`, docs/results/cpu-kernels/*.json):
 on avx512 the float kernels beat int16 on Q4_1 (0.9x at batch 1, 0.5-0.8x at 16) and int16
 wins on Q8_0 (1.3x); on avx2 int16 wins on both (1.6-1.7x), where the 8-lane float kernels
 need twice the converts. `LowBitMatrix` (`kquant`) replaced the formatted classes where it
@@ -49,7 +49,7 @@ PATHS = ("avx512-amx", "avx512", "avx2", "generic")
 AMX_MIN_PROMPT = 32  # `amx.MIN_PROMPT`: shorter prompts stay on the decode kernel
 # Prompts from this many tokens multiply on `int8` (shorter ones stay on the decode kernel). On avx2 (a Zen 3
 # EPYC, 2 threads) the int8 GEMM measured 1.2-1.7x the int16 one at 64 and 256 rows (Q4_K and Q6_K, 2048 x 8192
-# and 8192 x 2048), and at 16 and 32 rows as the int16 GEMM's tiles: see docs/results/cpu-int8-*.json.
+# and 8192 x 2048), and at 16 and 32 rows as the int16 GEMM's tiles: see docs/results/cpu-kernels/*-int8-prompt.json.
 I8_MIN_PROMPT = 32
 
 

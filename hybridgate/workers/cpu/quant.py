@@ -466,7 +466,8 @@ class FloatMatrix(QuantMatrix):
 
     def _prompt_arrays(self) -> tuple | None:
         """BF16 only (exact in bf16). F16 rounded to bf16 failed the top-1 floor (99.4% on the default model in
-        F16, docs/results/accuracy-smollm2-requantized-f16-avx512-amx-xeon-207.json); an F32 file asks for float32."""
+        F16, docs/results/accuracy/2026-12-06-avx512-amx-xeon-207-smollm2-requantized-f16.json); an F32 file asks
+        for float32."""
         return (self.qs, self.scale, self.scale, self.scale, self.qs) if self.kind == BF16 else None
 
     def row(self, index: int) -> np.ndarray:
