@@ -7,7 +7,8 @@ keeps a command cheap). A package that loads its names lazily (PEP 562
 `if TYPE_CHECKING:`; `from hybridgate.router import Router` is read as an
 import of the module declared there. Importing `a.b.c` loads the packages `a`
 and `a.b` first, so reaching a module reaches its parents. The subprocess tests check the same from
-`sys.modules`, as a user's command runs.
+`sys.modules`, as a user's command runs. A type checker reads the imports under `if TYPE_CHECKING:` too:
+`TYPED` is the graph it sees, which has no cycle either.
 """
 
 from __future__ import annotations
@@ -54,8 +55,9 @@ def _lazy_names(path: Path) -> dict[str, str]:
     return out
 
 
-def _imports(name: str, path: Path, lazy_too: bool = False) -> set[str]:
-    """The hybridgate modules `name` imports at module level (`lazy_too`: in its functions as well)."""
+def _imports(name: str, path: Path, lazy_too: bool = False, typing_too: bool = False) -> set[str]:
+    """The hybridgate modules `name` imports at module level (`lazy_too`: in its functions as well;
+    `typing_too`: under `if TYPE_CHECKING:` as well)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
 
@@ -75,7 +77,7 @@ def _imports(name: str, path: Path, lazy_too: bool = False) -> set[str]:
                     full = f"{base}.{alias.name}"
                     found.add(full if full in MODULES else LAZY.get(base, {}).get(alias.name, base))
             elif isinstance(node, ast.If):
-                if not _is_type_checking(node.test):
+                if typing_too or not _is_type_checking(node.test):
                     visit(node.body)
                 visit(node.orelse)
             elif isinstance(node, ast.Try):
@@ -88,6 +90,7 @@ def _imports(name: str, path: Path, lazy_too: bool = False) -> set[str]:
 LAZY = {name: _lazy_names(path) for name, path in MODULES.items() if path.name == "__init__.py"}
 GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
 EVERY_IMPORT = {name: _imports(name, path, lazy_too=True) for name, path in MODULES.items()}
+TYPED = {name: _imports(name, path, lazy_too=True, typing_too=True) for name, path in MODULES.items()}
 
 
 def _parents(name: str) -> list[str]:
@@ -149,6 +152,8 @@ def test_the_graph_is_read_right():
     assert "hybridgate.workers.process" not in GRAPH["hybridgate.cli"]  # imported inside _cmd_worker
     assert "hybridgate.workers.process" in EVERY_IMPORT["hybridgate.cli"]
     assert "hybridgate.workers" in reached("hybridgate.workers.engine")  # a module's package loads first
+    assert "hybridgate.models.gguf_file" in TYPED["hybridgate.bench.shapes"]  # under TYPE_CHECKING
+    assert "hybridgate.models.gguf_file" not in GRAPH["hybridgate.bench.shapes"]
 
 
 def test_no_import_cycle_in_the_package():
@@ -157,6 +162,19 @@ def test_no_import_cycle_in_the_package():
     assert cycles(GRAPH) == []
     assert cycles(EVERY_IMPORT) == []
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_cycle_even_for_type_checkers():
+    """The graph a type checker reads (`if TYPE_CHECKING:` imports included) has no cycle: the router's
+    modules that only call a `Router` name a small Protocol of what they call instead of importing it."""
+    assert cycles(TYPED) == []
+
+
+@pytest.mark.parametrize("start", sorted(m for m in MODULES if m.startswith(WORKERS + ".")))
+def test_no_worker_module_imports_the_gateway_or_the_router(start):
+    """A worker is below both doors: what it shares with the router (the worker-client lifecycle, the
+    vLLM metric names) lives below both, never in `hybridgate.gateway` or `hybridgate.router`."""
+    assert sorted(m for m in TYPED[start] if m.startswith(("hybridgate.gateway", "hybridgate.router"))) == []
 
 
 @pytest.mark.parametrize("start", sorted(m for m in MODULES if m.startswith(NO_WORKERS)))
