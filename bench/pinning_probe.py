@@ -34,7 +34,7 @@ def child(cores: str, threads: int, start_at: float, repeats: int) -> None:
     """One worker's decode tokens/s, from `start_at` (wall time) on, as a JSON line."""
     from hybridgate.models import default_model_path, model_fingerprint
     from hybridgate.wire import AddRequest, SamplingParams
-    from hybridgate.workerconf import EngineConfig, WorkerConfig
+    from hybridgate.workers.config import EngineConfig, WorkerConfig
     from hybridgate.workers.engine import EngineCore
     from hybridgate.workers.process import build_runner
     from hybridgate.workers.scheduler import SchedulerConfig

@@ -11,7 +11,7 @@ joins the root as one more section field below.
 This module imports the parts' config modules and nothing else of hybridgate:
 no behaviour, so reading the settings loads no router, engine or worker
 (`tests/unit/test_imports.py` holds it to that). The worker's settings live
-in `hybridgate.workerconf`, outside the `hybridgate.workers` package, so that
+in `hybridgate.workers.config`, outside the `hybridgate.workers` package, so that
 a gateway process, which composes this whole root, loads no module of it.
 """
 
@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 
 from hybridgate.config import Resolved, Spec, add_settings, check_settings, replaced, setting, shown_value, specs
 from hybridgate.gateway.config import GatewayConfig
-from hybridgate.keys import TransportConfig
-from hybridgate.redisconf import RedisConfig
+from hybridgate.security.keys import TransportConfig
+from hybridgate.security.redisconf import RedisConfig
 from hybridgate.router.config import ResponseCacheConfig, RouterConfig
-from hybridgate.serveconf import LayoutConfig, ModelSpec, SupervisorConfig, check_model_specs, parse_model_spec
-from hybridgate.workerconf import WorkerConfig
+from hybridgate.run.config import LayoutConfig, ModelSpec, SupervisorConfig, check_model_specs, parse_model_spec
+from hybridgate.workers.config import WorkerConfig
 
 # The settings about one model, which a fleet gives per model: `--model NAME=PATH,key=value,...` or a
 # [models.NAME] table in the --config file, each key the setting's flag name without dashes. The value:

@@ -4,7 +4,7 @@ The in-process implementation lives in `hybridgate.workers.inprocess` (it owns
 an engine); the router only sees this interface, so it never imports workers.
 
 Each `ZmqWorkerClient` runs its worker's lifecycle as the explicit state
-machine `hybridgate.router.lifecycle.Lifecycle` (its table of states and
+machine `hybridgate.clients.lifecycle.Lifecycle` (its table of states and
 events is in that module's docstring) and carries out the actions it returns.
 The DEALER sets `ZMQ_IMMEDIATE`, so nothing queues for a worker that is not
 connected; a send then fails (`add` returns False) instead of reaching a
@@ -28,9 +28,9 @@ import zmq
 import zmq.asyncio
 
 from hybridgate import wire
-from hybridgate.keys import Transport
+from hybridgate.security.keys import Transport
 from hybridgate.router.config import RouterConfig
-from hybridgate.router.lifecycle import (
+from hybridgate.clients.lifecycle import (
     PROBE_FIRST_S,
     Exited,
     HelloSeen,
@@ -91,8 +91,8 @@ MessageHandler = Callable[["WorkerClient", msgspec.Struct], None]
 
 class WorkerClient(Protocol):
     """What the router needs of a worker. Every client runs its states as a
-    `hybridgate.router.lifecycle.Lifecycle` (`ZmqWorkerClient` over a socket,
-    `hybridgate.router.local.LocalWorkerClient` for a worker in this process) and tells the router
+    `hybridgate.clients.lifecycle.Lifecycle` (`ZmqWorkerClient` over a socket,
+    `hybridgate.clients.local.LocalWorkerClient` for a worker in this process) and tells the router
     of each change (StateChange) and loss (WorkerDead); the router sets one state itself, REFUSED,
     on a HELLO with another model."""
 
@@ -155,7 +155,7 @@ class ZmqWorkerClient:
     (rate-limited); the receive task never dies of what a worker sends.
 
     `name`: the label of this worker in metrics until its HELLO names it. `transport`: CURVE on
-    a tcp:// endpoint (hybridgate.keys.Transport; None: plain sockets, the embedder's choice).
+    a tcp:// endpoint (hybridgate.security.keys.Transport; None: plain sockets, the embedder's choice).
     """
 
     def __init__(self, endpoint: str, *, dead_after_s: float = RouterConfig.dead_after_s,

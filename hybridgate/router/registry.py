@@ -1,6 +1,6 @@
 """Workers found in Redis: routers add the new ones, drop the expired ones, and refuse other models.
 
-Workers write `hybridgate.redisconf.WorkerEntry` under `PREFIX:worker:ENDPOINT`
+Workers write `hybridgate.security.redisconf.WorkerEntry` under `PREFIX:worker:ENDPOINT`
 with a TTL they renew (`hybridgate.workers.registration`). A router polls the
 keys every `poll_s` and reconciles its clients with them:
 
@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from hybridgate.redisconf import RedisConfig, WorkerEntry, bounded, connect, redacted, redis_errors, worker_pattern
-from hybridgate.keys import Transport
+from hybridgate.security.redisconf import RedisConfig, WorkerEntry, bounded, connect, redacted, redis_errors, worker_pattern
+from hybridgate.security.keys import Transport
 from hybridgate.router.client import WorkerClient, ZmqWorkerClient
 from hybridgate.router.config import RouterConfig
 

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import zmq
 
-from hybridgate.children import die_with_parent
-from hybridgate.keys import Transport, TransportConfig
-from hybridgate.redisconf import RedisConfig, WorkerEntry
+from hybridgate.run.children import die_with_parent
+from hybridgate.security.keys import Transport, TransportConfig
+from hybridgate.security.redisconf import RedisConfig, WorkerEntry
 from hybridgate.wire import Hello
-from hybridgate.workerconf import EngineConfig, WorkerConfig  # noqa: F401 (EngineConfig: its old home)
+from hybridgate.workers.config import EngineConfig, WorkerConfig  # noqa: F401 (EngineConfig: its old home)
 from hybridgate.workers.engine import EngineCore, EngineLoop, Inbox, default_constraints
 from hybridgate.workers.guard import WireErrors
 from hybridgate.workers.handoff import HandoffConfig

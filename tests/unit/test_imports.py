@@ -22,8 +22,16 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "hybridgate"
 WORKERS = "hybridgate.workers"
+# The workers' settings live in their package (data only; the package's __init__ imports nothing), so the
+# settings root loads these two and no worker behaviour.
+WORKER_SETTINGS = ("hybridgate.workers", "hybridgate.workers.config")
 NO_WORKERS = ("hybridgate.gateway", "hybridgate.router", "hybridgate.settings", "hybridgate.config",
-              "hybridgate.serveconf", "hybridgate.workerconf")
+              "hybridgate.run.config", "hybridgate.workers.config")
+
+
+def worker_behaviour(modules) -> list[str]:
+    """The modules of `hybridgate.workers` among `modules`, its settings left out."""
+    return sorted(m for m in modules if m.startswith(WORKERS) and m not in WORKER_SETTINGS)
 
 
 def _modules() -> dict[str, Path]:
@@ -147,7 +155,7 @@ def test_the_graph_is_read_right():
     a lazy package's name, and a function's import left out."""
     assert "hybridgate.workers.engine" in GRAPH["hybridgate.workers.process"]
     assert "hybridgate.router.costmodel" in GRAPH["hybridgate.router.policy"]  # from hybridgate.router import costmodel
-    assert "hybridgate.router.router" in GRAPH["hybridgate.serve"]  # from hybridgate.router import Router
+    assert "hybridgate.router.router" in GRAPH["hybridgate.run.serve"]  # from hybridgate.router import Router
     assert GRAPH["hybridgate.router"] == set()  # its names load on first use
     assert "hybridgate.workers.process" not in GRAPH["hybridgate.cli"]  # imported inside _cmd_worker
     assert "hybridgate.workers.process" in EVERY_IMPORT["hybridgate.cli"]
@@ -179,7 +187,12 @@ def test_no_worker_module_imports_the_gateway_or_the_router(start):
 
 @pytest.mark.parametrize("start", sorted(m for m in MODULES if m.startswith(NO_WORKERS)))
 def test_settings_gateway_and_router_reach_no_worker_module(start):
-    assert sorted(m for m in reached(start) if m == WORKERS or m.startswith(WORKERS + ".")) == []
+    assert worker_behaviour(reached(start)) == []
+
+
+def test_the_workers_package_imports_nothing():
+    """So that importing `hybridgate.workers.config` (the settings root does) loads nothing else."""
+    assert EVERY_IMPORT[WORKERS] == set() and TYPED[WORKERS] == set()
 
 
 def test_the_settings_machinery_imports_no_part():
@@ -194,8 +207,9 @@ def test_the_settings_root_imports_no_behaviour():
     """Reading the settings loads the parts' config modules and what their checks need, nothing else."""
     assert reached("hybridgate.settings") <= {
         "hybridgate", "hybridgate.config", "hybridgate.gateway", "hybridgate.gateway.auth",
-        "hybridgate.gateway.config", "hybridgate.keys", "hybridgate.redisconf", "hybridgate.router",
-        "hybridgate.router.config", "hybridgate.serveconf", "hybridgate.workerconf"}
+        "hybridgate.gateway.config", "hybridgate.security", "hybridgate.security.keys", "hybridgate.security.redisconf",
+        "hybridgate.router", "hybridgate.router.config", "hybridgate.run", "hybridgate.run.config",
+        "hybridgate.workers", "hybridgate.workers.config"}
 
 
 def _loaded(code: str) -> list[str]:
@@ -209,7 +223,7 @@ def _loaded(code: str) -> list[str]:
 def test_a_gateway_import_loads_no_worker_module(code):
     loaded = _loaded(code)
     assert any(m.startswith(code.split()[1]) for m in loaded)  # the import itself was seen
-    assert [m for m in loaded if m.startswith(WORKERS)] == []
+    assert worker_behaviour(loaded) == []
 
 
 def test_generate_help_loads_no_worker_module():
@@ -220,4 +234,4 @@ def test_generate_help_loads_no_worker_module():
     assert out.returncode == 0, out.stderr[-2000:]
     loaded = [line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")]
     assert "hybridgate.settings" in loaded and "hybridgate.cli" in loaded
-    assert [m for m in loaded if m.startswith(WORKERS)] == []
+    assert worker_behaviour(loaded) == []

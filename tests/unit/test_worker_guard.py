@@ -267,7 +267,7 @@ def test_a_dead_worker_thread_ends_the_process():
 def test_a_dead_registration_thread_ends_the_worker():
     """It used to die quietly: the worker ran on while its registry entry expired."""
     code = ("import time\n"
-            "from hybridgate.redisconf import RedisConfig, WorkerEntry\n"
+            "from hybridgate.security.redisconf import RedisConfig, WorkerEntry\n"
             "from hybridgate.workers.registration import Registration\n"
             "entry = WorkerEntry('ipc:///nowhere', 'cpu', 1j, 1, 'boot')  # 1j: not JSON, the thread raises\n"
             "Registration(RedisConfig(url='redis://127.0.0.1:1'), entry).start()\n"

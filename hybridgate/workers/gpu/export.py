@@ -34,7 +34,7 @@ import torch
 import zmq
 
 from hybridgate import wire
-from hybridgate.keys import Transport
+from hybridgate.security.keys import Transport
 from hybridgate.mempool import PinnedPool, aligned_slab
 from hybridgate.wire import HandoffHeader, HandoffPart, HandoffRefused, MsgType
 from hybridgate.workers.guard import Refusals

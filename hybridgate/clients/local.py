@@ -1,5 +1,5 @@
 """Worker clients whose worker lives in this process (the in-process engine, test doubles): the same
-`Lifecycle` as `ZmqWorkerClient` (hybridgate/router/lifecycle.py), without a socket."""
+`Lifecycle` as `ZmqWorkerClient` (hybridgate/clients/lifecycle.py), without a socket."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import uuid
 
 from hybridgate.router.client import MessageHandler, StateChange, WorkerDead
 from hybridgate.router.config import RouterConfig
-from hybridgate.router.lifecycle import (
+from hybridgate.clients.lifecycle import (
     Exited,
     HelloSeen,
     Lifecycle,
