@@ -11,8 +11,9 @@ joins the root as one more section field below.
 This module imports the parts' config modules and nothing else of hybridgate:
 no behaviour, so reading the settings loads no router, engine or worker
 (`tests/unit/test_imports.py` holds it to that). The worker's settings live
-in `hybridgate.workers.config`, outside the `hybridgate.workers` package, so that
-a gateway process, which composes this whole root, loads no module of it.
+in `hybridgate.workers.config`, data only, and `hybridgate/workers/__init__.py`
+imports nothing, so a gateway process, which composes this whole root, loads
+no worker behaviour.
 """
 
 from __future__ import annotations

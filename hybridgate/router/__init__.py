@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 _HOMES = {
-    "hybridgate.router.client": ("WorkerClient", "WorkerDead", "ZmqWorkerClient"),
+    "hybridgate.clients.interface": ("WorkerClient", "WorkerDead"),
+    "hybridgate.router.client": ("ZmqWorkerClient",),
     "hybridgate.router.config": ("RouterConfig",),
     "hybridgate.router.errors": ("DeadlineExceededError", "FingerprintMismatchError", "InvalidRequestError",
                                  "ResourceExhaustedError", "RouterError", "UnavailableError", "WorkerRequestError"),
@@ -21,7 +22,8 @@ _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 __all__ = sorted(_HOME_OF)
 
 if TYPE_CHECKING:
-    from hybridgate.router.client import WorkerClient, WorkerDead, ZmqWorkerClient
+    from hybridgate.clients.interface import WorkerClient, WorkerDead
+    from hybridgate.router.client import ZmqWorkerClient
     from hybridgate.router.config import RouterConfig
     from hybridgate.router.errors import (
         DeadlineExceededError,

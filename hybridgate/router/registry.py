@@ -30,7 +30,8 @@ import msgspec
 
 from hybridgate.security.redisconf import RedisConfig, WorkerEntry, bounded, connect, redacted, redis_errors, worker_pattern
 from hybridgate.security.keys import Transport
-from hybridgate.router.client import WorkerClient, ZmqWorkerClient
+from hybridgate.clients.interface import WorkerClient
+from hybridgate.router.client import ZmqWorkerClient
 from hybridgate.router.config import RouterConfig
 
 if TYPE_CHECKING:

@@ -22,7 +22,8 @@ import msgspec
 
 from hybridgate.models import ChatTemplate, GGUFModel, Tokenizer, load_gguf, model_fingerprint
 from hybridgate.models.chat import template_token_ids
-from hybridgate.router.client import RateLimitedLog, StateChange, WorkerClient, WorkerDead, ZmqWorkerClient
+from hybridgate.clients.interface import StateChange, WorkerClient, WorkerDead
+from hybridgate.router.client import RateLimitedLog, ZmqWorkerClient
 from hybridgate.router.config import RouterConfig
 from hybridgate.router.constraints import ConstraintCheck, ConstraintLimits
 from hybridgate.router import embeddings

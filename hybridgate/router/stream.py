@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from hybridgate.models import IncrementalDetokenizer
-from hybridgate.router.client import WorkerClient, WorkerDead
+from hybridgate.clients.interface import WorkerClient, WorkerDead
 from hybridgate.router.deltas import REPLACEABLE_CODES, Delta, Timings, Usage, error_of
 from hybridgate.router.errors import DeadlineExceededError, UnavailableError
 from hybridgate.router.handoff import Handoff, worker_name
