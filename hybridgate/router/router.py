@@ -33,14 +33,7 @@ from hybridgate.router.handoff import HandoffMetrics, PauseHook
 from hybridgate.router.membership import Membership
 from hybridgate.router.placement import Placement, Placer, _Pending
 from hybridgate.router.policy import make_policy
-from hybridgate.router.prompts import (  # noqa: F401 (MAX_PROMPT_BYTES and DEFAULT_MAX_TOKENS_CAP re-exported)
-    DEFAULT_MAX_TOKENS_CAP,
-    MAX_PROMPT_BYTES,
-    Prompt,
-    Prompts,
-    TokenIds,
-    read_chat_template,
-)
+from hybridgate.router.prompts import Prompt, Prompts, TokenIds, read_chat_template
 from hybridgate.router.registry import RedisRegistry
 from hybridgate.router.response_cache import ResponseCache
 from hybridgate.router.stream import GenerationStream, Stalled, WorkerAvailable

@@ -30,7 +30,8 @@ from hybridgate.wire import (
 from hybridgate.workers.engine import ClientCongested, ClientGone, EngineCore, EngineLoop, Inbox
 from hybridgate.workers.faults import FAULT_ENV, FaultHook, InjectedFault
 from hybridgate.workers.guard import WireErrors, check_add
-from hybridgate.workers.process import EXIT_THREAD_DIED, WorkerIO, max_frame_bytes
+from hybridgate.workers.io_thread import WorkerIO, max_frame_bytes
+from hybridgate.workers.threads import EXIT_THREAD_DIED
 from hybridgate.workers.scheduler import ScheduledBatch, SchedulerConfig
 from hybridgate.workers.sequence import Sequence
 from tests.conftest import TIME_FACTOR
