@@ -16,7 +16,8 @@ _HOMES = {
     "hybridgate.router.errors": ("DeadlineExceededError", "FingerprintMismatchError", "InvalidRequestError",
                                  "ResourceExhaustedError", "RouterError", "UnavailableError", "WorkerRequestError"),
     "hybridgate.router.router": ("ROUTES", "Router"),
-    "hybridgate.router.stream": ("Delta", "GenerationStream", "Timings", "Usage"),
+    "hybridgate.router.deltas": ("Delta", "Timings", "Usage"),
+    "hybridgate.router.stream": ("GenerationStream",),
 }
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 __all__ = sorted(_HOME_OF)
@@ -35,7 +36,8 @@ if TYPE_CHECKING:
         WorkerRequestError,
     )
     from hybridgate.router.router import ROUTES, Router
-    from hybridgate.router.stream import Delta, GenerationStream, Timings, Usage
+    from hybridgate.router.deltas import Delta, Timings, Usage
+    from hybridgate.router.stream import GenerationStream
 
 
 def __getattr__(name: str) -> Any:

@@ -46,7 +46,7 @@ import msgspec
 from hybridgate.security.redisconf import RedisConfig, bounded, connect, redacted, redis_errors
 from hybridgate.router.config import ResponseCacheConfig
 from hybridgate.router.errors import UnavailableError
-from hybridgate.router.stream import Delta, Timings, Usage
+from hybridgate.router.deltas import Delta, Timings, Usage
 from hybridgate.wire import FinishReason, SamplingParams
 
 if TYPE_CHECKING:

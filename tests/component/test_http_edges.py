@@ -19,7 +19,7 @@ from hybridgate.gateway.metrics import GatewayMetrics
 from hybridgate.router import Router, RouterConfig
 from hybridgate.router.prompts import INLINE_CHARS
 from hybridgate.router.prompts import MAX_PROMPT_BYTES
-from hybridgate.router.stream import Delta
+from hybridgate.router.deltas import Delta
 from hybridgate.wire import FinishReason, InvalidFieldError
 
 TOKEN = "edge-token"
