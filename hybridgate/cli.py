@@ -17,13 +17,13 @@ def _settings(args: argparse.Namespace):
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from hybridgate.serve import serve
+    from hybridgate.run.serve import serve
 
     return serve(_settings(args))
 
 
 def _cmd_gateway(args: argparse.Namespace) -> int:
-    from hybridgate.serve import gateway_only
+    from hybridgate.run.serve import gateway_only
 
     return gateway_only(_settings(args))
 
@@ -63,7 +63,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_keys_generate(args: argparse.Namespace) -> int:
-    from hybridgate.keys import generate_keys
+    from hybridgate.security.keys import generate_keys
 
     if args.auth_token:
         _write_token(args.auth_token, args.keep_existing)
@@ -73,7 +73,7 @@ def _cmd_keys_generate(args: argparse.Namespace) -> int:
         if not args.keep_existing:
             raise OSError(f"{args.path} exists; a key file is never overwritten (remove it first, or pass "
                           "--keep-existing to keep it)") from None
-        from hybridgate.keys import load_keys
+        from hybridgate.security.keys import load_keys
 
         keys = load_keys(args.path, "keys generate PATH")  # the kept file must be a key pair of mode 0600
         print(f"kept {args.path} (public key {keys.public.decode()})")
@@ -84,7 +84,7 @@ def _cmd_keys_generate(args: argparse.Namespace) -> int:
 
 
 def _write_token(path: str, keep_existing: bool) -> None:
-    from hybridgate.keys import generate_token, read_secret_file
+    from hybridgate.security.keys import generate_token, read_secret_file
 
     try:
         generate_token(path)
@@ -229,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_embeddings_parser(bench_sub)
     add_report_parser(bench_sub)
 
-    from hybridgate.health import add_health_parser  # argparse only
+    from hybridgate.run.health import add_health_parser  # argparse only
 
     add_health_parser(sub)
 

@@ -11,8 +11,9 @@ joins the root as one more section field below.
 This module imports the parts' config modules and nothing else of hybridgate:
 no behaviour, so reading the settings loads no router, engine or worker
 (`tests/unit/test_imports.py` holds it to that). The worker's settings live
-in `hybridgate.workerconf`, outside the `hybridgate.workers` package, so that
-a gateway process, which composes this whole root, loads no module of it.
+in `hybridgate.workers.config`, data only, and `hybridgate/workers/__init__.py`
+imports nothing, so a gateway process, which composes this whole root, loads
+no worker behaviour.
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ from dataclasses import dataclass, field
 
 from hybridgate.config import Resolved, Spec, add_settings, check_settings, replaced, setting, shown_value, specs
 from hybridgate.gateway.config import GatewayConfig
-from hybridgate.keys import TransportConfig
-from hybridgate.redisconf import RedisConfig
+from hybridgate.security.keys import TransportConfig
+from hybridgate.security.redisconf import RedisConfig
 from hybridgate.router.config import ResponseCacheConfig, RouterConfig
-from hybridgate.serveconf import LayoutConfig, ModelSpec, SupervisorConfig, check_model_specs, parse_model_spec
-from hybridgate.workerconf import WorkerConfig
+from hybridgate.run.config import LayoutConfig, ModelSpec, SupervisorConfig, check_model_specs, parse_model_spec
+from hybridgate.workers.config import WorkerConfig
 
 # The settings about one model, which a fleet gives per model: `--model NAME=PATH,key=value,...` or a
 # [models.NAME] table in the --config file, each key the setting's flag name without dashes. The value:

@@ -149,7 +149,7 @@ class PoolingType(enum.IntEnum):
 
 
 class WorkerState(enum.IntEnum):
-    """A worker as a router sees it (transitions: `hybridgate.router.lifecycle.Lifecycle`)."""
+    """A worker as a router sees it (transitions: `hybridgate.clients.lifecycle.Lifecycle`)."""
 
     CONNECTING = 0  # CONNECT sent (resent on a backoff) until HELLO, then READY after warm-up
     READY = 1  # placed on

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 
-from hybridgate.children import end_stdin_child
+from hybridgate.run.children import end_stdin_child
 
 
 class _Prober:

@@ -47,7 +47,7 @@ from hybridgate.models import Tokenizer, load_gguf, model_fingerprint
 from hybridgate.wire import AddRequest, SamplingParams
 from hybridgate.workers import affinity
 from hybridgate.workers.engine import EngineCore
-from hybridgate.workerconf import EngineConfig
+from hybridgate.workers.config import EngineConfig
 from hybridgate.workers.scheduler import SchedulerConfig
 
 log = logging.getLogger("hybridgate.bench")

@@ -59,7 +59,7 @@ from hybridgate.bench.instant import run_instant_worker
 from hybridgate.bench.machine import describe, summary
 from hybridgate.bench.workload import percentile
 from hybridgate.router.config import RouterConfig
-from hybridgate.serveconf import LayoutConfig
+from hybridgate.run.config import LayoutConfig
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hybridgate.children import end_stdin_child
+from hybridgate.run.children import end_stdin_child
 
 CONFIGS = {"defaults": True, "plain": False}  # name -> use_extra_bufts
 

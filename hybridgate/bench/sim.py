@@ -38,7 +38,7 @@ from hybridgate.bench.workload import Outcome, Slo, WorkItem
 from hybridgate.router import costmodel as cm
 from hybridgate.router.costmodel import WorkerLoad
 from hybridgate.router.policy import PlacementRequest, Policy
-from hybridgate.workerconf import SchedulerConfig
+from hybridgate.workers.config import SchedulerConfig
 
 PROFILE_FIELDS = ("kind", "decode_step_s", "prefill_tokens_per_s", "blocks_total", "block_size", "max_num_seqs",
                   "max_num_batched_tokens")

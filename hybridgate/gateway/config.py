@@ -1,7 +1,7 @@
 """The gateway's settings: where it listens, its limits, authentication and TLS.
 
 Data only (the settings root composes it); its checks read the token and key
-files through `hybridgate.keys` and `hybridgate.gateway.auth`, which import
+files through `hybridgate.security.keys` and `hybridgate.gateway.auth`, which import
 nothing but the standard library.
 """
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from hybridgate.config import check_settings, setting
 from hybridgate.gateway.auth import check_token
-from hybridgate.keys import check_secret_mode, read_secret_file
+from hybridgate.security.keys import check_secret_mode, read_secret_file
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from hybridgate.gateway.models import ModelNotFoundError, ModelTable, ServedMode
 from hybridgate.gateway.openai_format import ChoiceState, Formatter
 from hybridgate.router import ResourceExhaustedError, Router
 from hybridgate.router.errors import ContextLengthError
-from hybridgate.router.router import DEFAULT_MAX_TOKENS_CAP
+from hybridgate.router.prompts import DEFAULT_MAX_TOKENS_CAP
 from hybridgate.wire import InvalidFieldError
 
 log = logging.getLogger("hybridgate.gateway")

@@ -135,7 +135,7 @@ class GatewayMetrics:
         if clients is not None:
             self.registry.register(_EngineCollector(clients, wire_errors))
         if models:  # the same figures under vLLM's names (vllm_metrics.py)
-            from hybridgate.gateway.vllm_metrics import VllmCollector
+            from hybridgate.vllm_metrics import VllmCollector
 
             self.registry.register(VllmCollector([(name, c) for name, _, c in models],
                                                  (self.ttft, self.itl, self.e2e, self.success, self.prompt_tokens,

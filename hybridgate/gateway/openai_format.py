@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from hybridgate.router import Delta, GenerationStream, Router
-from hybridgate.router.stream import Usage
+from hybridgate.router.deltas import Usage
 from hybridgate.wire import FinishReason, TokenLogprobs
 
 _FINISH = {FinishReason.STOP: "stop", FinishReason.EOS: "stop", FinishReason.LENGTH: "length",

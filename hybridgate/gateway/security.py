@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 from hybridgate.gateway.auth import HEADER, bearer_ok
-from hybridgate.keys import read_secret_file
+from hybridgate.security.keys import read_secret_file
 
 OPEN_SERVICES = ("/grpc.health.v1.Health/",)  # load balancers probe health without a token
 REFUSAL = "missing or wrong bearer token (send metadata `authorization: Bearer <token>`)"

@@ -71,7 +71,7 @@ class Gateway:
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             # A second server on a taken port fails instead of sharing it; `serve --gateways N` shares
-            # it among its own gateways only (hybridgate.scaleout holds the port first).
+            # it among its own gateways only (hybridgate.run.scaleout holds the port first).
             ("grpc.so_reuseport", int(reuse_port)),
         ])
         self.service = service = GenerationService(self.models, self.metrics, log_requests=config.log_requests,

@@ -14,7 +14,7 @@ from hybridgate.gateway.config import GatewayConfig
 from hybridgate.gateway.convert import delta_to_proto, embed_inputs_to_native, request_to_native, tools_to_native
 from hybridgate.gateway.metrics import GatewayMetrics
 from hybridgate.gateway.models import ModelNotFoundError, ModelTable, ServedModel
-from hybridgate.router.router import DEFAULT_MAX_TOKENS_CAP
+from hybridgate.router.prompts import DEFAULT_MAX_TOKENS_CAP
 from hybridgate.gateway.errors import DRAINING, ROUTER_ERRORS, status_of
 from hybridgate.router import ResourceExhaustedError, Router
 from hybridgate.router.tools import ToolCallStream

@@ -37,7 +37,7 @@ def default_model_path() -> Path:
 
 
 # What a derived name keeps of a file's stem: the characters a served name may hold
-# (hybridgate.serveconf.MODEL_NAME); every other run of characters, spaces included, becomes one "-".
+# (hybridgate.run.config.MODEL_NAME); every other run of characters, spaces included, becomes one "-".
 _NOT_IN_A_NAME = re.compile(r"[^A-Za-z0-9._-]+")
 
 

@@ -10,18 +10,21 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 _HOMES = {
-    "hybridgate.router.client": ("WorkerClient", "WorkerDead", "ZmqWorkerClient"),
+    "hybridgate.clients.interface": ("WorkerClient", "WorkerDead"),
+    "hybridgate.router.client": ("ZmqWorkerClient",),
     "hybridgate.router.config": ("RouterConfig",),
     "hybridgate.router.errors": ("DeadlineExceededError", "FingerprintMismatchError", "InvalidRequestError",
                                  "ResourceExhaustedError", "RouterError", "UnavailableError", "WorkerRequestError"),
     "hybridgate.router.router": ("ROUTES", "Router"),
-    "hybridgate.router.stream": ("Delta", "GenerationStream", "Timings", "Usage"),
+    "hybridgate.router.deltas": ("Delta", "Timings", "Usage"),
+    "hybridgate.router.stream": ("GenerationStream",),
 }
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 __all__ = sorted(_HOME_OF)
 
 if TYPE_CHECKING:
-    from hybridgate.router.client import WorkerClient, WorkerDead, ZmqWorkerClient
+    from hybridgate.clients.interface import WorkerClient, WorkerDead
+    from hybridgate.router.client import ZmqWorkerClient
     from hybridgate.router.config import RouterConfig
     from hybridgate.router.errors import (
         DeadlineExceededError,
@@ -33,7 +36,8 @@ if TYPE_CHECKING:
         WorkerRequestError,
     )
     from hybridgate.router.router import ROUTES, Router
-    from hybridgate.router.stream import Delta, GenerationStream, Timings, Usage
+    from hybridgate.router.deltas import Delta, Timings, Usage
+    from hybridgate.router.stream import GenerationStream
 
 
 def __getattr__(name: str) -> Any:

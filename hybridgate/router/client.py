@@ -1,10 +1,10 @@
-"""Worker clients as the router sees them: one interface, a ZeroMQ implementation here.
+"""The ZeroMQ worker client: one implementation of `hybridgate.clients.interface.WorkerClient`.
 
 The in-process implementation lives in `hybridgate.workers.inprocess` (it owns
-an engine); the router only sees this interface, so it never imports workers.
+an engine); the router only sees the interface, so it never imports workers.
 
 Each `ZmqWorkerClient` runs its worker's lifecycle as the explicit state
-machine `hybridgate.router.lifecycle.Lifecycle` (its table of states and
+machine `hybridgate.clients.lifecycle.Lifecycle` (its table of states and
 events is in that module's docstring) and carries out the actions it returns.
 The DEALER sets `ZMQ_IMMEDIATE`, so nothing queues for a worker that is not
 connected; a send then fails (`add` returns False) instead of reaching a
@@ -20,17 +20,16 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable
-from typing import Protocol
 
 import msgspec
 import zmq
 import zmq.asyncio
 
 from hybridgate import wire
-from hybridgate.keys import Transport
+from hybridgate.clients.interface import MessageHandler, StateChange, WorkerDead
+from hybridgate.security.keys import Transport
 from hybridgate.router.config import RouterConfig
-from hybridgate.router.lifecycle import (
+from hybridgate.clients.lifecycle import (
     PROBE_FIRST_S,
     Exited,
     HelloSeen,
@@ -68,49 +67,6 @@ from hybridgate.wire import (
 
 log = logging.getLogger("hybridgate.router")
 DRAIN_BATCH = 256  # messages read in one go before the event loop runs other tasks
-
-
-class WorkerDead(msgspec.Struct, frozen=True):
-    """Synthetic event: the worker's sequences are gone (silent past the liveness timeout, or it
-    came back with a new boot id). The one signal the router acts on for the streams on it."""
-
-    reason: str
-    boot_id: str = ""  # the boot whose sequences are gone ("" when unknown)
-
-
-class StateChange(msgspec.Struct, frozen=True):
-    """Synthetic event: the client's lifecycle state changed (the router logs it, health follows)."""
-
-    old: WorkerState
-    new: WorkerState
-
-
-# on_message(client, message): message is a wire Struct, WorkerDead or StateChange.
-MessageHandler = Callable[["WorkerClient", msgspec.Struct], None]
-
-
-class WorkerClient(Protocol):
-    """What the router needs of a worker. Every client runs its states as a
-    `hybridgate.router.lifecycle.Lifecycle` (`ZmqWorkerClient` over a socket,
-    `hybridgate.router.local.LocalWorkerClient` for a worker in this process) and tells the router
-    of each change (StateChange) and loss (WorkerDead); the router sets one state itself, REFUSED,
-    on a HELLO with another model."""
-
-    endpoint: str
-    kind: str | None
-    state: WorkerState
-    stats: EngineStats
-    hello: Hello | None
-
-    async def start(self, on_message: MessageHandler) -> None: ...
-
-    def add(self, request: AddRequest) -> bool | None: ...  # False: not sent (place it elsewhere)
-
-    def abort(self, request_ids: list[str]) -> None: ...
-
-    def send(self, msg: msgspec.Struct) -> None: ...  # KV hand-off messages (HandoffReserve, Release, Resume)
-
-    async def close(self) -> None: ...
 
 
 # --- helpers ------------------------------------------------------------------------------------
@@ -155,7 +111,7 @@ class ZmqWorkerClient:
     (rate-limited); the receive task never dies of what a worker sends.
 
     `name`: the label of this worker in metrics until its HELLO names it. `transport`: CURVE on
-    a tcp:// endpoint (hybridgate.keys.Transport; None: plain sockets, the embedder's choice).
+    a tcp:// endpoint (hybridgate.security.keys.Transport; None: plain sockets, the embedder's choice).
     """
 
     def __init__(self, endpoint: str, *, dead_after_s: float = RouterConfig.dead_after_s,

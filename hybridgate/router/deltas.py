@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
-from hybridgate.router.client import WorkerDead
+from hybridgate.clients.interface import WorkerDead
 from hybridgate.router.errors import (
     DeadlineExceededError,
     InvalidRequestError,

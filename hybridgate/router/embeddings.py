@@ -30,7 +30,9 @@ from hybridgate.router.stream import GenerationStream
 from hybridgate.wire import PoolingType, SamplingParams, SeqOutput
 
 if TYPE_CHECKING:
-    from hybridgate.router.router import Router
+    from hybridgate.router.owner import EmbeddingOwner
+
+    Owner = EmbeddingOwner[GenerationStream]  # the Router, as these functions use it
 
 MAX_INPUTS = 2048  # inputs of one request (OpenAI's limit for an embeddings request's array)
 EMBED_ROUTES = ("auto", "gpu", "cpu")
@@ -46,7 +48,7 @@ class Embeddings:
     prompt_tokens: int
 
 
-def pooling_of(router: Router) -> PoolingType:
+def pooling_of(router: Owner) -> PoolingType:
     """The pooling embedding requests use: RouterConfig.pooling, or the file's `<arch>.pooling_type`.
 
     Raises InvalidRequestError (field `model`) when that is none or one not served (RANK: a reranker)."""
@@ -62,7 +64,7 @@ def pooling_of(router: Router) -> PoolingType:
     return PoolingType(value)
 
 
-def check_dimensions(router: Router, dimensions: int | None) -> int:
+def check_dimensions(router: Owner, dimensions: int | None) -> int:
     """The vector length to answer: the model's hidden size, or `dimensions` within it where the model
     supports truncation (RouterConfig.matryoshka). Raises InvalidRequestError naming `dimensions`."""
     hidden = router.model.config.hidden_size
@@ -80,7 +82,7 @@ def check_dimensions(router: Router, dimensions: int | None) -> int:
 class EmbeddingStream(GenerationStream):
     """A prefill-only stream: its one output carries the pooled vector (`embedding`), no token."""
 
-    def __init__(self, router: Router, prompt: str | TokenIds, pooling: PoolingType, label: str, route: str,
+    def __init__(self, router: Owner, prompt: str | TokenIds, pooling: PoolingType, label: str, route: str,
                  deadline_s: float | None):
         super().__init__(router, prompt, _PREFILL_ONLY, label, request_id=uuid.uuid4().hex, route=route,
                          deadline_s=deadline_s)
@@ -121,7 +123,7 @@ def finish_vector(pooled: np.ndarray, dimensions: int, normalize: bool) -> np.nd
     return v.astype(np.float32)
 
 
-async def embed(router: Router, inputs: Sequence[str | TokenIds], dimensions: int | None = None, label: str = "",
+async def embed(router: Owner, inputs: Sequence[str | TokenIds], dimensions: int | None = None, label: str = "",
                 route: str = "auto", deadline_s: float | None = None) -> Embeddings:
     """The embeddings of `inputs` (see the module doc). Raises InvalidRequestError naming the field (`input`,
     `dimensions`, `model`, `route`) before any work, and what a generation's stream raises (UnavailableError,

@@ -65,7 +65,7 @@ from typing import Protocol
 import msgspec
 
 from hybridgate.config import environment
-from hybridgate.router.client import WorkerClient, WorkerDead
+from hybridgate.clients.interface import WorkerClient, WorkerDead
 from hybridgate.router.costmodel import HandoffRate
 from hybridgate.router.reorder import Reorder
 from hybridgate.wire import (

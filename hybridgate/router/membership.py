@@ -14,7 +14,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Iterable
 
-from hybridgate.router.client import StateChange, WorkerClient
+from hybridgate.clients.interface import StateChange, WorkerClient
 from hybridgate.router.errors import FingerprintMismatchError, UnavailableError
 from hybridgate.wire import Hello, WorkerState
 

@@ -17,7 +17,7 @@ characters go to a pool of spawned processes, each holding its own Tokenizer and
 ChatTemplate built from the model file's metadata (and the router's template
 source, so --chat-template applies to long chats too), run at a lower priority
 (nice +10) so that tokenizing a large prompt yields the cores to decoding
-(hybridgate.encoder_process, the processes' entry points).
+(hybridgate.router.encoder_process, the processes' entry points).
 
 Nothing is pickled but the call's envelope: a job is one msgspec-msgpack bytes
 object ([the text or the messages, add_generation_prompt, tools]) and the answer is
@@ -44,7 +44,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from hybridgate import encoder_process
+from hybridgate.router import encoder_process
 from hybridgate.models import ChatTemplate, Tokenizer
 from hybridgate.models.chat import ROLES, ChatTemplateError
 from hybridgate.router.errors import ContextLengthError, InvalidRequestError, UnavailableError

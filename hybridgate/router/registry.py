@@ -1,6 +1,6 @@
 """Workers found in Redis: routers add the new ones, drop the expired ones, and refuse other models.
 
-Workers write `hybridgate.redisconf.WorkerEntry` under `PREFIX:worker:ENDPOINT`
+Workers write `hybridgate.security.redisconf.WorkerEntry` under `PREFIX:worker:ENDPOINT`
 with a TTL they renew (`hybridgate.workers.registration`). A router polls the
 keys every `poll_s` and reconciles its clients with them:
 
@@ -28,13 +28,14 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from hybridgate.redisconf import RedisConfig, WorkerEntry, bounded, connect, redacted, redis_errors, worker_pattern
-from hybridgate.keys import Transport
-from hybridgate.router.client import WorkerClient, ZmqWorkerClient
+from hybridgate.security.redisconf import RedisConfig, WorkerEntry, bounded, connect, redacted, redis_errors, worker_pattern
+from hybridgate.security.keys import Transport
+from hybridgate.clients.interface import WorkerClient
+from hybridgate.router.client import ZmqWorkerClient
 from hybridgate.router.config import RouterConfig
 
 if TYPE_CHECKING:
-    from hybridgate.router.router import Router
+    from hybridgate.router.owner import Members
 
 log = logging.getLogger("hybridgate.router")
 POLL_S = 0.25  # a new worker is used at most this long (plus its HELLO) after it registers
@@ -62,11 +63,11 @@ class RedisRegistry:
         self.siblings: frozenset[str] = frozenset()
         self.known: dict[str, tuple[WorkerClient, WorkerEntry]] = {}  # by endpoint
         self._refused: set[tuple[str, str]] = set()  # (endpoint, boot id) logged once, while in Redis
-        self._router: Router | None = None
+        self._router: Members | None = None
         self._redis = None
         self._task: asyncio.Task | None = None
 
-    async def start(self, router: Router) -> None:
+    async def start(self, router: Members) -> None:
         """First reconciliation now (so workers already registered are connecting on return), then polls."""
         self._router = router
         self._redis = connect(self.config)

@@ -43,10 +43,10 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from hybridgate.redisconf import RedisConfig, bounded, connect, redacted, redis_errors
-from hybridgate.router.config import CACHE_MODES, ResponseCacheConfig  # noqa: F401 (CACHE_MODES: its old home)
+from hybridgate.security.redisconf import RedisConfig, bounded, connect, redacted, redis_errors
+from hybridgate.router.config import ResponseCacheConfig
 from hybridgate.router.errors import UnavailableError
-from hybridgate.router.stream import Delta, Timings, Usage
+from hybridgate.router.deltas import Delta, Timings, Usage
 from hybridgate.wire import FinishReason, SamplingParams
 
 if TYPE_CHECKING:

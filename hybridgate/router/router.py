@@ -22,7 +22,8 @@ import msgspec
 
 from hybridgate.models import ChatTemplate, GGUFModel, Tokenizer, load_gguf, model_fingerprint
 from hybridgate.models.chat import template_token_ids
-from hybridgate.router.client import RateLimitedLog, StateChange, WorkerClient, WorkerDead, ZmqWorkerClient
+from hybridgate.clients.interface import StateChange, WorkerClient, WorkerDead
+from hybridgate.router.client import RateLimitedLog, ZmqWorkerClient
 from hybridgate.router.config import RouterConfig
 from hybridgate.router.constraints import ConstraintCheck, ConstraintLimits
 from hybridgate.router import embeddings
@@ -32,14 +33,7 @@ from hybridgate.router.handoff import HandoffMetrics, PauseHook
 from hybridgate.router.membership import Membership
 from hybridgate.router.placement import Placement, Placer, _Pending
 from hybridgate.router.policy import make_policy
-from hybridgate.router.prompts import (  # noqa: F401 (MAX_PROMPT_BYTES and DEFAULT_MAX_TOKENS_CAP re-exported)
-    DEFAULT_MAX_TOKENS_CAP,
-    MAX_PROMPT_BYTES,
-    Prompt,
-    Prompts,
-    TokenIds,
-    read_chat_template,
-)
+from hybridgate.router.prompts import Prompt, Prompts, TokenIds, read_chat_template
 from hybridgate.router.registry import RedisRegistry
 from hybridgate.router.response_cache import ResponseCache
 from hybridgate.router.stream import GenerationStream, Stalled, WorkerAvailable

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from hybridgate.models import IncrementalDetokenizer
-from hybridgate.router.client import WorkerClient, WorkerDead
+from hybridgate.clients.interface import WorkerClient, WorkerDead
 from hybridgate.router.deltas import REPLACEABLE_CODES, Delta, Timings, Usage, error_of
 from hybridgate.router.errors import DeadlineExceededError, UnavailableError
 from hybridgate.router.handoff import Handoff, worker_name
@@ -20,10 +20,11 @@ from hybridgate.router.streamstate import StreamAction as A
 from hybridgate.router.streamstate import StreamEvent, StreamFacts, StreamState, transition
 from hybridgate.wire import AddRequest, FinishReason, Overload, RequestError, SamplingParams, SeqOutput, TokenLogprobs
 
-__all__ = ["REPLACEABLE_CODES", "Delta", "GenerationStream", "Stalled", "Timings", "Usage", "WorkerAvailable"]
+__all__ = ["GenerationStream", "Stalled", "WorkerAvailable"]
 
 if TYPE_CHECKING:
-    from hybridgate.router.router import Prompt, Router
+    from hybridgate.router.owner import StreamOwner
+    from hybridgate.router.prompts import Prompt
 
 log = logging.getLogger("hybridgate.router")
 
@@ -68,8 +69,8 @@ class GenerationStream:
     same worker is never a duplicate.
     """
 
-    def __init__(self, router: Router, prompt: Prompt, params: SamplingParams, label: str, request_id: str,
-                 route: str = "auto", deadline_s: float | None = None):
+    def __init__(self, router: StreamOwner[GenerationStream], prompt: Prompt, params: SamplingParams, label: str,
+                 request_id: str, route: str = "auto", deadline_s: float | None = None):
         self.router, self.prompt, self.params, self.label = router, prompt, params, label
         self.deadline_s = deadline_s  # seconds from entry; None: none
         self.request_id, self.plan = request_id, route  # the route asked for: auto, gpu, cpu or gpu->cpu

@@ -25,7 +25,7 @@ import os
 import platform
 
 from hybridgate.cpuset import worker_cores
-from hybridgate.workerconf import EngineConfig
+from hybridgate.workers.config import EngineConfig
 
 log = logging.getLogger("hybridgate.worker")
 

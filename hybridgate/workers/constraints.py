@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from hybridgate.workerconf import EngineConfig
+from hybridgate.workers.config import EngineConfig
 
 DEFAULT_GRAMMAR_CACHE_SIZE: int = EngineConfig.grammar_cache_size
 DEFAULT_GRAMMAR_COMPILE_THREADS: int = EngineConfig.grammar_compile_threads

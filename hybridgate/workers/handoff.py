@@ -29,7 +29,7 @@ from hybridgate.wire import (
     HandoffOutcome, HandoffPart, HandoffRefused, HandoffRelease, HandoffReservation, HandoffReserve, HandoffResume,
     InvalidFieldError, MsgType,
 )
-from hybridgate.workerconf import WorkerConfig
+from hybridgate.workers.config import WorkerConfig
 from hybridgate.workers.guard import check_add
 from hybridgate.workers.sequence import SequenceStatus
 

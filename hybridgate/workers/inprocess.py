@@ -6,7 +6,7 @@ import asyncio
 import os
 import threading
 
-from hybridgate.router.local import LocalWorkerClient
+from hybridgate.clients.local import LocalWorkerClient
 from hybridgate.wire import Abort, AddRequest, EngineStats, Hello
 from hybridgate.workers.engine import EngineCore, EngineLoop, Inbox, ModelRunner
 from hybridgate.workers.scheduler import SchedulerConfig

@@ -20,7 +20,7 @@ import msgspec
 import zmq
 
 from hybridgate import wire
-from hybridgate.keys import Transport, TransportConfig
+from hybridgate.security.keys import Transport, TransportConfig
 from hybridgate.wire import (
     ERROR_INVALID_REQUEST,
     Abort,

@@ -4,7 +4,7 @@ weights, the runtime, a profiled step's activations and the decode graphs take."
 
 from __future__ import annotations
 
-from hybridgate.workerconf import parse_memory  # noqa: F401 (declared with the setting it checks)
+from hybridgate.workers.config import parse_memory  # noqa: F401 (declared with the setting it checks)
 
 
 def host_available_bytes() -> int:

@@ -4,7 +4,7 @@ An inference scheduler that scrapes model servers one by one (the Gateway API In
 endpoint picker, llm-d) or an autoscaler's recipe reads `vllm:num_requests_running`,
 `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc` and `vllm:cache_config_info`, labelled
 `model_name`; a worker serves them for itself, with the gateway's shapes
-(`hybridgate.gateway.vllm_metrics`), from the stats its engine refreshes every pass (the figures its
+(`hybridgate.vllm_metrics`), from the stats its engine refreshes every pass (the figures its
 LOAD heartbeats carry). The request histograms (TTFT, ITL) are the gateway's, which sees the streams.
 The port binds the host of the worker's tcp:// endpoint (0.0.0.0 in a container), loopback for ipc://.
 """
@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, start_http_server
 
-from hybridgate.gateway.vllm_metrics import VllmCollector
+from hybridgate.vllm_metrics import VllmCollector
 from hybridgate.wire import EngineStats
 
 

@@ -19,20 +19,16 @@ from pathlib import Path
 
 import zmq
 
-from hybridgate.children import die_with_parent
-from hybridgate.keys import Transport, TransportConfig
-from hybridgate.redisconf import RedisConfig, WorkerEntry
+from hybridgate.run.children import die_with_parent
+from hybridgate.security.keys import Transport, TransportConfig
+from hybridgate.security.redisconf import RedisConfig, WorkerEntry
 from hybridgate.wire import Hello
-from hybridgate.workerconf import EngineConfig, WorkerConfig  # noqa: F401 (EngineConfig: its old home)
+from hybridgate.workers.config import WorkerConfig
 from hybridgate.workers.engine import EngineCore, EngineLoop, Inbox, default_constraints
 from hybridgate.workers.guard import WireErrors
 from hybridgate.workers.handoff import HandoffConfig
-from hybridgate.workers.io_thread import (  # noqa: F401 (max_frame_bytes: its old home)
-    WorkerIO,
-    handoff_frame_bytes,
-    max_frame_bytes,
-)
-from hybridgate.workers.threads import EXIT_THREAD_DIED, exit_if_raises, worker_thread  # noqa: F401 (its old home)
+from hybridgate.workers.io_thread import WorkerIO, handoff_frame_bytes, max_frame_bytes
+from hybridgate.workers.threads import exit_if_raises, worker_thread
 
 log = logging.getLogger("hybridgate.worker")
 

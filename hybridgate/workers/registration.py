@@ -1,6 +1,6 @@
 """A worker's entry in the Redis registry: written once READY, renewed before its TTL runs out, deleted on exit.
 
-The entry (`hybridgate.redisconf.WorkerEntry`, JSON) lives under
+The entry (`hybridgate.security.redisconf.WorkerEntry`, JSON) lives under
 `PREFIX:worker:ENDPOINT` with a TTL of `registry_ttl_s` and is rewritten every
 third of it, so a worker killed outright disappears from every gateway within
 the TTL, and one that stops cleanly at once. The writes run on their own
@@ -19,7 +19,7 @@ import threading
 
 import msgspec
 
-from hybridgate.redisconf import RedisConfig, WorkerEntry, bounded, connect, redacted, redis_errors, worker_key
+from hybridgate.security.redisconf import RedisConfig, WorkerEntry, bounded, connect, redacted, redis_errors, worker_key
 from hybridgate.workers.threads import worker_thread
 
 log = logging.getLogger("hybridgate.worker")

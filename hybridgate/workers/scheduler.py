@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from hybridgate.workerconf import SchedulerConfig
+from hybridgate.workers.config import SchedulerConfig
 from hybridgate.mempool import BlockAllocator, block_hash, prefix_block_hashes
 from hybridgate.workers.rates import StepCost
 from hybridgate.workers.sequence import Sequence, SequenceStatus

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from hybridgate.router.local import LocalWorkerClient
+from hybridgate.clients.local import LocalWorkerClient
 from hybridgate.wire import EngineStats, FinishReason, Hello, Outputs, SeqOutput, TokenLogprobs
 
 

@@ -1,5 +1,5 @@
 """`hybridgate bench engine --kind cpu`: the figures it reports, on a tiny run; a crashing llama.cpp baseline.
-The run against a real llama.cpp is `make bench-check` (bench/test_llama_cpp_baseline.py)."""
+The run against a real llama.cpp is `make bench-check` (tests/component/test_llama_cpp_baseline.py, marked `bench`)."""
 
 from __future__ import annotations
 

@@ -18,8 +18,8 @@ from hybridgate.gateway.http_guard import MAX_BODY_BYTES
 from hybridgate.gateway.metrics import GatewayMetrics
 from hybridgate.router import Router, RouterConfig
 from hybridgate.router.prompts import INLINE_CHARS
-from hybridgate.router.router import MAX_PROMPT_BYTES
-from hybridgate.router.stream import Delta
+from hybridgate.router.prompts import MAX_PROMPT_BYTES
+from hybridgate.router.deltas import Delta
 from hybridgate.wire import FinishReason, InvalidFieldError
 
 TOKEN = "edge-token"

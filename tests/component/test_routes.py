@@ -10,7 +10,7 @@ import pytest
 
 from hybridgate.models import model_fingerprint
 from hybridgate.router import InvalidRequestError, Router, UnavailableError
-from hybridgate.router.local import LocalWorkerClient
+from hybridgate.clients.local import LocalWorkerClient
 from hybridgate.wire import (
     EngineStats,
     FinishReason,

@@ -17,7 +17,7 @@ from hybridgate.cpuset import format_cpulist, parse_cpulist
 SCRIPT = """
 import glob, json, logging, sys, threading
 logging.basicConfig(level=logging.INFO, format="%(message)s")
-from hybridgate.workerconf import EngineConfig, WorkerConfig
+from hybridgate.workers.config import EngineConfig, WorkerConfig
 from hybridgate.workers.process import build_runner
 engine = EngineConfig(cpu_cores=sys.argv[2], threads=int(sys.argv[3]) or None, cpu_thread_fallback=False)
 runner, _ = build_runner(WorkerConfig(model_path=sys.argv[1], engine=engine))

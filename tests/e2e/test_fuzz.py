@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from conftest import TIME_FACTOR, golden_json
 from hybridgate import wire
 from hybridgate.wire import Abort, AddRequest, Connect, Load, MsgType, Outputs, RequestError, SamplingParams
-from hybridgate.workers.process import max_frame_bytes
+from hybridgate.workers.io_thread import max_frame_bytes
 from procs import Proc
 
 GREEDY = golden_json("greedy.json")["france"]

@@ -114,7 +114,7 @@ def test_two_gateways_share_a_worker(tmp_path, model_path):
 def test_default_layout_streams_the_reference_answer(tmp_path, model_path):
     """`serve` with no layout flags: its workers (one CPU worker here; a GPU worker too under CUDA)
     answer the France chat with transformers' greedy ids (tests/golden/greedy.json), EOS included."""
-    from hybridgate.serve import cuda_present
+    from hybridgate.run.serve import cuda_present
 
     server = Serve(tmp_path / "serve.log")
     try:
@@ -190,7 +190,7 @@ def test_serve_killed_takes_its_worker_down(tmp_path, model_path):
     assert not any(alive(c) for c in workers)
     server.stop()
     # Nothing ran to remove its socket folder; the next serve does (its serve.pid is dead).
-    from hybridgate.serve import remove_stale_socket_dirs
+    from hybridgate.run.serve import remove_stale_socket_dirs
 
     folder = re.search(r"ipc://(/\S+)/worker-0\.sock", server.text()).group(1)
     assert os.path.isdir(folder) and folder in remove_stale_socket_dirs() and not os.path.exists(folder)

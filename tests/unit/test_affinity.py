@@ -13,8 +13,8 @@ import threading
 import pytest
 
 from hybridgate.cpuset import format_cpulist, node_cores, parse_cpulist, split, worker_cores
-from hybridgate.serve import cpu_engines
-from hybridgate.workerconf import EngineConfig
+from hybridgate.run.serve import cpu_engines
+from hybridgate.workers.config import EngineConfig
 from hybridgate.workers.affinity import prefer_node
 
 SYS_GET_MEMPOLICY = {"x86_64": 239, "aarch64": 236}  # the kernel's syscall tables

@@ -9,7 +9,7 @@ import pytest
 from hybridgate.config import report, resolve
 from hybridgate.gateway.auth import bearer_ok
 from hybridgate.gateway.server import GatewayConfig
-from hybridgate.keys import read_secret_file
+from hybridgate.security.keys import read_secret_file
 from hybridgate.settings import Settings
 
 TOKEN = "s3cret-Token-0123456789"
@@ -89,7 +89,7 @@ def test_config_printer_masks_the_token():
 def test_curve_keys_round_trip_and_refusals(tmp_path):
     import zmq.auth
 
-    from hybridgate.keys import Transport, TransportConfig, generate_keys, load_keys
+    from hybridgate.security.keys import Transport, TransportConfig, generate_keys, load_keys
 
     path = tmp_path / "deploy.key"
     made = generate_keys(path)

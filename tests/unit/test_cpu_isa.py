@@ -116,7 +116,7 @@ def test_amx_joins_the_avx512_target_only_where_the_cpu_has_it_and_the_setting_a
 
 
 def test_a_worker_setting_for_a_path_the_cpu_cannot_run_is_refused_before_any_worker_starts(monkeypatch):
-    from hybridgate.workers.process import EngineConfig
+    from hybridgate.workers.config import EngineConfig
 
     assert EngineConfig(cpu_isa=RUNNABLE[0]).cpu_isa == RUNNABLE[0]
     monkeypatch.setattr(isa, "host_features", lambda: set())  # a CPU with no vector extensions: generic only

@@ -67,7 +67,7 @@ def test_no_setting_default_is_written_again(spec):
 ])
 def test_the_known_copies_are_gone(where, pattern, what):
     found = [f"{path}:{text.count(chr(10), 0, m.start()) + 1}"
-             for path, text in SOURCES.items() if path.startswith(where) and path != "hybridgate/workerconf.py"
+             for path, text in SOURCES.items() if path.startswith(where) and path != "hybridgate/workers/config.py"
              for m in re.finditer(pattern, text)]
     assert found == [], what
 

@@ -169,7 +169,8 @@ def test_the_export_queue_is_bounded_and_one_more_export_fails_at_once():
     import torch
     import zmq
 
-    from hybridgate.workers.gpu.export import ExportJob, KVExporter
+    from hybridgate.workers.gpu.export import KVExporter
+    from hybridgate.workers.handoff import ExportJob
 
     cache = SimpleNamespace(k=[torch.zeros(4, 16, 3, 64)], block_size=16)
     runner = SimpleNamespace(cache=cache, model=SimpleNamespace(device=torch.device("cpu")), max_model_len=64)

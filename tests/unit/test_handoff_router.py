@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridgate.router.client import WorkerDead
+from hybridgate.clients.interface import WorkerDead
 from hybridgate.router.handoff import Handoff, HandoffMetrics, HandoffState, PauseHook
 from hybridgate.router.reorder import Reorder
 from hybridgate.wire import (

@@ -7,7 +7,8 @@ keeps a command cheap). A package that loads its names lazily (PEP 562
 `if TYPE_CHECKING:`; `from hybridgate.router import Router` is read as an
 import of the module declared there. Importing `a.b.c` loads the packages `a`
 and `a.b` first, so reaching a module reaches its parents. The subprocess tests check the same from
-`sys.modules`, as a user's command runs.
+`sys.modules`, as a user's command runs. A type checker reads the imports under `if TYPE_CHECKING:` too:
+`TYPED` is the graph it sees, which has no cycle either.
 """
 
 from __future__ import annotations
@@ -21,8 +22,16 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "hybridgate"
 WORKERS = "hybridgate.workers"
+# The workers' settings live in their package (data only; the package's __init__ imports nothing), so the
+# settings root loads these two and no worker behaviour.
+WORKER_SETTINGS = ("hybridgate.workers", "hybridgate.workers.config")
 NO_WORKERS = ("hybridgate.gateway", "hybridgate.router", "hybridgate.settings", "hybridgate.config",
-              "hybridgate.serveconf", "hybridgate.workerconf")
+              "hybridgate.run.config", "hybridgate.workers.config")
+
+
+def worker_behaviour(modules) -> list[str]:
+    """The modules of `hybridgate.workers` among `modules`, its settings left out."""
+    return sorted(m for m in modules if m.startswith(WORKERS) and m not in WORKER_SETTINGS)
 
 
 def _modules() -> dict[str, Path]:
@@ -54,8 +63,9 @@ def _lazy_names(path: Path) -> dict[str, str]:
     return out
 
 
-def _imports(name: str, path: Path, lazy_too: bool = False) -> set[str]:
-    """The hybridgate modules `name` imports at module level (`lazy_too`: in its functions as well)."""
+def _imports(name: str, path: Path, lazy_too: bool = False, typing_too: bool = False) -> set[str]:
+    """The hybridgate modules `name` imports at module level (`lazy_too`: in its functions as well;
+    `typing_too`: under `if TYPE_CHECKING:` as well)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
 
@@ -75,7 +85,7 @@ def _imports(name: str, path: Path, lazy_too: bool = False) -> set[str]:
                     full = f"{base}.{alias.name}"
                     found.add(full if full in MODULES else LAZY.get(base, {}).get(alias.name, base))
             elif isinstance(node, ast.If):
-                if not _is_type_checking(node.test):
+                if typing_too or not _is_type_checking(node.test):
                     visit(node.body)
                 visit(node.orelse)
             elif isinstance(node, ast.Try):
@@ -88,6 +98,7 @@ def _imports(name: str, path: Path, lazy_too: bool = False) -> set[str]:
 LAZY = {name: _lazy_names(path) for name, path in MODULES.items() if path.name == "__init__.py"}
 GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
 EVERY_IMPORT = {name: _imports(name, path, lazy_too=True) for name, path in MODULES.items()}
+TYPED = {name: _imports(name, path, lazy_too=True, typing_too=True) for name, path in MODULES.items()}
 
 
 def _parents(name: str) -> list[str]:
@@ -95,11 +106,11 @@ def _parents(name: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(2, len(parts))]
 
 
-def reached(start: str) -> set[str]:
-    """Every module loaded by importing `start`: its imports, their parents, transitively."""
+def reached(start: str, graph: dict[str, set[str]] = GRAPH) -> set[str]:
+    """Every module loaded by importing `start`: its imports, their parents, transitively (in `graph`)."""
     seen, todo = set(), [start, *_parents(start)]
     while todo:
-        for m in GRAPH[todo.pop()]:
+        for m in graph[todo.pop()]:
             for x in (m, *_parents(m)):
                 if x not in seen:
                     seen.add(x)
@@ -144,11 +155,13 @@ def test_the_graph_is_read_right():
     a lazy package's name, and a function's import left out."""
     assert "hybridgate.workers.engine" in GRAPH["hybridgate.workers.process"]
     assert "hybridgate.router.costmodel" in GRAPH["hybridgate.router.policy"]  # from hybridgate.router import costmodel
-    assert "hybridgate.router.router" in GRAPH["hybridgate.serve"]  # from hybridgate.router import Router
+    assert "hybridgate.router.router" in GRAPH["hybridgate.run.serve"]  # from hybridgate.router import Router
     assert GRAPH["hybridgate.router"] == set()  # its names load on first use
     assert "hybridgate.workers.process" not in GRAPH["hybridgate.cli"]  # imported inside _cmd_worker
     assert "hybridgate.workers.process" in EVERY_IMPORT["hybridgate.cli"]
     assert "hybridgate.workers" in reached("hybridgate.workers.engine")  # a module's package loads first
+    assert "hybridgate.models.gguf_file" in TYPED["hybridgate.bench.shapes"]  # under TYPE_CHECKING
+    assert "hybridgate.models.gguf_file" not in GRAPH["hybridgate.bench.shapes"]
 
 
 def test_no_import_cycle_in_the_package():
@@ -159,9 +172,30 @@ def test_no_import_cycle_in_the_package():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+def test_no_import_cycle_even_for_type_checkers():
+    """The graph a type checker reads (`if TYPE_CHECKING:` imports included) has no cycle: the router's
+    modules that only call a `Router` name a small Protocol of what they call instead of importing it."""
+    assert cycles(TYPED) == []
+
+
+@pytest.mark.parametrize("start", sorted(m for m in MODULES if m.startswith(WORKERS + ".")))
+def test_no_worker_module_imports_the_gateway_or_the_router(start):
+    """A worker is below both doors: what it shares with the router (the worker-client interface and
+    lifecycle, the vLLM metric names) lives below both, never in `hybridgate.gateway` or `hybridgate.router`;
+    not even through another module, a function's import or a type checker's."""
+    doors = ("hybridgate.gateway", "hybridgate.router")
+    assert sorted(m for m in TYPED[start] if m.startswith(doors)) == []
+    assert sorted(m for m in reached(start, TYPED) if m.startswith(doors)) == []
+
+
 @pytest.mark.parametrize("start", sorted(m for m in MODULES if m.startswith(NO_WORKERS)))
 def test_settings_gateway_and_router_reach_no_worker_module(start):
-    assert sorted(m for m in reached(start) if m == WORKERS or m.startswith(WORKERS + ".")) == []
+    assert worker_behaviour(reached(start)) == []
+
+
+def test_the_workers_package_imports_nothing():
+    """So that importing `hybridgate.workers.config` (the settings root does) loads nothing else."""
+    assert EVERY_IMPORT[WORKERS] == set() and TYPED[WORKERS] == set()
 
 
 def test_the_settings_machinery_imports_no_part():
@@ -176,8 +210,9 @@ def test_the_settings_root_imports_no_behaviour():
     """Reading the settings loads the parts' config modules and what their checks need, nothing else."""
     assert reached("hybridgate.settings") <= {
         "hybridgate", "hybridgate.config", "hybridgate.gateway", "hybridgate.gateway.auth",
-        "hybridgate.gateway.config", "hybridgate.keys", "hybridgate.redisconf", "hybridgate.router",
-        "hybridgate.router.config", "hybridgate.serveconf", "hybridgate.workerconf"}
+        "hybridgate.gateway.config", "hybridgate.security", "hybridgate.security.keys", "hybridgate.security.redisconf",
+        "hybridgate.router", "hybridgate.router.config", "hybridgate.run", "hybridgate.run.config",
+        "hybridgate.workers", "hybridgate.workers.config"}
 
 
 def _loaded(code: str) -> list[str]:
@@ -191,7 +226,7 @@ def _loaded(code: str) -> list[str]:
 def test_a_gateway_import_loads_no_worker_module(code):
     loaded = _loaded(code)
     assert any(m.startswith(code.split()[1]) for m in loaded)  # the import itself was seen
-    assert [m for m in loaded if m.startswith(WORKERS)] == []
+    assert worker_behaviour(loaded) == []
 
 
 def test_generate_help_loads_no_worker_module():
@@ -202,4 +237,4 @@ def test_generate_help_loads_no_worker_module():
     assert out.returncode == 0, out.stderr[-2000:]
     loaded = [line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")]
     assert "hybridgate.settings" in loaded and "hybridgate.cli" in loaded
-    assert [m for m in loaded if m.startswith(WORKERS)] == []
+    assert worker_behaviour(loaded) == []

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from hybridgate.serve import LayoutConfig, cuda_present, worker_layout
+from hybridgate.run.serve import LayoutConfig, cuda_present, worker_layout
 
 
 @pytest.mark.parametrize(("cuda", "kinds"), [(True, ["gpu", "cpu"]), (False, ["cpu"])])
 def test_default_layout_follows_cuda(monkeypatch, cuda, kinds):
     # DESIGN.md: one CPU worker without CUDA; one GPU and one CPU worker with it.
-    monkeypatch.setattr("hybridgate.serve.cuda_present", lambda: cuda)
+    monkeypatch.setattr("hybridgate.run.serve.cuda_present", lambda: cuda)
     assert worker_layout(LayoutConfig()) == kinds
 
 

@@ -1,11 +1,11 @@
-"""The worker client's lifecycle (`hybridgate.router.lifecycle.Lifecycle`): one test per row of its table,
+"""The worker client's lifecycle (`hybridgate.clients.lifecycle.Lifecycle`): one test per row of its table,
 driven with synthetic events (no sockets)."""
 
 from __future__ import annotations
 
 import pytest
 
-from hybridgate.router.lifecycle import (
+from hybridgate.clients.lifecycle import (
     MAX_ABANDONED,
     PROBE_FIRST_S,
     PROBE_MAX_S,

@@ -18,8 +18,8 @@ from hybridgate.models import ChatTemplate, Tokenizer, load_gguf, model_name, mo
 from hybridgate.models.info import describe
 from hybridgate.router import Router
 from hybridgate.router.router import RouterConfig
-from hybridgate.serve import served_names
-from hybridgate.serveconf import MODEL_NAME
+from hybridgate.run.serve import served_names
+from hybridgate.run.config import MODEL_NAME
 from hybridgate.wire import InvalidFieldError
 
 CHAT = [{"role": "user", "content": "Hi"}]
@@ -123,7 +123,7 @@ def test_info_prints_the_refusal_and_what_it_could_read(capsys, malformed, fault
 @pytest.mark.parametrize("fault", FAULTS)
 def test_serve_refuses_at_start_up_in_one_line_before_any_worker(capsys, monkeypatch, malformed, fault):
     started = []
-    monkeypatch.setattr("hybridgate.supervise.Supervisor._start", lambda self, slot: started.append(slot.name))
+    monkeypatch.setattr("hybridgate.run.supervise.Supervisor._start", lambda self, slot: started.append(slot.name))
     code = main(["serve", "--model", str(malformed[fault]), "--gpu-workers", "1", "--cpu-workers", "1",
                  "--port", "0"])
     err = capsys.readouterr().err.strip().splitlines()

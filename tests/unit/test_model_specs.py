@@ -8,8 +8,8 @@ import argparse
 import pytest
 
 from hybridgate.config import resolve
-from hybridgate.serve import static_pools, worker_layout
-from hybridgate.serveconf import LayoutConfig, ModelSpec, parse_model_spec
+from hybridgate.run.serve import static_pools, worker_layout
+from hybridgate.run.config import LayoutConfig, ModelSpec, parse_model_spec
 from hybridgate.settings import Settings, add_command_settings, model_keys
 
 
@@ -163,7 +163,7 @@ def test_config_shows_each_models_settings_and_where_each_came_from(tmp_path):
 def test_serve_gives_each_models_workers_its_own_settings():
     """The worker settings `serve` spawns: each model's count, KV cache, activations and max model length;
     the two cores split across the workers of both models (disjoint, one each)."""
-    from hybridgate.serve import fleet_workers
+    from hybridgate.run.serve import fleet_workers
 
     s = resolve(parse("serve", "--kv-cache-dtype", "bf16", "--max-model-len", "1024", "--cpu-workers", "1",
                       "--gpu-workers", "0", "--model", "a=x.gguf",

@@ -10,7 +10,7 @@ import pytest
 
 from hybridgate.cli import build_parser
 from hybridgate.config import report, resolve
-from hybridgate.redisconf import RedisConfig, WorkerEntry, redacted, worker_key
+from hybridgate.security.redisconf import RedisConfig, WorkerEntry, redacted, worker_key
 from hybridgate.workers.registration import advertised_endpoint, advertised_handoff_endpoint
 
 

@@ -111,7 +111,7 @@ def test_settings_flags_and_limits():
 
 async def test_redis_store_written_count_stays_bounded_without_a_scrape(redis_server):
     """Every put forgets what expired and bins the rest, so nothing has to read `bytes` to keep memory bounded."""
-    from hybridgate.redisconf import RedisConfig
+    from hybridgate.security.redisconf import RedisConfig
     from hybridgate.router.response_cache import RedisStore
 
     now = [0.0]

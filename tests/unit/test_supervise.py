@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from hybridgate.supervise import Supervisor, SupervisorConfig
+from hybridgate.run.supervise import Supervisor, SupervisorConfig
 
 
 def test_serve_stays_up_while_another_worker_serves_and_learns_when_none_can(tmp_path):

@@ -30,7 +30,8 @@ from hybridgate.wire import (
 from hybridgate.workers.engine import ClientCongested, ClientGone, EngineCore, EngineLoop, Inbox
 from hybridgate.workers.faults import FAULT_ENV, FaultHook, InjectedFault
 from hybridgate.workers.guard import WireErrors, check_add
-from hybridgate.workers.process import EXIT_THREAD_DIED, WorkerIO, max_frame_bytes
+from hybridgate.workers.io_thread import WorkerIO, max_frame_bytes
+from hybridgate.workers.threads import EXIT_THREAD_DIED
 from hybridgate.workers.scheduler import ScheduledBatch, SchedulerConfig
 from hybridgate.workers.sequence import Sequence
 from tests.conftest import TIME_FACTOR
@@ -267,7 +268,7 @@ def test_a_dead_worker_thread_ends_the_process():
 def test_a_dead_registration_thread_ends_the_worker():
     """It used to die quietly: the worker ran on while its registry entry expired."""
     code = ("import time\n"
-            "from hybridgate.redisconf import RedisConfig, WorkerEntry\n"
+            "from hybridgate.security.redisconf import RedisConfig, WorkerEntry\n"
             "from hybridgate.workers.registration import Registration\n"
             "entry = WorkerEntry('ipc:///nowhere', 'cpu', 1j, 1, 'boot')  # 1j: not JSON, the thread raises\n"
             "Registration(RedisConfig(url='redis://127.0.0.1:1'), entry).start()\n"

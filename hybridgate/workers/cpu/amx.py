@@ -2,7 +2,7 @@
 
 A prompt's weight matmuls are compute-bound: with int16 activations the superblock kernels multiply
 32 pairs an instruction (`vpdpwssd`), and int8 activations fail the accuracy floor
-(`bench/activation_precision.py`). AMX's `tdpbf16ps` multiplies a 16 x 32 bf16 tile by a 32 x 16
+(`docs/results/accuracy-activation-formats-smollm2*.json`). AMX's `tdpbf16ps` multiplies a 16 x 32 bf16 tile by a 32 x 16
 one into 16 x 16 float32 sums: 512 products an instruction. Here the weights stay in their GGUF
 codes (no bf16 copy: that would be 16 bits a weight beside Q4_K's 4.75); each job dequantizes a
 panel of 32 weight rows once a call into AMX's B layout (`_dequant_panel`, in L2) and multiplies

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hybridgate.workerconf import DEFAULT_KV_DTYPE  # noqa: F401 (the setting's default, written there)
 
 
 @dataclass(frozen=True)

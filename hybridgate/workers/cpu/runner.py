@@ -19,7 +19,8 @@ from hybridgate.mempool import DEFAULT_BLOCK_SIZE, PinnedPool, PoolStats  # noqa
 from hybridgate.models import GGUFModel  # noqa: E402
 from hybridgate.workers.cpu import model as cpu_model  # noqa: E402
 from hybridgate.workers.cpu import blocks, kernel_table, quant  # noqa: E402
-from hybridgate.workers.cpu.kvdtype import DEFAULT_KV_DTYPE, kv_dtype  # noqa: E402
+from hybridgate.workers.config import DEFAULT_KV_DTYPE  # noqa: E402
+from hybridgate.workers.cpu.kvdtype import kv_dtype  # noqa: E402
 from hybridgate.workers.cpu.model import CpuModel  # noqa: E402
 from hybridgate.workers.cpu.threadfallback import ThreadFallback  # noqa: E402
 from hybridgate.workers import pooling  # noqa: E402

@@ -34,11 +34,11 @@ import torch
 import zmq
 
 from hybridgate import wire
-from hybridgate.keys import Transport
+from hybridgate.security.keys import Transport
 from hybridgate.mempool import PinnedPool, aligned_slab
 from hybridgate.wire import HandoffHeader, HandoffPart, HandoffRefused, MsgType
 from hybridgate.workers.guard import Refusals
-from hybridgate.workers.handoff import ExportJob, PauseHooks  # noqa: F401 (ExportJob: its old home)
+from hybridgate.workers.handoff import ExportJob, PauseHooks
 from hybridgate.workers.threads import worker_thread
 
 log = logging.getLogger("hybridgate.worker")

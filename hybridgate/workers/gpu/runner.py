@@ -30,7 +30,7 @@ from hybridgate.workers.memory import budget_text, host_available_bytes, kv_cach
 from hybridgate.workers.gpu.model import DecoderModel, default_device
 from hybridgate.workers import pooling
 from hybridgate.workers.faults import FaultHook
-from hybridgate.workerconf import EngineConfig
+from hybridgate.workers.config import EngineConfig
 from hybridgate.workers.scheduler import ScheduledBatch, SchedulerConfig
 from hybridgate.workers.sequence import Sequence
 from hybridgate.workers.gpu.staging import DeviceInputs, DeviceStep

@@ -28,8 +28,8 @@ from pathlib import Path
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from hybridgate.config import environment
-from hybridgate.serveconf import SupervisorConfig
-from hybridgate.workerconf import WorkerConfig
+from hybridgate.run.config import SupervisorConfig
+from hybridgate.workers.config import WorkerConfig
 
 # Test-only: a worker started with this variable set to 1 raises at once, so the tests can
 # watch the supervisor give up. Never set it in production.

@@ -1,7 +1,7 @@
 """The settings of `serve` and `gateway` as deployments: which workers, and how `serve` restarts them.
 
-Data only (the settings root composes it); `hybridgate.serve` and
-`hybridgate.supervise` read these sections.
+Data only (the settings root composes it); `hybridgate.run.serve` and
+`hybridgate.run.supervise` read these sections.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """The worker's settings: `WorkerConfig` with its `scheduler` and `engine` sections.
 
-Data only, outside the `hybridgate.workers` package on purpose: the settings
-root composes these classes, and a gateway process, which reads the whole
-root, must load no module of `hybridgate.workers` (issue 29). The worker
-modules import their settings from here (`workers.process`, `workers.scheduler`
-and `workers.memory` re-export them under their old names).
+Data only: the settings root composes these classes, and a gateway process,
+which reads the whole root, loads this module and the package's `__init__`
+(which imports nothing) and no worker behaviour (tests/unit/test_imports.py).
+The worker modules import their settings from here.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """`make bench-check`: `bench engine --baseline llama-cpp` on the default model, against a real llama.cpp.
 
-Outside `tests/` on purpose: it needs the `bench` extra (llama-cpp-python, which pip builds from source
-in about 10 minutes on 2 cores), which `make test` does not install. Here a missing llama_cpp is an
-error, never a skip. The crash handling of the baseline is tested in CI with a fake llama_cpp
+Marked `bench`, which `make test` deselects: it needs the `bench` extra (llama-cpp-python, which pip
+builds from source in about 10 minutes on 2 cores), which `make test` does not install. Here a missing
+llama_cpp is an error, never a skip (imported in the test, so that collecting the suite needs none). The crash handling of the baseline is tested in CI with a fake llama_cpp
 (tests/component/test_bench.py).
 """
 
@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import argparse
 
-import llama_cpp  # noqa: F401  (the bench extra: an ImportError here is the answer)
+import pytest
 
 from hybridgate.bench import add_engine_parser, engine
 from hybridgate.models import default_model_path
+
+
+pytestmark = pytest.mark.bench
 
 
 def bench_args(*argv: str) -> argparse.Namespace:
@@ -25,6 +28,8 @@ def bench_args(*argv: str) -> argparse.Namespace:
 
 
 def test_llama_cpp_baselines_run_side_by_side():
+    import llama_cpp  # noqa: F401  (the bench extra: an ImportError here is the answer)
+
     out = engine.run(bench_args("--model", str(default_model_path()), "--baseline", "llama-cpp",
                                 "--bandwidth-mib", "64"))
     for row in list(out["decode"].values()) + list(out["prefill"].values()):

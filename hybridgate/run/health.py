@@ -36,7 +36,7 @@ async def worker_state(endpoint: str, timeout_s: float, curve_key: str | None = 
     """The state a router reaches with the worker at `endpoint` within `timeout_s` ("READY", "CONNECTING",
     ...): the router's own client and lifecycle, without a model (HELLO's fingerprint is not checked).
     `curve_key`: the deployment's CURVE key file, for a worker on tcp:// with CURVE (without it, plain)."""
-    from hybridgate.keys import Transport, TransportConfig
+    from hybridgate.security.keys import Transport, TransportConfig
     from hybridgate.router.client import ZmqWorkerClient
     from hybridgate.wire import WorkerState
 

@@ -1,14 +1,14 @@
 """Worker clients whose worker lives in this process (the in-process engine, test doubles): the same
-`Lifecycle` as `ZmqWorkerClient` (hybridgate/router/lifecycle.py), without a socket."""
+`Lifecycle` as `ZmqWorkerClient` (hybridgate/clients/lifecycle.py), without a socket."""
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 
-from hybridgate.router.client import MessageHandler, StateChange, WorkerDead
-from hybridgate.router.config import RouterConfig
-from hybridgate.router.lifecycle import (
+from hybridgate.clients.interface import MessageHandler, StateChange, WorkerDead
+from hybridgate.clients.lifecycle import (
     Exited,
     HelloSeen,
     Lifecycle,
@@ -33,8 +33,9 @@ class LocalWorkerClient:
     and `stats`, and call `_start_lifecycle(on_message)` from `start`.
     """
 
-    def _start_lifecycle(self, on_message: MessageHandler, dead_after_s: float = RouterConfig.dead_after_s) -> None:
-        self.lifecycle = Lifecycle(getattr(self, "name", "") or self.endpoint, dead_after_s=dead_after_s)
+    def _start_lifecycle(self, on_message: MessageHandler) -> None:
+        # No socket, so no silence: nothing ever feeds `Silence`, and no timeout could end a local worker.
+        self.lifecycle = Lifecycle(getattr(self, "name", "") or self.endpoint, dead_after_s=math.inf)
         self.boot_id = uuid.uuid4().hex
         self._on_message = on_message
         self._actions = {SendConnect: lambda a: None, NewSocket: lambda a: None,

@@ -14,21 +14,21 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hybridgate.children import die_with_parent
+from hybridgate.run.children import die_with_parent
 from hybridgate.cpuset import available_cores, format_cpulist, split, worker_cores
 from hybridgate.gateway.admission import Admission
 from hybridgate.gateway.models import ModelTable, ServedModel
 from hybridgate.gateway.server import Gateway
-from hybridgate.keys import Transport
+from hybridgate.security.keys import Transport
 from hybridgate.models import model_names
-from hybridgate.redisconf import redacted
+from hybridgate.security.redisconf import redacted
 from hybridgate.router import Router, ZmqWorkerClient
 from hybridgate.router.client import missing_ipc_socket
-from hybridgate.scaleout import ExtraGateways, gateway_group
-from hybridgate.serveconf import LayoutConfig
-from hybridgate.supervise import Supervisor
+from hybridgate.run.scaleout import ExtraGateways, gateway_group
+from hybridgate.run.config import LayoutConfig
+from hybridgate.run.supervise import Supervisor
 from hybridgate.wire import WorkerState
-from hybridgate.workerconf import EngineConfig, WorkerConfig
+from hybridgate.workers.config import EngineConfig, WorkerConfig
 
 if TYPE_CHECKING:
     from hybridgate.models import GGUFModel
