@@ -18,6 +18,7 @@ import random
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -201,12 +202,14 @@ class PauseHooks:
     `reserved` (CPU, before answering HandoffReserve), `exporting` (GPU, before
     the KV is sent), `exported` (GPU, before HandoffExported), `importing` (CPU,
     before the KV is imported), `imported` (CPU, before HandoffImported).
-    Unset (production): `pause()` returns at once.
+    Unset (production): `pause()` returns at once. `sleep` is injected so a
+    test can record the pauses instead of timing them.
     """
 
     STATES = ("reserved", "exporting", "exported", "importing", "imported")
 
-    def __init__(self, spec: str | None = None, seed: str | None = None):
+    def __init__(self, spec: str | None = None, seed: str | None = None, sleep: Callable[[float], None] = time.sleep):
+        self.sleep = sleep
         spec = environment("HYBRIDGATE_TEST_HANDOFF_PAUSE", "") if spec is None else spec
         seed = environment("HYBRIDGATE_TEST_HANDOFF_PAUSE_SEED") if seed is None else seed
         self.seconds: dict[str, float] = {}
@@ -226,7 +229,7 @@ class PauseHooks:
             with self._lock:
                 secs *= self._rng.random()
         log.info("test pause: %s for %.3f s", state, secs)
-        time.sleep(secs)
+        self.sleep(secs)
 
 
 @dataclass
