@@ -108,6 +108,7 @@ def test_draining_refuses_new_requests_and_lets_streams_finish(tmp_path, model_p
         server.popen.send_signal(signal.SIGINT)
         signalled = time.monotonic()
         while grpc_health() != NOT_SERVING:
+            # NOT_SERVING at the signal, long before the 300-token streams end (scaled for a loaded machine).
             assert time.monotonic() - signalled < 5 * TIME_FACTOR and not streams.done()
             time.sleep(0.01)
         flipped_s = time.monotonic() - signalled
@@ -146,6 +147,7 @@ def test_a_stream_that_outlives_the_grace_period_ends_with_an_error(tmp_path, mo
         signalled = time.monotonic()
         streams.join(30)
         ended_s = time.monotonic() - signalled
+        # Ended by the 1 s grace period, not by its 4,000 tokens (minutes); 5 s of shutdown slack, scaled.
         assert 1.0 <= ended_s < 1.0 + 5 * TIME_FACTOR, ended_s
         assert streams.grpc_error is not None and streams.grpc_error.code() == grpc.StatusCode.UNAVAILABLE
         assert "--grace-period" in streams.grpc_error.details()
