@@ -24,7 +24,8 @@ from hybridgate.keys import Transport, TransportConfig
 from hybridgate.redisconf import RedisConfig, WorkerEntry
 from hybridgate.wire import Hello
 from hybridgate.workerconf import EngineConfig, WorkerConfig  # noqa: F401 (EngineConfig: its old home)
-from hybridgate.workers.engine import EngineCore, EngineLoop, Inbox, default_constraints
+from hybridgate.workers.engine import EngineCore, default_constraints
+from hybridgate.workers.engine_loop import EngineLoop, Inbox
 from hybridgate.workers.guard import WireErrors
 from hybridgate.workers.handoff import HandoffConfig
 from hybridgate.workers.io_thread import (  # noqa: F401 (max_frame_bytes: its old home)

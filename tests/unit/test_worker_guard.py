@@ -27,7 +27,8 @@ from hybridgate.wire import (
     RequestError,
     SamplingParams,
 )
-from hybridgate.workers.engine import ClientCongested, ClientGone, EngineCore, EngineLoop, Inbox
+from hybridgate.workers.engine import EngineCore
+from hybridgate.workers.engine_loop import ClientCongested, ClientGone, EngineLoop, Inbox
 from hybridgate.workers.faults import FAULT_ENV, FaultHook, InjectedFault
 from hybridgate.workers.guard import WireErrors, check_add
 from hybridgate.workers.process import EXIT_THREAD_DIED, WorkerIO, max_frame_bytes
