@@ -143,31 +143,49 @@ def _cpu_kernel_lines(report, engine) -> list[tuple[str, str]]:
 def build_parser() -> argparse.ArgumentParser:
     from hybridgate import __version__
     from hybridgate.config import environment
-    from hybridgate.settings import TARGET_HELP, add_command_settings
 
     parser = argparse.ArgumentParser(prog="hybridgate", description=__doc__)
     parser.add_argument("--version", action="version", version=f"hybridgate {__version__}")
     parser.add_argument("--log-level", default=environment("HYBRIDGATE_LOG_LEVEL", "WARNING"),
                         help="logging level (default WARNING, or $HYBRIDGATE_LOG_LEVEL)")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_settings_commands(sub, ("serve", "gateway", "worker", "config"))
+    _add_generate(sub)
+    _add_bench(sub)
+    from hybridgate.run.health import add_health_parser  # argparse only
 
-    serve = sub.add_parser("serve", help="run the gRPC gateway with its workers (the default model unless --model)")
-    add_command_settings(serve, "serve")
-    serve.set_defaults(func=_cmd_serve)
+    add_health_parser(sub)
+    _add_keys(sub)
+    _add_settings_commands(sub, ("info",))
+    return parser
 
-    gateway = sub.add_parser("gateway", help="run the gRPC gateway alone, connected to running workers")
-    add_command_settings(gateway, "gateway")
-    gateway.set_defaults(func=_cmd_gateway)
 
-    worker = sub.add_parser("worker", help="run one worker alone; it binds ENDPOINT and waits for gateways")
-    add_command_settings(worker, "worker")
-    worker.set_defaults(func=_cmd_worker)
+# Commands whose flags are their settings: name -> (help, handler).
+SETTINGS_COMMANDS = {
+    "serve": ("run the gRPC gateway with its workers (the default model unless --model)", _cmd_serve),
+    "gateway": ("run the gRPC gateway alone, connected to running workers", _cmd_gateway),
+    "worker": ("run one worker alone; it binds ENDPOINT and waits for gateways", _cmd_worker),
+    "config": ("print the effective settings and where each came from (flag, env, file, default)", _cmd_config),
+    "info": ("print a GGUF model's architecture, parameters, quant mix, tokenizer, chat template, context and "
+             "fingerprint, and which runners can serve it or why not", _cmd_info),
+}
 
-    config = sub.add_parser("config", help="print the effective settings and where each came from "
-                                           "(flag, env, file, default)")
-    config.add_argument("--json", action="store_true", help="print one JSON object")
-    add_command_settings(config, "config")
-    config.set_defaults(func=_cmd_config)
+
+def _add_settings_commands(sub, names: tuple[str, ...]) -> None:
+    from hybridgate.settings import add_command_settings
+
+    for name in names:
+        text, func = SETTINGS_COMMANDS[name]
+        command = sub.add_parser(name, help=text)
+        if name == "config":
+            command.add_argument("--json", action="store_true", help="print one JSON object")
+        add_command_settings(command, name)
+        command.set_defaults(func=func)
+
+
+def _add_generate(sub) -> None:
+    from hybridgate.config import environment
+    from hybridgate.settings import TARGET_HELP, add_command_settings
 
     gen = sub.add_parser("generate", help="stream one answer from a running gateway")
     gen.add_argument("prompt", metavar="PROMPT", help="the prompt text, or - to read it from stdin (one trailing newline dropped)")
@@ -199,6 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_command_settings(gen, "generate")
     gen.set_defaults(func=_cmd_generate)
 
+
+def _add_bench(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks with side-by-side baselines (engine, accuracy, handoff, gateway, cache, serve, sim, model, kernels, attention, embeddings; report renders the pages)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     from hybridgate.bench import (  # argparse only
@@ -229,10 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_embeddings_parser(bench_sub)
     add_report_parser(bench_sub)
 
-    from hybridgate.run.health import add_health_parser  # argparse only
 
-    add_health_parser(sub)
-
+def _add_keys(sub) -> None:
     keys = sub.add_parser("keys", help="CURVE keys for ZeroMQ over tcp")
     keys_sub = keys.add_subparsers(dest="keys", required=True)
     keys_gen = keys_sub.add_parser("generate", help="write a new CURVE key pair (mode 0600) for --curve-key; every "
@@ -246,12 +264,6 @@ def build_parser() -> argparse.ArgumentParser:
                           help="also write a new random bearer token (256 bits, mode 0600) to FILE, for the "
                                "gateway's --auth-token-file and its clients (kept like PATH with --keep-existing)")
     keys_gen.set_defaults(func=_cmd_keys_generate)
-
-    info = sub.add_parser("info", help="print a GGUF model's architecture, parameters, quant mix, tokenizer, chat "
-                                       "template, context and fingerprint, and which runners can serve it or why not")
-    add_command_settings(info, "info")
-    info.set_defaults(func=_cmd_info)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

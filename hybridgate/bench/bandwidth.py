@@ -89,5 +89,26 @@ def _serve(mib: int, threads: int) -> None:
         print(prober.measure(3), flush=True)
 
 
+
+def report_bandwidth(out: dict, paired: list[tuple[float, float]]) -> None:
+    """The read bandwidth probed before each of our batch-1 steps, and the step over its memory bound: the
+    median over the repeats of (probe GB/s · step ms / weight bytes), each step against the probe just
+    before it. A spread of the probes over 20% is printed as a warning (a shared host's bandwidth moves)."""
+    probes = [g for g, _ in paired]
+    out["read_bandwidth_probes_gb_per_s"] = probes
+    out["decode_step_ms_c1_runs"] = [ms for _, ms in paired]
+    out["read_bandwidth_gb_per_s"] = statistics.median(probes)
+    out["step_over_bandwidth_bound"] = statistics.median(
+        g * ms * 1e6 / out["weight_bytes_read_per_step"] for g, ms in paired)
+    out["read_bandwidth_spread"] = max(probes) / min(probes)
+    print(f"read bandwidth: {out['read_bandwidth_gb_per_s']:.1f} GB/s with {out['threads']} threads (probed before "
+          f"each step); the decode step takes {out['step_over_bandwidth_bound']:.2f}x the time its weights take "
+          "to read", flush=True)
+    if out["read_bandwidth_spread"] > 1.2:
+        print(f"warning: the read bandwidth moved {out['read_bandwidth_spread']:.2f}x between probes "
+              f"({', '.join(f'{g:.1f}' for g in probes)} GB/s): a shared host; each step is set against the probe "
+              "just before it", flush=True)
+
+
 if __name__ == "__main__":
     _serve(int(sys.argv[1]), int(sys.argv[2]))

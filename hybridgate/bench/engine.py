@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from hybridgate.bench.bandwidth import BandwidthProbe
+from hybridgate.bench.bandwidth import BandwidthProbe, report_bandwidth
 from hybridgate.config import resolve
 from hybridgate.models import Tokenizer, load_gguf, model_fingerprint
 from hybridgate.wire import AddRequest, SamplingParams
@@ -179,25 +179,6 @@ def _median(fn, repeats: int) -> float:
     return statistics.median(fn() for _ in range(repeats))
 
 
-def _llama_cpp_baselines(path: Path, out: dict, max_seqs: int, llama_cpp_path: str | None) -> dict:
-    """llama.cpp with its defaults and with extra buffer types off, each in its own process; a
-    configuration that fails to start is reported in `out` and left out."""
-    from hybridgate.bench.llama_baseline import CONFIGS, LlamaCppProcess
-
-    bases, out["llama_cpp"] = {}, {}
-    for config in CONFIGS:
-        name = f"llama_cpp_{config}"
-        try:
-            bases[name] = LlamaCppProcess(path, out["threads"], max_seqs, config, llama_cpp_path)
-            out["llama_cpp"][config] = bases[name].info
-            print(f"{name}: llama-cpp-python {bases[name].info['version']} from {bases[name].info['path']} "
-                  f"({bases[name].info['system_info'].strip()})", flush=True)
-        except RuntimeError as exc:
-            out["llama_cpp"][config] = {"error": str(exc)}
-            print(f"{name}: {exc}", flush=True)
-    return bases
-
-
 def _alternate(measure, ours, bases: dict, repeats: int, key: str = "tokens_per_s", ratio: bool = True) -> dict:
     """Medians of `measure(x)` for ours and each baseline, run alternately (ours, then each baseline,
     `repeats` times), so a shared machine's load falls on all of them alike. A baseline that
@@ -229,61 +210,18 @@ def _alternate(measure, ours, bases: dict, repeats: int, key: str = "tokens_per_
 
 
 def run(args: argparse.Namespace) -> dict:
+    """The bench as `bench engine` runs it: the engine and its baselines built, then the measurements in
+    turn (throughput, the batch-1 step, TTFT), `out` printed as it fills and written to `--json`."""
     settings = resolve(args).settings
-    engine = settings.worker.engine
     cpu = settings.worker.kind == "cpu"
-    apply_defaults(args, "cpu" if cpu else "gpu")
-    baseline = "none" if args.no_baseline else (args.baseline or ("none" if cpu else "transformers"))
-    if baseline == "transformers" and cpu:
-        raise ValueError("--baseline transformers: only with --kind gpu (use llama-cpp for the CPU runner)")
-    if baseline == "llama-cpp" and not cpu:
-        raise ValueError("--baseline llama-cpp: only with --kind cpu")
-    if args.shape and settings.model:
-        raise ValueError("--shape and --model: name one model file, not both")
-    if getattr(args, "tiny", False):
-        raise ValueError("--tiny: only with --kind gpu --shape")
-    if args.shape:
-        from hybridgate.bench.model_files import named_bench_model
-
-        path = named_bench_model(args.shape, args.quant, args.seed, args.layers)
-        print(f"model: {path}", flush=True)
-    else:
-        path = Path(settings.model_path)
-    threads = affinity.pin_engine(engine)  # before the weights are read and any compute thread starts
+    baseline = _check_args(args, settings, cpu)
+    path = _model_path(args, settings)
+    threads = affinity.pin_engine(settings.worker.engine)  # before the weights are read and any thread starts
     model = load_gguf(path)
     tokenizer = Tokenizer.from_model(model)
-    if cpu:
-        from hybridgate.workers.cpu import isa, threadwait
-
-        isa.select(engine.cpu_isa, engine.cpu_amx)
-        try:
-            threadwait.select(engine.cpu_thread_wait)
-        except RuntimeError as exc:  # in a process whose Numba threads already run (a test session)
-            log.warning("%s; the bench keeps the policy in force", exc)
-        from hybridgate.workers.cpu.runner import NumbaRunner
-
-        ours = EngineBench(NumbaRunner(model, engine.kv_cache_memory or "1GiB", threads=threads,
-                                       activations=engine.cpu_activations, kv_cache_dtype=engine.kv_cache_dtype,
-                                       thread_fallback=engine.cpu_thread_fallback), model_fingerprint(model))
-        import numba
-
-        out: dict = {"kind": "cpu", "cpu_isa": ours.runner.cpu_isa, "threads": numba.get_num_threads(),
-                     "baseline": baseline}
-        kernels = ours.runner.prompt_kernels
-        print(f"CPU kernels: {ours.runner.cpu_isa} path, activations {ours.runner.cpu_activations}, "
-              f"KV cache {ours.runner.kv_dtype.name}"
-              f"{f', {kernels} for prompts of {ours.runner.long_prompt}+ tokens' if kernels else ''}", flush=True)
-        out["cpu_activations"], out["kv_cache_dtype"] = ours.runner.cpu_activations, ours.runner.kv_dtype.name
-        out["cpu_amx"], out["cpu_prompt_kernels"] = kernels == "AMX-BF16", kernels
-    else:
-        device = torch.device(engine.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        if threads:
-            torch.set_num_threads(threads)
-        ours = EngineBench.torch(model, device, dtype, engine.kv_cache_memory,
-                                 gpu_memory_utilization=engine.gpu_memory_utilization)
-        out = {"kind": "gpu", "device": str(device), "dtype": str(dtype).removeprefix("torch."),
-               "threads": torch.get_num_threads(), "baseline": baseline}
+    build = _numba_bench if cpu else _torch_bench
+    ours, out = build(model, settings.worker.engine, threads)
+    out["baseline"] = baseline
     if args.profile_out:
         return write_profile(args, ours, out, model)
     if args.constrained_fraction is not None:
@@ -296,12 +234,113 @@ def run(args: argparse.Namespace) -> dict:
     from hybridgate.bench.machine import describe
 
     out.update({"model": str(path), "machine": describe(), "repeats": args.repeats, "decode": {}, "prefill": {}})
-    bases: dict = {}
+    bases = _baselines(args, baseline, path, out)
+    _throughput(args, ours, bases, tokenizer, out)
+    step_prompt = prompts(tokenizer, 1, args.prompt_len)[0]
+    paired = _decode_step(args, ours, bases, step_prompt, out)
+    if args.compare_eager and not cpu and out["device"].startswith("cuda"):
+        eager = EngineBench.torch(model, torch.device(out["device"]), getattr(torch, out["dtype"]), "2GiB",
+                                  enforce_eager=True)
+        out["decode_step_ms_c1_eager"] = _median(lambda: eager.decode_step_ms(step_prompt), args.repeats)
+        print(f"decode step at batch 1, eager: {out['decode_step_ms_c1_eager']:.3f} ms", flush=True)
+    _ttft(args, ours, tokenizer, out)
+    _scaling(out)
+    for b in bases.values():
+        if hasattr(b, "close"):
+            b.close()
+    out["peak_rss_mib"] = _peak_rss_mib()
+    print(f"peak RSS: {out['peak_rss_mib']:.0f} MiB" + (
+        f" ({out['peak_rss_mib_before_baseline']:.0f} MiB before the baseline loaded)"
+        if "peak_rss_mib_before_baseline" in out else ""), flush=True)
+    if cpu:
+        report_bandwidth(out, paired)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    return out
+
+
+def _check_args(args: argparse.Namespace, settings, cpu: bool) -> str:
+    """The baseline to run ("none", "transformers" or "llama-cpp"), after the runner's defaults are applied.
+
+    Raises:
+        ValueError: naming the flag, for a baseline of the other runner, --shape with --model, or --tiny.
+    """
+    apply_defaults(args, "cpu" if cpu else "gpu")
+    baseline = "none" if args.no_baseline else (args.baseline or ("none" if cpu else "transformers"))
+    if baseline == "transformers" and cpu:
+        raise ValueError("--baseline transformers: only with --kind gpu (use llama-cpp for the CPU runner)")
+    if baseline == "llama-cpp" and not cpu:
+        raise ValueError("--baseline llama-cpp: only with --kind cpu")
+    if args.shape and settings.model:
+        raise ValueError("--shape and --model: name one model file, not both")
+    if getattr(args, "tiny", False):
+        raise ValueError("--tiny: only with --kind gpu --shape")
+    return baseline
+
+
+def _model_path(args: argparse.Namespace, settings) -> Path:
+    """`--model`, or the random-weight file of `--shape` in the `--quant` mix (written once, then reused)."""
+    if not args.shape:
+        return Path(settings.model_path)
+    from hybridgate.bench.model_files import named_bench_model
+
+    path = named_bench_model(args.shape, args.quant, args.seed, args.layers)
+    print(f"model: {path}", flush=True)
+    return path
+
+
+def _numba_bench(model, engine: EngineConfig, threads: int | None) -> tuple[EngineBench, dict]:
+    """The CPU runner on its ISA path and thread policy, and the opening of its report."""
+    from hybridgate.workers.cpu import isa, threadwait
+
+    isa.select(engine.cpu_isa, engine.cpu_amx)
+    try:
+        threadwait.select(engine.cpu_thread_wait)
+    except RuntimeError as exc:  # in a process whose Numba threads already run (a test session)
+        log.warning("%s; the bench keeps the policy in force", exc)
+    import numba
+
+    from hybridgate.workers.cpu.runner import NumbaRunner
+
+    runner = NumbaRunner(model, engine.kv_cache_memory or "1GiB", threads=threads,
+                         activations=engine.cpu_activations, kv_cache_dtype=engine.kv_cache_dtype,
+                         thread_fallback=engine.cpu_thread_fallback)
+    kernels = runner.prompt_kernels
+    print(f"CPU kernels: {runner.cpu_isa} path, activations {runner.cpu_activations}, KV cache {runner.kv_dtype.name}"
+          f"{f', {kernels} for prompts of {runner.long_prompt}+ tokens' if kernels else ''}", flush=True)
+    out = {"kind": "cpu", "cpu_isa": runner.cpu_isa, "threads": numba.get_num_threads(),
+           "cpu_activations": runner.cpu_activations, "kv_cache_dtype": runner.kv_dtype.name,
+           "cpu_amx": kernels == "AMX-BF16", "cpu_prompt_kernels": kernels}
+    return EngineBench(runner, model_fingerprint(model)), out
+
+
+def _torch_bench(model, engine: EngineConfig, threads: int | None) -> tuple[EngineBench, dict]:
+    """The torch runner (bf16 on CUDA, float32 on the CPU device), and the opening of its report."""
+    device = torch.device(engine.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if threads:
+        torch.set_num_threads(threads)
+    ours = EngineBench.torch(model, device, dtype, engine.kv_cache_memory,
+                             gpu_memory_utilization=engine.gpu_memory_utilization)
+    return ours, {"kind": "gpu", "device": str(device), "dtype": str(dtype).removeprefix("torch."),
+                  "threads": torch.get_num_threads()}
+
+
+def _baselines(args: argparse.Namespace, baseline: str, path: Path, out: dict) -> dict:
+    """The baselines by name: transformers on our device and dtype, llama.cpp's configurations, or none."""
     if baseline == "transformers":
-        bases["transformers"] = TransformersBaseline.from_gguf(path, device, dtype)
-    elif baseline == "llama-cpp":
+        return {"transformers": TransformersBaseline.from_gguf(path, torch.device(out["device"]),
+                                                               getattr(torch, out["dtype"]))}
+    if baseline == "llama-cpp":
         out["peak_rss_mib_before_baseline"] = _peak_rss_mib()  # the baselines run in their own processes
-        bases = _llama_cpp_baselines(path, out, max(args.concurrency), args.llama_cpp_path)
+        from hybridgate.bench.llama_baseline import start_baselines
+
+        return start_baselines(path, out, max(args.concurrency), args.llama_cpp_path)
+    return {}
+
+
+def _throughput(args: argparse.Namespace, ours: EngineBench, bases: dict, tokenizer, out: dict) -> None:
+    """Decode tokens/s at each concurrency and prefill tokens/s at each length, alternated with the baselines."""
     for c in args.concurrency:
         batch = prompts(tokenizer, c, args.prompt_len)
         out["decode"][c] = row = _alternate(lambda b: b.decode(batch, args.new_tokens), ours, bases, args.repeats)
@@ -309,13 +348,19 @@ def run(args: argparse.Namespace) -> dict:
     for length in args.prefill_lens:
         batch = prompts(tokenizer, args.prefill_prompts, length)
         row = _alternate(lambda b: b.prefill(batch), ours, bases, args.repeats)
-        if not cpu:
+        if out["kind"] == "gpu":
             row["hybridgate_tflops"] = 2 * ours.runner.model.weight_bytes / ours.runner.model.embed.element_size() \
                 * row["hybridgate_tokens_per_s"] / 1e12  # 2 x weights x tokens / s (attention excluded)
         out["prefill"][f"{args.prefill_prompts}x{length}"] = row
         _print("prefill", f"{args.prefill_prompts}x{length}", row)
-    step_prompt = prompts(tokenizer, 1, args.prompt_len)[0]
-    paired: list[tuple[float, float]] = []  # (GB/s probed just before, our step's ms)
+
+
+def _decode_step(args: argparse.Namespace, ours: EngineBench, bases: dict, step_prompt: list[int],
+                 out: dict) -> list[tuple[float, float]]:
+    """The batch-1 decode step in ms (the CPU runner's beside llama.cpp's, each of ours after a bandwidth
+    probe, and the weights it reads); returns the (GB/s probed just before, our step's ms) pairs."""
+    cpu = out["kind"] == "cpu"
+    paired: list[tuple[float, float]] = []
     with BandwidthProbe(args.bandwidth_mib, out["threads"]) if cpu else contextlib.nullcontext() as probe:
 
         def step_ms(b) -> float:
@@ -329,48 +374,45 @@ def run(args: argparse.Namespace) -> dict:
         steps = _alternate(step_ms, ours, bases if cpu else {}, args.repeats, key="decode_step_ms", ratio=False)
     out["decode_step_ms_c1"] = steps.pop("hybridgate_decode_step_ms")
     print(f"decode step at batch 1: {out['decode_step_ms_c1']:.3f} ms", flush=True)
-    if cpu:
-        weights = ours.runner.model.weight_bytes
-        out["weight_bytes_read_per_step"] = weights
-        out["weight_read_gb_per_s_c1"] = weights / out["decode_step_ms_c1"] / 1e6
-        print(f"weights read per step: {weights / 2**20:.1f} MiB ({out['weight_read_gb_per_s_c1']:.1f} GB/s at "
-              "batch 1)", flush=True)
-        for name, ms in steps.items():
-            if name.endswith("_decode_step_ms"):
-                out[f"{name}_c1"] = ms
-                print(f"{name.removesuffix('_decode_step_ms')} decode step at batch 1: {ms:.3f} ms", flush=True)
-        if args.type_shares:
-            _print_type_shares(out, ours.runner.model, args.repeats)
-    if args.compare_eager and not cpu and device.type == "cuda":
-        eager = EngineBench.torch(model, device, dtype, "2GiB", enforce_eager=True)
-        out["decode_step_ms_c1_eager"] = _median(lambda: eager.decode_step_ms(step_prompt), args.repeats)
-        print(f"decode step at batch 1, eager: {out['decode_step_ms_c1_eager']:.3f} ms", flush=True)
+    if not cpu:
+        return paired
+    weights = ours.runner.model.weight_bytes
+    out["weight_bytes_read_per_step"] = weights
+    out["weight_read_gb_per_s_c1"] = weights / out["decode_step_ms_c1"] / 1e6
+    print(f"weights read per step: {weights / 2**20:.1f} MiB ({out['weight_read_gb_per_s_c1']:.1f} GB/s at "
+          "batch 1)", flush=True)
+    for name, ms in steps.items():
+        if name.endswith("_decode_step_ms"):
+            out[f"{name}_c1"] = ms
+            print(f"{name.removesuffix('_decode_step_ms')} decode step at batch 1: {ms:.3f} ms", flush=True)
+    if args.type_shares:
+        from hybridgate.bench.type_shares import print_shares
+
+        print_shares(out, ours.runner.model, args.repeats)
+    return paired
+
+
+def _ttft(args: argparse.Namespace, ours: EngineBench, tokenizer, out: dict) -> None:
+    """Time to first token of a `--ttft-len` prompt, cold and then from the prefix cache (medians)."""
     ttfts = [ours.ttft(prompts(tokenizer, 1, args.ttft_len)[0]) for _ in range(args.repeats)]
     cold, cached = statistics.median(t[0] for t in ttfts), statistics.median(t[1] for t in ttfts)
     out["ttft"] = {"prompt_tokens": args.ttft_len, "cold_ms": cold * 1e3, "cached_ms": cached * 1e3,
                    "cached_over_cold": cached / cold}
     _print("ttft", f"{args.ttft_len} tokens", out["ttft"])
-    if 1 in out["decode"] and 16 in out["decode"]:
-        out["decode_scaling_16_over_1"] = (out["decode"][16]["hybridgate_tokens_per_s"]
-                                           / out["decode"][1]["hybridgate_tokens_per_s"])
-        print(f"decode scaling c=16 / c=1: {out['decode_scaling_16_over_1']:.2f}x")
-        first = out["decode"][1]
-        single = first.get("llama_cpp_defaults_tokens_per_s") or first.get("llama_cpp_plain_tokens_per_s")
-        if cpu and single:
-            out["c16_over_llama_cpp_c1"] = out["decode"][16]["hybridgate_tokens_per_s"] / single
-            print(f"c=16 over llama.cpp's single stream: {out['c16_over_llama_cpp_c1']:.2f}x")
-    for b in bases.values():
-        if hasattr(b, "close"):
-            b.close()
-    out["peak_rss_mib"] = _peak_rss_mib()
-    print(f"peak RSS: {out['peak_rss_mib']:.0f} MiB" + (
-        f" ({out['peak_rss_mib_before_baseline']:.0f} MiB before the baseline loaded)"
-        if "peak_rss_mib_before_baseline" in out else ""), flush=True)
-    if cpu:
-        _report_bandwidth(out, paired)
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
-    return out
+
+
+def _scaling(out: dict) -> None:
+    """Decode tokens/s at c=16 over c=1 (and, on the CPU, over llama.cpp's single stream), when both ran."""
+    if 1 not in out["decode"] or 16 not in out["decode"]:
+        return
+    out["decode_scaling_16_over_1"] = (out["decode"][16]["hybridgate_tokens_per_s"]
+                                       / out["decode"][1]["hybridgate_tokens_per_s"])
+    print(f"decode scaling c=16 / c=1: {out['decode_scaling_16_over_1']:.2f}x")
+    first = out["decode"][1]
+    single = first.get("llama_cpp_defaults_tokens_per_s") or first.get("llama_cpp_plain_tokens_per_s")
+    if out["kind"] == "cpu" and single:
+        out["c16_over_llama_cpp_c1"] = out["decode"][16]["hybridgate_tokens_per_s"] / single
+        print(f"c=16 over llama.cpp's single stream: {out['c16_over_llama_cpp_c1']:.2f}x")
 
 
 def _mixed_load(args: argparse.Namespace, ours: EngineBench, out: dict, tokenizer, settings) -> dict:
@@ -415,38 +457,6 @@ def write_profile(args: argparse.Namespace, ours: EngineBench, out: dict, model)
     print(f"profile: {args.profile_out}: decode step s by batch {profile['decode_step_s']}, prefill tokens/s "
           f"by step tokens {profile['prefill_tokens_per_s']}, {profile['blocks_total']} blocks", flush=True)
     return profile
-
-
-def _print_type_shares(out: dict, model, repeats: int) -> None:
-    from hybridgate.bench.type_shares import type_shares
-
-    out["type_shares_c1"] = shares = type_shares(model, out["decode_step_ms_c1"], max(repeats, 3))
-    for name, row in shares.items():
-        if isinstance(row, dict):
-            print(f"  {name:6} {row['matrices']:4} matrices {row['bytes'] / 2**20:8.1f} MiB {row['ms']:8.3f} ms "
-                  f"({row['share']:.0%} of the step, {row['gb_per_s']:.1f} GB/s)", flush=True)
-    if shares:
-        print(f"  other  {shares['other_ms']:.3f} ms (attention, norms, activations, sampling, Python)", flush=True)
-
-
-def _report_bandwidth(out: dict, paired: list[tuple[float, float]]) -> None:
-    """The read bandwidth probed before each of our batch-1 steps, and the step over its memory bound: the
-    median over the repeats of (probe GB/s · step ms / weight bytes), each step against the probe just
-    before it. A spread of the probes over 20% is printed as a warning (a shared host's bandwidth moves)."""
-    probes = [g for g, _ in paired]
-    out["read_bandwidth_probes_gb_per_s"] = probes
-    out["decode_step_ms_c1_runs"] = [ms for _, ms in paired]
-    out["read_bandwidth_gb_per_s"] = statistics.median(probes)
-    out["step_over_bandwidth_bound"] = statistics.median(
-        g * ms * 1e6 / out["weight_bytes_read_per_step"] for g, ms in paired)
-    out["read_bandwidth_spread"] = max(probes) / min(probes)
-    print(f"read bandwidth: {out['read_bandwidth_gb_per_s']:.1f} GB/s with {out['threads']} threads (probed before "
-          f"each step); the decode step takes {out['step_over_bandwidth_bound']:.2f}x the time its weights take "
-          "to read", flush=True)
-    if out["read_bandwidth_spread"] > 1.2:
-        print(f"warning: the read bandwidth moved {out['read_bandwidth_spread']:.2f}x between probes "
-              f"({', '.join(f'{g:.1f}' for g in probes)} GB/s): a shared host; each step is set against the probe "
-              "just before it", flush=True)
 
 
 def _peak_rss_mib() -> float:

@@ -89,7 +89,7 @@ async def _drive(target: str, concurrency: int, requests: int, max_tokens: int, 
 async def _drive_http(target: str, concurrency: int, requests: int, max_tokens: int, token: str | None = None,
                       tools: bool | None = None) -> dict:
     """`_drive` over the OpenAI HTTP door: /v1/completions streamed as server-sent events (chats: `_http_chat`)."""
-    from hybridgate.bench.serve import _sse_post
+    from hybridgate.bench.serve_clients import sse_post
 
     host, port = target.rsplit(":", 1)
     body = json.dumps({"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
@@ -106,7 +106,7 @@ async def _drive_http(target: str, concurrency: int, requests: int, max_tokens: 
         start = last = time.perf_counter()
         tokens, first = 0, True
         try:
-            async for event in _sse_post(host, int(port), path, body, token):
+            async for event in sse_post(host, int(port), path, body, token):
                 now = time.perf_counter()
                 if event == b"[DONE]":
                     break

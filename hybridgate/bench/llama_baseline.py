@@ -244,5 +244,22 @@ def _quiet_log(level, text, user_data):  # pragma: no cover - called from C
     return None
 
 
+def start_baselines(path: Path, out: dict, max_seqs: int, llama_cpp_path: str | None) -> dict:
+    """llama.cpp with its defaults and with extra buffer types off, each in its own process; a
+    configuration that fails to start is reported in `out` and left out."""
+    bases, out["llama_cpp"] = {}, {}
+    for config in CONFIGS:
+        name = f"llama_cpp_{config}"
+        try:
+            bases[name] = LlamaCppProcess(path, out["threads"], max_seqs, config, llama_cpp_path)
+            out["llama_cpp"][config] = bases[name].info
+            print(f"{name}: llama-cpp-python {bases[name].info['version']} from {bases[name].info['path']} "
+                  f"({bases[name].info['system_info'].strip()})", flush=True)
+        except RuntimeError as exc:
+            out["llama_cpp"][config] = {"error": str(exc)}
+            print(f"{name}: {exc}", flush=True)
+    return bases
+
+
 if __name__ == "__main__":
     _serve()

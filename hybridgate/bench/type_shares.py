@@ -59,3 +59,13 @@ def type_shares(model, step_ms: float, repeats: int = 5) -> dict:
     out = dict(sorted(out.items(), key=lambda kv: -kv[1]["ms"]))
     out["other_ms"] = step_ms - sum(row["ms"] for row in out.values())
     return out
+
+
+def print_shares(out: dict, model, repeats: int) -> None:
+    out["type_shares_c1"] = shares = type_shares(model, out["decode_step_ms_c1"], max(repeats, 3))
+    for name, row in shares.items():
+        if isinstance(row, dict):
+            print(f"  {name:6} {row['matrices']:4} matrices {row['bytes'] / 2**20:8.1f} MiB {row['ms']:8.3f} ms "
+                  f"({row['share']:.0%} of the step, {row['gb_per_s']:.1f} GB/s)", flush=True)
+    if shares:
+        print(f"  other  {shares['other_ms']:.3f} ms (attention, norms, activations, sampling, Python)", flush=True)

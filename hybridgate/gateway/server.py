@@ -23,7 +23,7 @@ from hybridgate.gateway.models import ModelTable
 from hybridgate.gateway.security import BearerInterceptor, server_credentials
 from hybridgate.gateway.service import MAX_MESSAGE_BYTES, GenerationService
 from hybridgate.router import Router, UnavailableError
-from hybridgate.router.handoff import HandoffMetrics
+from hybridgate.router.handoff_metrics import HandoffMetrics
 from hybridgate.v1 import generation_pb2 as pb
 from hybridgate.v1 import generation_pb2_grpc as pb_grpc
 

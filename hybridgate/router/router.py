@@ -29,7 +29,8 @@ from hybridgate.router.constraints import ConstraintCheck, ConstraintLimits
 from hybridgate.router import embeddings
 from hybridgate.router.embeddings import Embeddings
 from hybridgate.router.errors import InvalidRequestError, UnavailableError
-from hybridgate.router.handoff import HandoffMetrics, PauseHook
+from hybridgate.router.handoff import PauseHook
+from hybridgate.router.handoff_metrics import HandoffMetrics
 from hybridgate.router.membership import Membership
 from hybridgate.router.placement import Placement, Placer, _Pending
 from hybridgate.router.policy import make_policy

@@ -24,13 +24,13 @@ before its name is no call, and an end marker cut short is not content.
 
 from __future__ import annotations
 
-import json
 import re
 import secrets
 import string
 from dataclasses import dataclass, field
 
-_DECODER = json.JSONDecoder(strict=False)  # a model may write raw control characters inside strings
+from hybridgate.router.jsonstring import StringDecoder, decode_raw
+
 _STRING_STOP = re.compile(r'["\\]')
 _SCALAR_CHARS = frozenset(string.ascii_letters + string.digits + "+-.")
 _WS = " \t\r\n"
@@ -94,71 +94,12 @@ class ToolCall:
     complete: bool = False
 
 
-class _StringDecoder:
-    """A JSON string's raw text (the quotes included) in fragments -> its decoded text, as far as it is certain.
-
-    An escape cut by a fragment boundary (`\\`, `\\u00`, a high surrogate waiting for its low half) is
-    held until the next fragment; what cannot be decoded is passed through as written."""
-
-    def __init__(self) -> None:
-        self._raw = ""
-        self._opened = False
-
-    def push(self, raw: str, closed: bool = False) -> str:
-        if not self._opened:
-            raw, self._opened = raw[1:], True  # the opening quote
-        text = self._raw + raw
-        if closed:
-            text, self._raw = (text[:-1] if text.endswith('"') else text), ""
-            return _decode(text)
-        cut = _safe_end(text)
-        self._raw = text[cut:]
-        return _decode(text[:cut])
-
-
-_HIGH_SURROGATE_END = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}$")
-
-
-def _safe_end(raw: str) -> int:
-    """The length of `raw`'s longest prefix that ends on a whole escape and not on a high surrogate
-    waiting for its low half (an escape is at most 6 characters, a surrogate pair 12)."""
-    k = raw.rfind("\\", max(0, len(raw) - 12))
-    if k < 0:
-        return len(raw)
-    run = k - len(raw[:k].rstrip("\\"))  # backslashes just before this one
-    if run % 2 == 1:  # this one is the second of an escaped backslash: everything is whole
-        return len(raw)
-    tail = raw[k:]
-    if len(tail) == 1 or (tail[1] == "u" and len(tail) < 6):
-        cut = k
-    elif tail[1] == "u" and _HIGH_SURROGATE_END.search(tail[:6]) and len(tail) == 6:
-        cut = k
-    else:
-        return len(raw)
-    if _HIGH_SURROGATE_END.search(raw[:cut]):
-        cut -= 6
-    return cut
-
-
-def _is_hex(s: str) -> bool:
-    return all(c in string.hexdigits for c in s)
-
-
-def _decode(raw: str) -> str:
-    if "\\" not in raw:
-        return raw
-    try:
-        return _DECODER.decode('"' + raw + '"')
-    except ValueError:
-        return raw
-
-
 class _Capture:
     """The text of one JSON value being captured: raw (arguments as written) or decoded (a string's text)."""
 
     def __init__(self, depth: int, decoded: bool):
         self.depth = depth  # the scanner's stack depth where the value began
-        self.decoder = _StringDecoder() if decoded else None
+        self.decoder = StringDecoder() if decoded else None
         self.text: list[str] = []
 
     def push(self, raw: str, closed: bool = False) -> str:
@@ -259,7 +200,7 @@ class _Scanner:
             return end + 1
         self.in_string = False
         if self.key_raw is not None:  # a key ended
-            self.stack[-1].key, self.key_raw = _decode("".join(self.key_raw)), None
+            self.stack[-1].key, self.key_raw = decode_raw("".join(self.key_raw)), None
             self.stack[-1].expect = "colon"
         else:
             self._value_end(text, end + 1)

@@ -162,7 +162,8 @@ async def run_gateway(config: Settings, pools: Sequence[ModelPool], supervisor: 
     """Serve until SIGINT/SIGTERM. Under `serve`, `supervisor` starts its workers once the port is
     bound (so a port in use fails at once) and keeps them running; the pools name the clients.
     `extra`: the other gateways of `serve --gateways N`, started once this one listens and drained
-    with it; such a gateway runs this with `reuse_port` and its `index` (it prints no READY line)."""
+    with it; such a gateway runs this with `reuse_port` and its `index` (it prints no READY line).
+    Returns the exit status: 1 when a router could not come up or a worker or gateway failed for good."""
     transport = Transport(config.transport)
     for pool in pools:  # before anything starts: a tcp worker without keys is refused here
         for endpoint in pool.endpoints:
@@ -174,15 +175,13 @@ async def run_gateway(config: Settings, pools: Sequence[ModelPool], supervisor: 
     for router in routers:
         router.on_ready_change = gateway.on_ready_change
     await gateway.start()
-    background = []
-    stop = asyncio.Event()
-    code = 0
+    stop, failures = asyncio.Event(), []
 
     def fail() -> None:
-        nonlocal code
-        code = 1
+        failures.append(1)
         stop.set()
 
+    background = []
     if supervisor is not None:
         by_name = {c.name: c for c in clients}
         supervisor.on_exit = lambda name, reason: by_name[name].worker_exited(reason)
@@ -191,15 +190,7 @@ async def run_gateway(config: Settings, pools: Sequence[ModelPool], supervisor: 
         background.append(asyncio.create_task(supervise(supervisor, fail)))
     say = (lambda line: print(f"hybridgate: {line}", flush=True)) if index == 0 else \
         (lambda line: log.info("gateway %d: %s", index, line))
-    say(f"gRPC on {config.gateway.host}:{gateway.port} (health NOT_SERVING until a worker is up)")
-    if gateway.http_port is not None:
-        scheme = "https" if config.gateway.tls_cert else "http"
-        say(f"OpenAI-compatible HTTP on {scheme}://{config.gateway.host}:{gateway.http_port}/v1 "
-            "(/health 503 until a worker is up)")
-    if gateway.metrics_port is not None:
-        where = f"http://{config.gateway.host}:{gateway.metrics_port}/metrics"
-        print(f"hybridgate: metrics on {where}" if index == 0 else f"hybridgate: gateway {index} metrics on {where}",
-              flush=True)
+    _say_listening(config, gateway, index, say)
     if extra is not None:
         extra.start_all()
         background.append(asyncio.create_task(extra.watch(config.supervisor.restart_window_s,
@@ -213,25 +204,7 @@ async def run_gateway(config: Settings, pools: Sequence[ModelPool], supervisor: 
     # going down leaves the others serving.
     entered = asyncio.create_task(_enter_all(routers))
     waiter = asyncio.create_task(stop.wait())
-    await asyncio.wait({entered, waiter}, return_when=asyncio.FIRST_COMPLETED)
-    if entered.done() and entered.exception() is not None:
-        print(f"hybridgate: error: {entered.exception()}", file=sys.stderr, flush=True)
-        code = 1
-    elif entered.done():
-        # Serving already (health is SERVING with one READY worker); the line waits for the rest.
-        settled = asyncio.gather(*(r.wait_settled(config.router.startup_timeout_s) for r in routers))
-        await asyncio.wait({settled, waiter}, return_when=asyncio.FIRST_COMPLETED)
-        settled.cancel()
-        for c in clients:
-            if c.state != WorkerState.READY:
-                print(f"hybridgate: warning: worker {c.name} ({c.endpoint}) is {c.state.name} (see its log above)",
-                      file=sys.stderr, flush=True)
-        gateways = f", {len(extra.procs) + 1} gateways" if extra is not None else ""
-        found = f", workers from Redis at {redacted(config.redis.url)}" if config.redis.url else ""
-        served = f"model {routers[0].model.path}" if len(models) == 1 else \
-            "models " + ", ".join(f"{m.name}={m.router.model.path}" for m in models)
-        say(f"READY ({_ready_line(models)}{gateways}{found}) — {served}")
-        await stop.wait()
+    code = await _serve_until_stopped(config, models, extra, entered, waiter, say)
     say(f"shutting down (health NOT_SERVING, in-flight streams get {config.gateway.grace_s:g} s)")
     if supervisor is not None:
         supervisor.stopping = True  # workers run on through the grace period, but are not restarted
@@ -243,7 +216,48 @@ async def run_gateway(config: Settings, pools: Sequence[ModelPool], supervisor: 
     for task in (entered, waiter, *background):
         task.cancel()
     await asyncio.gather(*(r.close() for r in routers), return_exceptions=True)
-    return code
+    return 1 if failures else code
+
+
+def _say_listening(config: Settings, gateway: Gateway, index: int, say: Callable[[str], None]) -> None:
+    """The doors this gateway listens on (gRPC, HTTP, metrics), each with what it answers before a worker is up."""
+    say(f"gRPC on {config.gateway.host}:{gateway.port} (health NOT_SERVING until a worker is up)")
+    if gateway.http_port is not None:
+        scheme = "https" if config.gateway.tls_cert else "http"
+        say(f"OpenAI-compatible HTTP on {scheme}://{config.gateway.host}:{gateway.http_port}/v1 "
+            "(/health 503 until a worker is up)")
+    if gateway.metrics_port is not None:
+        where = f"http://{config.gateway.host}:{gateway.metrics_port}/metrics"
+        print(f"hybridgate: metrics on {where}" if index == 0 else f"hybridgate: gateway {index} metrics on {where}",
+              flush=True)
+
+
+async def _serve_until_stopped(config: Settings, models: Sequence, extra: ExtraGateways | None,
+                               entered: asyncio.Task, waiter: asyncio.Task, say: Callable[[str], None]) -> int:
+    """Waits for the routers to come up (`entered`), says READY, and serves until `waiter` (the stop event)
+    ends; returns 1 when a router failed to come up (its error printed), else 0."""
+    routers = [m.router for m in models]
+    await asyncio.wait({entered, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    if not entered.done():
+        return 0
+    if entered.exception() is not None:
+        print(f"hybridgate: error: {entered.exception()}", file=sys.stderr, flush=True)
+        return 1
+    # Serving already (health is SERVING with one READY worker); the line waits for the rest.
+    settled = asyncio.gather(*(r.wait_settled(config.router.startup_timeout_s) for r in routers))
+    await asyncio.wait({settled, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    settled.cancel()
+    for c in (c for r in routers for c in r.clients):
+        if c.state != WorkerState.READY:
+            print(f"hybridgate: warning: worker {c.name} ({c.endpoint}) is {c.state.name} (see its log above)",
+                  file=sys.stderr, flush=True)
+    gateways = f", {len(extra.procs) + 1} gateways" if extra is not None else ""
+    found = f", workers from Redis at {redacted(config.redis.url)}" if config.redis.url else ""
+    served = f"model {routers[0].model.path}" if len(models) == 1 else \
+        "models " + ", ".join(f"{m.name}={m.router.model.path}" for m in models)
+    say(f"READY ({_ready_line(models)}{gateways}{found}) — {served}")
+    await waiter
+    return 0
 
 
 async def _enter_all(routers: Sequence[Router]) -> None:

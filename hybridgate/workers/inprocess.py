@@ -8,7 +8,8 @@ import threading
 
 from hybridgate.clients.local import LocalWorkerClient
 from hybridgate.wire import Abort, AddRequest, EngineStats, Hello
-from hybridgate.workers.engine import EngineCore, EngineLoop, Inbox, ModelRunner
+from hybridgate.workers.engine import EngineCore, ModelRunner
+from hybridgate.workers.engine_loop import EngineLoop, Inbox
 from hybridgate.workers.scheduler import SchedulerConfig
 
 

@@ -34,7 +34,7 @@ from hybridgate.wire import (
     Ready,
     RequestError,
 )
-from hybridgate.workers.engine import ClientCongested, ClientGone, Inbox
+from hybridgate.workers.engine_loop import ClientCongested, ClientGone, Inbox
 from hybridgate.workers.guard import WireErrors
 from hybridgate.workers.handoff import HandoffIncoming
 

@@ -24,10 +24,11 @@ from hybridgate.security.keys import Transport, TransportConfig
 from hybridgate.security.redisconf import RedisConfig, WorkerEntry
 from hybridgate.wire import Hello
 from hybridgate.workers.config import WorkerConfig
-from hybridgate.workers.engine import EngineCore, EngineLoop, Inbox, default_constraints
+from hybridgate.workers.engine import EngineCore, default_constraints
+from hybridgate.workers.engine_loop import EngineLoop, Inbox
 from hybridgate.workers.guard import WireErrors
 from hybridgate.workers.handoff import HandoffConfig
-from hybridgate.workers.io_thread import WorkerIO, handoff_frame_bytes, max_frame_bytes
+from hybridgate.workers.io_thread import WorkerIO, handoff_frame_bytes
 from hybridgate.workers.threads import exit_if_raises, worker_thread
 
 log = logging.getLogger("hybridgate.worker")

@@ -19,6 +19,7 @@ from tiny_gguf import TINY_SPECS
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 STEPS = 16
+BF16_BOUND = 0.1  # of the fp32 logits' largest magnitude: above the 6.3% seen on the CPU device
 
 
 @pytest.fixture(scope="module", params=list(TINY_SPECS))
@@ -97,15 +98,18 @@ def test_cuda_bf16_graph_replay_is_bitwise_equal_to_eager(case):
 
 def test_cuda_bf16_follows_the_fp32_golden_forward(case):
     # The default GPU dtype against the fp32 CPU forward (held to transformers within 1e-3): the prompt's
-    # last logits within bf16's rounding (8 bits of mantissa through every layer: on the CPU device these
-    # files' bf16 forward is 0.8-6.3% of the logits' range off), and greedy decoding through the paged
-    # runner and its graphs the same ids up to the first gap below twice that error.
+    # last logits within BF16_BOUND of the reference logits' largest magnitude (8 bits of mantissa through
+    # every layer: on the CPU device these files' bf16 forward is 0.8-6.3% of that off), and greedy decoding
+    # through the paged runner and its graphs the same ids up to the first gap below twice that bound (two
+    # logits each off by up to the bound can swap). The bound is fixed: a margin taken from the measured
+    # error would grow with the error it is meant to catch.
     name, model, prompt, want, gaps, first = case
     bf16 = DecoderModel(model, torch.device("cuda"), torch.bfloat16)
     got = bf16.forward(torch.tensor(prompt, device="cuda"), [len(prompt)], [bf16.new_cache()])[0].float().cpu()
-    scale, err = float(first.abs().max()), float((got - first).abs().max())
-    assert err <= 0.1 * scale, (name, err, scale)
+    bound = BF16_BOUND * float(first.abs().max())
+    err = float((got - first).abs().max())
+    assert err <= bound, (name, err, bound)
     runner = TorchRunner(model, torch.device("cuda"), kv_cache_memory="1GiB", max_num_seqs=4)
     runner.warm_up()
     ids = greedy_on(runner, model, [prompt])[0]
-    assert first_difference_is_a_tie(ids, want, gaps, 2 * err), (name, ids, want, err)
+    assert first_difference_is_a_tie(ids, want, gaps, 2 * bound), (name, ids, want, err, bound)

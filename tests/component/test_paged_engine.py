@@ -248,7 +248,7 @@ def run_loop(engine: EngineCore, requests: list[AddRequest], timeout: float = 60
     import time
 
     from hybridgate.wire import Outputs, RequestError
-    from hybridgate.workers.engine import EngineLoop, Inbox
+    from hybridgate.workers.engine_loop import EngineLoop, Inbox
 
     inbox, ids, errors, done = Inbox(), defaultdict(list), {}, set()
 

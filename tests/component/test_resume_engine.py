@@ -56,7 +56,7 @@ def test_resumed_request_continues_the_undisturbed_ids(engine, tokenizer, params
 
 def test_a_long_prefill_reports_progress_before_its_first_token(gguf_model, tokenizer):
     """Each prefill chunk that samples nothing yet is pushed as an empty output (the router's stall signal)."""
-    from hybridgate.workers.engine import EngineLoop, Inbox
+    from hybridgate.workers.engine_loop import EngineLoop, Inbox
 
     runner = TorchRunner(gguf_model, torch.device("cpu"), torch.float32, kv_cache_memory="64MiB")
     engine = EngineCore(runner, SchedulerConfig(max_num_batched_tokens=32), model_fingerprint(gguf_model))

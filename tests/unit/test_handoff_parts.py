@@ -3,6 +3,7 @@ test pauses, worker settings, and the metric names on /metrics."""
 
 from __future__ import annotations
 
+import random
 import time
 from types import SimpleNamespace
 
@@ -87,12 +88,14 @@ def test_pool_waits_for_a_buffer_instead_of_allocating():
 
 
 def test_pause_hooks_parse_and_seed():
-    hooks = PauseHooks("exporting:0.01,imported:0.02", seed="7")
+    slept = []
+    hooks = PauseHooks("exporting:0.01,imported:0.02", seed="7", sleep=slept.append)
     assert hooks.seconds == {"exporting": 0.01, "imported": 0.02}
-    start = time.monotonic()
-    hooks.pause("reserved")  # not configured: at once
+    hooks.pause("reserved")  # not configured: no pause
     hooks.pause("exporting")
-    assert time.monotonic() - start < 0.5
+    hooks.pause("imported")
+    draws = random.Random(7)  # the seed's fractions, in the order of the pauses
+    assert slept == [0.01 * draws.random(), 0.02 * draws.random()]
     with pytest.raises(ValueError, match="unknown state 'nope'"):
         PauseHooks("nope:1")
     assert PauseHooks("", seed=None).seconds == {}

@@ -74,7 +74,7 @@ async def test_a_stream_whose_close_raises_is_said_and_counted_and_the_other_cho
 def test_a_handoff_reply_to_a_gone_sender_is_said_and_counted(tmp_path, caplog):
     """The refusal a CPU worker answers a hand-off's sender with, when the sender is gone: it used to be
     dropped silently (the socket took unknown peers) or logged at INFO."""
-    from hybridgate.workers.engine import Inbox
+    from hybridgate.workers.engine_loop import Inbox
     from hybridgate.workers.io_thread import WorkerIO, handoff_frame_bytes
 
     ctx = zmq.Context()

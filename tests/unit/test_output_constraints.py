@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 
 import jsonschema
 import llguidance
@@ -259,13 +260,16 @@ def test_the_checks_counters_are_gateway_metrics():
         with pytest.raises(InvalidFieldError):
             await check.check(c.json_schema({"type": "object", "not": {}}, "f"))
 
+    start = time.perf_counter()
     asyncio.run(run())
+    wall_s = time.perf_counter() - start
     text = generate_latest(GatewayMetrics(constraint_check=check).registry).decode()
     got = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
     assert got["hybridgate:constraint_check_compiles_total"] == 2
     assert got["hybridgate:constraint_check_cache_hits_total"] == 2
     assert got["hybridgate:constraint_check_refused_total"] == 1
-    assert 0 < got["hybridgate:constraint_check_compile_seconds_total"] < 60
+    # The two compiles ran one after the other inside run(): their measured seconds fit in its wall time.
+    assert 0 < got["hybridgate:constraint_check_compile_seconds_total"] <= wall_s
 
 
 def test_the_response_cache_key_includes_the_constraint():
