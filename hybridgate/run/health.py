@@ -86,5 +86,5 @@ def run_health(args: argparse.Namespace) -> int:
 
     target = gateway_target(args)
     status = gateway_status(target, args.service, args.timeout, args.tls_ca)
-    print(f"gateway {target}: {status}")
+    print(f"gateway {target}{f' service {args.service}' if args.service else ''}: {status}")
     return 0 if status == "SERVING" else 1

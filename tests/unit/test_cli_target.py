@@ -91,6 +91,8 @@ def test_generate_and_health_commands_follow_hybridgate_port(gateway):
     env = {"HYBRIDGATE_PORT": str(gateway)}
     out = run("health", "--timeout", "10", env=env)
     assert out.returncode == 0 and out.stdout == f"gateway 127.0.0.1:{gateway}: SERVING\n", out
+    out = run("health", "--timeout", "10", "--service", "chat", env=env)  # a service the gateway lacks: named
+    assert out.returncode == 1 and out.stdout.startswith(f"gateway 127.0.0.1:{gateway} service chat: "), out
     out = run("generate", "hello", env=env)
     assert out.returncode == 0 and out.stdout == "echo hello\n", out
 
