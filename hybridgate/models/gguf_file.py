@@ -34,7 +34,7 @@ HEADER_CACHE_FORMAT = 2
 # Tensor types the project's runners can read; any other fails at load.
 SUPPORTED_TENSOR_TYPES = frozenset(
     gguf.GGMLQuantizationType[name]
-    for name in ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+    for name in ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
 )
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 # rope.scaling.type values served; llama.cpp writes "linear" (position / factor), "yarn", "longrope".
