@@ -84,6 +84,8 @@ class ModelConfig:
     layer_rope_scale: tuple[float, ...] = ()  # per layer: position multiplier (linear scaling: 1/factor)
     rope_freq_factors: tuple[float, ...] = ()  # [head_dim / 2] divisors of RoPE frequencies; () = none
     rope_attn_factor: float = 1.0  # cos and sin multiplied by it (LongRoPE's attention factor)
+    # per layer, per query head: a logit in each softmax's denominator (`attn_sinks`, gpt-oss); () = none
+    attention_sinks: tuple[tuple[float, ...], ...] = ()
     num_experts: int = 0  # experts per block (`arch.moe`); 0: a dense FFN
     experts_per_token: int = 0  # experts chosen for each token (expert_used_count)
     expert_intermediate_size: int = 0  # each expert's FFN width (expert_feed_forward_length)
@@ -116,6 +118,10 @@ class ModelConfig:
         if self.arch.moe is not None and not 0 < self.experts_per_token <= self.num_experts:
             raise ModelLoadError(f"model config: expert_used_count {self.experts_per_token} must be in "
                                  f"1..expert_count {self.num_experts}")
+        if self.attention_sinks and {len(s) for s in self.attention_sinks} != {self.num_heads} or \
+                len(self.attention_sinks) not in (0, self.num_layers):
+            raise ModelLoadError(f"model config: attention_sinks must be block_count {self.num_layers} rows of "
+                                 f"head_count {self.num_heads}")
         if self.rope_freq_factors and len(self.rope_freq_factors) != self.head_dim // 2:
             raise ModelLoadError(f"model config: {len(self.rope_freq_factors)} RoPE frequency factors, "
                                  f"expected head_dim / 2 = {self.head_dim // 2}")
@@ -232,6 +238,8 @@ def _config(meta: dict[str, Any], tensors: dict[str, TensorView]) -> ModelConfig
         **_layer_values(row, meta, layers),
         rope_freq_factors=factors,
         rope_attn_factor=attn_factor,
+        attention_sinks=tuple(tuple(float(v) for v in tensors[f"blk.{i}.attn_sinks.weight"].dequantize().reshape(-1))
+                              for i in range(layers) if row.attn_sinks and f"blk.{i}.attn_sinks.weight" in tensors),
         **_expert_values(row, meta),
         pooling_type=int(opt("pooling_type", 0)),
     )
@@ -307,10 +315,14 @@ def expected_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     row, h, d = config.arch, config.hidden_size, config.head_dim
     q, kv = config.q_dim, config.kv_dim
     qkv = {"attn_q": (q, h), "attn_k": (kv, h), "attn_v": (kv, h), "attn_qkv": (q + 2 * kv, h)}
-    layer = {"attn_norm.weight": (h,), "attn_output.weight": (h, q), "ffn_norm.weight": (h,)}
+    layer = {"attn_norm.weight": (h,), "attn_output.weight": (h, q), row.ffn_norm + ".weight": (h,)}
     layer |= {n + ".weight": qkv[n] for n in row.qkv_tensors}
     if row.qkv_bias:
         layer |= {n + ".bias": qkv[n][:1] for n in row.qkv_tensors}
+    if row.output_bias:
+        layer["attn_output.bias"] = (h,)
+    if row.attn_sinks:
+        layer["attn_sinks.weight"] = (config.num_heads,)
     layer |= _ffn_tensors(config)
     if row.qk_norm:
         layer |= {"attn_q_norm.weight": (d,), "attn_k_norm.weight": (d,)}
@@ -335,6 +347,9 @@ def _ffn_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     out |= {"ffn_gate_inp.weight": (e, h), "ffn_down_exps.weight": (e, h, fe)}
     if moe.selection_bias:
         out["exp_probs_b.bias"] = (e,)
+    if moe.biases:
+        out |= {n[: -len(".weight")] + ".bias": shape[:2] for n, shape in out.items() if n.endswith("_exps.weight")}
+        out["ffn_gate_inp.bias"] = (e,)
     if moe.shared_expert:
         out |= {"ffn_gate_shexp.weight": (fs, h), "ffn_up_shexp.weight": (fs, h), "ffn_down_shexp.weight": (h, fs)}
     if moe.shared_expert_gate:
