@@ -49,7 +49,9 @@ Sources, per field:
   `post_attention_layernorm`, a pre-FFN norm here, not gemma's post norm); experts with biases
   (`ffn_gate_inp.bias` on the router's logits, `ffn_{gate,up,down}_exps.bias`), chosen as the top 4
   logits then a softmax over those (`SOFTMAX_WEIGHT`), through the clamped SwiGLU (`SWIGLU_OAI`:
-  ggml_swiglu_oai, transformers' `GptOssExperts._apply_gate`).
+  ggml_swiglu_oai, transformers' `GptOssExperts._apply_gate`); YaRN RoPE (factor 32 over 4096 positions) with
+  the correction range unrounded, as transformers' `GptOssConfig` (`truncate: False`) and OpenAI's reference
+  code compute it (llama.cpp rounds it, `ggml_rope_yarn_corr_dims`).
 - Refused families (`REFUSED_ARCHITECTURES`): named with the reason, so a file of one
   fails at load in one line rather than as an unknown name.
 """
@@ -143,6 +145,7 @@ class Architecture:
     softcap_keys: tuple[str, ...] = ()  # `{arch}.` metadata keys read over those defaults
     hidden_scale_block_counts: tuple[int, ...] = ()  # block counts whose scale is 1/sqrt(hidden/heads)
     long_rope: bool = False  # rope_factors_long/short tensors and original_context_length (phi3 LongRoPE)
+    yarn_truncate: bool = True  # YaRN's correction range floored and ceiled (transformers' `truncate`; gpt-oss: not)
     moe: MixtureOfExperts | None = None  # every block's FFN is this mixture of experts; None: a dense FFN
 
     @property
@@ -179,6 +182,7 @@ ARCHITECTURES: dict[str, Architecture] = {
                      moe=MixtureOfExperts(Gating.SOFTMAX, normalize=True)),
         Architecture("gpt-oss", RopeLayout.HALVES, activation=Activation.SWIGLU_OAI, qkv_bias=True,
                      output_bias=True, attn_sinks=True, ffn_norm="post_attention_norm", swa_pattern=2,
+                     yarn_truncate=False,
                      moe=MixtureOfExperts(Gating.TOPK_SOFTMAX, biases=True)),
     )
 }

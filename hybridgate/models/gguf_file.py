@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +39,7 @@ SUPPORTED_TENSOR_TYPES = frozenset(
 )
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 # rope.scaling.type values served; llama.cpp writes "linear" (position / factor), "yarn", "longrope".
-SUPPORTED_ROPE_SCALING = ("none", "linear")
+SUPPORTED_ROPE_SCALING = ("none", "linear", "yarn")
 
 
 _POSITIVE_FIELDS = (
@@ -209,7 +210,7 @@ def _config(meta: dict[str, Any], tensors: dict[str, TensorView]) -> ModelConfig
     if "token_embd.weight" not in tensors:
         raise ModelLoadError("tensor 'token_embd.weight' is missing")
     layers = int(key("block_count"))
-    factors, context, attn_factor = _rope_factors(row, meta, tensors, int(key("context_length")))
+    factors, context, attn_factor = _rope_factors(row, meta, tensors, int(key("context_length")), head_dim)
     hidden_scaled = layers in row.hidden_scale_block_counts
     caps = {name: float(opt(name, default)) for name, default in
             (("attn_logit_softcapping", row.attn_softcap), ("final_logit_softcapping", row.final_softcap))
@@ -267,7 +268,7 @@ def _layer_values(row: Architecture, meta: dict[str, Any], layers: int) -> dict[
     if scaling not in SUPPORTED_ROPE_SCALING:
         raise ModelLoadError(f"GGUF metadata {arch}.rope.scaling.type={scaling!r} is not supported "
                              f"(supported: {', '.join(SUPPORTED_ROPE_SCALING)})")
-    scale = 1.0 / float(_require(meta, f"{arch}.rope.scaling.factor")) if scaling == "linear" else 1.0
+    scale = 1.0 / float(_require(meta, f"{arch}.rope.scaling.factor")) if scaling == "linear" else 1.0  # yarn: factors
     window = int(meta.get(f"{arch}.attention.sliding_window", row.default_window)) if row.swa_pattern else 0
     pattern = meta.get(f"{arch}.attention.sliding_window_pattern", row.swa_pattern)  # newer files: int or per layer
     slides = [bool(pattern[i]) for i in range(layers)] if isinstance(pattern, list) else \
@@ -283,17 +284,19 @@ def _layer_values(row: Architecture, meta: dict[str, Any], layers: int) -> dict[
 
 
 def _rope_factors(row: Architecture, meta: dict[str, Any], tensors: dict[str, TensorView],
-                  context: int) -> tuple[tuple[float, ...], int, float]:
+                  context: int, head_dim: int) -> tuple[tuple[float, ...], int, float]:
     """(RoPE frequency divisors, served context, cos/sin factor).
 
     Llama 3's `rope_freqs.weight` (its converter's llama3 scaling, applied as
     llama.cpp's `freq_factors`). Phi-3 LongRoPE: served up to
     `rope.scaling.original_context_length` with `rope_factors_short` (the
     factors llama.cpp and transformers use at that length) and the file's
-    `rope.scaling.attn_factor`.
+    `rope.scaling.attn_factor`. YaRN (`rope.scaling.type` yarn): `_yarn_factors`.
     """
     arch = row.name
     name, attn_factor = "rope_freqs.weight", 1.0
+    if meta.get(f"{arch}.rope.scaling.type") == "yarn":
+        return _yarn_factors(row, meta, head_dim), context, _yarn_attention_factor(row, meta)
     if row.long_rope and "rope_factors_short.weight" in tensors:
         name = "rope_factors_short.weight"
         original = int(_require(meta, f"{arch}.rope.scaling.original_context_length"))
@@ -304,6 +307,33 @@ def _rope_factors(row: Architecture, meta: dict[str, Any], tensors: dict[str, Te
     if name not in tensors:
         return (), context, attn_factor
     return tuple(float(f) for f in tensors[name].dequantize().reshape(-1)), context, attn_factor
+
+
+def _yarn_factors(row: Architecture, meta: dict[str, Any], d: int) -> tuple[float, ...]:
+    """YaRN (Peng et al. 2023) as RoPE frequency divisors `[d / 2]`, as transformers computes it
+    (`_compute_yarn_parameters`): dimension pair i keeps its frequency below the correction range and is divided
+    by `factor` above it, linearly between (the range from `yarn_beta_fast` 32 and `yarn_beta_slow` 1 rotations
+    over the original context, floored and ceiled where the row says `yarn_truncate`, as llama.cpp always
+    does). Raises ModelLoadError for a missing factor or original context length."""
+    arch = row.name
+    factor = float(_require(meta, f"{arch}.rope.scaling.factor"))
+    original = int(_require(meta, f"{arch}.rope.scaling.original_context_length"))
+    base = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
+    fast, slow = (float(meta.get(f"{arch}.rope.scaling.yarn_beta_{n}", v)) for n, v in (("fast", 32.0), ("slow", 1.0)))
+    dim = lambda rotations: d * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))  # noqa: E731
+    low, high = dim(fast), dim(slow)
+    if row.yarn_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    high = high + 0.001 if low == high else high
+    ramps = [min(max((i - low) / (high - low), 0.0), 1.0) for i in range(d // 2)]  # 0: extrapolate, 1: interpolate
+    return tuple(1.0 / (r / factor + 1.0 - r) for r in ramps)
+
+
+def _yarn_attention_factor(row: Architecture, meta: dict[str, Any]) -> float:
+    """YaRN's cos/sin factor 0.1 ln(factor) + 1 (transformers' `yarn_get_mscale`; 1 for factor <= 1)."""
+    factor = float(_require(meta, f"{row.name}.rope.scaling.factor"))
+    return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
 # Tensors a file may hold beyond the layout's own (read by `_rope_factors`, or the untied LM head).

@@ -3,10 +3,11 @@
 transformers 5.25 (installed here) has `GptOssForCausalLM`; the reference is that model itself (fp32, eager
 attention: the sinks as a last softmax column), made with random weights in `tiny_gptoss.make_gptoss` and
 written to GGUF under llama.cpp's names: 4 layers (0 and 2 slide over 16 tokens), hidden 64, 4 heads over
-2 KV heads, biases on Q, K, V, O, the router and the experts, a sink per head, 8 experts choosing 2 and
-choosing 4 (gpt-oss's k), expert inputs large enough that the SwiGLU's clamps act, plain RoPE (the runners
-have no YaRN, gpt-oss's default). Each model's expert matrices are first rounded to MXFP4 (gguf's quantizer),
-so its F32 file and its MXFP4 file (the experts as llama.cpp's gpt-oss files hold them) are the same model.
+2 KV heads, biases on Q, K, V, O, the router and the experts, a sink per head, expert inputs large enough
+that the SwiGLU's clamps act; 8 experts choosing 2 with F32 experts and plain RoPE, and choosing 4 (gpt-oss's
+k) with MXFP4 experts (as llama.cpp's gpt-oss files hold them) and YaRN (gpt-oss's: factor 32 over 4096
+positions, its correction range unrounded). Each model's expert matrices are first rounded to MXFP4 (gguf's
+quantizer), so an MXFP4 file holds exactly the model.
 Per file: last-position logits of three packed prompts within 1e-3 on both runners; greedy ids for 16 tokens
 equal (or the first difference where the reference's top-2 gap is below 1e-3), through the paged cache with
 chunked prefill (the 16-token windows start mid-chunk) and a prefix-cache hit on both runners, and through a
@@ -40,12 +41,13 @@ from tiny_gptoss import make_gptoss, round_experts_to_mxfp4, write_gptoss_gguf
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 
-@pytest.fixture(scope="module", params=[(2, "F32"), (4, "MXFP4")], ids=lambda p: f"top{p[0]}-{p[1]}")
+@pytest.fixture(scope="module", params=[(2, "F32", "default"), (4, "MXFP4", "yarn")],
+                ids=lambda p: f"top{p[0]}-{p[1]}-{p[2]}")
 def case(request, tmp_path_factory) -> Case:
-    k, experts_type = request.param
-    hf = make_gptoss(top_k=k)
+    k, experts_type, rope = request.param
+    hf = make_gptoss(top_k=k, rope=rope)
     round_experts_to_mxfp4(hf)
-    path = tmp_path_factory.mktemp("gptoss") / f"gptoss-top{k}-{experts_type}.gguf"
+    path = tmp_path_factory.mktemp("gptoss") / f"gptoss-top{k}-{experts_type}-{rope}.gguf"
     return Case(hf, write_gptoss_gguf(hf, path, experts_type))
 
 
@@ -55,6 +57,11 @@ def test_the_file_reads_as_gpt_oss(case):
     want = [layer.self_attn.sinks.tolist() for layer in case.hf.model.layers]
     np.testing.assert_allclose(c.attention_sinks, want, rtol=1e-7)
     assert c.arch.activation == Activation.SWIGLU_OAI and c.experts_per_token == case.hf.config.num_experts_per_tok
+    # RoPE: transformers' inverse frequencies and cos/sin factor (YaRN's, or plain RoPE's 1)
+    rotary = case.hf.model.rotary_emb
+    inv = 1.0 / c.rope_theta ** (np.arange(0, c.head_dim, 2) / c.head_dim) / np.asarray(c.rope_freq_factors or 1.0)
+    np.testing.assert_allclose(inv, rotary.inv_freq.numpy(), rtol=2e-6)
+    assert c.rope_attn_factor == pytest.approx(rotary.attention_scaling, rel=1e-12)
 
 
 def test_numba_keeps_the_experts_in_the_files_type(case):

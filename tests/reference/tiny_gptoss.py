@@ -10,8 +10,9 @@ and up columns interleave (transformers' `_apply_gate` reads `[..., ::2]` and `[
 they are (NEOX RoPE). The sliding window goes in `gpt-oss.attention.sliding_window`; even layers slide by
 the architecture (llama.cpp `set_swa_pattern(2)`, transformers' `layer_types`).
 
-transformers' default RoPE for gpt-oss is YaRN (factor 32 over 4096 positions); these models use plain RoPE
-(`rope_type` "default"), the runners having no YaRN.
+RoPE: transformers' default for gpt-oss, YaRN (factor 32 over 4096 original positions, correction range not
+truncated), written as llama.cpp's converter writes it (`rope.scaling.type` yarn, `rope.scaling.factor`,
+`rope.scaling.original_context_length`), or plain RoPE (`rope="default"`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ ROPE_THETA = 150000.0  # gpt-oss's
 
 
 def make_gptoss(*, experts: int = 8, top_k: int = 2, layers: int = 4, hidden: int = 64, heads: int = 4,
-                kv_heads: int = 2, head_dim: int = 16, expert_ffn: int = 32, window: int = 16, seed: int = 0):
+                kv_heads: int = 2, head_dim: int = 16, expert_ffn: int = 32, window: int = 16, rope: str = "yarn",
+                seed: int = 0):
     """transformers' `GptOssForCausalLM` (fp32, eager attention, eval) with weights drawn from `seed`:
     matrices N(0, 1/in) (the router's N(0, 4/in), so its choices are clear-cut; the experts' N(0, 9/in), so
     the SwiGLU's clamps at ±7 are reached), biases N(0, 0.1²), norms 1 + N(0, 0.1), sinks N(0, 1)."""
@@ -38,7 +40,8 @@ def make_gptoss(*, experts: int = 8, top_k: int = 2, layers: int = 4, hidden: in
         vocab_size=VOCAB, hidden_size=hidden, intermediate_size=expert_ffn, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, num_local_experts=experts,
         num_experts_per_tok=top_k, sliding_window=window, max_position_embeddings=4096, rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA}, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA} if rope == "default" else None,
+        tie_word_embeddings=False,
         bos_token_id=1, eos_token_id=2, attn_implementation="eager")
     torch.manual_seed(seed)
     model = GptOssForCausalLM(config).float().eval()
@@ -103,6 +106,10 @@ def write_gptoss_gguf(model, path: Path, expert_type: str = "F32", seed: int = 0
     """`model` as a GGUF file: the expert matrices as `expert_type` (MXFP4: llama.cpp's gpt-oss files; see
     `round_experts_to_mxfp4` for a file equal to the model), everything else F32."""
     c = model.config
-    extra = {"rope_freq_base": c.rope_parameters["rope_theta"], "sliding_window": c.sliding_window}
+    rope = c.rope_parameters
+    extra = {"rope_freq_base": rope["rope_theta"], "sliding_window": c.sliding_window}
+    if rope["rope_type"] == "yarn":
+        extra |= {"rope_scaling_type": gguf.RopeScalingType.YARN, "rope_scaling_factor": rope["factor"],
+                  "rope_scaling_orig_ctx_len": rope["original_max_position_embeddings"]}
     return write_moe_gguf(path, "gpt-oss", c, gguf_tensors(model), extra,
                           lambda name: expert_type if "_exps." in name else "F32", seed)
