@@ -40,6 +40,18 @@ Sources, per field:
   sigmoid of `ffn_gate_inp_shexp` · x where the row has that gate (qwen2moe).
   qwen3moe: softmax over all experts, top 8, renormalised (src/models/qwen3moe.cpp;
   transformers' `Qwen3MoeTopKRouter` with `norm_topk_prob`), QK-norm as qwen3.
+- gpt-oss (llama.cpp src/models/openai-moe-iswa.cpp, `LLM_ARCH_OPENAI_MOE`; transformers'
+  `GptOssForCausalLM`): NEOX RoPE; biases on Q, K, V and the output projection; a learned logit per
+  head (`attn_sinks`) that joins each query's softmax denominator and no value (`build_attn`'s
+  sinks; transformers' eager attention concatenates it as a last column, then drops it); even
+  layers slide (`set_swa_pattern(2)`, the window from `{arch}.attention.sliding_window`, which
+  llama.cpp requires); the FFN's norm is `post_attention_norm` (GGUF's name for transformers'
+  `post_attention_layernorm`, a pre-FFN norm here, not gemma's post norm); experts with biases
+  (`ffn_gate_inp.bias` on the router's logits, `ffn_{gate,up,down}_exps.bias`), chosen as the top 4
+  logits then a softmax over those (`SOFTMAX_WEIGHT`), through the clamped SwiGLU (`SWIGLU_OAI`:
+  ggml_swiglu_oai, transformers' `GptOssExperts._apply_gate`); YaRN RoPE (factor 32 over 4096 positions) with
+  the correction range unrounded, as transformers' `GptOssConfig` (`truncate: False`) and OpenAI's reference
+  code compute it (llama.cpp rounds it, `ggml_rope_yarn_corr_dims`).
 - Refused families (`REFUSED_ARCHITECTURES`): named with the reason, so a file of one
   fails at load in one line rather than as an unknown name.
 """
@@ -62,6 +74,13 @@ class Activation(str, Enum):
 
     SILU = "silu"  # SwiGLU (Shazeer 2020)
     GELU_TANH = "gelu_tanh"  # GeGLU with GELU's tanh approximation (ggml_gelu; HF gelu_pytorch_tanh)
+    # gpt-oss: g = min(gate, limit), u = clamp(up, -limit, limit), out = (u + 1) · g · sigmoid(alpha · g), with
+    # SWIGLU_OAI_LIMIT and SWIGLU_OAI_ALPHA (ggml_swiglu_oai's arguments in llama.cpp's graph)
+    SWIGLU_OAI = "swiglu_oai"
+
+
+SWIGLU_OAI_LIMIT = 7.0
+SWIGLU_OAI_ALPHA = 1.702
 
 
 class Gating(str, Enum):
@@ -90,6 +109,9 @@ class MixtureOfExperts:
     fused_gate_up: bool = False  # `ffn_gate_up_exps` instead of `ffn_gate_exps` + `ffn_up_exps`
     shared_expert: bool = False  # `ffn_{gate,up,down}_shexp`, width `{arch}.expert_shared_feed_forward_length`
     shared_expert_gate: bool = False  # the shared expert's output times sigmoid(`ffn_gate_inp_shexp` · x)
+    # `.bias` of the router (`ffn_gate_inp.bias` [experts], added to its logits) and of each expert
+    # (`{name}.bias` [experts, rows] of each expert tensor: added to that matmul's output) (gpt-oss)
+    biases: bool = False
 
     @property
     def expert_tensors(self) -> tuple[str, ...]:
@@ -109,6 +131,9 @@ class Architecture:
     qkv_tensors: tuple[str, ...] = ("attn_q", "attn_k", "attn_v")  # one name: fused Q|K|V rows
     gate_up_tensors: tuple[str, ...] = ("ffn_gate", "ffn_up")  # one name: fused gate|up rows
     qkv_bias: bool = False  # `.bias` of each qkv tensor (qwen2)
+    output_bias: bool = False  # `attn_output.bias` [hidden] (gpt-oss)
+    attn_sinks: bool = False  # `attn_sinks.weight` [heads]: a logit per head in each softmax's denominator
+    ffn_norm: str = "ffn_norm"  # the FFN's input norm (gpt-oss: `post_attention_norm`)
     qk_norm: bool = False  # per-head RMSNorm of Q and K before RoPE: attn_q_norm, attn_k_norm [head_dim]
     post_norms: bool = False  # post_attention_norm and post_ffw_norm on the sublayers' outputs (gemma2/3)
     scale_embeddings: bool = False  # token embeddings times sqrt(hidden) (gemma)
@@ -120,6 +145,7 @@ class Architecture:
     softcap_keys: tuple[str, ...] = ()  # `{arch}.` metadata keys read over those defaults
     hidden_scale_block_counts: tuple[int, ...] = ()  # block counts whose scale is 1/sqrt(hidden/heads)
     long_rope: bool = False  # rope_factors_long/short tensors and original_context_length (phi3 LongRoPE)
+    yarn_truncate: bool = True  # YaRN's correction range floored and ceiled (transformers' `truncate`; gpt-oss: not)
     moe: MixtureOfExperts | None = None  # every block's FFN is this mixture of experts; None: a dense FFN
 
     @property
@@ -154,6 +180,10 @@ ARCHITECTURES: dict[str, Architecture] = {
                      long_rope=True),
         Architecture("qwen3moe", RopeLayout.HALVES, qk_norm=True,
                      moe=MixtureOfExperts(Gating.SOFTMAX, normalize=True)),
+        Architecture("gpt-oss", RopeLayout.HALVES, activation=Activation.SWIGLU_OAI, qkv_bias=True,
+                     output_bias=True, attn_sinks=True, ffn_norm="post_attention_norm", swa_pattern=2,
+                     yarn_truncate=False,
+                     moe=MixtureOfExperts(Gating.TOPK_SOFTMAX, biases=True)),
     )
 }
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,11 +35,11 @@ HEADER_CACHE_FORMAT = 2
 # Tensor types the project's runners can read; any other fails at load.
 SUPPORTED_TENSOR_TYPES = frozenset(
     gguf.GGMLQuantizationType[name]
-    for name in ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+    for name in ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
 )
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 # rope.scaling.type values served; llama.cpp writes "linear" (position / factor), "yarn", "longrope".
-SUPPORTED_ROPE_SCALING = ("none", "linear")
+SUPPORTED_ROPE_SCALING = ("none", "linear", "yarn")
 
 
 _POSITIVE_FIELDS = (
@@ -84,6 +85,8 @@ class ModelConfig:
     layer_rope_scale: tuple[float, ...] = ()  # per layer: position multiplier (linear scaling: 1/factor)
     rope_freq_factors: tuple[float, ...] = ()  # [head_dim / 2] divisors of RoPE frequencies; () = none
     rope_attn_factor: float = 1.0  # cos and sin multiplied by it (LongRoPE's attention factor)
+    # per layer, per query head: a logit in each softmax's denominator (`attn_sinks`, gpt-oss); () = none
+    attention_sinks: tuple[tuple[float, ...], ...] = ()
     num_experts: int = 0  # experts per block (`arch.moe`); 0: a dense FFN
     experts_per_token: int = 0  # experts chosen for each token (expert_used_count)
     expert_intermediate_size: int = 0  # each expert's FFN width (expert_feed_forward_length)
@@ -116,6 +119,10 @@ class ModelConfig:
         if self.arch.moe is not None and not 0 < self.experts_per_token <= self.num_experts:
             raise ModelLoadError(f"model config: expert_used_count {self.experts_per_token} must be in "
                                  f"1..expert_count {self.num_experts}")
+        if self.attention_sinks and {len(s) for s in self.attention_sinks} != {self.num_heads} or \
+                len(self.attention_sinks) not in (0, self.num_layers):
+            raise ModelLoadError(f"model config: attention_sinks must be block_count {self.num_layers} rows of "
+                                 f"head_count {self.num_heads}")
         if self.rope_freq_factors and len(self.rope_freq_factors) != self.head_dim // 2:
             raise ModelLoadError(f"model config: {len(self.rope_freq_factors)} RoPE frequency factors, "
                                  f"expected head_dim / 2 = {self.head_dim // 2}")
@@ -203,7 +210,7 @@ def _config(meta: dict[str, Any], tensors: dict[str, TensorView]) -> ModelConfig
     if "token_embd.weight" not in tensors:
         raise ModelLoadError("tensor 'token_embd.weight' is missing")
     layers = int(key("block_count"))
-    factors, context, attn_factor = _rope_factors(row, meta, tensors, int(key("context_length")))
+    factors, context, attn_factor = _rope_factors(row, meta, tensors, int(key("context_length")), head_dim)
     hidden_scaled = layers in row.hidden_scale_block_counts
     caps = {name: float(opt(name, default)) for name, default in
             (("attn_logit_softcapping", row.attn_softcap), ("final_logit_softcapping", row.final_softcap))
@@ -232,6 +239,8 @@ def _config(meta: dict[str, Any], tensors: dict[str, TensorView]) -> ModelConfig
         **_layer_values(row, meta, layers),
         rope_freq_factors=factors,
         rope_attn_factor=attn_factor,
+        attention_sinks=tuple(tuple(float(v) for v in tensors[f"blk.{i}.attn_sinks.weight"].dequantize().reshape(-1))
+                              for i in range(layers) if row.attn_sinks and f"blk.{i}.attn_sinks.weight" in tensors),
         **_expert_values(row, meta),
         pooling_type=int(opt("pooling_type", 0)),
     )
@@ -259,7 +268,7 @@ def _layer_values(row: Architecture, meta: dict[str, Any], layers: int) -> dict[
     if scaling not in SUPPORTED_ROPE_SCALING:
         raise ModelLoadError(f"GGUF metadata {arch}.rope.scaling.type={scaling!r} is not supported "
                              f"(supported: {', '.join(SUPPORTED_ROPE_SCALING)})")
-    scale = 1.0 / float(_require(meta, f"{arch}.rope.scaling.factor")) if scaling == "linear" else 1.0
+    scale = 1.0 / float(_require(meta, f"{arch}.rope.scaling.factor")) if scaling == "linear" else 1.0  # yarn: factors
     window = int(meta.get(f"{arch}.attention.sliding_window", row.default_window)) if row.swa_pattern else 0
     pattern = meta.get(f"{arch}.attention.sliding_window_pattern", row.swa_pattern)  # newer files: int or per layer
     slides = [bool(pattern[i]) for i in range(layers)] if isinstance(pattern, list) else \
@@ -275,17 +284,19 @@ def _layer_values(row: Architecture, meta: dict[str, Any], layers: int) -> dict[
 
 
 def _rope_factors(row: Architecture, meta: dict[str, Any], tensors: dict[str, TensorView],
-                  context: int) -> tuple[tuple[float, ...], int, float]:
+                  context: int, head_dim: int) -> tuple[tuple[float, ...], int, float]:
     """(RoPE frequency divisors, served context, cos/sin factor).
 
     Llama 3's `rope_freqs.weight` (its converter's llama3 scaling, applied as
     llama.cpp's `freq_factors`). Phi-3 LongRoPE: served up to
     `rope.scaling.original_context_length` with `rope_factors_short` (the
     factors llama.cpp and transformers use at that length) and the file's
-    `rope.scaling.attn_factor`.
+    `rope.scaling.attn_factor`. YaRN (`rope.scaling.type` yarn): `_yarn_factors`.
     """
     arch = row.name
     name, attn_factor = "rope_freqs.weight", 1.0
+    if meta.get(f"{arch}.rope.scaling.type") == "yarn":
+        return _yarn_factors(row, meta, head_dim), context, _yarn_attention_factor(row, meta)
     if row.long_rope and "rope_factors_short.weight" in tensors:
         name = "rope_factors_short.weight"
         original = int(_require(meta, f"{arch}.rope.scaling.original_context_length"))
@@ -298,6 +309,33 @@ def _rope_factors(row: Architecture, meta: dict[str, Any], tensors: dict[str, Te
     return tuple(float(f) for f in tensors[name].dequantize().reshape(-1)), context, attn_factor
 
 
+def _yarn_factors(row: Architecture, meta: dict[str, Any], d: int) -> tuple[float, ...]:
+    """YaRN (Peng et al. 2023) as RoPE frequency divisors `[d / 2]`, as transformers computes it
+    (`_compute_yarn_parameters`): dimension pair i keeps its frequency below the correction range and is divided
+    by `factor` above it, linearly between (the range from `yarn_beta_fast` 32 and `yarn_beta_slow` 1 rotations
+    over the original context, floored and ceiled where the row says `yarn_truncate`, as llama.cpp always
+    does). Raises ModelLoadError for a missing factor or original context length."""
+    arch = row.name
+    factor = float(_require(meta, f"{arch}.rope.scaling.factor"))
+    original = int(_require(meta, f"{arch}.rope.scaling.original_context_length"))
+    base = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
+    fast, slow = (float(meta.get(f"{arch}.rope.scaling.yarn_beta_{n}", v)) for n, v in (("fast", 32.0), ("slow", 1.0)))
+    dim = lambda rotations: d * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))  # noqa: E731
+    low, high = dim(fast), dim(slow)
+    if row.yarn_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    high = high + 0.001 if low == high else high
+    ramps = [min(max((i - low) / (high - low), 0.0), 1.0) for i in range(d // 2)]  # 0: extrapolate, 1: interpolate
+    return tuple(1.0 / (r / factor + 1.0 - r) for r in ramps)
+
+
+def _yarn_attention_factor(row: Architecture, meta: dict[str, Any]) -> float:
+    """YaRN's cos/sin factor 0.1 ln(factor) + 1 (transformers' `yarn_get_mscale`; 1 for factor <= 1)."""
+    factor = float(_require(meta, f"{row.name}.rope.scaling.factor"))
+    return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
 # Tensors a file may hold beyond the layout's own (read by `_rope_factors`, or the untied LM head).
 OPTIONAL_TENSORS = ("output.weight", "rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight")
 
@@ -307,10 +345,14 @@ def expected_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     row, h, d = config.arch, config.hidden_size, config.head_dim
     q, kv = config.q_dim, config.kv_dim
     qkv = {"attn_q": (q, h), "attn_k": (kv, h), "attn_v": (kv, h), "attn_qkv": (q + 2 * kv, h)}
-    layer = {"attn_norm.weight": (h,), "attn_output.weight": (h, q), "ffn_norm.weight": (h,)}
+    layer = {"attn_norm.weight": (h,), "attn_output.weight": (h, q), row.ffn_norm + ".weight": (h,)}
     layer |= {n + ".weight": qkv[n] for n in row.qkv_tensors}
     if row.qkv_bias:
         layer |= {n + ".bias": qkv[n][:1] for n in row.qkv_tensors}
+    if row.output_bias:
+        layer["attn_output.bias"] = (h,)
+    if row.attn_sinks:
+        layer["attn_sinks.weight"] = (config.num_heads,)
     layer |= _ffn_tensors(config)
     if row.qk_norm:
         layer |= {"attn_q_norm.weight": (d,), "attn_k_norm.weight": (d,)}
@@ -335,6 +377,9 @@ def _ffn_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     out |= {"ffn_gate_inp.weight": (e, h), "ffn_down_exps.weight": (e, h, fe)}
     if moe.selection_bias:
         out["exp_probs_b.bias"] = (e,)
+    if moe.biases:
+        out |= {n[: -len(".weight")] + ".bias": shape[:2] for n, shape in out.items() if n.endswith("_exps.weight")}
+        out["ffn_gate_inp.bias"] = (e,)
     if moe.shared_expert:
         out |= {"ffn_gate_shexp.weight": (fs, h), "ffn_up_shexp.weight": (fs, h), "ffn_down_shexp.weight": (h, fs)}
     if moe.shared_expert_gate:

@@ -99,14 +99,14 @@ def _names(report: ModelReport) -> str:
 
 def read_per_token(model: GGUFModel) -> tuple[int, int]:
     """(weight bytes, parameters) one token's forward reads: every tensor, but of each 3-D expert tensor
-    (`*_exps`) only the `expert_used_count / expert_count` share its chosen experts hold (the "active
-    parameters" of a mixture of experts). The token embedding counts in full, as the LM head reads it
+    (`*_exps`, weights and biases) only the `expert_used_count / expert_count` share its chosen experts hold (the
+    "active parameters" of a mixture of experts). The token embedding counts in full, as the LM head reads it
     when tied and as model cards count it."""
     c = model.config
     share = c.experts_per_token / c.num_experts if c.num_experts else 1.0
     nbytes = parameters = 0.0
     for name, t in model.tensors.items():
-        f = share if name.endswith("_exps.weight") else 1.0
+        f = share if name.endswith(("_exps.weight", "_exps.bias")) else 1.0
         nbytes += f * t.data.nbytes
         parameters += f * math.prod(t.shape)
     return round(nbytes), round(parameters)
@@ -122,7 +122,8 @@ def _expert_lines(report: ModelReport) -> list[tuple[str, str]]:
             (" behind its own gate" if moe.shared_expert_gate else "") if moe.shared_expert else "no shared expert"
         lines.append(("experts", f"{c.num_experts} per block, {c.experts_per_token} active per token "
                                  f"({moe.gating.value} gating{', renormalised' if moe.normalize else ''}), "
-                                 f"width {c.expert_intermediate_size}, {shared}"))
+                                 f"width {c.expert_intermediate_size}{', with biases' if moe.biases else ''}, "
+                                 f"{shared}"))
     if c.pooling_type:
         name = PoolingType(c.pooling_type).name.lower() if c.pooling_type in iter(PoolingType) else "unknown"
         lines.append(("pooling", f"{name} (pooling_type {c.pooling_type}): an embedding model, POST /v1/embeddings"))

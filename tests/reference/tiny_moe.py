@@ -72,7 +72,15 @@ def write_qwen3moe_gguf(model, path: Path, ggml_type: str = "F32", arch: str = "
     quantizer leaves `ffn_gate_inp` unquantized). `arch` other than qwen3moe writes the same tensors
     under that name (a file to refuse)."""
     c = model.config
-    kind = gguf.GGMLQuantizationType[ggml_type]
+    return write_moe_gguf(path, arch, c, gguf_tensors(model), {"rope_freq_base": c.rope_parameters["rope_theta"]},
+                          lambda name: ggml_type, seed)
+
+
+def write_moe_gguf(path: Path, arch: str, c, tensors: dict[str, np.ndarray], extra: dict,
+                   type_of, seed: int = 0) -> Path:
+    """A mixture-of-experts GGUF of transformers config `c` (its counts and widths under llama.cpp's keys, each
+    `extra` item through `GGUFWriter.add_<key>`), `write_tiny_llama`'s 260-token vocabulary and `tensors`:
+    1-D tensors, biases and the router F32, every other matrix as `type_of(name)` (see `write_qwen3moe_gguf`)."""
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(path), arch)
     for add, value in [(writer.add_block_count, c.num_hidden_layers), (writer.add_context_length, 4096),
@@ -81,11 +89,12 @@ def write_qwen3moe_gguf(model, path: Path, ggml_type: str = "F32", arch: str = "
                        (writer.add_head_count, c.num_attention_heads),
                        (writer.add_head_count_kv, c.num_key_value_heads),
                        (writer.add_key_length, c.head_dim), (writer.add_value_length, c.head_dim),
-                       (writer.add_rope_freq_base, c.rope_parameters["rope_theta"]),
                        (writer.add_layer_norm_rms_eps, c.rms_norm_eps), (writer.add_vocab_size, c.vocab_size),
                        (writer.add_expert_count, c.num_experts), (writer.add_expert_used_count, c.num_experts_per_tok),
-                       (writer.add_expert_feed_forward_length, c.moe_intermediate_size)]:
+                       (writer.add_expert_feed_forward_length, expert_width(c))]:
         add(value)
+    for key, value in extra.items():
+        getattr(writer, f"add_{key}")(value)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")
     writer.add_token_list(["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + byte_level_alphabet() + ["Ġt"])
@@ -94,10 +103,11 @@ def write_qwen3moe_gguf(model, path: Path, ggml_type: str = "F32", arch: str = "
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_add_bos_token(False)
-    for name, values in gguf_tensors(model).items():
-        if values.ndim == 1 or name.endswith("ffn_gate_inp.weight"):
+    for name, values in tensors.items():
+        if values.ndim == 1 or name.endswith((".bias", "ffn_gate_inp.weight")):
             writer.add_tensor(name, values)
             continue
+        kind = gguf.GGMLQuantizationType[type_of(name)]
         data, raw = _typed(rng, values.reshape(-1, values.shape[-1]), kind)  # experts' rows stacked, as GGUF's
         writer.add_tensor(name, data.reshape(*values.shape[:-1], -1), raw_dtype=raw)
     writer.write_header_to_file()
@@ -105,3 +115,9 @@ def write_qwen3moe_gguf(model, path: Path, ggml_type: str = "F32", arch: str = "
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def expert_width(c) -> int:
+    """Each expert's FFN width in a transformers MoE config (Qwen3 MoE: moe_intermediate_size; gpt-oss:
+    intermediate_size)."""
+    return getattr(c, "moe_intermediate_size", None) or c.intermediate_size

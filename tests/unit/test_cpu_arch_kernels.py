@@ -99,8 +99,13 @@ def test_gelu_tanh_mul_against_torch():
         np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
 
 
-def attention_reference(q, k, v, positions, window, scale, softcap):
-    """float64 GQA for one sequence: token at position p reads positions max(0, p + 1 - window) .. p."""
+NO_SINKS = np.empty(0, np.float32)
+SINKS = np.array([-1.0, 0.5, 2.0, 4.0], np.float32)  # per query head; 4.0 outweighs most rows' keys
+
+
+def attention_reference(q, k, v, positions, window, scale, softcap, sinks=NO_SINKS):
+    """float64 GQA for one sequence: token at position p reads positions max(0, p + 1 - window) .. p; a head's
+    sink logit joins its softmax's denominator (transformers' eager GptOss attention: a last column, dropped)."""
     out = np.empty(q.shape, np.float64)
     group = HEADS // KV_HEADS
     for t, p in enumerate(positions):
@@ -109,8 +114,11 @@ def attention_reference(q, k, v, positions, window, scale, softcap):
             s = k[lo : p + 1, h // group].astype(np.float64) @ q[t, h].astype(np.float64) * scale
             if softcap:
                 s = softcap * np.tanh(s / softcap)
+            if sinks.size:
+                s = np.append(s, np.float64(sinks[h]))
             w = np.exp(s - s.max())
-            out[t, h] = (w / w.sum()) @ v[lo : p + 1, h // group].astype(np.float64)
+            w = (w / w.sum())[: p + 1 - lo]
+            out[t, h] = w @ v[lo : p + 1, h // group].astype(np.float64)
     return out
 
 
@@ -130,7 +138,7 @@ def cached_sequence():
     return q, k, v, k_blocks, v_cache, slots
 
 
-def attend(cached, positions, tiles, window, scale, softcap):
+def attend(cached, positions, tiles, window, scale, softcap, sinks=NO_SINKS):
     """paged_attention for `positions` (one sequence's queries), in runs cut at `tiles`."""
     q, _, _, k_blocks, v_cache, slots = cached
     positions = np.asarray(positions, np.int64)
@@ -138,22 +146,25 @@ def attend(cached, positions, tiles, window, scale, softcap):
     out = np.empty((len(positions), HEADS, DIM), np.float32)
     cpu_model.paged_attention(np.ascontiguousarray(q[positions]), k_blocks, v_cache,
                               np.zeros(len(positions), np.int64), cpu_model.window_starts(length, window), length,
-                              slots, np.asarray(tiles, np.int64), np.float32(scale), np.float32(softcap), out)
+                              slots, np.asarray(tiles, np.int64), np.float32(scale), np.float32(softcap), sinks, out)
     return out
 
 
+@pytest.mark.parametrize("sinks", [NO_SINKS, SINKS], ids=["no-sinks", "sinks"])
 @pytest.mark.parametrize(("window", "softcap", "scale"), [(0, 0.0, 1 / math.sqrt(DIM)), (21, 0.0, 0.3),
                                                          (16, 2.0, 0.5), (40, 1.5, 1 / math.sqrt(DIM))])
-def test_windowed_softcapped_attention_through_the_paged_cache(cached_sequence, window, softcap, scale):
+def test_windowed_softcapped_attention_through_the_paged_cache(cached_sequence, window, softcap, scale, sinks):
     q, k, v = cached_sequence[:3]
     # A chunked prefill of positions 50..74 in runs of 16 and 9 (the window starts mid-chunk, moving
     # across 16-slot chunk boundaries within a run), then each token alone (a decode step's run).
     positions = list(range(50, 75))
-    got = attend(cached_sequence, positions, [0, 16, 25], window, scale, softcap)
-    want = attention_reference(q[50:], k, v, positions, window, scale, softcap)
+    got = attend(cached_sequence, positions, [0, 16, 25], window, scale, softcap, sinks)
+    want = attention_reference(q[50:], k, v, positions, window, scale, softcap, sinks)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+    if sinks.size:  # the sinks take weight: the output differs from attention without them
+        assert np.abs(want - attention_reference(q[50:], k, v, positions, window, scale, softcap)).max() > 0.05
     for t, p in enumerate(positions):
-        alone = attend(cached_sequence, [p], [0, 1], window, scale, softcap)
+        alone = attend(cached_sequence, [p], [0, 1], window, scale, softcap, sinks)
         np.testing.assert_array_equal(alone[0], got[t])  # a token's bits whatever run it is in
 
 

@@ -25,7 +25,7 @@ CODE_BYTES = {"Q4_0": slice(2, 18), "Q4_1": slice(4, 20), "Q5_0": slice(2, 22), 
 def random_blocks(kind: str, rows: int, cols: int, rng) -> np.ndarray:
     """uint8 `[rows, row_bytes]` of valid blocks (finite scales): gguf's quantizer for the types it
     has, random bytes with fp16 scales in [0.001, 0.05] for the K-quants (gguf cannot make them)."""
-    if kind in QUANTIZABLE:
+    if kind in QUANTIZABLE or kind == "MXFP4":  # gguf quantizes MXFP4 too (its own test: test_mxfp4)
         data = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), T[kind])
         return np.ascontiguousarray(data).view(np.uint8).reshape(rows, -1)
     block_weights, block_bytes = quant.BLOCK[int(T[kind])]

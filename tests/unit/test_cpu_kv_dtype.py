@@ -14,6 +14,8 @@ from hybridgate.workers.cpu.kvdtype import KV_DTYPES, kv_dtype
 
 KV_HEADS, HEADS, DIM, BS = 2, 4, 32, 16
 
+NO_SINKS = np.empty(0, np.float32)  # attention without sinks
+
 
 def rounded(x: np.ndarray, name: str) -> np.ndarray:
     """x rounded to `name`'s precision, as float32, by numpy alone."""
@@ -128,7 +130,7 @@ def test_attention_over_a_16_bit_cache_is_attention_over_the_rounded_kv(name):
             cpu_model.import_kv_layer(ks[s], vs[s], tables[s], k_blocks, v_cache)
         out = np.empty_like(q)
         cpu_model.paged_attention(q, k_blocks, v_cache, ctx_offset, np.zeros_like(ctx_len), ctx_len, ctx_slots, tiles,
-                                  np.float32(1 / math.sqrt(DIM)), np.float32(0), out)
+                                  np.float32(1 / math.sqrt(DIM)), np.float32(0), NO_SINKS, out)
         return out
 
     got = attend(name, k, v)

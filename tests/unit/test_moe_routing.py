@@ -18,11 +18,12 @@ import numpy as np
 import pytest
 import torch
 
-from hybridgate.models import Gating, MixtureOfExperts
+from hybridgate.models import Activation, Gating, MixtureOfExperts
 from hybridgate.workers.cpu import moe as cpu_moe
 from hybridgate.workers.cpu.layers import GATED_ACTIVATIONS
 from hybridgate.workers.cpu.quant import F32, quant_matrix
 from hybridgate.workers.gpu import moe as gpu_moe
+from hybridgate.workers.gpu.layers import ACTIVATIONS
 
 SIG1 = 1.0 / (1.0 + math.exp(-1.0))
 SIG3 = 1.0 / (1.0 + math.exp(-3.0))
@@ -113,11 +114,11 @@ def test_torch_experts_every_token_to_one_expert_and_idle_experts():
     weights, experts = gpu_moe.route(torch.from_numpy(x @ router.T), MixtureOfExperts(normalize=True), K)
     assert experts.tolist() == [[3, 0]] * TOKENS
     got = gpu_moe.experts_ffn(torch.from_numpy(x), weights, experts, torch.from_numpy(gate_up).transpose(1, 2),
-                              torch.from_numpy(down).transpose(1, 2), torch.nn.functional.silu)
+                              torch.from_numpy(down).transpose(1, 2), ACTIVATIONS[Activation.SILU])
     np.testing.assert_allclose(got.numpy(), _reference(x, gate_up, down), atol=1e-5)
     sgu, sd, sg = _shared()
     shared = gpu_moe.shared_expert(torch.from_numpy(x), torch.from_numpy(sgu).t(), torch.from_numpy(sd).t(),
-                                   torch.from_numpy(sg), torch.nn.functional.silu)
+                                   torch.from_numpy(sg), ACTIVATIONS[Activation.SILU])
     np.testing.assert_allclose(shared.numpy(), _shared_reference(x, sgu, sd, sg), atol=1e-5)
 
 

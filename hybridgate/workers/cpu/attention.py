@@ -1,10 +1,11 @@
-"""Causal grouped-query attention over the paged host KV cache, with sliding windows and logit softcaps.
+"""Causal grouped-query attention over the paged host KV cache, with sliding windows, logit softcaps and sinks.
 
 One kernel for every layer of every family: a layer's window (0: the whole
 causal context; w: a token reads only the w context slots ending at itself,
 llama.cpp's LLAMA_SWA_TYPE_STANDARD and transformers' sliding-window mask),
 its score scale and its softcap (s -> cap · tanh(s / cap) before the softmax,
-Gemma 2) are arguments. Keys are scored 16 context slots at a time at absolute
+Gemma 2) and its attention sinks (a logit per query head added to the softmax's
+denominator, reading no value: gpt-oss) are arguments. Keys are scored 16 context slots at a time at absolute
 context positions (chunks start at multiples of 16), so a token's arithmetic is
 the same whatever run of tokens it is computed in: the batch invariance of
 `simd`'s pieces carries over to windowed layers and chunked prefill.
@@ -139,8 +140,9 @@ def _scores(q, k_blocks, g, t0, t1, off, c0, longest, ctx_start, ctx_len, ctx_sl
 
 
 @nb.njit(**_JIT)
-def _weights(scores, width, rows, ntok, t0, c0, ctx_start, ctx_len, softcap, total):
-    """Softcap (when softcap > 0) and softmax weights of each row over its window; total[row] their sum."""
+def _weights(scores, width, rows, ntok, t0, c0, ctx_start, ctx_len, softcap, sinks, head0, total):
+    """Softcap (when softcap > 0) and softmax weights of each row over its window; total[row] their sum, plus
+    e^(sink - max) of the row's query head (head0 + row // ntok) where sinks is not empty."""
     for row in range(rows):
         t = t0 + row % ntok
         lo, n = ctx_start[t], ctx_len[t]
@@ -149,11 +151,19 @@ def _weights(scores, width, rows, ntok, t0, c0, ctx_start, ctx_len, softcap, tot
         if softcap > 0:
             for j in range(lo - s0, n - s0):
                 scores[base + j] = softcap * np.float32(math.tanh(scores[base + j] / softcap))
-        total[row] = softmax_window(scores, base, lo - s0, n - s0)
+        if sinks.shape[0]:
+            peak = scores[base + lo - s0]
+            for j in range(lo - s0 + 1, n - s0):
+                peak = max(peak, scores[base + j])
+            total[row] = softmax_window(scores, base, lo - s0, n - s0) + np.float32(
+                math.exp(sinks[head0 + row // ntok] - peak))
+        else:
+            total[row] = softmax_window(scores, base, lo - s0, n - s0)
 
 
 @nb.njit(parallel=True, **_JIT)
-def paged_attention(q, k_blocks, v_cache, ctx_offset, ctx_start, ctx_len, ctx_slots, tiles, scale, softcap, out):
+def paged_attention(q, k_blocks, v_cache, ctx_offset, ctx_start, ctx_len, ctx_slots, tiles, scale, softcap, sinks,
+                    out):
     """Causal GQA over the paged cache: for token t, head h: softmax(cap(scale · q·k)) v over its window.
 
     q float32 `[tokens, heads, dim]`; k_blocks `[blocks, kv_heads, dim, block]` (keys transposed within
@@ -163,7 +173,8 @@ def paged_attention(q, k_blocks, v_cache, ctx_offset, ctx_start, ctx_len, ctx_sl
     layer without a window. tiles int64 `[n + 1]`: token boundaries of runs that share ctx_offset (one
     sequence's chunk, at most QUERY_TILE tokens); one job per (run, KV head) reads each key chunk and
     value row once for every query head of the group and every token of the run. scale float32
-    multiplies q·k; softcap float32 > 0 caps the scaled scores (cap · tanh(s / cap)), 0 leaves them.
+    multiplies q·k; softcap float32 > 0 caps the scaled scores (cap · tanh(s / cap)), 0 leaves them;
+    sinks float32 `[heads]` (or `(0,)`: none) joins each head's softmax denominator as e^sink.
     A token's arithmetic is the same whatever run it is in: weights outside its window are exact
     zeros, and chunks sit at absolute context positions.
     """
@@ -190,7 +201,7 @@ def paged_attention(q, k_blocks, v_cache, ctx_offset, ctx_start, ctx_len, ctx_sl
         scores = np.zeros(rows * width, dtype=np.float32)  # weights outside a row's window stay 0
         _scores(q, k_blocks, g, t0, t1, off, c0, longest, ctx_start, ctx_len, ctx_slots, scale, scores, width)
         total = np.empty(rows, dtype=np.float32)
-        _weights(scores, width, rows, ntok, t0, c0, ctx_start, ctx_len, softcap, total)
+        _weights(scores, width, rows, ntok, t0, c0, ctx_start, ctx_len, softcap, sinks, g * group, total)
         acc = np.zeros(rows * dim, dtype=np.float32)
         for j0 in range(c0, longest, 16):  # 16 context slots of one cache block: consecutive V rows
             v_off = (ctx_slots[off + j0] * kv_heads + g) * dim

@@ -22,7 +22,15 @@ Layouts (ggml's ggml-common.h; dequantizers in ggml-quants.c `dequantize_row_*`)
                          col l of sub-block 2i / 2i+1), then qs[128]
     Q6_K    256   210    ql[128], qh[64], scales[16] int8, d f16            d·sc·(c-32)
                          (per 128 cols: ql low nibbles, then high; qh 2 bits each)
+    MXFP4    32    17    e u8 (E8M0), qs[16] (byte j: col j low, j+16 high)  2^(e-127)·E2M1(c)
     F32/F16/BF16   one value per element (bf16: a float32's top 16 bits)
+
+MXFP4 is the OCP Microscaling format (OCP MX v1.0, 2023): 4-bit E2M1 codes (sign, 2 exponent
+bits, 1 mantissa bit: magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6) sharing one E8M0 scale 2^(e-127) per
+32. ggml (ggml-common.h `block_mxfp4`, ggml-quants.c `dequantize_row_mxfp4`) multiplies its doubled
+table `kvalues_mxfp4` {0, 1, 2, 3, 4, 6, 8, 12, ...} by half the scale (`GGML_E8M0_TO_FP32_HALF`),
+the same values; so do `unpack_scales` (scale = 2^(e-128), e = 0 and 1 as float32 subnormals) and
+`_mxfp4_row`. The spec makes e = 255 a NaN scale; ggml gives it no special meaning (2^128), nor here.
 
 The reference in the tests is gguf's own dequantizer (`gguf.quants.dequantize`).
 """
@@ -41,7 +49,9 @@ import numpy as np  # noqa: E402
 _JIT = dict(nogil=True, fastmath=True, cache=True)
 
 # GGML type ids (gguf.GGMLQuantizationType).
-F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16, MXFP4 = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30, 39
+# ggml's `kvalues_mxfp4`: E2M1 code c (bit 3 the sign) → twice its value, an integer.
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.float32)
 
 
 @dataclass(frozen=True)
@@ -63,6 +73,7 @@ LAYOUTS = {k: Layout(*v) for k, v in {
     Q5_0: ("Q5_0", 32, 22, 32, 0, False), Q5_1: ("Q5_1", 32, 24, 32, 0, True),
     Q8_0: ("Q8_0", 32, 34, 32, 0, False), Q4_K: ("Q4_K", 256, 144, 32, 0, True),
     Q5_K: ("Q5_K", 256, 176, 32, 0, True), Q6_K: ("Q6_K", 256, 210, 16, 208, False),
+    MXFP4: ("MXFP4", 32, 17, 32, -1, False),
 }.items()}
 BLOCK = {k: (v.weights, v.nbytes) for k, v in LAYOUTS.items()}  # (weights, bytes) per block
 
@@ -90,6 +101,9 @@ def unpack_scales(kind: int, data: np.ndarray, shape: tuple[int, int]) -> tuple[
     if lay.sub == 0:
         return np.zeros((rows, 1), np.float32), np.zeros((rows, 1), np.float32)
     blocks = np.ascontiguousarray(data).reshape(rows, cols // lay.weights, lay.nbytes)
+    if kind == MXFP4:  # half the E8M0 scale, as ggml's doubled codes take it: exact in float32
+        half = np.ldexp(np.float32(1.0), blocks[:, :, 0].astype(np.int32) - 128).astype(np.float32)
+        return half, np.zeros((rows, 1), np.float32)
     d = _f16(blocks, lay.d_at)
     if kind in (Q4_K, Q5_K):
         sc, m = _k4_scales(blocks[:, :, 4:16])
@@ -206,6 +220,17 @@ def _q6k_row(row, s, out):
 
 
 @nb.njit(**_JIT)
+def _mxfp4_row(row, s, out):
+    """MXFP4: w = s · MXFP4_VALUES[c], s half the block's E8M0 scale; byte j holds columns j (low) and j + 16."""
+    for b in range(out.shape[0] // 32):
+        o, y, d = b * 17 + 1, b * 32, s[b]
+        for j in range(16):
+            q = row[o + j]
+            out[y + j] = d * MXFP4_VALUES[q & 15]
+            out[y + j + 16] = d * MXFP4_VALUES[q >> 4]
+
+
+@nb.njit(**_JIT)
 def dequant_row(kind, row, s, m, out):
     """One row of GGUF blocks into out float32 `[cols]`.
 
@@ -221,5 +246,7 @@ def dequant_row(kind, row, s, m, out):
         _q8_row(row, s, out)
     elif kind == Q4_K or kind == Q5_K:
         _k4_row(kind, row, s, m, out)
+    elif kind == MXFP4:
+        _mxfp4_row(row, s, out)
     else:
         _q6k_row(row, s, out)

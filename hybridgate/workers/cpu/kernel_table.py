@@ -35,7 +35,8 @@ measured faster at batch 1 and 16: Q5_0 and Q5_1 on avx512, Q5_1 on avx2 (the in
 kernels of `avx2` stay ahead for the types they take), every low-bit type but Q4_1 on generic.
 The K-quants' super-block kernels (`superblock`) on avx2 measured Q4_K 1.5-1.7x the Q4_1 kernel at
 batch 16-256 and 1.0-1.1x at 1, Q6_K 1.0-1.2x (2 threads, a Zen 3 EPYC). The generic path is
-merely correct (unmeasured): float32 where it has a fast kernel.
+merely correct (unmeasured): float32 where it has a fast kernel. MXFP4 (gpt-oss's experts) runs on
+the row-dequantizing kernel on every path (unmeasured; its bytes kept as the file has them).
 
 This module imports no Numba: `hybridgate info` prints the rows a file uses without compiling.
 """
@@ -96,7 +97,7 @@ _AVX512 = {
     "Q4_1": KernelRow("Q41Matrix", "f32", "simd.matmul_blocks"),
     "Q5_0": _PACKED, "Q5_1": _PACKED,
     "Q8_0": KernelRow("Q80Matrix", "i16/32", "intdot.matmul_i16"),
-    "Q4_K": _i8(_SUPER45), "Q5_K": _SUPER45, "Q6_K": _SUPER6,
+    "Q4_K": _i8(_SUPER45), "Q5_K": _SUPER45, "Q6_K": _SUPER6, "MXFP4": _DEQUANT,
 }
 AUTO = {
     "avx512-amx": {**_AVX512, **{name: _amx(_AVX512[name]) for name in  # the types `amx` has a format for
@@ -109,7 +110,7 @@ AUTO = {
         "Q5_0": KernelRow("Q50Matrix", "i16/32", "avx2.matmul_i16"),
         "Q5_1": _PACKED,
         "Q8_0": KernelRow("Q80Matrix", "i16/32", "avx2.matmul_i16"),
-        "Q4_K": _i8(_SUPER45), "Q5_K": _SUPER45, "Q6_K": _i8(_SUPER6),
+        "Q4_K": _i8(_SUPER45), "Q5_K": _SUPER45, "Q6_K": _i8(_SUPER6), "MXFP4": _DEQUANT,
     },
     "generic": {
         "F32": _FLOAT, "F16": _FLOAT, "BF16": _FLOAT,
@@ -118,7 +119,7 @@ AUTO = {
         "Q5_0": _PACKED, "Q5_1": _PACKED,
         "Q8_0": KernelRow("Q80Matrix", "f32", "simd.matmul_blocks"),
         "Q4_K": _PACKED, "Q5_K": _PACKED,
-        "Q6_K": KernelRow("Q6KMatrix", "f32", "simd.matmul_blocks"),
+        "Q6_K": KernelRow("Q6KMatrix", "f32", "simd.matmul_blocks"), "MXFP4": _DEQUANT,
     },
 }
 # The classes that take either activation format on the 32-column kernels (`simd.matmul_blocks` for f32,

@@ -10,7 +10,8 @@ a per-head norm is applied (an empty array means none), which activation
 Sources: RMSNorm (Zhang and Sennrich 2019); RoPE (Su et al. 2021) in
 llama.cpp's two layouts (ggml-cpu ops.cpp `rope_f32`: NORM rotates adjacent
 pairs, NEOX rotates x[i] with x[i + d/2]); GELU's tanh approximation (Hendrycks
-and Gimpel 2016, ggml `ggml_gelu`, PyTorch `gelu(approximate="tanh")`).
+and Gimpel 2016, ggml `ggml_gelu`, PyTorch `gelu(approximate="tanh")`); gpt-oss's clamped
+SwiGLU (ggml `ggml_swiglu_oai`, transformers' `GptOssExperts._apply_gate`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import numba as nb  # noqa: E402
 import numpy as np  # noqa: E402
 from numba import prange  # noqa: E402
 
+from hybridgate.models.architectures import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT  # noqa: E402
 from hybridgate.workers.cpu.simd import kv_encode, silu_mul16  # noqa: E402
 
 _JIT = dict(nogil=True, fastmath=True, cache=True)
@@ -137,6 +139,21 @@ def gelu_tanh_mul(gate_up, out):
             out[t, i] = np.float32(0.5) * g * (np.float32(1.0) + np.float32(math.tanh(inner))) * gate_up[t, ffn + i]
 
 
+_OAI_LIMIT, _OAI_ALPHA = np.float32(SWIGLU_OAI_LIMIT), np.float32(SWIGLU_OAI_ALPHA)
+
+
+@nb.njit(parallel=True, **_JIT)
+def swiglu_oai_mul(gate_up, out):
+    """gpt-oss's clamped SwiGLU for gate_up float32 `[tokens, 2 * ffn]` (gate columns first): g = min(gate, 7),
+    u = clamp(up, -7, 7), out = (u + 1) · g · sigmoid(1.702 g)."""
+    ffn = out.shape[1]
+    for t in prange(out.shape[0]):
+        for i in range(ffn):
+            g = min(gate_up[t, i], _OAI_LIMIT)
+            u = min(max(gate_up[t, ffn + i], -_OAI_LIMIT), _OAI_LIMIT)
+            out[t, i] = (u + np.float32(1.0)) * g / (np.float32(1.0) + np.float32(math.exp(-_OAI_ALPHA * g)))
+
+
 # Serial twins of the per-token kernels, for steps of few tokens: at batch 1 a parallel region's start
 # and join cost more than the work (rms_norm 3.7 us, silu_mul 8.6 us a call on two threads, AVX2 forced,
 # against about 1 us of work), and a decode step calls each once per layer. The same loop body (prange
@@ -163,9 +180,11 @@ qkv_prologue_serial = _serial_twin(qkv_prologue)
 rope_and_store_serial = _serial_twin(rope_and_store)
 silu_mul_serial = _serial_twin(silu_mul)
 gelu_tanh_mul_serial = _serial_twin(gelu_tanh_mul)
+swiglu_oai_mul_serial = _serial_twin(swiglu_oai_mul)
 
 # The gated FFN's activation by `Architecture.activation` value: (parallel, serial) kernels.
 GATED_ACTIVATIONS = {
     "silu": (silu_mul, silu_mul_serial),
     "gelu_tanh": (gelu_tanh_mul, gelu_tanh_mul_serial),
+    "swiglu_oai": (swiglu_oai_mul, swiglu_oai_mul_serial),
 }

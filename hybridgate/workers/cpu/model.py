@@ -124,6 +124,8 @@ class CpuLayer:
     q_norm: np.ndarray  # float32 [head_dim]; (0,): none
     k_norm: np.ndarray  # float32 [head_dim]; (0,): none
     wo: object  # matrix [hidden, q_dim]
+    wo_bias: np.ndarray  # float32 [hidden] added to wo's output; (0,): none (gpt-oss has one)
+    sinks: np.ndarray  # float32 [heads]: attention sink logits; (0,): none (gpt-oss)
     post_attn_norm: np.ndarray | None  # float32 [hidden] (gemma) or None
     ffn_norm: np.ndarray  # float32 [hidden]
     gate_up: object  # matrix [2 ffn, hidden]: gate rows then up rows; None: experts
@@ -169,8 +171,10 @@ def load_layer(model: GGUFModel, i: int, activations: str, rope: dict) -> CpuLay
         q_norm=_vector(model, p + "attn_q_norm.weight", (dim,), row.qk_norm),
         k_norm=_vector(model, p + "attn_k_norm.weight", (dim,), row.qk_norm),
         wo=tensor_matrix(model, [p + "attn_output.weight"], activations),
+        wo_bias=_vector(model, p + "attn_output.bias", (c.hidden_size,), row.output_bias),
+        sinks=np.asarray(c.attention_sinks[i] if c.attention_sinks else (), np.float32),
         post_attn_norm=post["post_attention_norm"],
-        ffn_norm=_vector(model, p + "ffn_norm.weight", (c.hidden_size,), True),
+        ffn_norm=_vector(model, p + row.ffn_norm + ".weight", (c.hidden_size,), True),
         gate_up=tensor_matrix(model, [p + n + ".weight" for n in row.gate_up_tensors], activations) if dense else None,
         down=tensor_matrix(model, [p + "ffn_down.weight"], activations) if dense else None,
         post_ffn_norm=post["post_ffw_norm"],
@@ -285,7 +289,10 @@ class CpuModel:
             norm(x, layer.attn_norm, c.rms_norm_eps, buf.normed)
             attn = self._attention(layer, buf, h, k_cache[i], v_cache[i], serial,
                                    (offset, starts[layer.window], length, slots, tiles))
-            self._residual(x, layer.wo.matmul_prompt(attn, prompt, buf.proj), layer.post_attn_norm, serial)
+            proj = layer.wo.matmul_prompt(attn, prompt, buf.proj)
+            if layer.wo_bias.size:
+                proj += layer.wo_bias
+            self._residual(x, proj, layer.post_attn_norm, serial)
             norm(x, layer.ffn_norm, c.rms_norm_eps, buf.normed)
             self._residual(x, self._ffn(layer, buf, prompt, serial), layer.post_ffn_norm, serial)
             self.kernel_calls += 3
@@ -307,7 +314,7 @@ class CpuModel:
                                                               *self.rope_pair, h.slots, k_cache, v_cache, buf.q)
         offset, start, length, slots, tiles = contexts
         paged_attention(buf.q, k_cache, v_cache, offset, start, length, slots, tiles, np.float32(c.attention_scale),
-                        np.float32(c.attn_softcap), buf.attn)
+                        np.float32(c.attn_softcap), layer.sinks, buf.attn)
         self.kernel_calls += 3
         return buf.attn.reshape(tokens, c.num_heads * c.head_dim)
 

@@ -74,6 +74,10 @@ class CpuExperts:
     shared_down: object = None  # matrix [hidden, shared_ffn]
     # float32 [hidden]: sigmoid(x · it) scales the shared expert; (0,): no gate
     shared_gate: np.ndarray = field(default_factory=lambda: np.empty(0, np.float32))
+    # gpt-oss's biases (`MixtureOfExperts.biases`), float32; (0,) or (0, 0): none
+    router_bias: np.ndarray = field(default_factory=lambda: np.empty(0, np.float32))  # [experts] on the logits
+    gate_up_bias: np.ndarray = field(default_factory=lambda: np.empty((0, 0), np.float32))  # [experts, 2 expert_ffn]
+    down_bias: np.ndarray = field(default_factory=lambda: np.empty((0, 0), np.float32))  # [experts, hidden]
 
     def arrays(self) -> list:
         """The matrices held (each has `nbytes`)."""
@@ -82,7 +86,8 @@ class CpuExperts:
 
     @property
     def nbytes(self) -> int:
-        return sum(m.nbytes for m in self.arrays()) + self.bias.nbytes + self.shared_gate.nbytes
+        biases = self.router_bias.nbytes + self.gate_up_bias.nbytes + self.down_bias.nbytes
+        return sum(m.nbytes for m in self.arrays()) + self.bias.nbytes + self.shared_gate.nbytes + biases
 
 
 def _slices(model: GGUFModel, name: str, experts: int) -> list[tuple[int, np.ndarray, tuple[int, int]]]:
@@ -107,6 +112,11 @@ def load_experts(model: GGUFModel, i: int, activations: str) -> CpuExperts:
         if moe.shared_expert_gate:
             shared["shared_gate"] = np.ascontiguousarray(
                 model.tensors[p + "ffn_gate_inp_shexp.weight"].dequantize().reshape(-1), np.float32)
+    if moe.biases:
+        vector = lambda name: np.ascontiguousarray(model.tensors[p + name].dequantize(), np.float32)  # noqa: E731
+        shared |= {"router_bias": vector("ffn_gate_inp.bias").reshape(-1),
+                   "gate_up_bias": np.concatenate([vector(n + ".bias") for n in moe.expert_tensors], axis=1),
+                   "down_bias": vector("ffn_down_exps.bias")}
     return CpuExperts(
         moe=moe,
         router=tensor_matrix(model, [p + "ffn_gate_inp.weight"], activations),
@@ -128,7 +138,10 @@ def experts_ffn(x: np.ndarray, experts: CpuExperts, activation: tuple, out: np.n
     (parallel, serial) gated-activation kernels (`layers.GATED_ACTIVATIONS`). Experts are added in index
     order, each token's sum the same whatever its batch mates.
     """
-    weights, chosen = route(experts.router.matmul(x), experts.moe, experts.k, experts.scale, experts.bias)
+    logits = experts.router.matmul(x)
+    if experts.router_bias.size:
+        logits += experts.router_bias
+    weights, chosen = route(logits, experts.moe, experts.k, experts.scale, experts.bias)
     flat = chosen.reshape(-1)  # [tokens · k]
     order = np.argsort(flat, kind="stable")  # the (token, slot) pairs grouped by expert
     counts = np.bincount(flat, minlength=len(experts.gate_up))
@@ -139,9 +152,14 @@ def experts_ffn(x: np.ndarray, experts: CpuExperts, activation: tuple, out: np.n
         n = int(counts[e])
         rows = order[start : start + n] // experts.k  # distinct: a token chooses an expert once
         gate_up = experts.gate_up[e].matmul(np.ascontiguousarray(x[rows]))  # [n, 2 expert_ffn]
+        if experts.gate_up_bias.size:
+            gate_up += experts.gate_up_bias[e]
         act = np.empty((n, gate_up.shape[1] // 2), np.float32)
         activation[n <= SERIAL_TOKENS](gate_up, act)
-        out[rows] += experts.down[e].matmul(act) * pair_weights[start : start + n, None]
+        y = experts.down[e].matmul(act)
+        if experts.down_bias.size:
+            y += experts.down_bias[e]
+        out[rows] += y * pair_weights[start : start + n, None]
         start += n
         calls += 3
     if experts.shared_gate_up is not None:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridgate.models import ModelConfig
-from hybridgate.workers.gpu.layers import causal_sdpa, sdpa, window_start
+from hybridgate.workers.gpu.layers import causal_sdpa, layer_sinks, sdpa, window_start
 
 
 class PagedKVCache:
@@ -76,14 +76,18 @@ class PagedStep:
 ATTENTION_KINDS = ("auto", "triton", "reference")
 
 
-def attention_kind(setting: str, device: torch.device) -> str:
-    """"triton" or "reference" for `--gpu-attention` `setting` on `device` (see the module doc).
+def attention_kind(setting: str, device: torch.device, sinks: bool = False) -> str:
+    """"triton" or "reference" for `--gpu-attention` `setting` on `device` (see the module doc); a model with
+    attention sinks (gpt-oss) runs the reference path, the kernels having no sink yet.
 
-    Raises ValueError naming the setting: an unknown value, or `triton` on a device Triton cannot run
-    on (a CPU device without `TRITON_INTERPRET=1`, or triton not installed)."""
+    Raises ValueError naming the setting: an unknown value, `triton` on a device Triton cannot run
+    on (a CPU device without `TRITON_INTERPRET=1`, or triton not installed) or for a model with sinks."""
     if setting not in ATTENTION_KINDS:
         raise ValueError(f"--gpu-attention must be one of {', '.join(ATTENTION_KINDS)}, got {setting!r}")
-    if setting == "reference" or (setting == "auto" and device.type != "cuda"):
+    if setting == "triton" and sinks:
+        raise ValueError("--gpu-attention triton: the Triton kernels have no attention sinks (this model's "
+                         "attn_sinks); use auto or reference")
+    if setting == "reference" or (setting == "auto" and (device.type != "cuda" or sinks)):
         return "reference"
     try:
         import triton
@@ -154,15 +158,17 @@ class KernelAttention:
 
 class PagedAttention:
     """Stores a step's K/V in the paged cache and attends, per layer, with the cache config's window,
-    scale and attention softcap."""
+    scale, attention softcap and attention sinks."""
 
     def __init__(self, cache: PagedKVCache, step: PagedStep):
         self.cache, self.step = cache, step
         self._masks: dict[tuple[int, int], torch.Tensor | None] = {}  # (window, width) -> decode mask
+        self._sinks: torch.Tensor | None = None  # the current layer's attention sinks (`layers.layer_sinks`)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kc, vc, step, c = self.cache.k[layer], self.cache.v[layer], self.step, self.cache.config
         window = c.layer_windows[layer]
+        self._sinks = layer_sinks(c, layer, q.device)
         kc.index_copy_(0, step.slots, k)
         vc.index_copy_(0, step.slots, v)
         if step.decode_rows is not None and not step.prefills and step.decode_rows.shape[0] == q.shape[0]:
@@ -174,7 +180,7 @@ class PagedAttention:
             skip = window_start(context.shape[0] - n, window)  # slots no query of the chunk can see
             k, v = kc.index_select(0, context[skip:]), vc.index_select(0, context[skip:])
             out[start : start + n] = causal_sdpa(q[start : start + n], k, v, k.shape[0] - n, window,
-                                                 c.attention_scale, c.attn_softcap)
+                                                 c.attention_scale, c.attn_softcap, self._sinks)
         return out
 
     def _mask(self, window: int, width: int, padding: torch.Tensor | None) -> torch.Tensor | None:
@@ -221,4 +227,4 @@ class PagedAttention:
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         c = self.cache.config
-        return sdpa(q[:, :, None, :], k, v, mask, c.attention_scale, c.attn_softcap)[:, :, 0, :]
+        return sdpa(q[:, :, None, :], k, v, mask, c.attention_scale, c.attn_softcap, sinks=self._sinks)[:, :, 0, :]

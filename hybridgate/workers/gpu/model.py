@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridgate.models import GGUFModel, ModelConfig
-from hybridgate.workers.gpu.layers import ACTIVATIONS, causal_sdpa, softcap
+from hybridgate.workers.gpu.layers import ACTIVATIONS, causal_sdpa, layer_sinks, softcap
 from hybridgate.workers.gpu.moe import experts_ffn, route, shared_expert
 from hybridgate.workers.gpu.ops import EagerOps, FusedOps
 
@@ -55,11 +55,15 @@ class LayerWeights:
     w_gate_up: torch.Tensor | None  # [hidden, 2 * ffn]: gate columns then up columns, one GEMM; None: experts
     w_down: torch.Tensor | None  # [ffn, hidden]
     b_qkv: torch.Tensor | None = None  # [(heads + 2 * kv_heads) * head_dim] (qwen2)
+    bo: torch.Tensor | None = None  # [hidden]: the output projection's bias (gpt-oss)
     qk_norm: torch.Tensor | None = None  # [heads + kv_heads, head_dim]: each Q head's norm, then each K head's
     post_attn_norm: torch.Tensor | None = None  # [hidden] (gemma2/3)
     post_ffn_norm: torch.Tensor | None = None  # [hidden] (gemma2/3)
     router: torch.Tensor | None = None  # [hidden, experts] (`ffn_gate_inp`), float32
     router_bias: torch.Tensor | None = None  # [experts] selection bias (`exp_probs_b`), float32
+    router_logit_bias: torch.Tensor | None = None  # [experts] added to the router's logits (gpt-oss), float32
+    experts_gate_up_bias: torch.Tensor | None = None  # [experts, 2 * expert_ffn]: gate then up (gpt-oss)
+    experts_down_bias: torch.Tensor | None = None  # [experts, hidden]
     experts_gate_up: torch.Tensor | None = None  # [experts, hidden, 2 * expert_ffn]: gate columns then up
     experts_down: torch.Tensor | None = None  # [experts, expert_ffn, hidden]
     shared_gate_up: torch.Tensor | None = None  # [hidden, 2 * shared_ffn]: the shared expert's gate then up columns
@@ -110,7 +114,8 @@ class ContiguousAttention:
             cache.k[layer, past : past + n] = k[start:end]
             cache.v[layer, past : past + n] = v[start:end]
             out[start:end] = causal_sdpa(q[start:end], cache.k[layer, : past + n], cache.v[layer, : past + n], past,
-                                         c.layer_windows[layer], c.attention_scale, c.attn_softcap)
+                                         c.layer_windows[layer], c.attention_scale, c.attn_softcap,
+                                         layer_sinks(c, layer, q.device))
             start = end
         return out
 
@@ -168,10 +173,11 @@ class DecoderModel:
             attn_norm=self._put(w("attn_norm")),
             w_qkv=put_t(self._cat([w(n) for n in row.qkv_tensors])),
             wo=put_t(w("attn_output")),
-            ffn_norm=self._put(w("ffn_norm")),
+            ffn_norm=self._put(w(row.ffn_norm)),
             w_gate_up=put_t(self._cat([w(n) for n in row.gate_up_tensors])) if dense else None,
             w_down=put_t(w("ffn_down")) if dense else None,
             b_qkv=self._put(self._cat([w(n, "bias") for n in row.qkv_tensors])) if row.qkv_bias else None,
+            bo=self._put(w("attn_output", "bias")) if row.output_bias else None,
             qk_norm=qk_norm,
             post_attn_norm=self._put(w("post_attention_norm")) if row.post_norms else None,
             post_ffn_norm=self._put(w("post_ffw_norm")) if row.post_norms else None,
@@ -202,6 +208,10 @@ class DecoderModel:
             "experts_gate_up": put_t(torch.cat([w(n) for n in moe.expert_tensors], dim=1)),
             "experts_down": put_t(w("ffn_down_exps")),
         }
+        if moe.biases:
+            out |= {"router_logit_bias": f32(w("ffn_gate_inp", "bias")),
+                    "experts_gate_up_bias": self._put(torch.cat([w(n, "bias") for n in moe.expert_tensors], dim=1)),
+                    "experts_down_bias": self._put(w("ffn_down_exps", "bias"))}
         if moe.shared_expert:
             out |= {"shared_gate_up": put_t(torch.cat([w("ffn_gate_shexp"), w("ffn_up_shexp")])),
                     "shared_down": put_t(w("ffn_down_shexp")),
@@ -318,6 +328,8 @@ class DecoderModel:
         q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]  # [num_tokens, heads | kv_heads, head_dim]
         v = qkv[:, q_dim + kv_dim :].reshape(-1, c.num_kv_heads, c.head_dim)
         out = attention(i, q, k, v).reshape(-1, q_dim) @ layer.wo
+        if layer.bo is not None:
+            out = out + layer.bo
         h, residual = self.ops.add_norm(out, residual, layer.ffn_norm, layer.post_attn_norm)
         return self._ffn(layer, h), residual
 
@@ -328,9 +340,12 @@ class DecoderModel:
             return self.ops.act_mul(h @ layer.w_gate_up) @ layer.w_down
         c = self.config
         act = ACTIVATIONS[c.arch.activation]
-        weights, experts = route(h.float() @ layer.router, c.arch.moe, c.experts_per_token, c.expert_weight_scale,
-                                 layer.router_bias)
-        out = experts_ffn(h, weights, experts, layer.experts_gate_up, layer.experts_down, act)
+        logits = h.float() @ layer.router
+        if layer.router_logit_bias is not None:
+            logits = logits + layer.router_logit_bias
+        weights, experts = route(logits, c.arch.moe, c.experts_per_token, c.expert_weight_scale, layer.router_bias)
+        out = experts_ffn(h, weights, experts, layer.experts_gate_up, layer.experts_down, act,
+                          layer.experts_gate_up_bias, layer.experts_down_bias)
         if layer.shared_gate_up is None:
             return out
         return out + shared_expert(h, layer.shared_gate_up, layer.shared_down, layer.shared_gate, act)

@@ -54,12 +54,15 @@ def route(logits: torch.Tensor, moe: MixtureOfExperts, k: int, scale: float = 1.
 
 
 def experts_ffn(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
-                down: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """sum over each token's chosen experts of weight · down_e(act(gate_e x) · up_e x).
+                down: torch.Tensor, act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """sum over each token's chosen experts of weight · down_e(act(gate_e x, up_e x)).
 
     x `[tokens, hidden]`; weights float32 and experts int64 `[tokens, k]` (`route`); gate_up
     `[experts, hidden, 2 expert_ffn]` (gate columns first), down `[experts, expert_ffn, hidden]`
-    (both `[in, out]` per expert, in x's dtype). Returns `[tokens, hidden]` in x's dtype.
+    (both `[in, out]` per expert, in x's dtype); act: the gated product (`layers.ACTIVATIONS`); the
+    biases `[experts, 2 expert_ffn]` and `[experts, hidden]` or None (gpt-oss). Returns `[tokens, hidden]`
+    in x's dtype.
     """
     k = experts.shape[1]
     flat = experts.reshape(-1)  # [tokens · k]: slot j of token t at t · k + j
@@ -73,18 +76,21 @@ def experts_ffn(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, g
         if not n:
             continue
         token = rows[start : start + n]
-        gate, up = (x[token] @ gate_up[e]).chunk(2, dim=-1)  # [n, expert_ffn] each
-        y = (act(gate) * up) @ down[e]  # [n, hidden]
+        h = x[token] @ gate_up[e]  # [n, 2 expert_ffn]
+        if gate_up_bias is not None:
+            h = h + gate_up_bias[e]
+        y = act(*h.chunk(2, dim=-1)) @ down[e]  # [n, hidden]
+        if down_bias is not None:
+            y = y + down_bias[e]
         out.index_add_(0, token, y * pair_weights[start : start + n, None])
         start += n
     return out
 
 
 def shared_expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, gate: torch.Tensor | None,
-                  act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """The shared expert every token runs: down(act(gate x) · up x), times sigmoid(gate_inp · x) when the row has
+                  act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The shared expert every token runs: down(act(gate x, up x)), times sigmoid(gate_inp · x) when the row has
     that gate (llama.cpp src/models/qwen2moe.cpp). x `[tokens, hidden]`; gate_up `[hidden, 2 shared_ffn]`, down
     `[shared_ffn, hidden]` in x's dtype; gate float32 `[hidden]` or None. Returns `[tokens, hidden]`."""
-    g, up = (x @ gate_up).chunk(2, dim=-1)
-    y = (act(g) * up) @ down
+    y = act(*(x @ gate_up).chunk(2, dim=-1)) @ down
     return y if gate is None else y * torch.sigmoid(x.float() @ gate).to(x.dtype)[:, None]

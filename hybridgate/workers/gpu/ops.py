@@ -49,9 +49,9 @@ class EagerOps:
         return self._rotate(qk, cos, sin)
 
     def act_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """act(gate) * up `[tokens, ffn]` of gate_up `[tokens, 2 * ffn]`."""
+        """act(gate) * up `[tokens, ffn]` of gate_up `[tokens, 2 * ffn]` (the row's product: `ACTIVATIONS`)."""
         gate, up = gate_up.chunk(2, dim=-1)
-        return self._act(gate) * up
+        return self._act(gate, up)
 
 
 class FusedOps:
