@@ -10,7 +10,8 @@ activations for every type (the row-dequantizing `QuantMatrix` for types
 without a float32 fast kernel, Q5_1 and Q5_K), `i16` is int16 activations
 wherever a type has an int16 kernel; neither takes a prompt kernel, so a prompt
 row gets the bits a decode row would. `i8` is `auto` where the row's prompt
-kernel is the int8 one (`int8`), and `i16` elsewhere.
+kernel is the int8 one (`int8`), the row of `OPT_IN_I8` where it has one (int8
+prompt kernels below auto's accuracy floor on some models), and `i16` elsewhere.
 
 Prompt kernels and a stream's continuity. A row's result does not depend on its
 batch on any kernel. A prompt row on a prompt kernel (`int8`, `amx`) differs
@@ -24,7 +25,8 @@ Paths: `avx512-amx` is the avx512 path with AMX-BF16 granted (`isa.Target.amx`);
 the others are `isa.ISAS`. Activation formats: `f32`; `i16/32` (int16 per
 32-column block, `intdot`, `avx2`, `kquant`); `i16/256` (int16 per 256-column
 super-block, the sub-block scales in integers, `superblock`); `i8/32` (int8 per 32-column block,
-eight weight rows interleaved in a scratch per pass, no memory kept: `int8`); `bf16x2` (two
+eight weight rows interleaved in a scratch per pass, no memory kept: `int8` for Q4_K and Q6_K,
+`int8_blocks` for Q8_0, Q5_0, Q4_0 and Q4_1); `bf16x2` (two
 bf16 halves on AMX tiles, `amx`).
 
 Why each row is what it is (`hybridgate bench kernels`, docs/results/cpu-kernels/*.json):
@@ -85,8 +87,8 @@ def _amx(row: KernelRow) -> KernelRow:
     return KernelRow(row.matrix, row.decode, row.kernel, "bf16x2", "amx.multiply", AMX_MIN_PROMPT)
 
 
-def _i8(row: KernelRow) -> KernelRow:
-    return KernelRow(row.matrix, row.decode, row.kernel, "i8/32", "int8.multiply", I8_MIN_PROMPT)
+def _i8(row: KernelRow, kernel: str = "int8.multiply") -> KernelRow:
+    return KernelRow(row.matrix, row.decode, row.kernel, "i8/32", kernel, I8_MIN_PROMPT)
 
 
 # AUTO[path][type name]: every type of `blocks.LAYOUTS` on every path.
@@ -121,6 +123,12 @@ AUTO = {
         "Q6_K": KernelRow("Q6KMatrix", "f32", "simd.matmul_blocks"),
     },
 }
+# Int8 prompt rows that an explicit cpu_activations i8 takes and auto does not (`int8_blocks`: 1.6-2.3x the int16
+# kernels at 64 and 256 rows on avx2, docs/results/cpu-kernels/*-int8-prompt-blocks.json): with every
+# matmul of the default model on them, prompts measured mean KL 1.0-1.1e-3 against the fp32 reference (Q8_0 and
+# Q4_1 files, top-1 98.6%), over auto's 5e-4 floor (docs/results/accuracy/*-zen4-smollm2-*-int8-prompts.json).
+OPT_IN_I8 = {"avx2": {name: _i8(AUTO["avx2"][name], f"int8_blocks.multiply_{kernel}") for name, kernel in
+                      (("Q4_0", "q4"), ("Q4_1", "q4"), ("Q5_0", "q5_0"), ("Q8_0", "q8_0"))}}
 # The classes that take either activation format on the 32-column kernels (`simd.matmul_blocks` for f32,
 # `intdot.matmul_i16` or on avx2 `avx2.matmul_i16` for i16), used by an explicit cpu_activations.
 FORMATTED = {"Q4_0": "Q40Matrix", "Q4_1": "Q41Matrix", "Q4_K": "Q4KMatrix", "Q5_0": "Q50Matrix",
@@ -150,6 +158,8 @@ def choose(type_name: str, activations: str, path: str) -> KernelRow:
     if activations not in FORMATS:
         raise ValueError(f"cpu_activations: expected one of {', '.join(FORMATS)}, got {activations!r}")
     auto = AUTO[path][type_name]
+    if activations == "i8" and type_name in OPT_IN_I8.get(path, {}):
+        return OPT_IN_I8[path][type_name]
     if activations == "auto" or (activations == "i8" and auto.prompt == "i8/32"):
         return auto
     decode_only = KernelRow(auto.matrix, auto.decode, auto.kernel)
