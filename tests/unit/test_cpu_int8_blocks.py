@@ -2,17 +2,18 @@
 dequantizer.
 
 In a child per path this machine runs among avx512 and avx2 (Numba compiles for one target per process; the
-kernels are AVX2 instructions, which the avx512 path runs too; the table gives them prompt rows on avx2 under cpu_activations i8 only):
-gguf's quantizer on random weights, blocks at the formats' limits, and shapes with a tail of weight rows past
-the last group of 8 and of activation rows past the last tile of 4, against (1) gguf's dequantizer times the
-int8-rounded activations in float64 (the integer sums are exact, so only the float32 steps per block separate
-them) and (2) the float64 product of the unrounded activations within the bound of the int8 rounding
-(max|x_b| / 254 per element, times Σ|w|). The extremes put every int16 sum at its largest: Q8_0 codes -128
-with activations ±127 (pair sums 2 · 128 · 127 = 32,512, each widened alone) and codes 127; Q5_0 codes -16
-(the block's 8 pair sums in int16: 8 · 2 · 16 · 127 = 32,512); Q4_0 and Q4_1 codes 15 (8 · 2 · 15 · 127 =
-30,480), with scales up to fp16's largest; a saturated or wrapped lane would miss (1) by far. Then a row's
-bits are the same at batch 1 and batch 37 and over several passes of the activations; on avx2, rows
-outside the prompt span keep the decode kernel's bits (`matmul_prompt`, cpu_activations i8); and the machine code is the path's.
+kernels are AVX2 instructions, which the avx512 path runs too; the table gives them prompt rows under
+cpu_activations i8 only, and avx512's Q5_0 none): gguf's quantizer on random weights, blocks at the formats'
+limits, and shapes with a tail of weight rows past the last group of 8 and of activation rows past the last
+tile of 4, against (1) gguf's dequantizer times the int8-rounded activations in float64 (the integer sums are
+exact, so only the float32 steps per block separate them) and (2) the float64 product of the unrounded
+activations within the bound of the int8 rounding (max|x_b| / 254 per element, times Σ|w|). The extremes put
+every int16 sum at its largest: Q8_0 codes -128 with activations ±127 (pair sums 2 · 128 · 127 = 32,512, each
+widened alone) and codes 127; Q5_0 codes -16 (the block's 8 pair sums in int16: 8 · 2 · 16 · 127 = 32,512);
+Q4_0 and Q4_1 codes 15 (8 · 2 · 15 · 127 = 30,480), with scales up to fp16's largest; a saturated or wrapped
+lane would miss (1) by far. Then a row's bits are the same at batch 1 and batch 37 and over several passes of
+the activations; rows outside the prompt span keep the decode kernel's bits (`matmul_prompt`, cpu_activations
+i8); and the machine code is the path's.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ MATRIX = {"Q8_0": "Q80Matrix", "Q5_0": "Q50Matrix", "Q4_0": "Q40Matrix", "Q4_1":
 # (rows, cols, batch): a tail of 5 rows past the groups of 8, one block, the default model's 576 columns, and
 # batch 37 (9 tiles of 4 and a 1-row tail)
 SHAPES = [(37, 576, 37), (16, 32, 5), (8, 2048, 2)]
+TABLE_TYPES = {"avx2": TYPES, "avx512": ("Q8_0", "Q4_0", "Q4_1")}  # the table's i8 rows (avx512's Q5_0: LowBitMatrix)
 BLOCK_BYTES = {"Q8_0": 34, "Q5_0": 22, "Q4_0": 18, "Q4_1": 20}
 
 pytestmark = pytest.mark.skipif(not RUNS, reason="this CPU runs neither the avx512 nor the avx2 path")
@@ -78,11 +80,9 @@ def test_a_rows_bits_are_the_same_at_batch_1_and_37_and_over_several_passes(resu
     assert got["passes_invariant"], path
 
 
-def test_rows_outside_the_prompt_span_keep_the_decode_kernels_bits_on_avx2(result):
+def test_rows_outside_the_prompt_span_keep_the_decode_kernels_bits_under_i8(result):
     path, got = result
-    if path != "avx2":
-        pytest.skip("the table gives these types int8 prompt rows on avx2 only (under cpu_activations i8)")
-    assert got["table_kernels"] == {t: f"int8_blocks.{KERNEL[t]}" for t in TYPES}
+    assert got["table_kernels"] == {t: f"int8_blocks.{KERNEL[t]}" for t in TABLE_TYPES[path]}
     assert got["decode_rows_kept"] and got["prompt_rows_int8"]
 
 
@@ -169,7 +169,7 @@ def _check(path: str) -> dict:
         several = np.empty_like(got)  # one pass per 4 activation rows
         int8_blocks.matmul_i8(KIND_INDEX[kind], x, arrays[0].view(np.uint32), arrays[1], arrays[2], several, 4 * cols)
         passes &= np.array_equal(several, got)
-        if path == "avx2" and batch >= 3:  # by the table: prompt rows 1 .. batch-1; row 0 a decode row
+        if kind in TABLE_TYPES[path] and batch >= 3:  # by the table: prompt rows 1 .. batch-1; row 0 a decode row
             t = quant.quant_matrix("w", kind_id, data, (rows, cols), "i8")
             table[kind] = t.prompt_kernel
             mixed = t.matmul_prompt(x, everything[1:])

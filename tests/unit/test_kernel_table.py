@@ -37,9 +37,13 @@ EXPECTED = {
 EXPECTED["avx512-amx"] = {name: row.split(";")[0] + AMX if name in ("BF16", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K",
                                                                     "Q6_K") else row
                           for name, row in EXPECTED["avx512"].items()}
-# an explicit cpu_activations i8 only (below auto's accuracy floor on the default model)
-OPT_IN_I8 = {"avx2": {name: EXPECTED["avx2"][name] + "; prompts of 32+ tokens i8/32 int8_blocks.multiply_" + kernel
-                      for name, kernel in (("Q4_0", "q4"), ("Q4_1", "q4"), ("Q5_0", "q5_0"), ("Q8_0", "q8_0"))}}
+# an explicit cpu_activations i8 only (below auto's accuracy floor on the default model), on the int16 decode kernels
+I8_BLOCKS = "; prompts of 32+ tokens i8/32 int8_blocks.multiply_"
+OPT_IN_I8 = {"avx2": {name: EXPECTED["avx2"][name] + I8_BLOCKS + kernel
+                      for name, kernel in (("Q4_0", "q4"), ("Q4_1", "q4"), ("Q5_0", "q5_0"), ("Q8_0", "q8_0"))},
+             "avx512": {"Q4_0": "Q40Matrix i16/32 intdot.matmul_i16" + I8_BLOCKS + "q4",
+                        "Q4_1": "Q41Matrix i16/32 intdot.matmul_i16" + I8_BLOCKS + "q4",
+                        "Q8_0": "Q80Matrix i16/32 intdot.matmul_i16" + I8_BLOCKS + "q8_0"}}
 
 
 def test_the_auto_rows_are_the_reviewed_table():

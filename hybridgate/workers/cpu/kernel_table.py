@@ -123,12 +123,6 @@ AUTO = {
         "Q6_K": KernelRow("Q6KMatrix", "f32", "simd.matmul_blocks"),
     },
 }
-# Int8 prompt rows that an explicit cpu_activations i8 takes and auto does not (`int8_blocks`: 1.6-2.3x the int16
-# kernels at 64 and 256 rows on avx2, docs/results/cpu-kernels/*-int8-prompt-blocks.json): with every
-# matmul of the default model on them, prompts measured mean KL 1.0-1.1e-3 against the fp32 reference (Q8_0 and
-# Q4_1 files, top-1 98.6%), over auto's 5e-4 floor (docs/results/accuracy/*-zen4-smollm2-*-int8-prompts.json).
-OPT_IN_I8 = {"avx2": {name: _i8(AUTO["avx2"][name], f"int8_blocks.multiply_{kernel}") for name, kernel in
-                      (("Q4_0", "q4"), ("Q4_1", "q4"), ("Q5_0", "q5_0"), ("Q8_0", "q8_0"))}}
 # The classes that take either activation format on the 32-column kernels (`simd.matmul_blocks` for f32,
 # `intdot.matmul_i16` or on avx2 `avx2.matmul_i16` for i16), used by an explicit cpu_activations.
 FORMATTED = {"Q4_0": "Q40Matrix", "Q4_1": "Q41Matrix", "Q4_K": "Q4KMatrix", "Q5_0": "Q50Matrix",
@@ -149,6 +143,18 @@ def formatted(type_name: str, fmt: str, path: str) -> KernelRow:
     if fmt == "i16":
         return KernelRow(FORMATTED[type_name], "i16/32", "avx2.matmul_i16" if path == "avx2" else "intdot.matmul_i16")
     raise ValueError(f"cpu_activations: expected one of {', '.join(FORMATS)}, got {fmt!r}")
+
+
+# Int8 prompt rows that an explicit cpu_activations i8 takes and auto does not (`int8_blocks`, on the int16 decode
+# kernels `formatted` gives): 1.3-2.3x the int16 kernels at 64 and 256 rows on avx2
+# (docs/results/cpu-kernels/*-int8-prompt-blocks.json) and 1.6-2.1x the avx512 path's decode kernels there (a
+# one-off run, 2048 x 2048, not recorded); avx512's Q5_0 is `LowBitMatrix`, whose codes they do not read. With every
+# matmul of the default model on them, prompts measured mean KL 1.0-1.1e-3 against the fp32 reference (Q8_0 and
+# Q4_1 files, top-1 98.6%), over auto's 5e-4 floor (docs/results/accuracy/*-zen4-smollm2-*-int8-prompts.json).
+_BLOCK_KERNELS = {"Q4_0": "q4", "Q4_1": "q4", "Q5_0": "q5_0", "Q8_0": "q8_0"}
+OPT_IN_I8 = {path: {name: _i8(formatted(name, "i16", path), f"int8_blocks.multiply_{_BLOCK_KERNELS[name]}")
+                    for name in names} for path, names in (("avx2", ("Q4_0", "Q4_1", "Q5_0", "Q8_0")),
+                                                           ("avx512", ("Q4_0", "Q4_1", "Q8_0")))}
 
 
 def choose(type_name: str, activations: str, path: str) -> KernelRow:
