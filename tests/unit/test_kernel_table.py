@@ -38,6 +38,13 @@ EXPECTED = {
 EXPECTED["avx512-amx"] = {name: row.split(";")[0] + AMX if name in ("BF16", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K",
                                                                     "Q6_K") else row
                           for name, row in EXPECTED["avx512"].items()}
+# an explicit cpu_activations i8 only (below auto's accuracy floor on the default model), on the int16 decode kernels
+I8_BLOCKS = "; prompts of 32+ tokens i8/32 int8_blocks.multiply_"
+OPT_IN_I8 = {"avx2": {name: EXPECTED["avx2"][name] + I8_BLOCKS + kernel
+                      for name, kernel in (("Q4_0", "q4"), ("Q4_1", "q4"), ("Q5_0", "q5_0"), ("Q8_0", "q8_0"))},
+             "avx512": {"Q4_0": "Q40Matrix i16/32 intdot.matmul_i16" + I8_BLOCKS + "q4",
+                        "Q4_1": "Q41Matrix i16/32 intdot.matmul_i16" + I8_BLOCKS + "q4",
+                        "Q8_0": "Q80Matrix i16/32 intdot.matmul_i16" + I8_BLOCKS + "q8_0"}}
 
 
 def test_the_auto_rows_are_the_reviewed_table():
@@ -62,7 +69,10 @@ def test_f32_is_float32_for_every_type_and_i16_int16_wherever_a_type_has_it(path
 def test_i8_takes_the_int8_prompt_kernel_where_a_type_has_one_and_i16_elsewhere(path):
     for name in kernel_table.AUTO[path]:
         i8, i16 = (kernel_table.choose(name, fmt, path) for fmt in ("i8", "i16"))
-        if EXPECTED[path][name].endswith(I8):
+        if name in OPT_IN_I8.get(path, {}):
+            assert i8.describe() == OPT_IN_I8[path][name], (path, name)
+            assert kernel_table.choose(name, "auto", path).describe() == EXPECTED[path][name]
+        elif EXPECTED[path][name].endswith(I8):
             assert i8.describe() == EXPECTED[path][name], (path, name)
         else:
             assert i8 == i16, (path, name)

@@ -10,7 +10,8 @@ activations for every type (the row-dequantizing `QuantMatrix` for types
 without a float32 fast kernel, Q5_1 and Q5_K), `i16` is int16 activations
 wherever a type has an int16 kernel; neither takes a prompt kernel, so a prompt
 row gets the bits a decode row would. `i8` is `auto` where the row's prompt
-kernel is the int8 one (`int8`), and `i16` elsewhere.
+kernel is the int8 one (`int8`), the row of `OPT_IN_I8` where it has one (int8
+prompt kernels below auto's accuracy floor on some models), and `i16` elsewhere.
 
 Prompt kernels and a stream's continuity. A row's result does not depend on its
 batch on any kernel. A prompt row on a prompt kernel (`int8`, `amx`) differs
@@ -24,7 +25,8 @@ Paths: `avx512-amx` is the avx512 path with AMX-BF16 granted (`isa.Target.amx`);
 the others are `isa.ISAS`. Activation formats: `f32`; `i16/32` (int16 per
 32-column block, `intdot`, `avx2`, `kquant`); `i16/256` (int16 per 256-column
 super-block, the sub-block scales in integers, `superblock`); `i8/32` (int8 per 32-column block,
-eight weight rows interleaved in a scratch per pass, no memory kept: `int8`); `bf16x2` (two
+eight weight rows interleaved in a scratch per pass, no memory kept: `int8` for Q4_K and Q6_K,
+`int8_blocks` for Q8_0, Q5_0, Q4_0 and Q4_1); `bf16x2` (two
 bf16 halves on AMX tiles, `amx`).
 
 Why each row is what it is (`hybridgate bench kernels`, docs/results/cpu-kernels/*.json):
@@ -86,8 +88,8 @@ def _amx(row: KernelRow) -> KernelRow:
     return KernelRow(row.matrix, row.decode, row.kernel, "bf16x2", "amx.multiply", AMX_MIN_PROMPT)
 
 
-def _i8(row: KernelRow) -> KernelRow:
-    return KernelRow(row.matrix, row.decode, row.kernel, "i8/32", "int8.multiply", I8_MIN_PROMPT)
+def _i8(row: KernelRow, kernel: str = "int8.multiply") -> KernelRow:
+    return KernelRow(row.matrix, row.decode, row.kernel, "i8/32", kernel, I8_MIN_PROMPT)
 
 
 # AUTO[path][type name]: every type of `blocks.LAYOUTS` on every path.
@@ -144,6 +146,18 @@ def formatted(type_name: str, fmt: str, path: str) -> KernelRow:
     raise ValueError(f"cpu_activations: expected one of {', '.join(FORMATS)}, got {fmt!r}")
 
 
+# Int8 prompt rows that an explicit cpu_activations i8 takes and auto does not (`int8_blocks`, on the int16 decode
+# kernels `formatted` gives): 1.3-2.3x the int16 kernels at 64 and 256 rows on avx2
+# (docs/results/cpu-kernels/*-int8-prompt-blocks.json) and 1.6-2.1x the avx512 path's decode kernels there (a
+# one-off run, 2048 x 2048, not recorded); avx512's Q5_0 is `LowBitMatrix`, whose codes they do not read. With every
+# matmul of the default model on them, prompts measured mean KL 1.0-1.1e-3 against the fp32 reference (Q8_0 and
+# Q4_1 files, top-1 98.6%), over auto's 5e-4 floor (docs/results/accuracy/*-zen4-smollm2-*-int8-prompts.json).
+_BLOCK_KERNELS = {"Q4_0": "q4", "Q4_1": "q4", "Q5_0": "q5_0", "Q8_0": "q8_0"}
+OPT_IN_I8 = {path: {name: _i8(formatted(name, "i16", path), f"int8_blocks.multiply_{_BLOCK_KERNELS[name]}")
+                    for name in names} for path, names in (("avx2", ("Q4_0", "Q4_1", "Q5_0", "Q8_0")),
+                                                           ("avx512", ("Q4_0", "Q4_1", "Q8_0")))}
+
+
 def choose(type_name: str, activations: str, path: str) -> KernelRow:
     """The row multiplying a `type_name` ("Q4_K", `blocks.LAYOUTS[...].name`) weight on `path` under the
     cpu_activations setting `activations` (one of FORMATS). Raises ValueError naming cpu_activations for
@@ -151,6 +165,8 @@ def choose(type_name: str, activations: str, path: str) -> KernelRow:
     if activations not in FORMATS:
         raise ValueError(f"cpu_activations: expected one of {', '.join(FORMATS)}, got {activations!r}")
     auto = AUTO[path][type_name]
+    if activations == "i8" and type_name in OPT_IN_I8.get(path, {}):
+        return OPT_IN_I8[path][type_name]
     if activations == "auto" or (activations == "i8" and auto.prompt == "i8/32"):
         return auto
     decode_only = KernelRow(auto.matrix, auto.decode, auto.kernel)

@@ -135,8 +135,7 @@ class QuantMatrix:
         return out
 
     def _prompt_arrays(self) -> tuple | None:
-        """(qs, sc, d, ndmin, mins) as the prompt kernel (`amx.multiply`: dtypes name the format, or
-        `int8.multiply`) reads them; None where it has no format there (the default)."""
+        """(qs, sc, d, ndmin, mins) as the prompt kernel (`amx`, `int8`, `int8_blocks`) reads them, or None."""
         return None
 
     def matmul_prompt(self, x: np.ndarray, prompt: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -192,6 +191,9 @@ class Q41Matrix(QuantMatrix):
         codes = np.concatenate([q & 15, q >> 4], axis=1).astype(np.float32)
         return (codes * self.scale[index][:, None] + self.minimum[index][:, None]).ravel()
 
+    def _prompt_arrays(self) -> tuple | None:  # int8_blocks.multiply_q4: Q4_0 and Q4_1 (the table gives Q4_K none)
+        return self.qs, self.scale, self.minimum
+
 
 class Q80Matrix(QuantMatrix):
     """Q8_0 split: int8 codes `[rows, cols]` and float32 scales `[rows, cols / 32]` (9 bits per weight).
@@ -219,10 +221,8 @@ class Q80Matrix(QuantMatrix):
         self._kernel(x, self.qs, self.scale, self.scale, out)
         return out
 
-    def _prompt_arrays(self) -> tuple | None:
-        if self.scale.shape[1] * 32 != self.shape[1]:  # Q6_K here: a scale per 16 columns
-            return None
-        return self.qs, self.scale, self.scale, self.scale, self.qs.view(np.uint8)
+    def _prompt_arrays(self) -> tuple | None:  # amx and int8_blocks; none for Q6_K here (a scale per 16 columns)
+        return None if self.scale.ndim == 3 else (self.qs, self.scale, self.minimum, self.scale, self.qs.view(np.uint8))
 
     def row(self, index: int) -> np.ndarray:
         return self.rows(np.array([index]))[0]
