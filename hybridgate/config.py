@@ -60,6 +60,7 @@ ENVIRONMENT = {
     "HYBRIDGATE_CPU_AMX": "auto or off: AMX prompt matmuls when no settings chose (the cpu_amx setting's variable)",
     "HYBRIDGATE_TEST_CRASH_AT_START": "test-only: a supervised worker raises at once",
     "HYBRIDGATE_TEST_FAULT": "test-only: faults the model runner injects (workers.faults)",
+    "HYBRIDGATE_TEST_GPU_MEMORY": "test-only: a GPU worker's device memory counters, given (workers.gpu.sizing)",
     "HYBRIDGATE_TEST_HANDOFF_PAUSE": "test-only: pauses in the workers' hand-off states (workers.handoff)",
     "HYBRIDGATE_TEST_HANDOFF_PAUSE_SEED": "test-only: the seed of those pauses",
     "HYBRIDGATE_TEST_ROUTER_HANDOFF_PAUSE": "test-only: pauses in the router's hand-off states (router.handoff)",

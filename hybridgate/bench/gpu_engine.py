@@ -142,8 +142,11 @@ def mixed_step(ours: EngineBench, rng, vocab: int, args) -> dict:
     by the measured rates), so the step is exactly the chunk and the decodes; raises RuntimeError when it was not
     (the figure would not be a mixed step)."""
     engine = ours.engine(scheduler=WHOLE_CHUNKS)
+    # The first prompts decode one token a step while the later ones prefill: room for those, the warm step and
+    # the timed ones, so that no decode finishes before the last timed step (within kv_tokens_needed's steps).
+    prefill_steps = -(-args.mixed_decodes * args.prompt_len // WHOLE_CHUNKS.max_num_batched_tokens)
     for i, ids in enumerate(random_prompts(rng, vocab, args.mixed_decodes, args.prompt_len)):
-        _add(engine, AddRequest(f"d{i}", ids, GREEDY, 0, 2 * args.repeats + 8, -1))
+        _add(engine, AddRequest(f"d{i}", ids, GREEDY, 0, prefill_steps + 2 * args.repeats + 8, -1))
     while engine.scheduler.waiting or any(s.num_computed < s.num_tokens - 1 for s in engine.scheduler.running):
         engine.step()
     engine.step()  # one decode step first: graphs and caches warm

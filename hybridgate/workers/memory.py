@@ -58,6 +58,6 @@ def kv_cache_budget(total: int, used_after_weights: int, peak_activations: int, 
         raise ValueError(
             f"the KV cache would get {size_text(budget)}{wanted}: "
             f"{budget_text(total, used_after_weights, peak_activations, utilization, graphs_allowance)} "
-            f"(raise --gpu-memory-utilization, lower --max-num-batched-tokens, --max-num-seqs or --max-model-len, "
-            f"or set --kv-cache-memory)")
+            f"(raise --gpu-memory-utilization, lower --max-num-batched-tokens, --max-num-seqs or "
+            f"--worker-max-model-len (serve: --max-model-len), or set --kv-cache-memory)")
     return budget

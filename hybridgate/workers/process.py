@@ -47,6 +47,7 @@ def build_runner(config: WorkerConfig):
         import torch
 
         from hybridgate.workers.gpu.runner import TorchRunner
+        from hybridgate.workers.gpu.sizing import InjectedMemory
 
         if threads:
             torch.set_num_threads(threads)
@@ -55,7 +56,8 @@ def build_runner(config: WorkerConfig):
                            max_num_seqs=config.max_num_seqs, attention=config.engine.gpu_attention,
                            max_model_len=config.max_model_len,
                            gpu_memory_utilization=config.engine.gpu_memory_utilization,
-                           max_num_batched_tokens=config.max_num_batched_tokens), model
+                           max_num_batched_tokens=config.max_num_batched_tokens,
+                           memory=InjectedMemory.from_env()), model
     from hybridgate.workers.cpu import isa, threadwait
 
     isa.select(config.engine.cpu_isa, config.engine.cpu_amx)  # before the kernels (and Numba) are imported

@@ -119,3 +119,21 @@ def test_one_summary_line_per_figure_with_the_targets_that_apply(tiny_run):
     assert len(lines) == 8 and all(line.startswith("summary: llama-3.2-1b-tiny on cpu: ") for line in lines)
     # the issue's targets are per shape (none for a tiny one) but for the mixed step and the hand-off
     assert [line.rsplit("(target ", 1)[1] for line in lines if "(target " in line] == ["<= 1.3)", ">= 0.9)"]
+
+
+def test_the_mixed_step_holds_its_decodes_through_a_prefill_of_many_steps(tmp_path, monkeypatch):
+    """The mixed step's decodes prefill over several steps (12 prompts of 64 tokens, steps of 64 tokens here; 63 of
+    1,024 in steps of 8,192 at the real shape's defaults), the first ones decoding a token a step meanwhile: none may
+    reach its max_tokens before the last timed step, or the step is no longer the chunk and every decode and the run
+    stops there, the hand-off's and the decode figures lost."""
+    from dataclasses import replace
+
+    from hybridgate.bench import gpu_engine
+
+    monkeypatch.setattr(gpu_engine, "WHOLE_CHUNKS", replace(gpu_engine.WHOLE_CHUNKS, max_num_batched_tokens=64))
+    out = tmp_path / "mixed.json"
+    assert main(["bench", "engine", "--shape", "llama-3.2-1b", *ARGS, "--baseline", "none", "--prompt-len", "64",
+                 "--mixed-decodes", "12", "--repeats", "2", "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert got["mixed_step"]["decodes"] == 12 and got["mixed_step"]["chunk_tokens"] == 16
+    assert "handoff" in got and set(got["decode"]) == {"1", "2"}

@@ -153,3 +153,11 @@ def test_eager_launches_per_layer(tiny_models, monkeypatch):
     per_layer = layer_launches(runner, mixed, monkeypatch)
     want = [EAGER_LLAMA_BF16 - 1] + [EAGER_LLAMA_BF16] * (len(per_layer) - 1)
     assert [sum(layer.values()) for layer in per_layer] == want, per_layer
+
+
+def test_the_docs_give_the_launch_counts_these_tests_hold():
+    from pathlib import Path
+
+    docs = " ".join((Path(__file__).resolve().parents[2] / "docs" / "engine.md").read_text().split())
+    assert (f"launches {sum(PLAIN.values())} kernels (4 matmuls, 2 add + RMSNorm, RoPE, the activation and attention's "
+            f"2) instead of {EAGER_LLAMA_BF16} through the eager torch ops in bf16") in docs

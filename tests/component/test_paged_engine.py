@@ -359,7 +359,8 @@ def test_a_131072_token_model_starts_with_the_length_its_cache_holds(tmp_path, c
     assert f"max model length {runner.max_model_len}" in caplog.text  # the start-up line
     fits = TorchRunner(model, torch.device("cpu"), torch.float32, kv_cache_memory="1MiB", max_model_len=256)
     assert fits.max_model_len == 256
-    with pytest.raises(ValueError, match=r"--max-model-len 131072: the KV cache holds \d+ tokens; lower "
-                                         r"--max-model-len or give the cache more memory \(--gpu-memory-utilization "
-                                         r"on CUDA, --kv-cache-memory\)"):
+    # The worker's own flag and serve's, the asked length and what the cache holds (1 MiB of 4 KiB blocks of 16).
+    with pytest.raises(ValueError, match=r"^--worker-max-model-len \(serve: --max-model-len\) 131072: the KV cache "
+                                         r"holds 4096 tokens; lower it to 4096 or less, or give the cache more memory "
+                                         r"\(--gpu-memory-utilization on CUDA, --kv-cache-memory\)$"):
         TorchRunner(model, torch.device("cpu"), torch.float32, kv_cache_memory="1MiB", max_model_len=131072)

@@ -48,3 +48,15 @@ def test_the_tests_it_names_exist_and_the_makefile_runs_it():
     assert marked and marked <= named, marked - named  # every test marked gpu runs there
     make = (ROOT / "Makefile").read_text()
     assert re.search(r"^gpu-check:\n\tbash scripts/gpu_check\.sh$", make, re.M)
+
+
+def test_it_writes_no_more_files_than_a_lent_machine_hands_back():
+    """A lent machine hands back at most 8 files from $OUT, no more than 2 folders down: every file the script
+    writes there ($LOGS and $DEST are under $OUT when it is set) counts, the JSON included."""
+    text = "\n".join(commands())
+    written = set(re.findall(r'(?:>|--json|--junitxml|2>)\s*"(\$(?:LOGS|DEST)/[^"]+)"', text))
+    assert written == {"$DEST/$DAY-$DEVICE-llama-3.2-1b.json", "$DEST/$DAY-$DEVICE-llama-3.1-8b.json",
+                       "$LOGS/bench-llama-3.2-1b.log", "$LOGS/bench-llama-3.1-8b.log", "$LOGS/tests-gpu-kernels.log",
+                       "$LOGS/tests-gpu.log"}, written
+    assert len(written) <= 8
+    assert not re.search(r'\$(?:LOGS|DEST)/[^"\s]*/', text)  # nothing deeper than $OUT/gpu-engine/

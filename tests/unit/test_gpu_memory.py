@@ -40,7 +40,8 @@ def test_a_model_that_does_not_fit_is_refused_in_one_line_naming_the_flags_and_n
     assert "\n" not in message
     assert message.startswith("the KV cache would get -1.3 GiB: 80.0 GiB x 0.90 utilization - 70.1 GiB weights and "
                               "runtime - 3.0 GiB peak activations - 200.0 MiB decode graphs")
-    for flag in ("--gpu-memory-utilization", "--max-num-batched-tokens", "--max-model-len", "--kv-cache-memory"):
+    for flag in ("--gpu-memory-utilization", "--max-num-batched-tokens", "--worker-max-model-len (serve: "
+                 "--max-model-len)", "--kv-cache-memory"):
         assert flag in message
 
 
@@ -120,7 +121,7 @@ def test_an_explicit_kv_cache_memory_wins_over_the_utilization(tmp_path):
     assert memory.steps == 0 and runner.num_blocks == 2 * MiB // 4096
 
 
-def _exporter(max_model_len: int, buffer_memory: int = 256 * MiB):
+def _exporter(max_model_len: int, buffer_memory: int = 256 * MiB, notify=lambda event: None):
     from hybridgate.workers.gpu.attention import PagedKVCache
     from hybridgate.workers.gpu.export import KVExporter
 
@@ -129,7 +130,7 @@ def _exporter(max_model_len: int, buffer_memory: int = 256 * MiB):
     cache = PagedKVCache(config, 4, 16, torch.device("cpu"), torch.bfloat16)
     fake = SimpleNamespace(cache=cache, max_model_len=max_model_len, model=SimpleNamespace(device=torch.device("cpu")))
     ctx = zmq.Context()
-    return KVExporter(fake, ctx, lambda event: None, buffer_memory=buffer_memory), ctx
+    return KVExporter(fake, ctx, notify, buffer_memory=buffer_memory), ctx
 
 
 @pytest.mark.parametrize("max_model_len, buffers, buffer_mib, max_tokens", [
@@ -155,3 +156,32 @@ def test_handoff_buffers_hold_a_layer_of_the_longest_handoff_and_are_two_at_leas
 def test_a_slab_too_small_for_two_buffers_is_refused():
     with pytest.raises(ValueError, match="--handoff-buffer-memory"):
         _exporter(131072, buffer_memory=48 * 1024)  # 32 KiB per block of one layer: one buffer
+
+
+def test_a_handoff_longer_than_a_buffer_fails_before_its_header_is_sent():
+    import queue
+
+    from hybridgate.wire import ROPE_BASIS, HandoffHeader, SamplingParams
+    from hybridgate.workers.handoff import ExportJob
+
+    events: queue.Queue = queue.Queue()
+    exporter, ctx = _exporter(131072, notify=events.put)  # 128 MiB buffers: one layer of up to 65,536 tokens
+    cpu = ctx.socket(zmq.ROUTER)
+    cpu.bind("inproc://long-handoff")
+    try:
+        n = 65536 + 1  # one block more than a buffer holds
+        header = HandoffHeader(request_id="r", token="t", fingerprint="fp", block_size=16, num_layers=16,
+                               num_kv_heads=8, head_dim=64, dtype="bfloat16", num_tokens=n, rope_basis=ROPE_BASIS,
+                               prompt_ids=[1] * n, output_ids=[5], params=SamplingParams(), seed=1, max_tokens=4,
+                               eos_token_id=2, next_token_index=1)
+        exporter.submit(ExportJob((b"c", "r"), "inproc://long-handoff", header, list(range(-(-n // 16)))))
+        event = events.get(timeout=10)
+        assert event.kind == "failed"
+        # 4,097 blocks of 16 tokens x 2 KiB (K and V of one layer) against a 128 MiB buffer
+        assert event.reason == ("a hand-off of 65537 tokens: one layer's K and V (134250496 bytes) exceed a pinned "
+                                "buffer (134217728 bytes, up to 65536 tokens; --handoff-buffer-memory sets them)")
+        assert cpu.poll(200) == 0  # the CPU worker was sent nothing: no header waits there for frames
+    finally:
+        cpu.close(0)
+        exporter.close()
+        ctx.term()

@@ -112,3 +112,19 @@ def test_fp32_noise_is_finite_standard_gumbel():
 def test_an_unknown_precision_is_refused_by_name():
     with pytest.raises(ValueError, match="precision"):
         torch_sampler.sample(torch.zeros(1, 4), [SamplingParams()], [0], [0], [[]], precision="fp16")
+
+
+def test_min_p_edges_one_keeps_the_tied_top_tokens_and_a_tiny_one_keeps_all():
+    """min_p keeps the tokens whose probability is at least min_p times the largest (the spec; vLLM and
+    transformers' MinPLogitsWarper): at 1 only the tokens tied at the top stay, and both of those are drawn; at
+    1e-12 nothing is cut: at temperature 3 the least likely token has e^(-4/3), about 0.26, of the top's
+    probability and 7.5% a draw, so all five come up in 400 seeded draws (missing one: about 3e-14)."""
+    x = np.array([[3.0, 1.0, 3.0, 2.0, -1.0]], dtype=np.float32)
+    n = 400
+
+    def ids(params):
+        return set(torch_sampler.sample(torch.from_numpy(np.tile(x, (n, 1))), [params] * n, list(range(n)),
+                                        [0] * n, [[]] * n, precision="fp32").tolist())
+
+    assert ids(SamplingParams(temperature=1.0, min_p=1.0)) == {0, 2}
+    assert ids(SamplingParams(temperature=3.0, min_p=1e-12)) == {0, 1, 2, 3, 4}

@@ -93,3 +93,16 @@ def test_the_gpu_runner_stages_the_largest_step_of_its_scheduler_in_one_buffer(t
     runner = TorchRunner(model, torch.device("cpu"), torch.float32, kv_cache_memory="4MiB", max_num_seqs=128,
                          max_num_batched_tokens=1024)
     assert runner.pool.buffer_bytes >= staging_bytes(1024, 128, runner.max_model_len) > 4 << 20
+
+
+def test_the_pinned_buffers_at_a_131072_token_context_are_the_size_the_docs_give():
+    """docs/engine.md: two buffers of about 76 MiB at 64 sequences and 131,072 tokens (steps of 2,048 tokens, blocks
+    of 16). By hand, int64 words: 3 x 2,048 tokens + 5 x 64 entries + 1 + 3 x 64 x 8,192 table cells + 12 x 64
+    sampler fields + 64 x 131,072 penalty ids = 9,968,705, x 8 bytes = 76.06 MiB."""
+    from pathlib import Path
+
+    from hybridgate.workers.input_batch import packed_words
+
+    assert packed_words(2048, 64, 131072, 16) == 9_968_705
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "engine.md").read_text()
+    assert "two of about 76 MiB at 64 sequences and 131,072\ntokens" in docs

@@ -264,16 +264,17 @@ class KVExporter:
         if job.cancelled.is_set():
             self.notify(ExportEvent(job.key, "cancelled"))
             return
-        sock = self._socket(job.endpoint)
-        sock.send_multipart(wire.encode(h))
         cache, bs = self.runner.cache, self.runner.cache.block_size
         nblk = -(-h.num_tokens // bs)
         row_bytes = cache.k[0].shape[1] * cache.k[0].shape[2] * cache.k[0].element_size()
         frame_alloc = nblk * bs * row_bytes  # whole blocks are gathered; the first num_tokens rows are sent
         frame_bytes = h.num_tokens * row_bytes
-        if 2 * frame_alloc > self.pool.buffer_bytes:
+        if 2 * frame_alloc > self.pool.buffer_bytes:  # before the header: the CPU worker hears of nothing
             raise ValueError(f"a hand-off of {h.num_tokens} tokens: one layer's K and V ({2 * frame_alloc} bytes) "
-                             f"exceed a pinned buffer ({self.pool.buffer_bytes} bytes)")
+                             f"exceed a pinned buffer ({self.pool.buffer_bytes} bytes, up to {self.max_tokens} "
+                             f"tokens; --handoff-buffer-memory sets them)")
+        sock = self._socket(job.endpoint)
+        sock.send_multipart(wire.encode(h))
         # About PARTS_PER_HANDOFF parts (fewer when a buffer holds less): the first part's copy and
         # the last part's import are what the pipeline cannot overlap.
         per_part = min(self.pool.buffer_bytes // (2 * frame_alloc), max(1, -(-h.num_layers // PARTS_PER_HANDOFF)))

@@ -38,6 +38,7 @@ from hybridgate.workers.input_batch import BlockTables, pack_step, packed_words
 from hybridgate.wire import TokenLogprobs
 
 log = logging.getLogger("hybridgate.worker")
+MAX_MODEL_LEN_FLAGS = "--worker-max-model-len (serve: --max-model-len)"  # where a worker's length is asked
 
 
 def _available_bytes(device: torch.device) -> int:
@@ -48,19 +49,20 @@ def _available_bytes(device: torch.device) -> int:
 
 
 def fitted_max_model_len(context: int, asked: int | None, cache_tokens: int) -> int:
-    """The worker's max model length: `asked` (--max-model-len) or the model's `context`, and no more than one
-    sequence can hold in a KV cache of `cache_tokens` tokens. The default is lowered to fit, with a warning;
-    an asked length that does not fit raises ValueError naming both flags and the numbers (vLLM does the
-    same: a sequence of max_model_len tokens must fit in the cache)."""
+    """The worker's max model length: `asked` (--worker-max-model-len, under serve its --max-model-len) or the
+    model's `context`, and no more than one sequence can hold in a KV cache of `cache_tokens` tokens. The
+    default is lowered to fit, with a warning; an asked length that does not fit raises ValueError naming the
+    flags and the numbers (vLLM does the same: a sequence of max_model_len tokens must fit in the cache)."""
     want = min(asked, context) if asked else context
     if want <= cache_tokens:
         return want
     if asked:
-        raise ValueError(f"--max-model-len {asked}: the KV cache holds {cache_tokens} tokens; lower --max-model-len "
-                         f"or give the cache more memory (--gpu-memory-utilization on CUDA, --kv-cache-memory)")
+        raise ValueError(f"{MAX_MODEL_LEN_FLAGS} {asked}: the KV cache holds {cache_tokens} tokens; lower it to "
+                         f"{cache_tokens} or less, or give the cache more memory (--gpu-memory-utilization on "
+                         f"CUDA, --kv-cache-memory)")
     log.warning("max model length lowered from the model's %d tokens to %d: what the KV cache holds (raise "
-                "--gpu-memory-utilization on CUDA or --kv-cache-memory for more, or set --max-model-len)", context,
-                cache_tokens)
+                "--gpu-memory-utilization on CUDA or --kv-cache-memory for more, or set %s)", context,
+                cache_tokens, MAX_MODEL_LEN_FLAGS)
     return cache_tokens
 
 

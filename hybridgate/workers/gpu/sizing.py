@@ -50,6 +50,45 @@ class CudaMemory:
         return torch.cuda.mem_get_info(self.device)[0]
 
 
+INJECTED_MEMORY_ENV = "HYBRIDGATE_TEST_GPU_MEMORY"
+
+
+class InjectedMemory:
+    """A device's counters given, not read: `total` and `used` bytes, and `peak` bytes for every profiled step
+    (which still runs). Tests start a worker process with it to size a GPU worker by vLLM's rule on a CPU
+    torch device, e.g. `HYBRIDGATE_TEST_GPU_MEMORY=64MiB:25MiB:6MiB` (TOTAL:USED:PEAK)."""
+
+    def __init__(self, total: int, used: int, peak: int):
+        self.total, self.used, self.peak = total, used, peak
+
+    @classmethod
+    def from_env(cls) -> InjectedMemory | None:
+        """From `INJECTED_MEMORY_ENV`; None when it is unset or empty. Raises ValueError naming the variable
+        when it is not three sizes."""
+        from hybridgate.config import environment
+
+        spec = environment(INJECTED_MEMORY_ENV, "")
+        if not spec:
+            return None
+        units = {"MiB": 1 << 20, "GiB": 1 << 30}
+        sizes = []
+        for part in spec.split(":"):
+            unit = part[-3:] if part[-3:] in units else ""
+            number = part[: len(part) - len(unit)]
+            sizes.append(int(number) * units.get(unit, 1) if number.isdigit() else -1)
+        if len(sizes) != 3 or min(sizes) < 0:
+            raise ValueError(f"{INJECTED_MEMORY_ENV}: expected TOTAL:USED:PEAK, each bytes, MiB or GiB (e.g. "
+                             f"64MiB:25MiB:6MiB), got {spec!r}")
+        return cls(*sizes)
+
+    def total_and_used(self) -> tuple[int, int]:
+        return self.total, self.used
+
+    def peak_growth(self, step: Callable[[], object]) -> int:
+        step()
+        return self.peak
+
+
 @dataclass(frozen=True)
 class ProfileBatches:
     """The two profiling steps and the blocks their (shared, temporary) cache needs, scratch block included."""
