@@ -103,7 +103,6 @@ class Router:
         self.chat_template = ChatTemplate(self.tokenizer, template, template_token_ids(self.model.metadata))
         self.tool_format = choose_format(self.config.tool_call_format, template or self.tokenizer.chat_template,
                                          self.model.config.architecture)
-        self.end_of_turn_ids = self._end_of_turn_ids()
         self.constraint_limits = ConstraintLimits.of(self.config)  # the doors build constraints within these
         # every constraint compiled once, on the check's own threads, before its request runs
         self.constraints = ConstraintCheck(threads=self.config.constraint_compile_threads,
@@ -310,7 +309,8 @@ class Router:
             return self.prompts.tokenize(plan.messages, add_generation_prompt, plan.template_tools)
         return self.prompts.tokenize(prompt, add_generation_prompt)
 
-    def _end_of_turn_ids(self) -> frozenset[int]:
+    @property
+    def end_of_turn_ids(self) -> frozenset[int]:
         """The ids that end the model's turn: the vocabulary's (`Tokenizer.stop_token_ids`), or EOS and the
         tool-call format's `turn_end` tokens where it names them (harmony's `<|end|>` ends a message only)."""
         ends = self.tool_format.turn_end
