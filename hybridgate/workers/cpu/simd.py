@@ -341,6 +341,47 @@ def _vexp(builder, x):
     return builder.fmul(y, two_n)
 
 
+def softmax_ir(context, builder, ty, scores, base, lo, n):
+    """The IR of `softmax_weights` (lo None) and `attention.softmax_window` (lanes before lo masked too) over
+    scores (a float32 array of Numba type ty) at base, n slots: returns the sum of the weights."""
+    c = lambda v: ir.Constant(n.type, v)  # noqa: E731
+    v16i = ir.VectorType(n.type, LANES)
+    lanes = ir.Constant(v16i, list(range(LANES)))
+    chunks = builder.sdiv(builder.add(n, c(LANES - 1)), c(LANES))
+
+    def splat_int(value):
+        return builder.shuffle_vector(
+            builder.insert_element(ir.Constant(v16i, ir.Undefined), value, ir.Constant(_I32, 0)),
+            ir.Constant(v16i, ir.Undefined), ir.Constant(ir.VectorType(_I32, LANES), [0] * LANES))
+
+    def chunk(index):
+        ptr = _ptr(context, builder, ty, scores, builder.add(base, builder.mul(index, c(LANES))))
+        start = builder.mul(index, c(LANES))
+        below = builder.icmp_signed("<", lanes, splat_int(builder.sub(n, start)))
+        if lo is None:
+            return ptr, below
+        return ptr, builder.and_(below, builder.icmp_signed(">=", lanes, splat_int(builder.sub(lo, start))))
+
+    neg_inf = ir.Constant(_V16F, [float("-inf")] * LANES)
+    top = cgutils.alloca_once_value(builder, neg_inf)
+    with cgutils.for_range(builder, chunks) as loop:
+        ptr, mask = chunk(loop.index)
+        v = builder.select(mask, _load_vec(builder, ptr, _V16F, 4), neg_inf)
+        old = builder.load(top)
+        builder.store(builder.select(builder.fcmp_ordered(">", v, old), v, old), top)
+    # max is exact: any order gives the same value
+    peak = _splat(builder, reduce_halves(builder, builder.load(top),
+                                         lambda a, b: builder.select(builder.fcmp_ordered(">", a, b), a, b)))
+    total = cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * LANES))
+    with cgutils.for_range(builder, chunks) as loop:
+        ptr, mask = chunk(loop.index)
+        e = _vexp(builder, builder.fsub(_load_vec(builder, ptr, _V16F, 4), peak))
+        e = builder.select(mask, e, ir.Constant(_V16F, [0.0] * LANES))
+        builder.store(e, builder.bitcast(ptr, _V16F.as_pointer()), align=4)
+        builder.store(builder.fadd(builder.load(total), e), total)
+    return _tree_sum(builder, builder.load(total))
+
+
 @intrinsic
 def softmax_weights(typingctx, scores, base, n):
     """In place over scores[base : base + n] (float32): e^(s - max), and return their sum.
@@ -353,40 +394,7 @@ def softmax_weights(typingctx, scores, base, n):
 
     def codegen(context, builder, signature, args):
         sa, bo, nn = args
-        ty = signature.args[0]
-        c = lambda v: ir.Constant(nn.type, v)  # noqa: E731
-        v16i = ir.VectorType(nn.type, LANES)
-        lanes = ir.Constant(v16i, list(range(LANES)))
-        chunks = builder.sdiv(builder.add(nn, c(LANES - 1)), c(LANES))
-
-        def chunk(index):
-            ptr = _ptr(context, builder, ty, sa, builder.add(bo, builder.mul(index, c(LANES))))
-            start = builder.mul(index, c(LANES))
-            left = builder.sub(nn, start)
-            splat_left = builder.shuffle_vector(
-                builder.insert_element(ir.Constant(v16i, ir.Undefined), left, ir.Constant(_I32, 0)),
-                ir.Constant(v16i, ir.Undefined), ir.Constant(ir.VectorType(_I32, LANES), [0] * LANES))
-            mask = builder.icmp_signed("<", lanes, splat_left)
-            return ptr, mask
-
-        neg_inf = ir.Constant(_V16F, [float("-inf")] * LANES)
-        top = cgutils.alloca_once_value(builder, neg_inf)
-        with cgutils.for_range(builder, chunks) as loop:
-            ptr, mask = chunk(loop.index)
-            v = builder.select(mask, _load_vec(builder, ptr, _V16F, 4), neg_inf)
-            old = builder.load(top)
-            builder.store(builder.select(builder.fcmp_ordered(">", v, old), v, old), top)
-        # max is exact: any order gives the same value
-        peak = _splat(builder, reduce_halves(builder, builder.load(top),
-                                             lambda lo, hi: builder.select(builder.fcmp_ordered(">", lo, hi), lo, hi)))
-        total = cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * LANES))
-        with cgutils.for_range(builder, chunks) as loop:
-            ptr, mask = chunk(loop.index)
-            e = _vexp(builder, builder.fsub(_load_vec(builder, ptr, _V16F, 4), peak))
-            e = builder.select(mask, e, ir.Constant(_V16F, [0.0] * LANES))
-            builder.store(e, builder.bitcast(ptr, _V16F.as_pointer()), align=4)
-            builder.store(builder.fadd(builder.load(total), e), total)
-        return _tree_sum(builder, builder.load(total))
+        return softmax_ir(context, builder, signature.args[0], sa, bo, None, nn)
 
     return sig, codegen
 
