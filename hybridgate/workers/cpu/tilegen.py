@@ -10,6 +10,7 @@ tile's code is its type's sums alone.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 from hybridgate.workers.cpu import isa
@@ -160,9 +161,11 @@ class TileIR:
         zero = ir.Constant(vec_ty, [0.0] * vec_ty.count)
         return [[cgutils.alloca_once_value(self.builder, zero) for _ in range(wrows)] for _ in range(xrows)]
 
+    @contextlib.contextmanager
     def loop(self, count):
         """`with t.loop(n) as index:` the body once per index 0 .. n - 1 (an intp count)."""
-        return _Loop(self.builder, count)
+        with cgutils.for_range(self.builder, count) as loop:
+            yield loop.index
 
     def store_outputs(self, wrows, xrows, value, name="out", base="o_off", stride="o_stride"):
         """out[base + k·stride + i] = value(k, i) (a float scalar) for activation row k, weight row i."""
@@ -172,17 +175,6 @@ class TileIR:
                 v = value(k, i)
                 b.store(v, self.ptr(name, b.add(self.row(base, stride, k), self.c(i))))
         return self.context.get_dummy_value()
-
-
-class _Loop:
-    def __init__(self, builder, count):
-        self._range = cgutils.for_range(builder, count)
-
-    def __enter__(self):
-        return self._range.__enter__().index
-
-    def __exit__(self, *exc):
-        return self._range.__exit__(*exc)
 
 
 def tile_intrinsic(name: str, names: tuple[str, ...], state_of, emit):
