@@ -21,27 +21,17 @@ isa.selected()  # before Numba is imported: it compiles for the chosen instructi
 
 import numba as nb  # noqa: E402
 import numpy as np  # noqa: E402
-from llvmlite import ir  # noqa: E402
 from numba import prange, types  # noqa: E402
-from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
 from hybridgate.workers.cpu.simd import (  # noqa: E402
-    LANES,
-    _I32,
-    _V16F,
-    _load_vec,
-    _ptr,
-    _splat,
-    _tree_sum,
-    _vexp,
     pv_rows1,
     pv_rows4,
     pv_rows8,
     qk_rows1,
     qk_rows4,
     qk_rows8,
-    reduce_halves,
+    softmax_ir,
 )
 from hybridgate.workers.step_inputs import StepInputs  # noqa: E402
 
@@ -67,41 +57,7 @@ def softmax_window(typingctx, scores, base, lo, n):
 
     def codegen(context, builder, signature, args):
         sa, bo, lo_, nn = args
-        ty = signature.args[0]
-        c = lambda v: ir.Constant(nn.type, v)  # noqa: E731
-        v16i = ir.VectorType(nn.type, LANES)
-        lanes = ir.Constant(v16i, list(range(LANES)))
-        chunks = builder.sdiv(builder.add(nn, c(LANES - 1)), c(LANES))
-
-        def splat_int(value):
-            return builder.shuffle_vector(
-                builder.insert_element(ir.Constant(v16i, ir.Undefined), value, ir.Constant(_I32, 0)),
-                ir.Constant(v16i, ir.Undefined), ir.Constant(ir.VectorType(_I32, LANES), [0] * LANES))
-
-        def chunk(index):
-            ptr = _ptr(context, builder, ty, sa, builder.add(bo, builder.mul(index, c(LANES))))
-            start = builder.mul(index, c(LANES))
-            below = builder.icmp_signed("<", lanes, splat_int(builder.sub(nn, start)))
-            above = builder.icmp_signed(">=", lanes, splat_int(builder.sub(lo_, start)))
-            return ptr, builder.and_(below, above)
-
-        neg_inf = ir.Constant(_V16F, [float("-inf")] * LANES)
-        top = cgutils.alloca_once_value(builder, neg_inf)
-        with cgutils.for_range(builder, chunks) as loop:
-            ptr, mask = chunk(loop.index)
-            v = builder.select(mask, _load_vec(builder, ptr, _V16F, 4), neg_inf)
-            old = builder.load(top)
-            builder.store(builder.select(builder.fcmp_ordered(">", v, old), v, old), top)
-        peak = _splat(builder, reduce_halves(builder, builder.load(top),
-                                             lambda a, b: builder.select(builder.fcmp_ordered(">", a, b), a, b)))
-        total = cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * LANES))
-        with cgutils.for_range(builder, chunks) as loop:
-            ptr, mask = chunk(loop.index)
-            e = _vexp(builder, builder.fsub(_load_vec(builder, ptr, _V16F, 4), peak))
-            e = builder.select(mask, e, ir.Constant(_V16F, [0.0] * LANES))
-            builder.store(e, builder.bitcast(ptr, _V16F.as_pointer()), align=4)
-            builder.store(builder.fadd(builder.load(total), e), total)
-        return _tree_sum(builder, builder.load(total))
+        return softmax_ir(context, builder, signature.args[0], sa, bo, lo_, nn)
 
     return sig, codegen
 

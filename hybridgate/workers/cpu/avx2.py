@@ -57,11 +57,11 @@ from hybridgate.workers.cpu.simd import (  # noqa: E402
     _load_vec,
     _ptr,
     _tree_sum,
-    prefetch,
     prefetch_span,
     reduce_halves,
     scale_pair,
 )
+from hybridgate.workers.cpu.tilegen import tile_intrinsic  # noqa: E402
 
 XQ_MAX = 32767.0  # as intdot: int16 activations in ±32767, so no pair product meets vpmaddwd's overflow
 _F32 = ir.FloatType()
@@ -121,121 +121,86 @@ def _make_tile(wrows: int, xrows: int, unpacked: bool):
     lanes `unpack_rows` wrote (row i at w_off + i·w_stride, 32 int16 per block).
     """
 
-    def generic(typingctx, qs, q_off, q_stride, wq, w_off, w_stride, scale, minimum, s_off, s_stride, nblocks,
-                xq, x_off, x_stride, xs8, xsum, a_off, a_stride, out, o_off, o_stride):
-        ip = types.intp
-        sig = types.void(qs, ip, ip, wq, ip, ip, scale, minimum, ip, ip, ip, xq, ip, ip, xs8, xsum, ip, ip,
-                         out, ip, ip)
-        kind = "q4_1" if qs.dtype == types.uint8 else "q8_0"
-        per = 2 if scale.ndim == 3 else 1  # Q6_K: a scale per 16 columns, a block's pair at twice its index
+    def state_of(arg):
+        per = 2 if arg["scale"].ndim == 3 else 1  # Q6_K: a scale per 16 columns, a block's pair at twice its index
+        return wrows, xrows, unpacked, "q4_1" if arg["qs"].dtype == types.uint8 else "q8_0", per
 
-        def codegen(context, builder, signature, args):
-            (qa, qo, qstr, wa, wo, wstr, sa, ma, so, sstr, n, xa, xo, xstr, x8a, xma, ao, astr,
-             oa, oo, ostr) = args
-            ty = dict(zip(("qs", "wq", "scale", "minimum", "xq", "xs8", "xsum", "out"),
-                          (signature.args[i] for i in (0, 3, 6, 7, 11, 14, 15, 18))))
-            c = lambda v: ir.Constant(n.type, v)  # noqa: E731
-            zero = ir.Constant(_V8F, [0.0] * 8)
-            accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(wrows)] for _ in range(xrows)]
-            block_bytes = 16 if kind == "q4_1" else 32
-
-            def at(name, arr, offset):
-                return _ptr(context, builder, ty[name], arr, offset)
-
-            def weights(i, b):
-                if unpacked:
-                    p = at("wq", wa, builder.add(builder.add(wo, builder.mul(wstr, c(i))), builder.mul(b, c(32))))
-                    return _load_vec(builder, p, _V16S, 2), _load_vec(builder, builder.gep(p, [c(16)]), _V16S, 2)
-                p = at("qs", qa, builder.add(builder.add(qo, builder.mul(qstr, c(i))), builder.mul(b, c(block_bytes))))
-                return _codes(builder, kind, p)
-
-            def acts(k, b):
-                xp = at("xq", xa, builder.add(builder.add(xo, builder.mul(xstr, c(k))), builder.mul(b, c(32))))
-                return _load_vec(builder, xp, _V16S, 2), _load_vec(builder, builder.gep(xp, [c(16)]), _V16S, 2)
-
-            def scale_of(i, b):
-                return at("scale", sa, builder.mul(builder.add(builder.add(so, builder.mul(sstr, c(i))), b), c(per)))
-
-            def weight_scale(i, b):
-                """The block's scale in every lane, or (Q6_K) its first in lanes 0..3 (columns 0..15) and its
-                second in lanes 4..7 (see the module docstring's lane order)."""
-                if per == 2:
-                    return scale_pair(builder, scale_of(i, b), _V8F)
-                return _splat8(builder, builder.load(scale_of(i, b)))
-
-            def act_scale(k, b):
-                return at("xs8", x8a, builder.mul(builder.add(builder.add(ao, builder.mul(astr, c(k))), b), c(8)))
-
-            def prefetch_ahead(b):
-                """The rows PREFETCH_ROWS ahead are contiguous: one block of each is wrows · block_bytes bytes
-                of codes and wrows floats of each scale array; ask for them a block at a time, so the
-                requests spread over the loop instead of queueing at the start of each tile."""
-                span = wrows * block_bytes
-                q = builder.add(builder.add(qo, builder.mul(qstr, c(PREFETCH_ROWS))), builder.mul(b, c(span)))
-                for off in range(0, span, 64):
-                    prefetch(builder, at("qs", qa, builder.add(q, c(off))))
-                sp = builder.add(builder.add(so, builder.mul(sstr, c(PREFETCH_ROWS))), builder.mul(b, c(wrows)))
-                prefetch(builder, at("scale", sa, builder.mul(sp, c(per))))
-                if kind == "q4_1":
-                    prefetch(builder, at("minimum", ma, sp))
-
-            def one_block(b):
-                if not unpacked:
-                    prefetch_ahead(b)
-                w = [weights(i, b) for i in range(wrows)]
-                d = [weight_scale(i, b) for i in range(wrows)]
-                for k in range(xrows):
-                    x1, x2 = acts(k, b)
-                    s = _load_vec(builder, act_scale(k, b), _V8F, 4)
-                    for i in range(wrows):
-                        prod = builder.add(_madd(builder, w[i][0], x1), _madd(builder, w[i][1], x2))
-                        f = builder.fmul(builder.sitofp(prod, _V8F), s)
-                        builder.store(_fma(builder, f, d[i], builder.load(accs[k][i])), accs[k][i])
-
-            with cgutils.for_range(builder, n) as loop:
-                one_block(loop.index)
-            mterms = _min_terms(context, builder, ty, ma, xma, so, sstr, ao, astr, wrows, xrows, n) if kind == "q4_1" else {}
-            for k in range(xrows):
-                for i in range(wrows):
-                    value = _tree_sum(builder, builder.load(accs[k][i]))
-                    if kind == "q4_1":
-                        value = builder.fadd(value, mterms[i, k])
-                    op = builder.add(builder.add(oo, builder.mul(ostr, c(k))), c(i))
-                    builder.store(value, at("out", oa, op))
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    generic.__name__ = f"avx2_tile{wrows}x{xrows}{'u' if unpacked else ''}"
-    return intrinsic(generic)
+    return tile_intrinsic(f"avx2_tile{wrows}x{xrows}{'u' if unpacked else ''}", _TILE_ARGS, state_of, _emit_tile)
 
 
-def _min_terms(context, builder, ty, ma, xma, so, sstr, ao, astr, wrows, xrows, n):
-    """{(i, k): Σ_b minimum[so + i·sstr + b] · xsum[ao + k·astr + b]} for the tile's pairs: per pair an
-    8-lane FMA chain over the blocks in order, its fixed tree, then the last n % 8 blocks one by one;
-    the pairs' chains interleaved in one loop (one pair at a time, their latency made the m terms
-    cost more than the products on 18-block rows)."""
-    c = lambda v: ir.Constant(n.type, v)  # noqa: E731
+_TILE_ARGS = ("qs", "q_off", "q_stride", "wq", "w_off", "w_stride", "scale", "minimum", "s_off", "s_stride",
+              "nblocks", "xq", "x_off", "x_stride", "xs8", "xsum", "a_off", "a_stride", "out", "o_off", "o_stride")
+
+
+def _emit_tile(t, state):
+    """`_make_tile`'s body: per block two `vpmaddwd` and the float step per pair, then the min terms."""
+    wrows, xrows, unpacked, kind, per = state
+    builder, c = t.builder, t.c
+    accs = t.accumulators(_V8F, wrows, xrows)
+    block_bytes = 16 if kind == "q4_1" else 32
+    with t.loop(t["nblocks"]) as b:
+        if not unpacked:
+            t.prefetch_ahead("qs", block_bytes, "scale", per, "minimum" if kind == "q4_1" else None, wrows, b)
+        if unpacked:
+            w = [_halves(t, t.at("wq", "w_off", "w_stride", i, b, 32)) for i in range(wrows)]
+        else:
+            w = [_codes(builder, kind, t.at("qs", "q_off", "q_stride", i, b, block_bytes)) for i in range(wrows)]
+        d = [_weight_scale(t, per, i, b) for i in range(wrows)]
+        for k in range(xrows):
+            x1, x2 = _halves(t, t.at("xq", "x_off", "x_stride", k, b, 32))
+            s = _load_vec(builder, t.ptr("xs8", builder.mul(builder.add(t.row("a_off", "a_stride", k), b), c(8))),
+                          _V8F, 4)
+            for i in range(wrows):
+                prod = builder.add(_madd(builder, w[i][0], x1), _madd(builder, w[i][1], x2))
+                f = builder.fmul(builder.sitofp(prod, _V8F), s)
+                builder.store(_fma(builder, f, d[i], builder.load(accs[k][i])), accs[k][i])
+    mterms = _min_terms(t, wrows, xrows) if kind == "q4_1" else {}
+
+    def value(k, i):
+        total = _tree_sum(builder, builder.load(accs[k][i]))
+        return builder.fadd(total, mterms[i, k]) if kind == "q4_1" else total
+
+    return t.store_outputs(wrows, xrows, value)
+
+
+def _halves(t, p):
+    """The 32 int16 at p as two <16 x i16>."""
+    return _load_vec(t.builder, p, _V16S, 2), _load_vec(t.builder, t.builder.gep(p, [t.c(16)]), _V16S, 2)
+
+
+def _weight_scale(t, per, i, b):
+    """Row i's block b scale in every lane, or (Q6_K) its first in lanes 0..3 (columns 0..15) and its second
+    in lanes 4..7 (see the module docstring's lane order)."""
+    ptr = t.ptr("scale", t.builder.mul(t.builder.add(t.row("s_off", "s_stride", i), b), t.c(per)))
+    if per == 2:
+        return scale_pair(t.builder, ptr, _V8F)
+    return _splat8(t.builder, t.builder.load(ptr))
+
+
+def _min_terms(t, wrows, xrows):
+    """{(i, k): Σ_b minimum[s_off + i·s_stride + b] · xsum[a_off + k·a_stride + b]} for the tile's pairs: per
+    pair an 8-lane FMA chain over the blocks in order, its fixed tree, then the last n % 8 blocks one by one;
+    the pairs' chains interleaved in one loop (one pair at a time, their latency made the m terms cost more
+    than the products on 18-block rows)."""
+    builder, c, n = t.builder, t.c, t["nblocks"]
     pairs = [(i, k) for k in range(xrows) for i in range(wrows)]
-    mrow = {i: builder.add(so, builder.mul(sstr, c(i))) for i in range(wrows)}
-    xrow = {k: builder.add(ao, builder.mul(astr, c(k))) for k in range(xrows)}
+    mrow = {i: t.row("s_off", "s_stride", i) for i in range(wrows)}
+    xrow = {k: t.row("a_off", "a_stride", k) for k in range(xrows)}
     vacc = {p: cgutils.alloca_once_value(builder, ir.Constant(_V8F, [0.0] * 8)) for p in pairs}
     eights = builder.sdiv(n, c(8))
-    with cgutils.for_range(builder, eights) as loop:
-        b = builder.mul(loop.index, c(8))
-        m = {i: _load_vec(builder, _ptr(context, builder, ty["minimum"], ma, builder.add(mrow[i], b)), _V8F, 4)
-             for i in range(wrows)}
-        t = {k: _load_vec(builder, _ptr(context, builder, ty["xsum"], xma, builder.add(xrow[k], b)), _V8F, 4)
-             for k in range(xrows)}
+    with t.loop(eights) as index:
+        b = builder.mul(index, c(8))
+        m = {i: _load_vec(builder, t.ptr("minimum", builder.add(mrow[i], b)), _V8F, 4) for i in range(wrows)}
+        x = {k: _load_vec(builder, t.ptr("xsum", builder.add(xrow[k], b)), _V8F, 4) for k in range(xrows)}
         for i, k in pairs:
-            builder.store(_fma(builder, m[i], t[k], builder.load(vacc[i, k])), vacc[i, k])
+            builder.store(_fma(builder, m[i], x[k], builder.load(vacc[i, k])), vacc[i, k])
     sacc = {p: cgutils.alloca_once_value(builder, _tree_sum(builder, builder.load(vacc[p]))) for p in pairs}
-    with cgutils.for_range(builder, builder.sub(n, builder.mul(eights, c(8)))) as loop:
-        b = builder.add(builder.mul(eights, c(8)), loop.index)
-        m = {i: builder.load(_ptr(context, builder, ty["minimum"], ma, builder.add(mrow[i], b))) for i in range(wrows)}
-        t = {k: builder.load(_ptr(context, builder, ty["xsum"], xma, builder.add(xrow[k], b))) for k in range(xrows)}
+    with t.loop(builder.sub(n, builder.mul(eights, c(8)))) as index:
+        b = builder.add(builder.mul(eights, c(8)), index)
+        m = {i: builder.load(t.ptr("minimum", builder.add(mrow[i], b))) for i in range(wrows)}
+        x = {k: builder.load(t.ptr("xsum", builder.add(xrow[k], b))) for k in range(xrows)}
         for i, k in pairs:
-            builder.store(_fma(builder, m[i], t[k], builder.load(sacc[i, k])), sacc[i, k])
+            builder.store(_fma(builder, m[i], x[k], builder.load(sacc[i, k])), sacc[i, k])
     return {p: builder.load(sacc[p]) for p in pairs}
 
 

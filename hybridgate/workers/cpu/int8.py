@@ -56,12 +56,11 @@ import numba as nb  # noqa: E402
 import numpy as np  # noqa: E402
 from llvmlite import ir  # noqa: E402
 from numba import prange  # noqa: E402
-from numba import types  # noqa: E402
 from numba.core import cgutils  # noqa: E402
-from numba.extending import intrinsic  # noqa: E402
 
 from hybridgate.workers.cpu.avx2 import _fma, _madd, _splat8  # noqa: E402
-from hybridgate.workers.cpu.simd import _load_vec, _ptr  # noqa: E402
+from hybridgate.workers.cpu.simd import _load_vec  # noqa: E402
+from hybridgate.workers.cpu.tilegen import tile_intrinsic  # noqa: E402
 
 ROWS = 8  # weight rows a tile interleaves: one 32-bit lane each
 SUPER = 256
@@ -120,115 +119,117 @@ def _make_tile(kind: str, xrows: int, vnni: bool = False):
     `[nblocks · 8]` (Q4_K: -dmin_r · min_rb; Q6_K: unread), wd float32 `[nblocks / 8 · 8]` d_r per super-block; xq int8 (row k at x_off + k·x_stride,
     columns in order), xs and xsum float32 per block at a_off + k·a_stride + b. nblocks: a multiple of 8.
     """
-    quads, scales = QUADS[kind], SCALES[kind]
+    sums = (_q4k_sums_vnni if vnni else _q4k_sums) if kind == "q4_k" else _q6k_sums
+    return tile_intrinsic(f"int8_{kind}_tile8x{xrows}{'_vnni' if vnni else ''}", _TILE_ARGS,
+                          lambda arg: (kind, xrows, sums), _emit_tile)
 
-    def generic(typingctx, wc, wsc, wm, wd, nblocks, xq, x_off, x_stride, xs, xsum, a_off, a_stride, out, o_off,
-                o_stride):
-        ip = types.intp
-        sig = types.void(wc, wsc, wm, wd, ip, xq, ip, ip, xs, xsum, ip, ip, out, ip, ip)
 
-        def codegen(context, builder, signature, args):
-            wca, wsa, wma, wda, n, xa, xo, xstr, xsa, xma, ao, astr, oa, oo, ostr = args
-            ty = signature.args
-            c = lambda v: ir.Constant(n.type, v)  # noqa: E731
-            zero_f = ir.Constant(_V8F, [0.0] * 8)
-            total = [cgutils.alloca_once_value(builder, zero_f) for _ in range(xrows)]
-            partial = [cgutils.alloca_once_value(builder, zero_f) for _ in range(xrows)]
-            low4 = ir.Constant(_V32B, [15] * 32)
+_TILE_ARGS = ("wc", "wsc", "wm", "wd", "nblocks", "xq", "x_off", "x_stride", "xs", "xsum", "a_off", "a_stride", "out",
+              "o_off", "o_stride")
 
-            def x_at(k, blk, column):
-                offset = builder.add(builder.add(xo, builder.mul(xstr, c(k))), builder.add(builder.mul(blk, c(32)),
-                                                                                         c(column)))
-                return _broadcast4(builder, _ptr(context, builder, ty[5], xa, offset))
 
-            def per_block(name, arr, k, blk):
-                return builder.load(_ptr(context, builder, ty[8 if name == "xs" else 9], arr,
-                                         builder.add(builder.add(ao, builder.mul(astr, c(k))), blk)))
-
-            def codes(blk, q):
-                return _load_vec(builder, _ptr(context, builder, ty[0], wca, builder.mul(
-                    builder.add(builder.mul(blk, c(quads)), c(q)), c(32))), _V32B, 1)
-
-            def scale_vec(blk, h):
-                return _load_vec(builder, _ptr(context, builder, ty[1], wsa, builder.mul(
-                    builder.add(builder.mul(blk, c(scales)), c(h)), c(16))), _V16S, 1)
-
-            def scale32(blk, h):
-                return builder.bitcast(scale_vec(blk, h), _V8I)
-
-            def q4k_sums_vnni(blk):
-                acc = [ir.Constant(_V8I, [0] * 8)] * xrows
-                acc2 = list(acc)
-                for q in range(quads):
-                    w = codes(blk, q)
-                    lo = builder.and_(w, low4)
-                    hi = builder.and_(builder.bitcast(builder.lshr(builder.bitcast(w, _V16S),
-                                                                   ir.Constant(_V16S, [4] * 16)), _V32B), low4)
-                    for k in range(xrows):  # two chains a row (low and high nibbles): vpdpbusd's latency
-                        acc[k] = _dpbusd(builder, acc[k], lo, x_at(k, blk, 4 * q))
-                        acc2[k] = _dpbusd(builder, acc2[k], hi, x_at(k, blk, 16 + 4 * q))
-                sc = scale32(blk, 0)
-                return [builder.mul(builder.add(a, a2), sc) for a, a2 in zip(acc, acc2)]
-
-            def q4k_sums(blk):
-                acc = [None] * xrows
-                for q in range(quads):
-                    w = codes(blk, q)
-                    lo = builder.and_(w, low4)
-                    hi = builder.and_(builder.bitcast(builder.lshr(builder.bitcast(w, _V16S),
-                                                                   ir.Constant(_V16S, [4] * 16)), _V32B), low4)
-                    for k in range(xrows):
-                        pair = builder.add(_maddubs(builder, lo, x_at(k, blk, 4 * q)),
-                                           _maddubs(builder, hi, x_at(k, blk, 16 + 4 * q)))
-                        acc[k] = pair if acc[k] is None else builder.add(acc[k], pair)
-                sc = scale_vec(blk, 0)
-                return [_madd(builder, a, sc) for a in acc]
-
-            def q6k_sums(blk):
-                out = [None] * xrows
-                for h in range(2):
-                    acc = [None] * xrows
-                    for q in range(4 * h, 4 * h + 4):
-                        w = codes(blk, q)
-                        magnitude = builder.select(builder.icmp_signed("<", w, ir.Constant(_V32B, [0] * 32)),
-                                                   builder.neg(w), w)
-                        for k in range(xrows):
-                            prod = _maddubs(builder, magnitude, _sign(builder, x_at(k, blk, 4 * q), w))
-                            acc[k] = prod if acc[k] is None else builder.add(acc[k], prod)
-                    sc = scale_vec(blk, h)
-                    for k in range(xrows):
-                        part = _madd(builder, acc[k], sc)
-                        out[k] = part if out[k] is None else builder.add(out[k], part)
-                return out
-
-            with cgutils.for_range(builder, builder.sdiv(n, c(8))) as sloop:
-                s = sloop.index
-                for k in range(xrows):
-                    builder.store(zero_f, partial[k])
-                with cgutils.for_range(builder, c(8)) as bloop:
-                    blk = builder.add(builder.mul(s, c(8)), bloop.index)
-                    sums = (q4k_sums_vnni if vnni else q4k_sums)(blk) if kind == "q4_k" else q6k_sums(blk)
-                    if kind == "q4_k":
-                        mins = _load_vec(builder, _ptr(context, builder, ty[2], wma, builder.mul(blk, c(8))), _V8F, 1)
-                    for k in range(xrows):
-                        xsv = _splat8(builder, per_block("xs", xsa, k, blk))
-                        builder.store(_fma(builder, builder.sitofp(sums[k], _V8F), xsv, builder.load(partial[k])),
-                                      partial[k])
-                        if kind == "q4_k":
-                            xsum = _splat8(builder, per_block("xsum", xma, k, blk))
-                            builder.store(_fma(builder, mins, xsum, builder.load(total[k])), total[k])
-                d = _load_vec(builder, _ptr(context, builder, ty[3], wda, builder.mul(s, c(8))), _V8F, 1)
-                for k in range(xrows):
-                    builder.store(_fma(builder, builder.load(partial[k]), d, builder.load(total[k])), total[k])
+def _emit_tile(t, state):
+    """`_make_tile`'s body: per block the integer sums (`sums`) and their float step, per super-block d's."""
+    kind, xrows, sums = state
+    builder, c = t.builder, t.c
+    zero_f = ir.Constant(_V8F, [0.0] * 8)
+    total = [cgutils.alloca_once_value(builder, zero_f) for _ in range(xrows)]
+    partial = [cgutils.alloca_once_value(builder, zero_f) for _ in range(xrows)]
+    with t.loop(builder.sdiv(t["nblocks"], c(8))) as s:
+        for k in range(xrows):
+            builder.store(zero_f, partial[k])
+        with t.loop(c(8)) as block:
+            blk = builder.add(builder.mul(s, c(8)), block)
+            block_sums = sums(t, xrows, blk)
+            if kind == "q4_k":
+                mins = _load_vec(builder, t.ptr("wm", builder.mul(blk, c(8))), _V8F, 1)
             for k in range(xrows):
-                dst = _ptr(context, builder, ty[12], oa, builder.add(oo, builder.mul(ostr, c(k))))
-                builder.store(builder.load(total[k]), builder.bitcast(dst, _V8F.as_pointer()), align=4)
-            return context.get_dummy_value()
+                xsv = _splat8(builder, builder.load(t.at("xs", "a_off", "a_stride", k, blk)))
+                builder.store(_fma(builder, builder.sitofp(block_sums[k], _V8F), xsv, builder.load(partial[k])),
+                              partial[k])
+                if kind == "q4_k":
+                    xsum = _splat8(builder, builder.load(t.at("xsum", "a_off", "a_stride", k, blk)))
+                    builder.store(_fma(builder, mins, xsum, builder.load(total[k])), total[k])
+        d = _load_vec(builder, t.ptr("wd", builder.mul(s, c(8))), _V8F, 1)
+        for k in range(xrows):
+            builder.store(_fma(builder, builder.load(partial[k]), d, builder.load(total[k])), total[k])
+    for k in range(xrows):
+        dst = t.ptr("out", t.row("o_off", "o_stride", k))
+        builder.store(builder.load(total[k]), builder.bitcast(dst, _V8F.as_pointer()), align=4)
+    return t.context.get_dummy_value()
 
-        return sig, codegen
 
-    generic.__name__ = f"int8_{kind}_tile8x{xrows}{'_vnni' if vnni else ''}"
-    return intrinsic(generic)
+def _x_at(t, k, blk, column):
+    """Activation row k's 4 bytes at `column` of block blk, in every 32-bit lane."""
+    b, c = t.builder, t.c
+    offset = b.add(t.row("x_off", "x_stride", k), b.add(b.mul(blk, c(32)), c(column)))
+    return _broadcast4(b, t.ptr("xq", offset))
+
+
+def _codes(t, quads, blk, q):
+    """Code vector q of block blk (32 bytes: 4 of each of the 8 rows)."""
+    b, c = t.builder, t.c
+    return _load_vec(b, t.ptr("wc", b.mul(b.add(b.mul(blk, c(quads)), c(q)), c(32))), _V32B, 1)
+
+
+def _scale_vec(t, scales, blk, h):
+    """Block blk's scale vector h: each row's sub-block scale in its two 16-bit lanes."""
+    b, c = t.builder, t.c
+    return _load_vec(b, t.ptr("wsc", b.mul(b.add(b.mul(blk, c(scales)), c(h)), c(16))), _V16S, 1)
+
+
+def _nibbles(builder, w):
+    """A code vector's (low, high) nibbles as bytes."""
+    low4 = ir.Constant(_V32B, [15] * 32)
+    high = builder.bitcast(builder.lshr(builder.bitcast(w, _V16S), ir.Constant(_V16S, [4] * 16)), _V32B)
+    return builder.and_(w, low4), builder.and_(high, low4)
+
+
+def _q4k_sums_vnni(t, xrows, blk):
+    """Q4_K block blk, per activation row: <8 x i32> sc_r · P_r by `vpdpbusd`."""
+    builder = t.builder
+    acc = [ir.Constant(_V8I, [0] * 8)] * xrows
+    acc2 = list(acc)
+    for q in range(QUADS["q4_k"]):
+        lo, hi = _nibbles(builder, _codes(t, QUADS["q4_k"], blk, q))
+        for k in range(xrows):  # two chains a row (low and high nibbles): vpdpbusd's latency
+            acc[k] = _dpbusd(builder, acc[k], lo, _x_at(t, k, blk, 4 * q))
+            acc2[k] = _dpbusd(builder, acc2[k], hi, _x_at(t, k, blk, 16 + 4 * q))
+    sc = builder.bitcast(_scale_vec(t, SCALES["q4_k"], blk, 0), _V8I)
+    return [builder.mul(builder.add(a, a2), sc) for a, a2 in zip(acc, acc2)]
+
+
+def _q4k_sums(t, xrows, blk):
+    """Q4_K block blk, per activation row: <8 x i32> sc_r · P_r by `vpmaddubsw`, int16 sums and `vpmaddwd`."""
+    builder = t.builder
+    acc = [None] * xrows
+    for q in range(QUADS["q4_k"]):
+        lo, hi = _nibbles(builder, _codes(t, QUADS["q4_k"], blk, q))
+        for k in range(xrows):
+            pair = builder.add(_maddubs(builder, lo, _x_at(t, k, blk, 4 * q)),
+                               _maddubs(builder, hi, _x_at(t, k, blk, 16 + 4 * q)))
+            acc[k] = pair if acc[k] is None else builder.add(acc[k], pair)
+    sc = _scale_vec(t, SCALES["q4_k"], blk, 0)
+    return [_madd(builder, a, sc) for a in acc]
+
+
+def _q6k_sums(t, xrows, blk):
+    """Q6_K block blk, per activation row: <8 x i32> Σ_h sc_rh · P_rh (`vpsignb`, `vpmaddubsw`, `vpmaddwd`)."""
+    builder = t.builder
+    out = [None] * xrows
+    for h in range(2):
+        acc = [None] * xrows
+        for q in range(4 * h, 4 * h + 4):
+            w = _codes(t, QUADS["q6_k"], blk, q)
+            magnitude = builder.select(builder.icmp_signed("<", w, ir.Constant(_V32B, [0] * 32)), builder.neg(w), w)
+            for k in range(xrows):
+                prod = _maddubs(builder, magnitude, _sign(builder, _x_at(t, k, blk, 4 * q), w))
+                acc[k] = prod if acc[k] is None else builder.add(acc[k], prod)
+        sc = _scale_vec(t, SCALES["q6_k"], blk, h)
+        for k in range(xrows):
+            part = _madd(builder, acc[k], sc)
+            out[k] = part if out[k] is None else builder.add(out[k], part)
+    return out
 
 
 tile_q4k, tile_q4k_1 = _make_tile("q4_k", TILE_X, VNNI), _make_tile("q4_k", 1, VNNI)

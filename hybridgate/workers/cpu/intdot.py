@@ -45,7 +45,6 @@ from llvmlite import ir  # noqa: E402
 from numba import prange  # noqa: E402
 from numba import types  # noqa: E402
 from numba.core import cgutils  # noqa: E402
-from numba.extending import intrinsic  # noqa: E402
 
 from hybridgate.workers.cpu.simd import (  # noqa: E402
     PREFETCH_ROWS,
@@ -56,6 +55,7 @@ from hybridgate.workers.cpu.simd import (  # noqa: E402
     prefetch_span,
     scale_pair,
 )
+from hybridgate.workers.cpu.tilegen import tile_intrinsic  # noqa: E402
 
 ACC_LANES = 16 if _ISA == "avx512" else 8  # float accumulator lanes: one register on each path
 XQ_MAX = 32767.0  # int16 activations stay in ±32767, so a pair product never meets vpmaddwd's one overflow
@@ -130,74 +130,65 @@ def _make_itile(wrows: int, xrows: int):
     once per row group.
     """
 
-    def generic(typingctx, qs, q_off, q_stride, scale, minimum, s_off, s_stride, nblocks,
-                xq, x_off, x_stride, xs, xsum, a_off, a_stride, out, o_off, o_stride):
-        ip = types.intp
-        sig = types.void(qs, ip, ip, scale, minimum, ip, ip, ip, xq, ip, ip, xs, xsum, ip, ip, out, ip, ip)
-        kind = "q4_1" if qs.dtype == types.uint8 else "q8_0"
-        pairs = scale.ndim == 3  # Q6_K: a scale per 16 columns, a block's pair at twice its index
+    def state_of(arg):  # Q6_K: a scale per 16 columns, a block's pair at twice its index
+        return wrows, xrows, "q4_1" if arg["qs"].dtype == types.uint8 else "q8_0", arg["scale"].ndim == 3
 
-        def codegen(context, builder, signature, args):
-            (qa, qo, qstr, sa, ma, so, sstr, n, xa, xo, xstr, xsa, xma, ao, astr, oa, oo, ostr) = args
-            ty = dict(zip(("qs", "scale", "minimum", "xq", "xs", "xsum", "out"),
-                          (signature.args[i] for i in (0, 3, 4, 8, 11, 12, 15))))
-            c = lambda v: ir.Constant(n.type, v)  # noqa: E731
-            zero = ir.Constant(_VACC, [0.0] * ACC_LANES)
-            accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(wrows)] for _ in range(xrows)]
-            block_bytes = 16 if kind == "q4_1" else 32
-            v32 = ir.VectorType(_I16, 32)
-            arrays = {"scale": sa, "minimum": ma, "xs": xsa, "xsum": xma}
+    return tile_intrinsic(f"itile{wrows}x{xrows}", _TILE_ARGS, state_of, _emit_itile)
 
-            def at(arr, base, stride, i, b):
-                return _ptr(context, builder, ty[arr], arrays[arr], builder.add(builder.add(base, builder.mul(stride, c(i))), b))
 
-            def splat_at(arr, base, stride, i, b):
-                return _splat(builder, builder.load(at(arr, base, stride, i, b)), _VACC)
+_TILE_ARGS = ("qs", "q_off", "q_stride", "scale", "minimum", "s_off", "s_stride", "nblocks", "xq", "x_off",
+              "x_stride", "xs", "xsum", "a_off", "a_stride", "out", "o_off", "o_stride")
 
-            def weight_scale(i, b):
-                if not pairs:
-                    return splat_at("scale", so, sstr, i, b)
-                block = builder.add(builder.add(so, builder.mul(sstr, c(i))), b)
-                return scale_pair(builder, _ptr(context, builder, ty["scale"], sa, builder.mul(block, c(2))), _VACC)
 
-            with cgutils.for_range(builder, n) as loop:
-                b = loop.index
-                w = [_weights_i16(context, builder, kind, ty["qs"], qa,
-                                  builder.add(builder.add(qo, builder.mul(qstr, c(i))), builder.mul(b, c(block_bytes))))
-                     for i in range(wrows)]
-                d = [weight_scale(i, b) for i in range(wrows)]
-                for k in range(xrows):
-                    xp = _ptr(context, builder, ty["xq"], xa,
-                              builder.add(builder.add(xo, builder.mul(xstr, c(k))), builder.mul(b, c(32))))
-                    xv = _load_vec(builder, xp, v32, 2)
-                    s = splat_at("xs", ao, astr, k, b)
-                    for i in range(wrows):
-                        p = builder.fmul(builder.sitofp(_pair_products(builder, w[i], xv), _VACC), s)
-                        builder.store(_fma(builder, p, d[i], builder.load(accs[k][i])), accs[k][i])
-            vxt = ir.VectorType(_F32, xrows)
-            maccs = [cgutils.alloca_once_value(builder, ir.Constant(vxt, [0.0] * xrows)) for _ in range(wrows)]
-            if kind == "q4_1":
-                with cgutils.for_range(builder, n) as loop:
-                    b = loop.index
-                    totals = ir.Constant(vxt, ir.Undefined)
-                    for k in range(xrows):
-                        totals = builder.insert_element(totals, builder.load(at("xsum", ao, astr, k, b)),
-                                                        ir.Constant(_I32, k))
-                    for i in range(wrows):
-                        m = _splat(builder, builder.load(at("minimum", so, sstr, i, b)), vxt)
-                        builder.store(_fma(builder, m, totals, builder.load(maccs[i])), maccs[i])
+def _emit_itile(t, state):
+    """`_make_itile`'s body: the pair products and float step per block, then the m term's pass."""
+    wrows, xrows, kind, pairs = state
+    builder = t.builder
+    accs = t.accumulators(_VACC, wrows, xrows)
+    block_bytes = 16 if kind == "q4_1" else 32
+    with t.loop(t["nblocks"]) as b:
+        w = [_weights_i16(t.context, builder, kind, t.types["qs"], t["qs"],
+                          t.offset("q_off", "q_stride", i, b, block_bytes)) for i in range(wrows)]
+        d = [_weight_scale(t, pairs, i, b) for i in range(wrows)]
+        for k in range(xrows):
+            xv = _load_vec(builder, t.at("xq", "x_off", "x_stride", k, b, 32), ir.VectorType(_I16, 32), 2)
+            s = _splat(builder, builder.load(t.at("xs", "a_off", "a_stride", k, b)), _VACC)
+            for i in range(wrows):
+                p = builder.fmul(builder.sitofp(_pair_products(builder, w[i], xv), _VACC), s)
+                builder.store(_fma(builder, p, d[i], builder.load(accs[k][i])), accs[k][i])
+    maccs = _min_terms(t, kind, wrows, xrows)
+
+    def value(k, i):
+        mterm = builder.extract_element(builder.load(maccs[i]), ir.Constant(_I32, k))
+        return builder.fadd(_tree_sum(builder, builder.load(accs[k][i])), mterm)
+
+    return t.store_outputs(wrows, xrows, value)
+
+
+def _weight_scale(t, pairs, i, b):
+    """Row i's block b scale in every lane, or (`pairs`, Q6_K) its two as `scale_pair` puts them."""
+    if not pairs:
+        return _splat(t.builder, t.builder.load(t.at("scale", "s_off", "s_stride", i, b)), _VACC)
+    block = t.offset("s_off", "s_stride", i, b)
+    return scale_pair(t.builder, t.ptr("scale", t.builder.mul(block, t.c(2))), _VACC)
+
+
+def _min_terms(t, kind, wrows, xrows):
+    """Per weight row i, a stack slot of <xrows x float>: lane k Σ_b m_ib · xsum_kb (Q4_1; zero for Q8_0),
+    one FMA chain in block order, vectorized across the tile's activation rows."""
+    builder = t.builder
+    vxt = ir.VectorType(_F32, xrows)
+    maccs = [cgutils.alloca_once_value(builder, ir.Constant(vxt, [0.0] * xrows)) for _ in range(wrows)]
+    if kind == "q4_1":
+        with t.loop(t["nblocks"]) as b:
+            totals = ir.Constant(vxt, ir.Undefined)
             for k in range(xrows):
-                for i in range(wrows):
-                    op = builder.add(builder.add(oo, builder.mul(ostr, c(k))), c(i))
-                    mterm = builder.extract_element(builder.load(maccs[i]), ir.Constant(_I32, k))
-                    value = builder.fadd(_tree_sum(builder, builder.load(accs[k][i])), mterm)
-                    builder.store(value, _ptr(context, builder, ty["out"], oa, op))
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    generic.__name__ = f"itile{wrows}x{xrows}"
-    return intrinsic(generic)
+                totals = builder.insert_element(totals, builder.load(t.at("xsum", "a_off", "a_stride", k, b)),
+                                                ir.Constant(_I32, k))
+            for i in range(wrows):
+                m = _splat(builder, builder.load(t.at("minimum", "s_off", "s_stride", i, b)), vxt)
+                builder.store(_fma(builder, m, totals, builder.load(maccs[i])), maccs[i])
+    return maccs
 
 
 # Weight rows × activation rows per tile: a tile's accumulators and its rows' codes stay in AVX-512's 32

@@ -86,13 +86,14 @@ def kernel(name: str):
     return getattr(importlib.import_module(f"hybridgate.workers.cpu.{module}"), function)
 
 
-def _format_row(kind: int, activations: str) -> kernel_table.KernelRow:
-    """The row of a class taking either activation format (`kernel_table.formatted`): "f32" or "i16", or
-    for "auto" the format the table gives the type on this path."""
+def _format_row(kind: int, activations: str) -> tuple:
+    """(activation format, kernel name, kernel) of the row of a class taking either activation format
+    (`kernel_table.formatted`): "f32" or "i16", or for "auto" the format the table gives the type on this path."""
     name = LAYOUTS[kind].name
     if activations == "auto":
         activations = kernel_table.choose(name, "auto", PATH).decode.split("/")[0]
-    return kernel_table.formatted(name, activations, PATH)
+    row = kernel_table.formatted(name, activations, PATH)
+    return row.decode.split("/")[0], row.kernel, kernel(row.kernel)
 
 
 class QuantMatrix:
@@ -167,8 +168,7 @@ class Q41Matrix(QuantMatrix):
 
     def __init__(self, name: str, kind: int, data: np.ndarray, shape: tuple[int, int], activations: str = "auto"):
         super().__init__(name, kind, data, shape)  # scale and minimum: unpacked by QuantMatrix
-        row = _format_row(kind, activations)
-        self.activations, self.kernel_name, self._kernel = row.decode.split("/")[0], row.kernel, kernel(row.kernel)
+        self.activations, self.kernel_name, self._kernel = _format_row(kind, activations)
         self.qs = self._nibbles()
         self.data = None
 
@@ -201,8 +201,7 @@ class Q80Matrix(QuantMatrix):
 
     def __init__(self, name: str, kind: int, data: np.ndarray, shape: tuple[int, int], activations: str = "auto"):
         super().__init__(name, kind, data, shape)  # scale: unpacked by QuantMatrix
-        row = _format_row(kind, activations)
-        self.activations, self.kernel_name, self._kernel = row.decode.split("/")[0], row.kernel, kernel(row.kernel)
+        self.activations, self.kernel_name, self._kernel = _format_row(kind, activations)
         self.minimum = self.scale  # no min: the kernels ignore it for int8 codes (one array, not two)
         self.qs = self._codes()
         self.data = None

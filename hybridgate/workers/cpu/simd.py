@@ -37,33 +37,27 @@ from numba import types  # noqa: E402
 from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
-LANES = 16
-_F32 = ir.FloatType()
-_I32 = ir.IntType(32)
-_V16F = ir.VectorType(_F32, LANES)
+from hybridgate.workers.cpu.tilegen import (  # noqa: E402, F401  (the IR helpers, re-exported for the other tiles)
+    _F32,
+    _I32,
+    _V16F,
+    _V16I32,
+    LANES,
+    PREFETCH_ROWS,
+    _fma,
+    _ivec,
+    _load_vec,
+    _ptr,
+    _splat,
+    _tree_sum,
+    prefetch,
+    prefetch_span,
+    reduce_halves,
+    tile_intrinsic,
+)
 
 
-def _ptr(context, builder, ty, value, offset):
-    """Address of element `offset` of a Numba array value."""
-    data = context.make_array(ty)(context, builder, value).data
-    return builder.gep(data, [offset])
-
-
-def _load_vec(builder, ptr, vec_ty, align):
-    return builder.load(builder.bitcast(ptr, vec_ty.as_pointer()), align=align)
-
-
-def _splat(builder, scalar):
-    vec = builder.insert_element(ir.Constant(_V16F, ir.Undefined), scalar, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_I32, LANES), [0] * LANES))
-
-
-_V16I32 = ir.VectorType(_I32, LANES)
 _V16I16 = ir.VectorType(ir.IntType(16), LANES)
-
-
-def _ivec(value):
-    return ir.Constant(_V16I32, [value] * LANES)
 
 
 def _widen_bf16(builder, bits):
@@ -150,65 +144,6 @@ def kv_encode(typingctx, x, cache):
     return sig, codegen
 
 
-def reduce_halves(builder, vec, combine):
-    """Lane 0 of vec's lanes combined down to one, `combine(lo, hi)` on its first half and its second,
-    then on the halves of that, and so on: a fixed order, whatever the vector's width."""
-    width = vec.type.count
-    while width > 1:
-        width //= 2
-        lo = builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_I32, width), list(range(width))))
-        hi = builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_I32, width), list(range(width, 2 * width))))
-        vec = combine(lo, hi)
-    return builder.extract_element(vec, ir.Constant(_I32, 0))
-
-
-def _tree_sum(builder, vec):
-    """Sum of the lanes, pairwise: (0..7 + 8..15) for 16, then halves again (fixed order)."""
-    return reduce_halves(builder, vec, builder.fadd)
-
-
-def _fma(builder, a, b, c):
-    """a * b + c on `<16 x float>`, fused (llvm.fma: one vfmadd where the target has FMA)."""
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F] * 3), "llvm.fma.v16f32")
-    return builder.call(fn, [a, b, c])
-
-
-# Weight rows are prefetched this many rows ahead of the tile reading them: a decode step streams each
-# weight matrix once from memory, and at batch 1 the hardware prefetchers alone left the kernels waiting
-# on it (measured on the default model, one thread: the Q4_1 matmuls of a step took 1.4x (AVX-512) to
-# 1.5x (AVX2) as long without; 8 and 16 rows ahead measured alike).
-PREFETCH_ROWS = 16
-
-
-def prefetch(builder, ptr):
-    """A read prefetch of the cache line at ptr into every cache level (llvm.prefetch; a hint: an address
-    past the array's end is not read and cannot fault)."""
-    i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
-                                        "llvm.prefetch.p0i8")
-    builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-
-
-@intrinsic
-def prefetch_span(typingctx, arr, offset, count):
-    """Read prefetches of the cache lines holding arr[offset : offset + count] (a contiguous 1-D
-    span of any element type; one `prefetch` per 64 bytes, a hint: addresses past the array's end
-    are not read)."""
-    sig = types.void(arr, types.intp, types.intp)
-
-    def codegen(context, builder, signature, args):
-        aa, off, cnt = args
-        i8p = ir.IntType(8).as_pointer()
-        start = builder.bitcast(_ptr(context, builder, signature.args[0], aa, off), i8p)
-        nbytes = builder.mul(cnt, ir.Constant(cnt.type, context.get_abi_sizeof(context.get_data_type(arr.dtype))))
-        lines = builder.sdiv(builder.add(nbytes, ir.Constant(cnt.type, 63)), ir.Constant(cnt.type, 64))
-        with cgutils.for_range(builder, lines) as loop:
-            prefetch(builder, builder.gep(start, [builder.mul(loop.index, ir.Constant(cnt.type, 64))]))
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
 # How one 32-column block of each weight layout becomes two <16 x float> weight vectors (columns 0..15 and
 # 16..31), keyed by the codes' dtype (and, for int8, whether the scale is one per block or one per 16
 # columns): the layout's name, its bytes per block in qs, and whether it has scales (and a min). The
@@ -280,63 +215,50 @@ def _make_tile(wrows: int, xrows: int):
     whatever the tile: per lane acc = fma(w_hi, x_hi, fma(w_lo, x_lo, acc)) over the blocks in
     order, then a fixed tree over the 16 lanes.
     """
+    return tile_intrinsic(f"tile{wrows}x{xrows}", _TILE_ARGS,
+                          lambda arg: (wrows, xrows, *tile_layout(arg["qs"], arg["scale"])), _emit_tile)
 
-    def generic(typingctx, qs, q_off, q_stride, scale, minimum, s_off, s_stride, nblocks, x, x_off, x_stride,
-                out, o_off, o_stride):
-        ip = types.intp
-        sig = types.void(qs, ip, ip, scale, minimum, ip, ip, ip, x, ip, ip, out, ip, ip)
-        layout, block_bytes = tile_layout(qs, scale)
-        per_block = 2 if layout == "q6_k" else 1  # scales per block
-        block_elems = block_bytes * 8 // qs.dtype.bitwidth
 
-        def codegen(context, builder, signature, args):
-            (qa, qo, qstr, sa, ma, so, sstr, n, xa, xo, xstr, oa, oo, ostr) = args
-            ty = signature.args
-            c = lambda v: ir.Constant(n.type, v)  # noqa: E731
-            zero = ir.Constant(_V16F, [0.0] * LANES)
-            accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(wrows)] for _ in range(xrows)]
-            with cgutils.for_range(builder, n) as loop:
-                b = loop.index
-                w = []
-                for i in range(wrows):
-                    row_q = builder.add(qo, builder.mul(qstr, c(i)))
-                    qp = _ptr(context, builder, ty[0], qa, builder.add(row_q, builder.mul(b, c(block_elems))))
-                    ahead = builder.bitcast(builder.gep(qp, [builder.mul(qstr, c(PREFETCH_ROWS))]),
-                                            ir.IntType(8).as_pointer())
-                    for line in range(0, block_bytes, 64):
-                        prefetch(builder, builder.gep(ahead, [ir.Constant(ir.IntType(64), line)]))
-                    d = m = None
-                    if layout not in _UNSCALED:
-                        sp = builder.mul(builder.add(builder.add(so, builder.mul(sstr, c(i))), b), c(per_block))
-                        prefetch(builder, _ptr(context, builder, ty[3], sa,
-                                               builder.add(sp, builder.mul(sstr, c(PREFETCH_ROWS * per_block)))))
-                        d = tuple(_splat(builder, builder.load(_ptr(context, builder, ty[3], sa,
-                                                                    builder.add(sp, c(h)))))
-                                  for h in range(per_block))
-                        d = d if layout == "q6_k" else d[0]
-                    if layout == "q4_1":
-                        ahead_s = builder.add(sp, builder.mul(sstr, c(PREFETCH_ROWS)))
-                        prefetch(builder, _ptr(context, builder, ty[4], ma, ahead_s))
-                        m = _splat(builder, builder.load(_ptr(context, builder, ty[4], ma, sp)))
-                    w.append(_block_weights(builder, layout, qp, d, m))
-                for k in range(xrows):
-                    xp = _ptr(context, builder, ty[8], xa,
-                              builder.add(builder.add(xo, builder.mul(xstr, c(k))), builder.mul(b, c(32))))
-                    x0 = _load_vec(builder, xp, _V16F, 4)
-                    x1 = _load_vec(builder, builder.gep(xp, [c(16)]), _V16F, 4)
-                    for i in range(wrows):
-                        acc = _fma(builder, w[i][0], x0, builder.load(accs[k][i]))
-                        builder.store(_fma(builder, w[i][1], x1, acc), accs[k][i])
-            for k in range(xrows):
-                for i in range(wrows):
-                    op = builder.add(builder.add(oo, builder.mul(ostr, c(k))), c(i))
-                    builder.store(_tree_sum(builder, builder.load(accs[k][i])), _ptr(context, builder, ty[11], oa, op))
-            return context.get_dummy_value()
+_TILE_ARGS = ("qs", "q_off", "q_stride", "scale", "minimum", "s_off", "s_stride", "nblocks", "x", "x_off", "x_stride",
+              "out", "o_off", "o_stride")
 
-        return sig, codegen
 
-    generic.__name__ = f"tile{wrows}x{xrows}"
-    return intrinsic(generic)
+def _emit_tile(t, state):
+    """`_make_tile`'s body: per block, each weight row's weights (`_row_weights`), then two FMAs per pair."""
+    wrows, xrows, layout, block_bytes = state
+    builder = t.builder
+    accs = t.accumulators(_V16F, wrows, xrows)
+    with t.loop(t["nblocks"]) as b:
+        w = [_row_weights(t, layout, block_bytes, i, b) for i in range(wrows)]
+        for k in range(xrows):
+            xp = t.at("x", "x_off", "x_stride", k, b, 32)
+            x0 = _load_vec(builder, xp, _V16F, 4)
+            x1 = _load_vec(builder, builder.gep(xp, [t.c(16)]), _V16F, 4)
+            for i in range(wrows):
+                acc = _fma(builder, w[i][0], x0, builder.load(accs[k][i]))
+                builder.store(_fma(builder, w[i][1], x1, acc), accs[k][i])
+    return t.store_outputs(wrows, xrows, lambda k, i: _tree_sum(builder, builder.load(accs[k][i])))
+
+
+def _row_weights(t, layout, block_bytes, i, b):
+    """Weight row i's block b → (w_lo, w_hi) (`_block_weights`), with prefetches of the row PREFETCH_ROWS
+    ahead: its codes, scales and mins."""
+    builder, c = t.builder, t.c
+    per_block = 2 if layout == "q6_k" else 1  # scales per block
+    qp = t.at("qs", "q_off", "q_stride", i, b, block_bytes * 8 // t.types["qs"].dtype.bitwidth)
+    ahead = builder.bitcast(builder.gep(qp, [builder.mul(t["q_stride"], c(PREFETCH_ROWS))]), ir.IntType(8).as_pointer())
+    for line in range(0, block_bytes, 64):
+        prefetch(builder, builder.gep(ahead, [ir.Constant(ir.IntType(64), line)]))
+    d = m = None
+    if layout not in _UNSCALED:
+        sp = builder.mul(builder.add(t.row("s_off", "s_stride", i), b), c(per_block))
+        prefetch(builder, t.ptr("scale", builder.add(sp, builder.mul(t["s_stride"], c(PREFETCH_ROWS * per_block)))))
+        d = tuple(_splat(builder, builder.load(t.ptr("scale", builder.add(sp, c(h))))) for h in range(per_block))
+        d = d if layout == "q6_k" else d[0]
+    if layout == "q4_1":
+        prefetch(builder, t.ptr("minimum", builder.add(sp, builder.mul(t["s_stride"], c(PREFETCH_ROWS)))))
+        m = _splat(builder, builder.load(t.ptr("minimum", sp)))
+    return _block_weights(builder, layout, qp, d, m)
 
 
 TILE_W, TILE_X = 4, 4  # weight rows x activation rows per tile
@@ -419,6 +341,47 @@ def _vexp(builder, x):
     return builder.fmul(y, two_n)
 
 
+def softmax_ir(context, builder, ty, scores, base, lo, n):
+    """The IR of `softmax_weights` (lo None) and `attention.softmax_window` (lanes before lo masked too) over
+    scores (a float32 array of Numba type ty) at base, n slots: returns the sum of the weights."""
+    c = lambda v: ir.Constant(n.type, v)  # noqa: E731
+    v16i = ir.VectorType(n.type, LANES)
+    lanes = ir.Constant(v16i, list(range(LANES)))
+    chunks = builder.sdiv(builder.add(n, c(LANES - 1)), c(LANES))
+
+    def splat_int(value):
+        return builder.shuffle_vector(
+            builder.insert_element(ir.Constant(v16i, ir.Undefined), value, ir.Constant(_I32, 0)),
+            ir.Constant(v16i, ir.Undefined), ir.Constant(ir.VectorType(_I32, LANES), [0] * LANES))
+
+    def chunk(index):
+        ptr = _ptr(context, builder, ty, scores, builder.add(base, builder.mul(index, c(LANES))))
+        start = builder.mul(index, c(LANES))
+        below = builder.icmp_signed("<", lanes, splat_int(builder.sub(n, start)))
+        if lo is None:
+            return ptr, below
+        return ptr, builder.and_(below, builder.icmp_signed(">=", lanes, splat_int(builder.sub(lo, start))))
+
+    neg_inf = ir.Constant(_V16F, [float("-inf")] * LANES)
+    top = cgutils.alloca_once_value(builder, neg_inf)
+    with cgutils.for_range(builder, chunks) as loop:
+        ptr, mask = chunk(loop.index)
+        v = builder.select(mask, _load_vec(builder, ptr, _V16F, 4), neg_inf)
+        old = builder.load(top)
+        builder.store(builder.select(builder.fcmp_ordered(">", v, old), v, old), top)
+    # max is exact: any order gives the same value
+    peak = _splat(builder, reduce_halves(builder, builder.load(top),
+                                         lambda a, b: builder.select(builder.fcmp_ordered(">", a, b), a, b)))
+    total = cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * LANES))
+    with cgutils.for_range(builder, chunks) as loop:
+        ptr, mask = chunk(loop.index)
+        e = _vexp(builder, builder.fsub(_load_vec(builder, ptr, _V16F, 4), peak))
+        e = builder.select(mask, e, ir.Constant(_V16F, [0.0] * LANES))
+        builder.store(e, builder.bitcast(ptr, _V16F.as_pointer()), align=4)
+        builder.store(builder.fadd(builder.load(total), e), total)
+    return _tree_sum(builder, builder.load(total))
+
+
 @intrinsic
 def softmax_weights(typingctx, scores, base, n):
     """In place over scores[base : base + n] (float32): e^(s - max), and return their sum.
@@ -431,40 +394,7 @@ def softmax_weights(typingctx, scores, base, n):
 
     def codegen(context, builder, signature, args):
         sa, bo, nn = args
-        ty = signature.args[0]
-        c = lambda v: ir.Constant(nn.type, v)  # noqa: E731
-        v16i = ir.VectorType(nn.type, LANES)
-        lanes = ir.Constant(v16i, list(range(LANES)))
-        chunks = builder.sdiv(builder.add(nn, c(LANES - 1)), c(LANES))
-
-        def chunk(index):
-            ptr = _ptr(context, builder, ty, sa, builder.add(bo, builder.mul(index, c(LANES))))
-            start = builder.mul(index, c(LANES))
-            left = builder.sub(nn, start)
-            splat_left = builder.shuffle_vector(
-                builder.insert_element(ir.Constant(v16i, ir.Undefined), left, ir.Constant(_I32, 0)),
-                ir.Constant(v16i, ir.Undefined), ir.Constant(ir.VectorType(_I32, LANES), [0] * LANES))
-            mask = builder.icmp_signed("<", lanes, splat_left)
-            return ptr, mask
-
-        neg_inf = ir.Constant(_V16F, [float("-inf")] * LANES)
-        top = cgutils.alloca_once_value(builder, neg_inf)
-        with cgutils.for_range(builder, chunks) as loop:
-            ptr, mask = chunk(loop.index)
-            v = builder.select(mask, _load_vec(builder, ptr, _V16F, 4), neg_inf)
-            old = builder.load(top)
-            builder.store(builder.select(builder.fcmp_ordered(">", v, old), v, old), top)
-        # max is exact: any order gives the same value
-        peak = _splat(builder, reduce_halves(builder, builder.load(top),
-                                             lambda lo, hi: builder.select(builder.fcmp_ordered(">", lo, hi), lo, hi)))
-        total = cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * LANES))
-        with cgutils.for_range(builder, chunks) as loop:
-            ptr, mask = chunk(loop.index)
-            e = _vexp(builder, builder.fsub(_load_vec(builder, ptr, _V16F, 4), peak))
-            e = builder.select(mask, e, ir.Constant(_V16F, [0.0] * LANES))
-            builder.store(e, builder.bitcast(ptr, _V16F.as_pointer()), align=4)
-            builder.store(builder.fadd(builder.load(total), e), total)
-        return _tree_sum(builder, builder.load(total))
+        return softmax_ir(context, builder, signature.args[0], sa, bo, None, nn)
 
     return sig, codegen
 

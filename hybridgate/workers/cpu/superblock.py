@@ -70,19 +70,18 @@ from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
 from hybridgate.workers.cpu import simd  # noqa: E402
-from hybridgate.workers.cpu.avx2 import (  # noqa: E402
-    GEMV_W,
-    UNPACK_MIN,
-    _codes,
-    _fma,
-    _madd,
-    _splat8,
+from hybridgate.workers.cpu.avx2 import GEMV_W, UNPACK_MIN, _codes, _fma, _madd, _splat8  # noqa: E402
+from hybridgate.workers.cpu.simd import PREFETCH_ROWS, X_TILE, _load_vec, _ptr, _tree_sum, prefetch_span  # noqa: E402
+from hybridgate.workers.cpu.superpack import (  # noqa: E402, F401  (re-exported: the weights' repacking)
+    SUPER,
+    pack_q6k,
+    q5k_codes,
+    split_q6k,
+    split_scales,
+    unpack_q6k,
 )
-from hybridgate.workers.cpu.blocks import LAYOUTS, Q5_K, _f16, _k4_scales  # noqa: E402
-from hybridgate.workers.cpu.kquant import CODES  # noqa: E402
-from hybridgate.workers.cpu.simd import PREFETCH_ROWS, X_TILE, _load_vec, _ptr, _tree_sum, prefetch, prefetch_span  # noqa: E402
+from hybridgate.workers.cpu.tilegen import tile_intrinsic  # noqa: E402
 
-SUPER = 256  # columns per super-block: one activation scale, one float step
 BLOCKS = SUPER // 32  # sub-blocks per super-block
 XQ_MAX = 32767.0
 _TARGET = isa.selected()
@@ -134,60 +133,6 @@ KINDS = {(types.uint8, types.uint8): Kind("q4_k", 16, 1, 15 * 63, True),
 # reads its weights once, so bytes are time. The avx512 path widens them in a few ops (`_block_codes`); the
 # avx2 path keeps int8 codes (its even/odd lanes would need another bit order: not done).
 Q6K_PACKED = WIDE
-
-
-def split_scales(kind: int, data: np.ndarray, shape: tuple[int, int]) -> tuple[np.ndarray, ...]:
-    """A Q4_K or Q5_K weight's GGUF bytes uint8 `[rows, row_bytes]` → (sc uint8 `[rows, cols / 32]`, the 6-bit
-    sub-block scales; d float32 `[rows, cols / 256]`; ndmin float32 `[rows, cols / 256]`, -dmin; mins uint8
-    `[rows, cols / 32]`, the 6-bit sub-block mins: w = d·sc_b·c + ndmin·min_b)."""
-    rows, cols = shape
-    blocks = np.ascontiguousarray(data).reshape(rows, cols // SUPER, LAYOUTS[kind].nbytes)
-    sc, m = _k4_scales(blocks[:, :, 4:16])
-    return (np.ascontiguousarray(sc.reshape(rows, -1)).astype(np.uint8), _f16(blocks, 0), -_f16(blocks, 2),
-            np.ascontiguousarray(m.reshape(rows, -1)).astype(np.uint8))
-
-
-def q5k_codes(data: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
-    """A Q5_K weight's codes 0..31 int8 `[rows, cols]` in column order (low nibbles and the 5th bits of
-    ggml's layout, `kquant.CODES`)."""
-    rows, cols = shape
-    blocks = np.ascontiguousarray(data).reshape(rows, cols // SUPER, LAYOUTS[Q5_K].nbytes)
-    return np.ascontiguousarray(CODES[Q5_K][0](blocks)).astype(np.int8).reshape(shape)
-
-
-def split_q6k(data: np.ndarray, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A Q6_K weight's GGUF bytes uint8 `[rows, row_bytes]` → (codes c - 32 int8 `[rows, cols]` in column
-    order, sc int8 `[rows, cols / 16]` (the signed sub-block scales), d float32 `[rows, cols / 256]`)."""
-    rows, cols = shape
-    blocks = np.ascontiguousarray(data).reshape(rows, cols // SUPER, 210)
-    ql = blocks[:, :, :128].reshape(rows, -1, 2, 64)  # per 128 columns: ql[64], then qh[32]
-    qh = blocks[:, :, 128:192].reshape(rows, -1, 2, 32)
-    lo, hi = ql[..., :32], ql[..., 32:]  # low nibbles: columns l, l + 32; high: l + 64, l + 96
-    codes = np.concatenate([(lo & 15) | ((qh & 3) << 4), (hi & 15) | (((qh >> 2) & 3) << 4),
-                            (lo >> 4) | (((qh >> 4) & 3) << 4), (hi >> 4) | (((qh >> 6) & 3) << 4)], axis=-1)
-    sc = np.ascontiguousarray(blocks[:, :, 192:208].view(np.int8).reshape(rows, -1))
-    return (codes.astype(np.int8) - np.int8(32)).reshape(shape), sc, _f16(blocks, 208)
-
-
-def pack_q6k(codes: np.ndarray) -> np.ndarray:
-    """Q6_K codes c - 32 int8 `[rows, cols]` in column order (`split_q6k`) → uint8 `[rows, cols · 3 / 4]`: per
-    32-column block 16 bytes of the codes' low 4 bits (byte j: column j low, j + 16 high, Q4_1's order) and 8
-    of their top 2 (byte p: columns p, p + 8, p + 16 and p + 24 at bits 0, 2, 4 and 6)."""
-    rows, cols = codes.shape
-    c = (codes.astype(np.int16) + 32).astype(np.uint8).reshape(rows, cols // 32, 32)
-    low = c & 15
-    high = (c >> 4).reshape(rows, cols // 32, 4, 8)
-    top = high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)
-    return np.ascontiguousarray(np.concatenate([low[:, :, :16] | (low[:, :, 16:] << 4), top], axis=2).reshape(rows, -1))
-
-
-def unpack_q6k(qs: np.ndarray) -> np.ndarray:
-    """`pack_q6k`'s bytes uint8 `[n, cols · 3 / 4]` → the codes c - 32 int8 `[n, cols]`."""
-    blocks = qs.reshape(qs.shape[0], -1, 24)
-    nibbles, top = blocks[:, :, :16], blocks[:, :, 16:]
-    low = np.concatenate([nibbles & 15, nibbles >> 4], axis=2)
-    high = np.concatenate([(top >> (2 * t)) & 3 for t in range(4)], axis=2)
-    return ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8).reshape(qs.shape[0], -1)
 
 
 def _widen(builder, ptr):
@@ -286,123 +231,108 @@ def _make_tile(wrows: int, xrows: int, unpacked: bool):
     row i at w_off + i·w_stride, 32 int16 per block). nblocks: a multiple of 8.
     """
 
-    def generic(typingctx, qs, q_off, q_stride, wq, w_off, w_stride, sc, d, ndmin, mins, s_off, s_stride, nblocks,
-                xq, x_off, x_stride, xs, xsum, a_off, a_stride, out, o_off, o_stride):
-        ip = types.intp
-        sig = types.void(qs, ip, ip, wq, ip, ip, sc, d, ndmin, mins, ip, ip, ip, xq, ip, ip, xs, xsum, ip, ip, out,
-                         ip, ip)
-        kind = KINDS[qs.dtype, sc.dtype]
+    def state_of(arg):
+        kind = KINDS[arg["qs"].dtype, arg["sc"].dtype]
         if kind.has_min and kind.step != BLOCKS:  # the min term's step is a super-block
             raise TypeError(f"a weight type with a min term steps by {BLOCKS} blocks, got {kind.step}")
+        return wrows, xrows, unpacked, kind
 
-        def codegen(context, builder, signature, args):
-            (qa, qo, qstr, wa, wo, wstr, sca, da, nda, ma, so, sstr, n, xa, xo, xstr, xsa, xma, ao, astr,
-             oa, oo, ostr) = args
-            ty = dict(zip(("qs", "wq", "sc", "d", "ndmin", "mins", "xq", "xs", "xsum", "out"),
-                          (signature.args[i] for i in (0, 3, 6, 7, 8, 9, 13, 16, 17, 20))))
-            c = lambda v: ir.Constant(n.type, v)  # noqa: E731
-            facc = [[cgutils.alloca_once_value(builder, ir.Constant(_VF, [0.0] * LANES)) for _ in range(wrows)]
-                    for _ in range(xrows)]
-            iacc = [[cgutils.alloca_once(builder, _VI) for _ in range(wrows)] for _ in range(xrows)]
-            eight, step = c(BLOCKS), c(kind.step)
+    return tile_intrinsic(f"superblock_tile{wrows}x{xrows}{'u' if unpacked else ''}", _TILE_ARGS, state_of,
+                          _emit_tile)
 
-            def at(name, arr, offset):
-                return _ptr(context, builder, ty[name], arr, offset)
 
-            def srow(i):
-                return builder.add(so, builder.mul(sstr, c(i)))
+_TILE_ARGS = ("qs", "q_off", "q_stride", "wq", "w_off", "w_stride", "sc", "d", "ndmin", "mins", "s_off", "s_stride",
+              "nblocks", "xq", "x_off", "x_stride", "xs", "xsum", "a_off", "a_stride", "out", "o_off", "o_stride")
 
-            def halves(p):  # 32 int16 at p: avx2's (even, odd) pair of vectors, avx512's one
-                if WIDE:
-                    return (_load_vec(builder, p, _V32S, 2),)
-                return _load_vec(builder, p, _V16S, 2), _load_vec(builder, builder.gep(p, [c(16)]), _V16S, 2)
 
-            def scale_at(i, b):
-                return at("sc", sca, builder.mul(builder.add(srow(i), b), c(kind.scales)))
+def _emit_tile(t, state):
+    """`_make_tile`'s body: per step of `Kind.step` blocks the integer sums (`_block_sums`), then the float step."""
+    wrows, xrows, unpacked, kind = state
+    builder, c = t.builder, t.c
+    facc = t.accumulators(_VF, wrows, xrows)
+    iacc = [[cgutils.alloca_once(builder, _VI) for _ in range(wrows)] for _ in range(xrows)]
+    step = c(kind.step)
+    with t.loop(builder.sdiv(t["nblocks"], step)) as index:
+        s = builder.sdiv(index, c(BLOCKS // kind.step))  # the step's super-block
+        for k in range(xrows):
+            for i in range(wrows):
+                builder.store(ir.Constant(_VI, [0] * LANES), iacc[k][i])
+        with t.loop(step) as block:
+            _block_sums(t, kind, unpacked, wrows, xrows, iacc, builder.add(builder.mul(index, step), block))
+        _float_step(t, kind, wrows, xrows, iacc, facc, s)
+    return t.store_outputs(wrows, xrows, lambda k, i: _tree_sum(builder, builder.load(facc[k][i])))
 
-            def weights(i, b):
-                if unpacked:
-                    return halves(at("wq", wa, builder.add(builder.add(wo, builder.mul(wstr, c(i))),
-                                                           builder.mul(b, c(32)))))
-                codes = at("qs", qa, builder.add(builder.add(qo, builder.mul(qstr, c(i))), builder.mul(b, c(kind.code_bytes))))
-                return _scaled_codes(builder, kind, codes, scale_at(i, b)) if WIDE else _block_codes(builder, kind, codes)
 
-            def acts(k, b):
-                return halves(at("xq", xa, builder.add(builder.add(xo, builder.mul(xstr, c(k))), builder.mul(b, c(32)))))
+def _halves(t, p):
+    """32 int16 at p: avx2's (even, odd) pair of vectors, avx512's one."""
+    if WIDE:
+        return (_load_vec(t.builder, p, _V32S, 2),)
+    return _load_vec(t.builder, p, _V16S, 2), _load_vec(t.builder, t.builder.gep(p, [t.c(16)]), _V16S, 2)
 
-            def prefetch_ahead(b):
-                """One block of each of the wrows rows PREFETCH_ROWS ahead (contiguous: wrows blocks of codes),
-                and their sub-block scales and mins, a block at a time (as `avx2`'s tiles)."""
-                span = kind.code_bytes * wrows
-                q = builder.add(builder.add(qo, builder.mul(qstr, c(PREFETCH_ROWS))), builder.mul(b, c(span)))
-                for off in range(0, span, 64):
-                    prefetch(builder, at("qs", qa, builder.add(q, c(off))))
-                sp = builder.add(builder.add(so, builder.mul(sstr, c(PREFETCH_ROWS))), builder.mul(b, c(wrows)))
-                prefetch(builder, at("sc", sca, builder.mul(sp, c(kind.scales))))
-                if kind.has_min:
-                    prefetch(builder, at("mins", ma, sp))
 
-            def one_block(b):
-                if not unpacked:
-                    prefetch_ahead(b)
-                w = [weights(i, b) for i in range(wrows)]
-                if WIDE:  # the codes already times sc: one dot per pair
-                    for k in range(xrows):
-                        (x1,) = acts(k, b)
-                        for i in range(wrows):
-                            builder.store(_dot(builder, builder.load(iacc[k][i]), w[i][0], x1), iacc[k][i])
-                    return
-                scales = [] if unpacked else [_scale_lanes(builder, kind, scale_at(i, b), _V8I, _I32)
-                                              for i in range(wrows)]
-                for k in range(xrows):
-                    x1, x2 = acts(k, b)
-                    for i in range(wrows):
-                        acc = builder.load(iacc[k][i])
-                        if unpacked:
-                            acc = builder.add(builder.add(acc, _madd(builder, w[i][0], x1)), _madd(builder, w[i][1], x2))
-                        else:
-                            prod = builder.add(_madd(builder, w[i][0], x1), _madd(builder, w[i][1], x2))
-                            acc = builder.add(acc, builder.mul(prod, scales[i]))
-                        builder.store(acc, iacc[k][i])
+def _sc_at(t, kind, i, b):
+    """Address of row i's block b sub-block scale(s)."""
+    return t.ptr("sc", t.builder.mul(t.builder.add(t.row("s_off", "s_stride", i), b), t.c(kind.scales)))
 
-            with cgutils.for_range(builder, builder.sdiv(n, step)) as sloop:
-                t = sloop.index
-                s = builder.sdiv(t, c(BLOCKS // kind.step))  # the step's super-block
-                for k in range(xrows):
-                    for i in range(wrows):
-                        builder.store(ir.Constant(_VI, [0] * LANES), iacc[k][i])
-                with cgutils.for_range(builder, step) as bloop:
-                    one_block(builder.add(builder.mul(t, step), bloop.index))
-                sb = [builder.add(builder.sdiv(srow(i), eight), s) for i in range(wrows)]
-                dvec = [_splat(builder, builder.load(at("d", da, sb[i]))) for i in range(wrows)]
-                if kind.has_min:  # each row's 8 mins of the super-block, -dmin·min_b as gguf rounds it
-                    first = builder.mul(s, eight)
-                    mvec = []
-                    for i in range(wrows):
-                        raw = _load_vec(builder, at("mins", ma, builder.add(srow(i), first)), _V8B, 1)
-                        ndmin = _splat8(builder, builder.load(at("ndmin", nda, sb[i])))
-                        mvec.append(_to_lanes(builder, builder.fmul(builder.uitofp(raw, _V8F), ndmin)))
-                for k in range(xrows):
-                    xrow = builder.add(ao, builder.mul(astr, c(k)))
-                    xsv = _splat(builder, builder.load(at("xs", xsa, builder.add(builder.sdiv(xrow, eight), s))))
-                    if kind.has_min:  # the blocks' xs·Σ xq
-                        xsum8 = _to_lanes(builder, _load_vec(builder, at("xsum", xma, builder.add(xrow, first)), _V8F, 4))
-                    for i in range(wrows):
-                        f = builder.fmul(builder.sitofp(builder.load(iacc[k][i]), _VF), xsv)
-                        acc = _fma_f(builder, f, dvec[i], builder.load(facc[k][i]))
-                        if kind.has_min:
-                            acc = _fma_f(builder, mvec[i], xsum8, acc)
-                        builder.store(acc, facc[k][i])
-            for k in range(xrows):
-                for i in range(wrows):
-                    value = _tree_sum(builder, builder.load(facc[k][i]))
-                    builder.store(value, at("out", oa, builder.add(builder.add(oo, builder.mul(ostr, c(k))), c(i))))
-            return context.get_dummy_value()
 
-        return sig, codegen
+def _weights(t, kind, unpacked, i, b):
+    """Row i's block b codes: from the scratch (`unpack_rows`), or widened here (avx512: times sc too)."""
+    if unpacked:
+        return _halves(t, t.at("wq", "w_off", "w_stride", i, b, 32))
+    codes = t.at("qs", "q_off", "q_stride", i, b, kind.code_bytes)
+    return _scaled_codes(t.builder, kind, codes, _sc_at(t, kind, i, b)) if WIDE else _block_codes(t.builder, kind, codes)
 
-    generic.__name__ = f"superblock_tile{wrows}x{xrows}{'u' if unpacked else ''}"
-    return intrinsic(generic)
+
+def _block_sums(t, kind, unpacked, wrows, xrows, iacc, b):
+    """Block b's integer products added into iacc[k][i] (avx512: one `_dot` a pair; avx2: two `vpmaddwd`,
+    times sc unless the codes are unpacked)."""
+    builder = t.builder
+    if not unpacked:
+        t.prefetch_ahead("qs", kind.code_bytes, "sc", kind.scales, "mins" if kind.has_min else None, wrows, b)
+    w = [_weights(t, kind, unpacked, i, b) for i in range(wrows)]
+    if WIDE:  # the codes already times sc: one dot per pair
+        for k in range(xrows):
+            (x1,) = _halves(t, t.at("xq", "x_off", "x_stride", k, b, 32))
+            for i in range(wrows):
+                builder.store(_dot(builder, builder.load(iacc[k][i]), w[i][0], x1), iacc[k][i])
+        return
+    scales = [] if unpacked else [_scale_lanes(builder, kind, _sc_at(t, kind, i, b), _V8I, _I32) for i in range(wrows)]
+    for k in range(xrows):
+        x1, x2 = _halves(t, t.at("xq", "x_off", "x_stride", k, b, 32))
+        for i in range(wrows):
+            acc = builder.load(iacc[k][i])
+            if unpacked:
+                acc = builder.add(builder.add(acc, _madd(builder, w[i][0], x1)), _madd(builder, w[i][1], x2))
+            else:
+                prod = builder.add(_madd(builder, w[i][0], x1), _madd(builder, w[i][1], x2))
+                acc = builder.add(acc, builder.mul(prod, scales[i]))
+            builder.store(acc, iacc[k][i])
+
+
+def _float_step(t, kind, wrows, xrows, iacc, facc, s):
+    """facc[k][i] += float(iacc[k][i]) · xs_k · d_i, and (Q4_K, Q5_K) the min term of super-block s."""
+    builder, c = t.builder, t.c
+    eight = c(BLOCKS)
+    sb = [builder.add(builder.sdiv(t.row("s_off", "s_stride", i), eight), s) for i in range(wrows)]
+    dvec = [_splat(builder, builder.load(t.ptr("d", sb[i]))) for i in range(wrows)]
+    if kind.has_min:  # each row's 8 mins of the super-block, -dmin·min_b as gguf rounds it
+        first = builder.mul(s, eight)
+        mvec = []
+        for i in range(wrows):
+            raw = _load_vec(builder, t.ptr("mins", builder.add(t.row("s_off", "s_stride", i), first)), _V8B, 1)
+            ndmin = _splat8(builder, builder.load(t.ptr("ndmin", sb[i])))
+            mvec.append(_to_lanes(builder, builder.fmul(builder.uitofp(raw, _V8F), ndmin)))
+    for k in range(xrows):
+        xrow = t.row("a_off", "a_stride", k)
+        xsv = _splat(builder, builder.load(t.ptr("xs", builder.add(builder.sdiv(xrow, eight), s))))
+        if kind.has_min:  # the blocks' xs·Σ xq
+            xsum8 = _to_lanes(builder, _load_vec(builder, t.ptr("xsum", builder.add(xrow, first)), _V8F, 4))
+        for i in range(wrows):
+            f = builder.fmul(builder.sitofp(builder.load(iacc[k][i]), _VF), xsv)
+            acc = _fma_f(builder, f, dvec[i], builder.load(facc[k][i]))
+            if kind.has_min:
+                acc = _fma_f(builder, mvec[i], xsum8, acc)
+            builder.store(acc, facc[k][i])
 
 
 @intrinsic
