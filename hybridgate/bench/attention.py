@@ -123,6 +123,7 @@ class _AttentionOnly:
         self.attention_scale = head_dim**-0.5
         self.attn_softcap = 0.0
         self.layer_windows = (0,)
+        self.attention_sinks = ()  # no per-head sinks (gpt-oss has them; the kernels benched here do not)
 
 
 def run_case(batch: int, context: int, q_len: int, args, device: torch.device, dtype: torch.dtype,
