@@ -17,7 +17,7 @@ import pytest
 import torch
 import triton
 
-from hybridgate.workers.gpu.kernels.fused import (GELU_TANH, ROTATE_HALVES, ROTATE_PAIRS, SILU, act_mul,
+from hybridgate.workers.gpu.kernels.fused import (GELU_TANH, ROTATE_HALVES, ROTATE_PAIRS, SILU, SWIGLU_OAI, act_mul,
                                                   add_rms_norm, rope)
 
 DEVICE = torch.device("cpu" if triton.knobs.runtime.interpret else "cuda")
@@ -120,6 +120,9 @@ def ref_act(gate_up: torch.Tensor, act: int, dtype) -> torch.Tensor:
     g, u = gate_up.double().chunk(2, dim=-1)
     if act == SILU:
         a = g / (1 + torch.exp(-g))
+    elif act == SWIGLU_OAI:  # transformers' GptOssExperts: gate clamped above at 7, up to [-7, 7], plus 1
+        g = g.clamp(max=7.0)
+        a, u = g * torch.sigmoid(1.702 * g), u.clamp(-7.0, 7.0) + 1
     else:
         a = 0.5 * g * (1 + torch.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g**3)))
     return rounded(rounded(a, dtype) * u, dtype)
@@ -127,7 +130,7 @@ def ref_act(gate_up: torch.Tensor, act: int, dtype) -> torch.Tensor:
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # exp(100) is inf: the interpreter's numpy says so
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("act", [SILU, GELU_TANH])
+@pytest.mark.parametrize("act", [SILU, GELU_TANH, SWIGLU_OAI])
 def test_act_mul(dtype, act):
     gate_up = randn(4, 2 * 1100, dtype=dtype) * 4  # 1100 columns: two column blocks, the second ragged
     gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -1e-4])  # saturated, zero, tiny: tanh's edges

@@ -38,9 +38,11 @@ def bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int, scale: fl
     return (2 * dot + ctx * u) * vmax + UNIT[out_dtype] * vmax + 1e-30
 
 
-def run_step(entries, heads, kv_heads, head_dim, dtype=torch.float32, window=0, cap=0.0, splits=1, seed=0):
+def run_step(entries, heads, kv_heads, head_dim, dtype=torch.float32, window=0, cap=0.0, splits=1, seed=0,
+             sinks=None):
     """entries: (context after the step, new tokens) per sequence. Writes the new tokens' K/V with `write_kv`
-    into a cache of shuffled blocks, then checks `paged_attention` against `causal_sdpa` per sequence."""
+    into a cache of shuffled blocks, then checks `paged_attention` against `causal_sdpa` per sequence
+    (sinks: float32 `[heads]` attention sinks on both sides, or None)."""
     g = torch.Generator().manual_seed(seed)
     blocks = sum(-(-ctx // BLOCK) for ctx, _ in entries) + 2
     kc = torch.randn(blocks * BLOCK, kv_heads, head_dim, generator=g).to(dtype)
@@ -74,11 +76,12 @@ def run_step(entries, heads, kv_heads, head_dim, dtype=torch.float32, window=0, 
     out = paged_attention(q.to(DEVICE), kc, vc, table, torch.tensor([c for c, _ in entries], dtype=torch.int32,
                           device=DEVICE), torch.tensor(starts, dtype=torch.int32, device=DEVICE),
                           max(n for _, n in entries), BLOCK, scale, cap, window, splits,
-                          dot_fp32=DEVICE.type == "cpu").cpu()
+                          dot_fp32=DEVICE.type == "cpu", sinks=None if sinks is None else sinks.to(DEVICE)).cpu()
     kf, vf, qf = expect_k.float(), expect_v.float(), q.float()
     for i, ((ctx, n), t) in enumerate(zip(entries, tables)):
         context = (torch.tensor(t)[:, None] * BLOCK + torch.arange(BLOCK)).reshape(-1)[:ctx]
-        ref = causal_sdpa(qf[starts[i] : starts[i + 1]], kf[context], vf[context], ctx - n, window, scale, cap)
+        ref = causal_sdpa(qf[starts[i] : starts[i + 1]], kf[context], vf[context], ctx - n, window, scale, cap,
+                          sinks)
         got = out[starts[i] : starts[i + 1]].float()
         limit = bound(qf, kf[context], vf[context], ctx, scale, dtype)
         assert (got - ref).abs().max().item() <= limit, (i, ctx, n, (got - ref).abs().max().item(), limit)
@@ -115,6 +118,18 @@ def test_sliding_windows(window, splits):
 @pytest.mark.parametrize("cap", [0.0, 50.0, 5.0])
 def test_softcap(cap):
     run_step(DECODES[1:] + CHUNKS, heads=4, kv_heads=1, head_dim=64, cap=cap, window=8 if cap == 5.0 else 0)
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_attention_sinks(splits):
+    # gpt-oss: one logit per head that takes softmax weight and carries no value. Sinks from well below to
+    # well above the scores (the latter leave almost nothing for the keys), with a window so that some
+    # queries see few keys, GQA 2, and the split-KV path, whose combine must count each sink once.
+    sinks = torch.tensor([-30.0, -1.0, 0.5, 6.0])
+    run_step(DECODES + CHUNKS + PREFILLS[:1], heads=4, kv_heads=2, head_dim=64, window=BLOCK + 3, splits=splits,
+             seed=11, sinks=sinks)
+    with pytest.raises(ValueError, match=r"sinks must be \[heads\]"):
+        run_step(DECODES[:1], heads=4, kv_heads=2, head_dim=64, sinks=sinks[:2])
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -35,13 +35,16 @@ from hybridgate.workers.gpu.layers import causal_sdpa, layer_sinks, sdpa, window
 
 
 class PagedKVCache:
-    """K and V slots for every layer on `device`."""
+    """K and V slots for every layer on `device`, and each layer's attention sinks (float32 `[heads]`, or
+    None per layer when the model has none), made once here: a captured CUDA graph may copy nothing from
+    the host."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype):
         self.config, self.num_blocks, self.block_size = config, num_blocks, block_size
         shape = (num_blocks * block_size, config.num_kv_heads, config.head_dim)
         self.k = [torch.empty(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
         self.v = [torch.empty(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
+        self.sinks = [layer_sinks(config, layer, device) for layer in range(config.num_layers)]
 
     @staticmethod
     def block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -76,18 +79,14 @@ class PagedStep:
 ATTENTION_KINDS = ("auto", "triton", "reference")
 
 
-def attention_kind(setting: str, device: torch.device, sinks: bool = False) -> str:
-    """"triton" or "reference" for `--gpu-attention` `setting` on `device` (see the module doc); a model with
-    attention sinks (gpt-oss) runs the reference path, the kernels having no sink yet.
+def attention_kind(setting: str, device: torch.device) -> str:
+    """"triton" or "reference" for `--gpu-attention` `setting` on `device` (see the module doc).
 
-    Raises ValueError naming the setting: an unknown value, `triton` on a device Triton cannot run
-    on (a CPU device without `TRITON_INTERPRET=1`, or triton not installed) or for a model with sinks."""
+    Raises ValueError naming the setting: an unknown value, or `triton` on a device Triton cannot run
+    on (a CPU device without `TRITON_INTERPRET=1`, or triton not installed)."""
     if setting not in ATTENTION_KINDS:
         raise ValueError(f"--gpu-attention must be one of {', '.join(ATTENTION_KINDS)}, got {setting!r}")
-    if setting == "triton" and sinks:
-        raise ValueError("--gpu-attention triton: the Triton kernels have no attention sinks (this model's "
-                         "attn_sinks); use auto or reference")
-    if setting == "reference" or (setting == "auto" and (device.type != "cuda" or sinks)):
+    if setting == "reference" or (setting == "auto" and device.type != "cuda"):
         return "reference"
     try:
         import triton
@@ -138,8 +137,8 @@ def num_splits_for(num_seqs: int, max_q_len: int, kv_heads: int, device: torch.d
 
 class KernelAttention:
     """The Triton path: per layer, one launch writes the step's K/V to their slots and one reads the
-    cache in place through the block table (`kernels.attention`), with the config's window, scale and
-    softcap. Same call as `PagedAttention`."""
+    cache in place through the block table (`kernels.attention`), with the config's window, scale,
+    softcap and attention sinks. Same call as `PagedAttention`."""
 
     def __init__(self, cache: PagedKVCache, step: KernelStep):
         from hybridgate.workers.gpu.kernels import attention as kernels
@@ -153,7 +152,7 @@ class KernelAttention:
         return self._kernels.paged_attention(q, kc, vc, step.block_tables, step.seq_lens, step.q_starts,
                                              step.max_q_len, self.cache.block_size, c.attention_scale,
                                              c.attn_softcap, c.layer_windows[layer], step.num_splits,
-                                             dot_fp32=self._dot_fp32)
+                                             dot_fp32=self._dot_fp32, sinks=self.cache.sinks[layer])
 
 
 class PagedAttention:
@@ -168,7 +167,7 @@ class PagedAttention:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kc, vc, step, c = self.cache.k[layer], self.cache.v[layer], self.step, self.cache.config
         window = c.layer_windows[layer]
-        self._sinks = layer_sinks(c, layer, q.device)
+        self._sinks = self.cache.sinks[layer]
         kc.index_copy_(0, step.slots, k)
         vc.index_copy_(0, step.slots, v)
         if step.decode_rows is not None and not step.prefills and step.decode_rows.shape[0] == q.shape[0]:

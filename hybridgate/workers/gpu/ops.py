@@ -64,7 +64,8 @@ class FusedOps:
         self.eps, self._kernels = config.rms_norm_eps, fused
         layouts = {RopeLayout.PAIRS: fused.ROTATE_PAIRS, RopeLayout.HALVES: fused.ROTATE_HALVES}
         self._layout = layouts[config.rope_layout]
-        self._act = {Activation.SILU: fused.SILU, Activation.GELU_TANH: fused.GELU_TANH}[config.arch.activation]
+        self._act = {Activation.SILU: fused.SILU, Activation.GELU_TANH: fused.GELU_TANH,
+                     Activation.SWIGLU_OAI: fused.SWIGLU_OAI}[config.arch.activation]
 
     def add_norm(self, x, residual, weight, post_weight=None):
         return self._kernels.add_rms_norm(x, residual, weight, self.eps, post_weight)

@@ -89,7 +89,7 @@ class TorchRunner:
         (`DecoderModel`). Raises ValueError naming the flags when the cache would not hold one block, or
         an asked `max_model_len`."""
         dev = device or default_device()
-        self.attention = attention_kind(attention, dev, bool(model.config.attention_sinks))  # "triton" | "reference"
+        self.attention = attention_kind(attention, dev)  # "triton" | "reference"
         # The Triton path fuses the layer's norms, RoPE and activation too; the reference path is all eager.
         self.model = DecoderModel(model, dev, dtype, load, fused=self.attention == "triton")
         self.vocab_size = model.config.vocab_size

@@ -12,7 +12,11 @@ tile, so one `tl.dot` serves the group, as vLLM's unified Triton attention packs
 a sequence with `ctx` keys after this step sits at position `ctx - q_len + i` and sees keys
 `max(0, pos - window + 1) .. pos` (window 0: from 0; llama.cpp's standard sliding window); only the
 tiles of that range are read, each tile `TILE` keys (several blocks, each looked up in the table). Scores are `scale * q.k`, then `cap * tanh(scores / cap)` with a softcap
-(Gemma 2), then the mask and the softmax, in float32.
+(Gemma 2), then the mask and the softmax, in float32. With attention sinks (gpt-oss: one learned logit per
+query head, `sinks` float32 `[heads]`), each head's softmax takes its sink as one more logit that has no
+value (weights `exp(s_j) / (sum_j exp(s_j) + exp(sink))`): the online softmax starts from the sink as its
+running max with a sum of 1 instead of from -inf and 0 (in the split-KV path, split 0 only, so the combine
+counts it once); a query that sees no key then gets a zero output, as the reference's softmax gives.
 
 Split-KV (flash-decoding, Dao et al. 2023, "Flash-Decoding for long-context inference"): with
 `num_splits > 1` each (sequence, KV head) program pair reads one of `num_splits` equal runs of the
@@ -62,11 +66,11 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 @triton.jit
 def _attention(q_ptr, kc_ptr, vc_ptr, out_ptr, part_ptr, stat_ptr, tables_ptr, seq_lens_ptr, q_starts_ptr,
-               scale, cap, window, q_stride_t, q_stride_h, o_stride_t, o_stride_h, kv_stride_slot, kv_stride_h,
-               table_stride, num_heads,
+               sinks_ptr, scale, cap, window, q_stride_t, q_stride_h, o_stride_t, o_stride_h, kv_stride_slot,
+               kv_stride_h, table_stride, num_heads,
                Q_PER_KV: tl.constexpr, Q_PER_KV_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                TILE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SOFTCAP: tl.constexpr,
-               WINDOW: tl.constexpr, DOT_FP32: tl.constexpr):
+               WINDOW: tl.constexpr, DOT_FP32: tl.constexpr, SINKS: tl.constexpr):
     seq = tl.program_id(0)
     qblock = tl.program_id(1)
     kv_head = tl.program_id(2) // NUM_SPLITS
@@ -100,6 +104,10 @@ def _attention(q_ptr, kc_ptr, vc_ptr, out_ptr, part_ptr, stat_ptr, tables_ptr, s
         end = tl.minimum(last, begin + per)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
+        if SINKS:
+            if split == 0:  # the sink is one more logit of weight exp(sink - max) and no value: start from it
+                m_i = tl.load(sinks_ptr + head, mask=row_ok, other=float("-inf")).to(tl.float32)
+                l_i = tl.where(row_ok, 1.0, 0.0)
         acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
         offs = tl.arange(0, TILE)
         table = tables_ptr + seq.to(tl.int64) * table_stride
@@ -166,7 +174,7 @@ def _combine(part_ptr, stat_ptr, out_ptr, o_stride_t, o_stride_h, num_heads, NUM
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, q_starts: torch.Tensor, max_q_len: int, block_size: int, scale: float,
                     softcap: float = 0.0, window: int = 0, num_splits: int = 1, dot_fp32: bool = False,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of a packed step's queries over the paged cache (see the module doc).
 
     q `[num_tokens, heads, head_dim]`, each sequence's tokens contiguous and in order; caches
@@ -174,14 +182,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     `[num_seqs]` (keys after this step, its own tokens included: they must be written first);
     q_starts int32 `[num_seqs + 1]` (first row of each sequence, then num_tokens); max_q_len: the most
     query tokens of one sequence (1 for a decode-only step). num_splits: split-KV runs (a power of two;
-    1: none). Returns `out` (or a new tensor) `[num_tokens, heads, head_dim]` in q's dtype.
+    1: none). sinks: float32 `[heads]` attention sinks on q's device, or None. Returns `out` (or a new
+    tensor) `[num_tokens, heads, head_dim]` in q's dtype.
 
-    Raises ValueError when heads is not a multiple of kv_heads or num_splits is not a power of two.
+    Raises ValueError when heads is not a multiple of kv_heads, num_splits is not a power of two, or sinks
+    is not `[heads]`.
     """
     num_tokens, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     if heads % kv_heads:
         raise ValueError(f"query heads ({heads}) must be a multiple of KV heads ({kv_heads})")
+    if sinks is not None and tuple(sinks.shape) != (heads,):
+        raise ValueError(f"sinks must be [heads] = [{heads}], got {list(sinks.shape)}")
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     out = torch.empty_like(q) if out is None else out
@@ -199,12 +211,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         stat = torch.empty((num_tokens, heads, num_splits, 2), device=q.device, dtype=torch.float32)
     tile = max(block_size, 64 if head_dim <= 128 else 32)  # keys per step; K and V tiles stay in registers
     grid = (seq_lens.shape[0], triton.cdiv(max_q_len, block_q), kv_heads * num_splits)
-    _attention[grid](q, k_cache, v_cache, out, part, stat, block_tables, seq_lens, q_starts, scale,
+    _attention[grid](q, k_cache, v_cache, out, part, stat, block_tables, seq_lens, q_starts,
+                     sinks.float() if sinks is not None else seq_lens, scale,
                      float(softcap or 1.0), int(window), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                      k_cache.stride(0), k_cache.stride(1), block_tables.stride(0), heads,
                      Q_PER_KV=q_per_kv, Q_PER_KV_PAD=group, BLOCK_Q=block_q, BLOCK_SIZE=block_size, TILE=tile,
                      HEAD_DIM=head_dim, DIM_PAD=dim_pad, NUM_SPLITS=num_splits, SOFTCAP=bool(softcap),
-                     WINDOW=bool(window), DOT_FP32=dot_fp32)
+                     WINDOW=bool(window), DOT_FP32=dot_fp32, SINKS=sinks is not None)
     if num_splits > 1:
         _combine[(num_tokens, heads)](part, stat, out, out.stride(0), out.stride(1), heads, NUM_SPLITS=num_splits,
                                       HEAD_DIM=head_dim, DIM_PAD=dim_pad)

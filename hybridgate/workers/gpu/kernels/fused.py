@@ -27,8 +27,10 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridgate.models.architectures import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
+
 ROTATE_PAIRS, ROTATE_HALVES = 0, 1  # `LAYOUT` of `_rope`
-SILU, GELU_TANH = 0, 1  # `ACT` of `_act_mul`
+SILU, GELU_TANH, SWIGLU_OAI = 0, 1, 2  # `ACT` of `_act_mul`
 
 
 def _bf16_rne(dtype: torch.dtype) -> bool:
@@ -178,8 +180,8 @@ def rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: int, no
 
 
 @triton.jit
-def _act_mul(x_ptr, out_ptr, tokens, ffn, x_stride, out_stride, ACT: tl.constexpr, ROWS: tl.constexpr,
-             BLOCK: tl.constexpr, BF16_RNE: tl.constexpr):
+def _act_mul(x_ptr, out_ptr, tokens, ffn, x_stride, out_stride, limit, alpha, ACT: tl.constexpr,
+             ROWS: tl.constexpr, BLOCK: tl.constexpr, BF16_RNE: tl.constexpr):
     t = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
     cols = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
     ok = (t < tokens) & (cols < ffn)
@@ -187,6 +189,10 @@ def _act_mul(x_ptr, out_ptr, tokens, ffn, x_stride, out_stride, ACT: tl.constexp
     up = tl.load(x_ptr + t * x_stride + ffn + cols, mask=ok, other=0.0).to(tl.float32)
     if ACT == 0:  # SiLU: x * sigmoid(x)
         a = gate / (1.0 + tl.exp(-gate))
+    elif ACT == 2:  # gpt-oss: g = min(gate, limit); (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g)
+        g = tl.minimum(gate, limit)
+        a = g / (1.0 + tl.exp(-alpha * g))
+        up = tl.minimum(tl.maximum(up, -limit), limit) + 1.0
     else:  # GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
         y = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
         a = 0.5 * gate * (2.0 - 2.0 / (tl.exp(2.0 * y) + 1.0))  # 1 + tanh(y), exp overflow giving 2
@@ -196,8 +202,9 @@ def _act_mul(x_ptr, out_ptr, tokens, ffn, x_stride, out_stride, ACT: tl.constexp
 
 def act_mul(gate_up: torch.Tensor, act: int) -> torch.Tensor:
     """`act(gate) * up` `[tokens, ffn]` of gate_up `[tokens, 2 * ffn]` (gate columns, then up), one launch;
-    act `SILU` or `GELU_TANH`. The activation is rounded to the dtype before the product, as the eager
-    `F.silu(gate) * up` rounds it. Raises ValueError on an odd width."""
+    act `SILU`, `GELU_TANH` or `SWIGLU_OAI` (gpt-oss's clamped SwiGLU, `layers.swiglu_oai`, with its limit
+    and alpha). The activation is rounded to the dtype before the product, as the eager `F.silu(gate) * up`
+    rounds it. Raises ValueError on an odd width."""
     gate_up = _rows(gate_up, "gate_up")
     tokens, width = gate_up.shape
     if width % 2:
@@ -208,6 +215,7 @@ def act_mul(gate_up: torch.Tensor, act: int) -> torch.Tensor:
     if tokens:
         rows = _rows_per_program(tokens)
         _act_mul[(triton.cdiv(tokens, rows), triton.cdiv(ffn, block))](
-            gate_up, out, tokens, ffn, gate_up.stride(0), out.stride(0), ACT=act, ROWS=rows, BLOCK=block,
+            gate_up, out, tokens, ffn, gate_up.stride(0), out.stride(0), SWIGLU_OAI_LIMIT, SWIGLU_OAI_ALPHA,
+            ACT=act, ROWS=rows, BLOCK=block,
             BF16_RNE=_bf16_rne(out.dtype))
     return out
