@@ -28,6 +28,13 @@ QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
 # Qwen3.5's: letters take their combining marks along.
 QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
                 r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# o200k_base (tiktoken; the tokenizer.json of openai/gpt-oss-20b), as llama.cpp quotes it for `gpt-4o`: letter runs
+# split before an upper-case letter that follows lower-case ones, contractions (any case) kept with their word,
+# combining marks with their letters, digits in runs of up to three, and `/` or line breaks after punctuation.
+_CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+" + _CONTRACTIONS
+               + r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*" + _CONTRACTIONS
+               + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 # Gemma 4 (llama.cpp's LLAMA_VOCAB_PRE_TYPE_GEMMA4): runs of newlines and runs of anything else, no word split.
 NEWLINE_RUNS = r"[^\n]+|\n+"
 # DeepSeek LLM's tokenizer.json (deepseek-ai/deepseek-llm-7b-base), as llama.cpp copies it; written with
@@ -107,6 +114,8 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "falcon": PreTokenizer((Split(r"[\p{P}\$\+<=>\^~\|`]+"), Split(GPT2_SPLIT), Split("[0-9][0-9][0-9]"))),
     # bigcode/starcoder, SmolLM, Refact, Command-R: every digit alone, then GPT-2's split.
     "starcoder": PreTokenizer((Digits(individual=True), Split(GPT2_SPLIT))),
+    # gpt-oss, Llama 4: o200k_base's split; llama.cpp sets no `ignore_merges` for it.
+    "gpt-4o": PreTokenizer((Split(GPT4O_SPLIT),)),
     # The split of `tokenizer.ggml.model = gemma4` (whatever the file's `tokenizer.ggml.pre`): llama.cpp takes a run
     # of newlines that is a token whole; the merges of Gemma 4's vocabulary reach each of those tokens anyway
     # (tests/unit/test_tokenizer_conformance.py), so BPE runs on every piece. BOS is forced on (llama.cpp PR 21500).
@@ -124,6 +133,8 @@ PRE_TOKENIZER_NAMES: dict[str, str] = {
     "deepseek-coder": "deepseek-coder",
     "falcon": "falcon",
     "starcoder": "starcoder", "smollm": "starcoder", "refact": "starcoder", "command-r": "starcoder",
+    # minimax-m2 is a type of its own in llama.cpp, with the same regex and flags.
+    "gpt-4o": "gpt-4o", "llama4": "gpt-4o", "kanana2": "gpt-4o", "talkie": "gpt-4o", "minimax-m2": "gpt-4o",
     "gemma4": "gemma4", "granite-embed-multi-311m": "gemma4",
 }
 

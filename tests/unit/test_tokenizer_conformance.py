@@ -87,7 +87,7 @@ def test_unknown_pre_tokenizer_is_refused_with_the_supported_names():
     with pytest.raises(ModelLoadError, match=r"tokenizer.ggml.pre 'bloom' is not supported") as info:
         Tokenizer(_tiny_bpe(**{"tokenizer.ggml.pre": "bloom"}))
     for name in ("default", "gpt-2", "llama-bpe", "qwen2", "deepseek-llm", "deepseek-coder", "falcon", "starcoder",
-                 "refact", "command-r", "mpt", "smollm", "gpt2", "gemma4"):
+                 "refact", "command-r", "mpt", "smollm", "gpt2", "gpt-4o", "llama4", "gemma4"):
         assert f"'{name}'" in str(info.value)
 
 
