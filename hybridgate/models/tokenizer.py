@@ -103,9 +103,10 @@ def _vocab(tokens: list[str]) -> dict[str, int]:
 
 
 def _file_merges(meta: dict[str, Any]) -> list[tuple[str, str]]:
-    """`tokenizer.ggml.merges`, each cut at its first space after the first character (as llama.cpp reads them)."""
+    """`tokenizer.ggml.merges`, each cut at its first space after the first character, as llama.cpp reads them (one
+    without such a space merges nothing there, and is left out here)."""
     cuts = ((m, m.find(" ", 1)) for m in meta["tokenizer.ggml.merges"])
-    return [(m[:cut], m[cut + 1:]) for m, cut in cuts]
+    return [(m[:cut], m[cut + 1:]) for m, cut in cuts if cut > 0]
 
 
 def _bpe(meta: dict[str, Any], tokens: list[str], types: list[int], pre: str | None = None) -> _Parts:
