@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 import testdata
 from conftest import golden_json
 from hybridgate.models import ModelLoadError, Tokenizer, read_metadata
+from hybridgate.models.pretokenizers import pre_tokenizer
 
 # Vocabulary file -> the strings of its stop tokens: EOS and the end-of-turn tokens of each model's
 # published generation config / chat template (Llama 3: <|eot_id|>; Qwen: <|im_end|>; Phi-3: <|end|>; Gemma 4:
@@ -185,6 +186,12 @@ def test_gemma4_ignores_the_files_pre_and_space_prefix_and_always_adds_bos(gemma
     cases = testdata.vocab_cases("gemma-4")[:20]
     assert [tok.encode(text, special_tokens=False) for text, _ in cases] == [ids for _, ids in cases]
     assert tok.add_bos_token and tok.encode_prompt("Hi") == [2, *tok.encode("Hi")]
+
+
+def test_gemma4_pre_tokenizer_names_are_llama_cpps():
+    # llama.cpp's src/llama-vocab.cpp: both names set LLAMA_VOCAB_PRE_TYPE_GEMMA4 (raw UTF-8, spaces escaped).
+    assert pre_tokenizer("granite-embed-multi-311m") is pre_tokenizer("gemma4")
+    assert not pre_tokenizer("gemma4").byte_encode and pre_tokenizer("gemma4").bos_always
 
 
 def test_gemma4_turn_ends_are_control_tokens(gemma4):
