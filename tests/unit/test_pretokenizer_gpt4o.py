@@ -10,9 +10,13 @@ must load, encode as worked out by hand below, and give any text back.
 
 from __future__ import annotations
 
+import functools
+
 import gguf
 import pytest
 import regex
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tokenizers import pre_tokenizers
 
 import testdata
@@ -44,8 +48,14 @@ SHAPES = [
 ]
 
 
+@functools.cache
+def _built() -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizer("gpt-4o").build()
+
+
 def _pieces(text: str) -> list[str]:
-    return [text[a:b] for _, (a, b) in pre_tokenizer("gpt-4o").build().pre_tokenize_str(text)]
+    """The pre-tokenizer's pieces as spans of `text` (its offsets count characters)."""
+    return [text[a:b] for _, (a, b) in _built().pre_tokenize_str(text)]
 
 
 def _bpe_inp_strings() -> list[str]:
@@ -61,9 +71,20 @@ def _bpe_inp_strings() -> list[str]:
 def test_split_equals_o200k_regex(llama_vocab_dir):
     corpus = [*TOKENIZER_CORPUS, *SHAPES, *_bpe_inp_strings()]
     assert len(corpus) >= 500
-    wrong = [(t, _pieces(t), regex.findall(O200K_PATTERN, t)) for t in corpus
-             if _pieces(t) != regex.findall(O200K_PATTERN, t)]
+    split = [(t, _pieces(t), regex.findall(O200K_PATTERN, t)) for t in corpus]
+    wrong = [case for case in split if case[1] != case[2]]
     assert not wrong, f"{len(wrong)}/{len(corpus)} differ, first: {wrong[0]}"
+
+
+# Characters unassigned in this Python's Unicode tables (`unicodedata`) are left out: there the regex module and
+# Oniguruma (the `tokenizers` library's engine) read different Unicode versions. A sweep of every code point in
+# five contexts found the two splits apart on 17,559 code points, each unassigned in Unicode 14 (Python 3.11's);
+# the additions of Unicode 15 and 16 tried (Kawi, CJK Extensions H and I, Kirat Rai, Ol Onal) split alike, CJK
+# Extension J (Unicode 17) does not.
+@given(text=st.text(st.characters(blacklist_categories=("Cs", "Cn")), max_size=40))
+@settings(max_examples=500)
+def test_any_text_splits_as_o200k_regex(text):
+    assert _pieces(text) == regex.findall(O200K_PATTERN, text)
 
 
 def test_split_shapes_worked_by_hand():
