@@ -22,8 +22,8 @@ from hybridgate.models.tokenizer import Tokenizer
 from hybridgate.wire import PoolingType
 
 # The names llama.cpp writes in `tokenizer.ggml.model`, said in words (src/llama-vocab.cpp).
-TOKENIZER_MODELS = {"gpt2": "byte-level BPE", "llama": "SentencePiece", "bert": "WordPiece", "t5": "Unigram",
-                    "rwkv": "RWKV", "plamo2": "PLaMo-2", "none": "no vocabulary"}
+TOKENIZER_MODELS = {"gpt2": "byte-level BPE", "llama": "SentencePiece", "gemma4": "SentencePiece-style BPE",
+                    "bert": "WordPiece", "t5": "Unigram", "rwkv": "RWKV", "plamo2": "PLaMo-2", "none": "no vocabulary"}
 
 
 @dataclass(frozen=True)

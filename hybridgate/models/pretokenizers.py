@@ -1,12 +1,14 @@
-"""Pre-tokenizers of byte-level BPE vocabularies: `tokenizer.ggml.pre` name -> split rules.
+"""Pre-tokenizers of BPE vocabularies: `tokenizer.ggml.pre` name -> split rules.
 
 llama.cpp maps each `tokenizer.ggml.pre` name to a list of regexes
 (`llm_tokenizer_bpe` in llama.cpp's src/llama-vocab.cpp), copied from the
 `pre_tokenizer` of each model's published tokenizer.json. This table holds
 those published pre-tokenizers as data: a sequence of steps, each one a
-component of the `tokenizers` library, always followed by the byte-level
-mapping (`ByteLevel(use_regex=False)`, GPT-2's bytes-to-unicode alphabet).
-Names that llama.cpp maps to the same rules share an entry (`PRE_TOKENIZER_NAMES`).
+component of the `tokenizers` library, followed by the byte-level mapping
+(`ByteLevel(use_regex=False)`, GPT-2's bytes-to-unicode alphabet) unless the
+entry merges raw UTF-8 (llama.cpp's `byte_encode = false`: Gemma 4's
+SentencePiece-style BPE). Names that llama.cpp maps to the same rules share an
+entry (`PRE_TOKENIZER_NAMES`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,15 @@ QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
 # Qwen3.5's: letters take their combining marks along.
 QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
                 r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# o200k_base (tiktoken; the tokenizer.json of openai/gpt-oss-20b), as llama.cpp quotes it for `gpt-4o`: letter runs
+# split before an upper-case letter that follows lower-case ones, contractions (any case) kept with their word,
+# combining marks with their letters, digits in runs of up to three, and `/` or line breaks after punctuation.
+_CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+" + _CONTRACTIONS
+               + r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*" + _CONTRACTIONS
+               + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Gemma 4 (llama.cpp's LLAMA_VOCAB_PRE_TYPE_GEMMA4): runs of newlines and runs of anything else, no word split.
+NEWLINE_RUNS = r"[^\n]+|\n+"
 # DeepSeek LLM's tokenizer.json (deepseek-ai/deepseek-llm-7b-base), as llama.cpp copies it; written with
 # escapes because several of its code points (U+1FD3, U+2126, U+212A, ...) change under NFC normalization.
 DEEPSEEK_LLM_LETTERS = (
@@ -68,16 +79,22 @@ class Digits:
 
 @dataclass(frozen=True)
 class PreTokenizer:
-    """The split steps of one family, applied in order, then the byte-level alphabet."""
+    """The split steps of one family, applied in order, then the byte-level alphabet (when `byte_encode`)."""
 
     steps: tuple[Split | Digits, ...]
     ignore_merges: bool = False  # a whole piece that is a token is taken as is (Llama 3's BPE `ignore_merges`)
     add_bos: bool = False  # llama.cpp's default for `tokenizer.ggml.add_bos_token` when the file has none
+    # False: merges run on raw UTF-8, a space is written `▁` and a character outside the vocabulary falls back
+    # to `<0xNN>` byte tokens, as in SentencePiece (llama.cpp's `byte_encode = false` with `escape_whitespaces`)
+    byte_encode: bool = True
+    bos_always: bool = False  # BOS even where the file's `add_bos_token` is false (llama.cpp's Gemma 4 override)
 
     def build(self) -> pre_tokenizers.PreTokenizer:
-        """A `tokenizers` pre-tokenizer: the steps, then `ByteLevel` without a regex of its own."""
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-        return pre_tokenizers.Sequence([s.build() for s in self.steps] + [byte_level])
+        """A `tokenizers` pre-tokenizer: the steps, then `ByteLevel` without a regex of its own (if `byte_encode`)."""
+        steps = [s.build() for s in self.steps]
+        if self.byte_encode:
+            steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
+        return pre_tokenizers.Sequence(steps)
 
 
 GPT2 = PreTokenizer((Split(GPT2_SPLIT),))
@@ -97,6 +114,12 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "falcon": PreTokenizer((Split(r"[\p{P}\$\+<=>\^~\|`]+"), Split(GPT2_SPLIT), Split("[0-9][0-9][0-9]"))),
     # bigcode/starcoder, SmolLM, Refact, Command-R: every digit alone, then GPT-2's split.
     "starcoder": PreTokenizer((Digits(individual=True), Split(GPT2_SPLIT))),
+    # gpt-oss, Llama 4: o200k_base's split; llama.cpp sets no `ignore_merges` for it.
+    "gpt-4o": PreTokenizer((Split(GPT4O_SPLIT),)),
+    # The split of `tokenizer.ggml.model = gemma4` (whatever the file's `tokenizer.ggml.pre`): llama.cpp takes a run
+    # of newlines that is a token whole; the merges of Gemma 4's vocabulary reach each of those tokens anyway
+    # (tests/unit/test_tokenizer_conformance.py), so BPE runs on every piece. BOS is forced on (llama.cpp PR 21500).
+    "gemma4": PreTokenizer((Split(NEWLINE_RUNS),), add_bos=True, byte_encode=False, bos_always=True),
 }
 
 # Every accepted name -> its entry in PRE_TOKENIZERS (llama.cpp's aliases of the same rules).
@@ -110,6 +133,9 @@ PRE_TOKENIZER_NAMES: dict[str, str] = {
     "deepseek-coder": "deepseek-coder",
     "falcon": "falcon",
     "starcoder": "starcoder", "smollm": "starcoder", "refact": "starcoder", "command-r": "starcoder",
+    # minimax-m2 is a type of its own in llama.cpp, with the same regex and flags.
+    "gpt-4o": "gpt-4o", "llama4": "gpt-4o", "kanana2": "gpt-4o", "talkie": "gpt-4o", "minimax-m2": "gpt-4o",
+    "gemma4": "gemma4", "granite-embed-multi-311m": "gemma4",
 }
 
 

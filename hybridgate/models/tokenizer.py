@@ -15,8 +15,12 @@ kind (llama.cpp, src/llama-vocab.cpp, `llama_vocab::impl::load`):
   the text and every fragment after a special token). Gemma's files differ
   (`SPM_VARIANTS`): runs of spaces are stored as spaces and merges follow the
   file's token order, not the scores (transformers' `gemma_tokenizer`).
-- `gemma4`: the same SentencePiece-style text steps over a BPE vocabulary
-  whose merges the file lists (llama.cpp's `gemma4` tokenizer model).
+- `gemma4`: BPE with the file's merges, spelled as SentencePiece spells it
+  (llama.cpp's `gemma4` model: BPE with the `gemma4` pre-tokenizer, whatever
+  `tokenizer.ggml.pre` says): a space becomes `▁` (no space prefix: llama.cpp's
+  BPE path ignores `add_space_prefix`), the text splits into runs of newlines
+  and runs of the rest, merges run on UTF-8 characters, a character outside
+  the vocabulary becomes its `<0xNN>` byte tokens, and BOS is always added.
 
 Anything else is refused with `ModelLoadError`.
 """
@@ -40,8 +44,10 @@ log = logging.getLogger("hybridgate.models")
 # llama.cpp's token types (llama_token_type in gguf-py's constants).
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 SPACE = "\u2581"  # SentencePiece's space symbol
-# Control tokens that end a turn in the chat templates of the families served (llama.cpp's EOG list).
-END_OF_TURN_TOKENS = ("<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|im_end|>", "<|end|>")
+# Tokens that end a turn in the chat templates of the families served (from llama.cpp's EOG list, which makes each
+# one a control token whatever its type in the file: Gemma 4's `<|tool_response>` is user-defined there).
+END_OF_TURN_TOKENS = ("<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|im_end|>", "<|end|>", "<turn|>",
+                      "<|tool_response>")
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,7 @@ class _Parts:
     vocab: set[str]
     add_bos: bool  # llama.cpp's default when the file has no `tokenizer.ggml.add_bos_token`
     strips_space: bool = False  # decode drops the text's leading space (SentencePiece with a space prefix)
+    bos_always: bool = False  # BOS whatever the file's `add_bos_token` says
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -95,13 +102,21 @@ def _vocab(tokens: list[str]) -> dict[str, int]:
     return vocab
 
 
-def _byte_level(meta: dict[str, Any], tokens: list[str], types: list[int]) -> _Parts:
-    """`gpt2`: byte-level BPE with the file's merges and the pre-tokenizer `tokenizer.ggml.pre` names.
+def _file_merges(meta: dict[str, Any]) -> list[tuple[str, str]]:
+    """`tokenizer.ggml.merges`, each cut at its first space after the first character, as llama.cpp reads them (one
+    without such a space merges nothing there, and is left out here)."""
+    cuts = ((m, m.find(" ", 1)) for m in meta["tokenizer.ggml.merges"])
+    return [(m[:cut], m[cut + 1:]) for m, cut in cuts if cut > 0]
 
-    A file without `tokenizer.ggml.pre` gets llama.cpp's choice, `default` (it warns of degraded output).
+
+def _bpe(meta: dict[str, Any], tokens: list[str], types: list[int], pre: str | None = None) -> _Parts:
+    """BPE with the file's merges, split by the pre-tokenizer `tokenizer.ggml.pre` names, or by `pre` (the one
+    the tokenizer model implies, whatever the file says: `gemma4`).
+
+    A `gpt2` file without `tokenizer.ggml.pre` gets llama.cpp's choice, `default` (it warns of degraded output).
     """
-    name = meta.get("tokenizer.ggml.pre", "default")
-    if "tokenizer.ggml.pre" not in meta:
+    name = pre or meta.get("tokenizer.ggml.pre", "default")
+    if name == "default" and "tokenizer.ggml.pre" not in meta:
         log.warning("GGUF has no tokenizer.ggml.pre: using llama.cpp's 'default' pre-tokenizer (regenerate the file "
                     "with a current convert_hf_to_gguf.py for its model's own)")
     if name not in PRE_TOKENIZER_NAMES:
@@ -112,9 +127,13 @@ def _byte_level(meta: dict[str, Any], tokens: list[str], types: list[int]) -> _P
     vocab = _vocab(tokens)
 
     def model() -> models.Model:
-        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-        return models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False, ignore_merges=rules.ignore_merges)
+        return models.BPE(vocab, _file_merges(meta), fuse_unk=False, byte_fallback=not rules.byte_encode,
+                          ignore_merges=rules.ignore_merges)
 
+    if not rules.byte_encode:  # SentencePiece's spelling: `▁` for a space, `<0xNN>` byte tokens, no space prefix
+        decode = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+        return _Parts(model, normalizers.Replace(" ", SPACE), rules.build(), decode, _token_bytes_spm(tokens, types),
+                      set(vocab), rules.add_bos, bos_always=rules.bos_always)
     table = _byte_decoder()
     token_bytes = [t.encode("utf-8") if k in (_CONTROL, _USER_DEFINED) or not all(c in table for c in t)
                    else bytes(table[c] for c in t) for t, k in zip(tokens, types)]
@@ -166,8 +185,8 @@ def _sentencepiece(meta: dict[str, Any], tokens: list[str], types: list[int]) ->
     unk = pieces[int(unk_id)] if unk_id is not None and 0 <= int(unk_id) < len(pieces) else None
 
     def model() -> models.Model:
-        if "tokenizer.ggml.merges" in meta:  # a BPE-trained SentencePiece-style vocabulary (`gemma4`) lists them
-            merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+        if "tokenizer.ggml.merges" in meta:  # a BPE-trained SentencePiece vocabulary lists them
+            merges = _file_merges(meta)
         else:
             ranks = ([-float(i) for i in range(len(pieces))] if variant.merges_by_file_order
                      else [float(s) for s in meta["tokenizer.ggml.scores"]])
@@ -185,7 +204,7 @@ def _sentencepiece(meta: dict[str, Any], tokens: list[str], types: list[int]) ->
 
 
 # `tokenizer.ggml.model` -> builder; anything else (bert, t5, rwkv, ...) is refused.
-TOKENIZER_MODELS = {"gpt2": _byte_level, "llama": _sentencepiece, "gemma4": _sentencepiece}
+TOKENIZER_MODELS = {"gpt2": _bpe, "llama": _sentencepiece, "gemma4": functools.partial(_bpe, pre="gemma4")}
 
 
 def _optional_id(meta: dict[str, Any], key: str, vocab_size: int) -> int:
@@ -200,10 +219,11 @@ class Tokenizer:
     Attributes: `vocab_size`; `bos_token_id`, `eos_token_id`, `eot_token_id`,
     `eom_token_id` (-1 when the file has none); `add_bos_token`,
     `add_eos_token` (the file's flags, else llama.cpp's defaults: BOS for
-    SentencePiece and `llama-bpe`, none for other byte-level BPE; only
-    `encode_prompt` adds it); `special_tokens` (control token
-    string -> id); `stop_token_ids` (EOS, EOT, EOM and every control token of
-    `END_OF_TURN_TOKENS` the vocabulary has); `token_bytes` (the bytes each id
+    SentencePiece and `llama-bpe`, none for other byte-level BPE; BOS always
+    for `gemma4`; only `encode_prompt` adds it); `special_tokens` (control token
+    string -> id, the tokens of `END_OF_TURN_TOKENS` among them whatever their
+    type in the file, as llama.cpp makes them); `stop_token_ids` (EOS, EOT, EOM
+    and every token of `END_OF_TURN_TOKENS` the vocabulary has); `token_bytes` (the bytes each id
     decodes to: nothing for a token of type unused, as llama.cpp renders it); `written_bytes` (each id's
     text as the vocabulary writes it, unused ones too: what a grammar engine matches); `unused_ids`;
     `chat_template`.
@@ -226,12 +246,13 @@ class Tokenizer:
         if "tokenizer.ggml.tokens" not in metadata:
             raise ModelLoadError("GGUF metadata key 'tokenizer.ggml.tokens' is missing")
         tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
-        types = [int(k) for k in metadata.get("tokenizer.ggml.token_type", [_NORMAL] * len(tokens))]
+        types = [_CONTROL if t in END_OF_TURN_TOKENS else int(k)
+                 for t, k in zip(tokens, metadata.get("tokenizer.ggml.token_type", [_NORMAL] * len(tokens)))]
         parts = TOKENIZER_MODELS[kind](metadata, tokens, types)
         self.model = kind
         self.vocab_size = len(tokens)
         self._read_special_ids(metadata, tokens, types)
-        self.add_bos_token = bool(metadata.get("tokenizer.ggml.add_bos_token", parts.add_bos))
+        self.add_bos_token = parts.bos_always or bool(metadata.get("tokenizer.ggml.add_bos_token", parts.add_bos))
         self.add_eos_token = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
         self.chat_template: str | None = metadata.get("tokenizer.chat_template")
         self._tokens, self._types, self._parts = tokens, types, parts

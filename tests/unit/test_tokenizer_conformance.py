@@ -1,4 +1,4 @@
-"""Tokenizers from GGUF metadata against llama.cpp's tokenizer test data and transformers (Gemma 3 270M).
+"""Tokenizers from GGUF metadata against llama.cpp's tokenizer test data and transformers (Gemma 3 270M, Gemma 4).
 
 llama.cpp's `ggml-vocab-*.gguf` files carry only metadata; their `.inp`/`.out` pairs give, for each
 test string, the ids of the model's Hugging Face tokenizer (without BOS, special-token strings as
@@ -16,9 +16,11 @@ from hypothesis import strategies as st
 import testdata
 from conftest import golden_json
 from hybridgate.models import ModelLoadError, Tokenizer, read_metadata
+from hybridgate.models.pretokenizers import pre_tokenizer
 
 # Vocabulary file -> the strings of its stop tokens: EOS and the end-of-turn tokens of each model's
-# published generation config / chat template (Llama 3: <|eot_id|>; Qwen: <|im_end|>; Phi-3: <|end|>).
+# published generation config / chat template (Llama 3: <|eot_id|>; Qwen: <|im_end|>; Phi-3: <|end|>; Gemma 4:
+# <turn|> and, after its tool calls, <|tool_response>, both in llama.cpp's EOG list).
 SUPPORTED = {
     "gpt-2": {"<|endoftext|>"},
     "llama-bpe": {"<|end_of_text|>", "<|eot_id|>"},
@@ -33,7 +35,7 @@ SUPPORTED = {
     "mpt": {"<|endoftext|>"},
     "llama-spm": {"</s>"},
     "phi-3": {"<|endoftext|>", "<|end|>"},
-    "gemma-4": {"<eos>"},
+    "gemma-4": {"<eos>", "<turn|>", "<|tool_response>"},
 }
 # Refused at load: llama.cpp's WordPiece (bert) and Unigram (t5) models are not built here.
 REFUSED = {"bert-bge": "tokenizer.ggml.model 'bert'", "nomic-bert-moe": "tokenizer.ggml.model 't5'"}
@@ -86,7 +88,7 @@ def test_unknown_pre_tokenizer_is_refused_with_the_supported_names():
     with pytest.raises(ModelLoadError, match=r"tokenizer.ggml.pre 'bloom' is not supported") as info:
         Tokenizer(_tiny_bpe(**{"tokenizer.ggml.pre": "bloom"}))
     for name in ("default", "gpt-2", "llama-bpe", "qwen2", "deepseek-llm", "deepseek-coder", "falcon", "starcoder",
-                 "refact", "command-r", "mpt", "smollm", "gpt2"):
+                 "refact", "command-r", "mpt", "smollm", "gpt2", "gpt-4o", "llama4", "gemma4"):
         assert f"'{name}'" in str(info.value)
 
 
@@ -133,18 +135,71 @@ def gemma3(gemma3_path):
     return Tokenizer(read_metadata(gemma3_path))
 
 
-def test_gemma3_encodes_and_decodes_as_transformers(gemma3):
-    assert len(GEMMA3["strings"]) >= 90
-    wrong = [(s, ids) for s, ids in zip(GEMMA3["strings"], GEMMA3["ids"]) if gemma3.encode(s) != ids]
+def _assert_equals_golden(tok: Tokenizer, golden: dict, at_least: int) -> None:
+    """`tok` encodes each string of a transformers golden file to its ids and decodes those to its text."""
+    assert len(golden["strings"]) >= at_least
+    wrong = [(s, ids) for s, ids in zip(golden["strings"], golden["ids"]) if tok.encode(s) != ids]
     assert not wrong, f"{len(wrong)} differ, first: {wrong[0]}"
-    decoded = zip(GEMMA3["strings"], GEMMA3["ids"], GEMMA3["decoded"])
-    assert [s for s, ids, d in decoded if gemma3.decode(ids) != d] == []
+    decoded = zip(golden["strings"], golden["ids"], golden["decoded"])
+    assert [s for s, ids, d in decoded if tok.decode(ids) != d] == []
+
+
+def test_gemma3_encodes_and_decodes_as_transformers(gemma3):
+    _assert_equals_golden(gemma3, GEMMA3, at_least=90)
 
 
 def test_gemma3_metadata_and_stop_tokens(gemma3):
     assert (gemma3.model, gemma3.vocab_size, gemma3.bos_token_id, gemma3.add_bos_token) == ("llama", 262_144, 2, True)
     assert {gemma3.id_to_token(i) for i in gemma3.stop_token_ids} == {"<eos>", "<end_of_turn>"}
     assert gemma3.encode_prompt("Hi")[0] == 2
+
+
+GEMMA4 = golden_json("gemma4_tokenizer.json")
+
+
+@pytest.fixture(scope="module")
+def gemma4_meta(llama_vocab_dir):
+    return read_metadata(llama_vocab_dir / "ggml-vocab-gemma-4.gguf")
+
+
+@pytest.fixture(scope="module")
+def gemma4(gemma4_meta):
+    return Tokenizer(gemma4_meta)
+
+
+def test_gemma4_encodes_and_decodes_as_transformers(gemma4):
+    _assert_equals_golden(gemma4, GEMMA4, at_least=120)
+
+
+def test_gemma4_takes_a_run_of_newlines_that_is_a_token_whole(gemma4, gemma4_meta):
+    # llama.cpp's BPE session for the gemma4 pre-tokenizer (PR 21343): a piece of newlines only that is a token.
+    runs = {len(t): i for i, t in enumerate(gemma4_meta["tokenizer.ggml.tokens"]) if t and set(t) == {"\n"}}
+    assert sorted(runs) == list(range(1, 32))
+    assert {n: gemma4.encode("\n" * n) for n in runs} == {n: [i] for n, i in runs.items()}
+
+
+def test_gemma4_ignores_the_files_pre_and_space_prefix_and_always_adds_bos(gemma4_meta):
+    # llama.cpp: the gemma4 model names its pre-tokenizer itself, its BPE path adds no space prefix, and
+    # add_bos_token false is overridden to true (PR 21500).
+    tok = Tokenizer({**gemma4_meta, "tokenizer.ggml.pre": "bloom", "tokenizer.ggml.add_space_prefix": True,
+                     "tokenizer.ggml.add_bos_token": False})
+    cases = testdata.vocab_cases("gemma-4")[:20]
+    assert [tok.encode(text, special_tokens=False) for text, _ in cases] == [ids for _, ids in cases]
+    assert tok.add_bos_token and tok.encode_prompt("Hi") == [2, *tok.encode("Hi")]
+
+
+def test_gemma4_pre_tokenizer_names_are_llama_cpps():
+    # llama.cpp's src/llama-vocab.cpp: both names set LLAMA_VOCAB_PRE_TYPE_GEMMA4 (raw UTF-8, spaces escaped).
+    assert pre_tokenizer("granite-embed-multi-311m") is pre_tokenizer("gemma4")
+    assert not pre_tokenizer("gemma4").byte_encode and pre_tokenizer("gemma4").bos_always
+
+
+def test_gemma4_turn_ends_are_control_tokens(gemma4):
+    # llama.cpp's EOG list makes `<|tool_response>` (user-defined in the file, id 50) a control token.
+    assert (gemma4.special_tokens["<turn|>"], gemma4.special_tokens["<|tool_response>"]) == (106, 50)
+    assert gemma4.encode("<|tool_response>") == [50] and 50 not in gemma4.encode("<|tool_response>",
+                                                                                 special_tokens=False)
+    assert gemma4.decode([50, 106], skip_special_tokens=True) == ""
 
 
 def test_read_metadata_equals_gguf_readers_contents(llama_vocab_dir, tmp_path):
@@ -173,9 +228,9 @@ _TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=40)
 
 @given(text=_TEXT)
 @settings(max_examples=300)
-def test_any_text_round_trips(llama_spm, gpt2, text):
-    # Both models are lossless (byte fallback / byte-level alphabet), as llama.cpp's test-tokenizer-1 checks.
-    for tok in (llama_spm, gpt2):
+def test_any_text_round_trips(llama_spm, gpt2, gemma4, text):
+    # The models are lossless (byte fallback / byte-level alphabet), as llama.cpp's test-tokenizer-1 checks.
+    for tok in (llama_spm, gpt2, gemma4):
         ids = tok.encode(text, special_tokens=False)
         assert tok.decode(ids) == text
         assert b"".join(tok.token_bytes[i] for i in ids).decode() == (" " + text if tok is llama_spm and text else text)
