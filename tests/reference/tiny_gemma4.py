@@ -33,12 +33,13 @@ SHARED_KV_LAYERS = 2
 FFN = (96, 96, 96, 96, 192, 192)
 NO_V_LAYERS = (3,)  # attention_k_eq_v: no attn_v, V = K
 EXPERTS, EXPERTS_USED, EXPERT_FFN = 8, 2, 32
+EMBED_SCALE = 0.5  # times sqrt(hidden) at the input: about unit rows, so greedy ids vary
 ROTATED_FULL_PAIRS = 4  # of HEAD_DIM_FULL / 2: partial_rotary_factor 0.25
 
 
 def gemma4_tensors(seed: int, moe: bool) -> dict[str, np.ndarray]:
     """GGUF name -> float32 values (row-major `[out, in]`, experts outermost), drawn from `seed`: matrices
-    N(0, 1/in) (Q and K N(0, 4/in), the embedding N(0, 16/in), the router N(0, 4/in)), norms 1 + N(0, 0.1),
+    N(0, 1/in) (Q and K N(0, 4/in), the embedding N(0, 0.25/in), the router N(0, 4/in)), norms 1 + N(0, 0.1),
     output and expert scales U(0.5, 1.5)."""
     rng = np.random.default_rng(seed)
     h = HIDDEN
@@ -49,7 +50,7 @@ def gemma4_tensors(seed: int, moe: bool) -> dict[str, np.ndarray]:
     def vec(n: int) -> np.ndarray:
         return 1.0 + 0.1 * rng.standard_normal(n)
 
-    out = {"token_embd.weight": mat(VOCAB, h, scale=4.0), "output_norm.weight": vec(h),
+    out = {"token_embd.weight": mat(VOCAB, h, scale=EMBED_SCALE), "output_norm.weight": vec(h),
            "rope_freqs.weight": np.array([1.0] * ROTATED_FULL_PAIRS + [1e30] * (HEAD_DIM_FULL // 2 - ROTATED_FULL_PAIRS))}
     first_shared = len(SLIDING) - SHARED_KV_LAYERS
     for i, sliding in enumerate(SLIDING):

@@ -253,7 +253,7 @@ class DecoderModel:
     @property
     def weight_bytes(self) -> int:
         tensors = [self.embed, self.out_norm] + ([] if self.lm_head is self.embed else [self.lm_head])
-        tensors += [t for layer in self.layers for t in vars(layer).values() if t is not None]
+        tensors += [t for layer in self.layers for t in vars(layer).values() if isinstance(t, torch.Tensor)]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def new_cache(self, capacity: int = 64) -> ContiguousKVCache:

@@ -1,0 +1,93 @@
+"""Make tests/golden/gemma4.json from llama.cpp (the reference) on the tiny Gemma 4 files of `tiny_gemma4`.
+
+Run from the repository root once llama-cpp-python is installed in the environment:
+
+    .venv/bin/python tests/reference/make_gemma4_golden.py
+
+transformers has no Gemma 4 class; llama.cpp (llama-cpp-python's bundled build, version recorded) is exact on F32
+weights with an F32 KV cache, so it is the reference here: one thread, F32 K and V, no flash attention, weight
+repacking off (`use_extra_bufts`, see FACTS.md). Per file (the dense one and the MoE one, each written from its
+seed; the sha256 of the bytes llama.cpp read is recorded, so the test can check it rebuilds the same file): the
+last-position logits of three seeded prompts of 5, 23 and 40 ids, each evaluated from an empty cache, and the
+greedy continuation of the 40-id prompt for 16 tokens with the top-2 logit gap at each step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+sys.path.insert(0, str(HERE))
+
+from tiny_gemma4 import VOCAB, write_gemma4_gguf  # noqa: E402
+
+GOLDEN = ROOT / "tests" / "golden" / "gemma4.json"
+FILES = {"dense": dict(moe=False, seed=0), "moe": dict(moe=True, seed=1)}
+PROMPT_LENGTHS = (5, 23, 40)
+GREEDY = 16
+
+
+def prompts(seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(100 + seed)
+    return [rng.integers(3, VOCAB, size=n).tolist() for n in PROMPT_LENGTHS]
+
+
+def open_llama(path: Path):
+    """llama.cpp on `path`: one thread, F32 KV cache, every position's logits kept."""
+    import llama_cpp
+
+    return llama_cpp.Llama(str(path), n_ctx=128, n_batch=64, n_ubatch=64, n_threads=1, n_threads_batch=1,
+                           logits_all=True, type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32,
+                           flash_attn=False, use_mmap=False, verbose=False)
+
+
+def last_logits(llm, ids: list[int]) -> np.ndarray:
+    llm.reset()
+    llm.eval(ids)
+    return np.array(llm.scores[len(ids) - 1], np.float64)
+
+
+def greedy(llm, ids: list[int], steps: int) -> tuple[list[int], list[float]]:
+    """Greedy ids after `ids` (the cache kept between steps, as a server decodes) and each step's top-2 gap."""
+    llm.reset()
+    llm.eval(ids)
+    out, gaps = [], []
+    for _ in range(steps):
+        logits = np.array(llm.scores[llm.n_tokens - 1], np.float64)
+        top2 = np.sort(logits)[-2:]
+        out.append(int(logits.argmax()))
+        gaps.append(float(top2[1] - top2[0]))
+        llm.eval(out[-1:])
+    return out, gaps
+
+
+def golden_of(path: Path, seed: int) -> dict:
+    llm = open_llama(path)
+    cases = prompts(seed)
+    ids, gaps = greedy(llm, cases[-1], GREEDY)
+    return {"seed": seed, "gguf_sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "prompts": cases,
+            "logits": [last_logits(llm, p).round(6).tolist() for p in cases],
+            "greedy": {"ids": ids, "top2_gaps": gaps}}
+
+
+def main() -> None:
+    out = {"reference": f"llama-cpp-python {importlib.metadata.version('llama_cpp_python')} (F32 weights and KV "
+                        "cache, 1 thread)", "gguf": importlib.metadata.version("gguf")}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, args in FILES.items():
+            path = write_gemma4_gguf(Path(tmp) / f"gemma4-{name}.gguf", **args)
+            out[name] = golden_of(path, args["seed"])
+    GOLDEN.write_text(json.dumps(out) + "\n")
+    print(f"wrote {GOLDEN} ({GOLDEN.stat().st_size} bytes)")
+
+
+if __name__ == "__main__":
+    main()
