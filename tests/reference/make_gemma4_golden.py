@@ -10,6 +10,13 @@ repacking off (`use_extra_bufts`, see FACTS.md). Per file (the dense one and the
 seed; the sha256 of the bytes llama.cpp read is recorded, so the test can check it rebuilds the same file): the
 last-position logits of three seeded prompts of 5, 23 and 40 ids, each evaluated from an empty cache, and the
 greedy continuation of the 40-id prompt for 16 tokens with the top-2 logit gap at each step.
+
+llama.cpp's CPU GELU reads a table of fp16 values (`gemma4_numpy.gelu_fp16_table`), which moves its logits by a
+few 1e-3 from an exact forward on these files. So each file also gets the float64 forward written from
+llama.cpp's graph (`gemma4_numpy`) with the exact tanh GELU (`float64_logits`), after checking that the same
+forward with llama.cpp's table GELU gives llama.cpp's logits within CHECK_TOL (the largest difference is
+recorded as `llama_cpp_vs_float64_table_gelu`): the test holds the runners to the float64 logits within 1e-3
+and to llama.cpp's greedy ids.
 """
 
 from __future__ import annotations
@@ -27,12 +34,14 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path.insert(0, str(HERE))
 
+import gemma4_numpy  # noqa: E402
 from tiny_gemma4 import VOCAB, write_gemma4_gguf  # noqa: E402
 
 GOLDEN = ROOT / "tests" / "golden" / "gemma4.json"
 FILES = {"dense": dict(moe=False, seed=0), "moe": dict(moe=True, seed=1)}
 PROMPT_LENGTHS = (5, 23, 40)
 GREEDY = 16
+CHECK_TOL = 1e-3  # llama.cpp against the float64 forward with llama.cpp's own GELU
 
 
 def prompts(seed: int) -> list[list[int]]:
@@ -73,9 +82,15 @@ def golden_of(path: Path, seed: int) -> dict:
     llm = open_llama(path)
     cases = prompts(seed)
     ids, gaps = greedy(llm, cases[-1], GREEDY)
+    logits = [last_logits(llm, p) for p in cases]
+    meta, tensors = gemma4_numpy.read(path)
+    table = [gemma4_numpy.last_logits(meta, tensors, p, gemma4_numpy.gelu_fp16_table) for p in cases]
+    check = max(float(np.abs(a - b).max()) for a, b in zip(logits, table))
+    assert check < CHECK_TOL, f"{path.name}: llama.cpp and the float64 forward with its GELU differ by {check:.2e}"
+    exact = [gemma4_numpy.last_logits(meta, tensors, p) for p in cases]
     return {"seed": seed, "gguf_sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "prompts": cases,
-            "logits": [last_logits(llm, p).round(6).tolist() for p in cases],
-            "greedy": {"ids": ids, "top2_gaps": gaps}}
+            "logits": [x.round(6).tolist() for x in logits], "float64_logits": [x.round(7).tolist() for x in exact],
+            "llama_cpp_vs_float64_table_gelu": check, "greedy": {"ids": ids, "top2_gaps": gaps}}
 
 
 def main() -> None:
