@@ -57,7 +57,8 @@ def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray
 
 
 def rope_neox(x: np.ndarray, positions: np.ndarray, base: float, factors: np.ndarray | None) -> np.ndarray:
-    """x `[tokens, heads, d]` rotated in pairs (x[i], x[i + d/2]) (llama.cpp NEOX) by position · base^(-2i/d) / factor_i."""
+    """x `[tokens, heads, d]` rotated in pairs (x[i], x[i + d/2]) (llama.cpp NEOX) by position · base^(-2i/d) /
+    factor_i."""
     d = x.shape[-1]
     inv = base ** (-np.arange(0, d, 2) / d) / (1.0 if factors is None else factors)
     angle = positions[:, None] * inv[None]
@@ -81,9 +82,11 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int) -> np.ndarr
 
 
 def experts(meta: dict, t: dict, p: str, x: np.ndarray, residual: np.ndarray, act) -> np.ndarray:
-    """The MoE branch of block `p` (`blk.{i}.`): experts of rms_norm(residual) · pre_ffw_norm_2, routed as the doc says."""
+    """The MoE branch of block `p` (`blk.{i}.`): the experts of x (rms_norm(residual) · pre_ffw_norm_2), routed as
+    the module doc says."""
     eps, hidden = meta[ARCH + "attention.layer_norm_rms_epsilon"], residual.shape[1]
-    logits = (rms_norm(residual, None, eps) / np.sqrt(hidden) * t[p + "ffn_gate_inp.scale"]) @ t[p + "ffn_gate_inp.weight"].T
+    router_input = rms_norm(residual, None, eps) / np.sqrt(hidden) * t[p + "ffn_gate_inp.scale"]
+    logits = router_input @ t[p + "ffn_gate_inp.weight"].T
     probs = np.exp(logits - logits.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
     gate_up, down, scale = t[p + "ffn_gate_up_exps.weight"], t[p + "ffn_down_exps.weight"], t[p + "ffn_down_exps.scale"]

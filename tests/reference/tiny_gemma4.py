@@ -50,8 +50,9 @@ def gemma4_tensors(seed: int, moe: bool) -> dict[str, np.ndarray]:
     def vec(n: int) -> np.ndarray:
         return 1.0 + 0.1 * rng.standard_normal(n)
 
+    unrotated = HEAD_DIM_FULL // 2 - ROTATED_FULL_PAIRS
     out = {"token_embd.weight": mat(VOCAB, h, scale=EMBED_SCALE), "output_norm.weight": vec(h),
-           "rope_freqs.weight": np.array([1.0] * ROTATED_FULL_PAIRS + [1e30] * (HEAD_DIM_FULL // 2 - ROTATED_FULL_PAIRS))}
+           "rope_freqs.weight": np.array([1.0] * ROTATED_FULL_PAIRS + [1e30] * unrotated)}
     first_shared = len(SLIDING) - SHARED_KV_LAYERS
     for i, sliding in enumerate(SLIDING):
         d, kv, f = (HEAD_DIM_SWA if sliding else HEAD_DIM_FULL), KV_HEADS[i], FFN[i]

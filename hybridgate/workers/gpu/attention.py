@@ -40,8 +40,8 @@ class PagedKVCache:
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype):
         self.config, self.num_blocks, self.block_size = config, num_blocks, block_size
-        make = lambda i: torch.empty((num_blocks * block_size, config.layer_kv_heads[i], config.layer_head_dims[i]),  # noqa: E731
-                                     device=device, dtype=dtype)
+        make = lambda i: torch.empty(  # noqa: E731
+            (num_blocks * block_size, config.layer_kv_heads[i], config.layer_head_dims[i]), device=device, dtype=dtype)
         self.k, self.v = layer_kv(config, make, make)
 
     @property

@@ -192,11 +192,17 @@ class DecoderModel:
             bo=self._put(w("attn_output", "bias")) if row.output_bias else None,
             qk_norm=qk_norm,
             post_attn_norm=self._put(w("post_attention_norm")) if row.post_norms else None,
-            post_ffn_norm=self._put(w("post_ffw_norm") * c.layer_output_scales[i]) if row.post_norms else None,
+            post_ffn_norm=self._scaled(self._put(w("post_ffw_norm")), c.layer_output_scales[i])
+            if row.post_norms else None,
             v_norm=self._put(torch.ones(c.layer_head_dims[i])) if row.v_norm and owns else None,
             output_scale=c.layer_output_scales[i],
             **({} if c.moe is None else self._experts(i)),
         )
+
+    def _scaled(self, t: torch.Tensor, scale: float) -> torch.Tensor:
+        """t times `scale`; t itself at 1, and on the meta device (shapes only: meta arithmetic imports
+        torch._dynamo, seconds of `hybridgate info`, see `_cat`)."""
+        return t if scale == 1.0 or self.device.type == "meta" else t * scale
 
     def _cat(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """`torch.cat(parts)` along rows. On the meta device the result's shape alone, checked as cat checks
@@ -231,10 +237,11 @@ class DecoderModel:
                     "shared_down": put_t(w("ffn_down_shexp")),
                     "shared_gate": f32(w("ffn_gate_inp_shexp")) if moe.shared_expert_gate else None}
         if moe.beside_dense:
-            out |= {"post_ffn_norm_1": self._put(w("post_ffw_norm_1")), "pre_ffn_norm_2": self._put(w("pre_ffw_norm_2")),
-                    "post_ffn_norm_2": self._put(w("post_ffw_norm_2"))}
+            out |= {name: self._put(w(tensor)) for name, tensor in (
+                ("post_ffn_norm_1", "post_ffw_norm_1"), ("pre_ffn_norm_2", "pre_ffw_norm_2"),
+                ("post_ffn_norm_2", "post_ffw_norm_2"))}
         if moe.router_input_norm:
-            out["router_scale"] = f32(w("ffn_gate_inp", "scale") / c.hidden_size ** 0.5)
+            out["router_scale"] = self._scaled(f32(w("ffn_gate_inp", "scale")), c.hidden_size ** -0.5)
         if moe.expert_scales:
             out["expert_scales"] = f32(w("ffn_down_exps", "scale"))
         return out
