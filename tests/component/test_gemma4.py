@@ -36,7 +36,7 @@ from hybridgate.workers.scheduler import SchedulerConfig
 from test_cpu_architectures import ROUTER, greedy_through_chunks_and_prefix
 # qwen3moe's tests of logits (within 1e-3, packed) and of greedy ids through chunked prefill and the prefix cache
 # (every block back), run here on this module's `case`: they read only its fields, here llama.cpp's answers.
-from test_moe import numba_packed, numba_runner, torch_packed
+from test_moe import TOL, numba_packed, numba_runner, torch_packed
 from test_moe import test_greedy_through_chunked_prefill_and_the_prefix_cache
 from test_moe import test_numba_runner_logits_match_transformers as test_numba_runner_logits_match_llama_cpp
 from test_moe import test_torch_runner_logits_match_transformers as test_torch_runner_logits_match_llama_cpp
@@ -96,6 +96,17 @@ def test_both_runners_logits_are_llama_cpps_within_its_gelu_tables_rounding(case
     for logits in got:
         assert np.abs(logits - case.llama_cpp_logits).max() < LLAMA_CPP_TOL
         assert (logits.argmax(axis=1) == case.llama_cpp_logits.argmax(axis=1)).all()
+
+
+def test_numba_on_q8_0_weights_matches_gguf_dequantized_weights(case, tmp_path):
+    # The Numba runner keeps Q8_0 matrices in their blocks, per-layer shapes and all; the torch runner's fp32
+    # weights from gguf's dequantizer are the reference (llama.cpp rounds activations on quantized weights).
+    model = load_gguf(write_gemma4_gguf(tmp_path / "q8_0.gguf", moe="moe" in case.name, seed=case.golden["seed"],
+                                        ggml_type="Q8_0"))
+    assert model.tensors["blk.1.attn_q.weight"].ggml_type.name == "Q8_0"
+    want = torch_packed(DecoderModel(model, torch.device("cpu"), torch.float32), case.prompts)
+    got = numba_packed(numba_runner(model), case.prompts)
+    assert np.abs(got - want).max() < TOL
 
 
 def test_the_triton_kernels_give_llama_cpps_greedy_ids(case):

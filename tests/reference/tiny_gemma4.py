@@ -22,7 +22,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from tiny_gguf import add_byte_level_vocab
+from tiny_gguf import _typed, add_byte_level_vocab
 
 VOCAB = 260
 HIDDEN, HEADS, WINDOW = 64, 4, 16
@@ -75,8 +75,10 @@ def gemma4_tensors(seed: int, moe: bool) -> dict[str, np.ndarray]:
     return {k: np.ascontiguousarray(v, np.float32) for k, v in out.items()}
 
 
-def write_gemma4_gguf(path: Path, *, moe: bool = False, seed: int = 0, per_layer_embedding: int = 0) -> Path:
-    """The tiny Gemma 4 (see the module doc) as an F32 GGUF file at `path`; the same bytes for the same arguments.
+def write_gemma4_gguf(path: Path, *, moe: bool = False, seed: int = 0, per_layer_embedding: int = 0,
+                      ggml_type: str = "F32") -> Path:
+    """The tiny Gemma 4 (see the module doc) as a GGUF file at `path`; the same bytes for the same arguments.
+    Matrices as `ggml_type` (gguf's quantizer; `tiny_gguf._typed`), 1-D tensors and the router F32.
     `per_layer_embedding` > 0 writes an E2B/E4B-style `embedding_length_per_layer_input` (a file to refuse)."""
     writer = gguf.GGUFWriter(str(path), "gemma4")
     writer.add_name(f"tiny-gemma4{'-moe' if moe else ''}")
@@ -99,8 +101,13 @@ def write_gemma4_gguf(path: Path, *, moe: bool = False, seed: int = 0, per_layer
         writer.add_expert_used_count(EXPERTS_USED)
         writer.add_expert_feed_forward_length(EXPERT_FFN)
     add_byte_level_vocab(writer)
+    kind, rng = gguf.GGMLQuantizationType[ggml_type], np.random.default_rng(seed)
     for name, values in gemma4_tensors(seed, moe).items():
-        writer.add_tensor(name, values)
+        if values.ndim == 1 or "ffn_gate_inp" in name:
+            writer.add_tensor(name, values)
+            continue
+        data, raw = _typed(rng, values.reshape(-1, values.shape[-1]), kind)  # experts' rows stacked, as GGUF's
+        writer.add_tensor(name, data.reshape(*values.shape[:-1], -1), raw_dtype=raw)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
