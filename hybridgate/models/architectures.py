@@ -52,6 +52,17 @@ Sources, per field:
   ggml_swiglu_oai, transformers' `GptOssExperts._apply_gate`); YaRN RoPE (factor 32 over 4096 positions) with
   the correction range unrounded, as transformers' `GptOssConfig` (`truncate: False`) and OpenAI's reference
   code compute it (llama.cpp rounds it, `ggml_rope_yarn_corr_dims`).
+- gemma4 (llama.cpp src/models/gemma4.cpp and `llama_model_gemma4::load_arch_hparams`; its converter
+  `Gemma4Model`): gemma3's layout with the sliding layers named per layer by the file
+  (`attention.sliding_window_pattern`, an array), their own head size (`attention.key_length_swa`), KV heads
+  (`attention.head_count_kv` as an array) and RoPE base (`rope.freq_base_swa`); `rope_freqs` ("proportional
+  RoPE": 1 on the rotated pairs, 1e30 on the others) on the full layers only; V RMS-normed without a weight;
+  attention scale 1; the last `attention.shared_kv_layers` layers own no K/V and attend over the last earlier
+  layer of their kind that does (`ModelConfig.layer_kv_source`); V = K where a layer has no `attn_v`
+  (attention_k_eq_v); an FFN width per layer (`feed_forward_length` as an array); an optional
+  `layer_output_scale` multiplying each block's output; the final softcap from the file. The MoE files
+  (26B-A4B) run a dense FFN beside the experts, a router on the normed residual and a scale per expert
+  (`MixtureOfExperts.beside_dense`). Per-layer embeddings (E2B, E4B) are refused.
 - Refused families (`REFUSED_ARCHITECTURES`): named with the reason, so a file of one
   fails at load in one line rather than as an unknown name.
 """
@@ -112,6 +123,13 @@ class MixtureOfExperts:
     # `.bias` of the router (`ffn_gate_inp.bias` [experts], added to its logits) and of each expert
     # (`{name}.bias` [experts, rows] of each expert tensor: added to that matmul's output) (gpt-oss)
     biases: bool = False
+    optional: bool = False  # a file of the family may have no experts (no `{arch}.expert_count`): a dense model
+    # Gemma 4 (llama.cpp src/models/gemma4.cpp): the block's dense FFN (`ffn_norm` in, `post_ffw_norm_1` out) runs
+    # beside the experts (`pre_ffw_norm_2` in, `post_ffw_norm_2` out); their sum goes through `post_ffw_norm`
+    beside_dense: bool = False
+    # the router reads rms_norm(residual) / sqrt(hidden) · `ffn_gate_inp.scale` [hidden], not the experts' input
+    router_input_norm: bool = False
+    expert_scales: bool = False  # `ffn_down_exps.scale` [experts]: each expert's output times its scale
 
     @property
     def expert_tensors(self) -> tuple[str, ...]:
@@ -147,6 +165,13 @@ class Architecture:
     long_rope: bool = False  # rope_factors_long/short tensors and original_context_length (phi3 LongRoPE)
     yarn_truncate: bool = True  # YaRN's correction range floored and ceiled (transformers' `truncate`; gpt-oss: not)
     moe: MixtureOfExperts | None = None  # every block's FFN is this mixture of experts; None: a dense FFN
+    k_eq_v: bool = False  # a layer without `attn_v` takes V = K, before K's norm and RoPE (gemma4 attention_k_eq_v)
+    v_norm: bool = False  # each V head RMS-normed without a weight before it is stored (gemma4)
+    attention_scale: float = 0.0  # multiplies Q·K; 0: 1/sqrt(head_dim) (gemma4: 1, its Q/K norms set the scale)
+    swa_rope_factors: bool = True  # the file's `rope_freqs` apply to sliding layers too (gemma4: full layers only)
+    optional_layer_tensors: tuple[str, ...] = ()  # `blk.{i}.` tensors a file may hold (`layer_output_scale.weight`)
+    # `{arch}.` metadata keys whose non-zero value names a layout these runners refuse, and why
+    refused_keys: tuple[tuple[str, str], ...] = ()
 
     @property
     def fused_qkv(self) -> bool:
@@ -176,6 +201,13 @@ ARCHITECTURES: dict[str, Architecture] = {
                      softcap_keys=("attn_logit_softcapping", "final_logit_softcapping")),
         Architecture("gemma3", **_GEMMA, qk_norm=True, swa_pattern=6, swa_rope_theta=10000.0,
                      hidden_scale_block_counts=(62,), softcap_keys=("final_logit_softcapping",)),
+        Architecture("gemma4", **_GEMMA, qk_norm=True, k_eq_v=True, v_norm=True, swa_pattern=6, attention_scale=1.0,
+                     swa_rope_factors=False, softcap_keys=("final_logit_softcapping",),
+                     optional_layer_tensors=("layer_output_scale.weight",),
+                     refused_keys=(("embedding_length_per_layer_input", "its per-layer embeddings (the E2B and E4B "
+                                    "models' per_layer_token_embd) are not implemented"),),
+                     moe=MixtureOfExperts(Gating.SOFTMAX, normalize=True, fused_gate_up=True, optional=True,
+                                          beside_dense=True, router_input_norm=True, expert_scales=True)),
         Architecture("phi3", RopeLayout.HALVES, qkv_tensors=("attn_qkv",), gate_up_tensors=("ffn_up",),
                      long_rope=True),
         Architecture("qwen3moe", RopeLayout.HALVES, qk_norm=True,

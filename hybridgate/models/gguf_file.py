@@ -27,6 +27,9 @@ import numpy as np
 from hybridgate.config import environment
 from hybridgate.models.architectures import ARCHITECTURES, REFUSED_ARCHITECTURES, Architecture, RopeLayout
 from hybridgate.models.gguf_metadata import ModelLoadError, read_header
+from hybridgate.models.layer_layout import check_tensors, expected_tensors, layer_fields, refuse_layout
+
+__all__ = ["GGUFModel", "ModelConfig", "ModelLoadError", "TensorView", "expected_tensors", "load_gguf"]
 
 log = logging.getLogger("hybridgate.models")
 
@@ -95,6 +98,16 @@ class ModelConfig:
     # `<arch>.pooling_type` (llama.cpp's numbers, `hybridgate.wire.PoolingType`): how an embedding model pools
     # its final hidden states; 0 (none) when absent, as in generation models.
     pooling_type: int = 0
+    # Per layer where the file varies them (gemma4), else the scalars above for every layer:
+    layer_head_dims: tuple[int, ...] = ()  # key = value head size (gemma4's sliding layers: key_length_swa)
+    layer_kv_heads: tuple[int, ...] = ()  # KV heads (`attention.head_count_kv` as an array)
+    # the layer whose K/V each layer attends over: itself, or the earlier layer it shares them with
+    # (`attention.shared_kv_layers`); only a layer that is its own source has K/V weights and a KV cache
+    layer_kv_source: tuple[int, ...] = ()
+    layer_intermediate_sizes: tuple[int, ...] = ()  # dense FFN width (`feed_forward_length` as an array)
+    layer_output_scales: tuple[float, ...] = ()  # the block's output times this (`layer_output_scale`)
+    layer_rope_factors: tuple[bool, ...] = ()  # whether `rope_freq_factors` divide the layer's frequencies
+    layer_qkv: tuple[tuple[str, ...], ...] = ()  # GGUF tensors whose rows make the layer's Q | K | V
 
     def __post_init__(self) -> None:
         for name in _POSITIVE_FIELDS:
@@ -107,22 +120,30 @@ class ModelConfig:
         for name in ("bos_token_id", "eos_token_id"):
             if not 0 <= getattr(self, name) < self.vocab_size:
                 raise ModelLoadError(f"model config: {name} {getattr(self, name)} outside vocab of {self.vocab_size}")
-        defaults = {"layer_windows": 0, "layer_rope_theta": self.rope_theta, "layer_rope_scale": 1.0}
+        defaults = {"layer_windows": 0, "layer_rope_theta": self.rope_theta, "layer_rope_scale": 1.0,
+                    "layer_head_dims": self.head_dim, "layer_kv_heads": self.num_kv_heads,
+                    "layer_kv_source": None, "layer_intermediate_sizes": self.intermediate_size,
+                    "layer_output_scales": 1.0, "layer_rope_factors": True, "layer_qkv": self.arch.qkv_tensors}
         for name, value in defaults.items():
             if not getattr(self, name):
-                object.__setattr__(self, name, (value,) * self.num_layers)
+                object.__setattr__(self, name, tuple(range(self.num_layers)) if value is None else
+                                   (value,) * self.num_layers)
             if len(getattr(self, name)) != self.num_layers:
                 raise ModelLoadError(f"model config: {name} has {len(getattr(self, name))} entries, "
                                      f"expected block_count {self.num_layers}")
         if not self.attention_scale:
             object.__setattr__(self, "attention_scale", self.head_dim ** -0.5)
-        if self.arch.moe is not None and not 0 < self.experts_per_token <= self.num_experts:
+        if self.moe is not None and not 0 < self.experts_per_token <= self.num_experts:
             raise ModelLoadError(f"model config: expert_used_count {self.experts_per_token} must be in "
                                  f"1..expert_count {self.num_experts}")
         if self.attention_sinks and {len(s) for s in self.attention_sinks} != {self.num_heads} or \
                 len(self.attention_sinks) not in (0, self.num_layers):
             raise ModelLoadError(f"model config: attention_sinks must be block_count {self.num_layers} rows of "
                                  f"head_count {self.num_heads}")
+        if self.rope_freq_factors and {d for d, f in zip(self.layer_head_dims, self.layer_rope_factors) if f} - \
+                {self.head_dim}:
+            raise ModelLoadError(f"model config: RoPE frequency factors of head_dim {self.head_dim} on layers of "
+                                 f"head sizes {sorted(set(self.layer_head_dims))}")
         if self.rope_freq_factors and len(self.rope_freq_factors) != self.head_dim // 2:
             raise ModelLoadError(f"model config: {len(self.rope_freq_factors)} RoPE frequency factors, "
                                  f"expected head_dim / 2 = {self.head_dim // 2}")
@@ -130,6 +151,39 @@ class ModelConfig:
     @property
     def q_dim(self) -> int:
         return self.num_heads * self.head_dim
+
+    @property
+    def moe(self):
+        """The row's `MixtureOfExperts` where this file has experts; None: every FFN is dense."""
+        return self.arch.moe if self.arch.moe is not None and (self.num_experts or not self.arch.moe.optional) \
+            else None
+
+    @property
+    def layer_rope(self) -> tuple[tuple[float, float, int, bool], ...]:
+        """Per layer, the key of its cos/sin table: (RoPE base, position scale, head size, whether
+        `rope_freq_factors` divide its frequencies)."""
+        factors = [f and bool(self.rope_freq_factors) for f in self.layer_rope_factors]
+        return tuple(zip(self.layer_rope_theta, self.layer_rope_scale, self.layer_head_dims, factors))
+
+    def owns_kv(self, layer: int) -> bool:
+        """Whether `layer` computes and caches its own K/V (else it reads `layer_kv_source[layer]`'s)."""
+        return self.layer_kv_source[layer] == layer
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers that own a KV cache, in order."""
+        return tuple(i for i in range(self.num_layers) if self.owns_kv(i))
+
+    @property
+    def kv_values_per_token(self) -> int:
+        """K and V values one token adds to the cache, over the layers that own one."""
+        return sum(2 * self.layer_kv_heads[i] * self.layer_head_dims[i] for i in self.kv_layers)
+
+    @property
+    def uniform_kv(self) -> bool:
+        """Every layer owns a cache of `[num_kv_heads, head_dim]` per token (what a KV hand-off's header says)."""
+        return self.kv_layers == tuple(range(self.num_layers)) and \
+            set(zip(self.layer_kv_heads, self.layer_head_dims)) == {(self.num_kv_heads, self.head_dim)}
 
     @property
     def kv_dim(self) -> int:
@@ -210,6 +264,10 @@ def _config(meta: dict[str, Any], tensors: dict[str, TensorView]) -> ModelConfig
     if "token_embd.weight" not in tensors:
         raise ModelLoadError("tensor 'token_embd.weight' is missing")
     layers = int(key("block_count"))
+    refuse_layout(row, meta)
+    key("feed_forward_length")
+    windows = _layer_values(row, meta, layers)
+    shapes = layer_fields(row, meta, tensors, layers, head_dim, windows["layer_windows"])
     factors, context, attn_factor = _rope_factors(row, meta, tensors, int(key("context_length")), head_dim)
     hidden_scaled = layers in row.hidden_scale_block_counts
     caps = {name: float(opt(name, default)) for name, default in
@@ -220,9 +278,9 @@ def _config(meta: dict[str, Any], tensors: dict[str, TensorView]) -> ModelConfig
         name=str(meta.get("general.name", "")),
         num_layers=layers,
         hidden_size=hidden,
-        intermediate_size=int(key("feed_forward_length")),
+        intermediate_size=shapes.pop("intermediate_size"),
         num_heads=heads,
-        num_kv_heads=int(opt("attention.head_count_kv", heads)),
+        num_kv_heads=shapes.pop("num_kv_heads"),
         head_dim=head_dim,
         max_model_len=context,
         rope_theta=float(opt("rope.freq_base", 10000.0)),
@@ -232,11 +290,12 @@ def _config(meta: dict[str, Any], tensors: dict[str, TensorView]) -> ModelConfig
         eos_token_id=int(_require(meta, "tokenizer.ggml.eos_token_id")),
         tie_word_embeddings="output.weight" not in tensors,
         arch=row,
-        attention_scale=float(hidden // heads if hidden_scaled else head_dim) ** -0.5,
+        attention_scale=row.attention_scale or float(hidden // heads if hidden_scaled else head_dim) ** -0.5,
         attn_softcap=caps.get("attn_logit_softcapping", 0.0),
         final_softcap=caps.get("final_logit_softcapping", 0.0),
         embedding_scale=float(np.sqrt(np.float32(hidden))) if row.scale_embeddings else 1.0,
-        **_layer_values(row, meta, layers),
+        **windows,
+        **shapes,
         rope_freq_factors=factors,
         rope_attn_factor=attn_factor,
         attention_sinks=tuple(tuple(float(v) for v in tensors[f"blk.{i}.attn_sinks.weight"].dequantize().reshape(-1))
@@ -247,8 +306,9 @@ def _config(meta: dict[str, Any], tensors: dict[str, TensorView]) -> ModelConfig
 
 
 def _expert_values(row: Architecture, meta: dict[str, Any]) -> dict[str, Any]:
-    """The mixture-of-experts fields of `ModelConfig` from `{arch}.expert_*` metadata (none for a dense row)."""
-    if row.moe is None:
+    """The mixture-of-experts fields of `ModelConfig` from `{arch}.expert_*` metadata (none for a dense row, or a
+    file without experts of a row whose experts are optional)."""
+    if row.moe is None or row.moe.optional and f"{row.name}.expert_count" not in meta:
         return {}
     key = lambda name: int(_require(meta, f"{row.name}.{name}"))  # noqa: E731
     return {
@@ -336,74 +396,6 @@ def _yarn_attention_factor(row: Architecture, meta: dict[str, Any]) -> float:
     return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
-# Tensors a file may hold beyond the layout's own (read by `_rope_factors`, or the untied LM head).
-OPTIONAL_TENSORS = ("output.weight", "rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight")
-
-
-def expected_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Name -> row-major shape of every tensor `config`'s architecture reads (`[out, in]` for matrices)."""
-    row, h, d = config.arch, config.hidden_size, config.head_dim
-    q, kv = config.q_dim, config.kv_dim
-    qkv = {"attn_q": (q, h), "attn_k": (kv, h), "attn_v": (kv, h), "attn_qkv": (q + 2 * kv, h)}
-    layer = {"attn_norm.weight": (h,), "attn_output.weight": (h, q), row.ffn_norm + ".weight": (h,)}
-    layer |= {n + ".weight": qkv[n] for n in row.qkv_tensors}
-    if row.qkv_bias:
-        layer |= {n + ".bias": qkv[n][:1] for n in row.qkv_tensors}
-    if row.output_bias:
-        layer["attn_output.bias"] = (h,)
-    if row.attn_sinks:
-        layer["attn_sinks.weight"] = (config.num_heads,)
-    layer |= _ffn_tensors(config)
-    if row.qk_norm:
-        layer |= {"attn_q_norm.weight": (d,), "attn_k_norm.weight": (d,)}
-    if row.post_norms:
-        layer |= {"post_attention_norm.weight": (h,), "post_ffw_norm.weight": (h,)}
-    out = {"token_embd.weight": (config.vocab_size, h), "output_norm.weight": (h,)}
-    out |= {f"blk.{i}.{n}": shape for i in range(config.num_layers) for n, shape in layer.items()}
-    if not config.tie_word_embeddings:
-        out["output.weight"] = (config.vocab_size, h)
-    return out
-
-
-def _ffn_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """The FFN's tensors of one block: the dense gate/up/down, or the row's experts and router."""
-    row, h, f = config.arch, config.hidden_size, config.intermediate_size
-    if row.moe is None:
-        out = {n + ".weight": (f * 2 // len(row.gate_up_tensors), h) for n in row.gate_up_tensors}
-        return out | {"ffn_down.weight": (h, f)}
-    moe, e, fe = row.moe, config.num_experts, config.expert_intermediate_size
-    fs = config.shared_expert_intermediate_size
-    out = {n + ".weight": (e, fe * 2 // len(moe.expert_tensors), h) for n in moe.expert_tensors}
-    out |= {"ffn_gate_inp.weight": (e, h), "ffn_down_exps.weight": (e, h, fe)}
-    if moe.selection_bias:
-        out["exp_probs_b.bias"] = (e,)
-    if moe.biases:
-        out |= {n[: -len(".weight")] + ".bias": shape[:2] for n, shape in out.items() if n.endswith("_exps.weight")}
-        out["ffn_gate_inp.bias"] = (e,)
-    if moe.shared_expert:
-        out |= {"ffn_gate_shexp.weight": (fs, h), "ffn_up_shexp.weight": (fs, h), "ffn_down_shexp.weight": (h, fs)}
-    if moe.shared_expert_gate:
-        out["ffn_gate_inp_shexp.weight"] = (h,)
-    return out
-
-
-def _check_tensors(config: ModelConfig, tensors: dict[str, TensorView]) -> None:
-    expected = expected_tensors(config)
-    for name, shape in expected.items():
-        if name not in tensors:
-            raise ModelLoadError(f"tensor {name!r} is missing (architecture {config.architecture!r} reads it)")
-        if tensors[name].shape != shape:
-            raise ModelLoadError(f"tensor {name!r} has shape {list(tensors[name].shape)}, expected {list(shape)}")
-    for name in ("rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight"):
-        if name in tensors and tensors[name].shape != (config.head_dim // 2,):
-            raise ModelLoadError(f"tensor {name!r} has shape {list(tensors[name].shape)}, "
-                                 f"expected [{config.head_dim // 2}] (head_dim / 2)")
-    unused = sorted(set(tensors) - set(expected) - set(OPTIONAL_TENSORS))
-    if unused:
-        raise ModelLoadError(f"tensor {unused[0]!r} is not read by architecture {config.architecture!r}"
-                             f" ({len(unused)} such tensors); this file's layout is not supported")
-
-
 def header_cache_dir() -> Path:
     """$HYBRIDGATE_CACHE_DIR/gguf, default ~/.cache/hybridgate/gguf."""
     root = environment("HYBRIDGATE_CACHE_DIR") or Path.home() / ".cache" / "hybridgate"
@@ -466,5 +458,5 @@ def load_gguf(path: str | Path) -> GGUFModel:
     metadata, infos, mapping = _read_header(path)
     tensors = _tensor_views(infos, mapping)
     config = _config(metadata, tensors)
-    _check_tensors(config, tensors)
+    check_tensors(config, tensors)
     return GGUFModel(path=path, config=config, metadata=metadata, tensors=tensors, mapping=mapping)

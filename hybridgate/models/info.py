@@ -116,10 +116,12 @@ def _expert_lines(report: ModelReport) -> list[tuple[str, str]]:
     """The experts (count, active per token, shared) where the family has them, the pooling of an embedding
     model (`<arch>.pooling_type` other than none), and what a token reads."""
     model, lines = report.model, []
-    c, moe = model.config, model.config.arch.moe
+    c, moe = model.config, model.config.moe
     if moe is not None:
         shared = f"a shared expert of width {c.shared_expert_intermediate_size}" + \
             (" behind its own gate" if moe.shared_expert_gate else "") if moe.shared_expert else "no shared expert"
+        if moe.beside_dense:
+            shared += f", beside a dense FFN of width {'/'.join(map(str, sorted(set(c.layer_intermediate_sizes))))}"
         lines.append(("experts", f"{c.num_experts} per block, {c.experts_per_token} active per token "
                                  f"({moe.gating.value} gating{', renormalised' if moe.normalize else ''}), "
                                  f"width {c.expert_intermediate_size}{', with biases' if moe.biases else ''}, "

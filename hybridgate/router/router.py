@@ -131,7 +131,7 @@ class Router:
         self._unknown_log = RateLimitedLog(log)
         mc = self.model.config
         self.placer = Placer(make_policy(self.config.policy, self.config.ttft_slo_s, self.config.tpot_slo_s),
-                             self.fingerprint, kv_values_per_token=2 * mc.num_layers * mc.num_kv_heads * mc.head_dim,
+                             self.fingerprint, kv_values_per_token=mc.kv_values_per_token,
                              handoff_rate=self.handoff_metrics.rate)
 
     async def __aenter__(self) -> Router:

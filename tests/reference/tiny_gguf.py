@@ -31,6 +31,19 @@ def byte_level_alphabet() -> list[str]:
     return [chars[b] for b in range(256)]
 
 
+def add_byte_level_vocab(writer: gguf.GGUFWriter) -> None:
+    """`write_tiny_llama`'s 260-token byte-level BPE vocabulary (pre-tokenizer qwen2, BOS 1, EOS 2, no BOS
+    added) as `writer`'s tokenizer metadata."""
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + byte_level_alphabet() + ["Ġt"])
+    writer.add_token_types([3, 3, 3] + [1] * 257)
+    writer.add_token_merges(["Ġ t"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(False)
+
+
 def write_tiny_llama(
     path: Path,
     *,

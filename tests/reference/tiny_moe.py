@@ -15,7 +15,7 @@ import gguf
 import numpy as np
 import torch
 
-from tiny_gguf import _typed, byte_level_alphabet
+from tiny_gguf import _typed, add_byte_level_vocab
 
 VOCAB = 260
 
@@ -95,14 +95,7 @@ def write_moe_gguf(path: Path, arch: str, c, tensors: dict[str, np.ndarray], ext
         add(value)
     for key, value in extra.items():
         getattr(writer, f"add_{key}")(value)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + byte_level_alphabet() + ["Ġt"])
-    writer.add_token_types([3, 3, 3] + [1] * 257)
-    writer.add_token_merges(["Ġ t"])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_add_bos_token(False)
+    add_byte_level_vocab(writer)
     for name, values in tensors.items():
         if values.ndim == 1 or name.endswith((".bias", "ffn_gate_inp.weight")):
             writer.add_tensor(name, values)

@@ -69,20 +69,22 @@ def test_rope_and_store_in_both_layouts_with_per_layer_tables(layout, theta, sca
 
 
 @pytest.mark.parametrize(("bias", "norms"), [(True, False), (False, True), (True, True)])
-def test_qkv_prologue_adds_biases_then_norms_q_and_k_heads(bias, norms):
+@pytest.mark.parametrize("v_norm", [False, True])
+def test_qkv_prologue_adds_biases_then_norms_q_k_and_v_heads(bias, norms, v_norm):
     rng = np.random.default_rng(2)
     tokens, eps = 3, 1e-6
     qkv = rng.standard_normal((tokens, HEADS + 2 * KV_HEADS, DIM)).astype(np.float32) * 3
     b = rng.standard_normal((HEADS + 2 * KV_HEADS, DIM)).astype(np.float32) if bias else np.empty((0, DIM), np.float32)
     qn, kn = (rng.uniform(0.5, 1.5, (2, DIM)).astype(np.float32) if norms else np.empty((2, 0), np.float32))
+    vn = np.ones(DIM, np.float32) if v_norm else np.empty(0, np.float32)  # gemma4's V norm has no weight
     want = qkv.astype(np.float64) + (b if bias else 0)
-    if norms:
-        for lo, hi, w in ((0, HEADS, qn), (HEADS, HEADS + KV_HEADS, kn)):
-            part = want[:, lo:hi]
-            want[:, lo:hi] = part / np.sqrt((part**2).mean(-1, keepdims=True) + eps) * w
+    heads = ((0, HEADS, qn), (HEADS, HEADS + KV_HEADS, kn)) if norms else ()
+    for lo, hi, w in heads + (((HEADS + KV_HEADS, HEADS + 2 * KV_HEADS, 1.0),) if v_norm else ()):
+        part = want[:, lo:hi]
+        want[:, lo:hi] = part / np.sqrt((part**2).mean(-1, keepdims=True) + eps) * w
     for kernel in (cpu_model.qkv_prologue, cpu_model.qkv_prologue_serial):
         got = qkv.copy()
-        kernel(got, b, np.ascontiguousarray(qn), np.ascontiguousarray(kn), HEADS, eps)
+        kernel(got, b, np.ascontiguousarray(qn), np.ascontiguousarray(kn), vn, HEADS, eps)
         np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6)
 
 

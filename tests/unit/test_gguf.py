@@ -166,7 +166,7 @@ def _rename(path, old: bytes, new: bytes) -> None:
 
 @pytest.mark.parametrize(("arch", "error"), [
     ("mamba", r"general\.architecture 'mamba' is not supported "
-              r"\(supported: llama, qwen2, qwen3, gemma2, gemma3, phi3, qwen3moe, gpt-oss\)"),
+              r"\(supported: llama, qwen2, qwen3, gemma2, gemma3, gemma4, phi3, qwen3moe, gpt-oss\)"),
     ("qwen3", r"tensor 'blk\.0\.attn_q_norm\.weight' is missing \(architecture 'qwen3' reads it\)"),
     ("qwen2", r"tensor 'blk\.0\.attn_q\.bias' is missing \(architecture 'qwen2' reads it\)"),
 ])

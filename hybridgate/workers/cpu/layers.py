@@ -59,11 +59,12 @@ def _head_norm(qkv, t, h, weight, eps):
 
 
 @nb.njit(parallel=True, **_JIT)
-def qkv_prologue(qkv, bias, q_norm, k_norm, heads, eps):
+def qkv_prologue(qkv, bias, q_norm, k_norm, v_norm, heads, eps):
     """In place on the fused projection qkv float32 `[tokens, heads + 2 kv_heads, dim]`: add bias
     float32 `[heads + 2 kv_heads, dim]` (qwen2's Q, K and V biases; shape (0, dim): none), then RMSNorm
-    each Q head by q_norm and each K head by k_norm (float32 `[dim]`, qwen3 and gemma3; empty: none),
-    as llama.cpp applies them before RoPE (src/models/qwen3.cpp, gemma3.cpp)."""
+    each Q head by q_norm, each K head by k_norm and each V head by v_norm (float32 `[dim]`, qwen3 and
+    gemma3's Q/K norms, gemma4's weightless V norm as ones; empty: none), as llama.cpp applies them
+    before RoPE (src/models/qwen3.cpp, gemma3.cpp, gemma4.cpp)."""
     kv_heads = (qkv.shape[1] - heads) // 2
     for t in prange(qkv.shape[0]):
         if bias.shape[0]:
@@ -76,6 +77,9 @@ def qkv_prologue(qkv, bias, q_norm, k_norm, heads, eps):
         if k_norm.shape[0]:
             for h in range(heads, heads + kv_heads):
                 _head_norm(qkv, t, h, k_norm, eps)
+        if v_norm.shape[0]:
+            for h in range(heads + kv_heads, heads + 2 * kv_heads):
+                _head_norm(qkv, t, h, v_norm, eps)
 
 
 @nb.njit(parallel=True, **_JIT)

@@ -14,7 +14,7 @@ gate and up into another), so kernel calls per step do not grow with the batch:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from hybridgate.workers.cpu import isa
@@ -79,14 +79,16 @@ def import_kv_layer(k, v, table, k_blocks, v_cache):
                 v_cache[blk * bs + o, g, i] = kv_encode(v[t0 + o, g, i], v_cache)
 
 
-def rope_table(config: ModelConfig, theta: float, scale: float, max_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """float32 cos and sin `[max_len, head_dim / 2]` for RoPE base `theta` and position scale `scale`:
-    angle(p, i) = p · scale · theta^(-2i/d) / factor_i (Llama 3's `rope_freqs`, Phi-3's LongRoPE factors;
-    llama.cpp `freq_factors`), both times `rope_attn_factor`. Computed in float32 as transformers does."""
-    d = config.head_dim
+def rope_table(config: ModelConfig, theta: float, scale: float, max_len: int, dim: int = 0,
+               factors: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """float32 cos and sin `[max_len, d / 2]` for RoPE base `theta`, position scale `scale` and head size `dim`
+    (0: `head_dim`): angle(p, i) = p · scale · theta^(-2i/d) / factor_i (Llama 3's `rope_freqs`, Phi-3's LongRoPE
+    factors, Gemma 4's proportional RoPE; llama.cpp `freq_factors`, where `factors`), both times
+    `rope_attn_factor`. Computed in float32 as transformers does."""
+    d = dim or config.head_dim
     inv_freq = 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d))
     inv_freq = inv_freq.astype(np.float32)
-    if config.rope_freq_factors:
+    if factors and config.rope_freq_factors:
         inv_freq = inv_freq / np.asarray(config.rope_freq_factors, np.float32)
     if scale != 1.0:
         inv_freq = inv_freq * np.float32(scale)
@@ -103,15 +105,21 @@ KEEP_BUFFER_TOKENS = 64
 
 class StepBuffers(NamedTuple):
     """float32 arrays of one step's `tokens` rows, reused by every layer: each is overwritten before it is read
-    in a layer, and none of them leaves the step (the logits are their own array)."""
+    in a layer, and none of them leaves the step (the logits are their own array). Widths are the largest
+    layer's; a layer takes the leading elements as its own shape (`view`)."""
 
     normed: np.ndarray  # [tokens, hidden]: a sublayer's normed input
     qkv: np.ndarray  # [tokens, (heads + 2 kv_heads) · head_dim]: the fused projection
-    q: np.ndarray  # [tokens, heads, head_dim]: Q after RoPE
-    attn: np.ndarray  # [tokens, heads, head_dim]: attention's output, `wo`'s input
+    q: np.ndarray  # [tokens, heads · head_dim]: Q after RoPE
+    attn: np.ndarray  # [tokens, heads · head_dim]: attention's output, `wo`'s input
     proj: np.ndarray  # [tokens, hidden]: `wo`'s and `down`'s output, added to the residual
     gate_up: np.ndarray  # [tokens, 2 ffn]
     act: np.ndarray  # [tokens, ffn]: the gated activation, `down`'s input
+
+
+def view(buffer: np.ndarray, *shape: int) -> np.ndarray:
+    """The leading `prod(shape)` elements of a contiguous `buffer` as a contiguous array of `shape`."""
+    return buffer.reshape(-1)[: int(np.prod(shape))].reshape(shape)
 
 
 @dataclass(frozen=True, eq=False)
@@ -119,7 +127,7 @@ class CpuLayer:
     """One block's weights as the kernels take them; an absent part is an empty array or None."""
 
     attn_norm: np.ndarray  # float32 [hidden]
-    qkv: object  # matrix [q_dim + 2 kv_dim, hidden]: Q rows, K rows, V rows
+    qkv: object  # matrix [q_dim + 2 kv_dim, hidden]: Q rows, K rows, V rows (Q only: a layer sharing K/V)
     qkv_bias: np.ndarray  # float32 [heads + 2 kv_heads, head_dim]; (0, head_dim): none
     q_norm: np.ndarray  # float32 [head_dim]; (0,): none
     k_norm: np.ndarray  # float32 [head_dim]; (0,): none
@@ -135,14 +143,26 @@ class CpuLayer:
     cos: np.ndarray  # float32 [max_len, head_dim / 2], shared by layers of one RoPE base and scale
     sin: np.ndarray
     experts: CpuExperts | None = None  # the FFN's router and experts (`arch.moe`); None: dense
+    head_dim: int = 0  # this layer's (`ModelConfig.layer_head_dims`)
+    kv_heads: int = 0
+    qkv_heads: int = 0  # heads of the fused projection: Q, K and V, or Q alone where the layer shares K/V
+    owns_kv: bool = True  # False: it reads the KV cache of an earlier layer (`ModelConfig.layer_kv_source`)
+    ffn: int = 0  # the dense FFN's width
+    v_norm: np.ndarray = field(default_factory=lambda: np.empty(0, np.float32))  # float32 [head_dim] ones: gemma4
+    rope_pair: tuple[int, int] = (1, 0)  # (step, stride) of `rope_and_store` for this head size
+    output_scale: float = 1.0  # the block's output times this (`layer_output_scale`)
+    # (pre_ffw_norm_2, post_ffw_norm_1, post_ffw_norm_2), float32 [hidden] each: the experts' input and output
+    # norms and the dense FFN's output norm where they run side by side (`MixtureOfExperts.beside_dense`)
+    beside_norms: tuple | None = None
 
     @property
     def has_prologue(self) -> bool:
-        return bool(self.qkv_bias.size or self.q_norm.size or self.k_norm.size)
+        return bool(self.qkv_bias.size or self.q_norm.size or self.k_norm.size or self.v_norm.size)
 
     def arrays(self) -> list:
         """The arrays and matrices held (each has `nbytes`)."""
-        values = [getattr(self, f) for f in self.__dataclass_fields__ if f != "experts"]
+        values = [getattr(self, f) for f in self.__dataclass_fields__ if f not in ("experts", "beside_norms")]
+        values += list(self.beside_norms or ())
         return [v for v in values if hasattr(v, "nbytes")] + (self.experts.arrays() if self.experts else [])
 
 
@@ -154,22 +174,28 @@ def _vector(model: GGUFModel, name: str, shape: tuple[int, ...], present: bool) 
 
 
 def load_layer(model: GGUFModel, i: int, activations: str, rope: dict) -> CpuLayer:
-    """Block `i`'s weights, as its architecture row names them; `rope` maps (theta, scale) to tables."""
+    """Block `i`'s weights, as its architecture row names them; `rope` maps `ModelConfig.layer_rope` keys to
+    tables."""
     c, row = model.config, model.config.arch
-    p = f"blk.{i}."
-    heads, dim = c.num_heads + 2 * c.num_kv_heads, c.head_dim
-    bias = (np.concatenate([_vector(model, p + n + ".bias", (-1,), True) for n in row.qkv_tensors])
+    p, owns, moe = f"blk.{i}.", c.owns_kv(i), c.moe
+    dim, kv_heads = c.layer_head_dims[i], c.layer_kv_heads[i]
+    heads = c.num_heads + 2 * kv_heads if owns else c.num_heads
+    bias = (np.concatenate([_vector(model, p + n + ".bias", (-1,), True) for n in c.layer_qkv[i]])
             .reshape(heads, dim) if row.qkv_bias else np.empty((0, dim), np.float32))
     post = {n: _vector(model, p + n + ".weight", (c.hidden_size,), True) if row.post_norms else None
             for n in ("post_attention_norm", "post_ffw_norm")}
-    cos, sin = rope[(c.layer_rope_theta[i], c.layer_rope_scale[i])]
-    dense = row.moe is None
+    cos, sin = rope[c.layer_rope[i]]
+    dense = moe is None or moe.beside_dense
+    beside = None
+    if moe is not None and moe.beside_dense:
+        beside = tuple(_vector(model, p + n + ".weight", (c.hidden_size,), True)
+                       for n in ("pre_ffw_norm_2", "post_ffw_norm_1", "post_ffw_norm_2"))
     return CpuLayer(
         attn_norm=_vector(model, p + "attn_norm.weight", (c.hidden_size,), True),
-        qkv=tensor_matrix(model, [p + n + ".weight" for n in row.qkv_tensors], activations),
+        qkv=tensor_matrix(model, [p + n + ".weight" for n in c.layer_qkv[i]], activations),
         qkv_bias=bias,
         q_norm=_vector(model, p + "attn_q_norm.weight", (dim,), row.qk_norm),
-        k_norm=_vector(model, p + "attn_k_norm.weight", (dim,), row.qk_norm),
+        k_norm=_vector(model, p + "attn_k_norm.weight", (dim,), row.qk_norm and owns),
         wo=tensor_matrix(model, [p + "attn_output.weight"], activations),
         wo_bias=_vector(model, p + "attn_output.bias", (c.hidden_size,), row.output_bias),
         sinks=np.asarray(c.attention_sinks[i] if c.attention_sinks else (), np.float32),
@@ -181,7 +207,16 @@ def load_layer(model: GGUFModel, i: int, activations: str, rope: dict) -> CpuLay
         window=c.layer_windows[i],
         cos=cos,
         sin=sin,
-        experts=None if dense else load_experts(model, i, activations),
+        experts=None if moe is None else load_experts(model, i, activations),
+        head_dim=dim,
+        kv_heads=kv_heads,
+        qkv_heads=heads,
+        owns_kv=owns,
+        ffn=c.layer_intermediate_sizes[i],
+        v_norm=np.ones(dim, np.float32) if row.v_norm and owns else np.empty(0, np.float32),
+        rope_pair=ROPE_PAIRS[c.rope_layout](dim),
+        output_scale=c.layer_output_scales[i],
+        beside_norms=beside,
     )
 
 
@@ -194,18 +229,16 @@ class CpuModel:
 
     def __init__(self, model: GGUFModel, max_model_len: int | None = None, activations: str = "auto"):
         c = self.config = model.config
-        if c.head_dim % 16:
-            raise ValueError(f"model head_dim {c.head_dim}: the CPU runner needs a multiple of 16 (its vector width)")
-        if c.head_dim % 16:  # checked before any weight is copied (hybridgate info builds this to ask)
-            raise ValueError(f"model head_dim {c.head_dim}: the CPU runner needs a multiple of 16 (its vector width)")
+        for d in sorted(set(c.layer_head_dims)):  # checked before any weight is copied (hybridgate info asks)
+            if d % 16:
+                raise ValueError(f"model head_dim {d}: the CPU runner needs a multiple of 16 (its vector width)")
         self.max_model_len = max_model_len or c.max_model_len
-        rope = {key: rope_table(c, *key, self.max_model_len)
-                for key in sorted(set(zip(c.layer_rope_theta, c.layer_rope_scale)))}
+        rope = {key: rope_table(c, theta, scale, self.max_model_len, d, factors)
+                for key in sorted(set(c.layer_rope)) for theta, scale, d, factors in [key]}
         self.layers = [load_layer(model, i, activations, rope) for i in range(c.num_layers)]
         self.embed = tensor_matrix(model, ["token_embd.weight"], activations)
         self.lm_head = self.embed if c.tie_word_embeddings else tensor_matrix(model, ["output.weight"], activations)
         self.out_norm = model.tensors["output_norm.weight"].dequantize()
-        self.rope_pair = ROPE_PAIRS[c.rope_layout](c.head_dim)
         self.activation = GATED_ACTIVATIONS[c.arch.activation.value]
         self.kernel_calls = 0
         self._kept_buffers: StepBuffers | None = None
@@ -233,12 +266,12 @@ class CpuModel:
         if kept is not None and kept.normed.shape[0] == tokens:
             return kept
         c = self.config
-        qkv_width = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-        # every layer's (the file's shapes are checked against it at load); experts size their own per expert
-        ffn = c.intermediate_size if c.arch.moe is None else 0
-        new = StepBuffers(*(np.empty((tokens,) + shape, np.float32) for shape in (
-            (c.hidden_size,), (qkv_width,), (c.num_heads, c.head_dim), (c.num_heads, c.head_dim),
-            (c.hidden_size,), (2 * ffn,), (ffn,))))
+        qkv_width = max((c.num_heads + 2 * layer.kv_heads) * layer.head_dim for layer in self.layers)
+        q_width = c.num_heads * max(c.layer_head_dims)
+        # the largest layer's (the file's shapes are checked at load); experts size their own per expert
+        ffn = max(layer.ffn if layer.gate_up is not None else 0 for layer in self.layers)
+        new = StepBuffers(*(np.empty((tokens, width), np.float32) for width in (
+            c.hidden_size, qkv_width, q_width, q_width, c.hidden_size, 2 * ffn, ffn)))
         self._kept_buffers = new if tokens <= KEEP_BUFFER_TOKENS else None
         return new
 
@@ -294,50 +327,70 @@ class CpuModel:
                 proj += layer.wo_bias
             self._residual(x, proj, layer.post_attn_norm, serial)
             norm(x, layer.ffn_norm, c.rms_norm_eps, buf.normed)
-            self._residual(x, self._ffn(layer, buf, prompt, serial), layer.post_ffn_norm, serial)
+            self._residual(x, self._ffn(layer, buf, prompt, serial, x), layer.post_ffn_norm, serial)
+            if layer.output_scale != 1.0:
+                x *= np.float32(layer.output_scale)
             self.kernel_calls += 3
         return x
 
     def _attention(self, layer: CpuLayer, buf: StepBuffers, h: StepInputs, k_cache: np.ndarray,
                    v_cache: np.ndarray, serial: bool, contexts: tuple) -> np.ndarray:
         """The attention sublayer's input to `wo`, from the normed input in `buf.normed`: float32
-        `[tokens, heads · head_dim]` (a view of `buf.attn`); K/V stored."""
-        c = self.config
+        `[tokens, heads · head_dim]` (a view of `buf.attn`); K/V stored, unless the layer reads another
+        layer's (k_cache and v_cache are then that layer's: `layer.kv_source`)."""
+        c, d = self.config, layer.head_dim
         tokens = buf.normed.shape[0]
-        qkv = layer.qkv.matmul_prompt(buf.normed, h.prompt_rows, buf.qkv).reshape(
-            tokens, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
+        owns = layer.owns_kv
+        qkv = layer.qkv.matmul_prompt(buf.normed, h.prompt_rows, view(buf.qkv, tokens, layer.qkv_heads * d)).reshape(
+            tokens, layer.qkv_heads, d)
         if layer.has_prologue:
             (qkv_prologue_serial if serial else qkv_prologue)(qkv, layer.qkv_bias, layer.q_norm, layer.k_norm,
-                                                               c.num_heads, c.rms_norm_eps)
+                                                               layer.v_norm, c.num_heads, c.rms_norm_eps)
             self.kernel_calls += 1
+        # a layer without K/V of its own rotates Q alone: caches of no KV head take no keys
+        k_store = k_cache if owns else np.empty((1, 0, d, k_cache.shape[3]), k_cache.dtype)
+        v_store = v_cache if owns else np.empty((k_cache.shape[3], 0, d), v_cache.dtype)
+        q, attn = view(buf.q, tokens, c.num_heads, d), view(buf.attn, tokens, c.num_heads, d)
         (rope_and_store_serial if serial else rope_and_store)(qkv, h.positions, layer.cos, layer.sin,
-                                                              *self.rope_pair, h.slots, k_cache, v_cache, buf.q)
+                                                              *layer.rope_pair, h.slots, k_store, v_store, q)
         offset, start, length, slots, tiles = contexts
-        paged_attention(buf.q, k_cache, v_cache, offset, start, length, slots, tiles, np.float32(c.attention_scale),
-                        np.float32(c.attn_softcap), layer.sinks, buf.attn)
+        paged_attention(q, k_cache, v_cache, offset, start, length, slots, tiles, np.float32(c.attention_scale),
+                        np.float32(c.attn_softcap), layer.sinks, attn)
         self.kernel_calls += 3
-        return buf.attn.reshape(tokens, c.num_heads * c.head_dim)
+        return attn.reshape(tokens, c.num_heads * d)
 
-    def _ffn(self, layer: CpuLayer, buf: StepBuffers, prompt: np.ndarray, serial: bool) -> np.ndarray:
-        """The FFN sublayer's output float32 `[tokens, hidden]` (in `buf.proj`) from the normed input in
-        `buf.normed`: the dense gated FFN, or the experts the router chose (`moe.experts_ffn`)."""
-        if layer.experts is not None:
-            self.kernel_calls += experts_ffn(buf.normed, layer.experts, self.activation, buf.proj)
-            return buf.proj
-        gate_up = layer.gate_up.matmul_prompt(buf.normed, prompt, buf.gate_up)
-        self.activation[serial](gate_up, buf.act)
-        self.kernel_calls += 3
-        return layer.down.matmul_prompt(buf.act, prompt, buf.proj)
+    def _ffn(self, layer: CpuLayer, buf: StepBuffers, prompt: np.ndarray, serial: bool, x: np.ndarray) -> np.ndarray:
+        """The FFN sublayer's output float32 `[tokens, hidden]` from the normed input in `buf.normed`: the dense
+        gated FFN (in `buf.proj`), the experts the router chose (`moe.experts_ffn`), or both side by side, the
+        experts and their router reading the stream `x` through their own norms (`layer.beside_norms`)."""
+        tokens, dense = buf.normed.shape[0], None
+        if layer.gate_up is not None:
+            gate_up = layer.gate_up.matmul_prompt(buf.normed, prompt, view(buf.gate_up, tokens, 2 * layer.ffn))
+            act = view(buf.act, tokens, layer.ffn)
+            self.activation[serial](gate_up, act)
+            self.kernel_calls += 3
+            dense = layer.down.matmul_prompt(act, prompt, buf.proj)
+        if layer.experts is None:
+            return dense
+        experts, norms = layer.experts, layer.beside_norms
+        inputs = buf.normed if norms is None else self._norm(x, norms[0], serial)
+        router = self._norm(x, experts.router_scale, serial) if experts.router_scale.size else None
+        out = buf.proj if dense is None else np.empty_like(buf.proj)
+        self.kernel_calls += experts_ffn(inputs, experts, self.activation, out, router)
+        if dense is None:
+            return out
+        return self._norm(dense, norms[1], serial) + self._norm(out, norms[2], serial)
+
+    def _norm(self, x: np.ndarray, weight: np.ndarray, serial: bool) -> np.ndarray:
+        """A new float32 array: rms_norm(x) · weight over x's rows `[tokens, hidden]`."""
+        out = np.empty_like(x)
+        (rms_norm_serial if serial else rms_norm)(x, weight, self.config.rms_norm_eps, out)
+        self.kernel_calls += 1
+        return out
 
     def _residual(self, x: np.ndarray, y: np.ndarray, post_norm: np.ndarray | None, serial: bool) -> None:
         """x += y, or x += rms_norm(y) · post_norm where the architecture norms the sublayer's output."""
-        if post_norm is None:
-            x += y
-            return
-        normed = np.empty_like(y)
-        (rms_norm_serial if serial else rms_norm)(y, post_norm, self.config.rms_norm_eps, normed)
-        x += normed
-        self.kernel_calls += 1
+        x += y if post_norm is None else self._norm(y, post_norm, serial)
 
 
 CpuLlama = CpuModel  # the name of the llama-only forward this replaced

@@ -78,6 +78,9 @@ class CpuExperts:
     router_bias: np.ndarray = field(default_factory=lambda: np.empty(0, np.float32))  # [experts] on the logits
     gate_up_bias: np.ndarray = field(default_factory=lambda: np.empty((0, 0), np.float32))  # [experts, 2 expert_ffn]
     down_bias: np.ndarray = field(default_factory=lambda: np.empty((0, 0), np.float32))  # [experts, hidden]
+    # gemma4 (`MixtureOfExperts.router_input_norm`, `expert_scales`), float32; (0,): none
+    router_scale: np.ndarray = field(default_factory=lambda: np.empty(0, np.float32))  # [hidden]: scale / sqrt(hidden)
+    expert_scales: np.ndarray = field(default_factory=lambda: np.empty(0, np.float32))  # [experts]
 
     def arrays(self) -> list:
         """The matrices held (each has `nbytes`)."""
@@ -86,7 +89,8 @@ class CpuExperts:
 
     @property
     def nbytes(self) -> int:
-        biases = self.router_bias.nbytes + self.gate_up_bias.nbytes + self.down_bias.nbytes
+        biases = self.router_bias.nbytes + self.gate_up_bias.nbytes + self.down_bias.nbytes + \
+            self.router_scale.nbytes + self.expert_scales.nbytes
         return sum(m.nbytes for m in self.arrays()) + self.bias.nbytes + self.shared_gate.nbytes + biases
 
 
@@ -100,7 +104,7 @@ def _slices(model: GGUFModel, name: str, experts: int) -> list[tuple[int, np.nda
 def load_experts(model: GGUFModel, i: int, activations: str) -> CpuExperts:
     """Block `i`'s router and experts (`MixtureOfExperts` tensor names), in the file's quantization."""
     c = model.config
-    moe, e, p = c.arch.moe, c.num_experts, f"blk.{i}."
+    moe, e, p = c.moe, c.num_experts, f"blk.{i}."
     parts = [_slices(model, p + n + ".weight", e) for n in moe.expert_tensors]
     bias = model.tensors[p + "exp_probs_b.bias"].dequantize().reshape(-1) if moe.selection_bias else \
         np.empty(0, np.float32)
@@ -112,8 +116,12 @@ def load_experts(model: GGUFModel, i: int, activations: str) -> CpuExperts:
         if moe.shared_expert_gate:
             shared["shared_gate"] = np.ascontiguousarray(
                 model.tensors[p + "ffn_gate_inp_shexp.weight"].dequantize().reshape(-1), np.float32)
+    vector = lambda name: np.ascontiguousarray(model.tensors[p + name].dequantize(), np.float32)  # noqa: E731
+    if moe.router_input_norm:
+        shared["router_scale"] = vector("ffn_gate_inp.scale") / np.float32(np.sqrt(c.hidden_size))
+    if moe.expert_scales:
+        shared["expert_scales"] = vector("ffn_down_exps.scale")
     if moe.biases:
-        vector = lambda name: np.ascontiguousarray(model.tensors[p + name].dequantize(), np.float32)  # noqa: E731
         shared |= {"router_bias": vector("ffn_gate_inp.bias").reshape(-1),
                    "gate_up_bias": np.concatenate([vector(n + ".bias") for n in moe.expert_tensors], axis=1),
                    "down_bias": vector("ffn_down_exps.bias")}
@@ -131,17 +139,22 @@ def load_experts(model: GGUFModel, i: int, activations: str) -> CpuExperts:
     )
 
 
-def experts_ffn(x: np.ndarray, experts: CpuExperts, activation: tuple, out: np.ndarray) -> int:
-    """out = each token's chosen experts' weighted sum of down_e(act(gate_e x) · up_e x); returns kernel calls.
+def experts_ffn(x: np.ndarray, experts: CpuExperts, activation: tuple, out: np.ndarray,
+                router_input: np.ndarray | None = None) -> int:
+    """out = each token's chosen experts' weighted sum of down_e(act(gate_e x) · up_e x) (times each expert's
+    scale where there are `expert_scales`); returns kernel calls.
 
     x float32 `[tokens, hidden]` (the normed FFN input), out float32 `[tokens, hidden]`; activation: the
-    (parallel, serial) gated-activation kernels (`layers.GATED_ACTIVATIONS`). Experts are added in index
+    (parallel, serial) gated-activation kernels (`layers.GATED_ACTIVATIONS`); router_input: what the router
+    reads where it is not x (gemma4's normed residual), float32 `[tokens, hidden]`. Experts are added in index
     order, each token's sum the same whatever its batch mates.
     """
-    logits = experts.router.matmul(x)
+    logits = experts.router.matmul(x if router_input is None else router_input)
     if experts.router_bias.size:
         logits += experts.router_bias
     weights, chosen = route(logits, experts.moe, experts.k, experts.scale, experts.bias)
+    if experts.expert_scales.size:
+        weights = weights * experts.expert_scales[chosen]
     flat = chosen.reshape(-1)  # [tokens · k]
     order = np.argsort(flat, kind="stable")  # the (token, slot) pairs grouped by expert
     counts = np.bincount(flat, minlength=len(experts.gate_up))

@@ -104,7 +104,7 @@ class NumbaRunner:
         self._logprobs: dict[Sequence, TokenLogprobs] = {}  # of the last execute (take_logprobs)
         self._pooled: dict[Sequence, np.ndarray] = {}  # of the last execute (take_pooled)
         self.block_size = block_size
-        self.block_bytes = 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * self.kv_dtype.itemsize
+        self.block_bytes = block_size * c.kv_values_per_token * self.kv_dtype.itemsize
         self.num_blocks = num_blocks_for(kv_cache_memory, self.block_bytes, host_available_bytes(), gpu=False)
         if max_num_blocks is not None:
             self.num_blocks = min(self.num_blocks, max_num_blocks)
@@ -113,12 +113,13 @@ class NumbaRunner:
         blocks = self.num_blocks + 1  # the last block is scratch for padding reads
         # Keys transposed within each block (16 keys per vector in the score kernel), values by slot.
         store = self.kv_dtype.storage
-        self.k_cache = [np.empty((blocks, c.num_kv_heads, c.head_dim, block_size), store)
-                        for _ in range(c.num_layers)]
-        self.v_cache = [np.empty((blocks * block_size, c.num_kv_heads, c.head_dim), store)
-                        for _ in range(c.num_layers)]
+        # Only the layers that own K/V have a cache; a layer sharing another's holds that layer's arrays.
+        ks = {i: np.empty((blocks, c.layer_kv_heads[i], c.layer_head_dims[i], block_size), store) for i in c.kv_layers}
+        vs = {i: np.empty((blocks * block_size, c.layer_kv_heads[i], c.layer_head_dims[i]), store) for i in c.kv_layers}
+        self.k_cache = [ks[j] for j in c.layer_kv_source]
+        self.v_cache = [vs[j] for j in c.layer_kv_source]
         self.scratch_slot = self.num_blocks * block_size
-        for k, v in zip(self.k_cache, self.v_cache):
+        for k, v in zip(ks.values(), vs.values()):
             # Zeroed (so resident) now: a first write to a fresh page costs a fault, which would
             # otherwise land on the steps, and KV hand-off imports, that first use each block.
             k.fill(0)

@@ -31,26 +31,32 @@ from dataclasses import dataclass
 import torch
 
 from hybridgate.models import ModelConfig
-from hybridgate.workers.gpu.layers import causal_sdpa, layer_sinks, sdpa, window_start
+from hybridgate.workers.gpu.layers import causal_sdpa, layer_kv, layer_sinks, sdpa, window_start
 
 
 class PagedKVCache:
-    """K and V slots for every layer on `device`, and each layer's attention sinks (float32 `[heads]`, or
-    None per layer when the model has none), made once here: a captured CUDA graph may copy nothing from
-    the host."""
+    """K and V slots on `device` for every layer that owns K/V, each `[slots, kv_heads, head_dim]` of its own
+    shape; a layer that shares another's K/V holds that layer's tensors (`layers.layer_kv`). Also each layer's
+    attention sinks (float32 `[heads]`, or None per layer when the model has none), made once here: a captured
+    CUDA graph may copy nothing from the host."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype):
         self.config, self.num_blocks, self.block_size = config, num_blocks, block_size
-        shape = (num_blocks * block_size, config.num_kv_heads, config.head_dim)
-        self.k = [torch.empty(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
-        self.v = [torch.empty(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
+        make = lambda i: torch.empty(  # noqa: E731
+            (num_blocks * block_size, config.layer_kv_heads[i], config.layer_head_dims[i]), device=device, dtype=dtype)
+        self.k, self.v = layer_kv(config, make, make)
         self.sinks = [layer_sinks(config, layer, device) for layer in range(config.num_layers)]
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """Every K and V tensor allocated, each once."""
+        return [t for i in self.config.kv_layers for t in (self.k[i], self.v[i])]
 
     @staticmethod
     def block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        """Bytes of one block across all layers, K and V."""
+        """Bytes of one block across the layers that own K/V, K and V."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * itemsize
+        return block_size * config.kv_values_per_token * itemsize
 
 
 @dataclass
@@ -148,7 +154,8 @@ class KernelAttention:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kc, vc, step, c = self.cache.k[layer], self.cache.v[layer], self.step, self.cache.config
-        self._kernels.write_kv(k, v, kc, vc, step.slots)
+        if k is not None:  # None: a layer reading `layer`'s K/V
+            self._kernels.write_kv(k, v, kc, vc, step.slots)
         return self._kernels.paged_attention(q, kc, vc, step.block_tables, step.seq_lens, step.q_starts,
                                              step.max_q_len, self.cache.block_size, c.attention_scale,
                                              c.attn_softcap, c.layer_windows[layer], step.num_splits,
@@ -168,8 +175,9 @@ class PagedAttention:
         kc, vc, step, c = self.cache.k[layer], self.cache.v[layer], self.step, self.cache.config
         window = c.layer_windows[layer]
         self._sinks = self.cache.sinks[layer]
-        kc.index_copy_(0, step.slots, k)
-        vc.index_copy_(0, step.slots, v)
+        if k is not None:  # None: a layer reading `layer`'s K/V
+            kc.index_copy_(0, step.slots, k)
+            vc.index_copy_(0, step.slots, v)
         if step.decode_rows is not None and not step.prefills and step.decode_rows.shape[0] == q.shape[0]:
             return self._decode(q, kc, vc, window)  # all decodes: rows are 0..n-1 in order
         out = torch.empty_like(q)  # [num_tokens, heads, head_dim]

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridgate.models import GGUFModel, ModelConfig
-from hybridgate.workers.gpu.layers import ACTIVATIONS, causal_sdpa, layer_sinks, softcap
+from hybridgate.workers.gpu.layers import ACTIVATIONS, causal_sdpa, layer_kv, layer_sinks, rms_norm, softcap
 from hybridgate.workers.gpu.moe import experts_ffn, route, shared_expert
 from hybridgate.workers.gpu.ops import EagerOps, FusedOps
 
@@ -69,35 +69,46 @@ class LayerWeights:
     shared_gate_up: torch.Tensor | None = None  # [hidden, 2 * shared_ffn]: the shared expert's gate then up columns
     shared_down: torch.Tensor | None = None  # [shared_ffn, hidden]
     shared_gate: torch.Tensor | None = None  # [hidden] float32: sigmoid(h · it) scales the shared expert
+    v_norm: torch.Tensor | None = None  # [head_dim] ones: V's weightless RMSNorm (gemma4)
+    output_scale: float = 1.0  # the block's output times this (`layer_output_scale`; folded into post_ffn_norm)
+    # the dense FFN beside the experts (gemma4, `MixtureOfExperts.beside_dense`): its output norm and the
+    # experts' input and output norms, each [hidden]
+    post_ffn_norm_1: torch.Tensor | None = None
+    pre_ffn_norm_2: torch.Tensor | None = None
+    post_ffn_norm_2: torch.Tensor | None = None
+    router_scale: torch.Tensor | None = None  # [hidden] float32: `ffn_gate_inp.scale` / sqrt(hidden) on rms_norm(x)
+    expert_scales: torch.Tensor | None = None  # [experts] float32: each expert's output times its scale
 
 
 class Attention(Protocol):
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Store k, v `[num_tokens, kv_heads, head_dim]` and attend q `[num_tokens, heads, head_dim]`."""
+        """Store k, v `[num_tokens, kv_heads, head_dim]` and attend q `[num_tokens, heads, head_dim]` over layer
+        `layer`'s cache; k and v None: attend over what that layer stored (a layer sharing its K/V)."""
 
 
 class ContiguousKVCache:
-    """One sequence's keys and values: `[layers, capacity, kv_heads, head_dim]`, grown by doubling."""
+    """One sequence's keys and values, per layer `[capacity, kv_heads, head_dim]` (the layer's), grown by
+    doubling; a layer that shares another's K/V holds that layer's tensors (`layers.layer_kv`)."""
 
     def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype, capacity: int = 64):
         self.config = config
-        shape = (config.num_layers, capacity, config.num_kv_heads, config.head_dim)
-        self.k = torch.empty(shape, device=device, dtype=dtype)
-        self.v = torch.empty(shape, device=device, dtype=dtype)
+        make = lambda i: torch.empty((capacity, config.layer_kv_heads[i], config.layer_head_dims[i]),  # noqa: E731
+                                     device=device, dtype=dtype)
+        self.k, self.v = layer_kv(config, make, make)
         self.length = 0  # tokens committed by finished forward passes
 
     def reserve(self, tokens: int) -> None:
-        capacity = self.k.shape[1]
+        capacity = self.k[0].shape[0]
         if tokens <= capacity:
             return
         while capacity < tokens:
             capacity *= 2
-        grow = lambda t: torch.cat([t, t.new_empty(t.shape[0], capacity - t.shape[1], *t.shape[2:])], 1)  # noqa: E731
-        self.k, self.v = grow(self.k), grow(self.v)
+        grow = lambda t: torch.cat([t, t.new_empty(capacity - t.shape[0], *t.shape[1:])])  # noqa: E731
+        self.k, self.v = layer_kv(self.config, lambda i: grow(self.k[i]), lambda i: grow(self.v[i]))
 
     @property
     def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
+        return sum(self.k[i].numel() * self.k[i].element_size() * 2 for i in self.config.kv_layers)
 
 
 class ContiguousAttention:
@@ -111,9 +122,10 @@ class ContiguousAttention:
         start = 0
         for n, cache in zip(self.seq_lens, self.caches):
             c, past, end = cache.config, cache.length, start + n
-            cache.k[layer, past : past + n] = k[start:end]
-            cache.v[layer, past : past + n] = v[start:end]
-            out[start:end] = causal_sdpa(q[start:end], cache.k[layer, : past + n], cache.v[layer, : past + n], past,
+            if k is not None:  # None: a layer reading another's K/V (`layer` is that one)
+                cache.k[layer][past : past + n] = k[start:end]
+                cache.v[layer][past : past + n] = v[start:end]
+            out[start:end] = causal_sdpa(q[start:end], cache.k[layer][: past + n], cache.v[layer][: past + n], past,
                                          c.layer_windows[layer], c.attention_scale, c.attn_softcap,
                                          layer_sinks(c, layer, q.device))
             start = end
@@ -152,10 +164,10 @@ class DecoderModel:
         self.layers = [self._layer(i) for i in range(config.num_layers)]
         del self._load
         self.ops = FusedOps(config) if fused else EagerOps(config)
-        # One inverse-frequency table per distinct (base, position scale); each layer names its own.
-        ropes = list(dict.fromkeys(zip(config.layer_rope_theta, config.layer_rope_scale)))
-        self.layer_rope = tuple(ropes.index(r) for r in zip(config.layer_rope_theta, config.layer_rope_scale))
-        self.rope_tables = [(self._inv_freq(theta), scale) for theta, scale in ropes]
+        # One inverse-frequency table per distinct (base, position scale, head size, factors); each layer names its own.
+        ropes = list(dict.fromkeys(config.layer_rope))
+        self.layer_rope = tuple(ropes.index(r) for r in config.layer_rope)
+        self.rope_tables = [(self._inv_freq(theta, d, factors), scale) for theta, scale, d, factors in ropes]
 
     def _put(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device, self.dtype).contiguous()
@@ -164,14 +176,14 @@ class DecoderModel:
         c, row = self.config, self.config.arch
         w = lambda n, kind="weight": self._load(f"blk.{i}.{n}.{kind}")  # noqa: E731
         put_t = lambda t: self._put(t.t())  # noqa: E731  [out, in] -> [in, out]
-        qk_norm = None
+        qk_norm, owns = None, c.owns_kv(i)
         if row.qk_norm:  # per-head weights laid out as the joint Q|K heads they scale
-            qk_norm = self._put(self._cat([w("attn_q_norm").expand(c.num_heads, -1),
-                                           w("attn_k_norm").expand(c.num_kv_heads, -1)]))
-        dense = row.moe is None
+            k_norm = [w("attn_k_norm").expand(c.layer_kv_heads[i], -1)] if owns else []
+            qk_norm = self._put(self._cat([w("attn_q_norm").expand(c.num_heads, -1)] + k_norm))
+        dense = c.moe is None or c.moe.beside_dense
         return LayerWeights(
             attn_norm=self._put(w("attn_norm")),
-            w_qkv=put_t(self._cat([w(n) for n in row.qkv_tensors])),
+            w_qkv=put_t(self._cat([w(n) for n in c.layer_qkv[i]])),
             wo=put_t(w("attn_output")),
             ffn_norm=self._put(w(row.ffn_norm)),
             w_gate_up=put_t(self._cat([w(n) for n in row.gate_up_tensors])) if dense else None,
@@ -180,9 +192,17 @@ class DecoderModel:
             bo=self._put(w("attn_output", "bias")) if row.output_bias else None,
             qk_norm=qk_norm,
             post_attn_norm=self._put(w("post_attention_norm")) if row.post_norms else None,
-            post_ffn_norm=self._put(w("post_ffw_norm")) if row.post_norms else None,
-            **({} if dense else self._experts(i)),
+            post_ffn_norm=self._scaled(self._put(w("post_ffw_norm")), c.layer_output_scales[i])
+            if row.post_norms else None,
+            v_norm=self._put(torch.ones(c.layer_head_dims[i])) if row.v_norm and owns else None,
+            output_scale=c.layer_output_scales[i],
+            **({} if c.moe is None else self._experts(i)),
         )
+
+    def _scaled(self, t: torch.Tensor, scale: float) -> torch.Tensor:
+        """t times `scale`; t itself at 1, and on the meta device (shapes only: meta arithmetic imports
+        torch._dynamo, seconds of `hybridgate info`, see `_cat`)."""
+        return t if scale == 1.0 or self.device.type == "meta" else t * scale
 
     def _cat(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """`torch.cat(parts)` along rows. On the meta device the result's shape alone, checked as cat checks
@@ -198,7 +218,7 @@ class DecoderModel:
     def _experts(self, i: int) -> dict[str, torch.Tensor | None]:
         """Block `i`'s router (float32: the choice of experts is made in float32, as transformers does) and
         experts, transposed to `[experts, in, out]`."""
-        moe = self.config.arch.moe
+        c, moe = self.config, self.config.moe
         w = lambda n, kind="weight": self._load(f"blk.{i}.{n}.{kind}")  # noqa: E731
         put_t = lambda t: self._put(t.transpose(-1, -2))  # noqa: E731
         f32 = lambda t: t.to(self.device, torch.float32).contiguous()  # noqa: E731
@@ -216,24 +236,31 @@ class DecoderModel:
             out |= {"shared_gate_up": put_t(torch.cat([w("ffn_gate_shexp"), w("ffn_up_shexp")])),
                     "shared_down": put_t(w("ffn_down_shexp")),
                     "shared_gate": f32(w("ffn_gate_inp_shexp")) if moe.shared_expert_gate else None}
+        if moe.beside_dense:
+            out |= {name: self._put(w(tensor)) for name, tensor in (
+                ("post_ffn_norm_1", "post_ffw_norm_1"), ("pre_ffn_norm_2", "pre_ffw_norm_2"),
+                ("post_ffn_norm_2", "post_ffw_norm_2"))}
+        if moe.router_input_norm:
+            out["router_scale"] = self._scaled(f32(w("ffn_gate_inp", "scale")), c.hidden_size ** -0.5)
+        if moe.expert_scales:
+            out["expert_scales"] = f32(w("ffn_down_exps", "scale"))
         return out
 
-    def _inv_freq(self, theta: float) -> torch.Tensor:
-        """float32 `[head_dim / 2]`: theta^(-2i/d) as transformers computes it, over the file's frequency
-        divisors (Llama 3 `rope_freqs`, Phi-3 LongRoPE factors; llama.cpp's `freq_factors`)."""
-        d = self.config.head_dim
+    def _inv_freq(self, theta: float, d: int, factors: bool) -> torch.Tensor:
+        """float32 `[d / 2]`: theta^(-2i/d) as transformers computes it, over the file's frequency divisors
+        where `factors` (Llama 3 `rope_freqs`, Phi-3 LongRoPE factors; llama.cpp's `freq_factors`)."""
         # On the meta device (shapes only) the table is made on the CPU: meta arithmetic runs torch's Python
         # reference kernels, whose first call imports torch._dynamo (seconds of `hybridgate info`).
         device = torch.device("cpu") if self.device.type == "meta" else self.device
         inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
-        if self.config.rope_freq_factors:
+        if factors:
             inv = inv / torch.tensor(self.config.rope_freq_factors, dtype=torch.float32, device=device)
         return inv.to(self.device)
 
     @property
     def weight_bytes(self) -> int:
         tensors = [self.embed, self.out_norm] + ([] if self.lm_head is self.embed else [self.lm_head])
-        tensors += [t for layer in self.layers for t in vars(layer).values() if t is not None]
+        tensors += [t for layer in self.layers for t in vars(layer).values() if isinstance(t, torch.Tensor)]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def new_cache(self, capacity: int = 64) -> ContiguousKVCache:
@@ -315,40 +342,54 @@ class DecoderModel:
     def _decoder_layer(self, i: int, layer: LayerWeights, out: torch.Tensor, residual: torch.Tensor | None,
                        rope: tuple[torch.Tensor, torch.Tensor], attention: Attention):
         """(this layer's FFN output, the residual stream before it is added), both `[num_tokens, hidden]`:
-        the previous sublayer's `out` is added (through its post norm) by the norm that follows it."""
+        the previous sublayer's `out` is added (through its post norm) by the norm that follows it. A layer's
+        output scale multiplies the stream here and the FFN output through its post norm's folded weight."""
         c = self.config
-        q_dim, kv_dim, heads = c.q_dim, c.kv_dim, c.num_heads + c.num_kv_heads
+        d, kv_heads, heads = c.layer_head_dims[i], c.layer_kv_heads[i], c.num_heads
+        owns = c.owns_kv(i)
+        q_dim, kv_dim = heads * d, kv_heads * d if owns else 0
         before = self.layers[i - 1].post_ffn_norm if i else None
         h, residual = self.ops.add_norm(out, residual, layer.attn_norm, before)
         qkv = h @ layer.w_qkv  # [num_tokens, q_dim + 2 * kv_dim]
         if layer.b_qkv is not None:
             qkv = qkv + layer.b_qkv
-        qk = qkv[:, : q_dim + kv_dim].reshape(-1, heads, c.head_dim)  # [num_tokens, heads + kv_heads, head_dim]
+        qk = qkv[:, : q_dim + kv_dim].reshape(-1, q_dim // d + kv_dim // d, d)  # [num_tokens, heads + kv_heads, d]
         qk = self.ops.rope(qk, *rope, layer.qk_norm)
-        q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]  # [num_tokens, heads | kv_heads, head_dim]
-        v = qkv[:, q_dim + kv_dim :].reshape(-1, c.num_kv_heads, c.head_dim)
-        out = attention(i, q, k, v).reshape(-1, q_dim) @ layer.wo
+        q, k = qk[:, :heads], qk[:, heads:] if owns else None  # [num_tokens, heads | kv_heads, d]
+        v = qkv[:, q_dim + kv_dim :].reshape(-1, kv_heads, d) if owns else None
+        if layer.v_norm is not None:
+            v = rms_norm(v, layer.v_norm, c.rms_norm_eps)
+        out = attention(c.layer_kv_source[i], q, k, v).reshape(-1, q_dim) @ layer.wo
         if layer.bo is not None:
             out = out + layer.bo
         h, residual = self.ops.add_norm(out, residual, layer.ffn_norm, layer.post_attn_norm)
-        return self._ffn(layer, h), residual
+        out = self._ffn(layer, h, residual)
+        return out, residual if layer.output_scale == 1.0 else residual * layer.output_scale
 
-    def _ffn(self, layer: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+    def _ffn(self, layer: LayerWeights, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """The gated FFN of normed `h` `[num_tokens, hidden]`: dense, or the chosen experts' weighted sum (their
-        activation as torch ops: `ACTIVATIONS`)."""
+        activation as torch ops: `ACTIVATIONS`), or both side by side, each through its own norms, the experts
+        reading `residual` (the stream after attention) through theirs (`MixtureOfExperts.beside_dense`)."""
+        dense = None if layer.w_gate_up is None else self.ops.act_mul(h @ layer.w_gate_up) @ layer.w_down
         if layer.router is None:
-            return self.ops.act_mul(h @ layer.w_gate_up) @ layer.w_down
-        c = self.config
+            return dense
+        c, eps = self.config, self.config.rms_norm_eps
         act = ACTIVATIONS[c.arch.activation]
-        logits = h.float() @ layer.router
+        x = h if layer.pre_ffn_norm_2 is None else rms_norm(residual, layer.pre_ffn_norm_2, eps)
+        router_in = h.float() if layer.router_scale is None else rms_norm(residual.float(), layer.router_scale, eps)
+        logits = router_in @ layer.router
         if layer.router_logit_bias is not None:
             logits = logits + layer.router_logit_bias
-        weights, experts = route(logits, c.arch.moe, c.experts_per_token, c.expert_weight_scale, layer.router_bias)
-        out = experts_ffn(h, weights, experts, layer.experts_gate_up, layer.experts_down, act,
+        weights, experts = route(logits, c.moe, c.experts_per_token, c.expert_weight_scale, layer.router_bias)
+        if layer.expert_scales is not None:
+            weights = weights * layer.expert_scales[experts]
+        out = experts_ffn(x, weights, experts, layer.experts_gate_up, layer.experts_down, act,
                           layer.experts_gate_up_bias, layer.experts_down_bias)
-        if layer.shared_gate_up is None:
+        if layer.shared_gate_up is not None:
+            out = out + shared_expert(x, layer.shared_gate_up, layer.shared_down, layer.shared_gate, act)
+        if dense is None:
             return out
-        return out + shared_expert(h, layer.shared_gate_up, layer.shared_down, layer.shared_gate, act)
+        return rms_norm(dense, layer.post_ffn_norm_1, eps) + rms_norm(out, layer.post_ffn_norm_2, eps)
 
     def _rope(self, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin `[num_tokens, head_dim / 2]` in the model's dtype, times the config's attention factor."""

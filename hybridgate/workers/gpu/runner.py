@@ -114,7 +114,7 @@ class TorchRunner:
         # Graphs over the Triton kernels only (graphs.py: why); the experts' FFN reads its per-expert counts on
         # the host (`gpu.moe`): no graph can hold it.
         captures = (dev.type == "cuda" and not enforce_eager and self.attention == "triton"
-                    and model.config.arch.moe is None)
+                    and model.config.moe is None)
         if memory is None and kv_cache_memory is None and dev.type == "cuda":
             memory = CudaMemory(dev)
         self.budget = ""  # the budget's parts, on the start-up line (vLLM's rule only)
@@ -155,7 +155,7 @@ class TorchRunner:
         # One extra block beyond the allocator's: padding rows of captured decode graphs write there.
         self.cache = PagedKVCache(self.model.config, num_blocks + 1, self.block_size, dev, self.model.dtype)
         self.scratch_slot = num_blocks * self.block_size
-        for t in self.cache.k + self.cache.v:
+        for t in self.cache.tensors:
             # Padding reads these (masked): uninitialized memory could hold NaN, and 0 * NaN is NaN.
             # Block gathers also read the unused tail of each last block, so zero everything then.
             (t if self.block_gather else t[self.scratch_slot :]).zero_()
