@@ -122,11 +122,13 @@ def test_an_explicit_kv_cache_memory_wins_over_the_utilization(tmp_path):
 
 
 def _exporter(max_model_len: int, buffer_memory: int = 256 * MiB, notify=lambda event: None):
+    from hybridgate.bench.shapes import SHAPES
     from hybridgate.workers.gpu.attention import PagedKVCache
     from hybridgate.workers.gpu.export import KVExporter
 
     # Llama-3.2-1B: 16 layers, 8 KV heads of 64, bf16 (a token's K and V of one layer: 2 KiB).
-    config = SimpleNamespace(num_layers=16, num_kv_heads=8, head_dim=64, attention_sinks=())
+    config = SHAPES["llama-3.2-1b"].config()
+    assert (config.num_layers, config.num_kv_heads, config.head_dim) == (16, 8, 64)
     cache = PagedKVCache(config, 4, 16, torch.device("cpu"), torch.bfloat16)
     fake = SimpleNamespace(cache=cache, max_model_len=max_model_len, model=SimpleNamespace(device=torch.device("cpu")))
     ctx = zmq.Context()
