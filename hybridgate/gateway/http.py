@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from hybridgate.gateway import openai_api as api
 from hybridgate.gateway.admission import Admission
 from hybridgate.gateway.errors import DRAINING, DRAINING_RETRY_S, HTTP_OF, ROUTER_ERRORS, status_of
-from hybridgate.gateway.http_guard import HttpGuard
+from hybridgate.gateway.http_guard import SERVER_SEND, HttpGuard
 from hybridgate.gateway.metrics import GatewayMetrics
 from hybridgate.gateway.models import ModelNotFoundError, ModelTable, ServedModel
 from hybridgate.gateway.openai_format import ChoiceState, Formatter
@@ -314,9 +314,17 @@ class OpenAIApp:
         try:
             for chunk in chunks.opening():
                 yield chunk
-            async for state, delta in run.deltas():
-                for chunk in chunks.delta(state, delta):
-                    yield chunk
+            if len(run.states) == 1:  # one choice: its stream read here, with no generator between
+                state = run.states[0]
+                async for delta in state.stream:
+                    run.observe(state, delta)
+                    state.add(delta)
+                    for chunk in chunks.delta(state, delta):
+                        yield chunk
+            else:
+                async for state, delta in run.deltas():
+                    for chunk in chunks.delta(state, delta):
+                        yield chunk
             for chunk in chunks.closing():
                 yield chunk
         except ROUTER_ERRORS as exc:
@@ -355,17 +363,31 @@ def _with_seed(params, seed: int):
 
 class _EventStream(StreamingResponse):
     """A StreamingResponse that runs `release` however it ends: also when the client went away before
-    the body was first read (then the body's generator never started, so its `finally` cannot)."""
+    the body was first read (then the body's generator never started, so its `finally` cannot).
+    Its chunks (bytes) go to the server's own `send` (http_guard.SERVER_SEND) when the scope has it: the
+    response's start and end still go through the app's middleware, which notes only those."""
 
     def __init__(self, content, release, **kwargs):
         super().__init__(content, **kwargs)
         self._release = release
+        self._server_send = None
 
     async def __call__(self, scope, receive, send) -> None:
+        self._server_send = scope.get(SERVER_SEND)
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self._release()
+
+    async def stream_response(self, send) -> None:
+        if self._server_send is None:
+            await super().stream_response(send)
+            return
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        chunk_send = self._server_send
+        async for chunk in self.body_iterator:
+            await chunk_send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 class _Run:
@@ -378,7 +400,6 @@ class _Run:
         self.door, self.states, self.served = door, states, served
         self.series = door.metrics.of(served.name)
         self.cost = (0, 0)  # admission's (max_tokens, slots), given back by `release` (streams)
-        self._last: dict[int, float] = {}  # choice index → when its last delta came (the ITL)
         self._released = False
         self._queue: asyncio.Queue = asyncio.Queue(RUN_QUEUE_PER_CHOICE * len(states))
         self._tasks: list[asyncio.Task] = []
@@ -403,18 +424,18 @@ class _Run:
         if len(self.states) > 1:
             self._tasks = [asyncio.create_task(self._pump(s)) for s in self.states]
 
-    def _observe(self, state: ChoiceState, delta) -> None:
-        series, now = self.series, time.monotonic()
-        last = self._last.get(state.index)
+    def observe(self, state: ChoiceState, delta) -> None:
+        """`state`'s stream gave `delta`: the metrics and the admission's token rate see it."""
+        series, now, n = self.series, time.monotonic(), len(delta.token_ids)
+        last, state.last_at = state.last_at, now
         if state.first_at is None:
             state.first_at = now
             series.ttft.observe(now - state.started)
             series.first_token(len(state.stream.prompt_ids))
-        elif last is not None and delta.token_ids:  # as the gRPC door observes it, per token of the delta
-            series.itl.observe((now - last) / len(delta.token_ids))
-        self._last[state.index] = now
-        self.served.admission.streamed(len(delta.token_ids))
-        series.streamed(len(delta.token_ids))
+        elif last is not None and n:  # as the gRPC door observes it, per token of the delta
+            series.itl.observe((now - last) / n)
+        self.served.admission.streamed(n)
+        series.streamed(n)
         if delta.finish_reason is not None:
             series.e2e.observe(now - state.started)
             series.finished(delta.finish_reason.name.lower(), len(state.stream.prompt_ids), len(state.stream.ids))
@@ -422,7 +443,7 @@ class _Run:
     async def _pump(self, state: ChoiceState) -> None:
         try:
             async for delta in state.stream:
-                self._observe(state, delta)
+                self.observe(state, delta)
                 await self._queue.put((state, delta))
         except Exception as exc:  # a cancellation comes from `close` only: nobody reads any more
             await self._queue.put((state, exc))
@@ -432,7 +453,7 @@ class _Run:
         if not self._tasks:
             state = self.states[0]
             async for delta in state.stream:
-                self._observe(state, delta)
+                self.observe(state, delta)
                 state.add(delta)
                 yield state, delta
             return

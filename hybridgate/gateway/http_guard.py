@@ -24,6 +24,9 @@ from hybridgate.gateway.auth import HEADER as AUTH_HEADER
 from hybridgate.gateway.auth import bearer_ok
 
 MAX_BODY_BYTES = 4 << 20  # as the gRPC port's largest message (RESOURCE_EXHAUSTED above it)
+# The scope key of the server's own `send`, for a streamed body's chunks: FastAPI's middleware wraps `send`
+# twice only to note the response's start, an await each per chunk that a chunk does not need.
+SERVER_SEND = "hybridgate.server_send"
 OPEN_PATHS = frozenset({"/health"})  # a load balancer's probe carries no token
 
 Scope = dict
@@ -56,6 +59,7 @@ class HttpGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        scope[SERVER_SEND] = send
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
         if scope.get("path") not in OPEN_PATHS and not bearer_ok(self.token, headers.get(AUTH_HEADER)):
             await send_error(send, 401, "authentication_error", "a valid `Authorization: Bearer <token>` header is "

@@ -32,14 +32,13 @@ class ModelSeries:
                                                                              metrics.request_generation_tokens))
         self._success, self._rejected = metrics.success, metrics.rejected
         self._close_errors = metrics.stream_close_errors.labels(name)
+        # streamed(tokens): `tokens` generated ids went out to a client; the counter's own `inc`, one call
+        # per streamed message.
+        self.streamed: Callable[[int], None] = self.generation_tokens.inc
 
     def first_token(self, prompt_tokens: int) -> None:
         """A request's first output: its prompt was prefilled (vLLM counts prompt tokens then)."""
         self.prompt_tokens.inc(prompt_tokens)
-
-    def streamed(self, tokens: int) -> None:
-        """`tokens` generated ids went out to a client."""
-        self.generation_tokens.inc(tokens)
 
     def finished(self, reason: str, prompt_tokens: int | None = None, generation_tokens: int | None = None) -> None:
         """A request ended with finish reason `reason` (stop, length, eos, abort), its prompt and generated

@@ -46,6 +46,7 @@ class ChoiceState:
     entered: bool = False
     started: float = field(default_factory=time.monotonic)
     first_at: float | None = None
+    last_at: float | None = None  # when its last delta came (the ITL)
     texts: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)  # a format with channels: the reasoning, out of `texts`
     logprobs: list[TokenLogprobs] = field(default_factory=list)
@@ -62,7 +63,8 @@ class ChoiceState:
         if delta.reasoning:
             self.reasoning.append(delta.reasoning)
         self.tokens += len(delta.token_ids)
-        self.logprobs.extend(delta.logprobs)
+        if delta.logprobs:
+            self.logprobs.extend(delta.logprobs)
         if delta.finish_reason is not None:
             self.finish, self.usage = delta.finish_reason, delta.usage
 

@@ -21,11 +21,10 @@ from hybridgate.gateway.http_server import HttpDoor
 from hybridgate.gateway.metrics import GatewayMetrics, chained
 from hybridgate.gateway.models import ModelTable
 from hybridgate.gateway.security import BearerInterceptor, server_credentials
-from hybridgate.gateway.service import MAX_MESSAGE_BYTES, GenerationService
+from hybridgate.gateway.service import MAX_MESSAGE_BYTES, GenerationService, add_to_server
 from hybridgate.router import Router, UnavailableError
 from hybridgate.router.handoff_metrics import HandoffMetrics
 from hybridgate.v1 import generation_pb2 as pb
-from hybridgate.v1 import generation_pb2_grpc as pb_grpc
 
 log = logging.getLogger("hybridgate.gateway")
 
@@ -77,7 +76,7 @@ class Gateway:
         self.service = service = GenerationService(self.models, self.metrics, log_requests=config.log_requests,
                                     log_request_text=config.log_request_text,
                                     allow_client_routes=config.allow_client_routes)
-        pb_grpc.add_GenerationServicer_to_server(service, self.server)
+        add_to_server(service, self.server)
         self.http: HttpDoor | None = None
         if config.http_port is not None:  # bound now, so a taken port fails before anything starts
             self.openai = OpenAIApp(self.models, self.metrics, auth_token=config.auth_token,

@@ -11,7 +11,7 @@ import grpc
 
 from hybridgate.gateway.admission import Admission
 from hybridgate.gateway.config import GatewayConfig
-from hybridgate.gateway.convert import delta_to_proto, embed_inputs_to_native, request_to_native, tools_to_native
+from hybridgate.gateway.convert import ResponseEncoder, embed_inputs_to_native, request_to_native, tools_to_native
 from hybridgate.gateway.metrics import GatewayMetrics
 from hybridgate.gateway.models import ModelNotFoundError, ModelTable, ServedModel
 from hybridgate.router.prompts import DEFAULT_MAX_TOKENS_CAP
@@ -108,30 +108,31 @@ class GenerationService(pb_grpc.GenerationServicer):
             await self._refuse(context, "max_inflight_requests",
                                f"the gateway holds {admission.limit} requests of model {served.name}, its limit "
                                "(--max-inflight-requests)", served)
-        last = None
+        last, encode = None, ResponseEncoder(stream.request_id).encode
+        observe_itl, count, streamed = series.itl.observe, series.streamed, admission.streamed  # per message
         try:
             # A cancelled call or an expired deadline raises CancelledError in here;
             # leaving the `async with` sends the abort to the worker.
             async with stream:
                 async for delta in stream:
-                    now = time.monotonic()
+                    now, n = time.monotonic(), len(delta.token_ids)
                     if last is None:
                         outcome.first = now
                         series.ttft.observe(now - outcome.start)
                         series.first_token(len(stream.prompt_ids))
-                    elif delta.token_ids:
-                        series.itl.observe((now - last) / len(delta.token_ids))
+                    elif n:
+                        observe_itl((now - last) / n)
                     last = now
-                    admission.streamed(len(delta.token_ids))
-                    series.streamed(len(delta.token_ids))
-                    if delta.finish_reason is not None:
-                        outcome.finish, outcome.route = delta.finish_reason.name.lower(), delta.route
-                        series.e2e.observe(now - outcome.start)
-                        series.finished(outcome.finish, len(stream.prompt_ids), len(stream.ids))
-                        context.set_trailing_metadata(self._placement_metadata(stream, delta))
-                    calls = stream.calls if delta.finish_reason is not None and isinstance(stream, ToolCallStream) \
-                        else ()
-                    yield delta_to_proto(delta, calls)
+                    streamed(n)
+                    count(n)
+                    if delta.finish_reason is None:
+                        yield encode(delta)
+                        continue
+                    outcome.finish, outcome.route = delta.finish_reason.name.lower(), delta.route
+                    series.e2e.observe(now - outcome.start)
+                    series.finished(outcome.finish, len(stream.prompt_ids), len(stream.ids))
+                    context.set_trailing_metadata(self._placement_metadata(stream, delta))
+                    yield encode(delta, stream.calls if isinstance(stream, ToolCallStream) else ())
         except ResourceExhaustedError as exc:
             outcome.status = grpc.StatusCode.RESOURCE_EXHAUSTED
             await self._refuse(context, exc.reason, str(exc), served)
@@ -221,6 +222,26 @@ class GenerationService(pb_grpc.GenerationServicer):
         info = _model_info(served)
         info.models.extend(_model_info(m) for m in self.models)
         return info
+
+
+def add_to_server(service: GenerationService, server: grpc.aio.Server) -> None:
+    """Register `service` as `add_GenerationServicer_to_server` does, except that Generate's responses go out
+    as the bytes it yields (`ResponseEncoder`), without a serializer."""
+    handlers = _GeneratedHandlers()
+    pb_grpc.add_GenerationServicer_to_server(service, handlers)
+    table = {**handlers.table, "Generate": handlers.table["Generate"]._replace(response_serializer=None)}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(handlers.service, table),))
+    server.add_registered_method_handlers(handlers.service, table)
+
+
+class _GeneratedHandlers:
+    """Stands for the server in the generated registration, to take its table of method handlers."""
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        pass
+
+    def add_registered_method_handlers(self, service: str, table: dict) -> None:
+        self.service, self.table = service, table
 
 
 def _model_info(served: ServedModel) -> pb.ModelInfo:

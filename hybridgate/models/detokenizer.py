@@ -77,8 +77,13 @@ class IncrementalDetokenizer:
         Equal because a step emits everything but a proper prefix of a
         well-formed character, and the UTF-8 decoder's choices (U+FFFD per
         maximal subpart) never look past such a boundary."""
-        if len(token_ids) == 1:  # a message per step carries one id
-            return self.step(token_ids[0])
+        if len(token_ids) == 1:  # a message per step carries one id: `step`, its common case inline
+            token_id = token_ids[0]
+            text = self._token_texts[token_id] if not self._pending and token_id not in self._skipped else None
+            if text is None:
+                return self.step(token_id)
+            self.text_offset += len(text)
+            return text
         return self._take(b"".join(self._token_bytes[t] for t in token_ids if t not in self._skipped))
 
     def _take(self, data: bytes) -> str:

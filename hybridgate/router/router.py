@@ -53,7 +53,6 @@ from hybridgate.wire import (
     Ready,
     RequestError,
     SamplingParams,
-    WorkerState,
 )
 
 log = logging.getLogger("hybridgate.router")
@@ -426,15 +425,17 @@ class Router:
         return None
 
     def _on_outputs(self, client: WorkerClient, msg: Outputs) -> None:
-        streams = self._streams
+        streams, now = self._streams, time.monotonic()  # the clock read once for every sequence of the step
         for out in msg.outputs:  # one lookup per output: a message carries every running sequence's ids
             stream = streams.get(out.request_id)
-            if stream is not None and stream.handoff is not None and stream.handoff.active:
-                stream.handoff.on_message(client, out)  # both workers' outputs, reordered
-            elif stream is not None and stream.client is client:
-                stream.put(out)
-            else:
+            if stream is None:
                 self._stream_of(client, out.request_id)  # counted and logged as unknown unless recently ended
+            elif stream.handoff is not None and stream.handoff.active:
+                stream.handoff.on_message(client, out)  # both workers' outputs, reordered
+            elif stream.client is client:
+                stream.put_output(out, now)
+            else:
+                self._stream_of(client, out.request_id)
 
     def _in_handoff(self, request_id: str) -> GenerationStream | None:
         """The stream of `request_id` while its KV hand-off is active (it takes both workers' messages)."""

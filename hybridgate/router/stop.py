@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from hybridgate.models import IncrementalDetokenizer
+from hybridgate.wire import FinishReason
+
 
 class StopMatcher:
     """Cut streamed text at the earliest-starting stop string, wherever the pieces were cut.
@@ -60,3 +63,32 @@ class StopMatcher:
             if any(len(s) > n and s.startswith(tail) for s in self.stops):
                 return len(text) - n
         return None
+
+
+def cut_text(detok: IncrementalDetokenizer, stop: StopMatcher, ids: list[int], finish: FinishReason | None,
+             eos: int) -> tuple[str, list[int], FinishReason | None, bool]:
+    """The text of a stream's next `ids` (the last ones when `finish` is set), cut at a stop string:
+    (text, the ids taken up to and with the one that completed a stop, the finish reason, whether a stop
+    matched). An EOS id that ends the stream adds no text; at the end the detokenizer's held bytes and
+    the stop matcher's held text are flushed, and a stop that completes then finishes as STOP too."""
+    parts, taken, stopped = [], [], False
+    if not stop.stops:  # no stop string can cut the ids: detokenize them at once
+        eos_last = finish == FinishReason.EOS and ids[-1:] == [eos]
+        parts.append(detok.steps(ids[:-1] if eos_last else ids))
+        taken, ids = ids, ()
+    for k, tid in enumerate(ids):
+        taken.append(tid)
+        is_eos = finish == FinishReason.EOS and k == len(ids) - 1 and tid == eos
+        text, matched = stop.push("" if is_eos else detok.step(tid))
+        parts.append(text)
+        if matched:
+            finish, stopped = FinishReason.STOP, True
+            break
+    if finish is not None and not stopped:  # (a stop token id from the worker finishes as STOP, flushed here)
+        text, matched = stop.push(detok.flush())
+        if not matched:  # a stop held back behind one that can no longer complete still counts
+            rest, matched = stop.flush()
+            text += rest
+        parts.append(text)
+        finish = FinishReason.STOP if matched else finish
+    return "".join(parts), taken, finish, stopped

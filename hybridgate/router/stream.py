@@ -15,9 +15,17 @@ from hybridgate.router.deltas import REPLACEABLE_CODES, Delta, Timings, Usage, e
 from hybridgate.router.errors import DeadlineExceededError, UnavailableError
 from hybridgate.router.handoff import Handoff, worker_name
 from hybridgate.router.mailbox import Mailbox
-from hybridgate.router.stop import StopMatcher
+from hybridgate.router.stop import StopMatcher, cut_text
 from hybridgate.router.streamstate import StreamAction as A
-from hybridgate.router.streamstate import StreamEvent, StreamFacts, StreamState, transition
+from hybridgate.router.streamstate import (
+    MAX_MOVES,
+    Stalled,
+    StreamEvent,
+    StreamFacts,
+    StreamState,
+    WorkerAvailable,
+    transition,
+)
 from hybridgate.wire import AddRequest, FinishReason, Overload, RequestError, SamplingParams, SeqOutput, TokenLogprobs
 
 __all__ = ["GenerationStream", "Stalled", "WorkerAvailable"]
@@ -34,19 +42,8 @@ _RUNNING_OUTPUT = transition(StreamState.RUNNING, StreamEvent.OUTPUT)
 if _RUNNING_OUTPUT != (StreamState.RUNNING, A.QUEUE):
     raise ImportError(f"streamstate's RUNNING/OUTPUT row is {_RUNNING_OUTPUT}; GenerationStream inlines "
                       "(RUNNING, QUEUE)")
-
-
-class Stalled(msgspec.Struct, frozen=True):
-    """Synthetic event from the router's stall timer: no progress for `request_stall_timeout_s`."""
-
-    reason: str
-
-
-class WorkerAvailable(msgspec.Struct, frozen=True):
-    """Synthetic event: a worker is READY and this stream is waiting for one."""
-
-
-MAX_MOVES = 8  # placements of one request (retries and resumes together) before it fails
+# Read once: an enum class's attribute lookup costs hundreds of instructions (EnumType.__getattr__'s slot).
+_RUNNING, _DONE, _CLOSED = StreamState.RUNNING, StreamState.DONE, StreamState.CLOSED
 
 
 class GenerationStream:
@@ -97,6 +94,7 @@ class GenerationStream:
         self._coalesce, self._interval = router.config.stream_coalesce, router.config.stream_interval
         self._detok = IncrementalDetokenizer(router.tokenizer, params.skip_special_tokens)
         self._stop = StopMatcher(params.stop)
+        self._no_stops = not self._stop.stops  # no stop string can cut a delta (most requests)
         self._eos = router.tokenizer.eos_token_id
         self._arrival = time.monotonic()
         self._first_token_at: float | None = None
@@ -118,12 +116,12 @@ class GenerationStream:
     @property
     def done(self) -> bool:
         """The pump queued the last item: nothing more moves this stream."""
-        return self.state >= StreamState.DONE
+        return self.state >= _DONE
 
     @property
     def finished(self) -> bool:
         """The caller read the end, or left."""
-        return self.state == StreamState.CLOSED
+        return self.state == _CLOSED
 
     def _fire(self, event: StreamEvent, item=None, reason: str = "") -> None:
         """One event: the table's next state, then its action (`item`: the output or error it is about)."""
@@ -253,34 +251,47 @@ class GenerationStream:
 
     def put(self, item) -> None:
         """One event for this request (a wire message from its worker or a synthetic event)."""
-        if self.state < StreamState.DONE:
+        if self.state < _DONE:
             self._events[type(item)](item)
+
+    def put_output(self, out: SeqOutput, now: float) -> None:
+        """`put(out)` of an output from its worker at `now` (the pump's time.monotonic(), once per step)."""
+        if self.state < _DONE:
+            self._on_output_event(out, now)
 
     def fail(self, exc: BaseException) -> None:
         """End the stream with `exc` now (the router shuts down, or could not move it)."""
         self._fire(StreamEvent.SHUT_DOWN, exc)
 
-    def _on_output_event(self, out: SeqOutput) -> None:
-        self.last_progress = time.monotonic()
-        skip = len(self.received) - out.token_index  # duplicates from a resend
-        if skip < 0:
-            log.warning("request %s: output at token %d after %d ids; dropped", self.request_id, out.token_index,
-                        len(self.received))
-            return
-        if skip or out.request_id != self.request_id:  # numbered as the caller sees it (an output as sent is)
+    def _on_output_event(self, out: SeqOutput, now: float | None = None) -> None:
+        self.last_progress = time.monotonic() if now is None else now
+        if out.token_index != len(self.received) or out.request_id != self.request_id:
+            skip = len(self.received) - out.token_index  # duplicates from a resend
+            if skip < 0:
+                log.warning("request %s: output at token %d after %d ids; dropped", self.request_id,
+                            out.token_index, len(self.received))
+                return  # numbered as the caller sees it (an output as sent is):
             out = msgspec.structs.replace(out, request_id=self.request_id, token_index=len(self.received),
                                           token_ids=out.token_ids[skip:], logprobs=out.logprobs[skip:])
         if not out.token_ids and not out.finish:
             return  # progress only (a prefill chunk) or a duplicate
+        if self.state is _RUNNING and not out.finish:  # the table's RUNNING/OUTPUT row, inline:
+            try:  # the one event of almost every streamed token (_RUNNING_OUTPUT)
+                self._queue.put_nowait(out)
+            except asyncio.QueueFull:
+                self._read_too_slowly()
+                return
+            self.received += out.token_ids
+            return
         if self._queue.full():
-            self._fire(StreamEvent.READ_TOO_SLOWLY, reason=f"the client read too slowly: over {self._queue.maxsize} "
-                                                           "steps buffered")
+            self._read_too_slowly()
             return
         self.received += out.token_ids
-        if self.state is StreamState.RUNNING and not out.finish:  # the table's RUNNING/OUTPUT row, inline:
-            self._queue.put_nowait(out)  # the one event of almost every streamed token (_RUNNING_OUTPUT)
-            return
         self._fire(StreamEvent.LAST_OUTPUT if out.finish else StreamEvent.OUTPUT, out)
+
+    def _read_too_slowly(self) -> None:
+        self._fire(StreamEvent.READ_TOO_SLOWLY, reason=f"the client read too slowly: over {self._queue.maxsize} "
+                                                       "steps buffered")
 
     def _on_worker_dead(self, event: WorkerDead) -> None:
         self._fire(StreamEvent.WORKER_LOST, reason=event.reason)
@@ -374,16 +385,19 @@ class GenerationStream:
         return self
 
     async def __anext__(self) -> Delta:
-        while self.state != StreamState.CLOSED:
+        items = self._queue.items
+        while self.state != _CLOSED:
             if self._held is not None:
                 item, self._held = self._held, None
             else:
-                if self._queue.empty():
+                if not items:
                     await self._queue.arrival()
-                item = self._queue.get_nowait()
+                item = items.popleft()
             if type(item) is SeqOutput:
                 want = self._interval if self.ids else 1  # the first message goes at once (TTFT)
-                delta = self._on_output(self._join_queued(item) if self._coalesce else item)
+                if self._coalesce and items and not item.finish:
+                    item = self._join_queued(item)
+                delta = self._on_output(item)
                 if delta is not None:
                     return delta if len(delta.token_ids) >= want or delta.finish_reason is not None else \
                         await self._fill(delta, want)
@@ -431,6 +445,11 @@ class GenerationStream:
                                        logprobs=tuple(logprobs))
 
     def _on_output(self, out: SeqOutput) -> Delta | None:
+        first_index, new_ids = len(self.ids), out.token_ids
+        if out.token_index == first_index and first_index and new_ids and not out.finish and self._no_stops \
+                and not out.logprobs:  # most messages: ids after those handed out, all their text at once
+            self.ids += new_ids
+            return Delta(self.request_id, first_index, self._detok.steps(new_ids), new_ids)
         skip = max(len(self.ids) - out.token_index, 0)  # duplicates from a resend
         new_ids = out.token_ids[skip:] if skip else out.token_ids
         new_logprobs = out.logprobs[skip:]
@@ -446,29 +465,11 @@ class GenerationStream:
             return Delta(self.request_id, first_index, self._detok.steps(new_ids), new_ids,
                          logprobs=tuple(new_logprobs[: len(new_ids)]))
         finish = FinishReason(out.finish) if out.finish else None
-        parts, taken, stopped = [], [], False
-        if not self._stop.stops:  # no stop string can cut the ids: detokenize them at once
-            eos_last = finish == FinishReason.EOS and new_ids[-1:] == [self._eos]
-            parts.append(self._detok.steps(new_ids[:-1] if eos_last else new_ids))
-            taken, new_ids = new_ids, ()
-        for k, tid in enumerate(new_ids):
-            taken.append(tid)
-            is_eos = finish == FinishReason.EOS and k == len(new_ids) - 1 and tid == self._eos
-            text, matched = self._stop.push("" if is_eos else self._detok.step(tid))
-            parts.append(text)
-            if matched:
-                finish, stopped = FinishReason.STOP, True
-                self._fire(StreamEvent.STOPPED)
-                break
+        text, taken, finish, stopped = cut_text(self._detok, self._stop, new_ids, finish, self._eos)
+        if stopped:
+            self._fire(StreamEvent.STOPPED)
         self.ids += taken
-        if finish is not None and not stopped:  # (a stop token id from the worker finishes as STOP, flushed here)
-            text, matched = self._stop.push(self._detok.flush())
-            if not matched:  # a stop held back behind one that can no longer complete still counts
-                rest, matched = self._stop.flush()
-                text += rest
-            parts.append(text)
-            finish = FinishReason.STOP if matched else finish
-        return self._delta(first_index, "".join(parts), taken, finish, tuple(new_logprobs[: len(taken)]))
+        return self._delta(first_index, text, taken, finish, tuple(new_logprobs[: len(taken)]))
 
     def _delta(self, index: int, text: str, ids: list[int], finish: FinishReason | None,
                logprobs: tuple[TokenLogprobs, ...] = ()) -> Delta:

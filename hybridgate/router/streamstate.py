@@ -52,6 +52,20 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
+
+MAX_MOVES = 8  # placements of one request (retries and resumes together) before it fails
+
+
+class Stalled(msgspec.Struct, frozen=True):
+    """Synthetic event from the router's stall timer: no progress for `request_stall_timeout_s`."""
+
+    reason: str
+
+
+class WorkerAvailable(msgspec.Struct, frozen=True):
+    """Synthetic event: a worker is READY and this stream is waiting for one."""
+
 
 class StreamState(enum.IntEnum):
     NEW = 0  # made, not entered: nothing sent
