@@ -1,5 +1,5 @@
-"""The int8 prompt kernel (`int8`: Q4_K and Q6_K, eight weight rows interleaved) against gguf's dequantizer, on
-each path of this CPU whose kernel table has it (avx2: Q4_K and Q6_K; avx512: Q4_K).
+"""The int8 prompt kernel (`int8`: Q4_K and Q6_K, weight rows interleaved) against gguf's dequantizer, on each
+path of this CPU whose kernel table has it (avx2 and avx512).
 
 In a child per path (Numba compiles for one target per process): random blocks, blocks at the formats'
 limits and shapes with a tail of weight rows past the last group of 8 and of activation rows past the last
@@ -10,9 +10,9 @@ put every int16 pair-sum at its largest (Q4_K: codes 15, sub-scales 63, activati
 8 · 2 · 15 · 127 = 30,480 per lane; Q6_K: codes -32, sub-scales -128: 4 · 2 · 32 · 127 = 32,512), where a
 saturated or wrapped lane would miss (1) by far. Then a row's bits do not depend on its batch; rows outside
 the prompt span keep the decode kernel's bits (`matmul_prompt`); and the machine code is the path's.
-The generic path has no int8 kernel (`kernel_table`): nothing runs there. The avx512 path runs the same
-256-bit kernel (its `vpdpwssd` int16 GEMM is the one to beat there; Q6_K's int8 kernel measured no faster on a
-Zen 4 EPYC, so only Q4_K takes it there, and only Q4_K is checked there).
+The generic path has no int8 kernel (`kernel_table`): nothing runs there. The avx512 path with VNNI runs 16-row
+512-bit `vpdpbusd` tiles (Q6_K's codes unpacked from the 6 bits that path keeps), whose integers and float steps
+are the 8-row tiles': its bits are the avx2 path's, for both types.
 """
 
 from __future__ import annotations
@@ -82,18 +82,21 @@ def test_rows_outside_the_prompt_span_keep_the_decode_kernels_bits(result):
     assert result["prompt_rows_int8"]
 
 
-def test_the_machine_code_is_the_paths_with_vpmaddubsw(result):
-    assert "ymm" in result["registers"], result["registers"]
-    assert result["path"] == "avx512" or "zmm" not in result["registers"], result["registers"]
-    assert result["vpmaddubsw"] and result["vpsignb"]
-    assert result["vpdpbusd"] == (result["path"] == "avx512" and result["vnni"])
+def test_the_machine_code_is_the_paths(result):
+    """avx2 (and avx512 without VNNI): `vpmaddubsw` and `vpsignb` on ymm; avx512 with VNNI: `vpdpbusd` on zmm."""
+    vnni = result["path"] == "avx512" and result["vnni"]
+    assert ("zmm" in result["registers"]) == (result["path"] == "avx512"), result["registers"]
+    assert result["vpdpbusd"] == vnni
+    assert result["vpmaddubsw"] == result["vpsignb"] == (not vnni)
 
 
 def test_every_path_gives_the_same_bits(results):
-    """The avx512 path's Q4_K tile (`vpdpbusd` with VNNI) sums the same integers as the avx2 tile."""
+    """The avx512 path's tiles (16 rows, `vpdpbusd` with VNNI) sum the avx2 tiles' integers with their float
+    steps."""
     if len(results) < 2:
         pytest.skip("this CPU runs one path with int8 rows")
-    assert results["avx512"]["digest"]["Q4_K"] == results["avx2"]["digest"]["Q4_K"]
+    for kind in ("Q4_K", "Q6_K"):
+        assert results["avx512"]["digest"][kind] == results["avx2"]["digest"][kind], kind
 
 
 # ---- the child ----
@@ -138,7 +141,7 @@ def _check() -> dict:
     cases = []
     for kind in ("Q4_K", "Q6_K"):  # both drawn on every path (the same random cases), run where a row has int8
         cases += [(f"{kind} random {r}x{c}", kind, random_blocks(kind, r, c, rng), None, r, c, b) for r, c, b in SHAPES]
-        cases.append((f"{kind} extremes 8x512", kind, *_extremes(kind, rng, 8, 512), 8, 512, 5))
+        cases.append((f"{kind} extremes 24x512", kind, *_extremes(kind, rng, 24, 512), 24, 512, 5))
     for name, kind, data, x, rows, cols, batch in cases:
         x = rng.standard_normal((batch, cols)).astype(np.float32) if x is None else x
         if not kernel_table.choose(kind, "i8", quant.PATH).prompt_kernel:
