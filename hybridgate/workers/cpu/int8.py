@@ -333,14 +333,16 @@ def _interleave_q4k(qs32, sc, d, ndmin, mins, r0, wc32, wsc, wm, wd):
     scratch: wc32 uint32 `[nblocks · 4 · KROWS]`, wsc int16 `[nblocks · 2 · KROWS]`, wm float32 `[nblocks ·
     KROWS]`, wd float32 `[nblocks / 8 · KROWS]`."""
     rows, nblocks = qs32.shape[0], sc.shape[1]
+    wsc32 = wsc.view(np.int32)
     for r in range(KROWS):
         row = r0 + r if r0 + r < rows else r0
         for b in range(nblocks):
             for q in range(4):
                 wc32[(4 * b + q) * KROWS + r] = qs32[row, 4 * b + q]
-            # twice for `vpmaddwd`'s pair; with VNNI the int32 lane the two make (the scale is 0..63)
-            wsc[2 * KROWS * b + 2 * r] = sc[row, b]
-            wsc[2 * KROWS * b + 2 * r + 1] = 0 if VNNI else sc[row, b]
+            if VNNI:  # an int32 lane
+                wsc32[KROWS * b + r] = sc[row, b]
+            else:  # twice for `vpmaddwd`'s pair
+                wsc[2 * KROWS * b + 2 * r] = wsc[2 * KROWS * b + 2 * r + 1] = sc[row, b]
             wm[KROWS * b + r] = ndmin[row, b // 8] * np.float32(mins[row, b])
         for s in range(nblocks // 8):
             wd[KROWS * s + r] = d[row, s]
@@ -371,10 +373,10 @@ def _interleave_q6k(qs64, sc, d, r0, wc32, wsc, wd):
     """As `_interleave_q4k` for a Q6_K weight split by `superblock.split_q6k` (sc int8 `[rows, cols / 16]`; qs64
     its int8 codes c - 32 viewed as uint64 `[rows, cols / 8]`, or `superblock.pack_q6k`'s bytes viewed as uint64
     `[rows, cols · 3 / 32]`): wc32 uint32 `[nblocks · 8 · KROWS]` (`_q6k_pair`'s halves), wsc int16 `[nblocks ·
-    4 · KROWS]` (the two halves' scales, as `vpmaddwd`'s pair or, with VNNI, sign-extended to int32), wd as
-    there."""
+    4 · KROWS]` (the two halves' scales, as `vpmaddwd`'s pair or, with VNNI, as int32), wd as there."""
     rows, nblocks = qs64.shape[0], d.shape[1] * 8
     packed = qs64.shape[1] == 3 * nblocks
+    wsc32 = wsc.view(np.int32)
     for r in range(KROWS):
         row = r0 + r if r0 + r < rows else r0
         for b in range(nblocks):
@@ -383,9 +385,11 @@ def _interleave_q6k(qs64, sc, d, r0, wc32, wsc, wd):
                 wc32[(8 * b + 2 * i) * KROWS + r] = np.uint32(pair & np.uint64(0xFFFFFFFF))
                 wc32[(8 * b + 2 * i + 1) * KROWS + r] = np.uint32(pair >> np.uint64(32))
             for h in range(2):
-                s = sc[row, 2 * b + h]
-                wsc[4 * KROWS * b + 2 * KROWS * h + 2 * r] = s
-                wsc[4 * KROWS * b + 2 * KROWS * h + 2 * r + 1] = (-1 if s < 0 else 0) if VNNI else s
+                if VNNI:
+                    wsc32[2 * KROWS * b + KROWS * h + r] = sc[row, 2 * b + h]
+                else:
+                    wsc[4 * KROWS * b + 2 * KROWS * h + 2 * r] = wsc[4 * KROWS * b + 2 * KROWS * h + 2 * r + 1] = \
+                        sc[row, 2 * b + h]
         for s in range(nblocks // 8):
             wd[KROWS * s + r] = d[row, s]
 
