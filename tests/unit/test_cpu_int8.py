@@ -8,8 +8,9 @@ exact, so only float32 rounding of the per-block float steps separates them) and
 the unrounded activations within the bound of the int8 rounding (max|x_b| / 254 per element); the extremes
 put every int16 pair-sum at its largest (Q4_K: codes 15, sub-scales 63, activations ±127 in every column:
 8 · 2 · 15 · 127 = 30,480 per lane; Q6_K: codes -32, sub-scales -128: 4 · 2 · 32 · 127 = 32,512), where a
-saturated or wrapped lane would miss (1) by far. Then a row's bits do not depend on its batch; rows outside
-the prompt span keep the decode kernel's bits (`matmul_prompt`); and the machine code is the path's.
+saturated or wrapped lane would miss (1) by far. Then a row's bits do not depend on its batch or on how many
+rows a pass takes; rows outside the prompt span keep the decode kernel's bits (`matmul_prompt`); and the machine
+code is the path's.
 The generic path has no int8 kernel (`kernel_table`): nothing runs there. The avx512 path with VNNI runs 16-row
 512-bit `vpdpbusd` tiles (Q6_K's codes unpacked from the 6 bits that path keeps), whose integers and float steps
 are the 8-row tiles': its bits are the avx2 path's, for both types.
@@ -34,7 +35,7 @@ from tests.conftest import TIME_FACTOR  # noqa: E402
 
 RUNS = isa.ISAS[isa.ISAS.index(isa.best(isa.host_features())):]
 # (rows, cols, batch): a tail of 5 rows past the groups of 8, one to eight super-blocks, batches through the
-# 4-row tiles and their 1-row tail, and a batch past one pass over the weights at 8192 columns (32 rows)
+# 4-row tiles and their 1-row tail, and 8192 columns at 35 rows (also run one tile of rows a pass: `_check`)
 SHAPES = [(37, 256, 3), (16, 768, 9), (8, 2048, 1), (13, 8192, 35)]
 
 PATHS = [path for path in ("avx512", "avx2") if path in RUNS]  # the paths with int8 rows that this CPU runs
@@ -73,7 +74,7 @@ def test_within_the_int8_rounding_bound_of_the_float_product(result):
     assert min(v for k, v in result["relative"].items() if " random " in k) > 1e-4
 
 
-def test_a_rows_result_does_not_depend_on_its_batch(result):
+def test_a_rows_result_does_not_depend_on_its_batch_or_the_passes(result):
     assert result["batch_invariant"]
 
 
@@ -163,6 +164,11 @@ def _check() -> dict:
         one = np.empty((1, rows), np.float32)
         invariant &= all(np.array_equal(m.matmul_prompt(x[b : b + 1], everything[:1], one)[0], got[b])
                          for b in range(batch))
+        if batch > int8.TILE_X:  # passes of one tile of activation rows each: every group interleaved again
+            qs, sc, d, ndmin, mins = m._prompt_arrays()
+            passes = np.empty_like(got)
+            int8.matmul_i8(x, qs.view(np.uint32), sc, d, ndmin, mins, passes, cols * int8.TILE_X)
+            invariant &= np.array_equal(passes, got)
         if batch >= 3:  # prompt rows 1 .. batch-1; row 0 a decode row
             mixed = m.matmul_prompt(x, everything[1:])
             kept &= np.array_equal(mixed[0], m.matmul(x[:1])[0])
