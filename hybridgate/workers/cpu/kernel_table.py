@@ -37,10 +37,11 @@ need twice the converts. `LowBitMatrix` (`kquant`) replaced the formatted classe
 measured faster at batch 1 and 16: Q5_0 and Q5_1 on avx512, Q5_1 on avx2 (the in-lane int16
 kernels of `avx2` stay ahead for the types they take), every low-bit type but Q4_1 on generic.
 The K-quants' super-block kernels (`superblock`) on avx2 measured Q4_K 1.5-1.7x the Q4_1 kernel at
-batch 16-256 and 1.0-1.1x at 1, Q6_K 1.0-1.2x (2 threads, a Zen 3 EPYC). On avx512 with VNNI the int8
-prompt kernel's 16-row tiles measured Q4_K 1.35-2.27x and Q6_K 1.03-2.18x the int16 GEMM at 32-256 rows (a
-busy Zen 4 EPYC, *-int8-prompt-wide.json); Q6_K's 8-row tile had measured 0.9-1.2x. The generic path is
-merely correct (unmeasured): float32 where it has a fast kernel. MXFP4 (gpt-oss's experts) runs on
+batch 16-256 and 1.0-1.1x at 1, Q6_K 1.0-1.2x (2 threads, a Zen 3 EPYC). On avx512 with VNNI the
+int8 prompt kernel's 16-row tiles measured Q4_K 1.78-2.52x and Q6_K 1.17-2.37x the int16 GEMM at
+64-512 rows, 0.93-1.43x and 1.09-1.36x at 32 (a busy Zen 4 EPYC, *-int8-prompt-wide.json); Q6_K's
+8-row tile had measured 0.9-1.2x. The generic path is merely correct (unmeasured): float32 where it
+has a fast kernel. MXFP4 (gpt-oss's experts) runs on
 the row-dequantizing kernel on every path (unmeasured; its bytes kept as the file has them).
 
 This module imports no Numba: `hybridgate info` prints the rows a file uses without compiling.
