@@ -2,8 +2,7 @@
 files, against the torch runner.
 
 Runs with AMX where the kernels were compiled with it (a Xeon since Sapphire Rapids), with int8 on the avx2
-and avx512 paths (Q6_K only on avx2: the kernel table gives avx512's Q6_K no prompt kernel); skipped on the
-generic path. The files are `tiny_gguf.QUANT_SPEC`
+and avx512 paths; skipped on the generic path. The files are `tiny_gguf.QUANT_SPEC`
 (llama, rows of 256) with every matrix Q4_K or Q6_K. Prompts of at least the table's length (32) run
 their matmuls on the prompt kernel, shorter ones and generated tokens on the int16 kernels; so checked
 here: logits against the fp32 torch runner (for AMX's rows, on the same weights rounded to bf16 as the

@@ -1,5 +1,5 @@
-"""The int8 prompt kernel (`int8`: Q4_K and Q6_K, eight weight rows interleaved) against gguf's dequantizer, on
-each path of this CPU whose kernel table has it (avx2: Q4_K and Q6_K; avx512: Q4_K).
+"""The int8 prompt kernel (`int8`: Q4_K and Q6_K, weight rows interleaved) against gguf's dequantizer, on each
+path of this CPU whose kernel table has it (avx2 and avx512).
 
 In a child per path (Numba compiles for one target per process): random blocks, blocks at the formats'
 limits and shapes with a tail of weight rows past the last group of 8 and of activation rows past the last
@@ -8,11 +8,13 @@ exact, so only float32 rounding of the per-block float steps separates them) and
 the unrounded activations within the bound of the int8 rounding (max|x_b| / 254 per element); the extremes
 put every int16 pair-sum at its largest (Q4_K: codes 15, sub-scales 63, activations ±127 in every column:
 8 · 2 · 15 · 127 = 30,480 per lane; Q6_K: codes -32, sub-scales -128: 4 · 2 · 32 · 127 = 32,512), where a
-saturated or wrapped lane would miss (1) by far. Then a row's bits do not depend on its batch; rows outside
-the prompt span keep the decode kernel's bits (`matmul_prompt`); and the machine code is the path's.
-The generic path has no int8 kernel (`kernel_table`): nothing runs there. The avx512 path runs the same
-256-bit kernel (its `vpdpwssd` int16 GEMM is the one to beat there; Q6_K's int8 kernel measured no faster on a
-Zen 4 EPYC, so only Q4_K takes it there, and only Q4_K is checked there).
+saturated or wrapped lane would miss (1) by far. Then a row's bits do not depend on its batch or on how many
+rows a pass takes; rows outside the prompt span keep the decode kernel's bits (`matmul_prompt`); and the machine
+code is the path's.
+The generic path has no int8 kernel (`kernel_table`): nothing runs there. The avx512 path with VNNI runs 16-row
+512-bit `vpdpbusd` tiles (Q6_K's codes unpacked from the 6 bits that path keeps), whose integers and float steps
+are the 8-row tiles': its bits are the avx2 path's, for both types. On a CPU with VNNI the avx512 path also runs
+as one without it shows its features (`avx512-novnni`: the 8-row tiles, Q6_K's 6-bit codes unpacked to c - 32).
 """
 
 from __future__ import annotations
@@ -34,10 +36,12 @@ from tests.conftest import TIME_FACTOR  # noqa: E402
 
 RUNS = isa.ISAS[isa.ISAS.index(isa.best(isa.host_features())):]
 # (rows, cols, batch): a tail of 5 rows past the groups of 8, one to eight super-blocks, batches through the
-# 4-row tiles and their 1-row tail, and a batch past one pass over the weights at 8192 columns (32 rows)
+# 4-row tiles and their 1-row tail, and 8192 columns at 35 rows (also run one tile of rows a pass: `_check`)
 SHAPES = [(37, 256, 3), (16, 768, 9), (8, 2048, 1), (13, 8192, 35)]
 
 PATHS = [path for path in ("avx512", "avx2") if path in RUNS]  # the paths with int8 rows that this CPU runs
+if "avx512" in PATHS and "avx512vnni" in isa.host_features():  # and the avx512 path of a CPU without VNNI
+    PATHS.append("avx512-novnni")
 
 pytestmark = pytest.mark.skipif(not PATHS, reason="this CPU runs neither the avx512 nor the avx2 path")
 
@@ -73,7 +77,7 @@ def test_within_the_int8_rounding_bound_of_the_float_product(result):
     assert min(v for k, v in result["relative"].items() if " random " in k) > 1e-4
 
 
-def test_a_rows_result_does_not_depend_on_its_batch(result):
+def test_a_rows_result_does_not_depend_on_its_batch_or_the_passes(result):
     assert result["batch_invariant"]
 
 
@@ -82,18 +86,22 @@ def test_rows_outside_the_prompt_span_keep_the_decode_kernels_bits(result):
     assert result["prompt_rows_int8"]
 
 
-def test_the_machine_code_is_the_paths_with_vpmaddubsw(result):
-    assert "ymm" in result["registers"], result["registers"]
+def test_the_machine_code_is_the_paths(result):
+    """avx2 (and avx512 without VNNI): `vpmaddubsw` and `vpsignb` on ymm; avx512 with VNNI: `vpdpbusd` on zmm."""
+    vnni = result["path"] == "avx512" and result["vnni"]
+    assert "zmm" in result["registers"] if vnni else "ymm" in result["registers"], result["registers"]
     assert result["path"] == "avx512" or "zmm" not in result["registers"], result["registers"]
-    assert result["vpmaddubsw"] and result["vpsignb"]
-    assert result["vpdpbusd"] == (result["path"] == "avx512" and result["vnni"])
+    assert result["vpdpbusd"] == vnni
+    assert result["vpmaddubsw"] == result["vpsignb"] == (not vnni)
 
 
 def test_every_path_gives_the_same_bits(results):
-    """The avx512 path's Q4_K tile (`vpdpbusd` with VNNI) sums the same integers as the avx2 tile."""
+    """The avx512 path's tiles (16 rows, `vpdpbusd` with VNNI) sum the avx2 tiles' integers with their float
+    steps."""
     if len(results) < 2:
         pytest.skip("this CPU runs one path with int8 rows")
-    assert results["avx512"]["digest"]["Q4_K"] == results["avx2"]["digest"]["Q4_K"]
+    for kind in ("Q4_K", "Q6_K"):
+        assert len({r["digest"][kind] for r in results.values()}) == 1, (kind, results.keys())
 
 
 # ---- the child ----
@@ -138,7 +146,7 @@ def _check() -> dict:
     cases = []
     for kind in ("Q4_K", "Q6_K"):  # both drawn on every path (the same random cases), run where a row has int8
         cases += [(f"{kind} random {r}x{c}", kind, random_blocks(kind, r, c, rng), None, r, c, b) for r, c, b in SHAPES]
-        cases.append((f"{kind} extremes 8x512", kind, *_extremes(kind, rng, 8, 512), 8, 512, 5))
+        cases.append((f"{kind} extremes 24x512", kind, *_extremes(kind, rng, 24, 512), 24, 512, 5))
     for name, kind, data, x, rows, cols, batch in cases:
         x = rng.standard_normal((batch, cols)).astype(np.float32) if x is None else x
         if not kernel_table.choose(kind, "i8", quant.PATH).prompt_kernel:
@@ -160,6 +168,11 @@ def _check() -> dict:
         one = np.empty((1, rows), np.float32)
         invariant &= all(np.array_equal(m.matmul_prompt(x[b : b + 1], everything[:1], one)[0], got[b])
                          for b in range(batch))
+        if batch > int8.TILE_X:  # passes of one tile of activation rows each: every group interleaved again
+            qs, sc, d, ndmin, mins = m._prompt_arrays()
+            passes = np.empty_like(got)
+            int8.matmul_i8(x, qs.view(np.uint32), sc, d, ndmin, mins, passes, cols * int8.TILE_X)
+            invariant &= np.array_equal(passes, got)
         if batch >= 3:  # prompt rows 1 .. batch-1; row 0 a decode row
             mixed = m.matmul_prompt(x, everything[1:])
             kept &= np.array_equal(mixed[0], m.matmul(x[:1])[0])
@@ -175,5 +188,8 @@ def _check() -> dict:
 
 
 if __name__ == "__main__":
-    isa.select(sys.argv[1])
+    if sys.argv[1] == "avx512-novnni":  # the features an AVX-512 CPU without VNNI shows (8-row 256-bit tiles)
+        _host = isa.host_features
+        isa.host_features = lambda: _host() - {"avx512vnni"}
+    isa.select(sys.argv[1].split("-")[0])
     print(json.dumps(_check()))

@@ -27,7 +27,7 @@ ROWS = {"MXFP4": "QuantMatrix f32 quant.matmul_rows"}  # dequantize a row, then 
 EXPECTED = {
     "avx512": {**FLOATS, "Q4_0": "Q40Matrix f32 simd.matmul_blocks", "Q4_1": "Q41Matrix f32 simd.matmul_blocks",
                "Q5_0": PACKED, "Q5_1": PACKED, "Q8_0": "Q80Matrix i16/32 intdot.matmul_i16", **K_QUANTS, **ROWS,
-               "Q4_K": K_QUANTS["Q4_K"] + I8},
+               "Q4_K": K_QUANTS["Q4_K"] + I8, "Q6_K": K_QUANTS["Q6_K"] + I8},
     "avx2": {**FLOATS, "Q4_0": "Q40Matrix i16/32 avx2.matmul_i16", "Q4_1": "Q41Matrix i16/32 avx2.matmul_i16",
              "Q5_0": "Q50Matrix i16/32 avx2.matmul_i16", "Q5_1": PACKED, "Q8_0": "Q80Matrix i16/32 avx2.matmul_i16",
              "Q4_K": K_QUANTS["Q4_K"] + I8, "Q5_K": K_QUANTS["Q5_K"], "Q6_K": K_QUANTS["Q6_K"] + I8, **ROWS},
@@ -76,7 +76,7 @@ def test_i8_takes_the_int8_prompt_kernel_where_a_type_has_one_and_i16_elsewhere(
             assert i8.describe() == EXPECTED[path][name], (path, name)
         else:
             assert i8 == i16, (path, name)
-    with_int8 = path in ("avx2", "avx512")  # the paths with int8 prompt kernels (avx2: Q4_K, Q6_K; avx512: Q4_K)
+    with_int8 = path in ("avx2", "avx512")  # the paths with int8 prompt kernels (Q4_K, Q6_K)
     assert kernel_table.long_prompt("i8", path) == (32 if with_int8 else None)
     assert kernel_table.long_prompt("auto", path) == (32 if with_int8 or path == "avx512-amx" else None)
     assert kernel_table.long_prompt("i16", path) is None and kernel_table.long_prompt("f32", path) is None

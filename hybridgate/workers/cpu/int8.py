@@ -1,11 +1,18 @@
-"""Prompt matmuls with int8 activations: Q4_K and Q6_K, eight weight rows interleaved, 256-bit vectors.
+"""Prompt matmuls with int8 activations: Q4_K and Q6_K, weight rows interleaved a 32-bit lane each.
 
-The kernel table runs them on the avx2 path (Q4_K, Q6_K) and on the avx512 path (Q4_K only). There, with
-AVX-512 VNNI, Q4_K's tile sums with `vpdpbusd` into int32 (two chains a row, against its latency) and
-scales with one `vpmulld` a block: the same integers as the avx2 tile, so the same bits. Q6_K's int8 tile,
-with or without `vpdpbusd` (codes as c + 32 less 32 · Σx per half), measured 0.9-1.2x the avx512 path's
-512-bit `vpdpwssd` int16 GEMM on a Zen 4 EPYC and stays int16 there; a tile of 8 activation rows in
-AVX-512's 32 registers measured no faster than 4.
+The kernel table runs them on the avx2 path and on the avx512 path. Without VNNI a tile is 8 weight rows in
+256-bit vectors summed by `vpmaddubsw` (below); on the avx512 path with AVX-512 VNNI it is 16 rows in 512-bit
+vectors summed by `vpdpbusd` into int32 (`KROWS`): Q4_K two chains a row against its latency, then one
+`vpmulld` by the sub-block scales a block; Q6_K's codes unsigned c (0..63) from -32 · Σ xq per 16-column half
+(`_half_sums`: P = Σ c · x - 32 · Σ x = Σ (c - 32) · x), one `vpmulld` a half. Both give the integers of the
+8-row tiles, and every lane takes the same float steps in the same order, so the same bits on either path
+(tested). On a 2-core Zen 4 EPYC (one thread, CPU time, alternated, a busy machine) the 16-row tiles measured
+Q4_K 1.04-1.25x the 8-row `vpdpbusd` tile and Q6_K 1.25-1.85x the 8-row `vpsignb` one at 32-256 rows, where
+the 8-row Q6_K tile had measured 0.9-1.2x the avx512 path's 512-bit `vpdpwssd` int16 GEMM; Zen 4 runs a
+512-bit `vpdpbusd` a cycle as two 256-bit ones, so what the width saves is the instructions around it. The
+float steps (a `vpmulld`, one or two FMAs a block and activation row for 8 `vpdpbusd`) share its ports:
+without them Q4_K's tile ran 1.4x faster (a measurement, not a kernel). A tile of 6 or 8 activation rows
+measured no faster than 4.
 
 A prompt's rows are many, so its matmuls are bound by the multiply rate, not by the weights' bytes
 (issue "CPU tier ahead of llama.cpp"). `superblock`'s int16 GEMM tiles take two `vpmaddwd` (16
@@ -15,12 +22,12 @@ docs/results/accuracy/*-int8-granularity.json), and `vpmaddubsw` multiplies 32 u
 signed ones into 16 int16 pair sums: one multiply per 32 products, the int16 sums widened by one
 `vpmaddwd` with the sub-block scales per block.
 
-Lanes. Eight weight rows are interleaved, 4 bytes of each in one 32-bit lane (ik_llama.cpp's `_R8` idea;
+Lanes. KROWS weight rows are interleaved, 4 bytes of each in one 32-bit lane (ik_llama.cpp's `_R8` idea;
 our own layout), so lane r of every vector belongs to row r and an activation row's 4 bytes are
-broadcast to all lanes: no horizontal sums, and the float steps serve 8 rows at once. The
-interleaving is done per group of 8 rows into a scratch (`_interleave_q4k`, `_interleave_q6k`: a
-copy of 32-bit words, `cols / 8` a row) that every activation tile of the pass reads, so the weights
-keep one layout (the decode kernels') and cost no memory.
+broadcast to all lanes: no horizontal sums, and the float steps serve KROWS rows at once. The
+interleaving is done per group of KROWS rows into a scratch (`_interleave_q4k`, `_interleave_q6k`: a
+copy of 32-bit words, or with VNNI Q6_K's 6-bit codes unpacked) that every activation tile of the pass
+reads, so the weights keep one layout (the decode kernels') and cost no memory.
 
 - Q4_K (codes 0..15 in Q4_1's nibble order: byte j of a block is column j low, j + 16 high): a lane
   holds bytes 4q..4q+3 of the block, so its low nibbles are columns 4q..4q+3 and its high ones
@@ -35,15 +42,16 @@ keep one layout (the decode kernels') and cost no memory.
   block as Q4_K's (no min term).
 
 Multiplies per 256 products and 8 rows: Q4_K 9 (8 `vpmaddubsw`, 1 `vpmaddwd`), Q6_K 10, against 16
-`vpmaddwd` on int16. A row's result does not depend on its batch (every activation row runs the same
-operations), but it differs from the int16 decode kernel's: see `kernel_table` for what a stream's
-continuity keeps.
+`vpmaddwd` on int16 (with VNNI, per 512 products and 16 rows: 8 `vpdpbusd` and 1 or 2 `vpmulld`). A row's
+result does not depend on its batch (every activation row runs the same operations), but it differs from the
+int16 decode kernel's: see `kernel_table` for what a stream's continuity keeps.
 
 Error: the activations' rounding, at most xs_b / 2 = max|x_b| / 254 per element.
 
 Sources: ggml's `block_q4_K`, `block_q6_K` (ggml-common.h) and `ggml_vec_dot_q4_K_q8_K` (ggml-cpu,
 `vpmaddubsw` then `vpmaddwd` with the scales, and the sign trick of its q8_0 dot); Intel's intrinsics
-guide for `vpmaddubsw`, `vpsignb`, `vpmaddwd`; ik_llama.cpp's interleaved-rows idea (read, not copied).
+guide for `vpmaddubsw`, `vpsignb`, `vpmaddwd`, `vpdpbusd`; ik_llama.cpp's interleaved-rows idea (read, not
+copied).
 """
 
 from __future__ import annotations
@@ -58,23 +66,29 @@ from llvmlite import ir  # noqa: E402
 from numba import prange  # noqa: E402
 from numba.core import cgutils  # noqa: E402
 
-from hybridgate.workers.cpu.avx2 import _fma, _madd, _splat8  # noqa: E402
+from hybridgate.workers.cpu.avx2 import _madd  # noqa: E402
 from hybridgate.workers.cpu.simd import _load_vec  # noqa: E402
 from hybridgate.workers.cpu.tilegen import tile_intrinsic  # noqa: E402
 
-ROWS = 8  # weight rows a tile interleaves: one 32-bit lane each
+ROWS = 8  # weight rows a 256-bit tile interleaves: one 32-bit lane each (`int8_blocks` too)
 SUPER = 256
 XQ_MAX = 127.0
 TILE_X = 4  # activation rows a tile multiplies: 3 accumulators each, 12 of AVX2's 16 registers
-VNNI = _TARGET.vnni  # the avx512 path on a CPU with AVX-512 VNNI: Q4_K's `vpdpbusd` sums into int32 (docstring)
-X_BYTES = 1024 * 1024  # int8 activations of one pass over the weights: each group of 8 rows is interleaved once a pass
+VNNI = _TARGET.vnni  # the avx512 path on a CPU with AVX-512 VNNI: 512-bit `vpdpbusd` tiles (docstring)
+KROWS = 16 if VNNI else ROWS  # weight rows the K-quant tiles interleave: a 32-bit lane each of their vectors
+X_BYTES = 1024 * 1024  # int8 activations of one pass over the weights: each group of rows is interleaved once a pass
+# The 16-row tiles' passes: 4 MiB ran 2048 x 8192 at 512 and 1024 rows 1.16-1.38x faster than 1 MiB (fewer
+# interleaves; a Zen 4 EPYC, 1 and 2 threads, CPU time), 16 MiB no faster than 4.
+KX_BYTES = 4 * X_BYTES if VNNI else X_BYTES
 _CHUNKS = 16
 _I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
 _V32B = ir.VectorType(_I8, 32)
 _V16S = ir.VectorType(_I16, 16)
-_V8I = ir.VectorType(_I32, 8)
 _V8F = ir.VectorType(ir.FloatType(), 8)
-QUADS = {"q4_k": 4, "q6_k": 8}  # 32-byte code vectors per block: Q4_K's nibbles hold two columns a byte
+# the K-quant tiles' vectors: KROWS 32-bit lanes
+_VKB, _VKS = ir.VectorType(_I8, 4 * KROWS), ir.VectorType(_I16, 2 * KROWS)
+_VKI, _VKF = ir.VectorType(_I32, KROWS), ir.VectorType(ir.FloatType(), KROWS)
+QUADS = {"q4_k": 4, "q6_k": 8}  # 4-byte code quads per row and block: Q4_K's nibbles hold two columns a byte
 SCALES = {"q4_k": 1, "q6_k": 2}  # sub-block scales per block
 
 
@@ -93,46 +107,63 @@ def _sign(builder, a, b):
 
 
 def _dpbusd(builder, acc, u, s):
-    """vpdpbusd: <8 x i32> acc + the sums of 4 products of <32 x i8> u (unsigned) · s (signed) per 32-bit lane
+    """vpdpbusd: <KROWS x i32> acc + the sums of 4 products of u (unsigned bytes) · s (signed) per 32-bit lane
     (no saturation: exact while the sums stay in int32)."""
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8I, [_V8I, _V8I, _V8I]),
-                                        "llvm.x86.avx512.vpdpbusd.256")
-    return builder.call(fn, [acc, builder.bitcast(u, _V8I), builder.bitcast(s, _V8I)])
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VKI, [_VKI, _VKI, _VKI]),
+                                        f"llvm.x86.avx512.vpdpbusd.{32 * KROWS}")
+    return builder.call(fn, [acc, builder.bitcast(u, _VKI), builder.bitcast(s, _VKI)])
 
 
-def _broadcast4(builder, ptr):
-    """The 4 bytes at ptr (an i8*) in every 32-bit lane of a <32 x i8> (one vpbroadcastd)."""
+def _broadcast4(builder, ptr, lanes=8):
+    """The 4 bytes at ptr (an i8*) in every one of `lanes` 32-bit lanes, as bytes (one vpbroadcastd)."""
+    vec_ty = ir.VectorType(_I32, lanes)
     word = builder.load(builder.bitcast(ptr, _I32.as_pointer()), align=1)
-    vec = builder.insert_element(ir.Constant(_V8I, ir.Undefined), word, ir.Constant(_I32, 0))
-    return builder.bitcast(builder.shuffle_vector(vec, vec, ir.Constant(_V8I, [0] * 8)), _V32B)
+    vec = builder.insert_element(ir.Constant(vec_ty, ir.Undefined), word, ir.Constant(_I32, 0))
+    return builder.bitcast(builder.shuffle_vector(vec, vec, ir.Constant(vec_ty, [0] * lanes)),
+                           ir.VectorType(_I8, 4 * lanes))
 
 
-def _make_tile(kind: str, xrows: int, vnni: bool = False):
-    """An intrinsic: 8 interleaved weight rows of `kind` ("q4_k" or "q6_k") times `xrows` int8 activation rows,
-    with `vpmaddubsw` and int16 sums, or (vnni, Q4_K) `vpdpbusd` and int32 sums (the same integers, so the
-    same bits).
+def _splat(builder, scalar, vec_ty):
+    """scalar (a float or an int32) in every lane of vec_ty."""
+    vec = builder.insert_element(ir.Constant(vec_ty, ir.Undefined), scalar, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_I32, vec_ty.count), [0] * vec_ty.count))
 
-    f(wc, wsc, wm, wd, nblocks, xq, x_off, x_stride, xs, xsum, a_off, a_stride, out, o_off, o_stride) writes
-    out[o_off + k·o_stride + r] for the 8 weight rows r and activation rows k < xrows (see the module
-    docstring): wc uint8 `[nblocks · QUADS · 32]` the interleaved codes, wsc int16 `[nblocks · SCALES · 16]`
-    each row's sub-block scale in its two 16-bit lanes (Q4_K with VNNI: as one int32 lane), wm float32
-    `[nblocks · 8]` (Q4_K: -dmin_r · min_rb; Q6_K: unread), wd float32 `[nblocks / 8 · 8]` d_r per super-block; xq int8 (row k at x_off + k·x_stride,
-    columns in order), xs and xsum float32 per block at a_off + k·a_stride + b. nblocks: a multiple of 8.
+
+def _fma(builder, a, b, c):
+    """a * b + c on float vectors, fused (llvm.fma)."""
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(a.type, [a.type] * 3),
+                                        f"llvm.fma.v{a.type.count}f32")
+    return builder.call(fn, [a, b, c])
+
+
+def _make_tile(kind: str, xrows: int):
+    """An intrinsic: KROWS interleaved weight rows of `kind` ("q4_k" or "q6_k") times `xrows` int8 activation rows:
+    with VNNI 16 rows, `vpdpbusd` and int32 sums; otherwise 8 rows, `vpmaddubsw` and int16 sums (the same
+    integers, so the same bits).
+
+    f(wc, wsc, wm, wd, nblocks, xq, x_off, x_stride, xs, xsum, xh, a_off, a_stride, out, o_off, o_stride) writes
+    out[o_off + k·o_stride + r] for the weight rows r and activation rows k < xrows (see the module docstring):
+    wc uint8 `[nblocks · QUADS · KROWS · 4]` the interleaved codes, wsc int16 `[nblocks · SCALES · KROWS · 2]` each
+    row's sub-block scale in its two 16-bit lanes (VNNI: as one int32 lane), wm float32 `[nblocks · KROWS]` (Q4_K:
+    -dmin_r · min_rb; Q6_K: unread), wd float32 `[nblocks / 8 · KROWS]` d_r per super-block; xq int8 (row k at x_off
+    + k·x_stride, columns in order), xs and xsum float32 per block at a_off + k·a_stride + b, xh int32 per 16
+    columns at 2 · (a_off + k·a_stride) + h (Q6_K with VNNI: -32 · Σ xq; otherwise unread). nblocks: a
+    multiple of 8.
     """
-    sums = (_q4k_sums_vnni if vnni else _q4k_sums) if kind == "q4_k" else _q6k_sums
-    return tile_intrinsic(f"int8_{kind}_tile8x{xrows}{'_vnni' if vnni else ''}", _TILE_ARGS,
-                          lambda arg: (kind, xrows, sums), _emit_tile)
+    sums = {("q4_k", True): _q4k_sums_vnni, ("q4_k", False): _q4k_sums, ("q6_k", True): _q6k_sums_vnni,
+            ("q6_k", False): _q6k_sums}[kind, VNNI]
+    return tile_intrinsic(f"int8_{kind}_tile{KROWS}x{xrows}", _TILE_ARGS, lambda arg: (kind, xrows, sums), _emit_tile)
 
 
-_TILE_ARGS = ("wc", "wsc", "wm", "wd", "nblocks", "xq", "x_off", "x_stride", "xs", "xsum", "a_off", "a_stride", "out",
-              "o_off", "o_stride")
+_TILE_ARGS = ("wc", "wsc", "wm", "wd", "nblocks", "xq", "x_off", "x_stride", "xs", "xsum", "xh", "a_off", "a_stride",
+              "out", "o_off", "o_stride")
 
 
 def _emit_tile(t, state):
     """`_make_tile`'s body: per block the integer sums (`sums`) and their float step, per super-block d's."""
     kind, xrows, sums = state
     builder, c = t.builder, t.c
-    zero_f = ir.Constant(_V8F, [0.0] * 8)
+    zero_f = ir.Constant(_VKF, [0.0] * KROWS)
     total = [cgutils.alloca_once_value(builder, zero_f) for _ in range(xrows)]
     partial = [cgutils.alloca_once_value(builder, zero_f) for _ in range(xrows)]
     with t.loop(builder.sdiv(t["nblocks"], c(8))) as s:
@@ -142,20 +173,20 @@ def _emit_tile(t, state):
             blk = builder.add(builder.mul(s, c(8)), block)
             block_sums = sums(t, xrows, blk)
             if kind == "q4_k":
-                mins = _load_vec(builder, t.ptr("wm", builder.mul(blk, c(8))), _V8F, 1)
+                mins = _load_vec(builder, t.ptr("wm", builder.mul(blk, c(KROWS))), _VKF, 1)
             for k in range(xrows):
-                xsv = _splat8(builder, builder.load(t.at("xs", "a_off", "a_stride", k, blk)))
-                builder.store(_fma(builder, builder.sitofp(block_sums[k], _V8F), xsv, builder.load(partial[k])),
+                xsv = _splat(builder, builder.load(t.at("xs", "a_off", "a_stride", k, blk)), _VKF)
+                builder.store(_fma(builder, builder.sitofp(block_sums[k], _VKF), xsv, builder.load(partial[k])),
                               partial[k])
                 if kind == "q4_k":
-                    xsum = _splat8(builder, builder.load(t.at("xsum", "a_off", "a_stride", k, blk)))
+                    xsum = _splat(builder, builder.load(t.at("xsum", "a_off", "a_stride", k, blk)), _VKF)
                     builder.store(_fma(builder, mins, xsum, builder.load(total[k])), total[k])
-        d = _load_vec(builder, t.ptr("wd", builder.mul(s, c(8))), _V8F, 1)
+        d = _load_vec(builder, t.ptr("wd", builder.mul(s, c(KROWS))), _VKF, 1)
         for k in range(xrows):
             builder.store(_fma(builder, builder.load(partial[k]), d, builder.load(total[k])), total[k])
     for k in range(xrows):
         dst = t.ptr("out", t.row("o_off", "o_stride", k))
-        builder.store(builder.load(total[k]), builder.bitcast(dst, _V8F.as_pointer()), align=4)
+        builder.store(builder.load(total[k]), builder.bitcast(dst, _VKF.as_pointer()), align=4)
     return t.context.get_dummy_value()
 
 
@@ -163,39 +194,40 @@ def _x_at(t, k, blk, column):
     """Activation row k's 4 bytes at `column` of block blk, in every 32-bit lane."""
     b, c = t.builder, t.c
     offset = b.add(t.row("x_off", "x_stride", k), b.add(b.mul(blk, c(32)), c(column)))
-    return _broadcast4(b, t.ptr("xq", offset))
+    return _broadcast4(b, t.ptr("xq", offset), KROWS)
 
 
 def _codes(t, quads, blk, q):
-    """Code vector q of block blk (32 bytes: 4 of each of the 8 rows)."""
+    """Code vector q of block blk (4 bytes of each of the KROWS rows)."""
     b, c = t.builder, t.c
-    return _load_vec(b, t.ptr("wc", b.mul(b.add(b.mul(blk, c(quads)), c(q)), c(32))), _V32B, 1)
+    return _load_vec(b, t.ptr("wc", b.mul(b.add(b.mul(blk, c(quads)), c(q)), c(4 * KROWS))), _VKB, 1)
 
 
 def _scale_vec(t, scales, blk, h):
     """Block blk's scale vector h: each row's sub-block scale in its two 16-bit lanes."""
     b, c = t.builder, t.c
-    return _load_vec(b, t.ptr("wsc", b.mul(b.add(b.mul(blk, c(scales)), c(h)), c(16))), _V16S, 1)
+    return _load_vec(b, t.ptr("wsc", b.mul(b.add(b.mul(blk, c(scales)), c(h)), c(2 * KROWS))), _VKS, 1)
 
 
 def _nibbles(builder, w):
     """A code vector's (low, high) nibbles as bytes."""
-    low4 = ir.Constant(_V32B, [15] * 32)
-    high = builder.bitcast(builder.lshr(builder.bitcast(w, _V16S), ir.Constant(_V16S, [4] * 16)), _V32B)
+    low4 = ir.Constant(w.type, [15] * w.type.count)
+    shorts = ir.VectorType(_I16, w.type.count // 2)
+    high = builder.bitcast(builder.lshr(builder.bitcast(w, shorts), ir.Constant(shorts, [4] * shorts.count)), w.type)
     return builder.and_(w, low4), builder.and_(high, low4)
 
 
 def _q4k_sums_vnni(t, xrows, blk):
-    """Q4_K block blk, per activation row: <8 x i32> sc_r · P_r by `vpdpbusd`."""
+    """Q4_K block blk, per activation row: <KROWS x i32> sc_r · P_r by `vpdpbusd`."""
     builder = t.builder
-    acc = [ir.Constant(_V8I, [0] * 8)] * xrows
+    acc = [ir.Constant(_VKI, [0] * KROWS)] * xrows
     acc2 = list(acc)
     for q in range(QUADS["q4_k"]):
         lo, hi = _nibbles(builder, _codes(t, QUADS["q4_k"], blk, q))
         for k in range(xrows):  # two chains a row (low and high nibbles): vpdpbusd's latency
             acc[k] = _dpbusd(builder, acc[k], lo, _x_at(t, k, blk, 4 * q))
             acc2[k] = _dpbusd(builder, acc2[k], hi, _x_at(t, k, blk, 16 + 4 * q))
-    sc = builder.bitcast(_scale_vec(t, SCALES["q4_k"], blk, 0), _V8I)
+    sc = builder.bitcast(_scale_vec(t, SCALES["q4_k"], blk, 0), _VKI)
     return [builder.mul(builder.add(a, a2), sc) for a, a2 in zip(acc, acc2)]
 
 
@@ -211,6 +243,27 @@ def _q4k_sums(t, xrows, blk):
             acc[k] = pair if acc[k] is None else builder.add(acc[k], pair)
     sc = _scale_vec(t, SCALES["q4_k"], blk, 0)
     return [_madd(builder, a, sc) for a in acc]
+
+
+def _q6k_sums_vnni(t, xrows, blk):
+    """Q6_K block blk, per activation row: <KROWS x i32> Σ_h sc_rh · P_rh, P_rh = Σ c · x less 32 · Σ x (the
+    codes c unsigned, 0..63) by `vpdpbusd` from -32 · Σ x (`xh`)."""
+    builder, c = t.builder, t.c
+    out = [None] * xrows
+    for h in range(2):
+        acc = []
+        for k in range(xrows):
+            at = builder.mul(builder.add(t.row("a_off", "a_stride", k), blk), c(2))  # xh: 2 halves a block
+            acc.append(_splat(builder, builder.load(t.ptr("xh", builder.add(at, c(h)))), _VKI))
+        for q in range(4 * h, 4 * h + 4):
+            w = _codes(t, QUADS["q6_k"], blk, q)
+            for k in range(xrows):
+                acc[k] = _dpbusd(builder, acc[k], w, _x_at(t, k, blk, 4 * q))
+        sc = builder.bitcast(_scale_vec(t, SCALES["q6_k"], blk, h), _VKI)
+        for k in range(xrows):
+            part = builder.mul(acc[k], sc)
+            out[k] = part if out[k] is None else builder.add(out[k], part)
+    return out
 
 
 def _q6k_sums(t, xrows, blk):
@@ -232,7 +285,7 @@ def _q6k_sums(t, xrows, blk):
     return out
 
 
-tile_q4k, tile_q4k_1 = _make_tile("q4_k", TILE_X, VNNI), _make_tile("q4_k", 1, VNNI)
+tile_q4k, tile_q4k_1 = _make_tile("q4_k", TILE_X), _make_tile("q4_k", 1)
 tile_q6k, tile_q6k_1 = _make_tile("q6_k", TILE_X), _make_tile("q6_k", 1)
 
 _JIT = dict(nogil=True, fastmath=True, cache=True)
@@ -267,64 +320,105 @@ def quantize(x, xq, xs, xsum):
 
 
 @nb.njit(**_JIT)
-def _interleave_q4k(qs32, sc, d, ndmin, mins, r0, wc32, wsc, wm, wd):
-    """Weight rows r0 .. r0 + 8 (rows past the end repeat row r0: their results are not kept) of a Q4_K weight
-    split by `superblock.split_scales` (qs32 its nibbles viewed as uint32 `[rows, cols / 8]`) → the tile's
-    scratch: wc32 uint32 `[nblocks · 4 · 8]`, wsc int16 `[nblocks · 16]`, wm float32 `[nblocks · 8]`, wd
-    float32 `[nblocks / 8 · 8]`."""
-    rows, nblocks = qs32.shape[0], sc.shape[1]
-    for r in range(ROWS):
-        row = r0 + r if r0 + r < rows else r0
-        for b in range(nblocks):
-            for q in range(4):
-                wc32[(4 * b + q) * ROWS + r] = qs32[row, 4 * b + q]
-            # twice for `vpmaddwd`'s pair; with VNNI the int32 lane the two make (the scale is 0..63)
-            wsc[16 * b + 2 * r] = sc[row, b]
-            wsc[16 * b + 2 * r + 1] = 0 if VNNI else sc[row, b]
-            wm[ROWS * b + r] = ndmin[row, b // 8] * np.float32(mins[row, b])
-        for s in range(nblocks // 8):
-            wd[ROWS * s + r] = d[row, s]
+def _half_sums(xq, k, xh):
+    """xh int32 `[batch, cols / 16]`: -32 · Σ xq over each 16 columns of row k (Q6_K's codes c less 32)."""
+    for h in range(xh.shape[1]):
+        total = 0
+        for j in range(16):
+            total += np.int32(xq[k, 16 * h + j])
+        xh[k, h] = -32 * total
 
 
 @nb.njit(**_JIT)
-def _interleave_q6k(qs32, sc, d, r0, wc32, wsc, wd):
-    """As `_interleave_q4k` for a Q6_K weight split by `superblock.split_q6k` (qs32 its int8 codes c - 32
-    viewed as uint32 `[rows, cols / 4]`, sc int8 `[rows, cols / 16]`): wc32 uint32 `[nblocks · 8 · 8]`, wsc
-    int16 `[nblocks · 32]` (the two halves' scales), wd as there."""
-    rows, nblocks = qs32.shape[0], qs32.shape[1] // 8
-    for r in range(ROWS):
+def _interleave_q4k(qs32, sc, d, ndmin, mins, r0, wc32, wsc, wm, wd):
+    """Weight rows r0 .. r0 + KROWS (rows past the end repeat row r0: their results are not kept) of a Q4_K weight
+    split by `superblock.split_scales` (qs32 its nibbles viewed as uint32 `[rows, cols / 8]`) → the tile's
+    scratch: wc32 uint32 `[nblocks · 4 · KROWS]`, wsc int16 `[nblocks · 2 · KROWS]`, wm float32 `[nblocks ·
+    KROWS]`, wd float32 `[nblocks / 8 · KROWS]`."""
+    rows, nblocks = qs32.shape[0], sc.shape[1]
+    wsc32 = wsc.view(np.int32)
+    for r in range(KROWS):
         row = r0 + r if r0 + r < rows else r0
         for b in range(nblocks):
-            for q in range(8):
-                wc32[(8 * b + q) * ROWS + r] = qs32[row, 8 * b + q]
-            for h in range(2):
-                wsc[32 * b + 16 * h + 2 * r] = wsc[32 * b + 16 * h + 2 * r + 1] = sc[row, 2 * b + h]
+            for q in range(4):
+                wc32[(4 * b + q) * KROWS + r] = qs32[row, 4 * b + q]
+            if VNNI:  # an int32 lane
+                wsc32[KROWS * b + r] = sc[row, b]
+            else:  # twice for `vpmaddwd`'s pair
+                wsc[2 * KROWS * b + 2 * r] = wsc[2 * KROWS * b + 2 * r + 1] = sc[row, b]
+            wm[KROWS * b + r] = ndmin[row, b // 8] * np.float32(mins[row, b])
         for s in range(nblocks // 8):
-            wd[ROWS * s + r] = d[row, s]
+            wd[KROWS * s + r] = d[row, s]
+
+
+_M4, _M2 = np.uint64(0x0F0F0F0F0F0F0F0F), np.uint64(0x0303030303030303)  # per byte: a nibble, 2 bits
+_HI, _C32 = np.uint64(0x8080808080808080), np.uint64(0x2020202020202020)  # per byte: the top bit, 32
+
+
+@nb.njit(**_JIT)
+def _q6k_pair(qs64, row, b, i, packed):
+    """Columns 8i..8i+7 of block b of a Q6_K row as the tile reads them, one byte each in a uint64: with VNNI
+    the codes c (0..63), otherwise c - 32 as int8; from `superblock.pack_q6k`'s bytes (packed: 3 words a block,
+    the low nibbles of columns 0-7 and 16-23, those of 8-15 and 24-31, then the top 2 bits, column 8a + p at
+    bits 2a of byte p) or from `superblock.split_q6k`'s int8 codes c - 32 (4 words a block). The bytewise
+    ± 32 goes through the top bit, so no carry or borrow crosses a byte."""
+    if packed:
+        nib = qs64[row, 3 * b + i % 2] >> np.uint64(4 * (i // 2))
+        top = qs64[row, 3 * b + 2] >> np.uint64(2 * i)
+        c = (nib & _M4) | ((top & _M2) << np.uint64(4))
+        return c if VNNI else ((c | _HI) - _C32) ^ _HI
+    w = qs64[row, 4 * b + i]
+    return ((w ^ _HI) + _C32) ^ _HI if VNNI else w
+
+
+@nb.njit(**_JIT)
+def _interleave_q6k(qs64, sc, d, r0, wc32, wsc, wd):
+    """As `_interleave_q4k` for a Q6_K weight split by `superblock.split_q6k` (sc int8 `[rows, cols / 16]`; qs64
+    its int8 codes c - 32 viewed as uint64 `[rows, cols / 8]`, or `superblock.pack_q6k`'s bytes viewed as uint64
+    `[rows, cols · 3 / 32]`): wc32 uint32 `[nblocks · 8 · KROWS]` (`_q6k_pair`'s halves), wsc int16 `[nblocks ·
+    4 · KROWS]` (the two halves' scales, as `vpmaddwd`'s pair or, with VNNI, as int32), wd as there."""
+    rows, nblocks = qs64.shape[0], d.shape[1] * 8
+    packed = qs64.shape[1] == 3 * nblocks
+    wsc32 = wsc.view(np.int32)
+    for r in range(KROWS):
+        row = r0 + r if r0 + r < rows else r0
+        for b in range(nblocks):
+            for i in range(4):
+                pair = _q6k_pair(qs64, row, b, i, packed)
+                wc32[(8 * b + 2 * i) * KROWS + r] = np.uint32(pair & np.uint64(0xFFFFFFFF))
+                wc32[(8 * b + 2 * i + 1) * KROWS + r] = np.uint32(pair >> np.uint64(32))
+            for h in range(2):
+                if VNNI:
+                    wsc32[2 * KROWS * b + KROWS * h + r] = sc[row, 2 * b + h]
+                else:
+                    wsc[4 * KROWS * b + 2 * KROWS * h + 2 * r] = wsc[4 * KROWS * b + 2 * KROWS * h + 2 * r + 1] = \
+                        sc[row, 2 * b + h]
+        for s in range(nblocks // 8):
+            wd[KROWS * s + r] = d[row, s]
 
 
 @nb.njit(**_TILE_JIT)
-def _tiles(q4k, wc, wsc, wm, wd, nblocks, xq, xs, xsum, out, r0, b0, b1, tmp):
-    """One interleaved group's 8 rows (from r0) against activation rows b0 .. b1; a group past the weight's last
-    row goes through tmp float32 `[TILE_X, 8]` and keeps only its rows."""
+def _tiles(q4k, wc, wsc, wm, wd, nblocks, xq, xs, xsum, xh, out, r0, b0, b1, tmp):
+    """One interleaved group's KROWS rows (from r0) against activation rows b0 .. b1; a group past the weight's
+    last row goes through tmp float32 `[TILE_X, KROWS]` and keeps only its rows."""
     rows, cols = out.shape[1], xq.shape[1]
-    full = r0 + ROWS <= rows
+    full = r0 + KROWS <= rows
     b = b0
     while b < b1:
         xr = TILE_X if b + TILE_X <= b1 else 1
-        dst, off, stride = (out, b * rows + r0, rows) if full else (tmp, 0, ROWS)
+        dst, off, stride = (out, b * rows + r0, rows) if full else (tmp, 0, KROWS)
         if q4k:
             if xr == TILE_X:
-                tile_q4k(wc, wsc, wm, wd, nblocks, xq, b * cols, cols, xs, xsum, b * nblocks,
+                tile_q4k(wc, wsc, wm, wd, nblocks, xq, b * cols, cols, xs, xsum, xh, b * nblocks,
                          nblocks, dst, off, stride)
             else:
-                tile_q4k_1(wc, wsc, wm, wd, nblocks, xq, b * cols, cols, xs, xsum,
+                tile_q4k_1(wc, wsc, wm, wd, nblocks, xq, b * cols, cols, xs, xsum, xh,
                            b * nblocks, nblocks, dst, off, stride)
         elif xr == TILE_X:
-            tile_q6k(wc, wsc, wm, wd, nblocks, xq, b * cols, cols, xs, xsum, b * nblocks,
+            tile_q6k(wc, wsc, wm, wd, nblocks, xq, b * cols, cols, xs, xsum, xh, b * nblocks,
                      nblocks, dst, off, stride)
         else:
-            tile_q6k_1(wc, wsc, wm, wd, nblocks, xq, b * cols, cols, xs, xsum, b * nblocks,
+            tile_q6k_1(wc, wsc, wm, wd, nblocks, xq, b * cols, cols, xs, xsum, xh, b * nblocks,
                        nblocks, dst, off, stride)
         if not full:
             for k in range(xr):
@@ -334,40 +428,44 @@ def _tiles(q4k, wc, wsc, wm, wd, nblocks, xq, xs, xsum, out, r0, b0, b1, tmp):
 
 
 @nb.njit(parallel=True, **_JIT)
-def matmul_i8(x, qs32, sc, d, ndmin, mins, out, x_bytes=X_BYTES):
+def matmul_i8(x, qs32, sc, d, ndmin, mins, out, x_bytes=KX_BYTES):
     """out float32 `[batch, rows]` = x float32 `[batch, cols]` @ W.T, x quantized to int8 per 32 columns, for
     a Q4_K weight (qs32: `superblock.split_scales`' nibbles viewed as uint32 `[rows, cols / 8]`; sc, d, ndmin,
     mins as there) or a Q6_K one (qs32: `superblock.split_q6k`'s int8 codes viewed as uint32 `[rows, cols /
-    4]`; sc int8 `[rows, cols / 16]`; ndmin and mins unread), told apart by sc's columns (cols / 32 or cols /
-    16). cols: a multiple of 256; x_bytes: the int8 activations of one pass over the weights (each group of 8
-    rows is interleaved once a pass). Error: the activations' rounding, at most max|x_b| / 254 per element."""
+    4]`, or `superblock.pack_q6k`'s bytes viewed as uint32 `[rows, cols · 3 / 16]`; sc int8 `[rows,
+    cols / 16]`; ndmin and mins unread), told apart by sc's columns (cols / 32 or cols / 16). cols: a multiple
+    of 256; x_bytes: the int8 activations of one pass over the weights (each group of KROWS rows is interleaved
+    once a pass). Error: the activations' rounding, at most max|x_b| / 254 per element."""
     batch, cols = x.shape
     nblocks = cols // 32
     q4k = sc.shape[1] == nblocks
     xq = np.empty((batch, cols), dtype=np.int8)
     xs = np.empty((batch, nblocks), dtype=np.float32)
     xsum = np.empty((batch, nblocks), dtype=np.float32)
+    xh = np.empty((batch, cols // 16), dtype=np.int32)
     for k in prange(batch):
         _quantize_row(x, k, xq, xs, xsum)
+        if VNNI and not q4k:
+            _half_sums(xq, k, xh)
     rows = qs32.shape[0]
-    groups = (rows + ROWS - 1) // ROWS
+    groups = (rows + KROWS - 1) // KROWS
     per = (groups + _CHUNKS - 1) // _CHUNKS
     x_tile = max(TILE_X, x_bytes // cols // TILE_X * TILE_X)
     quads = 4 if q4k else 8
     for b0 in range(0, batch, x_tile):
         b1 = min(batch, b0 + x_tile)
         for chunk in prange(_CHUNKS):
-            wc32 = np.empty(nblocks * quads * ROWS, dtype=np.uint32)
-            wsc = np.empty(nblocks * 16 * (1 if q4k else 2), dtype=np.int16)
-            wm = np.zeros(nblocks * ROWS, dtype=np.float32)
-            wd = np.empty(nblocks // 8 * ROWS, dtype=np.float32)
-            tmp = np.empty((TILE_X, ROWS), dtype=np.float32)
+            wc32 = np.empty(nblocks * quads * KROWS, dtype=np.uint32)
+            wsc = np.empty(nblocks * 2 * KROWS * (1 if q4k else 2), dtype=np.int16)
+            wm = np.zeros(nblocks * KROWS, dtype=np.float32)
+            wd = np.empty(nblocks // 8 * KROWS, dtype=np.float32)
+            tmp = np.empty((TILE_X, KROWS), dtype=np.float32)
             for g in range(chunk * per, min(groups, (chunk + 1) * per)):
                 if q4k:
-                    _interleave_q4k(qs32, sc, d, ndmin, mins, ROWS * g, wc32, wsc, wm, wd)
+                    _interleave_q4k(qs32, sc, d, ndmin, mins, KROWS * g, wc32, wsc, wm, wd)
                 else:
-                    _interleave_q6k(qs32, sc, d, ROWS * g, wc32, wsc, wd)
-                _tiles(q4k, wc32.view(np.uint8), wsc, wm, wd, nblocks, xq, xs, xsum, out, ROWS * g, b0,
+                    _interleave_q6k(qs32.view(np.uint64), sc, d, KROWS * g, wc32, wsc, wd)
+                _tiles(q4k, wc32.view(np.uint8), wsc, wm, wd, nblocks, xq, xs, xsum, xh, out, KROWS * g, b0,
                        b1, tmp)
 
 
@@ -375,8 +473,8 @@ def multiply(x: np.ndarray, rows: np.ndarray, qs: np.ndarray, sc: np.ndarray, d:
              mins: np.ndarray, out: np.ndarray) -> None:
     """out[rows] = x[rows] @ W.T by `matmul_i8` (the prompt kernel's signature, as `amx.multiply`): qs the
     weight's codes as its super-block matrix holds them (Q4_K nibbles uint8 `[n, cols / 2]`, Q6_K codes int8
-    `[n, cols]`), rows int64 `[m]`, m ≥ 1, ascending; out float32 `[batch, n]`. Raises ValueError when cols
-    is not a multiple of 256."""
+    `[n, cols]` or packed to 6 bits, uint8 `[n, cols · 3 / 4]`), rows int64 `[m]`, m ≥ 1, ascending; out
+    float32 `[batch, n]`. Raises ValueError when cols is not a multiple of 256."""
     if x.shape[1] % SUPER:
         raise ValueError(f"int8 matmul: {x.shape[1]} columns: must be a multiple of {SUPER}")
     qs32 = qs.view(np.uint32)

@@ -25,8 +25,9 @@ Paths: `avx512-amx` is the avx512 path with AMX-BF16 granted (`isa.Target.amx`);
 the others are `isa.ISAS`. Activation formats: `f32`; `i16/32` (int16 per
 32-column block, `intdot`, `avx2`, `kquant`); `i16/256` (int16 per 256-column
 super-block, the sub-block scales in integers, `superblock`); `i8/32` (int8 per 32-column block,
-eight weight rows interleaved in a scratch per pass, no memory kept: `int8` for Q4_K and Q6_K,
-`int8_blocks` for Q8_0, Q5_0, Q4_0 and Q4_1); `bf16x2` (two
+weight rows interleaved in a scratch per pass, no memory kept: `int8` for Q4_K and Q6_K, 16 rows in
+512-bit `vpdpbusd` tiles on avx512 with VNNI and 8 elsewhere, `int8_blocks` for Q8_0, Q5_0, Q4_0 and
+Q4_1); `bf16x2` (two
 bf16 halves on AMX tiles, `amx`).
 
 Why each row is what it is (`hybridgate bench kernels`, docs/results/cpu-kernels/*.json):
@@ -36,8 +37,11 @@ need twice the converts. `LowBitMatrix` (`kquant`) replaced the formatted classe
 measured faster at batch 1 and 16: Q5_0 and Q5_1 on avx512, Q5_1 on avx2 (the in-lane int16
 kernels of `avx2` stay ahead for the types they take), every low-bit type but Q4_1 on generic.
 The K-quants' super-block kernels (`superblock`) on avx2 measured Q4_K 1.5-1.7x the Q4_1 kernel at
-batch 16-256 and 1.0-1.1x at 1, Q6_K 1.0-1.2x (2 threads, a Zen 3 EPYC). The generic path is
-merely correct (unmeasured): float32 where it has a fast kernel. MXFP4 (gpt-oss's experts) runs on
+batch 16-256 and 1.0-1.1x at 1, Q6_K 1.0-1.2x (2 threads, a Zen 3 EPYC). On avx512 with VNNI the
+int8 prompt kernel's 16-row tiles measured Q4_K 1.78-2.52x and Q6_K 1.17-2.37x the int16 GEMM at
+64-512 rows, 0.93-1.43x and 1.09-1.36x at 32 (a busy Zen 4 EPYC, *-int8-prompt-wide.json); Q6_K's
+8-row tile had measured 0.9-1.2x. The generic path is merely correct (unmeasured): float32 where it
+has a fast kernel. MXFP4 (gpt-oss's experts) runs on
 the row-dequantizing kernel on every path (unmeasured; its bytes kept as the file has them).
 
 This module imports no Numba: `hybridgate info` prints the rows a file uses without compiling.
@@ -99,7 +103,7 @@ _AVX512 = {
     "Q4_1": KernelRow("Q41Matrix", "f32", "simd.matmul_blocks"),
     "Q5_0": _PACKED, "Q5_1": _PACKED,
     "Q8_0": KernelRow("Q80Matrix", "i16/32", "intdot.matmul_i16"),
-    "Q4_K": _i8(_SUPER45), "Q5_K": _SUPER45, "Q6_K": _SUPER6, "MXFP4": _DEQUANT,
+    "Q4_K": _i8(_SUPER45), "Q5_K": _SUPER45, "Q6_K": _i8(_SUPER6), "MXFP4": _DEQUANT,
 }
 AUTO = {
     "avx512-amx": {**_AVX512, **{name: _amx(_AVX512[name]) for name in  # the types `amx` has a format for

@@ -330,9 +330,9 @@ class Q6KSuperMatrix(QuantMatrix):
         superblock.matmul_superblock(x, self.qs, self.sc, self.d, self._no_ndmin, self._no_mins, out)
         return out
 
-    def _prompt_arrays(self) -> tuple | None:  # amx: the 6-bit codes (avx512); int8: the int8 codes (avx2)
+    def _prompt_arrays(self) -> tuple | None:  # amx: the 6-bit codes (avx512); int8: the codes as this path keeps them
         if self.prompt_kernel == "int8.multiply":
-            return None if superblock.Q6K_PACKED else (self.qs, self.sc, self.d, self._no_ndmin, self._no_mins)
+            return self.qs, self.sc, self.d, self._no_ndmin, self._no_mins
         return (self.qs, self.sc, self.d, self.d, self.sc) if superblock.Q6K_PACKED else None
 
     def row(self, index: int) -> np.ndarray:
