@@ -126,7 +126,8 @@ def _exporter(max_model_len: int, buffer_memory: int = 256 * MiB, notify=lambda 
     from hybridgate.workers.gpu.export import KVExporter
 
     # Llama-3.2-1B: 16 layers, 8 KV heads of 64, bf16 (a token's K and V of one layer: 2 KiB).
-    config = SimpleNamespace(num_layers=16, num_kv_heads=8, head_dim=64)
+    config = SimpleNamespace(num_layers=16, num_kv_heads=8, head_dim=64, kv_layers=tuple(range(16)),
+                             layer_kv_source=tuple(range(16)), layer_kv_heads=(8,) * 16, layer_head_dims=(64,) * 16)
     cache = PagedKVCache(config, 4, 16, torch.device("cpu"), torch.bfloat16)
     fake = SimpleNamespace(cache=cache, max_model_len=max_model_len, model=SimpleNamespace(device=torch.device("cpu")))
     ctx = zmq.Context()
