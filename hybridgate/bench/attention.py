@@ -124,6 +124,9 @@ class _AttentionOnly:
         self.attn_softcap = 0.0
         self.layer_windows = (0,)
         self.attention_sinks = ()  # no per-head sinks (gpt-oss has them; the kernels benched here do not)
+        # one layer that owns its K/V (`ModelConfig`'s per-layer fields the cache reads)
+        self.kv_layers, self.layer_kv_source = (0,), (0,)
+        self.layer_kv_heads, self.layer_head_dims = (kv_heads,), (head_dim,)
 
 
 def run_case(batch: int, context: int, q_len: int, args, device: torch.device, dtype: torch.dtype,

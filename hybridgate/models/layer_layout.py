@@ -9,13 +9,13 @@ per-layer tuples; `expected_tensors` lists, per layer, every tensor the architec
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hybridgate.models.architectures import Architecture
 from hybridgate.models.gguf_metadata import ModelLoadError
 
-if TYPE_CHECKING:
-    from hybridgate.models.gguf_file import ModelConfig, TensorView
+# `gguf_file.ModelConfig` and `gguf_file.TensorView` (which import this module: named here, not imported)
+ModelConfig = TensorView = Any
 
 # Tensors a file may hold beyond the layout's own (read by `_rope_factors`, or the untied LM head).
 OPTIONAL_TENSORS = ("output.weight", "rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight")
