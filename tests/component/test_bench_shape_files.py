@@ -91,6 +91,7 @@ def test_a_batch_1_step_of_experts_reads_the_chosen_experts_and_the_dense_tensor
     """`CpuModel.batch1_bytes` against the file's own tensor sizes: every tensor but the (untied) token
     embedding, the expert tensors at k / experts of their bytes (a block's experts are one size), plus
     the runner's repacking (Q4_K held in 152 bytes a block instead of 144: at most 6% more)."""
+    from hybridgate.bench.type_shares import step_matrices
     from hybridgate.models import load_gguf
     from hybridgate.workers.cpu.model import CpuModel
 
@@ -101,5 +102,7 @@ def test_a_batch_1_step_of_experts_reads_the_chosen_experts_and_the_dense_tensor
     want = sum(t.data.nbytes * share[n] for n, t in model.tensors.items())
     cpu = CpuModel(model, max_model_len=4096)
     assert want <= cpu.batch1_bytes <= 1.06 * want
+    timed = sum(m.nbytes for m in step_matrices(cpu))  # type shares time the router and k experts a layer
+    assert 0.999 * cpu.batch1_bytes <= timed <= cpu.batch1_bytes  # all but the norms
     unread = sum(t.data.nbytes * (1 - share[n]) for n, t in model.tensors.items())  # 8 of 16 experts, embedding
     assert unread <= cpu.weight_bytes - cpu.batch1_bytes <= 1.06 * unread + 2 * 4096 * 64 * 4  # + RoPE tables

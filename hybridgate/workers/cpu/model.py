@@ -217,6 +217,18 @@ class CpuModel:
         held |= {id(m): m for m in (self.embed, self.lm_head, self.out_norm)}
         return sum(m.nbytes for m in held.values())
 
+    @property
+    def batch1_bytes(self) -> int:
+        """Bytes of weights a batch-1 decode step reads: each layer's arrays but its RoPE tables (one row
+        of them), of a mixture of experts the router and the `k` experts one token chooses
+        (`CpuExperts.batch1_bytes`), the final norm and the LM head; the token embedding only where it is
+        the LM head (one row of it otherwise)."""
+        skip = {id(m) for layer in self.layers for m in [layer.cos, layer.sin, *(layer.experts.arrays()
+                                                                                if layer.experts else [])]}
+        held = {id(m): m.nbytes for layer in self.layers for m in layer.arrays() if id(m) not in skip}
+        held |= {id(m): m.nbytes for m in (self.lm_head, self.out_norm)}
+        return sum(held.values()) + sum(layer.experts.batch1_bytes for layer in self.layers if layer.experts)
+
     def embed_rows(self, ids: np.ndarray) -> np.ndarray:
         if hasattr(self.embed, "rows"):
             rows = self.embed.rows(ids)

@@ -85,6 +85,16 @@ class CpuExperts:
         return [self.router, *self.gate_up, *self.down, *shared]
 
     @property
+    def batch1_bytes(self) -> int:
+        """Bytes one token's FFN reads: the router, `k` experts (a block's experts are all one size and type,
+        so any k of them), the shared expert and the biases of those."""
+        expert = self.gate_up[0].nbytes + self.down[0].nbytes
+        shared = 0 if self.shared_gate_up is None else self.shared_gate_up.nbytes + self.shared_down.nbytes
+        per_expert_bias = (self.gate_up_bias.nbytes + self.down_bias.nbytes) // max(len(self.gate_up), 1)
+        return (self.router.nbytes + self.k * (expert + per_expert_bias) + shared + self.bias.nbytes
+                + self.shared_gate.nbytes + self.router_bias.nbytes)
+
+    @property
     def nbytes(self) -> int:
         biases = self.router_bias.nbytes + self.gate_up_bias.nbytes + self.down_bias.nbytes
         return sum(m.nbytes for m in self.arrays()) + self.bias.nbytes + self.shared_gate.nbytes + biases
