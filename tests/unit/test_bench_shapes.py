@@ -9,11 +9,13 @@ References:
   Llama 3.1 8B 8,030,261,248, Qwen2.5-0.5B 494,032,768 (plus Llama 3's rope_freqs: head_dim / 2).
 - use_more_bits: llama-quant.cpp; layers 0, 1, 2, 5, 8, ..., 26-29 of 30 written out by hand.
 - Qwen3-30B-A3B Q4_K_M (unsloth/Qwen3-30B-A3B-GGUF) as llama.cpp's loader reports it (a log quoted in an
-  ik_llama.cpp issue thread, 2025-06-10): f32 241, q4_K 289, q6_K 49 tensors, 30.53 B parameters.
+  ik_llama.cpp issue thread, 2025-06-10): f32 241, q4_K 289, q6_K 49 tensors, 30.53 B parameters,
+  file size 17.28 GiB.
 """
 
 from collections import Counter
 
+import gguf
 import numpy as np
 import pytest
 
@@ -120,6 +122,9 @@ def test_qwen3_30b_a3b_q4_k_m_counts_match_llama_cpp_loader():
     assert [i for i in range(48) if types[f"blk.{i}.ffn_down_exps.weight"] == "Q6_K"] == \
         [i for i in range(48) if use_more_bits(i, 48)]
     assert s.tensors()["blk.0.ffn_down_exps.weight"] == (128, 2048, 768)
+    sizes = {n: gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[t]] for n, t in types.items()}
+    tensor_bytes = sum(int(np.prod(shape)) // sizes[n][0] * sizes[n][1] for n, shape in s.tensors().items())
+    assert round(tensor_bytes / 2**30, 2) == 17.28  # the metadata (tokenizer) is the rest of the file
 
 
 def test_tiny_keeps_the_experts():
