@@ -6,7 +6,8 @@ like any dense weight: the experts stay in the file's quantization (Q8_0 and Q4_
 and float32 scales as the dense matrices are), none is dequantized at load. A step routes every
 token (`route`), sorts the (token, slot) pairs by expert and runs each chosen expert once on the
 rows routed to it, so an expert's weights are read once per step whatever its number of tokens,
-and an expert no token chose is not read at all (batch-1 decode reads `expert_used_count` of them).
+and an expert no token chose is not read at all (batch-1 decode reads `expert_used_count` of them;
+a one-token step skips the grouping and runs its experts in index order: the same sums, fewer numpy calls).
 The expert matmuls take float32 or int16 activations as the table gives their type (`matmul`, not
 the AMX prompt path: an expert's rows mix prompt and decode tokens).
 
@@ -152,6 +153,9 @@ def experts_ffn(x: np.ndarray, experts: CpuExperts, activation: tuple, out: np.n
     if experts.router_bias.size:
         logits += experts.router_bias
     weights, chosen = route(logits, experts.moe, experts.k, experts.scale, experts.bias)
+    if x.shape[0] == 1:
+        calls = _one_token(x, experts, weights[0], chosen[0], activation, out)
+        return calls + (_shared_expert(x, experts, activation, out) if experts.shared_gate_up is not None else 0)
     flat = chosen.reshape(-1)  # [tokens · k]
     order = np.argsort(flat, kind="stable")  # the (token, slot) pairs grouped by expert
     counts = np.bincount(flat, minlength=len(experts.gate_up))
@@ -175,6 +179,26 @@ def experts_ffn(x: np.ndarray, experts: CpuExperts, activation: tuple, out: np.n
     if experts.shared_gate_up is not None:
         calls += _shared_expert(x, experts, activation, out)
     return calls
+
+
+def _one_token(x: np.ndarray, experts: CpuExperts, weights: np.ndarray, chosen: np.ndarray, activation: tuple,
+               out: np.ndarray) -> int:
+    """`experts_ffn`'s expert loop for one token (a batch-1 decode step), without grouping pairs by expert:
+    its k experts in index order, so the same sums in the same order as the grouped loop. x float32
+    `[1, hidden]` (C-contiguous), weights float32 `[k]`, chosen int64 `[k]`; returns kernel calls."""
+    out[:] = 0.0
+    for slot in np.argsort(chosen, kind="stable"):
+        e = int(chosen[slot])
+        gate_up = experts.gate_up[e].matmul(x)  # [1, 2 expert_ffn]
+        if experts.gate_up_bias.size:
+            gate_up += experts.gate_up_bias[e]
+        act = np.empty((1, gate_up.shape[1] // 2), np.float32)
+        activation[1 <= SERIAL_TOKENS](gate_up, act)
+        y = experts.down[e].matmul(act)
+        if experts.down_bias.size:
+            y += experts.down_bias[e]
+        out += y * weights[slot]
+    return 1 + 3 * len(chosen)
 
 
 def _shared_expert(x: np.ndarray, experts: CpuExperts, activation: tuple, out: np.ndarray) -> int:
