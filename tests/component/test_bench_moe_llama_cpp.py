@@ -5,8 +5,8 @@ tests/component/test_llama_cpp_baseline.py. A missing llama_cpp is an error here
 The shape is the tiny cut (16 experts of 256, 4 chosen, GQA 8) in 4 blocks, so `use_more_bits` gives
 Q6_K to blocks 2 and 3 and Q4_K to blocks 0 and 1, with a 32,256-token vocabulary (deepseek-coder's).
 References:
-- the types: llama.cpp's own quantizer (`llama_model_quantize`, Q4_K_M) run on the F16 file of the same
-  shape, against `mixes.assign`, which the Q4_K_M bench file is written with;
+- the types: llama.cpp's own quantizer (`llama_model_quantize`, Q4_K_M and the other mixes) run on the F16
+  file of the same shape, against `mixes.assign`, which the bench files are written with;
 - the forward pass: llama.cpp's logits on the F16 file (exact weights; its F16 KV cache) and on the
   Q4_K_M file (its int8 activations: FACTS.md gives ~0.3 of log-prob at worst) against the torch runner's
   fp32 forward on gguf's dequantized weights. Measured: F16 KL 6.8e-6, top-1 16/16; Q4_K_M KL 0.012,
@@ -34,6 +34,15 @@ SHAPE = dataclasses.replace(SHAPES["qwen3-30b-a3b"].tiny(), layers=4, vocab="dee
 def files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("moe-files")
     return {m: bench_model(SHAPE, MIXES[m], seed=3, progress=False, folder=folder) for m in ("F16", "Q4_K_M")}
+
+
+@pytest.mark.parametrize("quant", ["Q5_K_M", "Q6_K", "Q8_0", "Q4_0", "BF16"])
+def test_llama_cpp_quantizer_agrees_on_every_mix(files, quant):
+    import gguf
+
+    got = requantize(files["F16"], MIXES[quant], folder=files["F16"].parent / quant)
+    assert {t.name: t.tensor_type.name for t in gguf.GGUFReader(got).tensors} == \
+        assign(MIXES[quant], SHAPE.tensors(), SHAPE.layers)
 
 
 def test_llama_cpp_quantizer_gives_the_experts_the_types_of_the_table(files):
