@@ -106,3 +106,24 @@ def test_a_batch_1_step_of_experts_reads_the_chosen_experts_and_the_dense_tensor
     assert 0.999 * cpu.batch1_bytes <= timed <= cpu.batch1_bytes  # all but the norms
     unread = sum(t.data.nbytes * (1 - share[n]) for n, t in model.tensors.items())  # 8 of 16 experts, embedding
     assert unread <= cpu.weight_bytes - cpu.batch1_bytes <= 1.06 * unread + 2 * 4096 * 64 * 4  # + RoPE tables
+
+
+def test_long_prompts_through_the_experts_prompt_kernels_hold_the_floor(folder):
+    """Prompts of 48 tokens (past the runner's long-prompt threshold: their rows go to the int8 or AMX
+    prompt kernels, in the experts as in the dense matrices) against the fp32 torch reference."""
+    import torch
+
+    from hybridgate.models import load_gguf
+    from hybridgate.workers.cpu.runner import NumbaRunner
+    from hybridgate.workers.gpu.runner import TorchRunner
+
+    model = load_gguf(bench_model(one_block("qwen3-30b-a3b"), MIXES["Q4_K_M"], seed=1, progress=False, folder=folder))
+    rng = np.random.default_rng(0)
+    cases = [{"prompt_ids": rng.integers(3, model.config.vocab_size, 48).tolist(),
+              "ids": rng.integers(3, model.config.vocab_size, 8).tolist()} for _ in range(2)]
+    reference = accuracy.teacher_forced_logits(
+        TorchRunner(model, torch.device("cpu"), torch.float32, kv_cache_memory="64MiB"), cases)
+    runner = NumbaRunner(model, kv_cache_memory="64MiB", threads=1, kv_cache_dtype="fp32")
+    assert runner.long_prompt <= 48
+    figures = accuracy.compare(reference, accuracy.teacher_forced_logits(runner, cases))
+    assert figures["top1_agreement"] >= TOP1_FLOOR and figures["kl_mean"] <= KL_CEILING, figures

@@ -334,7 +334,7 @@ class CpuModel:
         """The FFN sublayer's output float32 `[tokens, hidden]` (in `buf.proj`) from the normed input in
         `buf.normed`: the dense gated FFN, or the experts the router chose (`moe.experts_ffn`)."""
         if layer.experts is not None:
-            self.kernel_calls += experts_ffn(buf.normed, layer.experts, self.activation, buf.proj)
+            self.kernel_calls += experts_ffn(buf.normed, layer.experts, self.activation, buf.proj, prompt)
             return buf.proj
         gate_up = layer.gate_up.matmul_prompt(buf.normed, prompt, buf.gate_up)
         self.activation[serial](gate_up, buf.act)

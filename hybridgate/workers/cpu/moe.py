@@ -8,8 +8,9 @@ token (`route`), sorts the (token, slot) pairs by expert and runs each chosen ex
 rows routed to it, so an expert's weights are read once per step whatever its number of tokens,
 and an expert no token chose is not read at all (batch-1 decode reads `expert_used_count` of them;
 a one-token step skips the grouping and runs its experts in index order: the same sums, fewer numpy calls).
-The expert matmuls take float32 or int16 activations as the table gives their type (`matmul`, not
-the AMX prompt path: an expert's rows mix prompt and decode tokens).
+The expert matmuls take float32 or int16 activations as the table gives their type (`matmul`), and a
+step's prompt rows go to the prompt kernels (`matmul_prompt`: int8 or AMX where the type has them) in
+whichever experts they chose, so which kernel computes a row is fixed by its request, as in a dense FFN.
 
 Routing after llama.cpp's `build_moe_ffn` (src/llama-graph.cpp), the row's `MixtureOfExperts`:
 gating, selection bias, renormalisation (its sum clamped from below as llama.cpp does), weight
@@ -27,6 +28,7 @@ from hybridgate.workers.cpu.fused import concat_rows, tensor_matrix
 from hybridgate.workers.cpu.layers import SERIAL_TOKENS
 from hybridgate.workers.cpu.quant import quant_matrix
 
+NO_ROWS = np.empty(0, np.int64)  # a step without prompt rows
 MIN_WEIGHT_SUM = np.float32(6.103515625e-5)  # llama.cpp clamps the chosen weights' sum from below before it divides
 
 
@@ -142,18 +144,20 @@ def load_experts(model: GGUFModel, i: int, activations: str) -> CpuExperts:
     )
 
 
-def experts_ffn(x: np.ndarray, experts: CpuExperts, activation: tuple, out: np.ndarray) -> int:
+def experts_ffn(x: np.ndarray, experts: CpuExperts, activation: tuple, out: np.ndarray,
+                prompt: np.ndarray = NO_ROWS) -> int:
     """out = each token's chosen experts' weighted sum of down_e(act(gate_e x) · up_e x); returns kernel calls.
 
     x float32 `[tokens, hidden]` (the normed FFN input), out float32 `[tokens, hidden]`; activation: the
-    (parallel, serial) gated-activation kernels (`layers.GATED_ACTIVATIONS`). Experts are added in index
-    order, each token's sum the same whatever its batch mates.
+    (parallel, serial) gated-activation kernels (`layers.GATED_ACTIVATIONS`); prompt int64 `[p]` ascending:
+    the rows of x on the prompt kernels (`StepInputs.prompt_rows`, `QuantMatrix.matmul_prompt`), in every
+    expert a row goes to. Experts are added in index order, each token's sum the same whatever its batch mates.
     """
     logits = experts.router.matmul(x)
     if experts.router_bias.size:
         logits += experts.router_bias
     weights, chosen = route(logits, experts.moe, experts.k, experts.scale, experts.bias)
-    if x.shape[0] == 1:
+    if x.shape[0] == 1 and not len(prompt):
         calls = _one_token(x, experts, weights[0], chosen[0], activation, out)
         return calls + (_shared_expert(x, experts, activation, out) if experts.shared_gate_up is not None else 0)
     flat = chosen.reshape(-1)  # [tokens · k]
@@ -164,13 +168,14 @@ def experts_ffn(x: np.ndarray, experts: CpuExperts, activation: tuple, out: np.n
     start, calls = 0, 1
     for e in np.flatnonzero(counts):
         n = int(counts[e])
-        rows = order[start : start + n] // experts.k  # distinct: a token chooses an expert once
-        gate_up = experts.gate_up[e].matmul(np.ascontiguousarray(x[rows]))  # [n, 2 expert_ffn]
+        rows = order[start : start + n] // experts.k  # distinct and ascending: a token chooses an expert once
+        local = np.flatnonzero(np.isin(rows, prompt)) if len(prompt) else NO_ROWS  # its prompt rows
+        gate_up = experts.gate_up[e].matmul_prompt(np.ascontiguousarray(x[rows]), local)  # [n, 2 expert_ffn]
         if experts.gate_up_bias.size:
             gate_up += experts.gate_up_bias[e]
         act = np.empty((n, gate_up.shape[1] // 2), np.float32)
         activation[n <= SERIAL_TOKENS](gate_up, act)
-        y = experts.down[e].matmul(act)
+        y = experts.down[e].matmul_prompt(act, local)
         if experts.down_bias.size:
             y += experts.down_bias[e]
         out[rows] += y * pair_weights[start : start + n, None]
