@@ -48,7 +48,7 @@ golden: install
 bench-check: install
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) -m pytest -q -p no:cacheprovider -m bench tests/component/test_llama_cpp_baseline.py \
-		tests/component/test_bench_mixes_llama_cpp.py
+		tests/component/test_bench_mixes_llama_cpp.py tests/component/test_bench_moe_llama_cpp.py
 
 # On a CUDA machine (bare: its own python3 with torch; carry .gpu-wheels/ along): the GPU benches and tests in one
 # command whose time limits sum to 270 s; JSON under $OUT when set, else docs/results/. See scripts/gpu_check.sh.

@@ -15,8 +15,9 @@ parallel sequences decoded in one batch per step (`llama_baseline`), twice:
 `llama_cpp_plain` (extra buffer types off), each in its own process, each
 with its ratio; ours and the baselines run alternately, `--repeats` times.
 The CPU runner also reports its ISA path, the bytes of weights it reads per
-decode step, the read rate that makes at batch 1 beside this machine's
-measured read bandwidth (a parallel Numba sum over `--bandwidth-mib` in a child
+batch-1 decode step (`CpuModel.batch1_bytes`: of a mixture of experts, the
+router and the experts one token chooses; not an untied embedding), the read
+rate that makes at batch 1 beside this machine's measured read bandwidth (a parallel Numba sum over `--bandwidth-mib` in a child
 process, probed before each of its timed steps: `bandwidth`), each
 quant type's share of the batch-1 step (`type_shares`), and this process's
 peak RSS. `--shape NAME --quant MIX` measures a random-weight file of a named
@@ -376,8 +377,10 @@ def _decode_step(args: argparse.Namespace, ours: EngineBench, bases: dict, step_
     print(f"decode step at batch 1: {out['decode_step_ms_c1']:.3f} ms", flush=True)
     if not cpu:
         return paired
-    weights = ours.runner.model.weight_bytes
+    model = ours.runner.model
+    weights = getattr(model, "batch1_bytes", model.weight_bytes)  # a mixture of experts reads the chosen ones
     out["weight_bytes_read_per_step"] = weights
+    out["weight_bytes_held"] = model.weight_bytes
     out["weight_read_gb_per_s_c1"] = weights / out["decode_step_ms_c1"] / 1e6
     print(f"weights read per step: {weights / 2**20:.1f} MiB ({out['weight_read_gb_per_s_c1']:.1f} GB/s at "
           "batch 1)", flush=True)

@@ -3,9 +3,18 @@
 The rules are those of llama.cpp's quantizer (src/llama-quant.cpp of
 llama-cpp-python 0.3.36's vendored llama.cpp: `llama_tensor_get_type`,
 `llama_tensor_get_type_impl`, `tensor_type_fallback`), for dense models of the
-families here (no experts, not Falcon):
+families here (not Falcon) and their mixtures of experts:
 - Only weights of two or more dimensions whose name ends in `weight` and not
-  `_norm.weight` are quantized; the rest keep their type (F32).
+  `_norm.weight` are quantized, and never an expert router (`ffn_gate_inp.weight`,
+  `tensor_allows_quantization`); the rest keep their type (F32, as the converter
+  writes routers).
+- Experts (the 3-D `ffn_{gate,up,down}_exps`) fall in the category of their name's
+  `ffn_gate`, `ffn_up`, `ffn_down` and get the dense tensor's rules, one type for all
+  the experts of a tensor. With more than one expert `layer_info` reads the layer
+  from the tensor's name (`blk.N.`) rather than counting tensors, so Q4_K_M's
+  `use_more_bits(layer, n_layers)` gives `ffn_down_exps` Q6_K in the same layers as
+  a dense `ffn_down`. Models of exactly 8 experts (Mixtral) get extra rules (attn_k,
+  attn_v Q8_0, ...) that are not written here: `assign` refuses them.
 - Every quantized tensor starts at the mix's default type (`ftype`'s).
 - The LM head (`output.weight`, or `token_embd.weight` when the embeddings are
   tied): Q8_0 when its columns are not a multiple of the default type's block,
@@ -29,6 +38,7 @@ from dataclasses import dataclass, field
 # first name part that matches (only the categories the rules here read).
 NAMED = {"output.weight": "output", "token_embd.weight": "token_embd"}
 CATEGORIES = (("attn_qkv.weight", "attn_v"), ("attn_v.weight", "attn_v"), ("ffn_down", "ffn_down"))
+KEPT = ("ffn_gate_inp.weight",)  # name parts tensor_allows_quantization never quantizes (of the families here)
 
 FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}  # tensor_type_fallback, for the types used here
 
@@ -99,15 +109,21 @@ def _layer(name: str) -> int:
 def assign(m: Mix, tensors: dict[str, tuple[int, ...]], n_layers: int) -> dict[str, str]:
     """GGML type name of every tensor of `tensors` (name -> row-major shape) under mix `m`.
 
-    Tensors that are not quantized get "F32" (the bench files write them so)."""
+    Tensors that are not quantized get "F32" (the bench files write them so). Raises ValueError for a
+    model of exactly 8 experts (llama.cpp's rules for it are not in this table)."""
     tied = "output.weight" not in tensors
+    experts = {s[0] for n, s in tensors.items() if n.endswith("ffn_gate_inp.weight")}
+    if experts == {8}:
+        raise ValueError("quant mix: models of 8 experts get llama.cpp's extra rules for n_expert == 8, "
+                         "not in this table")
     # The loader's order (llama-model-loader.h weight_name_comparer): by block (others first), then name.
     names = sorted(tensors, key=lambda n: (_layer(n), n))
     n_attn_v = sum(_category(n) == "attn_v" for n in names)
     out, i_attn_v = {}, 0
     for name in names:
         shape = tensors[name]
-        if len(shape) < 2 or not name.endswith("weight") or name.endswith("_norm.weight"):
+        if len(shape) < 2 or not name.endswith("weight") or name.endswith("_norm.weight") or \
+                any(part in name for part in KEPT):
             out[name] = "F32"
             continue
         cols, category, kind = shape[-1], _category(name), m.default

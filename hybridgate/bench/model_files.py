@@ -22,6 +22,13 @@ What the file holds:
   compared; its values need no quantizer, which for 1-8B parameters in numpy
   would take minutes (and gguf-py has none for K-quants). F16, BF16 and F32
   weights are normal with that deviation; norms 1 + N(0, 0.1); Q/K/V biases N(0, 0.5).
+  Expert tensors are 3-D (`[experts, rows, columns]`, experts outermost, as the
+  converter stacks them) with each expert's rows drawn like a matrix's; the router
+  `ffn_gate_inp` is F32 (the converter's and llama.cpp's choice), so router logits
+  have deviation about 1 and each token's choice of experts is spread over them.
+- the mixture's keys (`{arch}.expert_count`, `expert_used_count`,
+  `expert_feed_forward_length`) and, where the head size is not hidden / heads,
+  `attention.key_length` and `value_length`.
 """
 
 from __future__ import annotations
@@ -175,12 +182,13 @@ def random_tensor(rng: np.random.Generator, name: str, shape: tuple[int, ...], t
             return rope_freqs, _T.F32
         mean, std = (0.0, 0.5) if name.endswith(".bias") else (1.0, 0.1)
         return (mean + std * rng.standard_normal(shape[0], dtype=np.float32)).astype(np.float32), _T.F32
-    std = GAINS.get(name.split(".", 2)[-1] if name.startswith("blk.") else name, 1.0) / np.sqrt(shape[1])
-    if kind in SCALE_AT:
-        return random_blocks(rng, shape[0], shape[1], kind, std), kind
+    std = GAINS.get(name.split(".", 2)[-1] if name.startswith("blk.") else name, 1.0) / np.sqrt(shape[-1])
+    if kind in SCALE_AT:  # an expert tensor [experts, rows, cols] as experts x rows rows
+        rows = int(np.prod(shape[:-1]))
+        return random_blocks(rng, rows, shape[-1], kind, std).reshape(*shape[:-1], -1), kind
     values = np.empty(shape, np.float32)
     for start in range(0, shape[0], 4096):  # in slices: a float32 copy of a large embedding is GBs
-        values[start : start + 4096] = rng.standard_normal((min(4096, shape[0] - start), shape[1]),
+        values[start : start + 4096] = rng.standard_normal((min(4096, shape[0] - start), *shape[1:]),
                                                            dtype=np.float32) * np.float32(std)
     if kind == _T.F16:
         return values.astype(np.float16), kind
@@ -206,15 +214,23 @@ def write_bench_model(path: Path, shape: Shape, m: Mix, seed: int = 0, progress:
                        (writer.add_rope_freq_base, shape.rope_theta), (writer.add_rope_dimension_count, shape.head_dim),
                        (writer.add_layer_norm_rms_eps, shape.rms_norm_eps), (writer.add_vocab_size, shape.vocab_size)]:
         add(value)
+    if shape.head_dim != shape.hidden // shape.heads:  # as the converter writes `head_dim` (qwen3)
+        writer.add_key_length(shape.head_dim)
+        writer.add_value_length(shape.head_dim)
+    if shape.experts:
+        writer.add_expert_count(shape.experts)
+        writer.add_expert_used_count(shape.experts_used)
+        writer.add_expert_feed_forward_length(shape.expert_ffn)
     add_vocabulary(writer, vocab_path(shape.vocab), shape.vocab_size)
     freqs = shape.rope_scaling.freq_divisors(shape.head_dim, shape.rope_theta) if shape.rope_scaling else None
     sizes = {}
     for name, dims in tensors.items():
-        kind = _T[types[name]] if len(dims) == 2 else _T.F32
+        kind = _T[types[name]] if len(dims) >= 2 else _T.F32
         block, size = gguf.GGML_QUANT_SIZES[kind]
         sizes[name] = nbytes = int(np.prod(dims)) // block * size
         if kind in SCALE_AT or kind == _T.BF16:  # raw bytes: the writer takes the byte shape
-            writer.add_tensor_info(name, (dims[0], nbytes // dims[0]), np.dtype(np.uint8), nbytes, raw_dtype=kind)
+            rows = int(np.prod(dims[:-1]))
+            writer.add_tensor_info(name, (*dims[:-1], nbytes // rows), np.dtype(np.uint8), nbytes, raw_dtype=kind)
         else:
             writer.add_tensor_info(name, dims, np.dtype(np.float16 if kind == _T.F16 else np.float32), nbytes)
     writer.write_header_to_file(path)

@@ -22,13 +22,15 @@ from typing import Any
 BEGIN = "<!-- begin generated: bench report {name} -->"
 # A results file's path under docs/results/: <bench>/<date>-<machine>-<model>[-<variant>].json, its plot beside it
 # as .png. The machine: the ISA path where the run forced or names one, then the host (epyc-zen3, xeon-207, a GPU's
-# device name); the model: a model file's family and weight type, or what a bench runs instead (random weights of a
-# kernel's shape, the gateway bench's instant worker). scripts/results_layout.py moves flat names into it.
+# device name); the model: a model file's family, its block count where a bench file keeps fewer (`-8l`) and its
+# weight type, or what a bench runs instead (random weights of a kernel's shape, the gateway bench's instant
+# worker). scripts/results_layout.py moves flat names into it.
 QUANT = r"(?:q\d_k(?:_[sml])?|q\d_\d|f16|bf16|f32)"
 RESULT_PATH = re.compile(
     r"(?P<bench>accuracy|cpu-engine|cpu-kernels|cpu-mixed-load|cpu-pinning|gateway|gpu-engine|placement-serve"
     r"|placement-sim)/(?P<date>20\d\d-[01]\d-[0-3]\d)-(?P<machine>(?:(?:avx2|avx512)(?:-amx)?-)?[a-z][a-z0-9-]*?)"
-    rf"-(?P<model>(?:smollm2(?:-requantized)?|llama-\d\.\d-\d+b|qwen2\.5-\d\.\db)(?:-{QUANT})?|random-\d+x\d+"
+    rf"-(?P<model>(?:smollm2(?:-requantized)?|llama-\d\.\d-\d+b|qwen2\.5-\d\.\db|qwen3-\d+b-a\d+b)(?:-\d+l)?(?:-{QUANT})?"
+    r"|random-\d+x\d+"
     r"|instant-worker)(?:-(?P<variant>[a-z0-9][a-z0-9.-]*))?\.(?:json|png)")
 END = "<!-- end generated -->"
 MISSING = "—"

@@ -13,6 +13,13 @@ Sources (the models' `config.json` on huggingface.co):
 - Qwen/Qwen2.5-0.5B: 24 layers, hidden 896, FFN 4864, 14 / 2 heads, head dim 64,
   vocabulary 151,936, tied, Q/K/V biases, RoPE base 1e6, eps 1e-6.
 - Qwen/Qwen2.5-1.5B: 28 layers, 1536, 8960, 12 / 2 heads, head dim 128, tied.
+- Qwen/Qwen3-30B-A3B (`Qwen3MoeForCausalLM`, llama.cpp's `qwen3moe`: `Qwen3MoeModel` in the
+  converter): 48 layers, hidden 2048, 32 / 4 heads, head dim 128 (so Q is 4096 wide, twice the
+  hidden size), 128 experts of FFN width 768 (`moe_intermediate_size`), 8 chosen per token
+  (`num_experts_per_tok`, `norm_topk_prob` true), no shared expert, every layer sparse
+  (`decoder_sparse_step` 1, `mlp_only_layers` []), `intermediate_size` 6144 (written as
+  `feed_forward_length`, read by no layer), vocabulary 151,936, untied, RoPE base 1e6, eps 1e-6,
+  QK-norm, context 40,960.
 The vocabulary (`vocab`) names llama.cpp's test vocabulary of the same tokenizer
 (`models/ggml-vocab-{vocab}.gguf`), whose tokenizer metadata the bench file carries.
 """
@@ -75,6 +82,9 @@ class Shape:
     vocab: str  # llama.cpp test vocabulary (ggml-vocab-{vocab}.gguf)
     rope_scaling: Llama3RopeScaling | None = None
     source: str = ""
+    experts: int = 0  # routed experts per block (`num_experts`); 0: a dense FFN
+    experts_used: int = 0  # experts chosen per token (`num_experts_per_tok`)
+    expert_ffn: int = 0  # each expert's FFN width (`moe_intermediate_size`)
 
     def with_layers(self, layers: int) -> Shape:
         """The same matrices in fewer blocks (tests, quick runs); raises ValueError outside 1..layers."""
@@ -85,10 +95,14 @@ class Shape:
     def tiny(self) -> Shape:
         """The same family, tied or separate LM head, RoPE and GQA group at widths a CPU runs in seconds
         (tests of the benches): 2 blocks, 2 KV heads of 16, the group's query heads, hidden = query width,
-        FFN 2x hidden, a vocabulary of 512; named `<name>-tiny`."""
+        FFN 2x hidden, a vocabulary of 512; named `<name>-tiny`. A mixture of experts keeps its experts:
+        at most 16 of them, at most 4 chosen per token, each as wide as the hidden size."""
         group = self.heads // self.kv_heads
-        return replace(self, name=f"{self.name}-tiny", layers=2, hidden=2 * group * 16, ffn=4 * group * 16,
-                       heads=2 * group, kv_heads=2, head_dim=16, vocab_size=512)
+        hidden = 2 * group * 16
+        experts = {} if not self.experts else dict(experts=min(self.experts, 16), expert_ffn=hidden,
+                                                   experts_used=min(self.experts_used, 4))
+        return replace(self, name=f"{self.name}-tiny", layers=2, hidden=hidden, ffn=2 * hidden,
+                       heads=2 * group, kv_heads=2, head_dim=16, vocab_size=512, **experts)
 
     def config(self, bos: int = 0, eos: int = 0) -> ModelConfig:
         from hybridgate.models.architectures import ARCHITECTURES
@@ -96,7 +110,8 @@ class Shape:
 
         return ModelConfig(self.arch, self.name, self.layers, self.hidden, self.ffn, self.heads, self.kv_heads,
                            self.head_dim, self.context, self.rope_theta, self.rms_norm_eps, self.vocab_size, bos, eos,
-                           self.tied, ARCHITECTURES[self.arch])
+                           self.tied, ARCHITECTURES[self.arch], num_experts=self.experts,
+                           experts_per_token=self.experts_used, expert_intermediate_size=self.expert_ffn)
 
     def tensors(self) -> dict[str, tuple[int, ...]]:
         """Name -> row-major shape (`[out, in]` for matrices) of every tensor of the file, in GGUF's
@@ -137,6 +152,9 @@ SHAPES: dict[str, Shape] = {
               source="Qwen/Qwen2.5-0.5B", **_QWEN25),
         Shape("qwen2.5-1.5b", layers=28, hidden=1536, ffn=8960, heads=12, kv_heads=2, head_dim=128,
               source="Qwen/Qwen2.5-1.5B", **_QWEN25),
+        Shape("qwen3-30b-a3b", arch="qwen3moe", layers=48, hidden=2048, ffn=6144, heads=32, kv_heads=4,
+              head_dim=128, vocab_size=151936, tied=False, rope_theta=1000000.0, rms_norm_eps=1e-6, context=40960,
+              vocab="qwen2", experts=128, experts_used=8, expert_ffn=768, source="Qwen/Qwen3-30B-A3B"),
     )
 }
 

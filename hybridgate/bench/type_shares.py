@@ -1,8 +1,8 @@
 """Where a CPU decode step's time goes by quant type: each weight matrix's matmul timed at batch 1.
 
 Every matrix the CPU model multiplies in a decode step (each layer's QKV, output,
-gate-up and down projections, then the LM head; a fused matrix of parts of
-different types counts per part) is called on one random activation row, in the
+gate-up and down projections, or its router and `k` of its experts, then the LM
+head; a fused matrix of parts of different types counts per part) is called on one random activation row, in the
 forward pass's order, so each reads its weights from memory as the step does
 (a matrix timed alone and repeatedly would sit in the caches). `repeats` passes;
 the median per matrix is summed per GGML type.
@@ -20,10 +20,15 @@ def step_matrices(model) -> list:
     """The matrices of one decode step in the forward pass's order, fused ones split into their parts;
     [] when the model does not expose them (a runner whose layers hold no `matmul` objects)."""
     out = []
-    for layer in getattr(model, "layers", []):
+    for i, layer in enumerate(getattr(model, "layers", []), start=1):
         for name in ("qkv", "wo", "gate_up", "down"):
             m = getattr(layer, name, None)
             out += list(getattr(m, "parts", [m])) if m is not None else []
+        experts = getattr(layer, "experts", None)
+        if experts is not None:  # the router and k experts, a different k in each layer as a token's choice
+            chosen = [(i * 7 + j * 13) % len(experts.gate_up) for j in range(experts.k)]
+            for m in [experts.router, *(m for e in chosen for m in (experts.gate_up[e], experts.down[e]))]:
+                out += list(getattr(m, "parts", [m]))
     out.append(getattr(model, "lm_head", None))
     return [m for m in out if hasattr(m, "matmul") and hasattr(m, "kind")]
 

@@ -8,10 +8,14 @@ References:
 - Parameter counts published with the models (Hugging Face model cards): Llama 3.2 1B 1,235,814,400,
   Llama 3.1 8B 8,030,261,248, Qwen2.5-0.5B 494,032,768 (plus Llama 3's rope_freqs: head_dim / 2).
 - use_more_bits: llama-quant.cpp; layers 0, 1, 2, 5, 8, ..., 26-29 of 30 written out by hand.
+- Qwen3-30B-A3B Q4_K_M (unsloth/Qwen3-30B-A3B-GGUF) as llama.cpp's loader reports it (a log quoted in an
+  ik_llama.cpp issue thread, 2025-06-10): f32 241, q4_K 289, q6_K 49 tensors, 30.53 B parameters,
+  file size 17.28 GiB.
 """
 
 from collections import Counter
 
+import gguf
 import numpy as np
 import pytest
 
@@ -106,3 +110,31 @@ def test_tiny_keeps_the_family_head_group_and_lm_head(name):
     assert tiny.heads // tiny.kv_heads == real.heads // real.kv_heads and tiny.kv_heads == 2
     assert (tiny.layers, tiny.head_dim, tiny.vocab_size, tiny.hidden) == (2, 16, 512, tiny.heads * 16)
     assert tiny.name == f"{name}-tiny"
+
+
+def test_qwen3_30b_a3b_q4_k_m_counts_match_llama_cpp_loader():
+    s = SHAPES["qwen3-30b-a3b"]
+    types = assign(MIXES["Q4_K_M"], s.tensors(), s.layers)
+    assert Counter(types.values()) == {"F32": 241, "Q4_K": 289, "Q6_K": 49}
+    assert round(s.parameters / 1e9, 2) == 30.53
+    # the router is never quantized; ffn_down_exps takes use_more_bits by the layer in its name
+    assert types["blk.9.ffn_gate_inp.weight"] == "F32" and types["blk.9.ffn_gate_exps.weight"] == "Q4_K"
+    assert [i for i in range(48) if types[f"blk.{i}.ffn_down_exps.weight"] == "Q6_K"] == \
+        [i for i in range(48) if use_more_bits(i, 48)]
+    assert s.tensors()["blk.0.ffn_down_exps.weight"] == (128, 2048, 768)
+    sizes = {n: gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[t]] for n, t in types.items()}
+    tensor_bytes = sum(int(np.prod(shape)) // sizes[n][0] * sizes[n][1] for n, shape in s.tensors().items())
+    assert round(tensor_bytes / 2**30, 2) == 17.28  # the metadata (tokenizer) is the rest of the file
+
+
+def test_tiny_keeps_the_experts():
+    tiny = shape("qwen3-30b-a3b").tiny()
+    assert (tiny.arch, tiny.experts, tiny.experts_used, tiny.expert_ffn, tiny.hidden) == ("qwen3moe", 16, 4, 256, 256)
+    assert tiny.config().num_experts == 16 and tiny.tensors()["blk.1.ffn_up_exps.weight"] == (16, 256, 256)
+
+
+def test_eight_experts_are_refused():
+    s = SHAPES["qwen3-30b-a3b"]
+    eight = type(s)(**{**s.__dict__, "experts": 8, "experts_used": 2, "layers": 2})
+    with pytest.raises(ValueError, match="8 experts"):
+        assign(MIXES["Q4_K_M"], eight.tensors(), eight.layers)

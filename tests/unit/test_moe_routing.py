@@ -122,8 +122,8 @@ def test_torch_experts_every_token_to_one_expert_and_idle_experts():
     np.testing.assert_allclose(shared.numpy(), _shared_reference(x, sgu, sd, sg), atol=1e-5)
 
 
-@pytest.mark.parametrize("with_shared", [False, True])
-def test_numba_experts_every_token_to_one_expert_and_idle_experts(with_shared):
+def _numba_experts(with_shared: bool):
+    """(x, the CPU runner's experts of `_weights` (and `_shared`) as F32 matrices, the reference output)."""
     x, router, gate_up, down = _weights()
     sgu, sd, sg = _shared()
     matrix = lambda name, w: quant_matrix(name, F32, w.view(np.uint8), w.shape, "f32")  # noqa: E731
@@ -134,9 +134,15 @@ def test_numba_experts_every_token_to_one_expert_and_idle_experts(with_shared):
         router=matrix("router", router), bias=np.empty(0, np.float32),
         gate_up=[matrix(f"gate_up[{e}]", gate_up[e]) for e in range(EXPERTS)],
         down=[matrix(f"down[{e}]", down[e]) for e in range(EXPERTS)], k=K, scale=1.0, **shared)
+    want = _reference(x, gate_up, down) + (_shared_reference(x, sgu, sd, sg) if with_shared else 0.0)
+    return x, experts, want
+
+
+@pytest.mark.parametrize("with_shared", [False, True])
+def test_numba_experts_every_token_to_one_expert_and_idle_experts(with_shared):
+    x, experts, want = _numba_experts(with_shared)
     out = np.full((TOKENS, HIDDEN), np.nan, np.float32)
     calls = cpu_moe.experts_ffn(x, experts, GATED_ACTIVATIONS["silu"], out)
-    want = _reference(x, gate_up, down) + (_shared_reference(x, sgu, sd, sg) if with_shared else 0.0)
     np.testing.assert_allclose(out, want, atol=1e-5)
     # the router, three kernels for each of the two experts read, three for the shared expert
     assert calls == 1 + 3 * 2 + 3 * with_shared
@@ -150,3 +156,18 @@ def test_config_refuses_more_experts_per_token_than_experts(experts, used):
         ModelConfig("qwen3moe", "", 1, 64, 192, 4, 2, 16, 4096, 1e6, 1e-6, 260, 1, 2, False,
                     arch=ARCHITECTURES["qwen3moe"], num_experts=experts, experts_per_token=used,
                     expert_intermediate_size=32)
+
+
+@pytest.mark.parametrize("with_shared", [False, True])
+def test_numba_experts_one_token_alone_gives_its_row_of_the_batch(with_shared):
+    """A batch-1 step takes the ungrouped loop: each token alone gives the reference and, bit for bit, its
+    row of the grouped batch (the experts added in the same order)."""
+    x, experts, want = _numba_experts(with_shared)
+    batch = np.full((TOKENS, HIDDEN), np.nan, np.float32)
+    cpu_moe.experts_ffn(x, experts, GATED_ACTIVATIONS["silu"], batch)
+    for t in range(TOKENS):
+        alone = np.full((1, HIDDEN), np.nan, np.float32)
+        calls = cpu_moe.experts_ffn(np.ascontiguousarray(x[t : t + 1]), experts, GATED_ACTIVATIONS["silu"], alone)
+        np.testing.assert_allclose(alone[0], want[t], atol=1e-5)
+        assert np.array_equal(alone[0], batch[t])
+        assert calls == 1 + 3 * K + 3 * with_shared

@@ -47,6 +47,8 @@ def test_the_scheme_refuses_flat_and_misordered_names():
         assert not RESULT_PATH.fullmatch(name), name
     m = RESULT_PATH.fullmatch("gpu-engine/2026-12-07-h100-80gb-hbm3-llama-3.1-8b.json")  # scripts/gpu_check.sh's
     assert (m["machine"], m["model"], m["variant"]) == ("h100-80gb-hbm3", "llama-3.1-8b", None)
+    m = RESULT_PATH.fullmatch("cpu-engine/2026-12-07-avx512-epyc-zen4-qwen3-30b-a3b-8l-q4_k_m.json")  # --layers 8
+    assert (m["machine"], m["model"], m["variant"]) == ("avx512-epyc-zen4", "qwen3-30b-a3b-8l-q4_k_m", None)
 
 
 def test_every_table_globs_inside_a_bench_folder():

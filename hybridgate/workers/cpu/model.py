@@ -250,6 +250,18 @@ class CpuModel:
         held |= {id(m): m for m in (self.embed, self.lm_head, self.out_norm)}
         return sum(m.nbytes for m in held.values())
 
+    @property
+    def batch1_bytes(self) -> int:
+        """Bytes of weights a batch-1 decode step reads: each layer's arrays but its RoPE tables (one row
+        of them), of a mixture of experts the router and the `k` experts one token chooses
+        (`CpuExperts.batch1_bytes`), the final norm and the LM head; the token embedding only where it is
+        the LM head (one row of it otherwise)."""
+        skip = {id(m) for layer in self.layers for m in [layer.cos, layer.sin, *(layer.experts.arrays()
+                                                                                if layer.experts else [])]}
+        held = {id(m): m.nbytes for layer in self.layers for m in layer.arrays() if id(m) not in skip}
+        held |= {id(m): m.nbytes for m in (self.lm_head, self.out_norm)}
+        return sum(held.values()) + sum(layer.experts.batch1_bytes for layer in self.layers if layer.experts)
+
     def embed_rows(self, ids: np.ndarray) -> np.ndarray:
         if hasattr(self.embed, "rows"):
             rows = self.embed.rows(ids)
@@ -376,7 +388,7 @@ class CpuModel:
         inputs = buf.normed if norms is None else self._norm(x, norms[0], serial)
         router = self._norm(x, experts.router_scale, serial) if experts.router_scale.size else None
         out = buf.proj if dense is None else np.empty_like(buf.proj)
-        self.kernel_calls += experts_ffn(inputs, experts, self.activation, out, router)
+        self.kernel_calls += experts_ffn(inputs, experts, self.activation, out, router, prompt)
         if dense is None:
             return out
         return self._norm(dense, norms[1], serial) + self._norm(out, norms[2], serial)

@@ -6,9 +6,11 @@ like any dense weight: the experts stay in the file's quantization (Q8_0 and Q4_
 and float32 scales as the dense matrices are), none is dequantized at load. A step routes every
 token (`route`), sorts the (token, slot) pairs by expert and runs each chosen expert once on the
 rows routed to it, so an expert's weights are read once per step whatever its number of tokens,
-and an expert no token chose is not read at all (batch-1 decode reads `expert_used_count` of them).
-The expert matmuls take float32 or int16 activations as the table gives their type (`matmul`, not
-the AMX prompt path: an expert's rows mix prompt and decode tokens).
+and an expert no token chose is not read at all (batch-1 decode reads `expert_used_count` of them;
+a one-token step skips the grouping and runs its experts in index order: the same sums, fewer numpy calls).
+The expert matmuls take float32 or int16 activations as the table gives their type (`matmul`), and a
+step's prompt rows go to the prompt kernels (`matmul_prompt`: int8 or AMX where the type has them) in
+whichever experts they chose, so which kernel computes a row is fixed by its request, as in a dense FFN.
 
 Routing after llama.cpp's `build_moe_ffn` (src/llama-graph.cpp), the row's `MixtureOfExperts`:
 gating, selection bias, renormalisation (its sum clamped from below as llama.cpp does), weight
@@ -26,6 +28,7 @@ from hybridgate.workers.cpu.fused import concat_rows, tensor_matrix
 from hybridgate.workers.cpu.layers import SERIAL_TOKENS
 from hybridgate.workers.cpu.quant import quant_matrix
 
+NO_ROWS = np.empty(0, np.int64)  # a step without prompt rows
 MIN_WEIGHT_SUM = np.float32(6.103515625e-5)  # llama.cpp clamps the chosen weights' sum from below before it divides
 
 
@@ -88,6 +91,16 @@ class CpuExperts:
         return [self.router, *self.gate_up, *self.down, *shared]
 
     @property
+    def batch1_bytes(self) -> int:
+        """Bytes one token's FFN reads: the router, `k` experts (a block's experts are all one size and type,
+        so any k of them), the shared expert and the biases of those."""
+        expert = self.gate_up[0].nbytes + self.down[0].nbytes
+        shared = 0 if self.shared_gate_up is None else self.shared_gate_up.nbytes + self.shared_down.nbytes
+        per_expert_bias = (self.gate_up_bias.nbytes + self.down_bias.nbytes) // max(len(self.gate_up), 1)
+        return (self.router.nbytes + self.k * (expert + per_expert_bias) + shared + self.bias.nbytes
+                + self.shared_gate.nbytes + self.router_bias.nbytes)
+
+    @property
     def nbytes(self) -> int:
         biases = self.router_bias.nbytes + self.gate_up_bias.nbytes + self.down_bias.nbytes + \
             self.router_scale.nbytes + self.expert_scales.nbytes
@@ -140,14 +153,16 @@ def load_experts(model: GGUFModel, i: int, activations: str) -> CpuExperts:
 
 
 def experts_ffn(x: np.ndarray, experts: CpuExperts, activation: tuple, out: np.ndarray,
-                router_input: np.ndarray | None = None) -> int:
+                router_input: np.ndarray | None = None, prompt: np.ndarray = NO_ROWS) -> int:
     """out = each token's chosen experts' weighted sum of down_e(act(gate_e x) · up_e x) (times each expert's
     scale where there are `expert_scales`); returns kernel calls.
 
     x float32 `[tokens, hidden]` (the normed FFN input), out float32 `[tokens, hidden]`; activation: the
     (parallel, serial) gated-activation kernels (`layers.GATED_ACTIVATIONS`); router_input: what the router
-    reads where it is not x (gemma4's normed residual), float32 `[tokens, hidden]`. Experts are added in index
-    order, each token's sum the same whatever its batch mates.
+    reads where it is not x (gemma4's normed residual), float32 `[tokens, hidden]`; prompt int64 `[p]`
+    ascending: the rows of x on the prompt kernels (`StepInputs.prompt_rows`, `QuantMatrix.matmul_prompt`), in
+    every expert a row goes to. Experts are added in index order, each token's sum the same whatever its batch
+    mates.
     """
     logits = experts.router.matmul(x if router_input is None else router_input)
     if experts.router_bias.size:
@@ -155,6 +170,9 @@ def experts_ffn(x: np.ndarray, experts: CpuExperts, activation: tuple, out: np.n
     weights, chosen = route(logits, experts.moe, experts.k, experts.scale, experts.bias)
     if experts.expert_scales.size:
         weights = weights * experts.expert_scales[chosen]
+    if x.shape[0] == 1 and not len(prompt):
+        calls = _one_token(x, experts, weights[0], chosen[0], activation, out)
+        return calls + (_shared_expert(x, experts, activation, out) if experts.shared_gate_up is not None else 0)
     flat = chosen.reshape(-1)  # [tokens · k]
     order = np.argsort(flat, kind="stable")  # the (token, slot) pairs grouped by expert
     counts = np.bincount(flat, minlength=len(experts.gate_up))
@@ -163,13 +181,14 @@ def experts_ffn(x: np.ndarray, experts: CpuExperts, activation: tuple, out: np.n
     start, calls = 0, 1
     for e in np.flatnonzero(counts):
         n = int(counts[e])
-        rows = order[start : start + n] // experts.k  # distinct: a token chooses an expert once
-        gate_up = experts.gate_up[e].matmul(np.ascontiguousarray(x[rows]))  # [n, 2 expert_ffn]
+        rows = order[start : start + n] // experts.k  # distinct and ascending: a token chooses an expert once
+        local = np.flatnonzero(np.isin(rows, prompt)) if len(prompt) else NO_ROWS  # its prompt rows
+        gate_up = experts.gate_up[e].matmul_prompt(np.ascontiguousarray(x[rows]), local)  # [n, 2 expert_ffn]
         if experts.gate_up_bias.size:
             gate_up += experts.gate_up_bias[e]
         act = np.empty((n, gate_up.shape[1] // 2), np.float32)
         activation[n <= SERIAL_TOKENS](gate_up, act)
-        y = experts.down[e].matmul(act)
+        y = experts.down[e].matmul_prompt(act, local)
         if experts.down_bias.size:
             y += experts.down_bias[e]
         out[rows] += y * pair_weights[start : start + n, None]
@@ -178,6 +197,26 @@ def experts_ffn(x: np.ndarray, experts: CpuExperts, activation: tuple, out: np.n
     if experts.shared_gate_up is not None:
         calls += _shared_expert(x, experts, activation, out)
     return calls
+
+
+def _one_token(x: np.ndarray, experts: CpuExperts, weights: np.ndarray, chosen: np.ndarray, activation: tuple,
+               out: np.ndarray) -> int:
+    """`experts_ffn`'s expert loop for one token (a batch-1 decode step), without grouping pairs by expert:
+    its k experts in index order, so the same sums in the same order as the grouped loop. x float32
+    `[1, hidden]` (C-contiguous), weights float32 `[k]`, chosen int64 `[k]`; returns kernel calls."""
+    out[:] = 0.0
+    for slot in np.argsort(chosen, kind="stable"):
+        e = int(chosen[slot])
+        gate_up = experts.gate_up[e].matmul(x)  # [1, 2 expert_ffn]
+        if experts.gate_up_bias.size:
+            gate_up += experts.gate_up_bias[e]
+        act = np.empty((1, gate_up.shape[1] // 2), np.float32)
+        activation[1 <= SERIAL_TOKENS](gate_up, act)
+        y = experts.down[e].matmul(act)
+        if experts.down_bias.size:
+            y += experts.down_bias[e]
+        out += y * weights[slot]
+    return 1 + 3 * len(chosen)
 
 
 def _shared_expert(x: np.ndarray, experts: CpuExperts, activation: tuple, out: np.ndarray) -> int:
