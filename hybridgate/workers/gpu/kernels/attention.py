@@ -65,6 +65,20 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 @triton.jit
+def _softmax_start(sinks_ptr, head, row_ok, split, BLOCK_M: tl.constexpr, SINKS: tl.constexpr):
+    """(running max, running sum) `[BLOCK_M]` that each row's online softmax starts from: -inf and 0, or with
+    sinks its head's sink and 1 (one more logit of weight exp(sink - max) and no value), in split 0 only so
+    that the combine counts it once."""
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    if SINKS:
+        if split == 0:
+            m = tl.load(sinks_ptr + head, mask=row_ok, other=float("-inf")).to(tl.float32)
+            l = tl.where(row_ok, 1.0, 0.0)
+    return m, l
+
+
+@triton.jit
 def _attention(q_ptr, kc_ptr, vc_ptr, out_ptr, part_ptr, stat_ptr, tables_ptr, seq_lens_ptr, q_starts_ptr,
                sinks_ptr, scale, cap, window, q_stride_t, q_stride_h, o_stride_t, o_stride_h, kv_stride_slot,
                kv_stride_h, table_stride, num_heads,
@@ -102,12 +116,7 @@ def _attention(q_ptr, kc_ptr, vc_ptr, out_ptr, part_ptr, stat_ptr, tables_ptr, s
         per = (last - first + NUM_SPLITS - 1) // NUM_SPLITS
         begin = first + split * per
         end = tl.minimum(last, begin + per)
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        if SINKS:
-            if split == 0:  # the sink is one more logit of weight exp(sink - max) and no value: start from it
-                m_i = tl.load(sinks_ptr + head, mask=row_ok, other=float("-inf")).to(tl.float32)
-                l_i = tl.where(row_ok, 1.0, 0.0)
+        m_i, l_i = _softmax_start(sinks_ptr, head, row_ok, split, BLOCK_M, SINKS)
         acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
         offs = tl.arange(0, TILE)
         table = tables_ptr + seq.to(tl.int64) * table_stride
