@@ -22,7 +22,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from tiny_gguf import _typed, add_byte_level_vocab
+from tiny_gguf import add_byte_level_vocab, write_typed_tensors
 
 VOCAB = 260
 HIDDEN, HEADS, WINDOW = 64, 4, 16
@@ -101,15 +101,5 @@ def write_gemma4_gguf(path: Path, *, moe: bool = False, seed: int = 0, per_layer
         writer.add_expert_used_count(EXPERTS_USED)
         writer.add_expert_feed_forward_length(EXPERT_FFN)
     add_byte_level_vocab(writer)
-    kind, rng = gguf.GGMLQuantizationType[ggml_type], np.random.default_rng(seed)
-    for name, values in gemma4_tensors(seed, moe).items():
-        if values.ndim == 1 or "ffn_gate_inp" in name:
-            writer.add_tensor(name, values)
-            continue
-        data, raw = _typed(rng, values.reshape(-1, values.shape[-1]), kind)  # experts' rows stacked, as GGUF's
-        writer.add_tensor(name, data.reshape(*values.shape[:-1], -1), raw_dtype=raw)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_typed_tensors(writer, gemma4_tensors(seed, moe), lambda name: ggml_type, np.random.default_rng(seed))
     return path

@@ -252,6 +252,23 @@ def _typed(rng: np.random.Generator, values: np.ndarray, kind: gguf.GGMLQuantiza
     return gguf.quants.quantize(values, kind), kind
 
 
+def write_typed_tensors(writer: gguf.GGUFWriter, tensors: dict[str, np.ndarray], type_of,
+                        rng: np.random.Generator) -> None:
+    """Add `tensors` to `writer`, then write the file and close it: 1-D tensors, biases and the router
+    (`ffn_gate_inp`) F32, every other matrix as `type_of(name)` (a GGML type name, through `_typed`), an
+    expert tensor's `[experts, rows, cols]` quantized as its stacked rows, as GGUF stores it."""
+    for name, values in tensors.items():
+        if values.ndim == 1 or name.endswith((".bias", "ffn_gate_inp.weight")):
+            writer.add_tensor(name, values)
+            continue
+        data, raw = _typed(rng, values.reshape(-1, values.shape[-1]), gguf.GGMLQuantizationType[type_of(name)])
+        writer.add_tensor(name, data.reshape(*values.shape[:-1], -1), raw_dtype=raw)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def write_tiny_model(path: Path, spec: TinySpec | str, vocab_path: Path, *,
                      ggml_type: str = "F32", seed: int = 0, window: int | None = None) -> Path:
     """A random-weight GGUF of `spec`'s family with the real vocabulary of `vocab_path`.

@@ -15,7 +15,7 @@ import gguf
 import numpy as np
 import torch
 
-from tiny_gguf import _typed, add_byte_level_vocab
+from tiny_gguf import add_byte_level_vocab, write_typed_tensors
 
 VOCAB = 260
 
@@ -96,17 +96,7 @@ def write_moe_gguf(path: Path, arch: str, c, tensors: dict[str, np.ndarray], ext
     for key, value in extra.items():
         getattr(writer, f"add_{key}")(value)
     add_byte_level_vocab(writer)
-    for name, values in tensors.items():
-        if values.ndim == 1 or name.endswith((".bias", "ffn_gate_inp.weight")):
-            writer.add_tensor(name, values)
-            continue
-        kind = gguf.GGMLQuantizationType[type_of(name)]
-        data, raw = _typed(rng, values.reshape(-1, values.shape[-1]), kind)  # experts' rows stacked, as GGUF's
-        writer.add_tensor(name, data.reshape(*values.shape[:-1], -1), raw_dtype=raw)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_typed_tensors(writer, tensors, type_of, rng)
     return path
 
 
