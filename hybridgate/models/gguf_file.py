@@ -174,6 +174,13 @@ class ModelConfig:
         """The layers that own a KV cache, in order."""
         return tuple(i for i in range(self.num_layers) if self.owns_kv(i))
 
+    def per_layer_kv(self, make) -> list:
+        """One object per layer: `make(layer)` for each layer that owns K/V (`kv_layers`), in order; a layer
+        that shares another's gets that layer's object, so nothing is made for it and what its source stores
+        is what it reads (both runners' KV caches)."""
+        own = {i: make(i) for i in self.kv_layers}
+        return [own[j] for j in self.layer_kv_source]
+
     @property
     def kv_values_per_token(self) -> int:
         """K and V values one token adds to the cache, over the layers that own one."""

@@ -114,12 +114,11 @@ class NumbaRunner:
         # Keys transposed within each block (16 keys per vector in the score kernel), values by slot.
         store = self.kv_dtype.storage
         # Only the layers that own K/V have a cache; a layer sharing another's holds that layer's arrays.
-        ks = {i: np.empty((blocks, c.layer_kv_heads[i], c.layer_head_dims[i], block_size), store) for i in c.kv_layers}
-        vs = {i: np.empty((blocks * block_size, c.layer_kv_heads[i], c.layer_head_dims[i]), store) for i in c.kv_layers}
-        self.k_cache = [ks[j] for j in c.layer_kv_source]
-        self.v_cache = [vs[j] for j in c.layer_kv_source]
+        kv = lambda i: (c.layer_kv_heads[i], c.layer_head_dims[i])  # noqa: E731
+        self.k_cache = c.per_layer_kv(lambda i: np.empty((blocks, *kv(i), block_size), store))
+        self.v_cache = c.per_layer_kv(lambda i: np.empty((blocks * block_size, *kv(i)), store))
         self.scratch_slot = self.num_blocks * block_size
-        for k, v in zip(ks.values(), vs.values()):
+        for k, v in ((self.k_cache[i], self.v_cache[i]) for i in c.kv_layers):
             # Zeroed (so resident) now: a first write to a fresh page costs a fault, which would
             # otherwise land on the steps, and KV hand-off imports, that first use each block.
             k.fill(0)

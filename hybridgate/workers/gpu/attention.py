@@ -31,12 +31,12 @@ from dataclasses import dataclass
 import torch
 
 from hybridgate.models import ModelConfig
-from hybridgate.workers.gpu.layers import causal_sdpa, layer_kv, layer_sinks, sdpa, window_start
+from hybridgate.workers.gpu.layers import causal_sdpa, layer_sinks, sdpa, window_start
 
 
 class PagedKVCache:
     """K and V slots on `device` for every layer that owns K/V, each `[slots, kv_heads, head_dim]` of its own
-    shape; a layer that shares another's K/V holds that layer's tensors (`layers.layer_kv`). Also each layer's
+    shape; a layer that shares another's K/V holds that layer's tensors (`ModelConfig.per_layer_kv`). Also each layer's
     attention sinks (float32 `[heads]`, or None per layer when the model has none), made once here: a captured
     CUDA graph may copy nothing from the host."""
 
@@ -44,7 +44,7 @@ class PagedKVCache:
         self.config, self.num_blocks, self.block_size = config, num_blocks, block_size
         make = lambda i: torch.empty(  # noqa: E731
             (num_blocks * block_size, config.layer_kv_heads[i], config.layer_head_dims[i]), device=device, dtype=dtype)
-        self.k, self.v = layer_kv(config, make, make)
+        self.k, self.v = config.per_layer_kv(make), config.per_layer_kv(make)
         self.sinks = [layer_sinks(config, layer, device) for layer in range(config.num_layers)]
 
     @property

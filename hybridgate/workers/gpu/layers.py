@@ -138,10 +138,3 @@ def layer_sinks(config, layer: int, device: torch.device) -> torch.Tensor | None
     return torch.tensor(config.attention_sinks[layer], device=device) if config.attention_sinks else None
 
 
-def layer_kv(config, make_k, make_v) -> tuple[list, list]:
-    """K and V per layer: `make_k(layer)` and `make_v(layer)` for each layer that owns K/V
-    (`ModelConfig.kv_layers`); a layer that shares another's gets that layer's objects, so nothing is
-    allocated for it and what its source stores is what it reads."""
-    k = {i: make_k(i) for i in config.kv_layers}
-    v = {i: make_v(i) for i in config.kv_layers}
-    return [k[j] for j in config.layer_kv_source], [v[j] for j in config.layer_kv_source]

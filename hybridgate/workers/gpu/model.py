@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridgate.models import GGUFModel, ModelConfig
-from hybridgate.workers.gpu.layers import ACTIVATIONS, causal_sdpa, layer_kv, layer_sinks, rms_norm, softcap
+from hybridgate.workers.gpu.layers import ACTIVATIONS, causal_sdpa, layer_sinks, rms_norm, softcap
 from hybridgate.workers.gpu.moe import experts_ffn, route, shared_expert
 from hybridgate.workers.gpu.ops import EagerOps, FusedOps
 
@@ -88,13 +88,13 @@ class Attention(Protocol):
 
 class ContiguousKVCache:
     """One sequence's keys and values, per layer `[capacity, kv_heads, head_dim]` (the layer's), grown by
-    doubling; a layer that shares another's K/V holds that layer's tensors (`layers.layer_kv`)."""
+    doubling; a layer that shares another's K/V holds that layer's tensors (`ModelConfig.per_layer_kv`)."""
 
     def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype, capacity: int = 64):
         self.config = config
         make = lambda i: torch.empty((capacity, config.layer_kv_heads[i], config.layer_head_dims[i]),  # noqa: E731
                                      device=device, dtype=dtype)
-        self.k, self.v = layer_kv(config, make, make)
+        self.k, self.v = config.per_layer_kv(make), config.per_layer_kv(make)
         self.length = 0  # tokens committed by finished forward passes
 
     def reserve(self, tokens: int) -> None:
@@ -104,7 +104,8 @@ class ContiguousKVCache:
         while capacity < tokens:
             capacity *= 2
         grow = lambda t: torch.cat([t, t.new_empty(capacity - t.shape[0], *t.shape[1:])])  # noqa: E731
-        self.k, self.v = layer_kv(self.config, lambda i: grow(self.k[i]), lambda i: grow(self.v[i]))
+        old_k, old_v, c = self.k, self.v, self.config
+        self.k, self.v = c.per_layer_kv(lambda i: grow(old_k[i])), c.per_layer_kv(lambda i: grow(old_v[i]))
 
     @property
     def nbytes(self) -> int:
