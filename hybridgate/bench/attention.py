@@ -25,6 +25,8 @@ import time
 
 import torch
 
+from hybridgate.models import ModelConfig
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -72,7 +74,7 @@ class _Layer:
         per_seq = -(-context // block_size)
         blocks = batch * per_seq + 1
         g = torch.Generator(device="cpu").manual_seed(0)
-        self.config = _AttentionOnly(heads, kv_heads, head_dim)
+        self.config = _attention_only(heads, kv_heads, head_dim)
         self.cache = PagedKVCache(self.config, blocks, block_size, device, dtype)
         for t in self.cache.k + self.cache.v:
             t.normal_()
@@ -115,18 +117,13 @@ class _Layer:
         return torch.nn.functional.scaled_dot_product_attention(q, self.dense_k, self.dense_v, enable_gqa=True)
 
 
-class _AttentionOnly:
-    """The attention fields of a ModelConfig: what the cache and both attention paths read."""
-
-    def __init__(self, heads: int, kv_heads: int, head_dim: int):
-        self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim = 1, heads, kv_heads, head_dim
-        self.attention_scale = head_dim**-0.5
-        self.attn_softcap = 0.0
-        self.layer_windows = (0,)
-        self.attention_sinks = ()  # no per-head sinks (gpt-oss has them; the kernels benched here do not)
-        # one layer that owns its K/V (`ModelConfig`'s per-layer fields the cache reads)
-        self.kv_layers, self.layer_kv_source = (0,), (0,)
-        self.layer_kv_heads, self.layer_head_dims = (kv_heads,), (head_dim,)
+def _attention_only(heads: int, kv_heads: int, head_dim: int) -> ModelConfig:
+    """A one-layer ModelConfig with only the attention fields set: what the cache and both attention paths read
+    (no sinks, no window; the other sizes are placeholders no path here reads)."""
+    return ModelConfig(architecture="llama", name="attention-bench", num_layers=1, hidden_size=heads * head_dim,
+                       intermediate_size=1, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                       max_model_len=1 << 20, rope_theta=10000.0, rms_norm_eps=1e-6, vocab_size=1,
+                       bos_token_id=0, eos_token_id=0, tie_word_embeddings=True)
 
 
 def run_case(batch: int, context: int, q_len: int, args, device: torch.device, dtype: torch.dtype,
