@@ -159,7 +159,7 @@ class OpenAIApp:
                 "root": m.name, "max_model_len": m.router.max_model_len}
 
     async def models(self) -> dict:
-        return {"object": "list", "data": [self._model_card(name, m) for m in self.table for name in m.names]}
+        return {"object": "list", "data": [self._model_card(name, m) for m in self.table for name in m.listed]}
 
     async def model(self, model: str) -> dict:
         """OpenAI's "retrieve model": the card of one served name (or alias); 404 model_not_found naming the

@@ -34,11 +34,22 @@ class ModelNotFoundError(LookupError):
 
 @dataclass
 class ServedModel:
-    """One row: `names` the model answers to (the first is its name in answers and metrics)."""
+    """One row: `names` the model answers to (the first is its name in answers and metrics).
+
+    `list_aliases`: whether GET /v1/models gives each alias a card of its own, as vLLM does for every
+    --served-model-name (the operator named them), or the name only (False where the aliases are the model
+    file's own general.name, often with spaces, which a client's model picker would show as a second model;
+    a request may still name it, and GetModelInfo still reports it)."""
 
     names: tuple[str, ...]
     router: Router
     admission: Admission
+    list_aliases: bool = True
+
+    @property
+    def listed(self) -> tuple[str, ...]:
+        """The names GET /v1/models lists a card for."""
+        return self.names if self.list_aliases else self.names[:1]
 
     @property
     def name(self) -> str:
@@ -68,7 +79,7 @@ class ModelTable:
         """A table of one model (the single-model gateway, or a service that embeds one router); `names`
         default to the model's own (`hybridgate.models.model_names`: its file's stem, then its general.name)."""
         return cls([ServedModel(tuple(names) or model_names(router.model), router,
-                                admission or Admission(max_inflight_requests))])
+                                admission or Admission(max_inflight_requests), list_aliases=bool(names))])
 
     @property
     def default(self) -> ServedModel:

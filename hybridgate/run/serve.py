@@ -137,8 +137,9 @@ def build_models(config: Settings, pools: Sequence[ModelPool], transport: Transp
             registry = RedisRegistry(config.redis, dead_after_s=config.router.dead_after_s, transport=transport)
         cache = ResponseCache.from_config(config.response_cache, config.redis)
         router = Router(pool.path, clients, own.router, registry=registry, response_cache=cache)
+        operator_named = bool(pool.name or own.gateway.served_model_name)
         rows.append(ServedModel(served_names(pool.name, own.gateway.served_model_name, router.model), router,
-                                Admission(config.gateway.max_inflight_requests)))
+                                Admission(config.gateway.max_inflight_requests), list_aliases=operator_named))
     fingerprints = {row.router.fingerprint for row in rows}
     for row in rows:
         if row.router.registry is not None:
