@@ -133,9 +133,7 @@ def run_worker(config: WorkerConfig, build: Callable[[WorkerConfig], tuple] = bu
     registration = _register(config, redis, hello)
     worker_thread(lambda: (stop.wait(), loop.stopping.set()), "stop-watch", "stop watch").start()
     exit_if_raises(loop.run, "engine loop")()
-    log.info("%s worker on %s stopping (%s)", config.kind, config.endpoint,
-             "signal " + ", ".join(signal.Signals(n).name for n in stop_signals) if stop.is_set()
-             else "engine loop ended")
+    log.info("%s worker on %s stopping (%s)", config.kind, config.endpoint, _stop_reason(config, stop, stop_signals))
     if registration is not None:
         registration.stop()
     if metrics is not None:
@@ -163,6 +161,17 @@ def _stop_on_signals(config: WorkerConfig) -> tuple[threading.Event, list[int]]:
     # Under `serve`, Ctrl-C reaches the whole process group; the parent decides when we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN if config.parent_pid else request_stop)
     return stop, stop_signals
+
+
+def _stop_reason(config: WorkerConfig, stop: threading.Event, stop_signals: list[int]) -> str:
+    """Why the worker stops, for its last log line. Under `serve` the parent's SIGTERM is how a Ctrl-C (or
+    the parent's own SIGTERM) reaches a worker, so it reads as the server shutting down, not as a signal
+    the operator did not send."""
+    if not stop.is_set():
+        return "engine loop ended"
+    if config.parent_pid and set(stop_signals) == {signal.SIGTERM}:
+        return "the server is shutting down"
+    return "signal " + ", ".join(signal.Signals(n).name for n in stop_signals)
 
 
 def _checked_transport(config: WorkerConfig, transport: TransportConfig | None) -> Transport:

@@ -179,6 +179,9 @@ def test_serve_sigint_finishes_streams_and_exits_zero_with_no_child_left(tmp_pat
         time.sleep(0.05)
     assert not any(alive(c) for c in children)
     assert "Traceback" not in server.text(), server.text()
+    # each worker says why it stops in the operator's terms: they pressed Ctrl-C, not sent a SIGTERM
+    assert server.text().count("stopping (the server is shutting down)") == 2 and "SIGTERM" not in server.text(), \
+        server.text()
 
 
 def test_serve_killed_takes_its_worker_down(tmp_path, model_path):
