@@ -80,7 +80,9 @@ class ThreadFallback:
             return
         theirs = statistics.median(times)
         if len(times) == self.probe and theirs < self.margin * mine:
-            log.info("CPU runner: decode steps ran in %.1f ms on %d threads against %.1f ms on %d; using %d",
+            log.info("CPU runner: decode steps ran in %.1f ms on %d threads against %.1f ms on %d; using %d "
+                     "(a step waits for its slowest thread, and other processes share these cores; the count is "
+                     "measured again every few seconds; --no-cpu-thread-fallback keeps --threads)",
                      theirs * 1e3, count, mine * 1e3, self.current, count)
             self.current, self.switches, self._wait = count, self.switches + 1, self.period_s
             self._recent.clear()
