@@ -14,6 +14,9 @@ transformers' logits whichever of them is chosen. The refused families fail at l
 
 from __future__ import annotations
 
+import gc
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -121,6 +124,20 @@ def test_numba_experts_in_q8_0_match_gguf_dequantized_weights(case, tmp_path):
     got = numba_packed(runner, case.prompts)
     err = np.abs(got - want).max(axis=1)
     assert (err < TOL).all(), err
+
+
+def test_the_numba_runner_keeps_no_view_of_the_file(case, tmp_path):
+    """The runners copy what they keep, so a worker unmaps the GGUF once loaded (`workers.process`): one
+    matrix left a view (the float32 router was) kept the whole mapping, and every page the load touched,
+    resident beside the copies: twice the file's memory on a mixture of experts."""
+    path = write_qwen3moe_gguf(case.hf, tmp_path / "q8_0.gguf", "Q8_0")
+    model = load_gguf(path)
+    assert model.tensors["blk.0.ffn_gate_inp.weight"].ggml_type.name == "F32"
+    runner = numba_runner(model)
+    assert str(path) in Path("/proc/self/maps").read_text()
+    del model
+    gc.collect()
+    assert runner.model.layers[0].experts is not None and str(path) not in Path("/proc/self/maps").read_text()
 
 
 def test_numba_logits_do_not_depend_on_batch_mates(case, tmp_path):

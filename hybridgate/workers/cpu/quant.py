@@ -450,7 +450,8 @@ class FloatMatrix(QuantMatrix):
 
     def __init__(self, name: str, kind: int, data: np.ndarray, shape: tuple[int, int], activations: str = "auto"):
         super().__init__(name, kind, data, shape)
-        self.qs = np.ascontiguousarray(self.data).view(self._STORED[kind]).reshape(shape)
+        # a copy: a view would keep the whole GGUF mapping alive (and its touched pages resident) after load
+        self.qs = np.array(self.data, copy=True).view(self._STORED[kind]).reshape(shape)
         self.scale = self.minimum = np.zeros((1, 1), np.float32)  # no scales: the kernel reads none
         self.data = None
 
