@@ -1,4 +1,4 @@
-"""The int8 prompt kernel (`int8`: Q4_K and Q6_K, weight rows interleaved) against gguf's dequantizer, on each
+"""The int8 prompt kernel (`int8`: Q4_K, Q5_K and Q6_K, weight rows interleaved) against gguf's dequantizer, on each
 path of this CPU whose kernel table has it (avx2 and avx512).
 
 In a child per path (Numba compiles for one target per process): random blocks, blocks at the formats'
@@ -7,7 +7,8 @@ tile of 4, against (1) gguf's dequantizer times the int8-rounded activations in 
 exact, so only float32 rounding of the per-block float steps separates them) and (2) the float64 product of
 the unrounded activations within the bound of the int8 rounding (max|x_b| / 254 per element); the extremes
 put every int16 pair-sum at its largest (Q4_K: codes 15, sub-scales 63, activations ±127 in every column:
-8 · 2 · 15 · 127 = 30,480 per lane; Q6_K: codes -32, sub-scales -128: 4 · 2 · 32 · 127 = 32,512), where a
+8 · 2 · 15 · 127 = 30,480 per lane; Q5_K: codes 31, sub-scales 63: 4 · 2 · 31 · 127 = 31,496 per lane and
+16-column half; Q6_K: codes -32, sub-scales -128: 4 · 2 · 32 · 127 = 32,512), where a
 saturated or wrapped lane would miss (1) by far. Then a row's bits do not depend on its batch or on how many
 rows a pass takes; rows outside the prompt span keep the decode kernel's bits (`matmul_prompt`); and the machine
 code is the path's.
@@ -100,7 +101,7 @@ def test_every_path_gives_the_same_bits(results):
     steps."""
     if len(results) < 2:
         pytest.skip("this CPU runs one path with int8 rows")
-    for kind in ("Q4_K", "Q6_K"):
+    for kind in ("Q4_K", "Q5_K", "Q6_K"):
         assert len({r["digest"][kind] for r in results.values()}) == 1, (kind, results.keys())
 
 
@@ -120,8 +121,8 @@ def _extremes(kind: str, rng, rows: int, cols: int) -> tuple[np.ndarray, np.ndar
     from tests.unit.test_cpu_kernels import random_blocks
 
     data = random_blocks(kind, rows, cols, rng).reshape(rows, cols // 256, -1)
-    if kind == "Q4_K":
-        data[:, :, 4:] = 0xFF  # 6-bit scales and mins 63, every nibble 15
+    if kind in ("Q4_K", "Q5_K"):
+        data[:, :, 4:] = 0xFF  # 6-bit scales and mins 63, every code 15 (Q5_K: 31, its 5th bits set)
     else:
         data[:, :, 0:192] = 0x00  # every code 0 - 32
         data[:, :, 192:208] = 0x80  # sub-scales -128
@@ -144,7 +145,7 @@ def _check() -> dict:
     exact, rounding, relative, invariant, kept, ran = {}, {}, {}, True, True, True
     digest = {}
     cases = []
-    for kind in ("Q4_K", "Q6_K"):  # both drawn on every path (the same random cases), run where a row has int8
+    for kind in ("Q4_K", "Q5_K", "Q6_K"):  # each drawn on every path (the same random cases), run where a row has int8
         cases += [(f"{kind} random {r}x{c}", kind, random_blocks(kind, r, c, rng), None, r, c, b) for r, c, b in SHAPES]
         cases.append((f"{kind} extremes 24x512", kind, *_extremes(kind, rng, 24, 512), 24, 512, 5))
     for name, kind, data, x, rows, cols, batch in cases:

@@ -27,10 +27,10 @@ ROWS = {"MXFP4": "QuantMatrix f32 quant.matmul_rows"}  # dequantize a row, then 
 EXPECTED = {
     "avx512": {**FLOATS, "Q4_0": "Q40Matrix f32 simd.matmul_blocks", "Q4_1": "Q41Matrix f32 simd.matmul_blocks",
                "Q5_0": PACKED, "Q5_1": PACKED, "Q8_0": "Q80Matrix i16/32 intdot.matmul_i16", **K_QUANTS, **ROWS,
-               "Q4_K": K_QUANTS["Q4_K"] + I8, "Q6_K": K_QUANTS["Q6_K"] + I8},
+               "Q4_K": K_QUANTS["Q4_K"] + I8, "Q5_K": K_QUANTS["Q5_K"] + I8, "Q6_K": K_QUANTS["Q6_K"] + I8},
     "avx2": {**FLOATS, "Q4_0": "Q40Matrix i16/32 avx2.matmul_i16", "Q4_1": "Q41Matrix i16/32 avx2.matmul_i16",
              "Q5_0": "Q50Matrix i16/32 avx2.matmul_i16", "Q5_1": PACKED, "Q8_0": "Q80Matrix i16/32 avx2.matmul_i16",
-             "Q4_K": K_QUANTS["Q4_K"] + I8, "Q5_K": K_QUANTS["Q5_K"], "Q6_K": K_QUANTS["Q6_K"] + I8, **ROWS},
+             "Q4_K": K_QUANTS["Q4_K"] + I8, "Q5_K": K_QUANTS["Q5_K"] + I8, "Q6_K": K_QUANTS["Q6_K"] + I8, **ROWS},
     "generic": {**FLOATS, "Q4_0": PACKED, "Q4_1": "Q41Matrix f32 simd.matmul_blocks", "Q5_0": PACKED,
                 "Q5_1": PACKED, "Q8_0": "Q80Matrix f32 simd.matmul_blocks", "Q4_K": PACKED, "Q5_K": PACKED,
                 "Q6_K": "Q6KMatrix f32 simd.matmul_blocks", **ROWS},

@@ -1,4 +1,4 @@
-"""Prompt matmuls with int8 activations: Q4_K and Q6_K, weight rows interleaved a 32-bit lane each.
+"""Prompt matmuls with int8 activations: Q4_K, Q5_K and Q6_K, weight rows interleaved a 32-bit lane each.
 
 The kernel table runs them on the avx2 path and on the avx512 path. Without VNNI a tile is 8 weight rows in
 256-bit vectors summed by `vpmaddubsw` (below); on the avx512 path with AVX-512 VNNI it is 16 rows in 512-bit
@@ -25,8 +25,8 @@ signed ones into 16 int16 pair sums: one multiply per 32 products, the int16 sum
 Lanes. KROWS weight rows are interleaved, 4 bytes of each in one 32-bit lane (ik_llama.cpp's `_R8` idea;
 our own layout), so lane r of every vector belongs to row r and an activation row's 4 bytes are
 broadcast to all lanes: no horizontal sums, and the float steps serve KROWS rows at once. The
-interleaving is done per group of KROWS rows into a scratch (`_interleave_q4k`, `_interleave_q6k`: a
-copy of 32-bit words, or with VNNI Q6_K's 6-bit codes unpacked) that every activation tile of the pass
+interleaving is done per group of KROWS rows into a scratch (`int8_interleave`: a copy of 32-bit words,
+or with VNNI Q6_K's 6-bit codes unpacked) that every activation tile of the pass
 reads, so the weights keep one layout (the decode kernels') and cost no memory.
 
 - Q4_K (codes 0..15 in Q4_1's nibble order: byte j of a block is column j low, j + 16 high): a lane
@@ -36,6 +36,11 @@ reads, so the weights keep one layout (the decode kernels') and cost no memory.
   [sc_r, sc_r] per lane pair gives lane r = sc_rb · P_rb in int32, then one float step per block:
   S_r += float(sc_rb · P_rb) · xs_b, and per super-block out_r += S_r · d_r; the min term
   out_r += (-dmin_r · min_rb) · (xs_b · Σ xq_b) per block (as `superblock`, in float32).
+- Q5_K (codes 0..31 as int8 in column order, `superblock.q5k_codes`; sub-block scales and mins as Q4_K's):
+  a lane holds columns 4q..4q+3, 8 lanes a block; `vpmaddubsw(code, x)` pair sums are at most 2 · 31 ·
+  127 = 7874, so the int16 sums run per 16-column half (4 quads: 31,496 < 2^15, exact), each widened by
+  one `vpmaddwd` with [sc_r, sc_r], the halves added in int32; with VNNI `vpdpbusd` on the codes as they
+  are. Then Q4_K's float steps, its min term included.
 - Q6_K (codes c - 32 in -32..31, column order): `vpmaddubsw(|c|, sign(x, c))` (`vpsignb`) is c · x
   pair-summed, at most 2 · 32 · 127 = 8128, and the 4 quads of a 16-column half summed in int16 at
   most 32,512 < 2^15: exact; then one `vpmaddwd` with the half's signed scale and the float step per
@@ -67,15 +72,13 @@ from numba import prange  # noqa: E402
 from numba.core import cgutils  # noqa: E402
 
 from hybridgate.workers.cpu.avx2 import _madd  # noqa: E402
+from hybridgate.workers.cpu.int8_interleave import KROWS, VNNI, _interleave_q4k, _interleave_q6k  # noqa: E402
 from hybridgate.workers.cpu.simd import _load_vec  # noqa: E402
 from hybridgate.workers.cpu.tilegen import tile_intrinsic  # noqa: E402
 
-ROWS = 8  # weight rows a 256-bit tile interleaves: one 32-bit lane each (`int8_blocks` too)
 SUPER = 256
 XQ_MAX = 127.0
 TILE_X = 4  # activation rows a tile multiplies: 3 accumulators each, 12 of AVX2's 16 registers
-VNNI = _TARGET.vnni  # the avx512 path on a CPU with AVX-512 VNNI: 512-bit `vpdpbusd` tiles (docstring)
-KROWS = 16 if VNNI else ROWS  # weight rows the K-quant tiles interleave: a 32-bit lane each of their vectors
 X_BYTES = 1024 * 1024  # int8 activations of one pass over the weights: each group of rows is interleaved once a pass
 # The 16-row tiles' passes: 4 MiB ran 2048 x 8192 at 512 and 1024 rows 1.16-1.38x faster than 1 MiB (fewer
 # interleaves; a Zen 4 EPYC, 1 and 2 threads, CPU time), 16 MiB no faster than 4.
@@ -88,8 +91,10 @@ _V8F = ir.VectorType(ir.FloatType(), 8)
 # the K-quant tiles' vectors: KROWS 32-bit lanes
 _VKB, _VKS = ir.VectorType(_I8, 4 * KROWS), ir.VectorType(_I16, 2 * KROWS)
 _VKI, _VKF = ir.VectorType(_I32, KROWS), ir.VectorType(ir.FloatType(), KROWS)
-QUADS = {"q4_k": 4, "q6_k": 8}  # 4-byte code quads per row and block: Q4_K's nibbles hold two columns a byte
-SCALES = {"q4_k": 1, "q6_k": 2}  # sub-block scales per block
+# 4-byte code quads per row and block: Q4_K's nibbles hold two columns a byte, Q5_K's and Q6_K's codes one
+QUADS = {"q4_k": 4, "q5_k": 8, "q6_k": 8}
+SCALES = {"q4_k": 1, "q5_k": 1, "q6_k": 2}  # sub-block scales per block
+KINDS = ("q4_k", "q5_k", "q6_k")  # `_tiles`' kind: the index here
 
 
 def _maddubs(builder, u, s):
@@ -150,8 +155,8 @@ def _make_tile(kind: str, xrows: int):
     columns at 2 · (a_off + k·a_stride) + h (Q6_K with VNNI: -32 · Σ xq; otherwise unread). nblocks: a
     multiple of 8.
     """
-    sums = {("q4_k", True): _q4k_sums_vnni, ("q4_k", False): _q4k_sums, ("q6_k", True): _q6k_sums_vnni,
-            ("q6_k", False): _q6k_sums}[kind, VNNI]
+    sums = {("q4_k", True): _q4k_sums_vnni, ("q4_k", False): _q4k_sums, ("q5_k", True): _q5k_sums_vnni,
+            ("q5_k", False): _q5k_sums, ("q6_k", True): _q6k_sums_vnni, ("q6_k", False): _q6k_sums}[kind, VNNI]
     return tile_intrinsic(f"int8_{kind}_tile{KROWS}x{xrows}", _TILE_ARGS, lambda arg: (kind, xrows, sums), _emit_tile)
 
 
@@ -172,13 +177,13 @@ def _emit_tile(t, state):
         with t.loop(c(8)) as block:
             blk = builder.add(builder.mul(s, c(8)), block)
             block_sums = sums(t, xrows, blk)
-            if kind == "q4_k":
+            if kind != "q6_k":  # Q4_K's and Q5_K's min term
                 mins = _load_vec(builder, t.ptr("wm", builder.mul(blk, c(KROWS))), _VKF, 1)
             for k in range(xrows):
                 xsv = _splat(builder, builder.load(t.at("xs", "a_off", "a_stride", k, blk)), _VKF)
                 builder.store(_fma(builder, builder.sitofp(block_sums[k], _VKF), xsv, builder.load(partial[k])),
                               partial[k])
-                if kind == "q4_k":
+                if kind != "q6_k":
                     xsum = _splat(builder, builder.load(t.at("xsum", "a_off", "a_stride", k, blk)), _VKF)
                     builder.store(_fma(builder, mins, xsum, builder.load(total[k])), total[k])
         d = _load_vec(builder, t.ptr("wd", builder.mul(s, c(KROWS))), _VKF, 1)
@@ -245,6 +250,38 @@ def _q4k_sums(t, xrows, blk):
     return [_madd(builder, a, sc) for a in acc]
 
 
+def _q5k_sums_vnni(t, xrows, blk):
+    """Q5_K block blk, per activation row: <KROWS x i32> sc_r · P_r by `vpdpbusd` on the codes 0..31 as they are
+    (unsigned), two chains a row against its latency."""
+    builder = t.builder
+    acc = [[ir.Constant(_VKI, [0] * KROWS)] * xrows for _ in range(2)]
+    for q in range(QUADS["q5_k"]):
+        w = _codes(t, QUADS["q5_k"], blk, q)
+        for k in range(xrows):
+            acc[q % 2][k] = _dpbusd(builder, acc[q % 2][k], w, _x_at(t, k, blk, 4 * q))
+    sc = builder.bitcast(_scale_vec(t, SCALES["q5_k"], blk, 0), _VKI)
+    return [builder.mul(builder.add(a, a2), sc) for a, a2 in zip(*acc)]
+
+
+def _q5k_sums(t, xrows, blk):
+    """Q5_K block blk, per activation row: <8 x i32> sc_r · P_r by `vpmaddubsw` (codes unsigned), int16 sums per
+    16-column half (4 · 2 · 31 · 127 = 31,496 < 2^15) and one `vpmaddwd` with the scale pair a half."""
+    builder = t.builder
+    out = [None] * xrows
+    sc = _scale_vec(t, SCALES["q5_k"], blk, 0)
+    for h in range(2):
+        acc = [None] * xrows
+        for q in range(4 * h, 4 * h + 4):
+            w = _codes(t, QUADS["q5_k"], blk, q)
+            for k in range(xrows):
+                prod = _maddubs(builder, w, _x_at(t, k, blk, 4 * q))
+                acc[k] = prod if acc[k] is None else builder.add(acc[k], prod)
+        for k in range(xrows):
+            part = _madd(builder, acc[k], sc)
+            out[k] = part if out[k] is None else builder.add(out[k], part)
+    return out
+
+
 def _q6k_sums_vnni(t, xrows, blk):
     """Q6_K block blk, per activation row: <KROWS x i32> Σ_h sc_rh · P_rh, P_rh = Σ c · x less 32 · Σ x (the
     codes c unsigned, 0..63) by `vpdpbusd` from -32 · Σ x (`xh`)."""
@@ -286,6 +323,7 @@ def _q6k_sums(t, xrows, blk):
 
 
 tile_q4k, tile_q4k_1 = _make_tile("q4_k", TILE_X), _make_tile("q4_k", 1)
+tile_q5k, tile_q5k_1 = _make_tile("q5_k", TILE_X), _make_tile("q5_k", 1)
 tile_q6k, tile_q6k_1 = _make_tile("q6_k", TILE_X), _make_tile("q6_k", 1)
 
 _JIT = dict(nogil=True, fastmath=True, cache=True)
@@ -329,76 +367,8 @@ def _half_sums(xq, k, xh):
         xh[k, h] = -32 * total
 
 
-@nb.njit(**_JIT)
-def _interleave_q4k(qs32, sc, d, ndmin, mins, r0, wc32, wsc, wm, wd):
-    """Weight rows r0 .. r0 + KROWS (rows past the end repeat row r0: their results are not kept) of a Q4_K weight
-    split by `superblock.split_scales` (qs32 its nibbles viewed as uint32 `[rows, cols / 8]`) → the tile's
-    scratch: wc32 uint32 `[nblocks · 4 · KROWS]`, wsc int16 `[nblocks · 2 · KROWS]`, wm float32 `[nblocks ·
-    KROWS]`, wd float32 `[nblocks / 8 · KROWS]`."""
-    rows, nblocks = qs32.shape[0], sc.shape[1]
-    wsc32 = wsc.view(np.int32)
-    for r in range(KROWS):
-        row = r0 + r if r0 + r < rows else r0
-        for b in range(nblocks):
-            for q in range(4):
-                wc32[(4 * b + q) * KROWS + r] = qs32[row, 4 * b + q]
-            if VNNI:  # an int32 lane
-                wsc32[KROWS * b + r] = sc[row, b]
-            else:  # twice for `vpmaddwd`'s pair
-                wsc[2 * KROWS * b + 2 * r] = wsc[2 * KROWS * b + 2 * r + 1] = sc[row, b]
-            wm[KROWS * b + r] = ndmin[row, b // 8] * np.float32(mins[row, b])
-        for s in range(nblocks // 8):
-            wd[KROWS * s + r] = d[row, s]
-
-
-_M4, _M2 = np.uint64(0x0F0F0F0F0F0F0F0F), np.uint64(0x0303030303030303)  # per byte: a nibble, 2 bits
-_HI, _C32 = np.uint64(0x8080808080808080), np.uint64(0x2020202020202020)  # per byte: the top bit, 32
-
-
-@nb.njit(**_JIT)
-def _q6k_pair(qs64, row, b, i, packed):
-    """Columns 8i..8i+7 of block b of a Q6_K row as the tile reads them, one byte each in a uint64: with VNNI
-    the codes c (0..63), otherwise c - 32 as int8; from `superblock.pack_q6k`'s bytes (packed: 3 words a block,
-    the low nibbles of columns 0-7 and 16-23, those of 8-15 and 24-31, then the top 2 bits, column 8a + p at
-    bits 2a of byte p) or from `superblock.split_q6k`'s int8 codes c - 32 (4 words a block). The bytewise
-    ± 32 goes through the top bit, so no carry or borrow crosses a byte."""
-    if packed:
-        nib = qs64[row, 3 * b + i % 2] >> np.uint64(4 * (i // 2))
-        top = qs64[row, 3 * b + 2] >> np.uint64(2 * i)
-        c = (nib & _M4) | ((top & _M2) << np.uint64(4))
-        return c if VNNI else ((c | _HI) - _C32) ^ _HI
-    w = qs64[row, 4 * b + i]
-    return ((w ^ _HI) + _C32) ^ _HI if VNNI else w
-
-
-@nb.njit(**_JIT)
-def _interleave_q6k(qs64, sc, d, r0, wc32, wsc, wd):
-    """As `_interleave_q4k` for a Q6_K weight split by `superblock.split_q6k` (sc int8 `[rows, cols / 16]`; qs64
-    its int8 codes c - 32 viewed as uint64 `[rows, cols / 8]`, or `superblock.pack_q6k`'s bytes viewed as uint64
-    `[rows, cols · 3 / 32]`): wc32 uint32 `[nblocks · 8 · KROWS]` (`_q6k_pair`'s halves), wsc int16 `[nblocks ·
-    4 · KROWS]` (the two halves' scales, as `vpmaddwd`'s pair or, with VNNI, as int32), wd as there."""
-    rows, nblocks = qs64.shape[0], d.shape[1] * 8
-    packed = qs64.shape[1] == 3 * nblocks
-    wsc32 = wsc.view(np.int32)
-    for r in range(KROWS):
-        row = r0 + r if r0 + r < rows else r0
-        for b in range(nblocks):
-            for i in range(4):
-                pair = _q6k_pair(qs64, row, b, i, packed)
-                wc32[(8 * b + 2 * i) * KROWS + r] = np.uint32(pair & np.uint64(0xFFFFFFFF))
-                wc32[(8 * b + 2 * i + 1) * KROWS + r] = np.uint32(pair >> np.uint64(32))
-            for h in range(2):
-                if VNNI:
-                    wsc32[2 * KROWS * b + KROWS * h + r] = sc[row, 2 * b + h]
-                else:
-                    wsc[4 * KROWS * b + 2 * KROWS * h + 2 * r] = wsc[4 * KROWS * b + 2 * KROWS * h + 2 * r + 1] = \
-                        sc[row, 2 * b + h]
-        for s in range(nblocks // 8):
-            wd[KROWS * s + r] = d[row, s]
-
-
 @nb.njit(**_TILE_JIT)
-def _tiles(q4k, wc, wsc, wm, wd, nblocks, xq, xs, xsum, xh, out, r0, b0, b1, tmp):
+def _tiles(kind, wc, wsc, wm, wd, nblocks, xq, xs, xsum, xh, out, r0, b0, b1, tmp):
     """One interleaved group's KROWS rows (from r0) against activation rows b0 .. b1; a group past the weight's
     last row goes through tmp float32 `[TILE_X, KROWS]` and keeps only its rows."""
     rows, cols = out.shape[1], xq.shape[1]
@@ -407,19 +377,13 @@ def _tiles(q4k, wc, wsc, wm, wd, nblocks, xq, xs, xsum, xh, out, r0, b0, b1, tmp
     while b < b1:
         xr = TILE_X if b + TILE_X <= b1 else 1
         dst, off, stride = (out, b * rows + r0, rows) if full else (tmp, 0, KROWS)
-        if q4k:
-            if xr == TILE_X:
-                tile_q4k(wc, wsc, wm, wd, nblocks, xq, b * cols, cols, xs, xsum, xh, b * nblocks,
-                         nblocks, dst, off, stride)
-            else:
-                tile_q4k_1(wc, wsc, wm, wd, nblocks, xq, b * cols, cols, xs, xsum, xh,
-                           b * nblocks, nblocks, dst, off, stride)
-        elif xr == TILE_X:
-            tile_q6k(wc, wsc, wm, wd, nblocks, xq, b * cols, cols, xs, xsum, xh, b * nblocks,
-                     nblocks, dst, off, stride)
+        a = (wc, wsc, wm, wd, nblocks, xq, b * cols, cols, xs, xsum, xh, b * nblocks, nblocks, dst, off, stride)
+        if kind == 0:
+            tile_q4k(*a) if xr == TILE_X else tile_q4k_1(*a)
+        elif kind == 1:
+            tile_q5k(*a) if xr == TILE_X else tile_q5k_1(*a)
         else:
-            tile_q6k_1(wc, wsc, wm, wd, nblocks, xq, b * cols, cols, xs, xsum, xh, b * nblocks,
-                       nblocks, dst, off, stride)
+            tile_q6k(*a) if xr == TILE_X else tile_q6k_1(*a)
         if not full:
             for k in range(xr):
                 for r in range(rows - r0):
@@ -431,48 +395,52 @@ def _tiles(q4k, wc, wsc, wm, wd, nblocks, xq, xs, xsum, xh, out, r0, b0, b1, tmp
 def matmul_i8(x, qs32, sc, d, ndmin, mins, out, x_bytes=KX_BYTES):
     """out float32 `[batch, rows]` = x float32 `[batch, cols]` @ W.T, x quantized to int8 per 32 columns, for
     a Q4_K weight (qs32: `superblock.split_scales`' nibbles viewed as uint32 `[rows, cols / 8]`; sc, d, ndmin,
-    mins as there) or a Q6_K one (qs32: `superblock.split_q6k`'s int8 codes viewed as uint32 `[rows, cols /
+    mins as there), a Q5_K one (qs32: `superblock.q5k_codes` viewed as uint32 `[rows, cols / 4]`, the rest as
+    Q4_K's) or a Q6_K one (qs32: `superblock.split_q6k`'s int8 codes viewed as uint32 `[rows, cols /
     4]`, or `superblock.pack_q6k`'s bytes viewed as uint32 `[rows, cols · 3 / 16]`; sc int8 `[rows,
-    cols / 16]`; ndmin and mins unread), told apart by sc's columns (cols / 32 or cols / 16). cols: a multiple
+    cols / 16]`; ndmin and mins unread), told apart by sc's columns (cols / 32 or cols / 16) and qs32's. cols: a multiple
     of 256; x_bytes: the int8 activations of one pass over the weights (each group of KROWS rows is interleaved
     once a pass). Error: the activations' rounding, at most max|x_b| / 254 per element."""
     batch, cols = x.shape
     nblocks = cols // 32
-    q4k = sc.shape[1] == nblocks
+    mins_kind = sc.shape[1] == nblocks  # Q4_K or Q5_K (Q6_K: two scales a block)
+    quads = qs32.shape[1] // nblocks  # Q4_K 4; Q5_K 8 (Q6_K's codes 8, packed 6)
+    kind = (0 if quads == 4 else 1) if mins_kind else 2  # `KINDS`
     xq = np.empty((batch, cols), dtype=np.int8)
     xs = np.empty((batch, nblocks), dtype=np.float32)
     xsum = np.empty((batch, nblocks), dtype=np.float32)
     xh = np.empty((batch, cols // 16), dtype=np.int32)
     for k in prange(batch):
         _quantize_row(x, k, xq, xs, xsum)
-        if VNNI and not q4k:
+        if VNNI and kind == 2:
             _half_sums(xq, k, xh)
     rows = qs32.shape[0]
     groups = (rows + KROWS - 1) // KROWS
     per = (groups + _CHUNKS - 1) // _CHUNKS
     x_tile = max(TILE_X, x_bytes // cols // TILE_X * TILE_X)
-    quads = 4 if q4k else 8
+    quads = 4 if kind == 0 else 8
     for b0 in range(0, batch, x_tile):
         b1 = min(batch, b0 + x_tile)
         for chunk in prange(_CHUNKS):
             wc32 = np.empty(nblocks * quads * KROWS, dtype=np.uint32)
-            wsc = np.empty(nblocks * 2 * KROWS * (1 if q4k else 2), dtype=np.int16)
+            wsc = np.empty(nblocks * 2 * KROWS * (1 if mins_kind else 2), dtype=np.int16)
             wm = np.zeros(nblocks * KROWS, dtype=np.float32)
             wd = np.empty(nblocks // 8 * KROWS, dtype=np.float32)
             tmp = np.empty((TILE_X, KROWS), dtype=np.float32)
             for g in range(chunk * per, min(groups, (chunk + 1) * per)):
-                if q4k:
+                if mins_kind:
                     _interleave_q4k(qs32, sc, d, ndmin, mins, KROWS * g, wc32, wsc, wm, wd)
                 else:
                     _interleave_q6k(qs32.view(np.uint64), sc, d, KROWS * g, wc32, wsc, wd)
-                _tiles(q4k, wc32.view(np.uint8), wsc, wm, wd, nblocks, xq, xs, xsum, xh, out, KROWS * g, b0,
+                _tiles(kind, wc32.view(np.uint8), wsc, wm, wd, nblocks, xq, xs, xsum, xh, out, KROWS * g, b0,
                        b1, tmp)
 
 
 def multiply(x: np.ndarray, rows: np.ndarray, qs: np.ndarray, sc: np.ndarray, d: np.ndarray, ndmin: np.ndarray,
              mins: np.ndarray, out: np.ndarray) -> None:
     """out[rows] = x[rows] @ W.T by `matmul_i8` (the prompt kernel's signature, as `amx.multiply`): qs the
-    weight's codes as its super-block matrix holds them (Q4_K nibbles uint8 `[n, cols / 2]`, Q6_K codes int8
+    weight's codes as its super-block matrix holds them (Q4_K nibbles uint8 `[n, cols / 2]`, Q5_K codes 0..31
+    int8 `[n, cols]`, Q6_K codes int8
     `[n, cols]` or packed to 6 bits, uint8 `[n, cols · 3 / 4]`), rows int64 `[m]`, m ≥ 1, ascending; out
     float32 `[batch, n]`. Raises ValueError when cols is not a multiple of 256."""
     if x.shape[1] % SUPER:

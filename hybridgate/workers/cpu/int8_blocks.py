@@ -47,7 +47,6 @@ from hybridgate.workers.cpu.int8 import (  # noqa: E402  (int8's primitives, sha
     _V8F,
     _V16S,
     _V32B,
-    ROWS,
     TILE_X,
     X_BYTES,
     _broadcast4,
@@ -55,6 +54,7 @@ from hybridgate.workers.cpu.int8 import (  # noqa: E402  (int8's primitives, sha
     _quantize_row,
     _sign,
 )
+from hybridgate.workers.cpu.int8_interleave import ROWS  # noqa: E402
 from hybridgate.workers.cpu.simd import _load_vec, _ptr  # noqa: E402
 
 BLOCK = 32

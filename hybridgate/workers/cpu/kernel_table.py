@@ -25,7 +25,7 @@ Paths: `avx512-amx` is the avx512 path with AMX-BF16 granted (`isa.Target.amx`);
 the others are `isa.ISAS`. Activation formats: `f32`; `i16/32` (int16 per
 32-column block, `intdot`, `avx2`, `kquant`); `i16/256` (int16 per 256-column
 super-block, the sub-block scales in integers, `superblock`); `i8/32` (int8 per 32-column block,
-weight rows interleaved in a scratch per pass, no memory kept: `int8` for Q4_K and Q6_K, 16 rows in
+weight rows interleaved in a scratch per pass, no memory kept: `int8` for Q4_K, Q5_K and Q6_K, 16 rows in
 512-bit `vpdpbusd` tiles on avx512 with VNNI and 8 elsewhere, `int8_blocks` for Q8_0, Q5_0, Q4_0 and
 Q4_1); `bf16x2` (two
 bf16 halves on AMX tiles, `amx`).
@@ -103,7 +103,7 @@ _AVX512 = {
     "Q4_1": KernelRow("Q41Matrix", "f32", "simd.matmul_blocks"),
     "Q5_0": _PACKED, "Q5_1": _PACKED,
     "Q8_0": KernelRow("Q80Matrix", "i16/32", "intdot.matmul_i16"),
-    "Q4_K": _i8(_SUPER45), "Q5_K": _SUPER45, "Q6_K": _i8(_SUPER6), "MXFP4": _DEQUANT,
+    "Q4_K": _i8(_SUPER45), "Q5_K": _i8(_SUPER45), "Q6_K": _i8(_SUPER6), "MXFP4": _DEQUANT,
 }
 AUTO = {
     "avx512-amx": {**_AVX512, **{name: _amx(_AVX512[name]) for name in  # the types `amx` has a format for
@@ -116,7 +116,7 @@ AUTO = {
         "Q5_0": KernelRow("Q50Matrix", "i16/32", "avx2.matmul_i16"),
         "Q5_1": _PACKED,
         "Q8_0": KernelRow("Q80Matrix", "i16/32", "avx2.matmul_i16"),
-        "Q4_K": _i8(_SUPER45), "Q5_K": _SUPER45, "Q6_K": _i8(_SUPER6), "MXFP4": _DEQUANT,
+        "Q4_K": _i8(_SUPER45), "Q5_K": _i8(_SUPER45), "Q6_K": _i8(_SUPER6), "MXFP4": _DEQUANT,
     },
     "generic": {
         "F32": _FLOAT, "F16": _FLOAT, "BF16": _FLOAT,

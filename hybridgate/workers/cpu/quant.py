@@ -290,7 +290,7 @@ class Q45KSuperMatrix(QuantMatrix):
         superblock.matmul_superblock(x, self.qs, self.sc, self.d, self.ndmin, self.mins, out)
         return out
 
-    def _prompt_arrays(self) -> tuple | None:  # amx: Q4_K and Q5_K; int8: Q4_K (the table gives Q5_K none)
+    def _prompt_arrays(self) -> tuple | None:  # amx and int8: Q4_K and Q5_K
         return self.qs, self.sc, self.d, self.ndmin, self.mins
 
     def row(self, index: int) -> np.ndarray:
