@@ -40,7 +40,10 @@ The K-quants' super-block kernels (`superblock`) on avx2 measured Q4_K 1.5-1.7x 
 batch 16-256 and 1.0-1.1x at 1, Q6_K 1.0-1.2x (2 threads, a Zen 3 EPYC). On avx512 with VNNI the
 int8 prompt kernel's 16-row tiles measured Q4_K 1.78-2.52x and Q6_K 1.17-2.37x the int16 GEMM at
 64-512 rows, 0.93-1.43x and 1.09-1.36x at 32 (a busy Zen 4 EPYC, *-int8-prompt-wide.json); Q6_K's
-8-row tile had measured 0.9-1.2x. The generic path is merely correct (unmeasured): float32 where it
+8-row tile had measured 0.9-1.2x. On an Emerald Rapids Xeon (load 4.6-6, *-xeon-emerald-rapids-*-int8-prompt-
+k-quants.json) Q5_K's int8 tiles measured 1.21-1.95x the int16 GEMM at 32-512 rows on avx2 and, on avx512
+with VNNI, 1.31-2.36x from 128 rows but 0.68-0.98x at 32 and 0.95-1.41x at 64 (Q6_K there: 0.83-0.94x at
+32-64 rows of 2048 columns): the threshold is one per request (`long_prompt`), so these rows run int8 too. The generic path is merely correct (unmeasured): float32 where it
 has a fast kernel. MXFP4 (gpt-oss's experts) runs on
 the row-dequantizing kernel on every path (unmeasured; its bytes kept as the file has them).
 
