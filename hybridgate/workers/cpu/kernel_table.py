@@ -41,8 +41,12 @@ batch 16-256 and 1.0-1.1x at 1, Q6_K 1.0-1.2x (2 threads, a Zen 3 EPYC). On avx5
 int8 prompt kernel's 16-row tiles measured Q4_K 1.78-2.52x and Q6_K 1.17-2.37x the int16 GEMM at
 64-512 rows, 0.93-1.43x and 1.09-1.36x at 32 (a busy Zen 4 EPYC, *-int8-prompt-wide.json); Q6_K's
 8-row tile had measured 0.9-1.2x. The generic path is merely correct (unmeasured): float32 where it
-has a fast kernel. MXFP4 (gpt-oss's experts) runs on
-the row-dequantizing kernel on every path (unmeasured; its bytes kept as the file has them).
+has a fast kernel. MXFP4 (gpt-oss's experts) is data on `LowBitMatrix` on every path
+(`kquant.E2M1`: its nibbles become ggml's doubled E2M1 integers, -12..12, by a table lookup in the tiles, one
+float scale per block and no min term), 5 bits a weight where the file has 4.25 (the E8M0 byte widened to
+float32, 18% more memory); on avx512 (an Emerald Rapids Xeon at load 5-7, one thread, medians) it measured
+10.3-13.7x the row-dequantizing kernel it replaced at batch 1, 2.6-4.0x at 16 and 2.4-4.5x at 64 (2880 x 2880,
+gpt-oss-20b's expert width, and 2048 x 8192: *-mxfp4.json); avx2 and generic are tested, not measured.
 
 This module imports no Numba: `hybridgate info` prints the rows a file uses without compiling.
 """
@@ -103,7 +107,7 @@ _AVX512 = {
     "Q4_1": KernelRow("Q41Matrix", "f32", "simd.matmul_blocks"),
     "Q5_0": _PACKED, "Q5_1": _PACKED,
     "Q8_0": KernelRow("Q80Matrix", "i16/32", "intdot.matmul_i16"),
-    "Q4_K": _i8(_SUPER45), "Q5_K": _SUPER45, "Q6_K": _i8(_SUPER6), "MXFP4": _DEQUANT,
+    "Q4_K": _i8(_SUPER45), "Q5_K": _SUPER45, "Q6_K": _i8(_SUPER6), "MXFP4": _PACKED,
 }
 AUTO = {
     "avx512-amx": {**_AVX512, **{name: _amx(_AVX512[name]) for name in  # the types `amx` has a format for
@@ -116,7 +120,7 @@ AUTO = {
         "Q5_0": KernelRow("Q50Matrix", "i16/32", "avx2.matmul_i16"),
         "Q5_1": _PACKED,
         "Q8_0": KernelRow("Q80Matrix", "i16/32", "avx2.matmul_i16"),
-        "Q4_K": _i8(_SUPER45), "Q5_K": _SUPER45, "Q6_K": _i8(_SUPER6), "MXFP4": _DEQUANT,
+        "Q4_K": _i8(_SUPER45), "Q5_K": _SUPER45, "Q6_K": _i8(_SUPER6), "MXFP4": _PACKED,
     },
     "generic": {
         "F32": _FLOAT, "F16": _FLOAT, "BF16": _FLOAT,
@@ -125,7 +129,7 @@ AUTO = {
         "Q5_0": _PACKED, "Q5_1": _PACKED,
         "Q8_0": KernelRow("Q80Matrix", "f32", "simd.matmul_blocks"),
         "Q4_K": _PACKED, "Q5_K": _PACKED,
-        "Q6_K": KernelRow("Q6KMatrix", "f32", "simd.matmul_blocks"), "MXFP4": _DEQUANT,
+        "Q6_K": KernelRow("Q6KMatrix", "f32", "simd.matmul_blocks"), "MXFP4": _PACKED,
     },
 }
 # The classes that take either activation format on the 32-column kernels (`simd.matmul_blocks` for f32,
