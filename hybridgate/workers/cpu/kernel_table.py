@@ -44,9 +44,10 @@ int8 prompt kernel's 16-row tiles measured Q4_K 1.78-2.52x and Q6_K 1.17-2.37x t
 has a fast kernel. MXFP4 (gpt-oss's experts) is data on `LowBitMatrix` on every path
 (`kquant.E2M1`: its nibbles become ggml's doubled E2M1 integers, -12..12, by a table lookup in the tiles, one
 float scale per block and no min term), 5 bits a weight where the file has 4.25 (the E8M0 byte widened to
-float32, 18% more memory); on avx512 (an Emerald Rapids Xeon at load 5-7, one thread, medians) it measured
-10.3-13.7x the row-dequantizing kernel it replaced at batch 1, 2.6-4.0x at 16 and 2.4-4.5x at 64 (2880 x 2880,
-gpt-oss-20b's expert width, and 2048 x 8192: *-mxfp4.json); avx2 and generic are tested, not measured.
+float32, 18% more memory); on avx512 (an Emerald Rapids Xeon at load 5, one thread, medians of 21) it measured
+7.9-9.6x the row-dequantizing kernel it replaced at batch 1, 3.3-3.4x at 16 and 2.7-4.6x at 64 (2880 x 2880,
+gpt-oss-20b's expert width, and 2048 x 8192: *-mxfp4.json); the avx2 path forced there 9.1x, 2.6x and 2.0x
+(2880 x 2880, a one-off run, not recorded); generic is tested, not measured.
 
 This module imports no Numba: `hybridgate info` prints the rows a file uses without compiling.
 """
