@@ -327,7 +327,8 @@ def _make_tile(wrows: int, xrows: int):
     with quad q of row i's codes at qs[q_off + i·q_stride + 64q] (128q for whole codes, and the masks
     at qh[h_off + i·h_stride + 4q] when qh is uint32), its scales at d/m[s_off + i·s_stride + b],
     activation row k at xq[x_off + k·x_stride + 128q] and xs/xsum[a_off + k·a_stride + b]; P the quad's
-    16 integer lanes, XS and D its 4 blocks' scales, each over its block's 4 lanes.
+    16 integer lanes, XS and D its 4 blocks' scales, each over its block's 4 lanes. When qh is int8
+    (`E2M1`), the codes are looked up as E2M1 values first and there is no min term (m and mscale unread).
     """
 
     def generic(typingctx, qs, q_off, q_stride, qh, h_off, h_stride, d, m, s_off, s_stride, quads, nmin,
