@@ -17,8 +17,9 @@ a quad (4 blocks, 128 columns) at a time:
     qh  uint32 [rows, quads · 4]   the other 5-bit types: per quad four bit masks, bit t of
                                    word s the 5th bit of lane t of code vector s
     d, m float32 [rows, nmin]      per 32-block, widened once (m is d for Q4_0/Q5_0: the kernel
-                                   takes -bias·d, an exact power-of-two multiple; for MXFP4,
-                                   unread: 5 bits a weight where the file has 4.25)
+                                   takes -bias·d, an exact power-of-two multiple); MXFP4's d is
+                                   its uint8 E8M0 bytes, decoded in the tiles, and m is d, unread:
+                                   the file's 17 bytes a block, regrouped
 
 (`nmin` = blocks rounded up to 16; padding has d = m = 0). A quad's 64 code bytes
 read as 32 16-bit lanes become four code vectors by in-lane masks and shifts (no
@@ -115,9 +116,10 @@ CODES = {
 }
 FIVE_BIT = (Q5_0, Q5_1, Q5_K)
 # Types whose 4-bit codes are E2M1 (`MXFP4_VALUES`, ggml's doubled `kvalues_mxfp4`: signed integers -12..12):
-# the tiles turn each nibble into its value by a lookup (`_e2m1_for`), and d is half the E8M0 scale. No min
-# term: m is d, unread (a weight is d·value, one float scale per block times an integer dot, as ggml's
-# `ggml_vec_dot_mxfp4_q8_0`). The qh placeholder is int8 to tell the tiles so at compile time.
+# the tiles turn each nibble into its value by a lookup (`_e2m1_for`) and each E8M0 byte, kept as a byte, into
+# half its scale (`_e8m0_scale`). No min term: m is d, unread (a weight is d·value, one float scale per block
+# times an integer dot, as ggml's `ggml_vec_dot_mxfp4_q8_0`). The qh placeholder is int8 to tell the tiles so
+# at compile time.
 E2M1 = (MXFP4,)
 # A quad's 128 columns (block · 32 + column) in the kernels' lane order [s, t]: the 64 code bytes read as
 # 32 16-bit lanes t give 4 vectors, s = 0..3: the low nibble of the lane's first byte (2t), its high
@@ -134,8 +136,8 @@ MERGE_FIVE = {"avx512": False, "avx2": True, "generic": False}[_TARGET.isa]
 def pack(kind: int, data: np.ndarray, shape: tuple[int, int]):
     """(qs, qh, d, m, mscale) of a `[rows, row_bytes]` uint8 weight of type `kind` (a `CODES` key), in
     the layout of the module docstring; qh is a `[rows, 1]` uint8 placeholder for a 4-bit type (int8
-    for the `E2M1` types), m is d and mscale -bias for a type without a min (1.0 otherwise). Raises
-    ValueError when cols is not a whole number of the type's blocks."""
+    for the `E2M1` types, whose d is their uint8 E8M0 bytes), m is d and mscale -bias for a type without
+    a min (1.0 otherwise). Raises ValueError when cols is not a whole number of the type's blocks."""
     rows, cols = shape
     scale, minimum = unpack_scales(kind, data, shape)  # [rows, cols / 32] each (the ValueError)
     lay = LAYOUTS[kind]
@@ -156,9 +158,13 @@ def pack(kind: int, data: np.ndarray, shape: tuple[int, int]):
         else:
             qh = np.packbits(lanes >> 4, axis=-1, bitorder="little")  # [rows, quads, 4, 4 bytes]
             qh = np.ascontiguousarray(qh).view("<u4").reshape(rows, quads * 4)
+    if kind in E2M1:  # the exponent bytes as the file has them (padding 0: its codes are 0 too)
+        e = np.zeros((rows, nmin), np.uint8)
+        e[:, :nb_] = np.ascontiguousarray(data).reshape(rows, nb_, lay.nbytes)[:, :, 0]
+        return qs, qh, e, e, np.float32(0.0)
     d = np.zeros((rows, nmin), np.float32)
     d[:, :nb_] = scale
-    if bias or kind in E2M1:
+    if bias:
         return qs, qh, d, d, np.float32(-bias)
     m = np.zeros((rows, nmin), np.float32)
     m[:, :nb_] = minimum
@@ -279,6 +285,18 @@ def _quad_scale(builder, ptr):
     return builder.shuffle_vector(four, four, ir.Constant(_V16I, [j // 4 for j in range(16)]))
 
 
+def _e8m0_scale(builder, ptr):
+    """The four E8M0 bytes at ptr as <16 x float> half-scales 2^(e - 128) (`blocks.e8m0_half`), each repeated
+    over its block's 4 lanes: (e - 1) in the exponent field, and for e = 0 and 1 the subnormals 2^-128, 2^-127."""
+    v4 = ir.VectorType(_I32, 4)
+    e = builder.zext(_load_vec(builder, ptr, ir.VectorType(_I8, 4), 1), v4)
+    normal = builder.shl(builder.sub(e, _vec_const(v4, 1)), _vec_const(v4, 23))
+    tiny = builder.shl(_vec_const(v4, 0x00200000), builder.and_(e, _vec_const(v4, 1)))  # 2^21 · 2^-149
+    bits = builder.select(builder.icmp_unsigned("<", e, _vec_const(v4, 2)), tiny, normal)
+    four = builder.bitcast(bits, ir.VectorType(_F32, 4))
+    return builder.shuffle_vector(four, four, ir.Constant(_V16I, [j // 4 for j in range(16)]))
+
+
 def _codes(builder, qptr, hptr, merged):
     """A quad's codes as four <32 x i16> vectors in the lane order of `QUAD_COLUMNS`: from 64 bytes of
     nibbles (with the 5th bits of the four u32 at hptr, None for a 4-bit type) or, merged, 128 bytes of
@@ -328,7 +346,8 @@ def _make_tile(wrows: int, xrows: int):
     at qh[h_off + i·h_stride + 4q] when qh is uint32), its scales at d/m[s_off + i·s_stride + b],
     activation row k at xq[x_off + k·x_stride + 128q] and xs/xsum[a_off + k·a_stride + b]; P the quad's
     16 integer lanes, XS and D its 4 blocks' scales, each over its block's 4 lanes. When qh is int8
-    (`E2M1`), the codes are looked up as E2M1 values first and there is no min term (m and mscale unread).
+    (`E2M1`), the codes are looked up as E2M1 values first, d holds E8M0 bytes (D their half-scales), and
+    there is no min term (m and mscale unread).
     """
 
     def generic(typingctx, qs, q_off, q_stride, qh, h_off, h_stride, d, m, s_off, s_stride, quads, nmin,
@@ -358,7 +377,8 @@ def _make_tile(wrows: int, xrows: int):
                                 at(3, ha, ho, hstr, i, builder.mul(q, c(4))) if five else None, merged)
                          for i in range(wrows)]
                 codes = [[_E2M1_LOOKUP(builder, w) for w in ws] for ws in codes] if e2m1 else codes
-                dv = [_quad_scale(builder, at(6, da, so, sstr, i, builder.mul(q, c(4)))) for i in range(wrows)]
+                scale = _e8m0_scale if e2m1 else _quad_scale
+                dv = [scale(builder, at(6, da, so, sstr, i, builder.mul(q, c(4)))) for i in range(wrows)]
                 for k in range(xrows):
                     xp = at(12, xa, xo, xstr, k, builder.mul(q, c(128)))
                     xv = [_load_vec(builder, builder.gep(xp, [c(32 * v)]), ir.VectorType(_I16, 32), 2)
