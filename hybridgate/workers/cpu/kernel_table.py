@@ -42,14 +42,17 @@ int8 prompt kernel's 16-row tiles measured Q4_K 1.78-2.52x and Q6_K 1.17-2.37x t
 64-512 rows, 0.93-1.43x and 1.09-1.36x at 32 (a busy Zen 4 EPYC, *-int8-prompt-wide.json); Q6_K's
 8-row tile had measured 0.9-1.2x. The generic path is merely correct (unmeasured): float32 where it
 has a fast kernel. MXFP4 (gpt-oss's experts) is data on `LowBitMatrix` on every path (`kquant.E2M1`: its
-nibbles become ggml's doubled E2M1 integers, -12..12, by a table lookup in the tiles, one float scale per
-block and no min term), 5 bits a weight where the file has 4.25 (the E8M0 byte widened to float32: 18% more
-than the file, less than the row-dequantizing class's 5.25); on avx512 (an Emerald Rapids Xeon at load 5, one
-thread, medians of 21) it measured 7.9-9.6x the row-dequantizing kernel it replaced at batch 1, 3.3-3.4x at 16
-and 2.7-4.6x at 64 (2880 x 2880, gpt-oss-20b's expert width, and 2048 x 8192: *-mxfp4.json); the avx2 path
-forced there 9.1x, 2.6x and 2.0x (2880 x 2880, a one-off run, not recorded); generic is tested, not measured.
-One gpt-oss-20b MoE block (`moe.experts_ffn`: 32 experts of 2880, top 4, random codes, one thread) measured
-5.4x, 5.0x and 3.3x the row-dequantizing experts at 1, 16 and 64 tokens (a one-off script, not recorded).
+nibbles become ggml's doubled E2M1 integers, -12..12, by a table lookup in the tiles, its E8M0 byte half a
+float scale there, and no min term), the file's 17 bytes a block regrouped (4.25 bits a weight; the
+row-dequantizing class held 5.25, a float32 scale beside the bytes). On avx512 (an Emerald Rapids Xeon at load
+5-6, one thread, medians of 21) it measured 11.8-12.5x the row-dequantizing kernel it replaced at batch 1,
+4.3-5.7x at 16 and 2.9-5.0x at 64 (2880 x 2880, gpt-oss-20b's expert width, and 2048 x 8192: *-mxfp4.json); an
+earlier run with float32 scales, 7.9-9.6x, 3.3-3.4x and 2.7-4.6x, whose kernel times matched these side by
+side: the ratios move that much with the machine's load. The avx2 path forced there: 9.1-9.7x, 1.9-2.6x and
+1.5-2.0x (2880 x 2880, two one-off runs, not recorded); generic is tested, not measured. One gpt-oss-20b MoE
+block (`moe.experts_ffn`: 32 experts of 2880, top 4, random codes, one thread) measured 4.6-5.5x, 3.7-5.0x and
+3.1-3.3x the row-dequantizing experts at 1, 16 and 64 tokens, in 414 MiB instead of 500 (two one-off runs of a
+script, not recorded).
 
 This module imports no Numba: `hybridgate info` prints the rows a file uses without compiling.
 """
