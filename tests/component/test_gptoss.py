@@ -24,6 +24,7 @@ from hybridgate.cli import main
 from hybridgate.models import Activation
 from hybridgate.workers.cpu.blocks import MXFP4
 from hybridgate.workers.cpu.layers import GATED_ACTIVATIONS
+from hybridgate.workers.cpu.runner import NumbaRunner
 from hybridgate.workers.gpu.attention import attention_kind
 from hybridgate.workers.gpu.layers import ACTIVATIONS
 from hybridgate.workers.gpu.runner import TorchRunner
@@ -33,7 +34,7 @@ from test_cpu_architectures import torch_engine  # noqa: F401 (a fixture of the 
 from test_cpu_architectures import test_a_gpu_to_cpu_handoff_decodes_the_ids_of_the_cpu_runner_alone  # noqa: F401
 # qwen3moe's tests of logits, of greedy ids through chunked prefill and the prefix cache, and on CUDA, run here on
 # this module's `case` (they read only its fields).
-from test_moe import TOL, Case
+from test_moe import TOL, Case, numba_packed
 from test_moe import test_cuda_runner_follows_transformers  # noqa: F401
 from test_moe import test_greedy_through_chunked_prefill_and_the_prefix_cache  # noqa: F401
 from test_moe import test_numba_runner_logits_match_transformers  # noqa: F401
@@ -41,6 +42,7 @@ from test_moe import test_torch_runner_logits_match_transformers  # noqa: F401
 from tiny_gptoss import make_gptoss, round_experts_to_mxfp4, write_gptoss_gguf
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+I16_TOL = 2e-3  # logits with the experts' activations rounded to int16 per 32 (about 2e-5 of each product)
 
 
 @pytest.fixture(scope="module", params=[(2, "F32", "default"), (4, "MXFP4", "yarn")],
@@ -77,6 +79,23 @@ def test_numba_keeps_the_experts_in_the_files_type(case):
     # (`blocks.unpack_scales`): 5.25 bits per weight and 4 bytes a row, not fp32's 32 bits
     rows, cols = c.hidden_size, c.expert_intermediate_size
     assert experts.down[0].nbytes == rows * cols * (17 + 4) // 32 + 4 * rows
+
+
+def test_int16_activations_run_mxfp4_experts_on_the_packed_kernel_with_the_references_greedy_ids(case):
+    # cpu_activations auto, as a worker runs: the experts on `kquant`'s int16 kernel, the file's code bytes kept as
+    # they are; logits within the activations' int16 rounding of the reference's (I16_TOL; 3.5e-4 to 7.1e-4
+    # measured) and the greedy ids its own, through chunked prefill and the prefix cache.
+    if int(case.gguf.tensors["blk.0.ffn_down_exps.weight"].ggml_type) != MXFP4:
+        pytest.skip("the F32-experts file has no MXFP4")
+    runner = NumbaRunner(case.gguf, kv_cache_memory="4MiB", threads=1, kv_cache_dtype="fp32")
+    experts, c = runner.model.layers[0].experts, case.gguf.config
+    assert all(type(m).__name__ == "LowBitMatrix" for m in experts.gate_up + experts.down)
+    rows, blocks = c.hidden_size, c.expert_intermediate_size // 32
+    file_codes = case.gguf.tensors["blk.0.ffn_down_exps.weight"].data[:rows].reshape(rows, blocks, 17)[:, :, 1:]
+    np.testing.assert_array_equal(experts.down[0].qs[:, : 16 * blocks], file_codes.reshape(rows, -1))
+    err = np.abs(numba_packed(runner, case.prompts) - case.want_logits).max(axis=1)
+    assert (err < I16_TOL).all(), err
+    greedy_through_chunks_and_prefix(runner, case)
 
 
 def test_the_sinks_and_the_clamps_take_part(case):

@@ -134,7 +134,7 @@ def _asm() -> dict:
     from tests.unit.test_cpu_kernels import T, random_blocks
 
     rng = np.random.default_rng(1)
-    for kind in ("Q4_K", "Q5_0"):  # nibbles, and the 5-bit codes this path keeps
+    for kind in ("Q4_K", "Q5_0", "MXFP4"):  # nibbles, the 5-bit codes this path keeps, E2M1 codes looked up
         m = quant.LowBitMatrix("w", int(T[kind]), random_blocks(kind, 8, 256, rng), (8, 256))
         m.matmul(rng.standard_normal((4, 256)).astype(np.float32))
     asm = "\n".join(a for k in (kquant.matmul_packed, kquant._rows) for a in k.inspect_asm().values())

@@ -23,7 +23,7 @@ K_QUANTS = {"Q4_K": "Q45KSuperMatrix i16/256 superblock.matmul_superblock",
             "Q5_K": "Q45KSuperMatrix i16/256 superblock.matmul_superblock",
             "Q6_K": "Q6KSuperMatrix i16/256 superblock.matmul_superblock"}
 PACKED = "LowBitMatrix i16/32 kquant.matmul_packed"
-ROWS = {"MXFP4": "QuantMatrix f32 quant.matmul_rows"}  # dequantize a row, then dot: every path
+ROWS = {"MXFP4": PACKED}  # E2M1 codes looked up as integers (`kquant.E2M1`): every path
 EXPECTED = {
     "avx512": {**FLOATS, "Q4_0": "Q40Matrix f32 simd.matmul_blocks", "Q4_1": "Q41Matrix f32 simd.matmul_blocks",
                "Q5_0": PACKED, "Q5_1": PACKED, "Q8_0": "Q80Matrix i16/32 intdot.matmul_i16", **K_QUANTS, **ROWS,
@@ -59,7 +59,7 @@ def test_f32_is_float32_for_every_type_and_i16_int16_wherever_a_type_has_it(path
         assert f32.decode == "f32" and not f32.prompt_kernel, (path, name, f32)
         assert f32.kernel in ("simd.matmul_blocks", "quant.matmul_rows"), (path, name, f32)
         assert not i16.prompt_kernel
-        assert i16.decode.startswith("i16") == (name not in ("F32", "F16", "BF16", "MXFP4")), (path, name, i16)
+        assert i16.decode.startswith("i16") == (name not in ("F32", "F16", "BF16")), (path, name, i16)
     assert kernel_table.choose("Q5_K", "f32", path).matrix == "QuantMatrix"  # no float32 fast kernel: rows
     with pytest.raises(ValueError, match="cpu_activations"):
         kernel_table.choose("Q4_K", "i4", path)

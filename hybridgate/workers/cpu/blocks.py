@@ -90,6 +90,12 @@ def _k4_scales(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return lo, hi
 
 
+def e8m0_half(e: np.ndarray) -> np.ndarray:
+    """Half the E8M0 scale of each uint8 exponent byte, 2^(e - 128) as float32 (exact; e = 0 and 1 subnormal), as
+    ggml's doubled codes take it (`GGML_E8M0_TO_FP32_HALF`)."""
+    return np.ldexp(np.float32(1.0), e.astype(np.int32) - 128).astype(np.float32)
+
+
 def unpack_scales(kind: int, data: np.ndarray, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
     """(scale, minimum) float32 `[rows, cols / sub]` of a `[rows, row_bytes]` uint8 weight of type
     `kind` (`LAYOUTS`); minimum is `[rows, 1]` of zeros for a type without one, and both are
@@ -101,9 +107,8 @@ def unpack_scales(kind: int, data: np.ndarray, shape: tuple[int, int]) -> tuple[
     if lay.sub == 0:
         return np.zeros((rows, 1), np.float32), np.zeros((rows, 1), np.float32)
     blocks = np.ascontiguousarray(data).reshape(rows, cols // lay.weights, lay.nbytes)
-    if kind == MXFP4:  # half the E8M0 scale, as ggml's doubled codes take it: exact in float32
-        half = np.ldexp(np.float32(1.0), blocks[:, :, 0].astype(np.int32) - 128).astype(np.float32)
-        return half, np.zeros((rows, 1), np.float32)
+    if kind == MXFP4:
+        return e8m0_half(blocks[:, :, 0]), np.zeros((rows, 1), np.float32)
     d = _f16(blocks, lay.d_at)
     if kind in (Q4_K, Q5_K):
         sc, m = _k4_scales(blocks[:, :, 4:16])

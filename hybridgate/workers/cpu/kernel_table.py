@@ -44,8 +44,18 @@ int8 prompt kernel's 16-row tiles measured Q4_K 1.78-2.52x and Q6_K 1.17-2.37x t
 k-quants.json) Q5_K's int8 tiles measured 1.21-1.95x the int16 GEMM at 32-512 rows on avx2 and, on avx512
 with VNNI, 1.31-2.36x from 128 rows but 0.68-0.98x at 32 and 0.95-1.41x at 64 (Q6_K there: 0.83-0.94x at
 32-64 rows of 2048 columns): the threshold is one per request (`long_prompt`), so these rows run int8 too. The generic path is merely correct (unmeasured): float32 where it
-has a fast kernel. MXFP4 (gpt-oss's experts) runs on
-the row-dequantizing kernel on every path (unmeasured; its bytes kept as the file has them).
+has a fast kernel. MXFP4 (gpt-oss's experts) is data on `LowBitMatrix` on every path (`kquant.E2M1`: its
+nibbles become ggml's doubled E2M1 integers, -12..12, by a table lookup in the tiles, its E8M0 byte half a
+float scale there, and no min term), the file's 17 bytes a block regrouped (4.25 bits a weight; the
+row-dequantizing class held 5.25, a float32 scale beside the bytes). On avx512 (an Emerald Rapids Xeon at load
+5-6, one thread, medians of 21) it measured 11.8-12.5x the row-dequantizing kernel it replaced at batch 1,
+4.3-5.7x at 16 and 2.9-5.0x at 64 (2880 x 2880, gpt-oss-20b's expert width, and 2048 x 8192: *-mxfp4.json); an
+earlier run with float32 scales, 7.9-9.6x, 3.3-3.4x and 2.7-4.6x, whose kernel times matched these side by
+side: the ratios move that much with the machine's load. The avx2 path forced there: 9.1-9.7x, 1.9-2.6x and
+1.5-2.0x (2880 x 2880, two one-off runs, not recorded); generic is tested, not measured. One gpt-oss-20b MoE
+block (`moe.experts_ffn`: 32 experts of 2880, top 4, random codes, one thread) measured 4.6-5.5x, 3.7-5.0x and
+3.1-3.3x the row-dequantizing experts at 1, 16 and 64 tokens, in 414 MiB instead of 500 (two one-off runs of a
+script, not recorded).
 
 This module imports no Numba: `hybridgate info` prints the rows a file uses without compiling.
 """
@@ -106,7 +116,7 @@ _AVX512 = {
     "Q4_1": KernelRow("Q41Matrix", "f32", "simd.matmul_blocks"),
     "Q5_0": _PACKED, "Q5_1": _PACKED,
     "Q8_0": KernelRow("Q80Matrix", "i16/32", "intdot.matmul_i16"),
-    "Q4_K": _i8(_SUPER45), "Q5_K": _i8(_SUPER45), "Q6_K": _i8(_SUPER6), "MXFP4": _DEQUANT,
+    "Q4_K": _i8(_SUPER45), "Q5_K": _i8(_SUPER45), "Q6_K": _i8(_SUPER6), "MXFP4": _PACKED,
 }
 AUTO = {
     "avx512-amx": {**_AVX512, **{name: _amx(_AVX512[name]) for name in  # the types `amx` has a format for
@@ -119,7 +129,7 @@ AUTO = {
         "Q5_0": KernelRow("Q50Matrix", "i16/32", "avx2.matmul_i16"),
         "Q5_1": _PACKED,
         "Q8_0": KernelRow("Q80Matrix", "i16/32", "avx2.matmul_i16"),
-        "Q4_K": _i8(_SUPER45), "Q5_K": _i8(_SUPER45), "Q6_K": _i8(_SUPER6), "MXFP4": _DEQUANT,
+        "Q4_K": _i8(_SUPER45), "Q5_K": _i8(_SUPER45), "Q6_K": _i8(_SUPER6), "MXFP4": _PACKED,
     },
     "generic": {
         "F32": _FLOAT, "F16": _FLOAT, "BF16": _FLOAT,
@@ -128,7 +138,7 @@ AUTO = {
         "Q5_0": _PACKED, "Q5_1": _PACKED,
         "Q8_0": KernelRow("Q80Matrix", "f32", "simd.matmul_blocks"),
         "Q4_K": _PACKED, "Q5_K": _PACKED,
-        "Q6_K": KernelRow("Q6KMatrix", "f32", "simd.matmul_blocks"), "MXFP4": _DEQUANT,
+        "Q6_K": KernelRow("Q6KMatrix", "f32", "simd.matmul_blocks"), "MXFP4": _PACKED,
     },
 }
 # The classes that take either activation format on the 32-column kernels (`simd.matmul_blocks` for f32,

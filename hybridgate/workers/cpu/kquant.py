@@ -3,9 +3,13 @@
 Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q5_K all store a weight as `w = d·c + m` per
 32-column block: an unsigned code c (4 or 5 bits), a float scale d and a min m
 (m = -8·d for Q4_0 and -16·d for Q5_0; for the K-quants d = d_super·sc and
-m = -dmin·m_sub from their 6-bit sub-scales). At load (`pack`) every type is
-repacked into one layout, so one kernel serves them all, a quad (4 blocks, 128
-columns) at a time:
+m = -dmin·m_sub from their 6-bit sub-scales). MXFP4 (OCP MX v1.0's E2M1 codes
+under an E8M0 scale) is `w = d·v(c)` with no min: v ggml's doubled E2M1 values
+(`blocks.MXFP4_VALUES`, integers -12..12) and d half the block's scale, which is
+how ggml's `dequantize_row_mxfp4` and `ggml_vec_dot_mxfp4_q8_0` take it; its
+nibbles are turned into v in the tiles by a table lookup (`E2M1`). At load
+(`pack`) every type is repacked into one layout, so one kernel serves them all,
+a quad (4 blocks, 128 columns) at a time:
 
     qs  uint8  [rows, quads · 64]  per block 16 bytes of nibbles, byte j: column j low, j + 16
                                    high (Q4_0's order); int8 `[rows, quads · 128]` whole codes
@@ -13,7 +17,9 @@ columns) at a time:
     qh  uint32 [rows, quads · 4]   the other 5-bit types: per quad four bit masks, bit t of
                                    word s the 5th bit of lane t of code vector s
     d, m float32 [rows, nmin]      per 32-block, widened once (m is d for Q4_0/Q5_0: the kernel
-                                   takes -bias·d, an exact power-of-two multiple)
+                                   takes -bias·d, an exact power-of-two multiple); MXFP4's d is
+                                   its uint8 E8M0 bytes, decoded in the tiles, and m is d, unread:
+                                   the file's 17 bytes a block, regrouped
 
 (`nmin` = blocks rounded up to 16; padding has d = m = 0). A quad's 64 code bytes
 read as 32 16-bit lanes become four code vectors by in-lane masks and shifts (no
@@ -24,8 +30,9 @@ product of weight row i and activation row k is
 
     Σ_b d_ib · xs_kb · Σ_j c_ibj · xq_kbj  +  Σ_b m_ib · xsum_kb
 
-with each block's integer sum exact in int32 lanes (4 lanes per block, each the
-sum of 8 products: `vpdpwssd` on AVX-512 VNNI, `vpmaddwd` on AVX-512 without
+(c_ibj the value v for MXFP4, which has no min term) with each block's integer
+sum exact in int32 lanes (4 lanes per block, each the sum of 8 products, at most
+8 · 31 · 32767: `vpdpwssd` on AVX-512 VNNI, `vpmaddwd` on AVX-512 without
 VNNI, on AVX2 and, as LLVM matches it, SSE2 on `generic`; the same integers on
 every path), then one float step per quad: acc = fma(float(P) · xs, d, acc) on
 16 lanes. The min term is a 16-block-wide FMA chain; then a fixed lane tree for
@@ -38,10 +45,11 @@ rounding of the terms; about 2e-5 of a product. Int8 activations (llama.cpp's
 Q8_1/Q8_K) were tried first: 0.5% per product, which put the requantized default
 model's top-1 agreement at 96.9% and mean KL at 1.1e-3, past the accuracy floor.
 
-Sources: ggml's block formats (ggml-common.h `block_q4_0` ... `block_q5_K`) and
+Sources: OCP Microscaling Formats (MX) v1.0 (E2M1, E8M0); ggml's block formats (ggml-common.h `block_q4_0` ...
+`block_q5_K`, `block_mxfp4`, `kvalues_mxfp4`) and
 dequantizers (ggml-quants.c `dequantize_row_*`), the activation-quantized dot
-products of ggml-cpu (`ggml_vec_dot_q4_K_q8_K`), Intel's intrinsics guide for
-`vpdpwssd` and `vpmaddwd`.
+products of ggml-cpu (`ggml_vec_dot_q4_K_q8_K`, `ggml_vec_dot_mxfp4_q8_0`), Intel's
+intrinsics guide for `vpdpwssd`, `vpmaddwd`, `vpermw` and `vpshufb`.
 """
 
 from __future__ import annotations
@@ -58,7 +66,9 @@ from numba import types  # noqa: E402
 from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
-from hybridgate.workers.cpu.blocks import LAYOUTS, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, unpack_scales  # noqa: E402
+from hybridgate.workers.cpu.blocks import (  # noqa: E402
+    LAYOUTS, MXFP4, MXFP4_VALUES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, unpack_scales,
+)
 from hybridgate.workers.cpu.simd import PREFETCH_ROWS, X_TILE, _load_vec, _ptr, _tree_sum, prefetch_span  # noqa: E402
 
 XQ_MAX = 32767.0  # int16 activations in ±32767, as intdot: a pair sum (at most 2 · 31 · 32767) fits int32
@@ -102,8 +112,15 @@ CODES = {
     Q5_1: (lambda b: _nibbles16(b[:, :, 8:24]) | (_bits(b[:, :, 4:8]) << 4), 0),
     Q4_K: (lambda b: _k_codes(b, 16), 0),
     Q5_K: (lambda b: _k_codes(b, 48) | (_q5k_high(b) << 4), 0),
+    MXFP4: (lambda b: _nibbles16(b[:, :, 1:17]), 0),  # E2M1 codes, kept as nibbles: looked up in the kernel
 }
 FIVE_BIT = (Q5_0, Q5_1, Q5_K)
+# Types whose 4-bit codes are E2M1 (`MXFP4_VALUES`, ggml's doubled `kvalues_mxfp4`: signed integers -12..12):
+# the tiles turn each nibble into its value by a lookup (`_e2m1_for`) and each E8M0 byte, kept as a byte, into
+# half its scale (`_e8m0_scale`). No min term: m is d, unread (a weight is d·value, one float scale per block
+# times an integer dot, as ggml's `ggml_vec_dot_mxfp4_q8_0`). The qh placeholder is int8 to tell the tiles so
+# at compile time.
+E2M1 = (MXFP4,)
 # A quad's 128 columns (block · 32 + column) in the kernels' lane order [s, t]: the 64 code bytes read as
 # 32 16-bit lanes t give 4 vectors, s = 0..3: the low nibble of the lane's first byte (2t), its high
 # nibble, the low nibble of its second byte (2t + 1), its high nibble; byte y holds column y % 16 (low)
@@ -118,9 +135,9 @@ MERGE_FIVE = {"avx512": False, "avx2": True, "generic": False}[_TARGET.isa]
 
 def pack(kind: int, data: np.ndarray, shape: tuple[int, int]):
     """(qs, qh, d, m, mscale) of a `[rows, row_bytes]` uint8 weight of type `kind` (a `CODES` key), in
-    the layout of the module docstring; qh is a `[rows, 1]` uint8 placeholder for a 4-bit type, m is d
-    and mscale -bias for a type without a min (1.0 otherwise). Raises ValueError when cols is not a
-    whole number of the type's blocks."""
+    the layout of the module docstring; qh is a `[rows, 1]` uint8 placeholder for a 4-bit type (int8
+    for the `E2M1` types, whose d is their uint8 E8M0 bytes), m is d and mscale -bias for a type without
+    a min (1.0 otherwise). Raises ValueError when cols is not a whole number of the type's blocks."""
     rows, cols = shape
     scale, minimum = unpack_scales(kind, data, shape)  # [rows, cols / 32] each (the ValueError)
     lay = LAYOUTS[kind]
@@ -132,7 +149,7 @@ def pack(kind: int, data: np.ndarray, shape: tuple[int, int]):
     padded[:, :nb_] = codes
     low = padded & 15
     qs = np.ascontiguousarray(low[:, :, :16] | (low[:, :, 16:] << 4)).reshape(rows, quads * 64)
-    qh = np.zeros((rows, 1), np.uint8)
+    qh = np.zeros((rows, 1), np.int8 if kind in E2M1 else np.uint8)
     if kind in FIVE_BIT:
         lanes = padded.reshape(rows, quads, 128)[:, :, QUAD_COLUMNS]  # [rows, quads, 4 (s), 32 (t)]
         if MERGE_FIVE:  # whole codes: (s 0, s 2) interleaved, then (s 1, s 3), as 16-bit lanes' two bytes
@@ -141,6 +158,10 @@ def pack(kind: int, data: np.ndarray, shape: tuple[int, int]):
         else:
             qh = np.packbits(lanes >> 4, axis=-1, bitorder="little")  # [rows, quads, 4, 4 bytes]
             qh = np.ascontiguousarray(qh).view("<u4").reshape(rows, quads * 4)
+    if kind in E2M1:  # the exponent bytes as the file has them (padding 0: its codes are 0 too)
+        e = np.zeros((rows, nmin), np.uint8)
+        e[:, :nb_] = np.ascontiguousarray(data).reshape(rows, nb_, lay.nbytes)[:, :, 0]
+        return qs, qh, e, e, np.float32(0.0)
     d = np.zeros((rows, nmin), np.float32)
     d[:, :nb_] = scale
     if bias:
@@ -209,6 +230,50 @@ def _dot_for(target) -> callable:
 _DOT = _dot_for(_TARGET)
 
 
+_V32S = ir.VectorType(_I16, 32)
+_E2M1_WORDS = [int(v) for v in MXFP4_VALUES] * 2  # the 16 values, twice: vpermw's 32-word table
+
+
+def _e2m1_vpermw(builder, codes):
+    return _x86(builder, "llvm.x86.avx512.permvar.hi.512", _V32S, [ir.Constant(_V32S, _E2M1_WORDS), codes])
+
+
+def _e2m1_pshufb(builder, codes):
+    """Each half's bytes through vpshufb (a code's low byte picks its value, its zero high byte picks 0),
+    then the value's byte sign-extended over its 16-bit lane."""
+    v32b, v16s = ir.VectorType(_I8, 32), ir.VectorType(_I16, 16)
+    table = ir.Constant(v32b, [v & 0xFF for v in _E2M1_WORDS])
+    halves = []
+    for h in (0, 1):
+        lanes = ir.Constant(ir.VectorType(_I32, 16), list(range(16 * h, 16 * h + 16)))
+        half = builder.shuffle_vector(codes, codes, lanes)
+        looked = _x86(builder, "llvm.x86.avx2.pshuf.b", v32b, [table, builder.bitcast(half, v32b)])
+        halves.append(builder.bitcast(looked, v16s))
+    both = builder.shuffle_vector(halves[0], halves[1], ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
+    return builder.ashr(builder.shl(both, _vec_const(_V32S, 8)), _vec_const(_V32S, 8))
+
+
+def _e2m1_arith(builder, codes):
+    """Portable: magnitude m + max(m - 4, 0) + 2·[m = 7] of m = c & 7 (0, 1, 2, 3, 4, 6, 8, 12), negated for bit 3."""
+    m = builder.and_(codes, _vec_const(_V32S, 7))
+    over = builder.select(builder.icmp_unsigned(">", m, _vec_const(_V32S, 4)),
+                          builder.sub(m, _vec_const(_V32S, 4)), _vec_const(_V32S, 0))
+    top = builder.select(builder.icmp_unsigned("==", m, _vec_const(_V32S, 7)), _vec_const(_V32S, 2),
+                         _vec_const(_V32S, 0))
+    mag = builder.add(builder.add(m, over), top)
+    negative = builder.icmp_unsigned("!=", builder.and_(codes, _vec_const(_V32S, 8)), _vec_const(_V32S, 0))
+    return builder.select(negative, builder.neg(mag), mag)
+
+
+def _e2m1_for(target) -> callable:
+    """(codes): <32 x i16> E2M1 codes 0..15 → their `MXFP4_VALUES` as <32 x i16>: vpermw (AVX-512 BW), vpshufb
+    (AVX2), arithmetic elsewhere; the same integers on every path."""
+    return {"avx512": _e2m1_vpermw, "avx2": _e2m1_pshufb}.get(target.isa, _e2m1_arith)
+
+
+_E2M1_LOOKUP = _e2m1_for(_TARGET)
+
+
 def _fma(builder, a, b, c):
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(a.type, [a.type] * 3), "llvm.fma.v16f32")
     return builder.call(fn, [a, b, c])
@@ -217,6 +282,18 @@ def _fma(builder, a, b, c):
 def _quad_scale(builder, ptr):
     """The four floats at ptr as <16 x float>: each repeated over its block's 4 lanes."""
     four = _load_vec(builder, ptr, ir.VectorType(_F32, 4), 4)
+    return builder.shuffle_vector(four, four, ir.Constant(_V16I, [j // 4 for j in range(16)]))
+
+
+def _e8m0_scale(builder, ptr):
+    """The four E8M0 bytes at ptr as <16 x float> half-scales 2^(e - 128) (`blocks.e8m0_half`), each repeated
+    over its block's 4 lanes: (e - 1) in the exponent field, and for e = 0 and 1 the subnormals 2^-128, 2^-127."""
+    v4 = ir.VectorType(_I32, 4)
+    e = builder.zext(_load_vec(builder, ptr, ir.VectorType(_I8, 4), 1), v4)
+    normal = builder.shl(builder.sub(e, _vec_const(v4, 1)), _vec_const(v4, 23))
+    tiny = builder.shl(_vec_const(v4, 0x00200000), builder.and_(e, _vec_const(v4, 1)))  # 2^21 · 2^-149
+    bits = builder.select(builder.icmp_unsigned("<", e, _vec_const(v4, 2)), tiny, normal)
+    four = builder.bitcast(bits, ir.VectorType(_F32, 4))
     return builder.shuffle_vector(four, four, ir.Constant(_V16I, [j // 4 for j in range(16)]))
 
 
@@ -244,6 +321,21 @@ def _codes(builder, qptr, hptr, merged):
     return out
 
 
+def _min_terms(builder, m_row, t_row, nmin, wrows, xrows):
+    """tree(Σ_b m_ib · xsum_kb) `[xrows][wrows]` as floats: a MIN_LANES-wide FMA chain per pair, m_row(i) and
+    t_row(k) the pointers to weight row i's m and activation row k's xsum."""
+    zero = _vec_const(_V16F, 0.0)
+    maccs = [[cgutils.alloca_once_value(builder, zero) for _ in range(wrows)] for _ in range(xrows)]
+    with cgutils.for_range(builder, builder.sdiv(nmin, ir.Constant(nmin.type, MIN_LANES))) as loop:
+        b = builder.mul(loop.index, ir.Constant(nmin.type, MIN_LANES))
+        mv = [_load_vec(builder, builder.gep(m_row(i), [b]), _V16F, 4) for i in range(wrows)]
+        for k in range(xrows):
+            tv = _load_vec(builder, builder.gep(t_row(k), [b]), _V16F, 4)
+            for i in range(wrows):
+                builder.store(_fma(builder, mv[i], tv, builder.load(maccs[k][i])), maccs[k][i])
+    return [[_tree_sum(builder, builder.load(maccs[k][i])) for i in range(wrows)] for k in range(xrows)]
+
+
 def _make_tile(wrows: int, xrows: int):
     """An intrinsic: `wrows` packed weight rows times `xrows` int16 activation rows.
 
@@ -253,7 +345,9 @@ def _make_tile(wrows: int, xrows: int):
     with quad q of row i's codes at qs[q_off + i·q_stride + 64q] (128q for whole codes, and the masks
     at qh[h_off + i·h_stride + 4q] when qh is uint32), its scales at d/m[s_off + i·s_stride + b],
     activation row k at xq[x_off + k·x_stride + 128q] and xs/xsum[a_off + k·a_stride + b]; P the quad's
-    16 integer lanes, XS and D its 4 blocks' scales, each over its block's 4 lanes.
+    16 integer lanes, XS and D its 4 blocks' scales, each over its block's 4 lanes. When qh is int8
+    (`E2M1`), the codes are looked up as E2M1 values first, d holds E8M0 bytes (D their half-scales), and
+    there is no min term (m and mscale unread).
     """
 
     def generic(typingctx, qs, q_off, q_stride, qh, h_off, h_stride, d, m, s_off, s_stride, quads, nmin,
@@ -262,6 +356,7 @@ def _make_tile(wrows: int, xrows: int):
         sig = types.void(qs, ip, ip, qh, ip, ip, d, m, ip, ip, ip, ip, xq, ip, ip, xs, xsum, ip, ip, out, ip, ip,
                          types.float32)
         five = qh.dtype == types.uint32
+        e2m1 = qh.dtype == types.int8  # `E2M1`: nibbles looked up, no min term
         merged = qs.dtype == types.int8  # `MERGE_FIVE`: 128 bytes of whole codes a quad
 
         def codegen(context, builder, signature, args):
@@ -281,7 +376,9 @@ def _make_tile(wrows: int, xrows: int):
                 codes = [_codes(builder, at(0, qa, qo, qstr, i, builder.mul(q, c(64 * (2 if merged else 1)))),
                                 at(3, ha, ho, hstr, i, builder.mul(q, c(4))) if five else None, merged)
                          for i in range(wrows)]
-                dv = [_quad_scale(builder, at(6, da, so, sstr, i, builder.mul(q, c(4)))) for i in range(wrows)]
+                codes = [[_E2M1_LOOKUP(builder, w) for w in ws] for ws in codes] if e2m1 else codes
+                scale = _e8m0_scale if e2m1 else _quad_scale
+                dv = [scale(builder, at(6, da, so, sstr, i, builder.mul(q, c(4)))) for i in range(wrows)]
                 for k in range(xrows):
                     xp = at(12, xa, xo, xstr, k, builder.mul(q, c(128)))
                     xv = [_load_vec(builder, builder.gep(xp, [c(32 * v)]), ir.VectorType(_I16, 32), 2)
@@ -291,18 +388,13 @@ def _make_tile(wrows: int, xrows: int):
                         prod = _DOT(builder, codes[i], xv)
                         f = builder.fmul(builder.sitofp(prod, _V16F), sv)
                         builder.store(_fma(builder, f, dv[i], builder.load(accs[k][i])), accs[k][i])
-            maccs = [[cgutils.alloca_once_value(builder, zero) for _ in range(wrows)] for _ in range(xrows)]
-            with cgutils.for_range(builder, builder.sdiv(nmin_, c(MIN_LANES))) as loop:
-                b = builder.mul(loop.index, c(MIN_LANES))
-                mv = [_load_vec(builder, at(7, ma, so, sstr, i, b), _V16F, 4) for i in range(wrows)]
-                for k in range(xrows):
-                    tv = _load_vec(builder, at(16, xma, ao, astr, k, b), _V16F, 4)
-                    for i in range(wrows):
-                        builder.store(_fma(builder, mv[i], tv, builder.load(maccs[k][i])), maccs[k][i])
+            mterms = None if e2m1 else _min_terms(builder, lambda i: at(7, ma, so, sstr, i, c(0)),
+                                                  lambda k: at(16, xma, ao, astr, k, c(0)), nmin_, wrows, xrows)
             for k in range(xrows):
                 for i in range(wrows):
-                    mterm = builder.fmul(_tree_sum(builder, builder.load(maccs[k][i])), msc)
-                    value = builder.fadd(_tree_sum(builder, builder.load(accs[k][i])), mterm)
+                    value = _tree_sum(builder, builder.load(accs[k][i]))
+                    if mterms is not None:
+                        value = builder.fadd(value, builder.fmul(mterms[k][i], msc))
                     builder.store(value, at(19, oa, oo, ostr, k, c(i)))
             return context.get_dummy_value()
 

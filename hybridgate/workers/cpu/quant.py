@@ -28,21 +28,8 @@ import numpy as np  # noqa: E402
 from numba import prange  # noqa: E402
 
 from hybridgate.workers.cpu.blocks import (  # noqa: E402, F401  (the type ids, re-exported)
-    BF16,
-    BLOCK,
-    F16,
-    F32,
-    LAYOUTS,
-    Q4_0,
-    Q4_1,
-    Q4_K,
-    Q5_0,
-    Q5_1,
-    Q5_K,
-    Q6_K,
-    Q8_0,
-    dequant_row,
-    unpack_scales,
+    BF16, BLOCK, F16, F32, LAYOUTS, MXFP4_VALUES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, dequant_row,
+    e8m0_half, unpack_scales,
 )
 from hybridgate.workers.cpu import kernel_table, kquant  # noqa: E402
 from hybridgate.workers.cpu.kquant import CODES, matmul_packed, pack  # noqa: E402
@@ -361,12 +348,12 @@ class Q50Matrix(Q80Matrix):
 
 
 class LowBitMatrix(QuantMatrix):
-    """Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q5_K repacked for `kquant.matmul_packed` (int16 activations per
-    32-block, integer dot products): 4-bit codes two a byte, the 5th bits of the 5-bit types as bit
+    """Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and MXFP4 repacked for `kquant.matmul_packed` (int16 activations
+    per 32-block, integer dot products): 4-bit codes two a byte, the 5th bits of the 5-bit types as bit
     masks (or whole codes a byte on `kquant.MERGE_FIVE` paths), float32 d (and m) per 32 columns: 6 bits
-    per weight for Q4_1 and Q4_K, 5 for Q4_0, 7 and 6 for Q5_1/Q5_K and Q5_0 (10, 9 with whole codes).
-    The GGUF bytes are not kept. Error: the activations' rounding, at most max|x_block| / 65534 per
-    activation (about 2e-5 of a product, as `intdot`)."""
+    per weight for Q4_1 and Q4_K, 5 for Q4_0, 4.25 for MXFP4 (its bytes regrouped, the E8M0 byte kept), 7 and 6
+    for Q5_1/Q5_K and Q5_0 (10, 9 with whole codes). The GGUF bytes are not kept.
+    Error: the activations' rounding, at most max|x_block| / 65534 per activation (about 2e-5 of a product)."""
 
     activations, kernel_name = "i16", "kquant.matmul_packed"
 
@@ -402,6 +389,8 @@ class LowBitMatrix(QuantMatrix):
             bits = np.unpackbits(self.qh[index].view(np.uint8), bitorder="little").reshape(-1, 4, 32)
             codes = codes | (self._scatter(bits) << 4)
         n = cols // 32
+        if self.qh.dtype == np.int8:  # `kquant.E2M1`: d·value, d half the E8M0 scale
+            return (MXFP4_VALUES[codes[:n]] * e8m0_half(self.d[index, :n, None])).ravel()
         d, m = self.d[index, :n, None], self.m[index, :n, None] * self.mscale
         return (codes[:n].astype(np.float32) * d + m).ravel()
 
