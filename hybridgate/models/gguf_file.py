@@ -219,7 +219,9 @@ class TensorView:
         """float32 array of `shape`, by gguf's reference dequantizer (a copy)."""
         if self.ggml_type == gguf.GGMLQuantizationType.F32:
             return np.array(self.data.view(np.float32).reshape(self.shape))  # a plain ndarray, not a memmap
-        values = gguf.quants.dequantize(self.data, self.ggml_type)
+        # a plain ndarray view: gguf splits the rows into groups of 16, and a memmap's groups each pay numpy's
+        # memmap bookkeeping
+        values = gguf.quants.dequantize(np.asarray(self.data), self.ggml_type)
         return np.asarray(values, dtype=np.float32).reshape(self.shape)
 
 

@@ -32,6 +32,7 @@ transformers tokenizer differs are listed in tokenizer.json under
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib.metadata
 import json
@@ -72,8 +73,8 @@ def load_reference(path: Path):
     from tokenizers import pre_tokenizers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     plain = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    tok = copy.deepcopy(plain)  # a second from_pretrained would parse the GGUF again (seconds)
     tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [
             pre_tokenizers.Digits(individual_digits=True),

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -33,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from hybridgate.workers.cpu import isa  # noqa: E402  (no Numba: safe to import here)
-from tests.conftest import TIME_FACTOR  # noqa: E402
+from tests.conftest import json_children  # noqa: E402
 
 RUNS = isa.ISAS[isa.ISAS.index(isa.best(isa.host_features())):]
 # (rows, cols, batch): a tail of 5 rows past the groups of 8, one to eight super-blocks, batches through the
@@ -49,16 +48,11 @@ pytestmark = pytest.mark.skipif(not PATHS, reason="this CPU runs neither the avx
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    """The child's figures per path of PATHS."""
-    out = {}
-    for path in PATHS:
-        env = {k: v for k, v in os.environ.items() if k != isa.ENV}
-        env.update(PYTHONPATH=str(ROOT), NUMBA_CACHE_DIR=str(tmp_path_factory.mktemp("numba")))  # asm readable
-        proc = subprocess.run([sys.executable, __file__, path], capture_output=True, text=True,
-                              timeout=300 * TIME_FACTOR, cwd=ROOT, env=env)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        out[path] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return out
+    """The child's figures per path of PATHS, the children run at once (`json_children`)."""
+    env = {k: v for k, v in os.environ.items() if k != isa.ENV} | {"PYTHONPATH": str(ROOT)}
+    return json_children({path: ([sys.executable, __file__, path],  # a fresh cache each: the asm readable
+                                 env | {"NUMBA_CACHE_DIR": str(tmp_path_factory.mktemp("numba"))})
+                          for path in PATHS}, timeout=300 * len(PATHS))
 
 
 @pytest.fixture(params=PATHS)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -31,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from hybridgate.workers.cpu import isa  # noqa: E402  (no Numba: safe to import here)
-from tests.conftest import TIME_FACTOR  # noqa: E402
+from tests.conftest import json_children  # noqa: E402
 from tests.unit.test_cpu_int8 import _rounded  # noqa: E402  (the int8-rounded activations, in float64)
 
 RUNS = [p for p in isa.ISAS[isa.ISAS.index(isa.best(isa.host_features())):] if p != "generic"]
@@ -48,15 +47,18 @@ BLOCK_BYTES = {"Q8_0": 34, "Q5_0": 22, "Q4_0": 18, "Q4_1": 20}
 pytestmark = pytest.mark.skipif(not RUNS, reason="this CPU runs neither the avx512 nor the avx2 path")
 
 
-@pytest.fixture(scope="module", params=RUNS)
-def result(request, tmp_path_factory):
-    env = {k: v for k, v in os.environ.items() if k != isa.ENV}
-    env.update(PYTHONPATH=str(ROOT), NUMBA_CACHE_DIR=str(tmp_path_factory.mktemp("numba")),  # compiled: asm readable
-               NUMBA_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, __file__, request.param], capture_output=True, text=True,
-                          timeout=300 * TIME_FACTOR, cwd=ROOT, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return request.param, json.loads(proc.stdout.strip().splitlines()[-1])
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """The child's figures per path of RUNS, the children run at once (`json_children`)."""
+    env = {k: v for k, v in os.environ.items() if k != isa.ENV} | {"PYTHONPATH": str(ROOT), "NUMBA_NUM_THREADS": "1"}
+    return json_children({path: ([sys.executable, __file__, path],  # compiled afresh: the asm readable
+                                 env | {"NUMBA_CACHE_DIR": str(tmp_path_factory.mktemp("numba"))})
+                          for path in RUNS}, timeout=300 * len(RUNS))
+
+
+@pytest.fixture(params=RUNS)
+def result(request, results):
+    return request.param, results[request.param]
 
 
 def test_int8_sums_are_exact_against_the_dequantizer_times_the_rounded_activations(result):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from hybridgate.workers.cpu import isa  # noqa: E402  (no Numba: safe to import here)
-from tests.conftest import TIME_FACTOR  # noqa: E402
+from tests.conftest import json_children  # noqa: E402
 
 RUNNABLE = isa.ISAS[isa.ISAS.index(isa.best(isa.host_features())):]
 TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K"]
@@ -34,17 +33,16 @@ SHAPES = {"small": (37, 288, 9), "k": (13, 768, 5), "tall": (9, 512, 70)}
 X_MAX_TERM = 1.0 / 65534  # int16 activations: each off by at most half a step, max|x_block| / 32767
 
 
-def _child(args: list[str], timeout: float = 300, **env_extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != isa.ENV}
-    proc = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True,
-                          timeout=timeout * TIME_FACTOR, cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT), **env_extra})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 @pytest.fixture(scope="module")
-def results():
-    return {path: _child([path]) for path in RUNNABLE}
+def results(tmp_path_factory):
+    """Each runnable path's check, and (key "asm") the forced avx2 path's machine code compiled afresh (a kernel
+    loaded from the cache has no assembly to inspect), the children run at once (`json_children`)."""
+    env = {k: v for k, v in os.environ.items() if k != isa.ENV} | {"PYTHONPATH": str(ROOT)}
+    runs = {path: ([sys.executable, __file__, path], env) for path in RUNNABLE}
+    if "avx2" in RUNNABLE:
+        fresh = {"NUMBA_CACHE_DIR": str(tmp_path_factory.mktemp("numba"))}
+        runs["asm"] = ([sys.executable, __file__, "avx2", "asm"], env | fresh)
+    return json_children(runs, timeout=300 * len(runs))
 
 
 @pytest.mark.parametrize("path", RUNNABLE)
@@ -68,9 +66,8 @@ def test_every_path_computes_the_same_bits(results):
     assert len({results[p]["digest"] for p in RUNNABLE}) == 1, {p: results[p]["digest"] for p in RUNNABLE}
 
 
-def test_the_forced_avx2_path_has_no_zmm(tmp_path):
-    # compiled afresh (a kernel loaded from the cache has no assembly to inspect)
-    out = _child(["avx2", "asm"], NUMBA_CACHE_DIR=str(tmp_path)) if "avx2" in RUNNABLE else {"registers": []}
+def test_the_forced_avx2_path_has_no_zmm(results):
+    out = results.get("asm", {"registers": []})
     assert "zmm" not in out["registers"]
     if "avx2" in RUNNABLE:
         assert "ymm" in out["registers"]

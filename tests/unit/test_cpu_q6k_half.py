@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from hybridgate.workers.cpu import isa, kernel_table  # noqa: E402  (no Numba: safe to import here)
-from tests.conftest import TIME_FACTOR  # noqa: E402
+from tests.conftest import collect_json, start_children, stop_children  # noqa: E402
 
 RUNNABLE = isa.ISAS[isa.ISAS.index(isa.best(isa.host_features())):]
 KINDS = ["Q6_K", "F16", "BF16", "F32"]
@@ -115,16 +114,27 @@ def assert_path(out: dict) -> None:
         assert out["random"]["Q6_K i16"] > 1e-7  # the int16 kernel ran (float32 is 1e5 times closer)
 
 
-def test_native_path_matches_the_dequantizer():
+@pytest.fixture(scope="module")
+def other_paths():
+    """The other paths' children, started at once (`start_children`) when the module's first test asks."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = start_children({path: ([sys.executable, __file__, path], env) for path in RUNNABLE[1:]})
+    yield procs
+    stop_children(procs)  # those no test collected
+
+
+@pytest.fixture(scope="module")
+def other_results(other_paths):
+    return collect_json(other_paths, timeout=300 * len(other_paths))
+
+
+def test_native_path_matches_the_dequantizer(other_paths):  # the other paths compile meanwhile
     assert_path(check_path())
 
 
 @pytest.mark.parametrize("path", RUNNABLE[1:])
-def test_each_other_path_matches_the_dequantizer(path):
-    proc = subprocess.run([sys.executable, __file__, path], capture_output=True, text=True, cwd=ROOT,
-                          timeout=300 * TIME_FACTOR, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+def test_each_other_path_matches_the_dequantizer(path, other_results):
+    out = other_results[path]
     assert out["isa"] == path
     assert_path(out)
 

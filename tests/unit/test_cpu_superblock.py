@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -30,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from hybridgate.workers.cpu import isa  # noqa: E402  (no Numba: safe to import here)
-from tests.conftest import TIME_FACTOR  # noqa: E402
+from tests.conftest import json_children  # noqa: E402
 
 RUNS = isa.ISAS[isa.ISAS.index(isa.best(isa.host_features())):]  # the paths this CPU runs
 PATHS = [pytest.param(path, marks=pytest.mark.skipif(path not in RUNS, reason=f"this CPU cannot run the {path} path"))
@@ -41,18 +40,20 @@ PATHS = [pytest.param(path, marks=pytest.mark.skipif(path not in RUNS, reason=f"
 SHAPES = [(37, 256, 3), (13, 768, 5), (9, 2048, 70), (6, 512, 1)]
 
 
-def _child(*args: str, **env_extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != isa.ENV}
-    proc = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, timeout=300 * TIME_FACTOR,
-                          cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT), **env_extra})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-@pytest.fixture(scope="module", params=PATHS)
-def result(request, tmp_path_factory):
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """The child's figures per path of PATHS this CPU runs, the children run at once (`json_children`)."""
+    env = {k: v for k, v in os.environ.items() if k != isa.ENV} | {"PYTHONPATH": str(ROOT)}
+    runs = [path for path in ("avx2", "avx512") if path in RUNS]
     # compiled afresh, so the machine code can be read (a kernel loaded from the cache has none)
-    return _child(request.param, NUMBA_CACHE_DIR=str(tmp_path_factory.mktemp("numba")))
+    return json_children({path: ([sys.executable, __file__, path],
+                                 env | {"NUMBA_CACHE_DIR": str(tmp_path_factory.mktemp("numba"))}) for path in runs},
+                         timeout=300 * len(runs))
+
+
+@pytest.fixture(params=PATHS)
+def result(request, results):
+    return results[request.param]
 
 
 def test_the_path_picks_the_superblock_kernels_for_the_k_quants(result):
