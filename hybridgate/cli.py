@@ -146,8 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="hybridgate", description=__doc__)
     parser.add_argument("--version", action="version", version=f"hybridgate {__version__}")
-    parser.add_argument("--log-level", default=environment("HYBRIDGATE_LOG_LEVEL", "WARNING"),
-                        help="logging level (default WARNING, or $HYBRIDGATE_LOG_LEVEL)")
+    parser.add_argument("--log-level", default=environment("HYBRIDGATE_LOG_LEVEL", "WARNING"), type=_log_level,
+                        help=f"logging level, one of {', '.join(LOG_LEVELS)} in any case (default WARNING, or "
+                             "$HYBRIDGATE_LOG_LEVEL)")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_settings_commands(sub, ("serve", "gateway", "worker", "config"))
     _add_generate(sub)
@@ -266,9 +267,20 @@ def _add_keys(sub) -> None:
     keys_gen.set_defaults(func=_cmd_keys_generate)
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _log_level(value: str) -> str:
+    """--log-level's value upper-cased; argparse's usage error naming the choices for another (not a traceback
+    from logging)."""
+    if value.upper() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(LOG_LEVELS)}, got {value!r}")
+    return value.upper()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         return args.func(args)
     except ValueError as exc:  # config and model errors name the field; no traceback for users

@@ -298,7 +298,7 @@ def bounded(kind: type, low: float | None = None, high: float | None = None, low
 def _help(spec: Spec) -> str:
     text = spec.meta["help"]
     default = spec.default
-    if default is not None and default != () and not spec.meta["secret"]:
+    if default is not None and default not in ((), "") and not spec.meta["secret"]:  # "": unset, as None
         shown = ("on" if default else "off") if spec.kind is bool else default
         text += f" (default {shown})"
     return text.replace("%", "%%") + f" [{spec.env}]"

@@ -114,7 +114,7 @@ class EngineConfig:
     numa_node: int | None = setting(
         None, "NUMA node whose cores a worker's threads run on (/sys/devices/system/node/nodeN/cpulist; with "
               "--cpu-cores, those cores, which must lie on the node) and whose memory it prefers (set_mempolicy "
-              "MPOL_PREFERRED; a warning where that cannot be set); under serve, every worker's", low=0)
+              "MPOL_PREFERRED; a warning where that cannot be set); under serve, every worker's node", low=0)
     device: str | None = setting(None, "torch device of the GPU worker (default: cuda if present, else cpu)")
     kv_cache_memory: str | None = setting(
         None, "KV cache size: bytes (e.g. 2GiB) or a fraction of free device memory after weights (GPU) "
@@ -210,7 +210,7 @@ class WorkerConfig:
     handoff_endpoint: str = setting(
         "", "CPU workers: where to bind the socket for incoming KV hand-offs (ipc://PATH or tcp://HOST:PORT); "
         "default: ENDPOINT.handoff for an ipc:// endpoint, none for tcp://; bound on every interface "
-        "(tcp://0.0.0.0:PORT) it is advertised under the host of --advertise (or this host's name)",
+        "(tcp://0.0.0.0:PORT) it is advertised under the host of the worker's --advertise (or this host's name)",
         flag="--handoff-endpoint")
     max_model_len: int | None = setting(
         None, "GPU workers: most tokens per sequence (default: serve's --max-model-len, else the model's context, "

@@ -114,6 +114,7 @@ def test_worker_defaults_to_the_cpu_runner_like_serve(capsys):
     (["bench", "engine", "--threads", "0"], ["--threads", ">= 1"]),  # bench shares serve's bounds now
     (["bench", "accuracy", "--threads", "-2"], ["--threads", ">= 1"]),
     (["worker", "--endpoint", "ipc:///x", "--kv-cache-dtype", "fp8"], ["--kv-cache-dtype", "fp32", "bf16", "fp8"]),
+    (["--log-level", "bogus", "config"], ["--log-level", "DEBUG", "CRITICAL", "'bogus'"]),  # was logging's traceback
 ])
 def test_a_bad_flag_names_the_flag_and_the_limit(capsys, argv, words):
     with pytest.raises(SystemExit) as exc:

@@ -6,6 +6,8 @@ times are binary fractions so the clock adds up exactly."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from hybridgate.workers.cpu.threadfallback import ThreadFallback, ladder
@@ -55,8 +57,9 @@ def test_an_idle_machine_keeps_every_thread_and_probes_ever_more_rarely():
     assert fallback.current == 2 and fallback.switches == 0
 
 
-def test_the_load_going_away_brings_the_threads_back():
+def test_the_load_going_away_brings_the_threads_back(caplog):
     fallback = ThreadFallback(2)
+    caplog.set_level(logging.DEBUG, "hybridgate.worker")
     _, now = drive(fallback, {2: 0.125, 1: 0.03125}, 6)
     assert fallback.current == 1 and now == 0.46875
     # The other process ends: two threads now take 15.625 ms against 31.25 ms. The next trial, upward,
@@ -64,6 +67,9 @@ def test_the_load_going_away_brings_the_threads_back():
     counts, _ = drive(fallback, {2: 0.015625, 1: 0.03125}, 64 + 3 + 2, now=now)
     assert counts == [1] * 64 + [2] * 3 + [2] * 2
     assert fallback.current == 2 and fallback.switches == 2
+    # the first move at INFO with its reason; the next, as a busy neighbour comes and goes, at DEBUG
+    moves = [(r.levelno, "slowest thread" in r.getMessage()) for r in caplog.records]
+    assert moves == [(logging.INFO, True), (logging.DEBUG, False)], moves
 
 
 def test_a_neighbour_only_slightly_faster_is_not_taken():

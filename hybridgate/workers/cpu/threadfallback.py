@@ -80,10 +80,13 @@ class ThreadFallback:
             return
         theirs = statistics.median(times)
         if len(times) == self.probe and theirs < self.margin * mine:
-            log.info("CPU runner: decode steps ran in %.1f ms on %d threads against %.1f ms on %d; using %d "
-                     "(a step waits for its slowest thread, and other processes share these cores; the count is "
-                     "measured again every few seconds; --no-cpu-thread-fallback keeps --threads)",
-                     theirs * 1e3, count, mine * 1e3, self.current, count)
+            # the first move at INFO with why; the later ones (a busy neighbour comes and goes) at DEBUG
+            log.log(logging.DEBUG if self.switches else logging.INFO,
+                    "CPU runner: decode steps ran in %.1f ms on %d threads against %.1f ms on %d; using %d%s",
+                    theirs * 1e3, count, mine * 1e3, self.current, count, "" if self.switches else
+                    " (a step waits for its slowest thread, and other processes share these cores; the count is "
+                    "measured again every few seconds, later moves logged at DEBUG; --no-cpu-thread-fallback "
+                    "keeps --threads)")
             self.current, self.switches, self._wait = count, self.switches + 1, self.period_s
             self._recent.clear()
         else:  # probing costs at most about 5% of the time: wait 20 times what the trial lost
