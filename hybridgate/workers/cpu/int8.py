@@ -74,7 +74,7 @@ from numba.core import cgutils  # noqa: E402
 from hybridgate.workers.cpu.avx2 import _madd  # noqa: E402
 from hybridgate.workers.cpu.int8_interleave import KROWS, VNNI, _interleave_q4k, _interleave_q6k  # noqa: E402
 from hybridgate.workers.cpu.simd import _load_vec  # noqa: E402
-from hybridgate.workers.cpu.tilegen import tile_intrinsic  # noqa: E402
+from hybridgate.workers.cpu.tilegen import _fma, _splat, tile_intrinsic  # noqa: E402
 
 SUPER = 256
 XQ_MAX = 127.0
@@ -126,19 +126,6 @@ def _broadcast4(builder, ptr, lanes=8):
     vec = builder.insert_element(ir.Constant(vec_ty, ir.Undefined), word, ir.Constant(_I32, 0))
     return builder.bitcast(builder.shuffle_vector(vec, vec, ir.Constant(vec_ty, [0] * lanes)),
                            ir.VectorType(_I8, 4 * lanes))
-
-
-def _splat(builder, scalar, vec_ty):
-    """scalar (a float or an int32) in every lane of vec_ty."""
-    vec = builder.insert_element(ir.Constant(vec_ty, ir.Undefined), scalar, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_I32, vec_ty.count), [0] * vec_ty.count))
-
-
-def _fma(builder, a, b, c):
-    """a * b + c on float vectors, fused (llvm.fma)."""
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(a.type, [a.type] * 3),
-                                        f"llvm.fma.v{a.type.count}f32")
-    return builder.call(fn, [a, b, c])
 
 
 def _make_tile(kind: str, xrows: int):

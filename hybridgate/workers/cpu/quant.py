@@ -98,7 +98,10 @@ class QuantMatrix:
         if kind not in LAYOUTS:
             supported = ", ".join(v.name for v in LAYOUTS.values())
             raise ValueError(f"tensor {name!r}: GGUF type {kind} has no CPU kernel (supported: {supported})")
-        self.name, self.kind, self.data, self.shape = name, kind, np.ascontiguousarray(data), shape
+        # The row-dequantizing class multiplies the input's bytes as they are: its own copy, since a view would keep
+        # the whole GGUF mapping (and every page the load touched) resident; the repacking subclasses read them once.
+        self.name, self.kind, self.shape = name, kind, shape
+        self.data = np.array(data, order="C") if type(self) is QuantMatrix else np.ascontiguousarray(data)
         try:
             self.scale, self.minimum = unpack_scales(kind, self.data, shape)
         except ValueError as exc:

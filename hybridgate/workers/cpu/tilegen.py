@@ -39,9 +39,10 @@ def _load_vec(builder, ptr, vec_ty, align):
     return builder.load(builder.bitcast(ptr, vec_ty.as_pointer()), align=align)
 
 
-def _splat(builder, scalar):
-    vec = builder.insert_element(ir.Constant(_V16F, ir.Undefined), scalar, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_I32, LANES), [0] * LANES))
+def _splat(builder, scalar, vec_ty=_V16F):
+    """scalar (a float or an int32) in every lane of vec_ty."""
+    vec = builder.insert_element(ir.Constant(vec_ty, ir.Undefined), scalar, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_I32, vec_ty.count), [0] * vec_ty.count))
 
 
 def _ivec(value):
@@ -66,8 +67,9 @@ def _tree_sum(builder, vec):
 
 
 def _fma(builder, a, b, c):
-    """a * b + c on `<16 x float>`, fused (llvm.fma: one vfmadd where the target has FMA)."""
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F] * 3), "llvm.fma.v16f32")
+    """a * b + c on float vectors of any width, fused (llvm.fma: one vfmadd where the target has FMA)."""
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(a.type, [a.type] * 3),
+                                        f"llvm.fma.v{a.type.count}f32")
     return builder.call(fn, [a, b, c])
 
 
