@@ -2,16 +2,19 @@
 
 The kernel table runs them on the avx2 path and on the avx512 path. Without VNNI a tile is 8 weight rows in
 256-bit vectors summed by `vpmaddubsw` (below); on the avx512 path with AVX-512 VNNI it is 16 rows in 512-bit
-vectors summed by `vpdpbusd` into int32 (`KROWS`): Q4_K two chains a row against its latency, then one
-`vpmulld` by the sub-block scales a block; Q6_K's codes unsigned c (0..63) from -32 · Σ xq per 16-column half
-(`_half_sums`: P = Σ c · x - 32 · Σ x = Σ (c - 32) · x), one `vpmulld` a half. Both give the integers of the
-8-row tiles, and every lane takes the same float steps in the same order, so the same bits on either path
-(tested). On a 2-core Zen 4 EPYC (one thread, CPU time, alternated, a busy machine) the 16-row tiles measured
-Q4_K 1.04-1.25x the 8-row `vpdpbusd` tile and Q6_K 1.25-1.85x the 8-row `vpsignb` one at 32-256 rows, where
-the 8-row Q6_K tile had measured 0.9-1.2x the avx512 path's 512-bit `vpdpwssd` int16 GEMM; Zen 4 runs a
-512-bit `vpdpbusd` a cycle as two 256-bit ones, so what the width saves is the instructions around it. The
-float steps (a `vpmulld`, one or two FMAs a block and activation row for 8 `vpdpbusd`) share its ports:
-without them Q4_K's tile ran 1.4x faster (a measurement, not a kernel). A tile of 6 or 8 activation rows
+vectors summed by `vpdpbusd` into int32 (`KROWS`): Q4_K two chains a row against its latency, then the sum
+times the sub-block scales in float32 (`_float_scales`: exact, so the int16 path's bits); Q6_K's codes unsigned c
+(0..63) from -32 · Σ xq per 16-column half (`_half_sums`: P = Σ c · x - 32 · Σ x = Σ (c - 32) · x), the two
+halves' scaled sums in float32 (exact too). Both give the integers of the 8-row tiles, and every lane takes the
+same float steps in the same order, so the same bits on either path (tested). On a 2-core Zen 4 EPYC (one
+thread, CPU time, alternated, a busy machine) the 16-row tiles measured Q4_K 1.04-1.25x the 8-row `vpdpbusd`
+tile and Q6_K 1.25-1.85x the 8-row `vpsignb` one at 32-256 rows, where the 8-row Q6_K tile had measured 0.9-1.2x
+the avx512 path's 512-bit `vpdpwssd` int16 GEMM; Zen 4 runs a 512-bit `vpdpbusd` a cycle as two 256-bit ones, so
+what the width saves is the instructions around it. The float steps (one or two FMAs a block and activation
+row for 8 `vpdpbusd`) share its ports: without them Q4_K's tile ran 1.4x faster (a measurement, not a kernel).
+The scales were first applied by `vpmulld` (two uops and 10 cycles on Intel's port 0, where `vpdpbusd` runs);
+the float multiply measured Q6_K 1.12-1.15x and Q5_K 1.0-1.17x at 512 rows of 2048 x 8192, Q4_K 1.0-1.03x
+(an Ice Lake Xeon, one thread, CPU time, alternated, beside a compile at nice 19). A tile of 6 or 8 activation rows
 measured no faster than 4.
 
 A prompt's rows are many, so its matmuls are bound by the multiply rate, not by the weights' bytes
@@ -47,7 +50,7 @@ reads, so the weights keep one layout (the decode kernels') and cost no memory.
   block as Q4_K's (no min term).
 
 Multiplies per 256 products and 8 rows: Q4_K 9 (8 `vpmaddubsw`, 1 `vpmaddwd`), Q6_K 10, against 16
-`vpmaddwd` on int16 (with VNNI, per 512 products and 16 rows: 8 `vpdpbusd` and 1 or 2 `vpmulld`). A row's
+`vpmaddwd` on int16 (with VNNI, per 512 products and 16 rows: 8 `vpdpbusd` and 1 or 2 float multiplies). A row's
 result does not depend on its batch (every activation row runs the same operations), but it differs from the
 int16 decode kernel's: see `kernel_table` for what a stream's continuity keeps.
 
@@ -168,7 +171,7 @@ def _emit_tile(t, state):
                 mins = _load_vec(builder, t.ptr("wm", builder.mul(blk, c(KROWS))), _VKF, 1)
             for k in range(xrows):
                 xsv = _splat(builder, builder.load(t.at("xs", "a_off", "a_stride", k, blk)), _VKF)
-                builder.store(_fma(builder, builder.sitofp(block_sums[k], _VKF), xsv, builder.load(partial[k])),
+                builder.store(_fma(builder, block_sums[k], xsv, builder.load(partial[k])),
                               partial[k])
                 if kind != "q6_k":
                     xsum = _splat(builder, builder.load(t.at("xsum", "a_off", "a_stride", k, blk)), _VKF)
@@ -201,6 +204,14 @@ def _scale_vec(t, scales, blk, h):
     return _load_vec(b, t.ptr("wsc", b.mul(b.add(b.mul(blk, c(scales)), c(h)), c(2 * KROWS))), _VKS, 1)
 
 
+def _float_scales(t, scales, blk, h):
+    """With VNNI: block blk's scale vector h as float32 lanes. sc · P is exact in float32 for every kind (|sc ·
+    P| < 2^24: Q4_K 63 · 60,960, Q5_K 63 · 125,984, Q6_K 128 · 65,024 a half and two halves 16,646,144), so
+    float(sc) · float(P) is float(sc · P), as the int16 path's `vpmaddwd` gives it, and costs one `vmulps`
+    where `vpmulld` took two uops and 10 cycles on port 0 beside `vpdpbusd`."""
+    return t.builder.bitcast(_scale_vec(t, scales, blk, h), _VKF)
+
+
 def _nibbles(builder, w):
     """A code vector's (low, high) nibbles as bytes."""
     low4 = ir.Constant(w.type, [15] * w.type.count)
@@ -219,8 +230,8 @@ def _q4k_sums_vnni(t, xrows, blk):
         for k in range(xrows):  # two chains a row (low and high nibbles): vpdpbusd's latency
             acc[k] = _dpbusd(builder, acc[k], lo, _x_at(t, k, blk, 4 * q))
             acc2[k] = _dpbusd(builder, acc2[k], hi, _x_at(t, k, blk, 16 + 4 * q))
-    sc = builder.bitcast(_scale_vec(t, SCALES["q4_k"], blk, 0), _VKI)
-    return [builder.mul(builder.add(a, a2), sc) for a, a2 in zip(acc, acc2)]
+    sc = _float_scales(t, SCALES["q4_k"], blk, 0)
+    return [builder.fmul(builder.sitofp(builder.add(a, a2), _VKF), sc) for a, a2 in zip(acc, acc2)]
 
 
 def _q4k_sums(t, xrows, blk):
@@ -234,7 +245,7 @@ def _q4k_sums(t, xrows, blk):
                                _maddubs(builder, hi, _x_at(t, k, blk, 16 + 4 * q)))
             acc[k] = pair if acc[k] is None else builder.add(acc[k], pair)
     sc = _scale_vec(t, SCALES["q4_k"], blk, 0)
-    return [_madd(builder, a, sc) for a in acc]
+    return [builder.sitofp(_madd(builder, a, sc), _VKF) for a in acc]
 
 
 def _q5k_sums_vnni(t, xrows, blk):
@@ -246,8 +257,8 @@ def _q5k_sums_vnni(t, xrows, blk):
         w = _codes(t, QUADS["q5_k"], blk, q)
         for k in range(xrows):
             acc[q % 2][k] = _dpbusd(builder, acc[q % 2][k], w, _x_at(t, k, blk, 4 * q))
-    sc = builder.bitcast(_scale_vec(t, SCALES["q5_k"], blk, 0), _VKI)
-    return [builder.mul(builder.add(a, a2), sc) for a, a2 in zip(*acc)]
+    sc = _float_scales(t, SCALES["q5_k"], blk, 0)
+    return [builder.fmul(builder.sitofp(builder.add(a, a2), _VKF), sc) for a, a2 in zip(*acc)]
 
 
 def _q5k_sums(t, xrows, blk):
@@ -266,7 +277,7 @@ def _q5k_sums(t, xrows, blk):
         for k in range(xrows):
             part = _madd(builder, acc[k], sc)
             out[k] = part if out[k] is None else builder.add(out[k], part)
-    return out
+    return [builder.sitofp(o, _VKF) for o in out]
 
 
 def _q6k_sums_vnni(t, xrows, blk):
@@ -283,10 +294,10 @@ def _q6k_sums_vnni(t, xrows, blk):
             w = _codes(t, QUADS["q6_k"], blk, q)
             for k in range(xrows):
                 acc[k] = _dpbusd(builder, acc[k], w, _x_at(t, k, blk, 4 * q))
-        sc = builder.bitcast(_scale_vec(t, SCALES["q6_k"], blk, h), _VKI)
+        sc = _float_scales(t, SCALES["q6_k"], blk, h)
         for k in range(xrows):
-            part = builder.mul(acc[k], sc)
-            out[k] = part if out[k] is None else builder.add(out[k], part)
+            p = builder.sitofp(acc[k], _VKF)
+            out[k] = builder.fmul(p, sc) if out[k] is None else _fma(builder, p, sc, out[k])
     return out
 
 
@@ -306,7 +317,7 @@ def _q6k_sums(t, xrows, blk):
         for k in range(xrows):
             part = _madd(builder, acc[k], sc)
             out[k] = part if out[k] is None else builder.add(out[k], part)
-    return out
+    return [builder.sitofp(o, _VKF) for o in out]
 
 
 tile_q4k, tile_q4k_1 = _make_tile("q4_k", TILE_X), _make_tile("q4_k", 1)

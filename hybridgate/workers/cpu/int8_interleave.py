@@ -3,7 +3,7 @@
 A group of KROWS rows is copied, per pass of `int8.matmul_i8` over the weights, into a scratch that every
 activation tile of the pass reads, so the weights keep one layout (the decode kernels') and cost no memory:
 Q4_K's nibbles and Q5_K's whole codes as 32-bit words (4 and 8 a block), Q6_K's codes as the tile reads
-them (`_q6k_pair`), each row's sub-block scales as the tile's `vpmaddwd` pair or, with VNNI, an int32 lane,
+them (`_q6k_pair`), each row's sub-block scales as the tile's `vpmaddwd` pair or, with VNNI, a float32 lane,
 and the float terms (the min term's -dmin · min, d) per row.
 """
 
@@ -27,18 +27,19 @@ def _interleave_q4k(qs32, sc, d, ndmin, mins, r0, wc32, wsc, wm, wd):
     """Weight rows r0 .. r0 + KROWS (rows past the end repeat row r0: their results are not kept) of a Q4_K or
     Q5_K weight split by `superblock.split_scales` (qs32 Q4_K's nibbles viewed as uint32 `[rows, cols / 8]`, or
     Q5_K's codes, `superblock.q5k_codes`, viewed as uint32 `[rows, cols / 4]`) → the tile's scratch: wc32 uint32
-    `[nblocks · quads · KROWS]` (quads: 4 or 8 words a block), wsc int16 `[nblocks · 2 · KROWS]`, wm float32
+    `[nblocks · quads · KROWS]` (quads: 4 or 8 words a block), wsc int16 `[nblocks · 2 · KROWS]` (with VNNI
+    viewed as float32 `[nblocks · KROWS]`), wm float32
     `[nblocks · KROWS]`, wd float32 `[nblocks / 8 · KROWS]`."""
     rows, nblocks = qs32.shape[0], sc.shape[1]
     quads = qs32.shape[1] // nblocks
-    wsc32 = wsc.view(np.int32)
+    wscf = wsc.view(np.float32)
     for r in range(KROWS):
         row = r0 + r if r0 + r < rows else r0
         for b in range(nblocks):
             for q in range(quads):
                 wc32[(quads * b + q) * KROWS + r] = qs32[row, quads * b + q]
-            if VNNI:  # an int32 lane
-                wsc32[KROWS * b + r] = sc[row, b]
+            if VNNI:  # a float32 lane
+                wscf[KROWS * b + r] = np.float32(sc[row, b])
             else:  # twice for `vpmaddwd`'s pair
                 wsc[2 * KROWS * b + 2 * r] = wsc[2 * KROWS * b + 2 * r + 1] = sc[row, b]
             wm[KROWS * b + r] = ndmin[row, b // 8] * np.float32(mins[row, b])
@@ -71,10 +72,10 @@ def _interleave_q6k(qs64, sc, d, r0, wc32, wsc, wd):
     """As `_interleave_q4k` for a Q6_K weight split by `superblock.split_q6k` (sc int8 `[rows, cols / 16]`; qs64
     its int8 codes c - 32 viewed as uint64 `[rows, cols / 8]`, or `superblock.pack_q6k`'s bytes viewed as uint64
     `[rows, cols · 3 / 32]`): wc32 uint32 `[nblocks · 8 · KROWS]` (`_q6k_pair`'s halves), wsc int16 `[nblocks ·
-    4 · KROWS]` (the two halves' scales, as `vpmaddwd`'s pair or, with VNNI, as int32), wd as there."""
+    4 · KROWS]` (the two halves' scales, as `vpmaddwd`'s pair or, with VNNI, as float32), wd as there."""
     rows, nblocks = qs64.shape[0], d.shape[1] * 8
     packed = qs64.shape[1] == 3 * nblocks
-    wsc32 = wsc.view(np.int32)
+    wscf = wsc.view(np.float32)
     for r in range(KROWS):
         row = r0 + r if r0 + r < rows else r0
         for b in range(nblocks):
@@ -84,7 +85,7 @@ def _interleave_q6k(qs64, sc, d, r0, wc32, wsc, wd):
                 wc32[(8 * b + 2 * i + 1) * KROWS + r] = np.uint32(pair >> np.uint64(32))
             for h in range(2):
                 if VNNI:
-                    wsc32[2 * KROWS * b + KROWS * h + r] = sc[row, 2 * b + h]
+                    wscf[2 * KROWS * b + KROWS * h + r] = np.float32(sc[row, 2 * b + h])
                 else:
                     wsc[4 * KROWS * b + 2 * KROWS * h + 2 * r] = wsc[4 * KROWS * b + 2 * KROWS * h + 2 * r + 1] = \
                         sc[row, 2 * b + h]
