@@ -144,7 +144,11 @@ def add_accuracy_parser(sub) -> None:
                         "to this mix, cached, and measure that file (needs llama-cpp-python: the bench extra or "
                         "--llama-cpp-path)")
     p.add_argument("--llama-cpp-path", default=None, metavar="DIR",
-                   help="with --quant: a folder holding a llama-cpp-python build, put first on the quantizer's sys.path")
+                   help="a folder holding a llama-cpp-python build, put first on the quantizer's and the baseline's "
+                        "sys.path")
+    p.add_argument("--baseline", choices=("llama-cpp", "none"), default=None,
+                   help="llama-cpp: llama.cpp's own figures on the same file and positions beside ours, and whether "
+                        "ours are at least as good (default llama-cpp with --quant, none without)")
     p.add_argument("--json", default=None, metavar="OUT", help="write the figures to this JSON file")
     p.set_defaults(func=_run_accuracy)
 

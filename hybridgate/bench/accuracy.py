@@ -8,7 +8,10 @@ foundation tests), and compares each of the 512 positions: top-1 agreement
 mean and p99. `--quant MIX` first requantizes the model with llama.cpp's own
 quantizer (`model_files.requantize`), so the floors are checked on the types
 real files hold (Q4_K_M, Q6_K, Q8_0, F16 ...); the reference is then that
-file, dequantized to fp32.
+file, dequantized to fp32. `--baseline llama-cpp` (the default with `--quant`)
+puts llama.cpp's own figures on the same file and positions beside ours
+(`llama_cpp`) and says whether ours are at least as good on both
+(`as_accurate_as_llama_cpp`): the CPU issue's floor.
 """
 
 from __future__ import annotations
@@ -66,6 +69,28 @@ def compare(reference: np.ndarray, got: np.ndarray) -> dict:
             "kl_mean": float(kl.mean()), "kl_p99": float(np.percentile(kl, 99))}
 
 
+def baseline_of(args: argparse.Namespace) -> str:
+    """--baseline, whose default is llama-cpp with --quant (which needs llama.cpp already) and none without."""
+    return args.baseline or ("llama-cpp" if args.quant else "none")
+
+
+def llama_cpp_figures(path: Path, reference: np.ndarray, cases: list[dict], threads: int | None,
+                      llama_cpp_path: str | None) -> dict:
+    """llama.cpp's own figures on the same file and positions against the same fp32 reference (`compare`),
+    with its defaults (repacked weights, as users run it), in a child process (`LlamaCppProcess`).
+    Raises RuntimeError when llama.cpp cannot be imported or crashes."""
+    import os
+
+    from hybridgate.bench.llama_baseline import LlamaCppProcess
+
+    base = LlamaCppProcess(path, threads or len(os.sched_getaffinity(0)), len(cases), "defaults", llama_cpp_path)
+    try:
+        figures = compare(reference, base.teacher_forced_logits(cases))
+    finally:
+        base.close()
+    return {"config": "defaults", "version": base.info["version"], **figures}
+
+
 def run(args: argparse.Namespace) -> dict:
     import torch
 
@@ -103,6 +128,11 @@ def run(args: argparse.Namespace) -> dict:
 
     out = {"kind": settings.worker.kind, "model": str(path), "machine": describe(), **cpu,
            **compare(reference, teacher_forced_logits(runner, cases))}
+    if baseline_of(args) == "llama-cpp":
+        out["llama_cpp"] = llama_cpp_figures(path, reference, cases, settings.worker.engine.threads,
+                                             args.llama_cpp_path)
+        out["as_accurate_as_llama_cpp"] = (out["top1_agreement"] >= out["llama_cpp"]["top1_agreement"]
+                                           and out["kl_mean"] <= out["llama_cpp"]["kl_mean"])
     print(json.dumps(out, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")

@@ -24,6 +24,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -122,6 +123,12 @@ class LlamaCppBaseline:
             last = list(range(len(cases)))
         return out.reshape(len(cases) * steps, self.n_vocab)
 
+    def save_teacher_forced_logits(self, cases: list[dict], path: str) -> str:
+        """`teacher_forced_logits` written to `path` as float32 `.npy` (llama.cpp's own dtype): the child's
+        answer to a parent that cannot take them as one JSON line."""
+        np.save(path, self.teacher_forced_logits(cases).astype(np.float32))
+        return path
+
     def decode(self, batch: list[list[int]], new_tokens: int) -> float:
         """Tokens/s of len(batch) parallel greedy sequences, `new_tokens` each (prefill included)."""
         if len(batch) > self.max_seqs:
@@ -211,6 +218,12 @@ class LlamaCppProcess:
 
     def prefill(self, batch: list[list[int]]) -> float:
         return self._call("prefill", batch=batch)
+
+    def teacher_forced_logits(self, cases: list[dict]) -> np.ndarray:
+        """`LlamaCppBaseline.teacher_forced_logits` in the child, passed through a temporary `.npy` file."""
+        with tempfile.TemporaryDirectory(prefix="hybridgate-llama-logits-") as folder:
+            path = self._call("save_teacher_forced_logits", cases=cases, path=str(Path(folder) / "logits.npy"))
+            return np.load(path).astype(np.float64)
 
     def close(self) -> None:
         end_stdin_child(self.proc)

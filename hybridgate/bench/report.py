@@ -139,6 +139,8 @@ TABLES: tuple[Table, ...] = (
         Column("top-1 agreement", "top1_agreement", percent),
         Column("KL mean", "kl_mean", sci),
         Column("KL p99", "kl_p99", sci),
+        Column("llama.cpp top-1", "llama_cpp.top1_agreement", percent),
+        Column("llama.cpp KL mean", "llama_cpp.kl_mean", sci),
     ), keep="top1_agreement"),
     Table("cpu-mixed-load", "benchmarks/cpu-worker.md", "cpu-mixed-load/*.json", (
         Column("CPU", "machine_at_start.cpu_model"),

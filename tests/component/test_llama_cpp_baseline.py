@@ -40,3 +40,36 @@ def test_llama_cpp_baselines_run_side_by_side():
         assert row["ratio_vs_fastest"] == row["hybridgate_tokens_per_s"] / fastest
     assert out["llama_cpp_plain_decode_step_ms_c1"] > 0
     assert "AVX" in out["llama_cpp"]["plain"]["system_info"]
+
+
+def test_accuracy_puts_llama_cpps_figures_on_the_same_positions_beside_ours(tmp_path):
+    """`bench accuracy --baseline llama-cpp`: llama.cpp's logits come back from its child process as the
+    in-process baseline computes them (bit for bit), and its figures sit beside ours on the same 512 positions."""
+    import llama_cpp  # noqa: F401  (the bench extra: an ImportError here is the answer)
+    import numpy as np
+
+    from hybridgate.bench import accuracy, add_accuracy_parser
+    from hybridgate.bench.llama_baseline import LlamaCppBaseline, LlamaCppProcess
+
+    cases = accuracy.load_cases()[:2]
+    inprocess = LlamaCppBaseline(default_model_path(), threads=1, max_seqs=2, extra_bufts=True)
+    try:
+        expected = inprocess.teacher_forced_logits(cases)
+    finally:
+        inprocess.close()
+    child = LlamaCppProcess(default_model_path(), 1, 2, "defaults")
+    try:
+        np.testing.assert_array_equal(child.teacher_forced_logits(cases), expected)
+    finally:
+        child.close()
+
+    parser = argparse.ArgumentParser()
+    add_accuracy_parser(parser.add_subparsers(dest="bench"))
+    args = parser.parse_args(["accuracy", "--kind", "cpu", "--threads", "1", "--baseline", "llama-cpp",
+                              "--json", str(tmp_path / "a.json")])
+    out = accuracy.run(args)
+    theirs = out["llama_cpp"]
+    assert theirs["positions"] == out["positions"] == 512 and theirs["version"] == llama_cpp.__version__
+    assert 0.5 < theirs["top1_agreement"] <= 1 and theirs["kl_mean"] > 0
+    assert out["as_accurate_as_llama_cpp"] == (out["top1_agreement"] >= theirs["top1_agreement"]
+                                               and out["kl_mean"] <= theirs["kl_mean"])
