@@ -14,14 +14,17 @@ through the paged cache with chunked prefill (the 16-token windows start mid-chu
 both runners. The per-layer layout read from the file is transformers' (head sizes, KV heads, which layer's K/V
 each layer reads, V = K, FFN widths, scalars, RoPE frequencies).
 
-Against llama.cpp (`test_gemma4.py`'s golden files) the one difference in the graph is its CPU GELU, read
-from an fp16 table (up to 5e-3 of a logit there); transformers' `gelu_pytorch_tanh` is exact, as both
-runners are (here within 1e-5). Where the two references could part: which earlier layer a K/V-sharing layer
-reads. transformers takes the last owning layer of its own kind (`Gemma4TextConfig.kv_sharing_modes`);
-llama.cpp fixed offsets from the first sharing layer (src/llama-model.cpp's `reuse` callback: 2 back for a
-sliding layer, 1 back for a full one). They agree wherever the last layer before the sharing ones is full and
-the one before it sliding, as in the files here; the runners follow transformers, checked on a layout where
-llama.cpp's offsets would cross kinds.
+transformers and llama.cpp (src/models/gemma4.cpp) compute the same graph on these files but for llama.cpp's
+CPU GELU, read from an fp16 table; transformers' `gelu_pytorch_tanh` is exact, as both runners are (here within
+1e-5 of it). Checked once with llama-cpp-python 0.3.36 (F32 cache, one thread) on the files written here:
+its last-position logits 1.7e-3 (dense) and 3.7e-3 (MoE) from transformers', 9e-4 at most once transformers
+reads llama.cpp's table (`gemma4_numpy.gelu_fp16_table`), the same argmax. Where the two part: which earlier
+layer a K/V-sharing layer reads. transformers takes the last owning layer of its own kind
+(`Gemma4TextConfig.kv_sharing_modes`); llama.cpp fixed offsets from the first sharing layer (src/llama-model.cpp's
+`reuse` callback: 2 back for a sliding layer, 1 back for a full one). They agree wherever the last layer before
+the sharing ones is full and the one before it sliding, as in the files above; on a layout where the offsets
+cross kinds llama.cpp aborts creating its KV cache (llama-kv-cache.cpp: `GGML_ASSERT(map_layer_ids.find(il_reuse)
+!= map_layer_ids.end())`), and the runners follow transformers (the last test).
 """
 
 from __future__ import annotations
@@ -85,8 +88,8 @@ def test_the_file_reads_as_transformers_model(case):
 
 def test_shared_layers_read_the_kv_transformers_names_where_llama_cpps_offsets_would_not(tmp_path):
     # Layers S S F S | S F, the last two sharing: transformers' sliding layer 4 reads layer 3, its full layer 5
-    # layer 2; llama.cpp's offsets would give layer 4 layer 2's K/V (a full layer's, head size 32) and layer 5
-    # layer 3's. Both runners follow transformers, logits within 1e-3.
+    # layer 2; llama.cpp's offsets name layer 2 (full, head size 32) for layer 4 and layer 3 (sliding) for layer 5,
+    # and it aborts. Both runners follow transformers, logits within 1e-3.
     hf = make_gemma4(sliding=(True, True, False, True, True, False))
     model = load_gguf(write_gemma4_hf_gguf(hf, tmp_path / "crossed.gguf"))
     assert model.config.layer_kv_source == kv_sources(hf.config) == (0, 1, 2, 3, 3, 2)
