@@ -46,8 +46,10 @@ def layer_fields(row: Architecture, meta: dict[str, Any], tensors: dict[str, Ten
     """`ModelConfig`'s per-layer fields, and its `num_kv_heads` and `intermediate_size` (the largest), from
     the file. A sliding layer (window > 0) has `attention.key_length_swa` as its head size where the file
     has that key. The last `attention.shared_kv_layers` layers read the K/V of the last earlier layer of
-    their kind (sliding or not), as transformers' Gemma 3n/4 `kv_shared_layer_index` and llama.cpp's
-    `reuse` callback (the last and second-to-last owning layers, full and sliding) choose.
+    their kind (sliding or not), as transformers' Gemma 4 chooses (`Gemma4TextConfig.kv_sharing_modes`);
+    llama.cpp's `reuse` callback (src/llama-model.cpp) takes fixed offsets from the first sharing layer, 2
+    back for a sliding layer and 1 back for a full one: the same layers wherever the last owning layer is
+    full and the one before it sliding (`test_gemma4_transformers` has a layout where they part).
     Raises ModelLoadError naming the key: a head size or RoPE dimension that differs between K and V or
     from the head, or a shared layer with no earlier layer of its kind."""
     arch = row.name

@@ -1,7 +1,8 @@
 """Gemma 4 on both runners against llama.cpp on tiny random files (F32 weights, F32 KV cache).
 
-transformers has no Gemma 4 class: the reference is llama.cpp itself (`tests/golden/gemma4.json`, made by
-`tests/reference/make_gemma4_golden.py`). Its CPU GELU reads an fp16 table, which moves its logits by up to
+The reference here is llama.cpp itself (`tests/golden/gemma4.json`, made by
+`tests/reference/make_gemma4_golden.py`); transformers' `Gemma4ForCausalLM` is the other, in
+`test_gemma4_transformers.py`. Its CPU GELU reads an fp16 table, which moves its logits by up to
 5e-3 from an exact forward here; the golden also holds the float64 forward written from llama.cpp's graph
 (`gemma4_numpy`), checked there to give llama.cpp's logits within 1e-3 when it uses llama.cpp's table GELU, and
 kept with the exact GELU. The runners are held to those float64 logits within 1e-3, to llama.cpp's within

@@ -56,7 +56,7 @@ class Case:
 
     def __init__(self, hf, path):
         self.hf, self.gguf, self.name = hf, load_gguf(path), path.stem
-        rng = np.random.default_rng(hf.config.num_experts)
+        rng = np.random.default_rng(hf.config.num_experts or 0)  # a dense model (gemma4's) has None
         self.prompts = [rng.integers(0, VOCAB, size=n).tolist() for n in PROMPT_LENGTHS]
         self.want_logits = hf_logits(hf, self.prompts)
         self.want_greedy, self.gaps = greedy(hf, self.prompts[-1], GREEDY_STEPS)

@@ -4,12 +4,13 @@ Run from the repository root once llama-cpp-python is installed in the environme
 
     .venv/bin/python tests/reference/make_gemma4_golden.py
 
-transformers has no Gemma 4 class; llama.cpp (llama-cpp-python's bundled build, version recorded) is exact on F32
-weights with an F32 KV cache, so it is the reference here: one thread, F32 K and V, no flash attention, weight
-repacking off (`use_extra_bufts`, see FACTS.md). Per file (the dense one and the MoE one, each written from its
-seed; the sha256 of the bytes llama.cpp read is recorded, so the test can check it rebuilds the same file): the
-last-position logits of three seeded prompts of 5, 23 and 40 ids, each evaluated from an empty cache, and the
-greedy continuation of the 40-id prompt for 16 tokens with the top-2 logit gap at each step.
+llama.cpp (llama-cpp-python's bundled build, version recorded) is exact on F32 weights with an F32 KV cache, so it
+is the reference here (transformers' `Gemma4ForCausalLM` is the other: `test_gemma4_transformers.py`): one thread,
+F32 K and V, no flash attention, weight repacking off (`use_extra_bufts`, see FACTS.md). Per file (the dense one and
+the MoE one, each written from its seed; the sha256 of the bytes llama.cpp read is recorded, so the test can check
+it rebuilds the same file): the last-position logits of three seeded prompts of 5, 23 and 40 ids, each evaluated
+from an empty cache, and the greedy continuation of the 40-id prompt for 16 tokens with the top-2 logit gap at each
+step.
 
 llama.cpp's CPU GELU reads a table of fp16 values (`gemma4_numpy.gelu_fp16_table`), which moves its logits by a
 few 1e-3 from an exact forward on these files. So each file also gets the float64 forward written from

@@ -1,8 +1,9 @@
 """Tiny random Gemma 4 GGUF files, written deterministically from a seed under llama.cpp's keys and names.
 
-transformers 5.25 has no Gemma 4 class; llama.cpp (src/models/gemma4.cpp, its loader
-`llama_model_gemma4::load_arch_hparams` / `load_arch_tensors`, and its converter's `Gemma4Model`, whose keys
-and tensors these files copy) is the reference, exact on F32 weights (`make_gemma4_golden.py`).
+llama.cpp (src/models/gemma4.cpp, its loader `llama_model_gemma4::load_arch_hparams` / `load_arch_tensors`,
+and its converter's `Gemma4Model`, whose keys and tensors these files copy) is these files' reference, exact on
+F32 weights (`make_gemma4_golden.py`); transformers' `Gemma4ForCausalLM` is the other (`tiny_gemma4_hf`), on
+layouts its config can express (not these: `attention_k_eq_v` takes V = K on every full layer, not on one).
 
 Six layers of hidden 64 and 4 query heads: sliding (window 16, RoPE base 10000, head size 16, 2 KV heads) and
 full (RoPE base 1e6, head size 32, 1 KV head, `rope_freqs` rotating only its first 4 of 16 pairs: the converter's
