@@ -31,20 +31,20 @@ def _interleave_q4k(qs32, sc, d, ndmin, mins, r0, wc32, wsc, wm, wd):
     viewed as float32 `[nblocks · KROWS]`), wm float32
     `[nblocks · KROWS]`, wd float32 `[nblocks / 8 · KROWS]`."""
     rows, nblocks = qs32.shape[0], sc.shape[1]
-    quads = qs32.shape[1] // nblocks
     wscf = wsc.view(np.float32)
-    for r in range(KROWS):
+    for r in range(KROWS):  # a row at a time through its own views: 1.3-1.5x faster than 2-D indexing
         row = r0 + r if r0 + r < rows else r0
+        codes, scales, row_mins, row_ndmin, row_d = qs32[row], sc[row], mins[row], ndmin[row], d[row]
+        for w in range(codes.shape[0]):  # word w: quad w % quads of block w // quads
+            wc32[w * KROWS + r] = codes[w]
         for b in range(nblocks):
-            for q in range(quads):
-                wc32[(quads * b + q) * KROWS + r] = qs32[row, quads * b + q]
             if VNNI:  # a float32 lane
-                wscf[KROWS * b + r] = np.float32(sc[row, b])
+                wscf[KROWS * b + r] = np.float32(scales[b])
             else:  # twice for `vpmaddwd`'s pair
-                wsc[2 * KROWS * b + 2 * r] = wsc[2 * KROWS * b + 2 * r + 1] = sc[row, b]
-            wm[KROWS * b + r] = ndmin[row, b // 8] * np.float32(mins[row, b])
+                wsc[2 * KROWS * b + 2 * r] = wsc[2 * KROWS * b + 2 * r + 1] = scales[b]
+            wm[KROWS * b + r] = row_ndmin[b >> 3] * np.float32(row_mins[b])
         for s in range(nblocks // 8):
-            wd[KROWS * s + r] = d[row, s]
+            wd[KROWS * s + r] = row_d[s]
 
 
 _M4, _M2 = np.uint64(0x0F0F0F0F0F0F0F0F), np.uint64(0x0303030303030303)  # per byte: a nibble, 2 bits
@@ -52,18 +52,18 @@ _HI, _C32 = np.uint64(0x8080808080808080), np.uint64(0x2020202020202020)  # per 
 
 
 @nb.njit(**_JIT)
-def _q6k_pair(qs64, row, b, i, packed):
-    """Columns 8i..8i+7 of block b of a Q6_K row as the tile reads them, one byte each in a uint64: with VNNI
+def _q6k_pair(words, b, i, packed):
+    """Columns 8i..8i+7 of block b of a Q6_K row (words: its uint64 words) as the tile reads them, one byte each in a uint64: with VNNI
     the codes c (0..63), otherwise c - 32 as int8; from `superblock.pack_q6k`'s bytes (packed: 3 words a block,
     the low nibbles of columns 0-7 and 16-23, those of 8-15 and 24-31, then the top 2 bits, column 8a + p at
     bits 2a of byte p) or from `superblock.split_q6k`'s int8 codes c - 32 (4 words a block). The bytewise
     ± 32 goes through the top bit, so no carry or borrow crosses a byte."""
     if packed:
-        nib = qs64[row, 3 * b + i % 2] >> np.uint64(4 * (i // 2))
-        top = qs64[row, 3 * b + 2] >> np.uint64(2 * i)
+        nib = words[3 * b + i % 2] >> np.uint64(4 * (i // 2))
+        top = words[3 * b + 2] >> np.uint64(2 * i)
         c = (nib & _M4) | ((top & _M2) << np.uint64(4))
         return c if VNNI else ((c | _HI) - _C32) ^ _HI
-    w = qs64[row, 4 * b + i]
+    w = words[4 * b + i]
     return ((w ^ _HI) + _C32) ^ _HI if VNNI else w
 
 
@@ -78,16 +78,17 @@ def _interleave_q6k(qs64, sc, d, r0, wc32, wsc, wd):
     wscf = wsc.view(np.float32)
     for r in range(KROWS):
         row = r0 + r if r0 + r < rows else r0
+        words, scales, row_d = qs64[row], sc[row], d[row]
         for b in range(nblocks):
             for i in range(4):
-                pair = _q6k_pair(qs64, row, b, i, packed)
+                pair = _q6k_pair(words, b, i, packed)
                 wc32[(8 * b + 2 * i) * KROWS + r] = np.uint32(pair & np.uint64(0xFFFFFFFF))
                 wc32[(8 * b + 2 * i + 1) * KROWS + r] = np.uint32(pair >> np.uint64(32))
             for h in range(2):
                 if VNNI:
-                    wscf[2 * KROWS * b + KROWS * h + r] = np.float32(sc[row, 2 * b + h])
+                    wscf[2 * KROWS * b + KROWS * h + r] = np.float32(scales[2 * b + h])
                 else:
                     wsc[4 * KROWS * b + 2 * KROWS * h + 2 * r] = wsc[4 * KROWS * b + 2 * KROWS * h + 2 * r + 1] = \
-                        sc[row, 2 * b + h]
+                        scales[2 * b + h]
         for s in range(nblocks // 8):
-            wd[KROWS * s + r] = d[row, s]
+            wd[KROWS * s + r] = row_d[s]
