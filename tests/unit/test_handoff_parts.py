@@ -15,6 +15,7 @@ from hybridgate import wire
 from hybridgate.mempool import PinnedPool
 from hybridgate.wire import HandoffHeader, SamplingParams
 from hybridgate.workers.handoff import HandoffRefusal, KVSpec, PauseHooks, Reservations, check_header, frames_to_float32
+from hybridgate.workers.handoff_checks import KVLayout, decode_header
 
 SPEC = KVSpec("fp", 16, 2, 3, 64)
 
@@ -61,6 +62,37 @@ def test_header_checks_name_the_field_and_both_values(changes, field):
     value = next(iter(changes.values()))
     if isinstance(value, str):
         assert repr(value) in exc.value.message
+
+
+def test_a_mixed_shape_header_names_each_sent_layers_shape_and_old_headers_stay_valid():
+    # Model layer 2 shares another's K/V (gemma4's last layers do): layers 0, 1 and 3 are sent, of two shapes.
+    layout = KVLayout((0, 1, 3), ((2, 16), (1, 64), (2, 16)), "float32")
+    spec = KVSpec.of("fp", 16, layout)
+    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (3, 0, 0)
+    assert [spec.model_layer(j) for j in range(3)] == [0, 1, 3]
+    mixed = header(num_layers=3, num_kv_heads=0, head_dim=0, layer_shapes=[(2, 16), (1, 64), (2, 16)])
+    assert wire.decode(wire.encode(mixed)) == mixed
+    check_header(mixed, spec, 100, VOCAB)
+    for changes, field in (({"layer_shapes": [(2, 16), (2, 16), (2, 16)]}, "layer_shapes"),
+                           ({"layer_shapes": []}, "layer_shapes"), ({"num_layers": 5}, "num_layers"),
+                           ({"num_kv_heads": 2, "head_dim": 16, "layer_shapes": []}, "num_kv_heads")):
+        with pytest.raises(HandoffRefusal) as exc:
+            check_header(msgspec.structs.replace(mixed, **changes), spec, 100, VOCAB)
+        assert exc.value.field == field
+    # A header written before layer_shapes existed: every layer sent is [num_kv_heads, head_dim].
+    old = msgspec.structs.asdict(header())
+    del old["layer_shapes"]
+    assert decode_header(msgspec.msgpack.encode(old)) == header()
+    check_header(decode_header(msgspec.msgpack.encode(old)), SPEC, 100, VOCAB)
+    # Frames of sent layers 1 and 2 (a part from layer 1 on), each in its own layer's shape.
+    rng = np.random.default_rng(1)
+    want = [rng.standard_normal((5, *shape)).astype(np.float32) for shape in ((1, 64), (1, 64), (2, 16), (2, 16))]
+    got = frames_to_float32([w.tobytes() for w in want], mixed, spec, first_layer=1)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+    with pytest.raises(HandoffRefusal, match=r"frame 0 has 640 bytes, 5 tokens of float32 make 1280 \(sent layer "
+                                             r"1: \(1, 64\)\)"):
+        frames_to_float32([want[2].tobytes(), want[3].tobytes()], mixed, spec, first_layer=1)
 
 
 def test_a_token_matches_only_its_reservation():
@@ -156,7 +188,7 @@ def test_imported_sequences_are_preempted_last_and_counted_when_recomputed():
         sched.unpark(s)
         return s
 
-    other = running("other", 8, False)  # 2 full blocks: its next token needs a third
+    running("other", 8, False)  # 2 full blocks: its next token needs a third
     plain = running("plain", 4, False)  # 1 block, room for its next token
     imp = running("imp", 6, True)  # 2 blocks, room for its next token; now 0 blocks are free
     batch = sched.schedule()  # other needs a block: plain goes, though imp is the newest
@@ -190,3 +222,4 @@ def test_the_export_queue_is_bounded_and_one_more_export_fails_at_once():
     finally:
         exporter.close()
         ctx.term()
+
