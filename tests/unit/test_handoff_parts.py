@@ -207,7 +207,7 @@ def test_the_export_queue_is_bounded_and_one_more_export_fails_at_once():
     from hybridgate.workers.gpu.export import KVExporter
     from hybridgate.workers.handoff import ExportJob
 
-    cache = SimpleNamespace(k=[torch.zeros(4, 16, 3, 64)], block_size=16)
+    cache = SimpleNamespace(k=[torch.zeros(4, 16, 3, 64)], block_size=16, config=SimpleNamespace(kv_layers=(0,)))
     runner = SimpleNamespace(cache=cache, model=SimpleNamespace(device=torch.device("cpu")), max_model_len=64)
     events, ctx = [], zmq.Context()
     exporter = KVExporter(runner, ctx, events.append, buffer_memory=1 << 20, max_jobs=2)
@@ -223,3 +223,63 @@ def test_the_export_queue_is_bounded_and_one_more_export_fails_at_once():
         exporter.close()
         ctx.term()
 
+
+def test_an_export_packs_layers_of_two_shapes_into_its_parts_and_sends_no_shared_layer():
+    """12 layers own K/V, alternating 2 heads of 16 and 1 head of 64 (gemma4's sliding and full layers differ
+    so), and model layer 6 shares layer 4's: parts of 2 layers of both shapes. Each frame received must be its
+    layer's slots of the sequence's blocks, read from the cache tensors by numpy indexing."""
+    import torch
+    import zmq
+
+    from conftest import TIME_FACTOR
+    from hybridgate.workers.gpu.export import KVExporter, StepTimeline
+    from hybridgate.workers.handoff import ExportJob
+    from hybridgate.workers.handoff_checks import decode_part
+
+    bs, slots, cpu = 16, 6 * 16, torch.device("cpu")
+    owners = [i for i in range(13) if i != 6]
+    shapes = [(2, 16) if j % 2 == 0 else (1, 64) for j in range(len(owners))]
+    g = torch.Generator().manual_seed(0)
+    own = {i: [torch.randn(slots, *shape, generator=g) for _ in "KV"] for i, shape in zip(owners, shapes)}
+    source = [4 if i == 6 else i for i in range(13)]
+    cache = SimpleNamespace(k=[own[i][0] for i in source], v=[own[i][1] for i in source], block_size=bs,
+                            config=SimpleNamespace(kv_layers=tuple(owners)))
+    runner = SimpleNamespace(cache=cache, model=SimpleNamespace(device=cpu), max_model_len=slots,
+                             timeline=StepTimeline(cpu))
+    spec = KVSpec.of("fp", bs, KVLayout(tuple(owners), tuple(shapes), "float32"))
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.bind("inproc://mixed-export")
+    events = []
+    exporter = KVExporter(runner, ctx, events.append, buffer_memory=1 << 20)
+    n, table = 37, [4, 0, 2]
+    h = header(num_layers=spec.num_layers, num_kv_heads=0, head_dim=0, layer_shapes=list(spec.layer_shapes),
+               num_tokens=n, prompt_ids=list(range(1, n + 1)))
+    try:
+        exporter.submit(ExportJob((b"c", "r"), "inproc://mixed-export", h, table))
+        assert sock.poll(int(5000 * TIME_FACTOR))
+        got_header = decode_header(sock.recv_multipart()[2])
+        check_header(got_header, spec, slots, VOCAB)
+        arrays, parts = [], []
+        while len(arrays) < 2 * spec.num_layers:
+            assert sock.poll(int(5000 * TIME_FACTOR))
+            _, _, body, *frames = sock.recv_multipart()
+            part = decode_part(body)
+            parts.append((part.first_layer, part.num_layers))
+            arrays += frames_to_float32(frames, got_header, spec, part.first_layer)
+        deadline = time.monotonic() + 5 * TIME_FACTOR
+        while not events and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        exporter.close()
+        sock.close(0)
+        ctx.term()
+    assert parts == [(j, 2) for j in range(0, 12, 2)]  # about 10 parts: 2 layers each, one of each shape
+    sent = [b * bs + o for b in table for o in range(bs)][:n]
+    for j, layer in enumerate(owners):
+        np.testing.assert_array_equal(arrays[2 * j], cache.k[layer][sent].numpy())
+        np.testing.assert_array_equal(arrays[2 * j + 1], cache.v[layer][sent].numpy())
+    (event,) = events
+    assert event.kind == "sent" and event.nbytes == 2 * n * 4 * sum(h * d for h, d in shapes)
+    exporter.pool.drain()  # the context is closed: ZeroMQ holds no frame of any buffer
+    assert exporter.pool.stats.bytes_in_use == 0
