@@ -348,10 +348,6 @@ class EngineHandoffs:
             return refuse(f"request {rid!r} was aborted before its reservation arrived")
         if self.spec is None or not hasattr(engine.runner, "import_kv"):
             return refuse("this worker takes no KV hand-offs")
-        config = getattr(getattr(engine.runner, "model", None), "config", None)
-        if config is not None and not config.uniform_kv:
-            return refuse("this model's layers differ in KV shape or share K/V (gemma4): a hand-off header gives one "
-                          "shape for every layer")
         if rid in self.reservations.by_id or (client, rid) in engine._by_id:
             return refuse(f"request {rid!r} is already here")
         if not 2 <= msg.num_tokens <= engine.runner.max_model_len:
