@@ -350,9 +350,12 @@ class HandoffReservation(msgspec.Struct, frozen=True):
 class HandoffHeader(msgspec.Struct, frozen=True, kw_only=True):
     """The first body frame of a HANDOFF_KV message (GPU worker → CPU worker).
 
-    Shapes of the frames that follow: 2 * num_layers frames, K then V per
-    layer, each `[num_tokens, num_kv_heads, head_dim]` of `dtype` ("float32",
-    "bfloat16" or "float16"; bfloat16 as raw uint16 words), C order. Keys are
+    Shapes of the frames that follow: 2 * num_layers frames, K then V per layer
+    sent (those that own K/V, `ModelConfig.kv_layers`, in order: num_layers and
+    `HandoffPart.first_layer` count these), each `[num_tokens, num_kv_heads,
+    head_dim]`, or `[num_tokens, *layer_shapes[j]]` for sent layer j where
+    layer_shapes is not empty (num_kv_heads and head_dim are then 0), of `dtype`
+    ("float32", "bfloat16" or "float16"; bfloat16 as raw uint16 words), C order. Keys are
     in `rope_basis` ("gguf-adjacent-pairs": RoPE on (x[2i], x[2i+1]) in GGUF's
     row order). num_tokens: KV slots sent (the tokens computed: the prompt, and
     for a resumed stream the ids it carries), = len(prompt_ids) +
@@ -378,10 +381,11 @@ class HandoffHeader(msgspec.Struct, frozen=True, kw_only=True):
     max_tokens: int
     eos_token_id: int
     next_token_index: int
+    layer_shapes: list[tuple[int, int]] = []  # (KV heads, head dim) per layer sent where they differ (gemma4)
 
 
 class HandoffPart(msgspec.Struct, frozen=True):
-    """GPU worker → CPU worker: layers first_layer .. first_layer + num_layers - 1 of a
+    """GPU worker → CPU worker: sent layers first_layer .. first_layer + num_layers - 1 of a
     hand-off (2 * num_layers frames follow: K then V per layer)."""
 
     request_id: str

@@ -187,12 +187,6 @@ class ModelConfig:
         return sum(2 * self.layer_kv_heads[i] * self.layer_head_dims[i] for i in self.kv_layers)
 
     @property
-    def uniform_kv(self) -> bool:
-        """Every layer owns a cache of `[num_kv_heads, head_dim]` per token (what a KV hand-off's header says)."""
-        return self.kv_layers == tuple(range(self.num_layers)) and \
-            set(zip(self.layer_kv_heads, self.layer_head_dims)) == {(self.num_kv_heads, self.head_dim)}
-
-    @property
     def kv_dim(self) -> int:
         return self.num_kv_heads * self.head_dim
 

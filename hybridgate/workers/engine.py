@@ -103,7 +103,7 @@ class EngineCore:
         self._pooled: dict = {}  # Sequence → partial sum of its pooled hidden states in the step being run
         self._take_pooled = getattr(runner, "take_pooled", None)
         layout = getattr(runner, "kv_layout", None)
-        spec = KVSpec(fingerprint, runner.block_size, *layout()) if layout is not None else None
+        spec = KVSpec.of(fingerprint, runner.block_size, layout()) if layout is not None else None
         self.handoffs = EngineHandoffs(self, handoff or HandoffConfig(), spec)
         self.constraints = constraints or default_constraints(runner)
 

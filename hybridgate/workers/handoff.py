@@ -9,7 +9,9 @@ messages").
 
 On the hand-off socket a hand-off is one HANDOFF_KV message (the header, no
 KV frames) followed by HANDOFF_KV_PART messages, each carrying whole layers
-(K then V per layer) as `HandoffPart` plus its frames, in layer order.
+(K then V per layer) as `HandoffPart` plus its frames, in layer order. Only
+the layers that own K/V are sent (`KVLayout`), each in its own shape (gemma4's
+differ by layer); a layer sharing another's K/V reads what its source imported.
 """
 
 from __future__ import annotations
@@ -251,7 +253,8 @@ class EngineHandoffs:
         header = HandoffHeader(
             request_id=seq.request_id, token=target.token, fingerprint=spec.fingerprint,
             block_size=spec.block_size, num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_dim, dtype=spec.dtype, num_tokens=seq.num_computed, rope_basis=ROPE_BASIS,
+            head_dim=spec.head_dim, layer_shapes=list(spec.layer_shapes), dtype=spec.dtype,
+            num_tokens=seq.num_computed, rope_basis=ROPE_BASIS,
             prompt_ids=list(seq.prompt_ids), output_ids=list(seq.output_ids), params=seq.params, seed=seq.seed,
             max_tokens=seq.max_tokens, eos_token_id=seq.eos_token_id,
             next_token_index=seq.first_token_index + len(seq.output_ids))
@@ -345,10 +348,6 @@ class EngineHandoffs:
             return refuse(f"request {rid!r} was aborted before its reservation arrived")
         if self.spec is None or not hasattr(engine.runner, "import_kv"):
             return refuse("this worker takes no KV hand-offs")
-        config = getattr(getattr(engine.runner, "model", None), "config", None)
-        if config is not None and not config.uniform_kv:
-            return refuse("this model's layers differ in KV shape or share K/V (gemma4): a hand-off header gives one "
-                          "shape for every layer")
         if rid in self.reservations.by_id or (client, rid) in engine._by_id:
             return refuse(f"request {rid!r} is already here")
         if not 2 <= msg.num_tokens <= engine.runner.max_model_len:
@@ -424,9 +423,10 @@ class EngineHandoffs:
             raise HandoffRefusal("frames", f"{len(frames)} frames for {part.num_layers} layers, expected "
                                  f"{2 * part.num_layers} (K and V per layer)")
         start = time.monotonic()
-        arrays = frames_to_float32(frames, h, self.spec)
-        for j in range(part.num_layers):
-            self.engine.runner.import_kv(r.block_table, part.first_layer + j, arrays[2 * j], arrays[2 * j + 1])
+        arrays = frames_to_float32(frames, h, self.spec, part.first_layer)
+        for j in range(part.num_layers):  # a layer sharing another's K/V reads its source's: nothing to write
+            layer = self.spec.model_layer(part.first_layer + j)
+            self.engine.runner.import_kv(r.block_table, layer, arrays[2 * j], arrays[2 * j + 1])
         r.write_s += time.monotonic() - start
         r.next_layer += part.num_layers
         r.nbytes += sum(memoryview(f.buffer if hasattr(f, "buffer") else f).nbytes for f in frames)

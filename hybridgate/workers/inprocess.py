@@ -30,7 +30,7 @@ class InProcessClient(LocalWorkerClient):
         self.hello = Hello(kind=runner.kind, fingerprint=fingerprint, max_num_seqs=scheduler.max_num_seqs,
                            max_model_len=runner.max_model_len, pid=os.getpid(), ready=True,
                            cpu_isa=getattr(runner, "cpu_isa", ""),
-                           kv_dtype=runner.kv_layout()[3] if hasattr(runner, "kv_layout") else "")
+                           kv_dtype=runner.kv_layout().dtype if hasattr(runner, "kv_layout") else "")
         self.engine = EngineCore(runner, scheduler, fingerprint, prefix_caching)
         self.inbox = Inbox(scheduler.max_num_waiting, self.engine.refusals)
         self._loop_thread: threading.Thread | None = None

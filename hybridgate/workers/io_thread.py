@@ -56,7 +56,8 @@ def handoff_frame_bytes(max_model_len: int, num_kv_heads: int, head_dim: int) ->
     """The largest frame a KV hand-off carries to this worker.
 
     A hand-off of at most `max_model_len` tokens sends one K or V frame of
-    `[num_tokens, kv_heads, head_dim]` per layer, in at most 4 bytes an element
+    `[num_tokens, kv_heads, head_dim]` per layer (num_kv_heads and head_dim: the
+    largest layer's, `KVLayout.largest`, where layers differ), in at most 4 bytes an element
     (float32, the widest of `wire.HANDOFF_DTYPES`); its header carries at most
     a context of ids and the request's fields, as an ADD does (`max_frame_bytes`).
     """

@@ -197,7 +197,7 @@ def _hello(config: WorkerConfig, runner, model) -> Hello:
                  max_model_len=runner.max_model_len, pid=os.getpid(), ready=False,
                  boot_id=uuid.uuid4().hex, name=config.name,
                  handoff_endpoint=handoff, cpu_isa=getattr(runner, "cpu_isa", ""),
-                 kv_dtype=runner.kv_layout()[3] if hasattr(runner, "kv_layout") else "",
+                 kv_dtype=runner.kv_layout().dtype if hasattr(runner, "kv_layout") else "",
                  model=config.model_name or model_name(model))
 
 
@@ -205,8 +205,7 @@ def _handoff_frame_bytes(runner) -> int:
     """The hand-off socket's frame cap: a runner without a KV layout takes no KV (its engine refuses every
     reservation), so only a header can come legitimately."""
     layout = getattr(runner, "kv_layout", None)
-    _, kv_heads, head_dim, _ = layout() if layout is not None else (0, 0, 0, "")
-    return handoff_frame_bytes(runner.max_model_len, kv_heads, head_dim)
+    return handoff_frame_bytes(runner.max_model_len, *(layout().largest if layout is not None else (0, 0)))
 
 
 def _start_io(ctx: zmq.Context, config: WorkerConfig, hello: Hello, inbox: Inbox, wire_errors: WireErrors,

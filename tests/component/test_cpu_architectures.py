@@ -7,8 +7,8 @@ heads, real llama.cpp vocabularies, sliding windows shrunk to 16 tokens): last-p
 prompts in one batch (two longer than the window) within 1e-3; greedy ids for 16 tokens equal (or the
 first difference where the reference's top-2 gap is below 1e-3) through the paged cache with chunked
 prefill, windows crossed mid-chunk, and a prefix-cache hit; and a GPU→CPU hand-off (the torch engine
-exports over a ZeroMQ socket, the Numba engine imports and decodes) giving the ids of the Numba runner
-alone, its imported keys and values those of its own prefill.
+exports over a ZeroMQ socket, the Numba engine imports and decodes) giving the reference's greedy ids (as
+above) and those of the Numba runner alone, its imported keys and values those of its own prefill.
 """
 
 from __future__ import annotations
@@ -163,6 +163,7 @@ def test_a_gpu_to_cpu_handoff_decodes_the_ids_of_the_cpu_runner_alone(case, torc
     alone = getattr(case, "numba_greedy", None) or run_engine(
         EngineCore(case.runner, SchedulerConfig(), case.fingerprint),
         [AddRequest("a", prompt, GREEDY, 0, GREEDY_STEPS, -1)])["a"]
+    assert_greedy_matches(got, case.want_greedy, case.gaps)
     assert got == alone
     # The keys arrived in the basis this runner stores (the file's RoPE layout): its own prefill's.
     own = Sequence(AddRequest("own", prompt, GREEDY, 0, 2, -1))

@@ -11,6 +11,7 @@ from hybridgate.models import model_fingerprint
 from hybridgate.wire import AddRequest, SamplingParams
 from hybridgate.workers.cpu.runner import NumbaRunner
 from hybridgate.workers.engine import EngineCore, output_of
+from hybridgate.workers.handoff_checks import KVLayout
 from hybridgate.workers.scheduler import ScheduledBatch, SchedulerConfig
 from hybridgate.workers.sequence import Sequence
 
@@ -113,7 +114,7 @@ def test_16_bit_caches_hold_twice_the_blocks_in_the_same_memory(gguf_model):
 ])
 def test_import_into_a_16_bit_cache_stores_the_rounded_values(gguf_model, name, wire, rounded):
     runner = NumbaRunner(gguf_model, kv_cache_memory="16MiB", threads=1, kv_cache_dtype=name)
-    assert runner.kv_layout() == (30, 3, 64, wire)
+    assert runner.kv_layout() == KVLayout(tuple(range(30)), ((3, 64),) * 30, wire)  # the file's 30 layers
     rng = np.random.default_rng(5)
     k, v = (rng.standard_normal((2, 21, 3, 64)) * 4).astype(np.float32)
     runner.import_kv([7, 2], 11, k, v)

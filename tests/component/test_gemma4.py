@@ -13,8 +13,10 @@ RoPE on the full layers, two layers sharing the K/V of earlier ones, a layer who
 widths and output scales, the final softcap; the MoE file adds experts beside every dense FFN. Per file: the
 last-position logits of three prompts on both runners, packed in one step; greedy ids for 16 tokens
 equal (or the first difference where llama.cpp's top-2 gap is below 1e-3) through the paged cache with chunked
-prefill (windows of 16 starting mid-chunk) and a prefix-cache hit, every block back in its pool; the KV cache
-holding only the layers that own K/V. A file with E2B/E4B's per-layer embeddings is refused, naming why.
+prefill (windows of 16 starting mid-chunk) and a prefix-cache hit, every block back in its pool, and through a
+GPU→CPU hand-off (the torch engine prefills and exports, the Numba engine imports and decodes) that sends only
+the layers that own K/V, each in its own shape; the KV cache holding only those layers. A file with E2B/E4B's
+per-layer embeddings is refused, naming why.
 """
 
 from __future__ import annotations
@@ -29,12 +31,17 @@ import torch
 from conftest import GOLDEN
 from hybridgate.cli import main
 from hybridgate.models import ModelLoadError, load_gguf, model_fingerprint
-from hybridgate.wire import HandoffReservation, HandoffReserve
 from hybridgate.workers.engine import EngineCore
 from hybridgate.workers.gpu.model import DecoderModel
 from hybridgate.workers.gpu.runner import TorchRunner
+from hybridgate.workers.handoff_checks import KVLayout
 from hybridgate.workers.scheduler import SchedulerConfig
-from test_cpu_architectures import ROUTER, greedy_through_chunks_and_prefix
+from test_cpu_architectures import greedy_through_chunks_and_prefix
+# The GPU→CPU hand-off test of every family (the torch engine exports, the Numba engine imports and decodes), here
+# held to llama.cpp's greedy ids, and the K/V imported (each owning layer in its own shape) to the Numba prefill's.
+from test_cpu_architectures import test_a_gpu_to_cpu_handoff_decodes_the_ids_of_the_cpu_runner_alone as \
+    test_a_gpu_to_cpu_handoff_decodes_llama_cpps_ids
+from test_cpu_architectures import torch_engine
 # qwen3moe's tests of logits (within 1e-3, packed) and of greedy ids through chunked prefill and the prefix cache
 # (every block back), run here on this module's `case`: they read only its fields, here llama.cpp's answers.
 from test_moe import TOL, numba_packed, numba_runner, torch_packed
@@ -46,8 +53,9 @@ from tiny_gemma4 import (EXPERT_FFN, EXPERTS, EXPERTS_USED, FFN, HEAD_DIM_FULL, 
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
+# collected here under these names (torch_engine: the hand-off test's fixture)
 REUSED = (test_greedy_through_chunked_prefill_and_the_prefix_cache, test_numba_runner_logits_match_llama_cpp,
-          test_torch_runner_logits_match_llama_cpp)  # collected here under these names
+          test_torch_runner_logits_match_llama_cpp, test_a_gpu_to_cpu_handoff_decodes_llama_cpps_ids, torch_engine)
 GOLDENS = json.loads((GOLDEN / "gemma4.json").read_text())
 LLAMA_CPP_TOL = 1e-2  # llama.cpp's fp16-table GELU: 5e-3 at most from the float64 logits on these files
 
@@ -133,13 +141,14 @@ def test_the_kv_cache_holds_only_the_layers_that_own_kv(case):
         assert [tuple(t.shape[1:3]) for t in k[:4]] == [(2, 16), (1, 32), (2, 16), (1, 32)]
 
 
-def test_a_cpu_worker_refuses_a_handoff_its_header_cannot_describe(case):
-    # One (KV heads, head size) for every layer is all a hand-off header says: the CPU worker says no, and the
-    # request stays on its GPU worker.
-    cpu = EngineCore(case.runner, SchedulerConfig(), case.fingerprint, prefix_caching=False)
-    cpu.handoffs.handle(ROUTER, HandoffReserve("h", 41))
-    (_, answer), = cpu.handoffs.take_notices()[0]
-    assert isinstance(answer, HandoffReservation) and not answer.ok and "share K/V" in answer.reason
+def test_a_handoff_sends_the_layers_that_own_kv_each_in_its_own_shape(case):
+    # Layers 0-3 (sliding: 2 heads of 16, full: 1 head of 32), not the two that share theirs; both runners
+    # alike. The hand-off itself: `test_a_gpu_to_cpu_handoff_decodes_llama_cpps_ids`.
+    shapes = tuple((KV_HEADS[i], HEAD_DIM_SWA if SLIDING[i] else HEAD_DIM_FULL) for i in range(4))
+    torch_runner = TorchRunner(case.gguf, torch.device("cpu"), torch.float32, kv_cache_memory="4MiB")
+    assert torch_runner.kv_layout() == case.runner.kv_layout() == KVLayout((0, 1, 2, 3), shapes, "float32")
+    spec = EngineCore(case.runner, SchedulerConfig(), case.fingerprint).handoffs.spec
+    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.layer_shapes) == (4, 0, 0, shapes)
 
 
 def test_a_file_with_per_layer_embeddings_is_refused_naming_why(tmp_path):

@@ -11,8 +11,9 @@ V = K and have 1 KV head) and 8 experts choosing 2 beside every dense FFN, with 
 the per-expert scales. Per file: last-position logits of three packed prompts within 1e-3 on both runners;
 greedy ids for 16 tokens equal (or the first difference where the reference's top-2 gap is below 1e-3)
 through the paged cache with chunked prefill (the 16-token windows start mid-chunk) and a prefix-cache hit on
-both runners. The per-layer layout read from the file is transformers' (head sizes, KV heads, which layer's K/V
-each layer reads, V = K, FFN widths, scalars, RoPE frequencies).
+both runners, and through a GPU→CPU hand-off (torch prefill, Numba decode). The per-layer layout read from the
+file is transformers' (head sizes, KV heads, which layer's K/V each layer reads, V = K, FFN widths, scalars, RoPE
+frequencies).
 
 transformers and llama.cpp (src/models/gemma4.cpp) compute the same graph on these files but for llama.cpp's
 CPU GELU, read from an fp16 table; transformers' `gelu_pytorch_tanh` is exact, as both runners are (here within
@@ -40,12 +41,19 @@ from hybridgate.workers.gpu.model import DecoderModel
 from test_moe import TOL, Case, hf_logits, numba_packed, numba_runner, torch_packed
 from test_moe import test_greedy_through_chunked_prefill_and_the_prefix_cache
 from test_moe import test_numba_runner_logits_match_transformers, test_torch_runner_logits_match_transformers
+# The GPU→CPU hand-off test of every family, here held to transformers' greedy ids; the dense file's owning layers
+# differ in bytes per token (2 KV heads of 16 or 32), so the export packs frames of two sizes.
+from test_cpu_architectures import test_a_gpu_to_cpu_handoff_decodes_the_ids_of_the_cpu_runner_alone as \
+    test_a_gpu_to_cpu_handoff_decodes_transformers_ids
+from test_cpu_architectures import torch_engine
 from tiny_gemma4_hf import make_gemma4, write_gemma4_hf_gguf
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
+# collected here under these names (torch_engine: the hand-off test's fixture)
 REUSED = (test_greedy_through_chunked_prefill_and_the_prefix_cache, test_numba_runner_logits_match_transformers,
-          test_torch_runner_logits_match_transformers)  # collected here under these names
+          test_torch_runner_logits_match_transformers, test_a_gpu_to_cpu_handoff_decodes_transformers_ids,
+          torch_engine)
 
 
 @pytest.fixture(scope="module", params=["dense", "moe"])

@@ -15,6 +15,7 @@ from hybridgate import wire
 from hybridgate.mempool import PinnedPool
 from hybridgate.wire import HandoffHeader, SamplingParams
 from hybridgate.workers.handoff import HandoffRefusal, KVSpec, PauseHooks, Reservations, check_header, frames_to_float32
+from hybridgate.workers.handoff_checks import KVLayout, decode_header
 
 SPEC = KVSpec("fp", 16, 2, 3, 64)
 
@@ -61,6 +62,37 @@ def test_header_checks_name_the_field_and_both_values(changes, field):
     value = next(iter(changes.values()))
     if isinstance(value, str):
         assert repr(value) in exc.value.message
+
+
+def test_a_mixed_shape_header_names_each_sent_layers_shape_and_old_headers_stay_valid():
+    # Model layer 2 shares another's K/V (gemma4's last layers do): layers 0, 1 and 3 are sent, of two shapes.
+    layout = KVLayout((0, 1, 3), ((2, 16), (1, 64), (2, 16)), "float32")
+    spec = KVSpec.of("fp", 16, layout)
+    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (3, 0, 0)
+    assert [spec.model_layer(j) for j in range(3)] == [0, 1, 3]
+    mixed = header(num_layers=3, num_kv_heads=0, head_dim=0, layer_shapes=[(2, 16), (1, 64), (2, 16)])
+    assert wire.decode(wire.encode(mixed)) == mixed
+    check_header(mixed, spec, 100, VOCAB)
+    for changes, field in (({"layer_shapes": [(2, 16), (2, 16), (2, 16)]}, "layer_shapes"),
+                           ({"layer_shapes": []}, "layer_shapes"), ({"num_layers": 5}, "num_layers"),
+                           ({"num_kv_heads": 2, "head_dim": 16, "layer_shapes": []}, "num_kv_heads")):
+        with pytest.raises(HandoffRefusal) as exc:
+            check_header(msgspec.structs.replace(mixed, **changes), spec, 100, VOCAB)
+        assert exc.value.field == field
+    # A header written before layer_shapes existed: every layer sent is [num_kv_heads, head_dim].
+    old = msgspec.structs.asdict(header())
+    del old["layer_shapes"]
+    assert decode_header(msgspec.msgpack.encode(old)) == header()
+    check_header(decode_header(msgspec.msgpack.encode(old)), SPEC, 100, VOCAB)
+    # Frames of sent layers 1 and 2 (a part from layer 1 on), each in its own layer's shape.
+    rng = np.random.default_rng(1)
+    want = [rng.standard_normal((5, *shape)).astype(np.float32) for shape in ((1, 64), (1, 64), (2, 16), (2, 16))]
+    got = frames_to_float32([w.tobytes() for w in want], mixed, spec, first_layer=1)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+    with pytest.raises(HandoffRefusal, match=r"frame 0 has 640 bytes, 5 tokens of float32 make 1280 \(sent layer "
+                                             r"1: \(1, 64\)\)"):
+        frames_to_float32([want[2].tobytes(), want[3].tobytes()], mixed, spec, first_layer=1)
 
 
 def test_a_token_matches_only_its_reservation():
@@ -156,7 +188,7 @@ def test_imported_sequences_are_preempted_last_and_counted_when_recomputed():
         sched.unpark(s)
         return s
 
-    other = running("other", 8, False)  # 2 full blocks: its next token needs a third
+    running("other", 8, False)  # 2 full blocks: its next token needs a third
     plain = running("plain", 4, False)  # 1 block, room for its next token
     imp = running("imp", 6, True)  # 2 blocks, room for its next token; now 0 blocks are free
     batch = sched.schedule()  # other needs a block: plain goes, though imp is the newest
@@ -175,7 +207,7 @@ def test_the_export_queue_is_bounded_and_one_more_export_fails_at_once():
     from hybridgate.workers.gpu.export import KVExporter
     from hybridgate.workers.handoff import ExportJob
 
-    cache = SimpleNamespace(k=[torch.zeros(4, 16, 3, 64)], block_size=16)
+    cache = SimpleNamespace(k=[torch.zeros(4, 16, 3, 64)], block_size=16, config=SimpleNamespace(kv_layers=(0,)))
     runner = SimpleNamespace(cache=cache, model=SimpleNamespace(device=torch.device("cpu")), max_model_len=64)
     events, ctx = [], zmq.Context()
     exporter = KVExporter(runner, ctx, events.append, buffer_memory=1 << 20, max_jobs=2)
@@ -190,3 +222,64 @@ def test_the_export_queue_is_bounded_and_one_more_export_fails_at_once():
     finally:
         exporter.close()
         ctx.term()
+
+
+def test_an_export_packs_layers_of_two_shapes_into_its_parts_and_sends_no_shared_layer():
+    """12 layers own K/V, alternating 2 heads of 16 and 1 head of 64 (gemma4's sliding and full layers differ
+    so), and model layer 6 shares layer 4's: parts of 2 layers of both shapes. Each frame received must be its
+    layer's slots of the sequence's blocks, read from the cache tensors by numpy indexing."""
+    import torch
+    import zmq
+
+    from conftest import TIME_FACTOR
+    from hybridgate.workers.gpu.export import KVExporter, StepTimeline
+    from hybridgate.workers.handoff import ExportJob
+    from hybridgate.workers.handoff_checks import decode_part
+
+    bs, slots, cpu = 16, 6 * 16, torch.device("cpu")
+    owners = [i for i in range(13) if i != 6]
+    shapes = [(2, 16) if j % 2 == 0 else (1, 64) for j in range(len(owners))]
+    g = torch.Generator().manual_seed(0)
+    own = {i: [torch.randn(slots, *shape, generator=g) for _ in "KV"] for i, shape in zip(owners, shapes)}
+    source = [4 if i == 6 else i for i in range(13)]
+    cache = SimpleNamespace(k=[own[i][0] for i in source], v=[own[i][1] for i in source], block_size=bs,
+                            config=SimpleNamespace(kv_layers=tuple(owners)))
+    runner = SimpleNamespace(cache=cache, model=SimpleNamespace(device=cpu), max_model_len=slots,
+                             timeline=StepTimeline(cpu))
+    spec = KVSpec.of("fp", bs, KVLayout(tuple(owners), tuple(shapes), "float32"))
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.bind("inproc://mixed-export")
+    events = []
+    exporter = KVExporter(runner, ctx, events.append, buffer_memory=1 << 20)
+    n, table = 37, [4, 0, 2]
+    h = header(num_layers=spec.num_layers, num_kv_heads=0, head_dim=0, layer_shapes=list(spec.layer_shapes),
+               num_tokens=n, prompt_ids=list(range(1, n + 1)))
+    try:
+        exporter.submit(ExportJob((b"c", "r"), "inproc://mixed-export", h, table))
+        assert sock.poll(int(5000 * TIME_FACTOR))
+        got_header = decode_header(sock.recv_multipart()[2])
+        check_header(got_header, spec, slots, VOCAB)
+        arrays, parts = [], []
+        while len(arrays) < 2 * spec.num_layers:
+            assert sock.poll(int(5000 * TIME_FACTOR))
+            _, _, body, *frames = sock.recv_multipart()
+            part = decode_part(body)
+            parts.append((part.first_layer, part.num_layers))
+            arrays += frames_to_float32(frames, got_header, spec, part.first_layer)
+        deadline = time.monotonic() + 5 * TIME_FACTOR
+        while not events and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        exporter.close()
+        sock.close(0)
+        ctx.term()
+    assert parts == [(j, 2) for j in range(0, 12, 2)]  # about 10 parts: 2 layers each, one of each shape
+    sent = [b * bs + o for b in table for o in range(bs)][:n]
+    for j, layer in enumerate(owners):
+        np.testing.assert_array_equal(arrays[2 * j], cache.k[layer][sent].numpy())
+        np.testing.assert_array_equal(arrays[2 * j + 1], cache.v[layer][sent].numpy())
+    (event,) = events
+    assert event.kind == "sent" and event.nbytes == 2 * n * 4 * sum(h * d for h, d in shapes)
+    exporter.pool.drain()  # the context is closed: ZeroMQ holds no frame of any buffer
+    assert exporter.pool.stats.bytes_in_use == 0

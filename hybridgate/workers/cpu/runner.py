@@ -25,6 +25,7 @@ from hybridgate.workers.cpu.model import CpuModel  # noqa: E402
 from hybridgate.workers.cpu.threadfallback import ThreadFallback  # noqa: E402
 from hybridgate.workers import pooling  # noqa: E402
 from hybridgate.workers.faults import FaultHook  # noqa: E402
+from hybridgate.workers.handoff_checks import KVLayout  # noqa: E402
 from hybridgate.workers.memory import host_available_bytes, num_blocks_for  # noqa: E402
 from hybridgate.workers.sampling import sample, token_logprobs  # noqa: E402
 from hybridgate.workers.scheduler import ScheduledBatch, SchedulerConfig  # noqa: E402
@@ -148,10 +149,9 @@ class NumbaRunner:
     def kernel_cache_stats(self) -> tuple[int, int]:
         return kernel_cache_stats()
 
-    def kv_layout(self) -> tuple[int, int, int, str]:
-        """(layers, KV heads, head dim, dtype) of this cache: what a KV hand-off must match."""
-        c = self.model.config
-        return c.num_layers, c.num_kv_heads, c.head_dim, self.kv_dtype.wire
+    def kv_layout(self) -> KVLayout:
+        """The layers this cache holds, their shapes and its dtype: what a KV hand-off must match."""
+        return KVLayout.of(self.model.config, self.kv_dtype.wire)
 
     def import_kv(self, block_table: list[int], layer: int, k: np.ndarray, v: np.ndarray) -> None:
         """Write one layer's K and V of a hand-off into `block_table`'s blocks, in this cache's layout.

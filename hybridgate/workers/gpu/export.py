@@ -12,7 +12,8 @@ that event completes sends the frames with `copy=False` and a send tracker;
 the buffer returns to the pool when the tracker says ZeroMQ is done with it.
 Parts are pipelined: the next part's copies are issued before the previous
 part is sent. On a CPU torch device the same code runs with a plain slab and
-synchronous gathers.
+synchronous gathers. Only the layers that own K/V are sent, each frame in its
+own layer's shape (gemma4's layers differ), packed by bytes in the buffers.
 
 The copy time "hidden" behind compute is the overlap of each part's copy with
 the runner's steps: CUDA events on both streams on CUDA, host clocks on the
@@ -28,7 +29,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import zmq
@@ -36,7 +37,7 @@ import zmq
 from hybridgate import wire
 from hybridgate.security.keys import Transport
 from hybridgate.mempool import PinnedPool, aligned_slab
-from hybridgate.wire import HandoffHeader, HandoffPart, HandoffRefused, MsgType
+from hybridgate.wire import HandoffPart, HandoffRefused
 from hybridgate.workers.guard import Refusals
 from hybridgate.workers.handoff import ExportJob, PauseHooks
 from hybridgate.workers.threads import worker_thread
@@ -143,7 +144,7 @@ class KVExporter:
                  wait_s: float = BUFFER_WAIT_S, buffer_bytes: int | None = None, transport: Transport | None = None,
                  max_jobs: int = MAX_QUEUED_EXPORTS, refusals: Refusals | None = None):
         """buffer_memory: the slab (the `handoff_buffer_memory` setting). buffer_bytes: one buffer; by
-        default one layer's K and V of the longest hand-off, which no setting bounds but the runner's
+        default the largest layer's K and V of the longest hand-off, which no setting bounds but the runner's
         max model length (a hand-off carries the prompt and its first token), capped at half the slab so
         that two buffers exist (one copying while the other sends), and at least slab / MAX_BUFFERS;
         hand-offs longer than a buffer holds (`max_tokens`) stay on this worker. Tests pass a smaller one.
@@ -157,20 +158,21 @@ class KVExporter:
         self.pauses = pauses or PauseHooks()
         cache, dev = runner.cache, runner.model.device
         self.cuda = dev.type == "cuda"
-        itemsize = cache.k[0].element_size()
+        self.layers = cache.config.kv_layers  # the model layer of each layer sent: those that own K/V (`KVLayout`)
+        # one token's K (or V) of each layer sent, in bytes: gemma4's layers differ
+        self.rows = [cache.k[i].shape[1] * cache.k[i].shape[2] * cache.k[i].element_size() for i in self.layers]
         bs = cache.block_size
-        max_blocks = -(-runner.max_model_len // bs)
-        self.layer_bytes = 2 * max_blocks * bs * cache.k[0].shape[1] * cache.k[0].shape[2] * itemsize
+        row_bytes = 2 * max(self.rows)  # one token's K and V, the largest layer
         if buffer_bytes is None:
             # Two buffers at least (one copying while the other sends): a hand-off whose one layer outgrows a
             # buffer fails to export and stays on this worker (the router keeps its stream).
-            buffer_bytes = max(buffer_memory // MAX_BUFFERS, min(self.layer_bytes, buffer_memory // 2))
+            layer_bytes = -(-runner.max_model_len // bs) * bs * row_bytes
+            buffer_bytes = max(buffer_memory // MAX_BUFFERS, min(layer_bytes, buffer_memory // 2))
         num_buffers = buffer_memory // buffer_bytes
-        row_bytes = 2 * cache.k[0].shape[1] * cache.k[0].shape[2] * itemsize  # one token's K and V, one layer
         self.max_tokens = buffer_bytes // row_bytes // bs * bs  # the longest hand-off this exporter sends
         if num_buffers < 2 or self.max_tokens < bs:
             raise ValueError(f"--handoff-buffer-memory: {buffer_memory} bytes hold fewer than 2 buffers of one "
-                             f"block's K and V of one layer ({bs * row_bytes} bytes)")
+                             f"block's K and V of the largest layer ({bs * row_bytes} bytes)")
         log.info("KV hand-offs: %d pinned buffers of %.1f MiB (--handoff-buffer-memory %.1f MiB), one layer's "
                  "K and V of up to %d tokens%s", num_buffers, buffer_bytes / 2**20, buffer_memory / 2**20,
                  self.max_tokens, "; longer prompts stay on this worker" if self.max_tokens < runner.max_model_len
@@ -266,19 +268,10 @@ class KVExporter:
             return
         cache, bs = self.runner.cache, self.runner.cache.block_size
         nblk = -(-h.num_tokens // bs)
-        row_bytes = cache.k[0].shape[1] * cache.k[0].shape[2] * cache.k[0].element_size()
-        frame_alloc = nblk * bs * row_bytes  # whole blocks are gathered; the first num_tokens rows are sent
-        frame_bytes = h.num_tokens * row_bytes
-        if 2 * frame_alloc > self.pool.buffer_bytes:  # before the header: the CPU worker hears of nothing
-            raise ValueError(f"a hand-off of {h.num_tokens} tokens: one layer's K and V ({2 * frame_alloc} bytes) "
-                             f"exceed a pinned buffer ({self.pool.buffer_bytes} bytes, up to {self.max_tokens} "
-                             f"tokens; --handoff-buffer-memory sets them)")
+        parts = self._parts(h.num_tokens, nblk)  # before the header: a hand-off too long fails unheard of
         sock = self._socket(job.endpoint)
         sock.send_multipart(wire.encode(h))
-        # About PARTS_PER_HANDOFF parts (fewer when a buffer holds less): the first part's copy and
-        # the last part's import are what the pipeline cannot overlap.
-        per_part = min(self.pool.buffer_bytes // (2 * frame_alloc), max(1, -(-h.num_layers // PARTS_PER_HANDOFF)))
-        dev = cache.k[0].device
+        dev = cache.k[self.layers[0]].device
         if self.copy_stream is None:
             table = torch.tensor(job.block_table[:nblk], dtype=torch.int64)
         else:
@@ -286,21 +279,20 @@ class KVExporter:
                 table = torch.tensor(job.block_table[:nblk], dtype=torch.int64).to(dev)
         pending: deque = deque()  # parts copied (or copying), not yet sent
         nbytes, copy_s, hidden_s = 0, 0.0, 0.0
-        for first in range(0, h.num_layers, per_part):
+        for layers, frames in parts:
             if job.cancelled.is_set():
                 break
-            layers = range(first, min(h.num_layers, first + per_part))
             if self.pool.num_free == 0 and pending:
                 c, hdn = self._send_part(sock, job, *pending.popleft())
                 copy_s, hidden_s = copy_s + c, hidden_s + hdn
             buf = self.pool.acquire(wait_s=self.wait_s)
             try:
-                timing = self._copy(buf, layers, table, nblk, frame_alloc, job.ready)
+                timing = self._copy(buf, layers, frames, table, nblk, job.ready)
             except Exception:
                 self.pool.release(buf)
                 raise
-            pending.append((buf, layers, frame_alloc, frame_bytes, timing))
-            nbytes += 2 * len(layers) * frame_bytes
+            pending.append((buf, layers, frames, timing))
+            nbytes += sum(sent for _, _, sent in frames)
         while pending:
             if job.cancelled.is_set():
                 buf, *_ = pending.popleft()
@@ -317,6 +309,34 @@ class KVExporter:
         self.notify(ExportEvent(job.key, "sent", nbytes=nbytes, export_s=time.monotonic() - job.started,
                                 copy_s=copy_s, hidden_s=hidden_s))
 
+    def _parts(self, num_tokens: int, nblk: int) -> list[tuple[range, list[tuple[int, int, int]]]]:
+        """The parts of a hand-off of `num_tokens` (`nblk` blocks): each a range of layers sent and its frames
+        in a buffer, K then V per layer, as (byte offset, bytes gathered: whole blocks, bytes sent: the first
+        num_tokens rows), packed by bytes since layers' shapes may differ. About PARTS_PER_HANDOFF parts
+        (fewer layers to a part when a buffer holds less): the first part's copy and the last part's import
+        are what the pipeline cannot overlap.
+
+        Raises:
+            ValueError: the largest layer's K and V of `nblk` blocks exceed a buffer.
+        """
+        slots, limit = nblk * self.runner.cache.block_size, self.pool.buffer_bytes
+        if 2 * slots * max(self.rows) > limit:
+            raise ValueError(f"a hand-off of {num_tokens} tokens: one layer's K and V ({2 * slots * max(self.rows)} "
+                             f"bytes) exceed a pinned buffer ({limit} bytes, up to {self.max_tokens} tokens; "
+                             "--handoff-buffer-memory sets them)")
+        per_part = max(1, -(-len(self.layers) // PARTS_PER_HANDOFF))
+        parts, first = [], 0
+        while first < len(self.layers):
+            frames, end, used = [], first, 0
+            while end < len(self.layers) and end - first < per_part and used + 2 * slots * self.rows[end] <= limit:
+                for _ in "KV":
+                    frames.append((used, slots * self.rows[end], num_tokens * self.rows[end]))
+                    used += slots * self.rows[end]
+                end += 1
+            parts.append((range(first, end), frames))
+            first = end
+        return parts
+
     def _copy_done_check(self):
         if self.copy_stream is None:
             return None
@@ -324,34 +344,43 @@ class KVExporter:
         ev.record(self.copy_stream)
         return ev.query
 
-    def _copy(self, buf, layers: range, table: torch.Tensor, nblk: int, frame_alloc: int, ready):
-        """Gather `layers`' K and V blocks into `buf` (K then V per layer, frame_alloc bytes each).
-
-        Returns (start, end) of the copy: CUDA timing events on the copy stream, or
-        monotonic times on the CPU."""
+    def _gathers(self, buf, layers: range, frames: list[tuple[int, int, int]], nblk: int) -> list:
+        """(source, destination) per frame of a part: the cache tensor of the frame's layer, K or V, as
+        `[blocks, block_size, kv_heads, head_dim]`, and its place in `buf` as `[nblk, block_size, kv_heads,
+        head_dim]`, each in that layer's own shape."""
         cache = self.runner.cache
         bs = cache.block_size
-        kv_shape = cache.k[0].shape[1:]
-        dst = torch.from_numpy(buf.memory[: 2 * len(layers) * frame_alloc]).view(cache.k[0].dtype)
-        dst = dst.view(2 * len(layers), nblk, bs, *kv_shape)
+        pairs = []
+        for i, (offset, gathered, _) in enumerate(frames):
+            src = (cache.k, cache.v)[i % 2][self.layers[layers[i // 2]]]
+            kv_shape = src.shape[1:]
+            dst = torch.from_numpy(buf.memory[offset : offset + gathered]).view(src.dtype)
+            pairs.append((src.view(-1, bs, *kv_shape), dst.view(nblk, bs, *kv_shape)))
+        return pairs
+
+    def _copy(self, buf, layers: range, frames: list[tuple[int, int, int]], table: torch.Tensor, nblk: int,
+              ready):
+        """Gather `layers`' K and V blocks into `buf` at their frames' offsets (`_parts`).
+
+        The CPU path and the CUDA copy-stream path gather the same (source, destination) pairs
+        (`_gathers`); only CUDA's waits for `ready` and copies asynchronously. Returns (start, end)
+        of the copy: CUDA timing events on the copy stream, or monotonic times on the CPU."""
+        pairs = self._gathers(buf, layers, frames, nblk)
         if self.copy_stream is None:
             start = time.monotonic()
-            for j, layer in enumerate(layers):
-                for w, src in enumerate((cache.k[layer], cache.v[layer])):
-                    torch.index_select(src.view(-1, bs, *kv_shape), 0, table, out=dst[2 * j + w])
+            for src, dst in pairs:
+                torch.index_select(src, 0, table, out=dst)
             return start, time.monotonic()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.copy_stream):
             self.copy_stream.wait_event(ready)  # the step that wrote the blocks comes first
             start.record(self.copy_stream)
-            for j, layer in enumerate(layers):
-                for w, src in enumerate((cache.k[layer], cache.v[layer])):
-                    gathered = src.view(-1, bs, *kv_shape).index_select(0, table)  # on the copy stream
-                    dst[2 * j + w].copy_(gathered, non_blocking=True)
+            for src, dst in pairs:
+                dst.copy_(src.index_select(0, table), non_blocking=True)  # gathered on the copy stream
             end.record(self.copy_stream)
         return start, end
 
-    def _send_part(self, sock: zmq.Socket, job: ExportJob, buf, layers: range, frame_alloc: int, frame_bytes: int,
+    def _send_part(self, sock: zmq.Socket, job: ExportJob, buf, layers: range, frames: list[tuple[int, int, int]],
                    timing) -> tuple[float, float]:
         """Wait for the part's copy, send it zero-copy, hand the buffer back; (copy s, hidden s)."""
         start, end = timing
@@ -364,10 +393,10 @@ class KVExporter:
         part = HandoffPart(job.header.request_id, job.header.token, layers[0], len(layers))
         sock.send_multipart(wire.encode(part), zmq.SNDMORE)
         trackers = []
-        frames = [buf.memory[i * frame_alloc : i * frame_alloc + frame_bytes] for i in range(2 * len(layers))]
-        for i, frame in enumerate(frames):
-            flags = zmq.SNDMORE if i < len(frames) - 1 else 0
-            trackers.append(sock.send(frame, flags, copy=False, track=True))
+        views = [buf.memory[offset : offset + sent] for offset, _, sent in frames]  # the first num_tokens rows
+        for i, view in enumerate(views):
+            flags = zmq.SNDMORE if i < len(views) - 1 else 0
+            trackers.append(sock.send(view, flags, copy=False, track=True))
         tracker = zmq.MessageTracker(*trackers)
         self.pool.release(buf, lambda: tracker.done)
         return copy_s, min(hidden_s, copy_s)

@@ -30,6 +30,7 @@ from hybridgate.workers.memory import budget_text, host_available_bytes, kv_cach
 from hybridgate.workers.gpu.model import DecoderModel, default_device
 from hybridgate.workers import pooling
 from hybridgate.workers.faults import FaultHook
+from hybridgate.workers.handoff_checks import KVLayout
 from hybridgate.workers.config import EngineConfig
 from hybridgate.workers.scheduler import ScheduledBatch, SchedulerConfig
 from hybridgate.workers.sequence import Sequence
@@ -186,10 +187,9 @@ class TorchRunner:
                        f"a profiled step of {tokens} tokens")
         return nbytes // self.block_bytes
 
-    def kv_layout(self) -> tuple[int, int, int, str]:
-        """(layers, KV heads, head dim, dtype) of this cache: a KV hand-off's header fields."""
-        c = self.model.config
-        return c.num_layers, c.num_kv_heads, c.head_dim, dtype_name(self.model.dtype)
+    def kv_layout(self) -> KVLayout:
+        """The layers this cache holds, their shapes and its dtype: a KV hand-off's header fields."""
+        return KVLayout.of(self.model.config, dtype_name(self.model.dtype))
 
     def kernel_cache_stats(self) -> tuple[int, int]:
         return 0, 0  # nothing compiled ahead of time (CUDA graphs are captured, not cached)
