@@ -152,8 +152,8 @@ class EngineConfig:
                 "dequantized weights, for every weight type), i16 (activations quantized to int16 per 32- or 256-block "
                 "wherever a type has an int16 kernel, integer multiply-adds, about 2e-5 relative error), i8 (as i16, "
                 "but the prompt tokens of prompts of 32 tokens or more multiply with int8 activations per 32-block "
-                "where the type has an int8 prompt kernel: Q4_K, Q5_K and Q6_K on avx2 and avx512; Q8_0, Q4_0, Q4_1 "
-                "and on avx2 Q5_0 under i8 only), auto (the kernel table's choice per "
+                "where the type has an int8 prompt kernel: Q4_K, Q5_K and Q6_K on avx2 and avx512; Q8_0, Q4_0, Q4_1, "
+                "MXFP4 and on avx2 Q5_0 under i8 only), auto (the kernel table's choice per "
                 "weight type on this ISA path, int8 or AMX prompt kernels included; `hybridgate info --model FILE` "
                 "prints it); f32 and i16 keep prompts on the decode kernels",
         choices=("auto", "f32", "i16", "i8"))

@@ -1,4 +1,4 @@
-"""The int8 prompt kernels of the 32-column block types (`int8_blocks`: Q8_0, Q5_0, Q4_0, Q4_1) against gguf's
+"""The int8 prompt kernels of the 32-column block types (`int8_blocks`: Q8_0, Q5_0, Q4_0, Q4_1, MXFP4) against gguf's
 dequantizer.
 
 In a child per path this machine runs among avx512 and avx2 (Numba compiles for one target per process; the
@@ -10,7 +10,8 @@ exact, so only the float32 steps per block separate them) and (2) the float64 pr
 activations within the bound of the int8 rounding (max|x_b| / 254 per element, times Σ|w|). The extremes put
 every int16 sum at its largest: Q8_0 codes -128 with activations ±127 (pair sums 2 · 128 · 127 = 32,512, each
 widened alone) and codes 127; Q5_0 codes -16 (the block's 8 pair sums in int16: 8 · 2 · 16 · 127 = 32,512);
-Q4_0 and Q4_1 codes 15 (8 · 2 · 15 · 127 = 30,480), with scales up to fp16's largest; a saturated or wrapped
+Q4_0 and Q4_1 codes 15 (8 · 2 · 15 · 127 = 30,480), with scales up to fp16's largest; MXFP4 codes 7 (v + 12 =
+24: two quads' 4 pair sums 4 · 2 · 24 · 127 = 24,384) with E8M0 bytes 0 and 1 (subnormal) to 150; a saturated or wrapped
 lane would miss (1) by far. Then a row's bits are the same at batch 1 and batch 37 and over several passes of
 the activations; rows outside the prompt span keep the decode kernel's bits (`matmul_prompt`, cpu_activations
 i8); and the machine code is the path's.
@@ -34,15 +35,17 @@ from tests.conftest import json_children  # noqa: E402
 from tests.unit.test_cpu_int8 import _rounded  # noqa: E402  (the int8-rounded activations, in float64)
 
 RUNS = [p for p in isa.ISAS[isa.ISAS.index(isa.best(isa.host_features())):] if p != "generic"]
-TYPES = ("Q8_0", "Q5_0", "Q4_0", "Q4_1")
-KERNEL = {"Q8_0": "multiply_q8_0", "Q5_0": "multiply_q5_0", "Q4_0": "multiply_q4", "Q4_1": "multiply_q4"}
-KIND_INDEX = {"Q8_0": 0, "Q5_0": 1, "Q4_0": 2, "Q4_1": 2}  # `int8_blocks.KINDS`
-MATRIX = {"Q8_0": "Q80Matrix", "Q5_0": "Q50Matrix", "Q4_0": "Q40Matrix", "Q4_1": "Q41Matrix"}
+TYPES = ("Q8_0", "Q5_0", "Q4_0", "Q4_1", "MXFP4")
+KERNEL = {"Q8_0": "multiply_q8_0", "Q5_0": "multiply_q5_0", "Q4_0": "multiply_q4", "Q4_1": "multiply_q4",
+          "MXFP4": "multiply_mxfp4"}
+KIND_INDEX = {"Q8_0": 0, "Q5_0": 1, "Q4_0": 2, "Q4_1": 2, "MXFP4": 3}  # `int8_blocks.KINDS`
+MATRIX = {"Q8_0": "Q80Matrix", "Q5_0": "Q50Matrix", "Q4_0": "Q40Matrix", "Q4_1": "Q41Matrix", "MXFP4": "LowBitMatrix"}
 # (rows, cols, batch): a tail of 5 rows past the groups of 8, one block, the default model's 576 columns, and
 # batch 37 (9 tiles of 4 and a 1-row tail)
 SHAPES = [(37, 576, 37), (16, 32, 5), (8, 2048, 2)]
-TABLE_TYPES = {"avx2": TYPES, "avx512": ("Q8_0", "Q4_0", "Q4_1")}  # the table's i8 rows (avx512's Q5_0: LowBitMatrix)
-BLOCK_BYTES = {"Q8_0": 34, "Q5_0": 22, "Q4_0": 18, "Q4_1": 20}
+# the table's i8 rows (avx512's Q5_0: LowBitMatrix, whose 5-bit codes the tiles do not read)
+TABLE_TYPES = {"avx2": TYPES, "avx512": ("Q8_0", "Q4_0", "Q4_1", "MXFP4")}
+BLOCK_BYTES = {"Q8_0": 34, "Q5_0": 22, "Q4_0": 18, "Q4_1": 20, "MXFP4": 17}
 
 pytestmark = pytest.mark.skipif(not RUNS, reason="this CPU runs neither the avx512 nor the avx2 path")
 
@@ -104,7 +107,12 @@ def _extremes(kind: str, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
     blocks = np.zeros((rows, cols // 32, BLOCK_BYTES[kind]), np.uint8)
     scales = np.array([65504.0, 1.0, -2.0, 0.5, 60000.0, -65504.0, 3.0e-5, 1.0], np.float16)  # one per row
     blocks[:, :, 0:2] = scales[np.arange(rows) % 8].view(np.uint8).reshape(rows, 1, 2)
-    if kind == "Q8_0":
+    if kind == "MXFP4":  # E8M0 bytes from the subnormal 0 and 1 to 2^22, codes 7 (+12: 24 after the offset) or 15
+        blocks[:, :, 0] = np.array([150, 127, 1, 0, 140, 128, 100, 149], np.uint8)[np.arange(rows) % 8, None]
+        blocks[:, :, 1:] = 0x77
+        blocks[1::2, :, 1:] = 0xFF  # -12: v + 12 = 0
+        blocks[2::4, :, 1::2] = 0xF7  # rows 2, 6: 12 and -12 alternating
+    elif kind == "Q8_0":
         blocks[:, :, 2:] = 0x80  # -128
         blocks[1::2, :, 2:] = 0x7F  # odd rows 127
         blocks[2::4, :, 2::2] = 0x7F  # rows 2, 6: -128 and 127 alternating
@@ -156,7 +164,10 @@ def _check(path: str) -> dict:
         got = np.empty((batch, rows), np.float32)
         multiply(x, everything, *arrays, got)
         # float32 steps over ≤ 64 blocks, of the weight and (Q4_0, Q4_1) of its minimum's term
-        minimum = np.repeat(np.abs(m.minimum.astype(np.float64)), 32, axis=1) if kind.startswith("Q4") else 0
+        if kind == "MXFP4":  # its minimum -12 · d (`int8_blocks.MXFP4_OFFSET`), d half the E8M0 scale
+            minimum = np.repeat(12 * np.ldexp(1.0, arrays[1][:, : cols // 32].astype(np.int64) - 128), 32, axis=1)
+        else:
+            minimum = np.repeat(np.abs(m.minimum.astype(np.float64)), 32, axis=1) if kind.startswith("Q4") else 0
         float_bound = 2e-6 * np.abs(_rounded(x)) @ (np.abs(dense) + minimum).T + 1e-30
         exact[name] = float((np.abs(got - _rounded(x) @ dense.T) / float_bound).max())
         full = x.astype(np.float64) @ dense.T

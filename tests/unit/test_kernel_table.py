@@ -45,6 +45,8 @@ OPT_IN_I8 = {"avx2": {name: EXPECTED["avx2"][name] + I8_BLOCKS + kernel
              "avx512": {"Q4_0": "Q40Matrix i16/32 intdot.matmul_i16" + I8_BLOCKS + "q4",
                         "Q4_1": "Q41Matrix i16/32 intdot.matmul_i16" + I8_BLOCKS + "q4",
                         "Q8_0": "Q80Matrix i16/32 intdot.matmul_i16" + I8_BLOCKS + "q8_0"}}
+for _path in ("avx2", "avx512"):  # MXFP4's nibbles looked up in the int8 tiles, on its LowBitMatrix
+    OPT_IN_I8[_path]["MXFP4"] = PACKED + I8_BLOCKS + "mxfp4"
 
 
 def test_the_auto_rows_are_the_reviewed_table():

@@ -1,4 +1,4 @@
-"""Prompt matmuls with int8 activations for the 32-column block types: Q8_0, Q5_0, Q4_0 and Q4_1.
+"""Prompt matmuls with int8 activations for the 32-column block types: Q8_0, Q5_0, Q4_0, Q4_1 and MXFP4.
 
 `int8`'s idea (Q4_K and Q6_K) on the types with one float scale per 32 columns: activations int8 per 32
 columns (`int8._quantize_row`: xs_b = max|x_b| / 127, xsum_b = xs_b · Σ xq_b), eight weight rows
@@ -17,6 +17,11 @@ float step per block for 8 rows at once: out_r += float(P_rb) · (d_rb · xs_b) 
   j + 16 high; Q4_0's minimum is -8 · d): `vpmaddubsw(code, x)` on the low and high nibbles, pair sums at
   most 2 · 15 · 127 = 3,810, the block's 8 summed in int16 at most 30,480 < 2^15: one `vpmaddwd` per
   block, and the minimum's term m_rb · xsum_b per block (w = d·c + m).
+- MXFP4 (OCP MX v1.0: E2M1 codes under an E8M0 scale; `quant.LowBitMatrix` keeps the file's nibbles in Q4_1's
+  order and its exponent bytes): Q4_0's way with a lookup. Each nibble c becomes v(c) + 12 by `vpshufb` (v
+  ggml's doubled E2M1 values, -12..12, `blocks.MXFP4_VALUES`; so 0..24, unsigned), d_rb is half the block's
+  scale (2^(e - 128), exact) and m_rb = -12 · d_rb; pair sums at most 2 · 24 · 127 = 6,096, so two quads'
+  (4 pair sums a lane) are summed in int16 (24,384 < 2^15) before each `vpmaddwd`.
 
 The integer sums are exact (|P_rb| ≤ 32 · 128 · 127 < 2^24 converts exactly), so the result is the
 dequantized weights times the int8-rounded activations up to the float32 steps. A row's result does not
@@ -54,13 +59,20 @@ from hybridgate.workers.cpu.int8 import (  # noqa: E402  (int8's primitives, sha
     _quantize_row,
     _sign,
 )
+from hybridgate.workers.cpu.blocks import MXFP4_VALUES, e8m0_half  # noqa: E402
 from hybridgate.workers.cpu.int8_interleave import ROWS  # noqa: E402
 from hybridgate.workers.cpu.simd import _load_vec, _ptr  # noqa: E402
 
 BLOCK = 32
-KINDS = ("q8_0", "q5_0", "q4")  # the `matmul_i8` kind ids 0, 1, 2 (q4: Q4_0 and Q4_1)
-QUADS = {"q8_0": 8, "q5_0": 8, "q4": 4}  # 32-byte code vectors per block (Q4's nibbles hold two columns a byte)
-WIDEN = {"q8_0": 1, "q5_0": 8, "q4": 4}  # code vectors summed in int16 before one `vpmaddwd` with ones
+KINDS = ("q8_0", "q5_0", "q4", "mxfp4")  # the `matmul_i8` kind ids 0, 1, 2, 3 (q4: Q4_0 and Q4_1)
+QUADS = {"q8_0": 8, "q5_0": 8, "q4": 4, "mxfp4": 4}  # 32-byte code vectors per block (nibbles: two columns a byte)
+WIDEN = {"q8_0": 1, "q5_0": 8, "q4": 4, "mxfp4": 2}  # code vectors summed in int16 before one `vpmaddwd` with ones
+NIBBLES = ("q4", "mxfp4")  # the kinds whose codes are nibbles, with a minimum's term
+MXFP4_OFFSET = 12  # v(c) + 12 ≥ 0: the tile's unsigned MXFP4 codes
+# vpshufb's table, in both 128-bit lanes: nibble c → v(c) + 12 (`blocks.MXFP4_VALUES`, ggml's doubled E2M1)
+_MXFP4_TABLE = [int(v) + MXFP4_OFFSET for v in MXFP4_VALUES] * 2
+# E8M0 byte → half its scale, 2^(e - 128) (`blocks.e8m0_half`), float32 `[1, 256]`: MXFP4's `minimum` argument
+E8M0_HALF = e8m0_half(np.arange(256)).reshape(1, 256)
 _CHUNKS = 16
 
 
@@ -73,14 +85,16 @@ def _block_sums(builder, kind: str, codes, x_at, xrows: int) -> list:
     narrow, wide = [None] * xrows, [None] * xrows
     for q in range(QUADS[kind]):
         w = codes(q)
-        if kind == "q4":
+        if kind in NIBBLES:
             lo = builder.and_(w, low4)
             hi = builder.and_(builder.bitcast(builder.lshr(builder.bitcast(w, _V16S), ir.Constant(_V16S, [4] * 16)),
                                               _V32B), low4)
+            if kind == "mxfp4":
+                lo, hi = _shuffle(builder, _MXFP4_TABLE, lo), _shuffle(builder, _MXFP4_TABLE, hi)
         else:
             magnitude = builder.select(builder.icmp_signed("<", w, ir.Constant(_V32B, [0] * 32)), builder.neg(w), w)
         for k in range(xrows):
-            if kind == "q4":
+            if kind in NIBBLES:
                 term = builder.add(_maddubs(builder, lo, x_at(k, 4 * q)), _maddubs(builder, hi, x_at(k, 16 + 4 * q)))
             else:
                 term = _maddubs(builder, magnitude, _sign(builder, x_at(k, 4 * q), w))
@@ -89,6 +103,13 @@ def _block_sums(builder, kind: str, codes, x_at, xrows: int) -> list:
                 part = _madd(builder, narrow[k], ones)
                 wide[k], narrow[k] = part if wide[k] is None else builder.add(wide[k], part), None
     return wide
+
+
+def _shuffle(builder, table: list, index):
+    """vpshufb: <32 x i8> table[index] per byte, index 0..15 into each 128-bit lane's 16 entries."""
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V32B, [_V32B, _V32B]),
+                                        "llvm.x86.avx2.pshuf.b")
+    return builder.call(fn, [ir.Constant(_V32B, table), index])
 
 
 def _make_tile(kind: str, xrows: int):
@@ -132,12 +153,12 @@ def _make_tile(kind: str, xrows: int):
 
                 sums = _block_sums(builder, kind, codes, x_at, xrows)
                 d = _load_vec(builder, _ptr(context, builder, ty[1], wda, builder.mul(blk, c(ROWS))), _V8F, 1)
-                if kind == "q4":
+                if kind in NIBBLES:
                     m = _load_vec(builder, _ptr(context, builder, ty[2], wma, builder.mul(blk, c(ROWS))), _V8F, 1)
                 for k in range(xrows):
                     step = builder.fmul(d, per_block(7, xsa, k))
                     acc = _fma(builder, builder.sitofp(sums[k], _V8F), step, builder.load(total[k]))
-                    if kind == "q4":
+                    if kind in NIBBLES:
                         acc = _fma(builder, m, per_block(8, xma, k), acc)
                     builder.store(acc, total[k])
             for k in range(xrows):
@@ -154,25 +175,33 @@ def _make_tile(kind: str, xrows: int):
 tile_q80, tile_q80_1 = _make_tile("q8_0", TILE_X), _make_tile("q8_0", 1)
 tile_q50, tile_q50_1 = _make_tile("q5_0", TILE_X), _make_tile("q5_0", 1)
 tile_q4, tile_q4_1 = _make_tile("q4", TILE_X), _make_tile("q4", 1)
+tile_mx, tile_mx_1 = _make_tile("mxfp4", TILE_X), _make_tile("mxfp4", 1)
 
 _JIT = dict(nogil=True, fastmath=True, cache=True)
 _TILE_JIT = dict(nogil=True, fastmath=False, cache=True)  # no fast-math flags on the float steps (as `int8`)
 
 
 @nb.njit(**_JIT)
-def _interleave(qs32, scale, minimum, r0, wc32, wd, wm):
+def _interleave(kind, nblocks, qs32, scale, minimum, r0, wc32, wd, wm):
     """Weight rows r0 .. r0 + 8 (rows past the end repeat row r0: their results are not kept) → the tile's
-    scratch: qs32 the codes viewed as uint32 `[rows, nblocks · quads]`, scale and minimum float32 `[rows,
-    nblocks]`; wc32 uint32 `[nblocks · quads · 8]`, wd and wm float32 `[nblocks · 8]`."""
-    rows, nblocks = qs32.shape[0], scale.shape[1]
-    quads = qs32.shape[1] // nblocks
+    scratch: qs32 the codes viewed as uint32 `[rows, ≥ nblocks · quads]`, scale and minimum float32 `[rows,
+    ≥ nblocks]` (MXFP4, kind 3: scale its E8M0 bytes, uint8, and minimum `E8M0_HALF`); wc32 uint32 `[nblocks ·
+    quads · 8]`, wd and wm float32 `[nblocks · 8]`."""
+    rows = qs32.shape[0]
+    quads = 4 if kind >= 2 else 8  # `QUADS`
     for r in range(ROWS):
         row = r0 + r if r0 + r < rows else r0
+        codes, scales = qs32[row], scale[row]
+        for w in range(nblocks * quads):
+            wc32[w * ROWS + r] = codes[w]
         for b in range(nblocks):
-            for q in range(quads):
-                wc32[(quads * b + q) * ROWS + r] = qs32[row, quads * b + q]
-            wd[ROWS * b + r] = scale[row, b]
-            wm[ROWS * b + r] = minimum[row, b]
+            if kind == 3:  # MXFP4: d half the E8M0 scale, m = -12 · d
+                d = minimum[0, np.intp(scales[b])]  # (a cast the float-scaled kinds' typing needs)
+                wd[ROWS * b + r] = d
+                wm[ROWS * b + r] = np.float32(-MXFP4_OFFSET) * d
+            else:
+                wd[ROWS * b + r] = scales[b]
+                wm[ROWS * b + r] = minimum[row, b]
 
 
 @nb.njit(**_TILE_JIT)
@@ -189,6 +218,11 @@ def _tile(kind, xr, wc, wd, wm, nblocks, xq, x_off, xs, xsum, a_off, dst, o_off,
             tile_q50(wc, wd, wm, nblocks, xq, x_off, cols, xs, xsum, a_off, nblocks, dst, o_off, o_stride)
         else:
             tile_q50_1(wc, wd, wm, nblocks, xq, x_off, cols, xs, xsum, a_off, nblocks, dst, o_off, o_stride)
+    elif kind == 3:
+        if xr == TILE_X:
+            tile_mx(wc, wd, wm, nblocks, xq, x_off, cols, xs, xsum, a_off, nblocks, dst, o_off, o_stride)
+        else:
+            tile_mx_1(wc, wd, wm, nblocks, xq, x_off, cols, xs, xsum, a_off, nblocks, dst, o_off, o_stride)
     elif xr == TILE_X:
         tile_q4(wc, wd, wm, nblocks, xq, x_off, cols, xs, xsum, a_off, nblocks, dst, o_off, o_stride)
     else:
@@ -218,8 +252,8 @@ def _tiles(kind, wc, wd, wm, nblocks, xq, xs, xsum, out, r0, b0, b1, tmp):
 def matmul_i8(kind, x, qs32, scale, minimum, out, x_bytes=X_BYTES):
     """out float32 `[batch, rows]` = x float32 `[batch, cols]` @ W.T, x quantized to int8 per 32 columns, for a
     weight of `kind` (a KINDS index): qs32 its codes viewed as uint32 (Q8_0 and Q5_0: int8 `[rows, cols]`;
-    Q4_0 and Q4_1: Q4_1's nibbles `[rows, cols / 2]`), scale (d) and minimum (m, read for q4 only) float32
-    `[rows, cols / 32]`. x_bytes: the int8 activations of one pass over the weights (each group of 8 rows is
+    Q4_0, Q4_1 and MXFP4: Q4_1's nibbles `[rows, ≥ cols / 2]`), scale (d) and minimum (m, read for the nibble
+    kinds only) float32 `[rows, ≥ cols / 32]` (MXFP4: scale its uint8 E8M0 bytes, minimum `E8M0_HALF`). x_bytes: the int8 activations of one pass over the weights (each group of 8 rows is
     interleaved once a pass). Error: the activations' rounding, at most max|x_b| / 254 per element."""
     batch, cols = x.shape
     nblocks = cols // BLOCK
@@ -241,7 +275,7 @@ def matmul_i8(kind, x, qs32, scale, minimum, out, x_bytes=X_BYTES):
             wm = np.empty(nblocks * ROWS, dtype=np.float32)
             tmp = np.empty((TILE_X, ROWS), dtype=np.float32)
             for g in range(chunk * per, min(groups, (chunk + 1) * per)):
-                _interleave(qs32, scale, minimum, ROWS * g, wc32, wd, wm)
+                _interleave(kind, nblocks, qs32, scale, minimum, ROWS * g, wc32, wd, wm)
                 _tiles(kind, wc32.view(np.uint8), wd, wm, nblocks, xq, xs, xsum, out, ROWS * g, b0, b1, tmp)
 
 
@@ -271,6 +305,13 @@ def multiply_q5_0(x: np.ndarray, rows: np.ndarray, qs: np.ndarray, scale: np.nda
                   *unread_and_out: np.ndarray) -> None:
     """`multiply_q8_0` for a Q5_0 weight as `quant.Q50Matrix` holds it (int8 codes c - 16 in -16..15)."""
     _multiply(1, x, rows, qs, scale, minimum, unread_and_out[-1])
+
+
+def multiply_mxfp4(x: np.ndarray, rows: np.ndarray, qs: np.ndarray, e: np.ndarray, table: np.ndarray,
+                   *unread_and_out: np.ndarray) -> None:
+    """`multiply_q8_0` for an MXFP4 weight as `quant.LowBitMatrix` holds it (`_prompt_arrays`): qs uint8 nibbles
+    `[n, ≥ cols / 2]` (Q4_1's order, padded), e its uint8 E8M0 bytes `[n, ≥ cols / 32]`, table `E8M0_HALF`."""
+    _multiply(3, x, rows, qs, e, table, unread_and_out[-1])
 
 
 def multiply_q4(x: np.ndarray, rows: np.ndarray, qs: np.ndarray, scale: np.ndarray, minimum: np.ndarray,

@@ -376,7 +376,10 @@ class LowBitMatrix(QuantMatrix):
         return out
 
     def _prompt_arrays(self) -> tuple | None:
-        if self.qs.dtype != np.uint8 or self.qh.dtype != np.uint32:  # only the 5-bit types' bit-mask layout
+        if self.qh.dtype == np.int8:  # MXFP4 (`kquant.E2M1`): int8_blocks.multiply_mxfp4
+            from hybridgate.workers.cpu.int8_blocks import E8M0_HALF
+            return self.qs, self.d, E8M0_HALF
+        if self.qs.dtype != np.uint8 or self.qh.dtype != np.uint32:  # amx: only the 5-bit types' bit-mask layout
             return None
         return self.qs, self.d, self.m, np.full((1, 1), self.mscale, np.float32), self.qh
 
