@@ -84,7 +84,9 @@ async def _measure(args) -> dict:
 
 
 def run(args) -> int:
-    result = asyncio.run(_measure(args))
+    from hybridgate.bench.machine import describe
+
+    result = asyncio.run(_measure(args)) | {"machine": describe()}
     print(f"{result['inputs']} inputs, {result['prompt_tokens']} prompt tokens, {result['kind']} worker: embeddings "
           f"{result['embeddings_tokens_per_s']:.0f} tokens/s, the same prompts' prefill "
           f"{result['prefill_tokens_per_s']:.0f} tokens/s: {result['ratio']:.2f}x (median of {result['repeats']})")

@@ -27,7 +27,7 @@ BEGIN = "<!-- begin generated: bench report {name} -->"
 # worker). scripts/results_layout.py moves flat names into it.
 QUANT = r"(?:q\d_k(?:_[sml])?|q\d_\d|f16|bf16|f32)"
 RESULT_PATH = re.compile(
-    r"(?P<bench>accuracy|cpu-engine|cpu-kernels|cpu-mixed-load|cpu-pinning|gateway|gpu-engine|placement-serve"
+    r"(?P<bench>accuracy|cpu-engine|cpu-kernels|cpu-mixed-load|cpu-pinning|embeddings|gateway|gpu-engine|placement-serve"
     r"|placement-sim)/(?P<date>20\d\d-[01]\d-[0-3]\d)-(?P<machine>(?:(?:avx2|avx512)(?:-amx)?-)?[a-z][a-z0-9-]*?)"
     rf"-(?P<model>(?:smollm2(?:-requantized)?|llama-\d\.\d-\d+b|qwen2\.5-\d\.\db|qwen3-\d+b-a\d+b)(?:-\d+l)?(?:-{QUANT})?"
     r"|random-\d+x\d+"
@@ -142,6 +142,16 @@ TABLES: tuple[Table, ...] = (
         Column("llama.cpp top-1", "llama_cpp.top1_agreement", percent),
         Column("llama.cpp KL mean", "llama_cpp.kl_mean", sci),
     ), keep="top1_agreement"),
+    Table("embeddings", "benchmarks/cpu-worker.md", "embeddings/*.json", (
+        Column("model", "model"),
+        *MACHINE,
+        Column("worker", "kind"),
+        Column("inputs", "inputs"),
+        Column("prompt tokens", "prompt_tokens"),
+        Column("embeddings tok/s", "embeddings_tokens_per_s", fixed(1)),
+        Column("prefill tok/s", "prefill_tokens_per_s", fixed(1)),
+        Column("ratio", "ratio", ratio),
+    )),
     Table("cpu-mixed-load", "benchmarks/cpu-worker.md", "cpu-mixed-load/*.json", (
         Column("CPU", "machine_at_start.cpu_model"),
         Column("load", "machine_at_start.loadavg_1m", fixed(2)),
