@@ -218,7 +218,9 @@ class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
     top_logprobs: list[float] = []
 
 
-class SeqOutput(msgspec.Struct, frozen=True, array_like=True):
+# Untracked by the cycle collector (gc=False): one is decoded per sequence and step, and its fields hold
+# ids, numbers and bytes, never a cycle.
+class SeqOutput(msgspec.Struct, frozen=True, array_like=True, gc=False):
     request_id: str
     token_index: int  # index of token_ids[0] among the generated tokens
     token_ids: list[int]

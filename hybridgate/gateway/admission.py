@@ -64,9 +64,10 @@ class Admission:
         now = self.clock()
         self._done.extend([now] * slots)
 
-    def streamed(self, n: int) -> None:
-        """`n` ids went out to a client (feeds the token-rate estimate)."""
-        self._tokens.append((self.clock(), n))
+    def streamed(self, n: int, now: float | None = None) -> None:
+        """`n` ids went out to a client at `now` (the clock's time; None: read it) (feeds the token-rate
+        estimate)."""
+        self._tokens.append((self.clock() if now is None else now, n))
 
     def drain_rate(self) -> float | None:
         """Requests finishing per second as measured now, or None when nothing is measured."""

@@ -119,7 +119,6 @@ def embed_inputs_to_native(req: pb.EmbedRequest) -> list[str | TokenIds]:
 # plain delta sets: (field number << 3) | wire type, 0 a varint, 2 length-delimited (packed ids among them).
 _REQUEST_ID, _TOKEN_INDEX, _TEXT, _TOKEN_IDS = b"\x0a", b"\x10", b"\x1a", b"\x22"
 _TWO_BYTES = 1 << 14  # the values of one- and two-byte varints: a message's token index and lengths
-_THREE_BYTES = 1 << 21  # and of three-byte ones: any id of the vocabularies served
 
 
 def _varint(value: int) -> bytes:
@@ -139,37 +138,64 @@ def _varints() -> tuple[bytes, ...]:
     return tuple(_varint(v) for v in range(_TWO_BYTES))
 
 
+@functools.cache
+def _index_fields() -> tuple[bytes, ...]:
+    """The token_index field of every index below _TWO_BYTES, b"" for 0 (the default, left out; made on first
+    use: 0.6 MB)."""
+    varints = _varints()
+    return (b"",) + tuple(_TOKEN_INDEX + varints[i] for i in range(1, _TWO_BYTES))
+
+
+class _OneIdFields(dict):
+    """The token_ids field of a message of one id (packed: its length, then its varint), by id, each made
+    on first use: at most one entry per id of the vocabulary."""
+
+    def __missing__(self, token_id: int) -> bytes:
+        packed = _varint(token_id)
+        field = self[token_id] = _TOKEN_IDS + _varint(len(packed)) + packed
+        return field
+
+
+@functools.cache
+def _one_id_fields() -> _OneIdFields:
+    return _OneIdFields()
+
+
 class ResponseEncoder:
     """One call's `GenerateResponse`s as bytes, for a Generate registered without a response serializer.
 
     A delta of `request_id`'s with text and ids only (no finish, logprobs or reasoning: almost every
     message) is encoded here, field by field, to the bytes `delta_to_proto(delta).SerializeToString()`
     gives (fields in number order, those at their default left out, ids packed); that skips building a
-    message object per streamed token, which costs three times as much. Any other delta, and one whose
-    token index or text passes 16 KiB, goes through `delta_to_proto`.
+    message object per streamed token, which costs three times as much. The fields that repeat (the
+    request id, a token index, one id) are looked up, not encoded again. Any other delta, and one whose
+    token index, text or ids pass 16 KiB, goes through `delta_to_proto`.
     """
 
     def __init__(self, request_id: str):
         rid = request_id.encode()
         self.request_id, self._varints = request_id, _varints()
+        self._index_fields, self._one_id_fields = _index_fields(), _one_id_fields()
         self._head = _REQUEST_ID + self._varints[len(rid)] + rid if 0 < len(rid) < _TWO_BYTES else None
 
     def encode(self, delta: Delta, calls: list[ToolCall] = ()) -> bytes:
         """The serialized response of `delta` (`calls`: as `delta_to_proto` takes them)."""
-        varints, ids, index, text = self._varints, delta.token_ids, delta.token_index, delta.text.encode()
+        ids, index, text = delta.token_ids, delta.token_index, delta.text.encode()
         if delta.finish_reason is None and not delta.logprobs and not delta.reasoning and self._head is not None \
                 and delta.request_id == self.request_id and index < _TWO_BYTES and len(text) < _TWO_BYTES:
-            if len(ids) == 1:  # one id a message (a worker step's): its varint without a call
-                t = ids[0]
-                packed = varints[t] if t < _TWO_BYTES else \
-                    bytes((t & 0x7F | 0x80, t >> 7 & 0x7F | 0x80, t >> 14)) if t < _THREE_BYTES else _varint(t)
-            else:
-                packed = b"".join([varints[t] if t < _TWO_BYTES else _varint(t) for t in ids])
-            if len(packed) < _TWO_BYTES:
-                return b"".join((self._head, _TOKEN_INDEX + varints[index] if index else b"",
-                                 _TEXT + varints[len(text)] + text if text else b"",
-                                 _TOKEN_IDS + varints[len(packed)] + packed if packed else b""))
+            ids_field = self._one_id_fields[ids[0]] if len(ids) == 1 else self._ids_field(ids)
+            if ids_field is not None:
+                return b"".join((self._head, self._index_fields[index],
+                                 _TEXT + self._varints[len(text)] + text if text else b"", ids_field))
         return delta_to_proto(delta, calls).SerializeToString()
+
+    def _ids_field(self, ids: list[int]) -> bytes | None:
+        """The token_ids field of `ids` (b"" for none), or None when it passes 16 KiB."""
+        varints = self._varints
+        packed = b"".join([varints[t] if t < _TWO_BYTES else _varint(t) for t in ids])
+        if len(packed) >= _TWO_BYTES:
+            return None
+        return _TOKEN_IDS + varints[len(packed)] + packed if packed else b""
 
 
 def delta_to_proto(delta: Delta, calls: list[ToolCall] = ()) -> pb.GenerateResponse:

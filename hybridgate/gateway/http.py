@@ -434,7 +434,7 @@ class _Run:
             series.first_token(len(state.stream.prompt_ids))
         elif last is not None and n:  # as the gRPC door observes it, per token of the delta
             series.itl.observe((now - last) / n)
-        self.served.admission.streamed(n)
+        self.served.admission.streamed(n, now)
         series.streamed(n)
         if delta.finish_reason is not None:
             series.e2e.observe(now - state.started)

@@ -3,9 +3,9 @@ prometheus_client's Histogram and Counter take a lock per observation and walk t
 
 from __future__ import annotations
 
-import bisect
 import math
 import time
+from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 
 from prometheus_client import CollectorRegistry
@@ -87,7 +87,7 @@ class _LoopHistogramChild:
 
     def observe(self, amount: float) -> None:
         """Count `amount` in the first bucket whose upper bound is at least it (as Histogram.observe)."""
-        self.counts[bisect.bisect_left(self.bounds, amount)] += 1
+        self.counts[bisect_left(self.bounds, amount)] += 1
         self.sum += amount
 
 

@@ -108,14 +108,14 @@ class GenerationService(pb_grpc.GenerationServicer):
             await self._refuse(context, "max_inflight_requests",
                                f"the gateway holds {admission.limit} requests of model {served.name}, its limit "
                                "(--max-inflight-requests)", served)
-        last, encode = None, ResponseEncoder(stream.request_id).encode
+        last, encode, clock = None, ResponseEncoder(stream.request_id).encode, time.monotonic
         observe_itl, count, streamed = series.itl.observe, series.streamed, admission.streamed  # per message
         try:
             # A cancelled call or an expired deadline raises CancelledError in here;
             # leaving the `async with` sends the abort to the worker.
             async with stream:
                 async for delta in stream:
-                    now, n = time.monotonic(), len(delta.token_ids)
+                    now, n = clock(), len(delta.token_ids)
                     if last is None:
                         outcome.first = now
                         series.ttft.observe(now - outcome.start)
@@ -123,7 +123,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                     elif n:
                         observe_itl((now - last) / n)
                     last = now
-                    streamed(n)
+                    streamed(n, now)
                     count(n)
                     if delta.finish_reason is None:
                         yield encode(delta)

@@ -40,13 +40,14 @@ class Timings(msgspec.Struct, frozen=True):
     total_ms: float
 
 
-class Delta(msgspec.Struct, frozen=True):
+class Delta(msgspec.Struct, frozen=True, gc=False):
     """New text and ids of one step; the last delta has finish_reason, usage, timings and route.
     `logprobs`: one per id of `token_ids` when the request asked for them (SamplingParams.logprobs), else empty.
     `tool_calls`: with tools, the calls' deltas (`toolparse.ToolCallDelta`); `text` is then the content only.
     `reasoning`: the reasoning a format with channels (harmony's analysis) writes, parsed out of `text`.
     A frozen msgspec Struct, not a dataclass: one is made per streamed message, and a frozen dataclass's
-    __init__ costs several times as much (copy one with `msgspec.structs.replace`)."""
+    __init__ costs several times as much (copy one with `msgspec.structs.replace`). Untracked by the cycle
+    collector (gc=False): its fields hold ids, text and other Structs, never a cycle back to it."""
 
     request_id: str
     token_index: int

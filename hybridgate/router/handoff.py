@@ -98,8 +98,10 @@ class HandoffState(enum.IntEnum):
     CLOSED = 7  # finished, aborted or handed to the stream as lost
 
 
-def worker_name(client: WorkerClient) -> str:
-    """The label of a worker in routes and logs: its HELLO name, else its endpoint."""
+def worker_name(client: WorkerClient | None) -> str:
+    """The label of a worker in routes and logs: its HELLO name, else its endpoint ("none": no worker)."""
+    if client is None:
+        return "none"
     hello = getattr(client, "hello", None)
     return (hello.name if hello is not None and hello.name else "") or client.endpoint
 

@@ -164,17 +164,21 @@ class Placer:
         """The worker as the policy sees it; its scheduler limits come from its report alone (0 when it
         has sent none: `WorkerLoad` prices that without them)."""
         s, hello = client.stats, getattr(client, "hello", None)
-        pending = list(pending)
-        queued = sum(p.uncached_tokens for p in pending if not p.started)
-        decoding = sum(1 for p in pending if p.started)
+        queued = waiting = decoding = committed = 0  # over `pending` in one pass: one per request in flight
+        for p in pending:
+            if p.started:
+                decoding += 1
+            else:
+                waiting, queued = waiting + 1, queued + p.uncached_tokens
+            committed += -(-p.final_tokens // self.block_size)
         kv_dtype = hello.kv_dtype if hello is not None else ""
         return WorkerLoad(
             index=index, name=getattr(client, "name", "") or client.endpoint, kind=client.kind or "",
             inflight=self.inflight(client), queued_prefill_tokens=max(s.queued_prefill_tokens, queued),
-            waiting=max(s.waiting, sum(1 for p in pending if not p.started)), decoding=max(s.decoding, decoding),
+            waiting=max(s.waiting, waiting), decoding=max(s.decoding, decoding),
             blocks_free=(s.blocks_total - s.blocks_used) if s.blocks_total else 1 << 30,
             blocks_total=s.blocks_total or 1 << 30, block_size=self.block_size,
-            blocks_committed=max(s.blocks_committed, sum(-(-p.final_tokens // self.block_size) for p in pending)),
+            blocks_committed=max(s.blocks_committed, committed),
             max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
             prefill_tokens_per_s=s.prefill_tokens_per_s, decode_step_s=s.decode_step_s,
             takes_handoff=bool(getattr(hello, "handoff_endpoint", "")) and client.kind == "cpu",

@@ -36,8 +36,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("hybridgate.router")
 
-# `_on_output_event` carries out this row itself rather than through `_fire` (a transition and an action
-# lookup per streamed token); the row must stay what it inlines.
+# `put_output` carries out this row itself rather than through `_fire` (a transition and an action lookup
+# per streamed token); the row must stay what it inlines.
 _RUNNING_OUTPUT = transition(StreamState.RUNNING, StreamEvent.OUTPUT)
 if _RUNNING_OUTPUT != (StreamState.RUNNING, A.QUEUE):
     raise ImportError(f"streamstate's RUNNING/OUTPUT row is {_RUNNING_OUTPUT}; GenerationStream inlines "
@@ -255,9 +255,20 @@ class GenerationStream:
             self._events[type(item)](item)
 
     def put_output(self, out: SeqOutput, now: float) -> None:
-        """`put(out)` of an output from its worker at `now` (the pump's time.monotonic(), once per step)."""
-        if self.state < _DONE:
-            self._on_output_event(out, now)
+        """`put(out)` of an output from its worker at `now` (the pump's time.monotonic(), once per step); the
+        table's RUNNING/OUTPUT row inline for the next ids of a running stream, almost every output."""
+        if self.state is not _RUNNING or out.finish or out.token_index != len(self.received) or not out.token_ids \
+                or out.request_id != self.request_id:
+            if self.state < _DONE:
+                self._on_output_event(out, now)
+            return
+        self.last_progress = now
+        try:
+            self._queue.put_nowait(out)
+        except asyncio.QueueFull:
+            self._read_too_slowly()
+            return
+        self.received += out.token_ids
 
     def fail(self, exc: BaseException) -> None:
         """End the stream with `exc` now (the router shuts down, or could not move it)."""
@@ -275,14 +286,6 @@ class GenerationStream:
                                           token_ids=out.token_ids[skip:], logprobs=out.logprobs[skip:])
         if not out.token_ids and not out.finish:
             return  # progress only (a prefill chunk) or a duplicate
-        if self.state is _RUNNING and not out.finish:  # the table's RUNNING/OUTPUT row, inline:
-            try:  # the one event of almost every streamed token (_RUNNING_OUTPUT)
-                self._queue.put_nowait(out)
-            except asyncio.QueueFull:
-                self._read_too_slowly()
-                return
-            self.received += out.token_ids
-            return
         if self._queue.full():
             self._read_too_slowly()
             return
@@ -304,7 +307,7 @@ class GenerationStream:
         self._fire(StreamEvent.REFUSED, error, error.message)
 
     def _on_overload(self, event: Overload) -> None:
-        self._fire(StreamEvent.DROPPED, reason=f"worker {self._name(self.client)} dropped the request: {event.reason}")
+        self._fire(StreamEvent.DROPPED, reason=f"worker {worker_name(self.client)} dropped the request: {event.reason}")
 
     def _on_stalled(self, event: Stalled) -> None:
         self._fire(StreamEvent.STALLED, reason=event.reason)
@@ -491,10 +494,6 @@ class GenerationStream:
         move each placement: "gpu (gpu-0), resumed at token 12 on cpu (cpu-1)" ("retried" when no token
         had been streamed)."""
         first = self._handoff_route or (self.handoff.route() if self.handoff is not None else
-                                        f"{self._hops[0][2].kind} ({self._name(self._hops[0][2])})")
-        return ", ".join([first] + [f"{how} at token {k} on {c.kind} ({self._name(c)})"
+                                        f"{self._hops[0][2].kind} ({worker_name(self._hops[0][2])})")
+        return ", ".join([first] + [f"{how} at token {k} on {c.kind} ({worker_name(c)})"
                                     for how, k, c in self._hops[1:]])
-
-    @staticmethod
-    def _name(client: WorkerClient | None) -> str:
-        return "none" if client is None else worker_name(client)

@@ -299,3 +299,12 @@ def test_placer_drops_a_workers_record_with_the_worker():
     assert placer.inflight(gpu) == 1 and placer.place([gpu], {}, prompt, 4).uncached_tokens == 8
     placer.drop(gpu)
     assert placer.inflight(gpu) == 0 and placer.place([gpu], {}, prompt, 4).uncached_tokens == 1000
+
+
+def test_placer_counts_its_own_requests_waiting_and_decoding():
+    gpu = FakeClient("gpu-0", "gpu", prefill_tokens_per_s={512: 1000.0}, decode_step_s={1: 0.02})
+    placer = Placer(make_policy("cost"), "fp", kv_values_per_token=0)
+    # Two not started (their prompts still to prefill: 500 + 300 tokens), one decoding; ends of 17, 16 and 33
+    # tokens: 2 + 1 + 3 blocks of 16.
+    load = placer._load(0, gpu, iter([_Pending(500, False, 17), _Pending(40, True, 16), _Pending(300, False, 33)]))
+    assert (load.waiting, load.decoding, load.queued_prefill_tokens, load.blocks_committed) == (2, 1, 800, 6)

@@ -77,3 +77,13 @@ def test_pushback_is_bounded():
 def test_a_limit_below_one_is_refused():
     with pytest.raises(ValueError, match="max_inflight_requests: must be >= 1, got 0"):
         Admission(0)
+
+
+def test_the_token_rate_from_the_times_the_door_hands_over():
+    clock = Clock()  # stays put: the times handed to streamed() are the ones that count
+    a = Admission(2, clock=clock)
+    a.try_enter(10), a.try_enter(30)
+    for k in range(11):  # as in the test above: 10 tokens/s, 20 tokens per request, a slot in 2 s
+        a.streamed(1, now=k * 0.1)
+    assert not a.try_enter(8)
+    assert a.pushback_ms() == 2000

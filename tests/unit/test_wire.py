@@ -102,3 +102,16 @@ def test_any_body_decodes_to_its_type_or_raises_value_error(kind, body):
     except ValueError:
         return
     assert type(msg) is wire.MESSAGE_TYPES[kind]
+
+
+def test_the_per_step_structs_are_left_out_of_the_cycle_collector():
+    """One SeqOutput is decoded and one Delta made per sequence and step: untracked (gc=False), decoded too."""
+    import gc
+
+    from hybridgate.router.deltas import Delta
+
+    out = SeqOutput("r", 0, [5, 6], logprobs=[wire.TokenLogprobs(-0.5)])
+    decoded = wire.decode(wire.encode(Outputs([out], EngineStats()))).outputs[0]
+    assert decoded == out
+    assert not gc.is_tracked(out) and not gc.is_tracked(decoded)
+    assert not gc.is_tracked(Delta("r", 0, "a", [5]))
