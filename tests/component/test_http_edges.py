@@ -92,6 +92,23 @@ def test_one_model_is_retrieved_by_its_name_and_an_unknown_one_is_404(door):
     assert status == 404 and body["error"]["code"] == "model_not_found" and name in body["error"]["message"]
 
 
+def test_the_404_of_an_unknown_model_lists_what_v1_models_lists(door):
+    """Without --served-model-name the model also answers to its file's general.name, an alias that
+    /v1/models hides (ServedModel.list_aliases); the 404 named it among the served models all the same."""
+    from hybridgate.models import model_names
+
+    stem, alias = model_names(door.router.model)  # the default model's file has a general.name of its own
+    implicit = OpenAIApp(door.router, GatewayMetrics(), Admission(2))
+    status, _, listed = call(implicit.app, "GET", "/v1/models")
+    assert status == 200 and [card["id"] for card in listed["data"]] == [stem]
+    for path, method, body in (("/v1/models/no-such-model", "GET", None),
+                               ("/v1/completions", "POST", {"model": "no-such-model", "prompt": "hi"})):
+        status, _, got = call(implicit.app, method, path, body)
+        assert status == 404 and got["error"]["param"] == "model", got
+        assert got["error"]["message"].endswith(f"this server serves {stem}") and alias not in got["error"]["message"]
+    assert call(implicit.app, "GET", f"/v1/models/{alias}")[0] == 200  # still answered to
+
+
 def test_a_body_over_4_mib_is_413_before_it_is_read(door):
     big = {"model": "m", "messages": [{"role": "user", "content": "x" * MAX_BODY_BYTES}]}
     status, headers, body = call(door.app, "POST", "/v1/chat/completions", big, AUTH)
