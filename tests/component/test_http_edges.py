@@ -109,6 +109,23 @@ def test_the_404_of_an_unknown_model_lists_what_v1_models_lists(door):
     assert call(implicit.app, "GET", f"/v1/models/{alias}")[0] == 200  # still answered to
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"])
+def test_a_post_body_sent_as_another_type_than_json_is_415_naming_content_type(door, path):
+    """curl -d sends a form's Content-Type: FastAPI then validated the body as bytes ("Input should be a
+    valid dictionary", no param), also one without a Content-Type; a JSON type with parameters is JSON."""
+    body = {"model": "m", "messages": CHAT, "prompt": "hello", "input": "hello", "max_tokens": 1}
+    for given, said in (("application/x-www-form-urlencoded", "got Content-Type 'application/x-www-form-urlencoded'"),
+                        ("text/plain", "got Content-Type 'text/plain'"), ("", "got no Content-Type")):
+        status, _, got = call(door.app, "POST", path, body, {**AUTH, "content-type": given})
+        assert status == 415 and got["error"]["param"] == "Content-Type", got
+        assert "`Content-Type: application/json`" in got["error"]["message"] and said in got["error"]["message"]
+        assert got["error"]["code"] == "unsupported_media_type"
+    for given in ("application/json; charset=utf-8", "application/vnd.api+json"):
+        status, _, got = call(door.app, "POST", "/tokenize", {"model": "m", "prompt": "hello"},
+                              {**AUTH, "content-type": given})
+        assert status == 200 and got["tokens"] == door.router.tokenizer.encode("hello"), (given, got)
+
+
 def test_a_body_over_4_mib_is_413_before_it_is_read(door):
     big = {"model": "m", "messages": [{"role": "user", "content": "x" * MAX_BODY_BYTES}]}
     status, headers, body = call(door.app, "POST", "/v1/chat/completions", big, AUTH)
