@@ -126,6 +126,23 @@ def test_a_post_body_sent_as_another_type_than_json_is_415_naming_content_type(d
         assert status == 200 and got["tokens"] == door.router.tokenizer.encode("hello"), (given, got)
 
 
+def test_a_misspelt_field_is_logged_as_ignored_naming_it_and_the_nearest_field(door, monkeypatch, caplog):
+    """A request with `max_token` runs to the default length with no error: the log is where its sender
+    finds out, so the line names the field, says it was ignored, and names the field meant."""
+    from hybridgate.gateway import openai_api as api
+
+    monkeypatch.setattr(api, "unknown_fields", api._Unknown())  # a fresh "logged once" memory
+    for body in ({"model": "m", "prompt": "hi", "max_token": 3}, {"model": "m", "prompt": "hi", "max_token": 4},
+                 {"model": "m", "prompt": "hi", "made_up_field": 1}):
+        with caplog.at_level("WARNING", logger="hybridgate.gateway"):
+            call(door.app, "POST", "/v1/completions", body, AUTH)  # 503 here: no worker is READY
+    lines = [r.getMessage() for r in caplog.records if "ignoring the request field" in r.getMessage()]
+    assert lines == ["ignoring the request field 'max_token': it is not part of the OpenAI API this gateway "
+                     "serves; did you mean 'max_tokens'? (logged once)",
+                     "ignoring the request field 'made_up_field': it is not part of the OpenAI API this gateway "
+                     "serves (logged once)"]
+
+
 def test_a_body_over_4_mib_is_413_before_it_is_read(door):
     big = {"model": "m", "messages": [{"role": "user", "content": "x" * MAX_BODY_BYTES}]}
     status, headers, body = call(door.app, "POST", "/v1/chat/completions", big, AUTH)

@@ -114,6 +114,15 @@ def test_the_clients_help_says_they_connect_where_serve_listens(command):
     assert helps["--host"].endswith("[HYBRIDGATE_HOST]") and "(default 127.0.0.1)" in helps["--host"]
 
 
+def test_generates_max_tokens_help_states_the_gateways_default():
+    from hybridgate.router.prompts import DEFAULT_MAX_TOKENS_CAP
+
+    text = _helps("generate")["--max-tokens"]
+    assert "rest of the model's context" in text and f"at most {DEFAULT_MAX_TOKENS_CAP})" in text
+    page = " ".join((ROOT / "docs" / "http-api.md").read_text().split())  # the HTTP API's page says it too
+    assert f"min(max model length − prompt tokens, {DEFAULT_MAX_TOKENS_CAP})" in page
+
+
 def test_generate_model_names_the_served_model_not_a_settings_path():
     from hybridgate.client import build_request
 
