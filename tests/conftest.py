@@ -335,7 +335,9 @@ def gemma3_path() -> Path:
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """torch on one thread for a module: models this small gain nothing from a second thread, and on a shared,
-    loaded machine two threads spinning at every op's barrier ran the paged engine 20x slower (0.45 s against 10 s)."""
+    loaded machine two threads spinning at every op's barrier ran the paged engine 20x slower (0.45 s against 10 s).
+    Every module that runs a torch model in process takes it (`pytestmark`), and none sets the count itself: a
+    module that did left it at one for the rest of the session, so a module's speed hung on the order of the run."""
     import torch
 
     before = torch.get_num_threads()
