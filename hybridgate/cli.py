@@ -194,7 +194,8 @@ def _add_generate(sub) -> None:
     gen.add_argument("--chat", action="store_true", help="send PROMPT as one user message through the chat template")
     gen.add_argument("--model", dest="request_model", default=None, metavar="NAME",  # not serve's --model (a path)
                      help="which of the gateway's models answers (default: its first)")
-    gen.add_argument("--max-tokens", type=int, default=None, help="most tokens to generate (default: server's)")
+    gen.add_argument("--max-tokens", type=int, default=None, help="most tokens to generate (default: the gateway's, the rest "
+                     "of the model's context and at most 4096)")
     gen.add_argument("--temperature", type=float, default=None, help="sampling temperature; 0 is greedy (default 1)")
     gen.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1] (default 1)")
     gen.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens; 0 or -1 is off")

@@ -295,8 +295,8 @@ def bounded(kind: type, low: float | None = None, high: float | None = None, low
     return parse
 
 
-def _help(spec: Spec) -> str:
-    text = spec.meta["help"]
+def _help(spec: Spec, text: str | None = None) -> str:
+    text = text or spec.meta["help"]
     default = spec.default
     if default is not None and default not in ((), "") and not spec.meta["secret"]:  # "": unset, as None
         shown = ("on" if default else "off") if spec.kind is bool else default
@@ -305,19 +305,22 @@ def _help(spec: Spec) -> str:
 
 
 def add_settings(parser: argparse.ArgumentParser, include: Iterable[str] = ("",), exclude: Iterable[str] = (),
-                 root: type | None = None, required: Iterable[str] = ()) -> None:
+                 root: type | None = None, required: Iterable[str] = (), helps: Mapping[str, str] | None = None) -> None:
     """Add one flag per selected setting (see `select`) and `--config FILE` to `parser`.
 
     A flag's default is left unset (argparse.SUPPRESS): `resolve` fills in the
     environment, the file and the dataclass default, so a default is written once.
     Bools get `--x/--no-x`; tuples repeat (`--worker A --worker B`). `required`
-    paths must be given by a flag, the environment or the file.
+    paths must be given by a flag, the environment or the file. `helps`: this
+    command's own help text of a setting by path, where the setting's own does
+    not fit it (a client connects to the --host a server listens on).
     """
     include, exclude, required = tuple(include), tuple(exclude), tuple(required)
     chosen = select(root, include, exclude)
     group = parser.add_argument_group("settings (flag > HYBRIDGATE_* environment > --config file > default)")
     for spec in chosen:
-        kwargs: dict[str, Any] = dict(dest=spec.path, default=argparse.SUPPRESS, help=_help(spec))
+        kwargs: dict[str, Any] = dict(dest=spec.path, default=argparse.SUPPRESS,
+                                      help=_help(spec, (helps or {}).get(spec.path)))
         if spec.kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif spec.kind is tuple:

@@ -84,6 +84,16 @@ def _commands(spec: Spec) -> str:
     return ", ".join(taking)
 
 
+def _help(spec: Spec) -> str:
+    """The setting's help, then the commands' own where theirs differs (`Selection.helps`), each named."""
+    own = {}
+    for name, chosen in COMMANDS.items():
+        for path, text in chosen.helps:
+            if path == spec.path:
+                own.setdefault(text, []).append(name)
+    return "; ".join([spec.meta["help"], *(f"{', '.join(names)}: {text}" for text, names in own.items())])
+
+
 def _section(spec: Spec) -> str:
     return spec.path.rpartition(".")[0] or "(root)"
 
@@ -93,7 +103,7 @@ def _table(rows: list[Spec]) -> list[str]:
              "|---|---|---|---|---|---|---|"]
     for spec in rows:
         lines.append(f"| {_code(spec.flag)} | {_code(spec.env)} | {_code(spec.name)} | {_default(spec)} "
-                     f"| {_bounds(spec)} | {_commands(spec)} | {_cell(spec.meta['help'])} |")
+                     f"| {_bounds(spec)} | {_commands(spec)} | {_cell(_help(spec))} |")
     return lines
 
 

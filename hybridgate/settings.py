@@ -182,11 +182,19 @@ def resolved_path(spec: ModelSpec) -> str:
 
 @dataclass(frozen=True)
 class Selection:
-    """The settings one command takes: paths under `include`, less `exclude`; `required` must be given."""
+    """The settings one command takes: paths under `include`, less `exclude`; `required` must be given;
+    `helps`: (path, text) where the command's help of a setting is not the setting's own."""
 
     include: tuple[str, ...]
     exclude: tuple[str, ...] = ()
     required: tuple[str, ...] = ()
+    helps: tuple[tuple[str, str], ...] = ()
+
+
+# The clients read serve's --host and --port (and their variables) as the address they connect to.
+CLIENT_HELPS = (("gateway.host", "the gateway's address to connect to, as serve's --host (a wildcard host is this "
+                                 "machine's loopback)"),
+                ("gateway.port", "the gateway's gRPC port to connect to, as serve's --port"))
 
 
 # `serve` sets each worker's kind and endpoint itself (with --redis-url: the response cache in Redis, and
@@ -201,8 +209,8 @@ COMMANDS: dict[str, Selection] = {
     # A worker's --metrics-port is the gateway's setting of that name: one name, one variable.
     "worker": Selection(("model", "worker", "redis", "transport", "gateway.metrics_port"), required=("worker.endpoint",)),
     # The clients reach the gateway where serve listens: by its --host and --port, under the same names.
-    "generate": Selection(("gateway.host", "gateway.port")),
-    "health": Selection(("gateway.host", "gateway.port")),
+    "generate": Selection(("gateway.host", "gateway.port"), helps=CLIENT_HELPS),
+    "health": Selection(("gateway.host", "gateway.port"), helps=CLIENT_HELPS),
     "config": Selection(("",)),
     "info": Selection(("model", "worker.engine.cpu_isa", "worker.engine.cpu_amx", "worker.engine.cpu_activations")),
     "bench engine": Selection(("model", "worker.kind", "worker.engine.threads", "worker.engine.cpu_cores",
@@ -231,4 +239,5 @@ TARGET_HELP = ("gateway address HOST:PORT (default: --host and --port below, rea
 def add_command_settings(parser: argparse.ArgumentParser, command: str) -> None:
     """`config.add_settings` on this root for one of COMMANDS ("serve", "bench engine", ...)."""
     chosen = COMMANDS[command]
-    add_settings(parser, chosen.include, chosen.exclude, root=Settings, required=chosen.required)
+    add_settings(parser, chosen.include, chosen.exclude, root=Settings, required=chosen.required,
+                 helps=dict(chosen.helps))

@@ -92,6 +92,27 @@ def json_children(commands: dict, timeout: float) -> dict:
     return collect_json(start_children(commands), timeout)
 
 
+def fresh_asm(*kernels) -> str:
+    """The assembly of Numba `kernels` (dispatchers that have run in this process). A kernel loaded from the
+    on-disk cache has none to show (Numba warns and returns a placeholder), so it is compiled again here,
+    uncached, with its own options, for the signatures it ran with; its callees come from the cache as LLVM
+    bitcode and are linked into the copy, so their code is in its assembly too. A kernel compiled here shows
+    its own. So a child that reads some kernels' machine code takes every other kernel from the shared cache
+    (`isa.select`'s folder, or NUMBA_CACHE_DIR) instead of compiling them all into a fresh one."""
+    import numba
+
+    texts = []
+    for kernel in kernels:
+        if not any(kernel.stats.cache_hits.values()):  # compiled here, not loaded: its own assembly is there
+            texts += kernel.inspect_asm().values()
+            continue
+        copy = numba.jit(**kernel.targetoptions)(kernel.py_func)
+        for signature in kernel.signatures:
+            copy.compile(signature)
+        texts += copy.inspect_asm().values()
+    return "\n".join(texts)
+
+
 def missing(what: str) -> None:
     """Skip on a developer machine; fail under CI, where nothing may be missing."""
     if os.environ.get("CI") == "true":
@@ -314,7 +335,9 @@ def gemma3_path() -> Path:
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """torch on one thread for a module: models this small gain nothing from a second thread, and on a shared,
-    loaded machine two threads spinning at every op's barrier ran the paged engine 20x slower (0.45 s against 10 s)."""
+    loaded machine two threads spinning at every op's barrier ran the paged engine 20x slower (0.45 s against 10 s).
+    Every module that runs a torch model in process takes it (`pytestmark`), and none sets the count itself: a
+    module that did left it at one for the rest of the session, so a module's speed hung on the order of the run."""
     import torch
 
     before = torch.get_num_threads()

@@ -6,6 +6,12 @@ both checks sit outside it, in front of every route:
 
 - the bearer token (hybridgate.gateway.auth) on every path but `/health`
   (401 with `WWW-Authenticate: Bearer`);
+- a POST's Content-Type: every POST route takes a JSON body, and one sent as
+  another type or none (curl -d's form encoding, text/plain) is refused with
+  415 naming Content-Type rather than parsed anyway: FastAPI reads only JSON
+  types as JSON (its `strict_content_type`), so that a web page cannot make a
+  browser POST to a local gateway without the CORS preflight a JSON type
+  triggers;
 - at most `MAX_BODY_BYTES` of body: a `Content-Length` over it is refused
   before a byte is read; a body without one (chunked) is read here up to the
   limit and refused as soon as it passes it, otherwise replayed to the app
@@ -35,12 +41,21 @@ Send = Callable[[dict], Awaitable[None]]
 
 
 async def send_error(send: Send, status: int, kind: str, message: str, code: str | None = None,
-                     headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+                     headers: tuple[tuple[bytes, bytes], ...] = (), param: str | None = None) -> None:
     """Answer `status` with the OpenAI error envelope (ASGI http.response.start and .body)."""
-    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
+    body = json.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}}).encode()
     await send({"type": "http.response.start", "status": status, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]})
     await send({"type": "http.response.body", "body": body})
+
+
+def json_media_type(content_type: str | None) -> bool:
+    """Whether a body of this Content-Type is JSON to FastAPI: application/json or application/*+json, with
+    or without parameters. FastAPI hands any other body, or one without a Content-Type, to validation as bytes."""
+    if not content_type:
+        return False
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
 class HttpGuard:
@@ -65,6 +80,13 @@ class HttpGuard:
             await send_error(send, 401, "authentication_error", "a valid `Authorization: Bearer <token>` header is "
                              "required (the gateway's --auth-token)", "invalid_api_key",
                              ((b"www-authenticate", b"Bearer"),))
+            return
+        if scope.get("method") == "POST" and not json_media_type(headers.get("content-type")):
+            given = headers.get("content-type")
+            await send_error(send, 415, "invalid_request_error", "the request body must be JSON sent with "
+                             "`Content-Type: application/json`, got " + (f"Content-Type {given!r}" if given else
+                             "no Content-Type") + " (curl -d sends application/x-www-form-urlencoded unless given "
+                             "-H 'Content-Type: application/json')", "unsupported_media_type", param="Content-Type")
             return
         length = headers.get("content-length")
         if length is not None:

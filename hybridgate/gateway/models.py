@@ -90,14 +90,20 @@ class ModelTable:
         """Every name a request may give, the default model's first."""
         return list(self._by_name)
 
+    @property
+    def listed(self) -> list[str]:
+        """The names GET /v1/models lists (each row's `listed`), the default model's first."""
+        return [name for m in self.models for name in m.listed]
+
     def pick(self, name: str | None) -> ServedModel:
-        """The row of `name` (None or "": the default). Raises ModelNotFoundError naming the served ones."""
+        """The row of `name` (None or "": the default). Raises ModelNotFoundError naming the listed ones
+        (`listed`: an implicit alias, which /v1/models hides, is accepted but not offered)."""
         if not name:
             return self.default
         try:
             return self._by_name[name]
         except KeyError:
-            raise ModelNotFoundError(name, self.names) from None
+            raise ModelNotFoundError(name, self.listed) from None
 
     @property
     def ready(self) -> bool:

@@ -15,6 +15,7 @@ constraint: `response_format` (json_object, json_schema), vLLM's
 from __future__ import annotations
 
 import base64
+import difflib
 import logging
 from typing import Any
 
@@ -169,11 +170,14 @@ class _Unknown:
         self.seen: set[str] = set()
 
     def note(self, body: BaseModel, prefix: str = "") -> None:
+        """Log each field of `body` outside its model once, with the nearest field's name (a typo such as
+        `max_token` leaves the request running to its default length, and a client sees no error)."""
         for name in body.model_extra or {}:
             if prefix + name not in self.seen:
                 self.seen.add(prefix + name)
-                log.warning("ignoring the request field %r: it is not part of the OpenAI API this gateway serves "
-                            "(logged once)", prefix + name)
+                near = difflib.get_close_matches(name, type(body).model_fields, n=1)
+                log.warning("ignoring the request field %r: it is not part of the OpenAI API this gateway serves%s "
+                            "(logged once)", prefix + name, f"; did you mean {near[0]!r}?" if near else "")
 
 
 unknown_fields = _Unknown()

@@ -23,6 +23,8 @@ from hybridgate.bench.shapes import shape
 from hybridgate.cli import main
 from hybridgate.workers.gpu.model import DecoderModel
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 WEIGHT_BYTES = 1_378_816
 KV_BYTES_PER_TOKEN = 512
 ARGS = ["--kind", "gpu", "--device", "cpu", "--threads", "1", "--tiny", "--seed", "3", "--concurrency", "1,2",

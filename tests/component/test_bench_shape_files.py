@@ -26,6 +26,8 @@ from hybridgate.bench.mixes import MIXES, assign
 from hybridgate.bench.model_files import bench_model, vocab_fields, vocab_path
 from hybridgate.bench.shapes import SHAPES
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 TOP1_FLOOR, KL_CEILING = 0.995, 1e-4  # bench accuracy's floor against the fp32 reference
 # The floor where prompt rows run on int8 activations (the CPU issue's decision: top-1 >= 98%, mean KL <= 5e-4).
 INT8_TOP1_FLOOR, INT8_KL_CEILING = 0.98, 5e-4

@@ -21,6 +21,8 @@ from hybridgate.wire import ERROR_INVALID_CONSTRAINT, AddRequest, Constraint, Fi
 from hybridgate.workers.engine import EngineCore, output_of
 from hybridgate.workers.scheduler import SchedulerConfig
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 SCHEMA = {
     "$defs": {"color": {"enum": ["red", "green", "blue"]}},
     "type": "object",
@@ -58,7 +60,6 @@ def engine(request, gguf_model):
     if request.param == "torch":
         from hybridgate.workers.gpu.runner import TorchRunner
 
-        torch.set_num_threads(1)
         runner = TorchRunner(gguf_model, torch.device("cpu"), torch.float32, kv_cache_memory="64MiB")
     else:
         from hybridgate.workers.cpu.runner import NumbaRunner

@@ -8,6 +8,7 @@ import asyncio
 import json
 
 import jsonschema
+import pytest
 import torch
 
 from conftest import TIME_FACTOR
@@ -17,6 +18,8 @@ from hybridgate.wire import Constraint, FinishReason, SamplingParams
 from hybridgate.workers.cpu.runner import NumbaRunner
 from hybridgate.workers.gpu.runner import TorchRunner
 from hybridgate.workers.inprocess import InProcessClient
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
                                            "days": {"type": "integer", "minimum": 1, "maximum": 14}},
@@ -31,7 +34,6 @@ def holder(clients: list[InProcessClient]) -> InProcessClient:
 
 
 def test_a_lost_worker_resumes_a_constrained_stream_that_still_validates(gguf_model):
-    torch.set_num_threads(1)
     fp = model_fingerprint(gguf_model)
     runners = [TorchRunner(gguf_model, torch.device("cpu"), torch.float32, kv_cache_memory="32MiB"),
                NumbaRunner(gguf_model, kv_cache_memory="32MiB", threads=1)]

@@ -37,6 +37,8 @@ from hybridgate.workers.scheduler import ScheduledBatch, SchedulerConfig
 from hybridgate.workers.sequence import Sequence
 from tiny_gguf import TINY_SPECS
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 TOL = 1e-3
 PROMPT_LENGTHS = (5, 23, 40)  # the last two pass the 16-token windows
 GREEDY_STEPS = 16

@@ -25,7 +25,8 @@ from hybridgate.workers.scheduler import ScheduledBatch
 from hybridgate.workers.sequence import Sequence
 
 KERNEL = "amx" if isa.selected().amx else "int8" if isa.selected().isa in ("avx2", "avx512") else None
-pytestmark = pytest.mark.skipif(KERNEL is None, reason="no prompt kernel on the generic path")
+pytestmark = [pytest.mark.skipif(KERNEL is None, reason="no prompt kernel on the generic path"),
+              pytest.mark.usefixtures("one_torch_thread")]
 
 PROMPT_LENGTHS = (40, 24, 33)  # two on the prompt kernel, one (under its 32 tokens) on the int16 kernels
 ON_TILES = (True, False, True)
@@ -73,7 +74,6 @@ def case(request, tiny_models):
     model = load_gguf(tiny_models("quant", ggml_type=request.param))
     rng = np.random.default_rng(9)
     prompts = [rng.integers(0, model.config.vocab_size, size=n).tolist() for n in PROMPT_LENGTHS]
-    torch.set_num_threads(1)
     ids = torch.tensor([i for p in prompts for i in p])
     want = []
     for weights in (rounded_to_bf16(model) if KERNEL == "amx" else model, model):

@@ -21,6 +21,8 @@ from hybridgate.wire import AddRequest, SamplingParams
 from hybridgate.workers.scheduler import ScheduledBatch
 from hybridgate.workers.sequence import Sequence
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 KINDS = ("Q6_K", "F16", "BF16")
 PROMPT_LENGTHS = (3, 17, 30)
 # Largest logit difference (the logits' spread here: standard deviation 4.1, largest 27). Float32
@@ -40,7 +42,6 @@ def case(request, tiny_models):
     prompts = [rng.integers(0, model.config.vocab_size, size=n).tolist() for n in PROMPT_LENGTHS]
     from hybridgate.workers.gpu.model import DecoderModel
 
-    torch.set_num_threads(1)
     ref = DecoderModel(model, torch.device("cpu"), torch.float32)
     ids = torch.tensor([i for p in prompts for i in p])
     want = ref.forward(ids, list(PROMPT_LENGTHS), [ref.new_cache() for _ in prompts]).numpy()

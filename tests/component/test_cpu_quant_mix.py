@@ -21,6 +21,8 @@ import pytest
 from hybridgate.bench import accuracy
 from hybridgate.models.gguf_file import TensorView
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 TOP1_FLOOR, KL_CEILING = 0.995, 1e-4  # as test_accuracy: the floor against the fp32 reference
 TYPES = ["Q5_0", "Q8_0", "Q4_0", "Q5_1", "F16", "BF16", "Q4_1"]
 ROLES = ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"]

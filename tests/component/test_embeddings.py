@@ -24,6 +24,8 @@ from hybridgate.workers.gpu.runner import TorchRunner
 from hybridgate.workers.scheduler import SchedulerConfig
 from hf_embedding import tiny_qwen3_embedder, want_embedding
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 TOL = 1e-4
 PROMPTS = ([5, 17, 99, 3, 250], list(range(40, 80)), [7] * 3 + list(range(100, 130)))  # 5, 40, 33 tokens
 GREEDY = SamplingParams(temperature=0, ignore_eos=True)

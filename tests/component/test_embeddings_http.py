@@ -29,6 +29,8 @@ from hybridgate.wire import PoolingType
 from hybridgate.workers.gpu.runner import TorchRunner
 from hybridgate.workers.inprocess import InProcessClient
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 TOL = 1e-4
 NAME = "qwen3-embed"
 

@@ -26,6 +26,8 @@ from hybridgate.workers.gpu.runner import TorchRunner
 from hybridgate.workers.scheduler import ScheduledBatch
 from hybridgate.workers.sequence import Sequence
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 VIEWS = {"aten::slice", "aten::select", "aten::reshape", "aten::view", "aten::transpose", "aten::unsqueeze",
          "aten::t", "aten::expand", "aten::chunk", "aten::split", "aten::as_strided", "aten::empty",
          "aten::empty_like", "aten::detach", "aten::alias", "aten::_reshape_alias", "aten::squeeze",

@@ -20,7 +20,7 @@ from hybridgate.models import load_gguf
 from hybridgate.workers.gpu.model import DecoderModel
 from testdata import GEMMA3_SHA256
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "gemma3_logits.json"
 TOL = 1e-3

@@ -9,6 +9,8 @@ from conftest import golden_json
 from hybridgate.wire import SamplingParams
 from hybridgate.workers.sampling import sample
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 GREEDY = golden_json("greedy.json")
 
 

@@ -28,6 +28,8 @@ from hybridgate.workers.handoff import HandoffIncoming
 from hybridgate.workers.scheduler import ScheduledBatch, SchedulerConfig
 from hybridgate.workers.sequence import Sequence
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 ROUTER = b"router-1"
 PEER = b"gpu-peer"
 GREEDY = SamplingParams(temperature=0, ignore_eos=True)

@@ -92,6 +92,57 @@ def test_one_model_is_retrieved_by_its_name_and_an_unknown_one_is_404(door):
     assert status == 404 and body["error"]["code"] == "model_not_found" and name in body["error"]["message"]
 
 
+def test_the_404_of_an_unknown_model_lists_what_v1_models_lists(door):
+    """Without --served-model-name the model also answers to its file's general.name, an alias that
+    /v1/models hides (ServedModel.list_aliases); the 404 named it among the served models all the same."""
+    from hybridgate.models import model_names
+
+    stem, alias = model_names(door.router.model)  # the default model's file has a general.name of its own
+    implicit = OpenAIApp(door.router, GatewayMetrics(), Admission(2))
+    status, _, listed = call(implicit.app, "GET", "/v1/models")
+    assert status == 200 and [card["id"] for card in listed["data"]] == [stem]
+    for path, method, body in (("/v1/models/no-such-model", "GET", None),
+                               ("/v1/completions", "POST", {"model": "no-such-model", "prompt": "hi"})):
+        status, _, got = call(implicit.app, method, path, body)
+        assert status == 404 and got["error"]["param"] == "model", got
+        assert got["error"]["message"].endswith(f"this server serves {stem}") and alias not in got["error"]["message"]
+    assert call(implicit.app, "GET", f"/v1/models/{alias}")[0] == 200  # still answered to
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"])
+def test_a_post_body_sent_as_another_type_than_json_is_415_naming_content_type(door, path):
+    """curl -d sends a form's Content-Type: FastAPI then validated the body as bytes ("Input should be a
+    valid dictionary", no param), also one without a Content-Type; a JSON type with parameters is JSON."""
+    body = {"model": "m", "messages": CHAT, "prompt": "hello", "input": "hello", "max_tokens": 1}
+    for given, said in (("application/x-www-form-urlencoded", "got Content-Type 'application/x-www-form-urlencoded'"),
+                        ("text/plain", "got Content-Type 'text/plain'"), ("", "got no Content-Type")):
+        status, _, got = call(door.app, "POST", path, body, {**AUTH, "content-type": given})
+        assert status == 415 and got["error"]["param"] == "Content-Type", got
+        assert "`Content-Type: application/json`" in got["error"]["message"] and said in got["error"]["message"]
+        assert got["error"]["code"] == "unsupported_media_type"
+    for given in ("application/json; charset=utf-8", "application/vnd.api+json"):
+        status, _, got = call(door.app, "POST", "/tokenize", {"model": "m", "prompt": "hello"},
+                              {**AUTH, "content-type": given})
+        assert status == 200 and got["tokens"] == door.router.tokenizer.encode("hello"), (given, got)
+
+
+def test_a_misspelt_field_is_logged_as_ignored_naming_it_and_the_nearest_field(door, monkeypatch, caplog):
+    """A request with `max_token` runs to the default length with no error: the log is where its sender
+    finds out, so the line names the field, says it was ignored, and names the field meant."""
+    from hybridgate.gateway import openai_api as api
+
+    monkeypatch.setattr(api, "unknown_fields", api._Unknown())  # a fresh "logged once" memory
+    for body in ({"model": "m", "prompt": "hi", "max_token": 3}, {"model": "m", "prompt": "hi", "max_token": 4},
+                 {"model": "m", "prompt": "hi", "made_up_field": 1}):
+        with caplog.at_level("WARNING", logger="hybridgate.gateway"):
+            call(door.app, "POST", "/v1/completions", body, AUTH)  # 503 here: no worker is READY
+    lines = [r.getMessage() for r in caplog.records if "ignoring the request field" in r.getMessage()]
+    assert lines == ["ignoring the request field 'max_token': it is not part of the OpenAI API this gateway "
+                     "serves; did you mean 'max_tokens'? (logged once)",
+                     "ignoring the request field 'made_up_field': it is not part of the OpenAI API this gateway "
+                     "serves (logged once)"]
+
+
 def test_a_body_over_4_mib_is_413_before_it_is_read(door):
     big = {"model": "m", "messages": [{"role": "user", "content": "x" * MAX_BODY_BYTES}]}
     status, headers, body = call(door.app, "POST", "/v1/chat/completions", big, AUTH)

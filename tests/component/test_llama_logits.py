@@ -15,6 +15,8 @@ from hybridgate.models import load_gguf
 from hybridgate.workers.gpu.model import LlamaModel
 from tiny_gguf import write_tiny_llama
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 TOL = 1e-3
 LOGITS = golden_npz("logits.npz")
 TINY = golden_npz("tiny.npz")

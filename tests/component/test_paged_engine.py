@@ -24,6 +24,8 @@ from hybridgate.workers.scheduler import ScheduledBatch, SchedulerConfig
 from hybridgate.workers.sequence import Sequence
 from hybridgate.workers.step_inputs import build_step_inputs
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 LONG_IDS = golden_npz("logits.npz")["long_ids"].tolist()
 
 

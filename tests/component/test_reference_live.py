@@ -11,7 +11,7 @@ import torch
 from conftest import golden_json, missing
 from corpus import CHAT_CASES, TOKENIZER_CORPUS
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,8 @@ from hybridgate.workers.engine import EngineCore, output_of
 from hybridgate.workers.gpu.runner import TorchRunner
 from hybridgate.workers.scheduler import SchedulerConfig
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 TOTAL, CUT = 24, 10
 SEED = 20260601
 

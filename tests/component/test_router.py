@@ -26,7 +26,7 @@ from hybridgate.workers.gpu.runner import TorchRunner
 from hybridgate.workers.inprocess import InProcessClient
 from scripted import ScriptedClient
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.usefixtures("one_torch_thread")]
 GREEDY = golden_json("greedy.json")
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -35,6 +35,8 @@ from hf_reference import assert_greedy_matches, reference_greedy
 from hybridgate.v1 import generation_pb2 as pb
 from procs import HYBRIDGATE, Serve, children_of, metrics, stub
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 SMOL, TINY = "smol", "tiny"
 TINY_ALIAS = "tiny-base"  # the tiny model's own --served-model-name (per model: served-model-name=...)
 GREEDY = golden_json("greedy.json")["france"]

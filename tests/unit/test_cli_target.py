@@ -97,6 +97,32 @@ def test_generate_and_health_commands_follow_hybridgate_port(gateway):
     assert out.returncode == 0 and out.stdout == "echo hello\n", out
 
 
+def _helps(command: str) -> dict[str, str]:
+    import argparse
+
+    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return {flag: action.help for action in sub.choices[command]._actions for flag in action.option_strings}
+
+
+@pytest.mark.parametrize("command", ["generate", "health"])
+def test_the_clients_help_says_they_connect_where_serve_listens(command):
+    """generate --help described its --host as an "address to listen on" (serve's text)."""
+    helps, served = _helps(command), _helps("serve")
+    assert helps["--host"].startswith("the gateway's address to connect to") and "listen" not in helps["--host"]
+    assert helps["--port"].startswith("the gateway's gRPC port to connect to") and "free" not in helps["--port"]
+    assert served["--host"].startswith("address to listen on") and "0 picks a free one" in served["--port"]
+    assert helps["--host"].endswith("[HYBRIDGATE_HOST]") and "(default 127.0.0.1)" in helps["--host"]
+
+
+def test_generates_max_tokens_help_states_the_gateways_default():
+    from hybridgate.router.prompts import DEFAULT_MAX_TOKENS_CAP
+
+    text = _helps("generate")["--max-tokens"]
+    assert "rest of the model's context" in text and f"at most {DEFAULT_MAX_TOKENS_CAP})" in text
+    page = " ".join((ROOT / "docs" / "http-api.md").read_text().split())  # the HTTP API's page says it too
+    assert f"min(max model length − prompt tokens, {DEFAULT_MAX_TOKENS_CAP})" in page
+
+
 def test_generate_model_names_the_served_model_not_a_settings_path():
     from hybridgate.client import build_request
 

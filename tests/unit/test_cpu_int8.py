@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from hybridgate.workers.cpu import isa  # noqa: E402  (no Numba: safe to import here)
-from tests.conftest import json_children  # noqa: E402
+from tests.conftest import fresh_asm, json_children  # noqa: E402
 
 RUNS = isa.ISAS[isa.ISAS.index(isa.best(isa.host_features())):]
 # (rows, cols, batch): a tail of 5 rows past the groups of 8, one to eight super-blocks, batches through the
@@ -47,12 +47,13 @@ pytestmark = pytest.mark.skipif(not PATHS, reason="this CPU runs neither the avx
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    """The child's figures per path of PATHS, the children run at once (`json_children`)."""
+def results():
+    """The child's figures per path of PATHS, the children run at once (`json_children`). Each takes its kernels
+    from the path's shared cache, and compiles afresh only the two whose machine code it reads (`fresh_asm`):
+    a fresh cache each compiled every kernel it runs, about 34 CPU-seconds a child."""
     env = {k: v for k, v in os.environ.items() if k != isa.ENV} | {"PYTHONPATH": str(ROOT)}
-    return json_children({path: ([sys.executable, __file__, path],  # a fresh cache each: the asm readable
-                                 env | {"NUMBA_CACHE_DIR": str(tmp_path_factory.mktemp("numba"))})
-                          for path in PATHS}, timeout=300 * len(PATHS))
+    return json_children({path: ([sys.executable, __file__, path], env) for path in PATHS},
+                         timeout=300 * len(PATHS))
 
 
 @pytest.fixture(params=PATHS)
@@ -174,7 +175,7 @@ def _check() -> dict:
             ran &= np.array_equal(mixed[1:], got[1:])
             if " random " in name:  # (the extremes' activations, ±one value, round exactly in both formats)
                 ran &= not np.array_equal(got[0], m.matmul(x[:1])[0])
-    asm = "\n".join(a for k in (int8.matmul_i8, int8._tiles) for a in k.inspect_asm().values())
+    asm = fresh_asm(int8.matmul_i8, int8._tiles)  # _tiles compiled (from the cache) by the first's copy
     return {"exact_ratio": exact, "rounding_ratio": rounding, "relative": relative,
             "batch_invariant": bool(invariant), "decode_rows_kept": bool(kept), "prompt_rows_int8": bool(ran),
             "vpmaddubsw": "vpmaddubsw" in asm, "vpsignb": "vpsignb" in asm,

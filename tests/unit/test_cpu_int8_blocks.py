@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from hybridgate.workers.cpu import isa  # noqa: E402  (no Numba: safe to import here)
-from tests.conftest import json_children  # noqa: E402
+from tests.conftest import fresh_asm, json_children  # noqa: E402
 from tests.unit.test_cpu_int8 import _rounded  # noqa: E402  (the int8-rounded activations, in float64)
 
 RUNS = [p for p in isa.ISAS[isa.ISAS.index(isa.best(isa.host_features())):] if p != "generic"]
@@ -51,12 +51,11 @@ pytestmark = pytest.mark.skipif(not RUNS, reason="this CPU runs neither the avx5
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    """The child's figures per path of RUNS, the children run at once (`json_children`)."""
+def results():
+    """The child's figures per path of RUNS, the children run at once (`json_children`), their kernels from the
+    path's shared cache but for those whose machine code they read (`fresh_asm`)."""
     env = {k: v for k, v in os.environ.items() if k != isa.ENV} | {"PYTHONPATH": str(ROOT), "NUMBA_NUM_THREADS": "1"}
-    return json_children({path: ([sys.executable, __file__, path],  # compiled afresh: the asm readable
-                                 env | {"NUMBA_CACHE_DIR": str(tmp_path_factory.mktemp("numba"))})
-                          for path in RUNS}, timeout=300 * len(RUNS))
+    return json_children({path: ([sys.executable, __file__, path], env) for path in RUNS}, timeout=300 * len(RUNS))
 
 
 @pytest.fixture(params=RUNS)
@@ -190,7 +189,7 @@ def _check(path: str) -> dict:
             ran &= np.array_equal(mixed[1:], got[1:])
             if " random " in name:
                 ran &= not np.array_equal(got[0], t.matmul(x[:1])[0])
-    asm = "\n".join(a for k in (int8_blocks.matmul_i8, int8_blocks._tile) for a in k.inspect_asm().values())
+    asm = fresh_asm(int8_blocks.matmul_i8, int8_blocks._tile)
     return {"exact_ratio": exact, "rounding_ratio": rounding, "relative": relative, "batch_invariant": bool(invariant),
             "passes_invariant": bool(passes), "decode_rows_kept": bool(kept), "prompt_rows_int8": bool(ran),
             "table_kernels": table, "vpmaddubsw": "vpmaddubsw" in asm, "vpsignb": "vpsignb" in asm,

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from hybridgate.workers.cpu import isa  # noqa: E402  (no Numba: safe to import here)
-from tests.conftest import json_children  # noqa: E402
+from tests.conftest import fresh_asm, json_children  # noqa: E402
 
 RUNS = isa.ISAS[isa.ISAS.index(isa.best(isa.host_features())):]  # the paths this CPU runs
 PATHS = [pytest.param(path, marks=pytest.mark.skipif(path not in RUNS, reason=f"this CPU cannot run the {path} path"))
@@ -41,14 +41,12 @@ SHAPES = [(37, 256, 3), (13, 768, 5), (9, 2048, 70), (6, 512, 1)]
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    """The child's figures per path of PATHS this CPU runs, the children run at once (`json_children`)."""
+def results():
+    """The child's figures per path of PATHS this CPU runs, the children run at once (`json_children`), their
+    kernels from the path's shared cache but for those whose machine code they read (`fresh_asm`)."""
     env = {k: v for k, v in os.environ.items() if k != isa.ENV} | {"PYTHONPATH": str(ROOT)}
     runs = [path for path in ("avx2", "avx512") if path in RUNS]
-    # compiled afresh, so the machine code can be read (a kernel loaded from the cache has none)
-    return json_children({path: ([sys.executable, __file__, path],
-                                 env | {"NUMBA_CACHE_DIR": str(tmp_path_factory.mktemp("numba"))}) for path in runs},
-                         timeout=300 * len(runs))
+    return json_children({path: ([sys.executable, __file__, path], env) for path in runs}, timeout=300 * len(runs))
 
 
 @pytest.fixture(params=PATHS)
@@ -149,8 +147,7 @@ def _check(path: str) -> dict:
     classes = {kind: {fmt: type(quant.quant_matrix("w", int(T[kind]), random_blocks(kind, 4, 256, rng), (4, 256),
                                                    fmt)).__name__ for fmt in ("auto", "i16", "f32")}
                for kind in ("Q4_K", "Q5_K", "Q6_K")}
-    asm = "\n".join(a for k in (superblock.matmul_superblock, superblock._gemm_rows, superblock._gemv_rows)
-                    for a in k.inspect_asm().values())
+    asm = fresh_asm(superblock.matmul_superblock, superblock._gemm_rows, superblock._gemv_rows)
     return {"path": path, "vnni": isa.selected().vnni, "vpdpwssd": "vpdpwssd" in asm,"worst_ratio": worst_ratio, "worst_relative": worst_relative, "rows_exact": bool(rows_exact),
             "batch_invariant": bool(invariant), "classes": classes,
             "registers": sorted(set(re.findall(r"%([xyz]mm)\d+", asm)))}

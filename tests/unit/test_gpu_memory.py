@@ -14,6 +14,8 @@ from hybridgate.workers.gpu.sizing import GRAPH_OVERHEAD_BYTES, graphs_allowance
 from hybridgate.workers.memory import kv_cache_budget
 from tiny_gguf import write_tiny_llama
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 GiB, MiB = 1 << 30, 1 << 20
 
 

@@ -6,6 +6,7 @@ imported sequences) and aborts."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -18,6 +19,8 @@ from hybridgate.workers.input_batch import BlockTables, pack_step
 from hybridgate.workers.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from hybridgate.workers.sequence import Sequence, SequenceStatus
 from hybridgate.workers.step_inputs import build_step_inputs
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 BS, BLOCKS, VOCAB = 4, 12, 40
 PAD_SLOT = BLOCKS * BS  # the scratch block's first slot, as the runner's

@@ -4,6 +4,7 @@ staging buffer a max-size step fits in, and the fallback counted when one does n
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from prometheus_client import generate_latest
 
 from hybridgate.gateway.metrics import GatewayMetrics
@@ -12,6 +13,8 @@ from hybridgate.wire import AddRequest, EngineStats, SamplingParams
 from hybridgate.workers.scheduler import ScheduledBatch
 from hybridgate.workers.sequence import Sequence
 from hybridgate.workers.step_inputs import build_step_inputs, staging_bytes
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _seq(name: str, prompt: int, computed: int, outputs: int = 0) -> Sequence:
