@@ -64,6 +64,8 @@ def _strategy(tp) -> st.SearchStrategy:
         return st.builds(tp, **{f: _strategy(hints[f]) for f in tp.__struct_fields__})
     if origin in (typing.Union, types.UnionType):
         return st.one_of([_strategy(a) for a in args])
+    if origin is tuple and Ellipsis not in args:  # a fixed-length tuple, e.g. tuple[int, int]
+        return st.tuples(*(_strategy(a) for a in args))
     if origin in (list, tuple):
         return st.lists(_strategy(args[0]), max_size=4).map(origin)
     if origin is dict:
