@@ -14,6 +14,7 @@ gate and up into another), so kernel calls per step do not grow with the batch:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -119,7 +120,7 @@ class StepBuffers(NamedTuple):
 
 def view(buffer: np.ndarray, *shape: int) -> np.ndarray:
     """The leading `prod(shape)` elements of a contiguous `buffer` as a contiguous array of `shape`."""
-    return buffer.reshape(-1)[: int(np.prod(shape))].reshape(shape)
+    return buffer.reshape(-1)[: math.prod(shape)].reshape(shape)  # math.prod: np.prod costs 3 µs a call
 
 
 @dataclass(frozen=True, eq=False)

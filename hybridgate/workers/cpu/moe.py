@@ -8,6 +8,8 @@ token (`route`), sorts the (token, slot) pairs by expert and runs each chosen ex
 rows routed to it, so an expert's weights are read once per step whatever its number of tokens,
 and an expert no token chose is not read at all (batch-1 decode reads `expert_used_count` of them;
 a one-token step skips the grouping and runs its experts in index order: the same sums, fewer numpy calls).
+Experts of the super-block types (Q4_K, Q5_K, Q6_K on the avx2 and avx512 paths) are stacked at load, and a
+step without prompt rows runs them in two parallel regions instead (`moe_stack`: the same bits).
 The expert matmuls take float32 or int16 activations as the table gives their type (`matmul`), and a
 step's prompt rows go to the prompt kernels (`matmul_prompt`: int8 or AMX where the type has them) in
 whichever experts they chose, so which kernel computes a row is fixed by its request, as in a dense FFN.
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hybridgate.models import GGUFModel, Gating, MixtureOfExperts
+from hybridgate.workers.cpu import moe_stack
 from hybridgate.workers.cpu.fused import concat_rows, tensor_matrix
 from hybridgate.workers.cpu.layers import SERIAL_TOKENS
 from hybridgate.workers.cpu.quant import quant_matrix
@@ -84,6 +87,14 @@ class CpuExperts:
     # gemma4 (`MixtureOfExperts.router_input_norm`, `expert_scales`), float32; (0,): none
     router_scale: np.ndarray = field(default_factory=lambda: np.empty(0, np.float32))  # [hidden]: scale / sqrt(hidden)
     expert_scales: np.ndarray = field(default_factory=lambda: np.empty(0, np.float32))  # [experts]
+    # (gate|up, down) `moe_stack.ExpertStack`s, whose views the matrices hold; (): the loops (the experts are not
+    # stackable, or a caller asked for the loops); None: stacked when built (`__post_init__`)
+    stacks: tuple | None = None
+
+    def __post_init__(self):
+        if self.stacks is None:
+            stacks = (moe_stack.stack(self.gate_up), moe_stack.stack(self.down))
+            object.__setattr__(self, "stacks", stacks if None not in stacks else ())
 
     def arrays(self) -> list:
         """The matrices held (each has `nbytes`)."""
@@ -170,8 +181,9 @@ def experts_ffn(x: np.ndarray, experts: CpuExperts, activation: tuple, out: np.n
     weights, chosen = route(logits, experts.moe, experts.k, experts.scale, experts.bias)
     if experts.expert_scales.size:
         weights = weights * experts.expert_scales[chosen]
-    if x.shape[0] == 1 and not len(prompt):
-        calls = _one_token(x, experts, weights[0], chosen[0], activation, out)
+    if not len(prompt) and (experts.stacks or x.shape[0] == 1):
+        calls = (moe_stack.decode_experts(x, experts, weights, chosen, activation, out) if experts.stacks
+                 else _one_token(x, experts, weights[0], chosen[0], activation, out))
         return calls + (_shared_expert(x, experts, activation, out) if experts.shared_gate_up is not None else 0)
     flat = chosen.reshape(-1)  # [tokens · k]
     order = np.argsort(flat, kind="stable")  # the (token, slot) pairs grouped by expert
