@@ -308,10 +308,13 @@ def _numba_bench(model, engine: EngineConfig, threads: int | None) -> tuple[Engi
                          thread_fallback=engine.cpu_thread_fallback)
     kernels = runner.prompt_kernels
     print(f"CPU kernels: {runner.cpu_isa} path, activations {runner.cpu_activations}, KV cache {runner.kv_dtype.name}"
-          f"{f', {kernels} for prompts of {runner.long_prompt}+ tokens' if kernels else ''}", flush=True)
+          f"{f', {kernels} for prompts of {runner.long_prompt}+ tokens' if kernels else ''}"
+          f"{f' ({runner.expert_long_prompt}+ in the experts)' if kernels and runner.expert_long_prompt else ''}",
+          flush=True)
     out = {"kind": "cpu", "cpu_isa": runner.cpu_isa, "threads": numba.get_num_threads(),
            "cpu_activations": runner.cpu_activations, "kv_cache_dtype": runner.kv_dtype.name,
-           "cpu_amx": kernels == "AMX-BF16", "cpu_prompt_kernels": kernels}
+           "cpu_amx": kernels == "AMX-BF16", "cpu_prompt_kernels": kernels, "cpu_long_prompt": runner.long_prompt,
+           "cpu_expert_long_prompt": runner.expert_long_prompt}
     return EngineBench(runner, model_fingerprint(model)), out
 
 

@@ -32,6 +32,9 @@ class StepInputs:
     # runner's AMX prompt matmuls; empty when the runner asked for none). A row's membership depends on its
     # own request only, never on its batch mates or on how its prompt was chunked.
     prompt_rows: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    # int64 [m], ascending: the rows of `prompt_rows` whose prompts have at least `expert_long_prompt` tokens,
+    # the rows a mixture of experts multiplies on its prompt kernels (the same rule, a higher threshold)
+    expert_prompt_rows: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
 
 
 def context_slots(table: np.ndarray, block_size: int, length: int) -> np.ndarray:
@@ -50,10 +53,11 @@ def staging_bytes(max_num_batched_tokens: int, max_num_seqs: int, max_model_len:
 
 
 def build_step_inputs(batch: ScheduledBatch, block_size: int, buf, pad_slot: int,
-                      long_prompt: int | None = None) -> StepInputs:
+                      long_prompt: int | None = None, expert_long_prompt: int | None = None) -> StepInputs:
     """The step's inputs; decode contexts are padded with `pad_slot` (which must hold finite values),
     decode block tables with the block of `pad_slot`. long_prompt: the prompt length from which a
-    prompt's tokens are listed in `prompt_rows` (None: none are); a resumed stream's replayed ids are not."""
+    prompt's tokens are listed in `prompt_rows` (None: none are); a resumed stream's replayed ids are not;
+    expert_long_prompt (at least long_prompt): the same for `expert_prompt_rows` (None: none are)."""
     entries = batch.entries
     tables = [np.asarray(s.block_table, dtype=np.int64) for s, _ in entries]
     decodes = [i for i, (_, n) in enumerate(entries) if n == 1]
@@ -87,17 +91,18 @@ def build_step_inputs(batch: ScheduledBatch, block_size: int, buf, pad_slot: int
     for j, i in enumerate(decodes):
         used = -(-contexts[i] // block_size)
         tables_out[j, :used] = tables[i][:used]
-    prompt_rows = np.empty(0, np.int64)
-    if long_prompt is not None:
-        spans, row = [], 0
-        for seq, n in entries:
-            # the request's own prompt: a resumed stream's replayed ids (the last first_token_index of
-            # prompt_ids) run on the decode kernels, as they first did, so the stream continues bit for bit
-            prompt = len(seq.prompt_ids) - seq.first_token_index
-            if prompt >= long_prompt and seq.num_computed < prompt:
-                spans.append(np.arange(row, row + min(n, prompt - seq.num_computed), dtype=np.int64))
-            row += n
-        if spans:
-            prompt_rows = np.concatenate(spans)
     return StepInputs(ids, pos, slots, dctx, pctx, last, decodes, prefill_ctx, contexts, width, tables_out,
-                      prompt_rows)
+                      _prompt_rows(entries, long_prompt), _prompt_rows(entries, expert_long_prompt))
+
+
+def _prompt_rows(entries: list, long_prompt: int | None) -> np.ndarray:
+    """int64 `[n]` ascending: the step's rows of prompt tokens of prompts of at least `long_prompt` tokens."""
+    spans, row = [], 0
+    for seq, n in entries if long_prompt is not None else ():
+        # the request's own prompt: a resumed stream's replayed ids (the last first_token_index of
+        # prompt_ids) run on the decode kernels, as they first did, so the stream continues bit for bit
+        prompt = len(seq.prompt_ids) - seq.first_token_index
+        if prompt >= long_prompt and seq.num_computed < prompt:
+            spans.append(np.arange(row, row + min(n, prompt - seq.num_computed), dtype=np.int64))
+        row += n
+    return np.concatenate(spans) if spans else np.empty(0, np.int64)

@@ -84,6 +84,14 @@ def test_i8_takes_the_int8_prompt_kernel_where_a_type_has_one_and_i16_elsewhere(
     assert kernel_table.long_prompt("i16", path) is None and kernel_table.long_prompt("f32", path) is None
 
 
+def test_experts_take_the_prompt_kernels_where_a_prompt_gives_each_expert_the_dense_threshold_rows():
+    assert kernel_table.expert_long_prompt(32, 128, 8) == 512  # Qwen3-30B-A3B: 32 rows an expert on average
+    assert kernel_table.expert_long_prompt(32, 32, 4) == 256  # gpt-oss-20b
+    assert kernel_table.expert_long_prompt(32, 60, 7) == 275  # rounded up: 274.3
+    assert kernel_table.expert_long_prompt(None, 128, 8) is None  # no prompt kernels
+    assert kernel_table.expert_long_prompt(32, 0, 0) is None  # a dense model
+
+
 @pytest.mark.parametrize("activations", kernel_table.FORMATS)
 def test_matrices_run_the_row_this_path_chose(activations):
     from hybridgate.workers.cpu import quant

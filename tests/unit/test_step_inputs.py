@@ -36,6 +36,11 @@ def test_prompt_rows_are_the_prompt_tokens_of_long_prompts_whatever_the_batch():
     assert build_step_inputs(batch, 16, None, 0).prompt_rows.size == 0  # none asked: none listed
     alone = build_step_inputs(ScheduledBatch([(chunk, 16)]), 16, None, 0, long_prompt=32)
     np.testing.assert_array_equal(alone.prompt_rows, np.arange(16))  # the same tokens, wherever they sit
+    # a mixture of experts' higher threshold: of these, only the 50-token prompt's rows
+    experts = build_step_inputs(batch, 16, None, 0, long_prompt=32, expert_long_prompt=40)
+    np.testing.assert_array_equal(experts.prompt_rows, inputs.prompt_rows)
+    np.testing.assert_array_equal(experts.expert_prompt_rows, np.arange(21, 37))
+    assert inputs.expert_prompt_rows.size == 0  # none asked: none listed
 
 
 def _max_size_batch(tokens: int, seqs: int, model_len: int, block_size: int) -> ScheduledBatch:

@@ -210,6 +210,21 @@ def long_prompt(activations: str, path: str, type_names: list[str] | None = None
     return min((row.prompt_rows for row in rows if row.prompt_kernel), default=None)
 
 
+def expert_long_prompt(long_prompt: int | None, num_experts: int, experts_per_token: int) -> int | None:
+    """The prompt length from which a request's prompt tokens run on the prompt kernels inside a mixture of
+    experts: where a step of the prompt gives an expert `long_prompt` rows on average (prompt · k / experts),
+    the dense threshold's rows (None: no prompt kernels, or no experts).
+
+    A prompt's rows spread over the experts: Qwen3-30B-A3B's 128 experts, 8 a token, give a 32-token prompt
+    two rows an expert, where the prompt kernels' per-call work (AMX's bf16 panels, int8's interleave) costs
+    more than the int16 GEMM tiles' (`moe_stack`). Measured on the AMX Xeon of the MoE bench (2 of its 8
+    blocks, one thread, CPU time, the experts alone switched): int16 0.125 s against AMX 0.323 at 32 tokens,
+    0.433 against 0.537 at 256, 0.888 against 0.796 at 512, 1.716 against 1.223 at 1024; 32 x 128 / 8 = 512."""
+    if long_prompt is None or not num_experts:
+        return None
+    return -(-long_prompt * num_experts // experts_per_token)
+
+
 def table_lines(type_names: list[str], activations: str, path: str) -> list[str]:
     """`hybridgate info`'s lines: one per type, "Q4_K: Q45KSuperMatrix i16/256 ..."."""
     return [f"{name}: {choose(name, activations, path).describe()}" for name in type_names]

@@ -340,7 +340,8 @@ class CpuModel:
                 proj += layer.wo_bias
             self._residual(x, proj, layer.post_attn_norm, serial)
             norm(x, layer.ffn_norm, c.rms_norm_eps, buf.normed)
-            self._residual(x, self._ffn(layer, buf, prompt, serial, x), layer.post_ffn_norm, serial)
+            self._residual(x, self._ffn(layer, buf, prompt, serial, x, h.expert_prompt_rows), layer.post_ffn_norm,
+                           serial)
             if layer.output_scale != 1.0:
                 x *= np.float32(layer.output_scale)
             self.kernel_calls += 3
@@ -372,10 +373,12 @@ class CpuModel:
         self.kernel_calls += 3
         return attn.reshape(tokens, c.num_heads * d)
 
-    def _ffn(self, layer: CpuLayer, buf: StepBuffers, prompt: np.ndarray, serial: bool, x: np.ndarray) -> np.ndarray:
+    def _ffn(self, layer: CpuLayer, buf: StepBuffers, prompt: np.ndarray, serial: bool, x: np.ndarray,
+             expert_prompt: np.ndarray) -> np.ndarray:
         """The FFN sublayer's output float32 `[tokens, hidden]` from the normed input in `buf.normed`: the dense
         gated FFN (in `buf.proj`), the experts the router chose (`moe.experts_ffn`), or both side by side, the
-        experts and their router reading the stream `x` through their own norms (`layer.beside_norms`)."""
+        experts and their router reading the stream `x` through their own norms (`layer.beside_norms`). prompt,
+        expert_prompt: the rows on the prompt kernels in the dense FFN and in the experts (`StepInputs`)."""
         tokens, dense = buf.normed.shape[0], None
         if layer.gate_up is not None:
             gate_up = layer.gate_up.matmul_prompt(buf.normed, prompt, view(buf.gate_up, tokens, 2 * layer.ffn))
@@ -389,7 +392,7 @@ class CpuModel:
         inputs = buf.normed if norms is None else self._norm(x, norms[0], serial)
         router = self._norm(x, experts.router_scale, serial) if experts.router_scale.size else None
         out = buf.proj if dense is None else np.empty_like(buf.proj)
-        self.kernel_calls += experts_ffn(inputs, experts, self.activation, out, router, prompt)
+        self.kernel_calls += experts_ffn(inputs, experts, self.activation, out, router, expert_prompt)
         if dense is None:
             return out
         return self._norm(dense, norms[1], serial) + self._norm(out, norms[2], serial)

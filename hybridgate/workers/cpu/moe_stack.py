@@ -11,8 +11,8 @@ expert's matrix keeps views of it: no second copy), and a decode step runs every
 gate|up in one region and every down in another, each over (expert, rows chunk) items.
 
 Same bits as the loops: each activation row is quantized by `superblock._quantize_row` and multiplied
-by `superblock._gemv_rows` over row chunks that start on its tile width, as `matmul_superblock` does
-below `UNPACK_MIN` rows (and its GEMM tiles give the same integers above), and `combine` adds each
+by `superblock._gemv_rows` (`_gemm_rows` from `UNPACK_MIN` rows: the same integers) over row chunks that
+start on its tile widths, as `matmul_superblock` does, and `combine` adds each
 token's expert outputs in expert index order, each product rounded to float32 before its add, as the
 loops' `out[rows] += y * w` does. A step with prompt rows keeps `moe.experts_ffn`'s grouped loop (their
 rows go to the prompt kernels).
@@ -82,7 +82,8 @@ def experts_matmul(x, pair_rows, starts, group_experts, qs, sc, d, ndmin, mins, 
     """out float32 `[pairs, rows]`: pair p's row of x (x float32 `[n, cols]`, row `pair_rows[p]`) times the
     transposed weights of its group's expert, the pairs grouped by expert (group g: pairs `starts[g]` ..
     `starts[g + 1]`, expert `group_experts[g]`), the stack's arrays as `matmul_superblock` takes them with
-    a leading expert axis. One parallel region over (group, CHUNK_ROWS rows) items."""
+    a leading expert axis. One parallel region over (group, CHUNK_ROWS rows) items; a group of UNPACK_MIN rows
+or more takes the GEMM tiles."""
     n, cols = x.shape
     nblocks = cols // 32
     xq_n = np.empty((n, cols), dtype=np.int16)
@@ -106,9 +107,15 @@ def experts_matmul(x, pair_rows, starts, group_experts, qs, sc, d, ndmin, mins, 
     chunks = (rows + CHUNK_ROWS - 1) // CHUNK_ROWS
     for item in prange(group_experts.shape[0] * chunks):
         g, c = item // chunks, item % chunks
-        e = group_experts[g]
-        superblock._gemv_rows(xq, xs, xsum, qs[e], sc[e], d[e], ndmin[e], mins[e], out, c * CHUNK_ROWS,
-                              min(rows, (c + 1) * CHUNK_ROWS), starts[g], starts[g + 1])
+        e, b0, b1 = group_experts[g], starts[g], starts[g + 1]
+        r0, r1 = c * CHUNK_ROWS, min(rows, (c + 1) * CHUNK_ROWS)
+        if b1 - b0 < superblock.UNPACK_MIN:
+            superblock._gemv_rows(xq, xs, xsum, qs[e], sc[e], d[e], ndmin[e], mins[e], out, r0, r1, b0, b1)
+        else:  # the GEMM tiles, as matmul_superblock from UNPACK_MIN rows: the codes widened once per TILE_W rows
+            wq = np.empty(superblock.TILE_W * cols, dtype=np.int16)
+            for r in range(r0, r1, superblock.TILE_W):
+                superblock._gemm_rows(xq, xs, xsum, qs[e], sc[e], d[e], ndmin[e], mins[e], out, r,
+                                      min(superblock.TILE_W, r1 - r), b0, b1, wq)
 
 
 @nb.njit(nogil=True, cache=True)

@@ -131,11 +131,15 @@ class NumbaRunner:
         # Prompts of at least this many tokens multiply on the table's prompt kernels (AMX tiles, int8 GEMMs;
         # None: this path has none under these activations)
         self.long_prompt = kernel_table.long_prompt(activations, quant.PATH, type_names(self.model))
+        # ... and inside a mixture of experts, whose prompt rows spread over its experts (None: none)
+        self.expert_long_prompt = kernel_table.expert_long_prompt(self.long_prompt, c.num_experts,
+                                                                  c.experts_per_token)
         # the prompt kernels' name, for the logs and the benches' JSON (None: none under these activations)
         self.prompt_kernels = ("AMX-BF16" if target.amx else "int8") if self.long_prompt else None
         log.info("CPU kernels: %s path (LLVM target %s%s), activations %s%s, cache %s", target.isa, target.cpu_name,
                  ", VNNI" if target.vnni else "", self.cpu_activations,
-                 f", {self.prompt_kernels} for prompts of {self.long_prompt}+ tokens" if self.long_prompt else "",
+                 f", {self.prompt_kernels} for prompts of {self.long_prompt}+ tokens" if self.long_prompt else ""
+                 + (f" ({self.expert_long_prompt}+ in the experts)" if self.expert_long_prompt else ""),
                  target.cache_dir)
         log.info("CPU runner: weights %.1f MiB in GGUF blocks, KV cache %d blocks of %d tokens (%.1f MiB, %s), "
                  "threads %d on cores %s", self.model.weight_bytes / 2**20, self.num_blocks, block_size,
@@ -184,7 +188,8 @@ class NumbaRunner:
         entries' pooled partial sums are kept for `take_pooled`."""
         buf = self.pool.acquire()
         try:
-            inputs = build_step_inputs(batch, self.block_size, buf, self.scratch_slot, self.long_prompt)
+            inputs = build_step_inputs(batch, self.block_size, buf, self.scratch_slot, self.long_prompt,
+                                       self.expert_long_prompt)
             rows, plan = pooling.pool_plan(batch)
             if not plan:
                 return self.model.forward(inputs, self.k_cache, self.v_cache)
@@ -251,11 +256,12 @@ class NumbaRunner:
         if progress:
             print("hybridgate: preparing CPU kernels (the first start compiles them; later starts load them "
                   "from the cache)...", file=sys.stderr, flush=True)
-        long_prompt, self.long_prompt = self.long_prompt, 1 if self.long_prompt else None  # its AMX kernels too
+        thresholds = self.long_prompt, self.expert_long_prompt  # the prompt kernels compiled too:
+        self.long_prompt, self.expert_long_prompt = (1 if t else None for t in thresholds)
         try:
             self.execute(ScheduledBatch([(seq, 4)]))
         finally:
-            self.long_prompt = long_prompt
+            self.long_prompt, self.expert_long_prompt = thresholds
         seq.num_computed = 4
         seq.append(5)
         self.execute(ScheduledBatch([(seq, 1)]))
