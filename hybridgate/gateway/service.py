@@ -17,6 +17,7 @@ from hybridgate.gateway.models import ModelNotFoundError, ModelTable, ServedMode
 from hybridgate.router.prompts import DEFAULT_MAX_TOKENS_CAP
 from hybridgate.gateway.errors import DRAINING, ROUTER_ERRORS, status_of
 from hybridgate.router import ResourceExhaustedError, Router
+from hybridgate.router.deltas import poller
 from hybridgate.router.tools import ToolCallStream
 from hybridgate.v1 import generation_pb2 as pb
 from hybridgate.v1 import generation_pb2_grpc as pb_grpc
@@ -110,11 +111,16 @@ class GenerationService(pb_grpc.GenerationServicer):
                                "(--max-inflight-requests)", served)
         last, encode, clock = None, ResponseEncoder(stream.request_id).encode, time.monotonic
         observe_itl, count, streamed = series.itl.observe, series.streamed, admission.streamed  # per message
+        poll, arrival = poller(stream)
         try:
             # A cancelled call or an expired deadline raises CancelledError in here;
             # leaving the `async with` sends the abort to the worker.
             async with stream:
-                async for delta in stream:
+                while True:
+                    delta = poll()
+                    if delta is None:
+                        await arrival()
+                        continue
                     now, n = clock(), len(delta.token_ids)
                     if last is None:
                         outcome.first = now
@@ -133,6 +139,9 @@ class GenerationService(pb_grpc.GenerationServicer):
                     series.finished(outcome.finish, len(stream.prompt_ids), len(stream.ids))
                     context.set_trailing_metadata(self._placement_metadata(stream, delta))
                     yield encode(delta, stream.calls if isinstance(stream, ToolCallStream) else ())
+                    break
+        except StopAsyncIteration:  # a stream that ended without a last message ends the call, as `async for` did
+            pass
         except ResourceExhaustedError as exc:
             outcome.status = grpc.StatusCode.RESOURCE_EXHAUSTED
             await self._refuse(context, exc.reason, str(exc), served)

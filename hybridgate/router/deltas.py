@@ -1,7 +1,10 @@
 """What a request stream hands its caller: `Delta`s (the last with `Usage`, `Timings` and the route),
-or the error a worker's answer maps to (`error_of`)."""
+or the error a worker's answer maps to (`error_of`); `poller` reads any stream of them without a
+coroutine per delta where the stream allows it."""
 
 from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
 
 import msgspec
 
@@ -76,3 +79,30 @@ def error_of(item) -> BaseException:
             return ResourceExhaustedError(item.message, reason)
         return WorkerRequestError(item.message)
     return item if isinstance(item, BaseException) else RuntimeError(f"unexpected stream item {item!r}")
+
+
+class Poller:
+    """`poll()` and `arrival()`, as `GenerationStream` has them, over any other stream of deltas (the response
+    cache's, the tool-call parser's): `arrival()` reads the next delta, `poll()` hands it out (None before)."""
+
+    __slots__ = ("_stream", "_next")
+
+    def __init__(self, stream):
+        self._stream, self._next = stream, None
+
+    def poll(self) -> Delta | None:
+        delta, self._next = self._next, None
+        return delta
+
+    async def arrival(self) -> None:
+        self._next = await self._stream.__anext__()
+
+
+def poller(stream) -> tuple[Callable[[], Delta | None], Callable[[], Awaitable]]:
+    """(poll, arrival) of a request stream, for a door's loop: `delta = poll()`, and while it is None
+    `await arrival()` and poll again; StopAsyncIteration (raised by either) ends the stream. A
+    GenerationStream's own (its mailbox's future is awaited directly), else a `Poller`'s."""
+    if hasattr(type(stream), "poll"):  # the class's: a wrapper's __getattr__ would hand out its inner stream's
+        return stream.poll, stream.arrival
+    wrapped = Poller(stream)
+    return wrapped.poll, wrapped.arrival

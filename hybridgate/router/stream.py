@@ -89,7 +89,9 @@ class GenerationStream:
         self._hops: list[tuple[str, int, WorkerClient]] = []  # (how, first token index, worker) of each placement
         self._refused: list[WorkerClient] = []
         self._queue = Mailbox(router.config.queue_size)
-        self._held = None  # an item taken off the queue by `_join_queued` or `_fill` and not yet handled
+        self._held = None  # an item taken off the queue by `_join_queued` or `poll` and not yet handled
+        self._filled: list[Delta] = []  # deltas `poll` holds until they carry the stream interval's ids
+        self.arrival = self._queue.arrival  # `await stream.arrival()`: an item is queued (`poll`)
         # What a message carries (RouterConfig.stream_coalesce and stream_interval).
         self._coalesce, self._interval = router.config.stream_coalesce, router.config.stream_interval
         self._detok = IncrementalDetokenizer(router.tokenizer, params.skip_special_tokens)
@@ -388,31 +390,46 @@ class GenerationStream:
         return self
 
     async def __anext__(self) -> Delta:
+        while (delta := self.poll()) is None:
+            await self.arrival()
+        return delta
+
+    def poll(self) -> Delta | None:
+        """The next delta if the queued outputs make one, else None: then `await stream.arrival()` (the
+        mailbox's own future) and poll again; `__anext__` without a coroutine per message, for a door's hot
+        loop. Raises the stream's error, and StopAsyncIteration once it ended. Under a stream interval a
+        delta of fewer ids waits in `_filled` for the next (each output detokenized and matched against the
+        stop strings as it arrives); an error after them is raised on the call after the one returning them."""
         items = self._queue.items
         while self.state != _CLOSED:
             if self._held is not None:
                 item, self._held = self._held, None
-            else:
-                if not items:
-                    await self._queue.arrival()
+            elif items:
                 item = items.popleft()
-            if type(item) is SeqOutput:
-                want = self._interval if self.ids else 1  # the first message goes at once (TTFT)
-                if self._coalesce and items and not item.finish:
-                    item = self._join_queued(item)
-                delta = self._on_output(item)
-                if delta is not None:
-                    return delta if len(delta.token_ids) >= want or delta.finish_reason is not None else \
-                        await self._fill(delta, want)
             else:
+                return None
+            if type(item) is not SeqOutput:
+                if self._filled:
+                    self._held = item
+                    return self._take_filled()
                 self._fire(StreamEvent.READ_ERROR)
                 raise error_of(item)
+            want = self._interval if self.ids else 1  # the first message goes at once (TTFT)
+            if self._coalesce and items and not item.finish:
+                item = self._join_queued(item)
+            delta = self._on_output(item)
+            if delta is None:
+                continue
+            if not self._filled and (len(delta.token_ids) >= want or delta.finish_reason is not None):
+                return delta
+            self._filled.append(delta)
+            if sum(len(d.token_ids) for d in self._filled) >= want or delta.finish_reason is not None:
+                return self._take_filled()
         raise StopAsyncIteration
 
     def _join_queued(self, out: SeqOutput) -> SeqOutput:
-        """`out` joined with the outputs queued behind it: a reader that fell behind gets one delta
-        for all of them (ids and token indexes exact), a reader that keeps up one per step.
-        Outputs are queued contiguous (`_on_output_event` numbers them), so joining is appending."""
+        """`out` joined with the outputs queued behind it: a reader that fell behind gets one delta for all
+        of them, one that keeps up one per step (queued contiguous, numbered by `_on_output_event`)."""
         if self._queue.empty() or out.finish:
             return out
         ids, finish, logprobs = list(out.token_ids), 0, list(out.logprobs)
@@ -426,26 +443,13 @@ class GenerationStream:
             finish = item.finish
         return SeqOutput(out.request_id, out.token_index, ids, finish, out.queue_ms, out.cached_tokens, logprobs)
 
-    async def _fill(self, delta: Delta, want: int) -> Delta:
-        """`delta` and the deltas after it as one, until it carries `want` ids or is the last (the stream
-        interval). Each output is detokenized and matched against the stop strings as it arrives, so a
-        stop ends the message (and the request on its worker) at once. An error is held for the next call."""
-        parts, ids, logprobs, last = [delta.text], list(delta.token_ids), list(delta.logprobs), delta
-        while len(ids) < want and last.finish_reason is None and self._held is None:
-            if self._queue.empty():
-                await self._queue.arrival()
-            item = self._queue.get_nowait()
-            if type(item) is not SeqOutput:
-                self._held = item
-                break
-            d = self._on_output(self._join_queued(item) if self._coalesce else item)
-            if d is not None:
-                parts.append(d.text)
-                ids += d.token_ids
-                logprobs += d.logprobs
-                last = d
-        return msgspec.structs.replace(last, token_index=delta.token_index, text="".join(parts), token_ids=ids,
-                                       logprobs=tuple(logprobs))
+    def _take_filled(self) -> Delta:
+        """The deltas `poll` held for the stream interval, as one (the last one's finish, usage and route)."""
+        parts, self._filled = self._filled, []
+        return msgspec.structs.replace(parts[-1], token_index=parts[0].token_index,
+                                       text="".join(d.text for d in parts),
+                                       token_ids=[i for d in parts for i in d.token_ids],
+                                       logprobs=tuple(lp for d in parts for lp in d.logprobs))
 
     def _on_output(self, out: SeqOutput) -> Delta | None:
         first_index, new_ids = len(self.ids), out.token_ids
@@ -481,12 +485,9 @@ class GenerationStream:
         self._fire(StreamEvent.READ_LAST)
         now = time.monotonic()
         ttft = ((self._first_token_at or now) - self._arrival) * 1e3
-        return Delta(
-            self.request_id, index, text, ids, finish,
-            usage=Usage(len(self.prompt_ids), len(self.ids), self._cached),
-            timings=Timings(self._queue_ms, ttft, (now - self._arrival) * 1e3),
-            route=self.route, logprobs=logprobs,
-        )
+        usage = Usage(len(self.prompt_ids), len(self.ids), self._cached)
+        return Delta(self.request_id, index, text, ids, finish, usage,
+                     Timings(self._queue_ms, ttft, (now - self._arrival) * 1e3), self.route, logprobs)
 
     @property
     def route(self) -> str:

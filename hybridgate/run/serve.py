@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import shutil
@@ -244,6 +245,11 @@ async def _serve_until_stopped(config: Settings, models: Sequence, extra: ExtraG
     if entered.exception() is not None:
         print(f"hybridgate: error: {entered.exception()}", file=sys.stderr, flush=True)
         return 1
+    # What startup made (imports, the models' tables, the apps) lives as long as the process: out of the
+    # collector's sight, a full collection walks only what serving made since. Measured under `bench gateway`
+    # (64 streams): a full collection over the ~100,000 startup objects held the loop 60 ms, 1.8 µs a message
+    # of the HTTP door's CPU.
+    gc.freeze()
     # Serving already (health is SERVING with one READY worker); the line waits for the rest.
     settled = asyncio.gather(*(r.wait_settled(config.router.startup_timeout_s) for r in routers))
     await asyncio.wait({settled, waiter}, return_when=asyncio.FIRST_COMPLETED)

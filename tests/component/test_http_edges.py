@@ -258,13 +258,13 @@ def test_the_merged_queue_of_several_choices_is_bounded():
     (it used to copy every delta of every choice there as they came)."""
     from types import SimpleNamespace
 
-    from hybridgate.gateway.http import RUN_QUEUE_PER_CHOICE, _Run
+    from hybridgate.gateway.http_stream import RUN_QUEUE_PER_CHOICE, Run
     from hybridgate.gateway.openai_format import ChoiceState
 
     async def main():
         door = SimpleNamespace(metrics=GatewayMetrics(), log_requests=False)
         streams = [_Stream(500), _Stream(500)]
-        run = _Run(door, [ChoiceState(i, s) for i, s in enumerate(streams)],
+        run = Run(door, [ChoiceState(i, s) for i, s in enumerate(streams)],
                    SimpleNamespace(name="m", admission=Admission(4)))
         await run.enter()
         for _ in range(50):

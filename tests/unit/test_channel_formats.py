@@ -228,7 +228,7 @@ def test_the_openai_door_answers_reasoning_content_apart_streamed_or_not(formatt
     """vLLM's shape: `message.reasoning_content` and `delta.reasoning_content` beside `content` and `tool_calls`,
     through the door's own run of a request's choices and its response and chunk builders."""
     from hybridgate.gateway.admission import Admission
-    from hybridgate.gateway.http import _Run
+    from hybridgate.gateway.http_stream import Run
     from hybridgate.gateway.metrics import GatewayMetrics
     from hybridgate.gateway.openai_format import ChoiceState
 
@@ -238,7 +238,7 @@ def test_the_openai_door_answers_reasoning_content_apart_streamed_or_not(formatt
     async def answer(stream: bool):
         stream_of = ToolCallStream(_Replay(_pieces(sample["text"], 5), FinishReason.EOS), FORMATS[fmt].new_parser())
         states = [ChoiceState(0, stream_of)]
-        run = _Run(door, states, SimpleNamespace(name="m", admission=Admission(4)))
+        run = Run(door, states, SimpleNamespace(name="m", admission=Admission(4)))
         await run.enter()
         if not stream:
             await run.finish()

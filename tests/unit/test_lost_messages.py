@@ -47,7 +47,7 @@ async def test_a_queued_send_that_then_fails_is_said_and_counted(tmp_path, caplo
 
 async def test_a_stream_whose_close_raises_is_said_and_counted_and_the_other_choices_still_close(caplog):
     """A stream's `__aexit__` raising is a bug, not a fault a test can cause from outside: a stand-in raises."""
-    from hybridgate.gateway.http import _Run
+    from hybridgate.gateway.http_stream import Run
 
     class Stream:
         prompt_ids, ids = [1, 2], [3]
@@ -62,7 +62,7 @@ async def test_a_stream_whose_close_raises_is_said_and_counted_and_the_other_cho
 
     metrics = GatewayMetrics()
     states = [SimpleNamespace(index=i, stream=Stream(f"r{i}", i == 0), entered=True, finish="stop") for i in range(2)]
-    run = _Run(SimpleNamespace(metrics=metrics, log_requests=False), states, SimpleNamespace(name="m"))
+    run = Run(SimpleNamespace(metrics=metrics, log_requests=False), states, SimpleNamespace(name="m"))
     with caplog.at_level(logging.WARNING, "hybridgate.gateway"):
         await run.close()
     assert all(s.stream.closed for s in states)
