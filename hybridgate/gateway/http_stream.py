@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import anyio
 from fastapi.responses import StreamingResponse
@@ -16,11 +16,18 @@ from hybridgate.gateway.models import ServedModel
 from hybridgate.gateway.openai_format import ChoiceState
 
 if TYPE_CHECKING:
-    from hybridgate.gateway.http import OpenAIApp
+    from hybridgate.gateway.metrics import GatewayMetrics
 
 log = logging.getLogger("hybridgate.gateway")
 request_log = logging.getLogger("hybridgate.requests")
 RUN_QUEUE_PER_CHOICE = 16  # deltas of one choice merged and not yet read by the client's response
+
+
+class Door(Protocol):
+    """What a `Run` reads of its door (`http.OpenAIApp`), named here so this module imports none of it."""
+
+    metrics: GatewayMetrics
+    log_requests: bool
 
 
 class EventStream(StreamingResponse):
@@ -58,7 +65,7 @@ class Run:
     The merged queue holds at most RUN_QUEUE_PER_CHOICE deltas per choice: a pump waits while it is full
     (the client reads slowly), leaving the rest in its stream, rather than copying it all here."""
 
-    def __init__(self, door: OpenAIApp, states: list[ChoiceState], served: ServedModel):
+    def __init__(self, door: Door, states: list[ChoiceState], served: ServedModel):
         self.door, self.states, self.served = door, states, served
         self.series = door.metrics.of(served.name)
         self.cost = (0, 0)  # admission's (max_tokens, slots), given back by `release` (streams)
