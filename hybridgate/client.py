@@ -15,10 +15,11 @@ from hybridgate.v1 import generation_pb2_grpc as pb_grpc
 
 def build_request(args: argparse.Namespace, prompt: str) -> pb.GenerateRequest:
     """The request of the command line. Raises ValueError naming a flag whose value the proto cannot hold."""
-    for flag, value, limit in (("--max-tokens", args.max_tokens, 2**32 - 1), ("--seed", args.seed, 2**64 - 1),
-                               ("--top-k", args.top_k, 2**31 - 1)):
-        if value is not None and not (0 if flag != "--top-k" else -(2**31)) <= value <= limit:
-            raise ValueError(f"{flag} must be in [{0 if flag != '--top-k' else -1}, {limit}], got {value}")
+    # the gateway's limits where they are narrower than the proto's field (max_tokens >= 1, top_k >= -1)
+    for flag, value, low, high in (("--max-tokens", args.max_tokens, 1, 2**32 - 1), ("--seed", args.seed, 0, 2**64 - 1),
+                                   ("--top-k", args.top_k, -1, 2**31 - 1)):
+        if value is not None and not low <= value <= high:
+            raise ValueError(f"{flag} must be in [{low}, {high}], got {value}")
     req = pb.GenerateRequest(stop=args.stop, ignore_eos=args.ignore_eos)
     if not getattr(args, "skip_special_tokens", True):
         req.skip_special_tokens = False

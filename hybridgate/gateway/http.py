@@ -64,7 +64,7 @@ def api_error(exc: BaseException, body=None, retry_ms: int | None = None) -> Api
         param = api.param_of(exc.field, body) if body is not None else exc.field
         code = "context_length_exceeded" if isinstance(exc, ContextLengthError) else None
         message = str(exc)
-        if exc.field == "constraint" and param != exc.field:  # the field the request set, in the text too
+        if exc.field in ("constraint", "prompt") and param != exc.field:  # the request's own field, in the text too
             message = param + message[len(exc.field):]
         return ApiError(status, kind, message, param, code)
     headers = {"Retry-After": str(max(1, math.ceil(retry_ms / 1e3)))} if retry_ms is not None and status == 429 else None

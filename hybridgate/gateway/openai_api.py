@@ -292,8 +292,8 @@ def chat_logprobs_count(body: ChatCompletionRequest) -> int | None:
 
 
 def param_of(field: str, body: _Sampling) -> str:
-    """The API's name of a router field: the chat API calls the alternatives top_logprobs, and
-    max_completion_tokens when that was the field given; the request's label is the API's `user`; its
+    """The API's name of a router field: the chat API calls the alternatives top_logprobs, the prompt its
+    messages, and max_completion_tokens when that was the field given; the request's label is the API's `user`; its
     constraint the field that set it (response_format.json_schema.schema, structured_outputs.regex, ...)."""
     if field == "label":
         return "user"
@@ -304,6 +304,8 @@ def param_of(field: str, body: _Sampling) -> str:
             return exc.field
         return requested.field if requested is not None else field
     if isinstance(body, ChatCompletionRequest):
+        if field == "prompt":  # the prompt a chat's messages made (its length against the max model length)
+            return "messages"
         if field == "logprobs":
             return "top_logprobs"
         if field == "max_tokens" and body.max_completion_tokens is not None:

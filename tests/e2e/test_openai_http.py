@@ -184,7 +184,10 @@ def test_errors_through_the_sdk(client):
     assert e.value.param == "temperature" and e.value.status_code == 400
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="hello " * 9000, max_tokens=4)
-    assert e.value.code == "context_length_exceeded"
+    assert e.value.code == "context_length_exceeded" and e.value.param == "prompt"
+    with pytest.raises(openai.BadRequestError) as e:  # a chat names its messages, the field it sent
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello " * 9000}])
+    assert e.value.code == "context_length_exceeded" and e.value.param == "messages"
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="gpt-4o", messages=CHAT)
     assert e.value.code == "model_not_found"

@@ -131,6 +131,20 @@ def test_generate_model_names_the_served_model_not_a_settings_path():
     assert not build_request(cli.build_parser().parse_args(["generate", "hi"]), "hi").HasField("model")
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--max-tokens", "0"], "--max-tokens must be in [1, 4294967295], got 0"),  # the gateway refuses 0 too
+    (["--max-tokens", "-1"], "--max-tokens must be in [1, 4294967295], got -1"),
+    (["--top-k", "-2"], "--top-k must be in [-1, 2147483647], got -2"),  # -1 and 0 turn it off
+    (["--seed", "-1"], "--seed must be in [0, 18446744073709551615], got -1"),
+])
+def test_generate_refuses_what_the_gateway_would_naming_the_flag_and_its_range(flags, message):
+    from hybridgate.client import build_request
+
+    with pytest.raises(ValueError) as exc:
+        build_request(cli.build_parser().parse_args(["generate", *flags, "hi"]), "hi")
+    assert str(exc.value) == message
+
+
 def test_a_reader_that_leaves_early_is_no_error():
     # `hybridgate info | head`: the command's writes meet a closed pipe; the CLI exits 0 with nothing on stderr
     code = ("import sys; from hybridgate import cli\n"

@@ -80,6 +80,19 @@ def test_chat_logprobs_and_choice_limits():
             api.sampling_params(chat(n=n), None)
     assert api.param_of("logprobs", chat()) == "top_logprobs"
     assert api.param_of("max_tokens", chat(max_completion_tokens=4)) == "max_completion_tokens"
+    assert api.param_of("prompt", chat()) == "messages"  # a chat has no prompt field: its messages made it
+    assert api.param_of("prompt", api.CompletionRequest(prompt="p")) == "prompt"
+
+
+def test_a_chat_too_long_for_the_model_names_its_messages():
+    from hybridgate.gateway.http import api_error
+    from hybridgate.router.errors import ContextLengthError
+
+    exc = ContextLengthError("prompt", "20031 tokens, but the max model length is 8192 tokens")
+    error = api_error(exc, chat()).envelope()["error"]
+    assert error["param"] == "messages" and error["code"] == "context_length_exceeded"
+    assert error["message"] == "messages: 20031 tokens, but the max model length is 8192 tokens"
+    assert api_error(exc, api.CompletionRequest(prompt="p")).envelope()["error"]["param"] == "prompt"
 
 
 def test_text_parts_are_joined():
