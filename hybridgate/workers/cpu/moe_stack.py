@@ -20,6 +20,7 @@ rows go to the prompt kernels).
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import numba as nb
@@ -28,11 +29,10 @@ from numba import prange
 
 from hybridgate.workers.cpu import superblock
 from hybridgate.workers.cpu.layers import SERIAL_TOKENS
-from hybridgate.workers.cpu.quant import Q6KSuperMatrix, Q45KSuperMatrix
 
-CHUNK_ROWS = 128  # weight rows a work item: 12 items of a 1536-row gate|up, a multiple of every tile width
-assert CHUNK_ROWS % superblock.GEMV_W == 0 and CHUNK_ROWS % superblock.TILE_W == 0
-_PARTS = ("qs", "sc", "d", "ndmin", "mins")
+# weight rows a work item, a multiple of every tile width (so a chunk's tiles are `matmul_superblock`'s): 128,
+# 12 items of a 1536-row gate|up
+CHUNK_ROWS = 32 * math.lcm(superblock.GEMV_W, superblock.TILE_W)
 
 
 class ExpertStack(NamedTuple):
@@ -51,29 +51,20 @@ class ExpertStack(NamedTuple):
         return self.qs.shape[1]
 
 
-def _arrays(m) -> tuple | None:
-    if isinstance(m, Q45KSuperMatrix):
-        return m.qs, m.sc, m.d, m.ndmin, m.mins
-    if isinstance(m, Q6KSuperMatrix):
-        return m.qs, m.sc, m.d, m._no_ndmin, m._no_mins
-    return None
-
-
 def stack(matrices: list) -> ExpertStack | None:
     """The experts' arrays stacked, each matrix left holding views of the stack (its own arrays freed), or
-    None where they are not all super-block matrices of one class, shape and array layout (other types and
-    the generic path keep the loops)."""
-    arrays = [_arrays(m) for m in matrices]
-    if not matrices or any(a is None for a in arrays) or len({type(m) for m in matrices}) != 1:
+    None where they are not all super-block matrices (`superblock_fields`) of one class, shape and array
+    layout (other types and the generic path keep the loops)."""
+    fields = getattr(type(matrices[0]), "superblock_fields", None) if matrices else None
+    if fields is None or len({type(m) for m in matrices}) != 1:
         return None
+    arrays = [[getattr(m, f) for f in fields] for m in matrices]
     if len({tuple((a.shape, a.dtype.str) for a in parts) for parts in arrays}) != 1:
         return None
-    stacked = ExpertStack(*(np.stack([parts[j] for parts in arrays]) for j in range(len(_PARTS))))
+    stacked = ExpertStack(*(np.stack(part) for part in zip(*arrays)))
     for e, m in enumerate(matrices):
-        if isinstance(m, Q6KSuperMatrix):
-            m.qs, m.sc, m.d, m._no_ndmin, m._no_mins = (part[e] for part in stacked)
-        else:
-            m.qs, m.sc, m.d, m.ndmin, m.mins = (part[e] for part in stacked)
+        for f, part in zip(fields, stacked):
+            setattr(m, f, part[e])
     return stacked
 
 
@@ -96,13 +87,19 @@ or more takes the GEMM tiles."""
         for k in prange(n):
             superblock._quantize_row(x, k, xq_n, xs_n, xsum_n)
     pairs = pair_rows.shape[0]
-    xq = np.empty((pairs, cols), dtype=np.int16)
-    xs = np.empty((pairs, cols // superblock.SUPER), dtype=np.float32)
-    xsum = np.empty((pairs, nblocks), dtype=np.float32)
-    for p in range(pairs):
-        xq[p] = xq_n[pair_rows[p]]
-        xs[p] = xs_n[pair_rows[p]]
-        xsum[p] = xsum_n[pair_rows[p]]
+    in_order = pairs == n
+    for p in range(pairs if in_order else 0):
+        in_order = in_order and pair_rows[p] == p
+    if in_order:  # the down matmuls: each pair's own row, quantized where it is
+        xq, xs, xsum = xq_n, xs_n, xsum_n
+    else:  # the gate|up matmuls: a token's quantized row copied to each of its pairs
+        xq = np.empty((pairs, cols), dtype=np.int16)
+        xs = np.empty((pairs, cols // superblock.SUPER), dtype=np.float32)
+        xsum = np.empty((pairs, nblocks), dtype=np.float32)
+        for p in range(pairs):
+            xq[p] = xq_n[pair_rows[p]]
+            xs[p] = xs_n[pair_rows[p]]
+            xsum[p] = xsum_n[pair_rows[p]]
     rows = qs.shape[1]
     chunks = (rows + CHUNK_ROWS - 1) // CHUNK_ROWS
     for item in prange(group_experts.shape[0] * chunks):

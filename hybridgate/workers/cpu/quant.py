@@ -264,6 +264,7 @@ class Q45KSuperMatrix(QuantMatrix):
 
     activations, kernel_name = "i16", "superblock.matmul_superblock"
     column_multiple = 256
+    superblock_fields = ("qs", "sc", "d", "ndmin", "mins")  # matmul_superblock's arrays (`moe_stack` stacks them)
 
     def __init__(self, name: str, kind: int, data: np.ndarray, shape: tuple[int, int], activations: str = "auto"):
         super().__init__(name, kind, data, shape)  # the type and shape checks
@@ -303,6 +304,7 @@ class Q6KSuperMatrix(QuantMatrix):
 
     activations, kernel_name = "i16", "superblock.matmul_superblock"
     column_multiple = 256
+    superblock_fields = ("qs", "sc", "d", "_no_ndmin", "_no_mins")  # as Q45KSuperMatrix's
 
     def __init__(self, name: str, kind: int, data: np.ndarray, shape: tuple[int, int], activations: str = "auto"):
         super().__init__(name, kind, data, shape)  # the type and shape checks
