@@ -138,7 +138,7 @@ class NumbaRunner:
         self.prompt_kernels = ("AMX-BF16" if target.amx else "int8") if self.long_prompt else None
         log.info("CPU kernels: %s path (LLVM target %s%s), activations %s%s, cache %s", target.isa, target.cpu_name,
                  ", VNNI" if target.vnni else "", self.cpu_activations,
-                 f", {self.prompt_kernels} for prompts of {self.long_prompt}+ tokens" if self.long_prompt else ""
+                 (f", {self.prompt_kernels} for prompts of {self.long_prompt}+ tokens" if self.long_prompt else "")
                  + (f" ({self.expert_long_prompt}+ in the experts)" if self.expert_long_prompt else ""),
                  target.cache_dir)
         log.info("CPU runner: weights %.1f MiB in GGUF blocks, KV cache %d blocks of %d tokens (%.1f MiB, %s), "
