@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> dict:
     else:
         device = torch.device(settings.worker.engine.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         runner = TorchRunner(model, device, kv_cache_memory=memory)
-    cpu = {"cpu_isa": runner.cpu_isa, "cpu_amx": runner.prompt_kernels == "AMX-BF16",
+    cpu = {"cpu_isa": runner.cpu_isa, "cpu_amx": "AMX-BF16" in (runner.prompt_kernels or ""),
            "cpu_prompt_kernels": runner.prompt_kernels, "cpu_activations": runner.cpu_activations,
            "kv_cache_dtype": runner.kv_dtype.name} if hasattr(runner, "cpu_isa") else {}
     from hybridgate.bench.machine import describe

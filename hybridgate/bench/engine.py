@@ -313,7 +313,8 @@ def _numba_bench(model, engine: EngineConfig, threads: int | None) -> tuple[Engi
           flush=True)
     out = {"kind": "cpu", "cpu_isa": runner.cpu_isa, "threads": numba.get_num_threads(),
            "cpu_activations": runner.cpu_activations, "kv_cache_dtype": runner.kv_dtype.name,
-           "cpu_amx": kernels == "AMX-BF16", "cpu_prompt_kernels": kernels, "cpu_long_prompt": runner.long_prompt,
+           "cpu_amx": "AMX-BF16" in (kernels or ""), "cpu_prompt_kernels": kernels,
+           "cpu_long_prompt": runner.long_prompt,
            "cpu_expert_long_prompt": runner.expert_long_prompt}
     return EngineBench(runner, model_fingerprint(model)), out
 

@@ -154,7 +154,8 @@ class EngineConfig:
                 "but the prompt tokens of prompts of 32 tokens or more multiply with int8 activations per 32-block "
                 "where the type has an int8 prompt kernel: Q4_K, Q5_K and Q6_K on avx2 and avx512; Q8_0, Q4_0, Q4_1, "
                 "MXFP4 and on avx2 Q5_0 under i8 only), auto (the kernel table's choice per "
-                "weight type on this ISA path, int8 or AMX prompt kernels included; `hybridgate info --model FILE` "
+                "weight type on this ISA path, int8 or AMX prompt kernels included, and on avx512 an int16 GEMM for Q8_0 "
+                "prompts of 64 tokens or more; `hybridgate info --model FILE` "
                 "prints it); f32 and i16 keep prompts on the decode kernels",
         choices=("auto", "f32", "i16", "i8"))
     cpu_thread_wait: str = setting(

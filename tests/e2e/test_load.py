@@ -180,7 +180,7 @@ def _read_slowly(target: str, pause_s: float, out: list) -> None:
     channel.close()
 
 
-SLOW_TOKENS = 3000  # 30 s of 10 ms steps
+SLOW_TOKENS = 1500  # 15 s of 10 ms steps: longer than the thousand streams take
 
 
 def test_a_thousand_streams_and_a_slow_reader(gateway, tokenizer):
@@ -241,7 +241,7 @@ def test_a_thousand_streams_and_a_slow_reader(gateway, tokenizer):
     assert [t for m in slow for t in m.token_ids] == [t for m in fast for t in m.token_ids]
     assert "".join(m.text for m in slow) == "".join(m.text for m in fast) == tokenizer.decode(
         [t for m in fast for t in m.token_ids])
-    assert 25 <= len(slow) <= 45, len(slow)  # about one message a second for the 30 s the worker streamed
+    assert 12 <= len(slow) <= 23, len(slow)  # about one message a second for the 15 s the worker streamed
     # Memory bounded: the 1,000 streams' buffers came and went; the slow reader's backlog is joined
     # deltas, not a queue growing with its lag.
     assert peaks["rss"] - rss_start < 256 << 20, (rss_start, peaks)

@@ -102,14 +102,15 @@ def test_every_path_gives_the_same_bits(results):
 
 # ---- the child ----
 
-def _rounded(x: np.ndarray) -> np.ndarray:
+def _rounded(x: np.ndarray, code_max: float = 127.0) -> np.ndarray:
     """x float32 `[batch, cols]` → the int8-rounded activations as float64: rint(x · 127 / max|x_b|) ·
-    (max|x_b| / 127) per 32 columns, in `int8._quantize_row`'s float32 operations."""
+    (max|x_b| / 127) per 32 columns, in `int8._quantize_row`'s float32 operations (code_max 32767: the int16
+    ones of `intdot._quantize_row`)."""
     b = x.reshape(x.shape[0], -1, 32)
     top = np.abs(b).max(axis=2, keepdims=True)
-    inv = np.where(top > 0, np.float32(127.0) / np.where(top > 0, top, 1), 0).astype(np.float32)
+    inv = np.where(top > 0, np.float32(code_max) / np.where(top > 0, top, 1), 0).astype(np.float32)
     q = np.rint(b * inv)
-    return (q.astype(np.float64) * (top / np.float32(127.0)).astype(np.float32)).reshape(x.shape)
+    return (q.astype(np.float64) * (top / np.float32(code_max)).astype(np.float32)).reshape(x.shape)
 
 
 def _extremes(kind: str, rng, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:

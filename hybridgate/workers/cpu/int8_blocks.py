@@ -279,17 +279,23 @@ def matmul_i8(kind, x, qs32, scale, minimum, out, x_bytes=X_BYTES):
                 _tiles(kind, wc32.view(np.uint8), wd, wm, nblocks, xq, xs, xsum, out, ROWS * g, b0, b1, tmp)
 
 
-def _multiply(kind: int, x: np.ndarray, rows: np.ndarray, qs: np.ndarray, scale: np.ndarray, minimum: np.ndarray,
-              out: np.ndarray) -> None:
+def prompt_rows(matmul, x: np.ndarray, rows: np.ndarray, out: np.ndarray, before: tuple, after: tuple) -> None:
+    """out[rows] = matmul(*before, x[rows], *after, out[rows]): all of x and out when `rows` is every row, else the
+    rows gathered into a contiguous copy and the result scattered back (a prompt kernel's rows of a mixed step).
+    Raises ValueError when x's columns are not a multiple of 32."""
     if x.shape[1] % BLOCK:
-        raise ValueError(f"int8 matmul: {x.shape[1]} columns: must be a multiple of {BLOCK}")
-    qs32 = qs.view(np.uint32)
+        raise ValueError(f"prompt matmul: {x.shape[1]} columns: must be a multiple of {BLOCK}")
     if len(rows) == x.shape[0]:
-        matmul_i8(kind, x, qs32, scale, minimum, out)
+        matmul(*before, x, *after, out)
         return
     part = np.empty((len(rows), out.shape[1]), dtype=np.float32)
-    matmul_i8(kind, np.ascontiguousarray(x[rows]), qs32, scale, minimum, part)
+    matmul(*before, np.ascontiguousarray(x[rows]), *after, part)
     out[rows] = part
+
+
+def _multiply(kind: int, x: np.ndarray, rows: np.ndarray, qs: np.ndarray, scale: np.ndarray, minimum: np.ndarray,
+              out: np.ndarray) -> None:
+    prompt_rows(matmul_i8, x, rows, out, (kind,), (qs.view(np.uint32), scale, minimum))
 
 
 def multiply_q8_0(x: np.ndarray, rows: np.ndarray, qs: np.ndarray, scale: np.ndarray, minimum: np.ndarray,

@@ -23,8 +23,8 @@ brings its KV along and decodes only.
 
 Paths: `avx512-amx` is the avx512 path with AMX-BF16 granted (`isa.Target.amx`);
 the others are `isa.ISAS`. Activation formats: `f32`; `i16/32` (int16 per
-32-column block, `intdot`, `avx2`, `kquant`); `i16/256` (int16 per 256-column
-super-block, the sub-block scales in integers, `superblock`); `i8/32` (int8 per 32-column block,
+32-column block, `intdot`, `avx2`, `kquant`, and Q8_0's prompt GEMM on avx512, `i16_blocks`); `i16/256`
+(int16 per 256-column super-block, the sub-block scales in integers, `superblock`); `i8/32` (int8 per 32-column block,
 weight rows interleaved in a scratch per pass, no memory kept: `int8` for Q4_K, Q5_K and Q6_K, 16 rows in
 512-bit `vpdpbusd` tiles on avx512 with VNNI and 8 elsewhere, `int8_blocks` for Q8_0, Q5_0, Q4_0,
 Q4_1 and MXFP4); `bf16x2` (two
@@ -109,13 +109,20 @@ def _i8(row: KernelRow, kernel: str = "int8.multiply") -> KernelRow:
     return KernelRow(row.matrix, row.decode, row.kernel, "i8/32", kernel, I8_MIN_PROMPT)
 
 
+# Q8_0 prompts on the avx512 path from this many tokens run on `i16_blocks` (int16 activations as the decode kernel's,
+# 16 weight rows interleaved, `vpdpwssd`): against `intdot.matmul_i16`'s GEMM tiles 1.56-1.98x at 512 rows, 1.12-1.43x
+# at 64 and 0.93-1.01x at 32 (2048 x 2048, 8192 x 2048, 2048 x 8192; one thread, CPU time, alternated, a Zen 5 EPYC
+# beside an engine bench), and `bench kernels` in docs/results/cpu-kernels/*-zen5-*-q8_0-i16-prompt.json.
+I16_MIN_PROMPT = 64
+_Q80_I16 = KernelRow("Q80Matrix", "i16/32", "intdot.matmul_i16", "i16/32", "i16_blocks.multiply_q8_0", I16_MIN_PROMPT)
+
 # AUTO[path][type name]: every type of `blocks.LAYOUTS` on every path.
 _AVX512 = {
     "F32": _FLOAT, "F16": _FLOAT, "BF16": _FLOAT,
     "Q4_0": KernelRow("Q40Matrix", "f32", "simd.matmul_blocks"),
     "Q4_1": KernelRow("Q41Matrix", "f32", "simd.matmul_blocks"),
     "Q5_0": _PACKED, "Q5_1": _PACKED,
-    "Q8_0": KernelRow("Q80Matrix", "i16/32", "intdot.matmul_i16"),
+    "Q8_0": _Q80_I16,
     "Q4_K": _i8(_SUPER45), "Q5_K": _i8(_SUPER45), "Q6_K": _i8(_SUPER6), "MXFP4": _PACKED,
 }
 AUTO = {
@@ -208,6 +215,16 @@ def long_prompt(activations: str, path: str, type_names: list[str] | None = None
     where none of those rows has a prompt kernel."""
     rows = [choose(name, activations, path) for name in (AUTO[path] if type_names is None else type_names)]
     return min((row.prompt_rows for row in rows if row.prompt_kernel), default=None)
+
+
+PROMPT_NAMES = {"bf16x2": "AMX-BF16", "i8/32": "int8", "i16/32": "int16"}  # prompt formats as the logs name them
+
+
+def prompt_kernels(activations: str, path: str, type_names: list[str]) -> str | None:
+    """The prompt kernels' formats among the rows of `type_names` under `activations` on `path`, as the logs and the
+    benches' JSON name them ("int8", "AMX-BF16", "int16", or several joined by "+"), or None where none has one."""
+    rows = [choose(name, activations, path) for name in type_names]
+    return "+".join(sorted({PROMPT_NAMES[row.prompt] for row in rows if row.prompt_kernel})) or None
 
 
 def expert_long_prompt(long_prompt: int | None, num_experts: int, experts_per_token: int) -> int | None:

@@ -50,10 +50,12 @@ KERNELS = [
 ]
 
 
-def type_names(model: cpu_model.CpuModel) -> list[str]:
-    """The weight types ("Q4_K", ...) of the model's matrices, sorted."""
+def type_names(model: cpu_model.CpuModel, layers_only: bool = False) -> list[str]:
+    """The weight types ("Q4_K", ...) of the model's matrices, sorted; `layers_only`: of its layers' alone, the
+    matrices that multiply a prompt's rows (the LM head takes each sequence's last row only)."""
     matrices = [m for layer in model.layers for m in layer.arrays() if hasattr(m, "kind") or hasattr(m, "parts")]
-    kinds = {part.kind for m in [*matrices, model.lm_head] for part in getattr(m, "parts", [m]) if hasattr(part, "kind")}
+    matrices += [] if layers_only else [model.lm_head]
+    kinds = {part.kind for m in matrices for part in getattr(m, "parts", [m]) if hasattr(part, "kind")}
     return sorted(blocks.LAYOUTS[k].name for k in kinds if k in blocks.LAYOUTS)
 
 
@@ -130,12 +132,13 @@ class NumbaRunner:
         self.cpu_isa = target.isa
         # Prompts of at least this many tokens multiply on the table's prompt kernels (AMX tiles, int8 GEMMs;
         # None: this path has none under these activations)
-        self.long_prompt = kernel_table.long_prompt(activations, quant.PATH, type_names(self.model))
+        prompt_types = type_names(self.model, layers_only=True)  # of the matrices that multiply prompt rows
+        self.long_prompt = kernel_table.long_prompt(activations, quant.PATH, prompt_types)
         # ... and inside a mixture of experts, whose prompt rows spread over its experts (None: none)
         self.expert_long_prompt = kernel_table.expert_long_prompt(self.long_prompt, c.num_experts,
                                                                   c.experts_per_token)
         # the prompt kernels' name, for the logs and the benches' JSON (None: none under these activations)
-        self.prompt_kernels = ("AMX-BF16" if target.amx else "int8") if self.long_prompt else None
+        self.prompt_kernels = kernel_table.prompt_kernels(activations, quant.PATH, prompt_types)
         log.info("CPU kernels: %s path (LLVM target %s%s), activations %s%s, cache %s", target.isa, target.cpu_name,
                  ", VNNI" if target.vnni else "", self.cpu_activations,
                  (f", {self.prompt_kernels} for prompts of {self.long_prompt}+ tokens" if self.long_prompt else "")
