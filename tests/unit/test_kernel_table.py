@@ -26,8 +26,9 @@ PACKED = "LowBitMatrix i16/32 kquant.matmul_packed"
 ROWS = {"MXFP4": PACKED}  # E2M1 codes looked up as integers (`kquant.E2M1`): every path
 EXPECTED = {
     "avx512": {**FLOATS, "Q4_0": "Q40Matrix f32 simd.matmul_blocks", "Q4_1": "Q41Matrix f32 simd.matmul_blocks",
-               "Q5_0": PACKED, "Q5_1": PACKED, **K_QUANTS, **ROWS,
+               "Q5_0": PACKED, "Q5_1": PACKED,
                "Q8_0": "Q80Matrix i16/32 intdot.matmul_i16; prompts of 64+ tokens i16/32 i16_blocks.multiply_q8_0",
+               **K_QUANTS, **ROWS,
                "Q4_K": K_QUANTS["Q4_K"] + I8, "Q5_K": K_QUANTS["Q5_K"] + I8, "Q6_K": K_QUANTS["Q6_K"] + I8},
     "avx2": {**FLOATS, "Q4_0": "Q40Matrix i16/32 avx2.matmul_i16", "Q4_1": "Q41Matrix i16/32 avx2.matmul_i16",
              "Q5_0": "Q50Matrix i16/32 avx2.matmul_i16", "Q5_1": PACKED, "Q8_0": "Q80Matrix i16/32 avx2.matmul_i16",

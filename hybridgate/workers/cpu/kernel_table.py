@@ -112,7 +112,7 @@ def _i8(row: KernelRow, kernel: str = "int8.multiply") -> KernelRow:
 # Q8_0 prompts on the avx512 path from this many tokens run on `i16_blocks` (int16 activations as the decode kernel's,
 # 16 weight rows interleaved, `vpdpwssd`): against `intdot.matmul_i16`'s GEMM tiles 1.56-1.98x at 512 rows, 1.12-1.43x
 # at 64 and 0.93-1.01x at 32 (2048 x 2048, 8192 x 2048, 2048 x 8192; one thread, CPU time, alternated, a Zen 5 EPYC
-# beside an engine bench), and `bench kernels` in docs/results/cpu-kernels/*-zen5-*-q8_0-i16-prompt.json.
+# beside an engine bench), and `bench kernels` in docs/results/cpu-kernels/*-zen5-*-q80-i16-prompt.json.
 I16_MIN_PROMPT = 64
 _Q80_I16 = KernelRow("Q80Matrix", "i16/32", "intdot.matmul_i16", "i16/32", "i16_blocks.multiply_q8_0", I16_MIN_PROMPT)
 
