@@ -14,8 +14,8 @@ summed exactly in int32 lanes (a lane holds 4 products a block: at most 8 · 4 �
 UNPACK_MIN activation rows (the GEMV tiles) the codes are widened from the nibbles and each block's
 lane sums multiplied by sc_b (`vpmulld`); from UNPACK_MIN on, a row group's codes are widened once
 into a scratch already multiplied by sc_b (c·sc_b ≤ 945 fits int16), so the GEMM tiles do two
-`vpmaddwd` and two adds per pair and block. Both give the same integers, and the same float
-operations follow: a row's result does not depend on its batch.
+`vpmaddwd` and two adds per pair and block (avx512: from PACKED_MAX rows). Both give the same integers, and the
+same float operations follow: a row's result does not depend on its batch.
 
 Lanes: a block's 16 bytes of nibbles (Q4_1's order: byte j holds column j low, j + 16 high) are
 loaded into both 128-bit halves; a per-half shift of the 32-bit lanes (`vpsrlvd` by 0 | 4, then by
@@ -366,14 +366,16 @@ def unpack_rows(typingctx, qs, q_off, q_stride, sc, s_off, s_stride, nblocks, ro
     return sig, codegen
 
 
-# Weight rows x activation rows of the GEMM tiles: 2 x 4 keeps 8 int32 accumulators, a row pair's 4 code
-# vectors and 2 activation vectors in AVX2's 16 registers; 4 x 2 and 3 x 4 measured no faster (Q4_K
-# 8192 x 2048 and 2048 x 8192, Q6_K 2048 x 8192, batch 64 and 256, 2 threads, a Zen 3 EPYC). On avx512,
-# 4 x 4 (16 accumulators of AVX-512's 32 registers) measured 1.1-1.4x the 2 x 4, 4 x 2, 2 x 8, 4 x 6 and
-# 5 x 4 tiles (Q4_K, the same shapes, batch 16-256, 2 threads, a Zen 4 EPYC).
+# Weight rows x activation rows of the GEMM tiles: 2 x 4 keeps 8 int32 accumulators, a row pair's 4 code vectors and 2
+# activation vectors in AVX2's 16 registers; 4 x 2 and 3 x 4 measured no faster (Q4_K 8192 x 2048 and 2048 x 8192, Q6_K
+# 2048 x 8192, batch 64 and 256, 2 threads, a Zen 3 EPYC). On avx512, 4 x 4 (16 accumulators of AVX-512's 32 registers)
+# measured 1.1-1.4x the 2 x 4, 4 x 2, 2 x 8, 4 x 6 and 5 x 4 tiles (Q4_K, the same shapes, batch 16-256, 2 threads, a
+# Zen 4 EPYC).
 TILE_W, TILE_X = (4, 4) if WIDE else (2, 4)
 tile_wx_u, tile_w1_u = _make_tile(TILE_W, TILE_X, True), _make_tile(TILE_W, 1, True)
-tile_g1, tile_11 = _make_tile(GEMV_W, 1, False), _make_tile(1, 1, False)
+tile_wx_p, tile_g1, tile_11 = _make_tile(TILE_W, TILE_X, False), _make_tile(GEMV_W, 1, False), _make_tile(1, 1, False)
+# avx512 (TILE_W is GEMV_W): fewer rows skip the scratch, same bits; 1.10-2.08x at 4-8 rows, 0.85-1.02x at 16 (Zen 5)
+PACKED_MAX = 16 if WIDE else 0
 
 _JIT = dict(nogil=True, fastmath=True, cache=True)
 _TILE_JIT = dict(nogil=True, fastmath=False, cache=True)  # as `avx2`: no fast-math flags on the tiles' float steps
@@ -431,8 +433,8 @@ def _gemv_rows(xq, xs, xsum, qs, sc, d, ndmin, mins, out, r0, r1, b0, b1):
 
 @nb.njit(**_TILE_JIT)
 def _gemm_rows(xq, xs, xsum, qs, sc, d, ndmin, mins, out, r, wrows, b0, b1, wq):
-    """Weight rows r .. r + wrows (at most TILE_W) against activation rows b0 .. b1 (at least
-    UNPACK_MIN): the rows' codes widened and scaled into wq once, then TILE_W x TILE_X tiles."""
+    """Weight rows r .. r + wrows (at most TILE_W) against activation rows b0 .. b1 (at least UNPACK_MIN) in
+    TILE_W x TILE_X tiles, the rows' codes widened and scaled into wq once (from PACKED_MAX rows) or per tile."""
     rows, cols, qw, per = qs.shape[0], xq.shape[1], qs.shape[1], sc.shape[1]
     nblocks = cols // 32
     ahead = r + PREFETCH_ROWS
@@ -444,27 +446,29 @@ def _gemm_rows(xq, xs, xsum, qs, sc, d, ndmin, mins, out, r, wrows, b0, b1, wq):
         for i in range(wrows):
             _gemv_rows(xq, xs, xsum, qs, sc, d, ndmin, mins, out, r + i, r + i + 1, b0, b1)
         return
-    unpack_rows(qs, r * qw, qw, sc, r * nblocks, nblocks, nblocks, TILE_W, wq)  # sc offsets in blocks
+    packed = b1 - b0 < PACKED_MAX
+    if not packed:
+        unpack_rows(qs, r * qw, qw, sc, r * nblocks, nblocks, nblocks, TILE_W, wq)  # sc offsets in blocks
+    head = (qs, r * qw, qw, wq, 0, 32 * nblocks, sc, d, ndmin, mins, r * nblocks, nblocks, nblocks, xq)
     b = b0
     while b + TILE_X <= b1:
-        tile_wx_u(qs, r * qw, qw, wq, 0, 32 * nblocks, sc, d, ndmin, mins, r * nblocks, nblocks, nblocks, xq, b * cols,
-                  cols, xs, xsum, b * nblocks, nblocks, out, b * rows + r, rows)
+        a = head + (b * cols, cols, xs, xsum, b * nblocks, nblocks, out, b * rows + r, rows)
+        tile_wx_p(*a) if packed else tile_wx_u(*a)
         b += TILE_X
     while b < b1:
-        tile_w1_u(qs, r * qw, qw, wq, 0, 32 * nblocks, sc, d, ndmin, mins, r * nblocks, nblocks, nblocks, xq, b * cols,
-                  cols, xs, xsum, b * nblocks, nblocks, out, b * rows + r, rows)
+        a = head + (b * cols, cols, xs, xsum, b * nblocks, nblocks, out, b * rows + r, rows)
+        tile_g1(*a) if packed else tile_w1_u(*a)
         b += 1
 
 
 @nb.njit(parallel=True, **_JIT)
 def matmul_superblock(x, qs, sc, d, ndmin, mins, out):
-    """out float32 `[batch, rows]` = x float32 `[batch, cols]` @ W.T for a Q4_K weight W split by
-    `split_scales` (qs uint8 `[rows, cols / 2]` nibbles in Q4_1's order, sc and mins uint8 `[rows, cols / 32]`,
-    d and ndmin float32 `[rows, cols / 256]`), a Q5_K one (qs int8 `[rows, cols]` codes 0..31, `q5k_codes`;
-    the rest as Q4_K's) or a Q6_K one split by `split_q6k` (qs int8 `[rows, cols]`, sc int8 `[rows, cols /
-    16]`, d as Q4_K's; ndmin and mins unread: any float32 and uint8 `[rows, 1]`); `KINDS` names the type from the dtypes;
-    x quantized to int16 per 256 columns first. Error: the activations' rounding, at most 2^-16 of each
-    super-block's largest value."""
+    """out float32 `[batch, rows]` = x float32 `[batch, cols]` @ W.T for a Q4_K weight W split by `split_scales` (qs
+    uint8 `[rows, cols / 2]` nibbles in Q4_1's order, sc and mins uint8 `[rows, cols / 32]`, d and ndmin float32
+    `[rows, cols / 256]`), a Q5_K one (qs int8 `[rows, cols]` codes 0..31, `q5k_codes`; the rest as Q4_K's) or a Q6_K
+    one split by `split_q6k` (qs int8 `[rows, cols]`, sc int8 `[rows, cols / 16]`, d as Q4_K's; ndmin and mins unread:
+    any float32 and uint8 `[rows, 1]`); `KINDS` names the type from the dtypes; x quantized to int16 per 256 columns
+    first. Error: the activations' rounding, at most 2^-16 of each super-block's largest value."""
     batch, cols = x.shape
     nblocks = cols // 32
     xq = np.empty((batch, cols), dtype=np.int16)
