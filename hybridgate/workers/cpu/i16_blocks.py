@@ -9,7 +9,7 @@ xs = max|x_b| / 32767: the decode kernel's rounding) and changes the layout inst
 16 weight rows are interleaved into a scratch once a pass, lane r of every vector holding two consecutive int16
 codes of row r, and an activation row's pair of int16 is broadcast to every lane. A block is then 16
 `vpdpwssd` (with VNNI; `vpmaddwd` and an add without) into one int32 lane per weight row, and one float step
-for the 16 rows: out_r += float(P_rb) · (d_rb · xs_b), with no lane tree. That is 19 operations per 512
+for the 16 rows: out_r += float(P_rb) · (d_rb · xs_b), with no lane tree. That is 20 operations per 512
 products instead of 64.
 
 Integers: |P_rb| = |Σ_j w_rj · xq_j| ≤ 32 · 128 · 32767 < 2^28, exact in int32 (two chains a row against the
