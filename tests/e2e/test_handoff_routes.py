@@ -229,13 +229,12 @@ def test_abort_storm_leaves_nothing_behind(layout, tokenizer):
         prompt, max_tokens = (prompts[0], 200) if k % 10 in late else (prompts[k % 3], 48)
         call = stub(a.target).Generate(pb.GenerateRequest(prompt=prompt, route="gpu->cpu", max_tokens=max_tokens,
                                                           ignore_eos=True, temperature=0.8, seed=k))
-        timer = threading.Timer(moments[k], call.cancel)
+        timer = threading.Timer(late.get(k % 10, moments[k]), call.cancel)
         if k % 10 not in late:
             timer.start()
         try:
             for i, _ in enumerate(call):
                 if i == 1 and k % 10 in late:  # message 0 is the GPU's token 0, message 1 the CPU's first
-                    timer = threading.Timer(late[k % 10], call.cancel)
                     timer.start()
         except grpc.RpcError as exc:
             assert exc.code() == grpc.StatusCode.CANCELLED, exc
